@@ -1,0 +1,135 @@
+"""`inflight` command line: generate, serve, bench, check."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from inflight.config import CacheConfig, SchedulerConfig, SchedulingPolicy
+from inflight.errors import InflightError
+
+_CACHE = CacheConfig()
+_SCHED = SchedulerConfig()
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="GGUF file or Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    g.add_argument("--max-batch-size", type=int, default=_SCHED.max_batch_size)
+    g.add_argument("--max-num-tokens", type=int, default=_SCHED.max_num_tokens,
+                   help="token budget of one step, prefill and decode together")
+    g.add_argument("--max-model-len", type=int, default=_SCHED.max_model_len)
+    g.add_argument("--scheduling-policy", default=_SCHED.scheduling_policy.value,
+                   choices=[p.value for p in SchedulingPolicy])
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=_SCHED.enable_chunked_prefill)
+    g.add_argument("--block-size", type=int, default=_CACHE.block_size)
+    g.add_argument("--kv-cache-memory", type=float, default=_CACHE.kv_cache_memory,
+                   help="KV pool size: bytes if > 1, else a fraction of available memory")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides --kv-cache-memory)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=_CACHE.enable_prefix_caching)
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine's keyword options (as `LLM(**options)` takes them) from parsed arguments."""
+    names = ["dtype", "device", "max_batch_size", "max_num_tokens", "max_model_len", "scheduling_policy",
+             "enable_chunked_prefill", "block_size", "kv_cache_memory", "num_kv_blocks",
+             "enable_prefix_caching", "seed"]
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from inflight.config import EngineConfig
+    from inflight.engine.engine import LLMEngine
+    from inflight.request import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.sampling_seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
+    )
+    engine = LLMEngine(EngineConfig.from_kwargs(args.model, **engine_options(args)))
+    if args.chat:
+        request = engine.add_request(params=params, messages=[{"role": "user", "content": args.prompt}])
+    else:
+        request = engine.add_request(args.prompt, params)
+    if not args.chat:
+        sys.stdout.write(args.prompt)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.error:
+                raise InflightError(out.error)
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    t = request.timings
+    if args.verbose and t.first_token is not None and t.finished is not None:
+        n = request.num_output_tokens
+        decode_s = t.finished - t.first_token
+        rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
+        print(f"[{n} tokens, finish={request.finish_reason.value if request.finish_reason else '?'}, "
+              f"TTFT {t.ttft_s * 1000:.0f} ms, {rate:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="inflight", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    add_engine_options(gen)
+    gen.set_defaults(func=_cmd_generate)
+
+    for register in _extra_commands():
+        register(sub)
+    return parser
+
+
+def _extra_commands() -> list[Any]:
+    registrars = []
+    try:
+        from inflight.server.cli import register as register_server
+        registrars.append(register_server)
+    except ImportError:
+        pass
+    try:
+        from inflight.bench.cli import register as register_bench
+        registrars.append(register_bench)
+    except ImportError:
+        pass
+    return registrars
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except InflightError as exc:
+        print(f"inflight: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

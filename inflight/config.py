@@ -1,0 +1,129 @@
+"""Small frozen configs, one per component, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from inflight.errors import ConfigError
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes of a Llama-family decoder, read from GGUF metadata or a config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    rope_scaling: dict[str, Any] | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        _require(self.num_heads % self.num_kv_heads == 0,
+                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        _require(self.head_dim % 2 == 0, "head_dim must be even for rotary embeddings")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per token over all layers, in fp32; scale by the dtype's size."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool. Its size comes from `num_kv_blocks` if set, else `kv_cache_memory`:
+    bytes when above 1, a fraction of the device's available memory when in (0, 1]."""
+
+    block_size: int = 16
+    kv_cache_memory: float = 0.1
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        _require(self.kv_cache_memory > 0, f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
+        _require(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
+                 f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+
+class SchedulingPolicy(str, Enum):
+    CONTINUOUS = "continuous"
+    STATIC = "static"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one step. `max_model_len` bounds prompt + output of any request."""
+
+    max_batch_size: int = 64
+    max_num_tokens: int = 512
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.CONTINUOUS
+    max_waiting_requests: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        _require(self.max_num_tokens >= 1, f"max_num_tokens must be >= 1, got {self.max_num_tokens}")
+        _require(self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}")
+        _require(self.max_waiting_requests is None or self.max_waiting_requests >= 1,
+                 "max_waiting_requests must be >= 1")
+        try:
+            object.__setattr__(self, "scheduling_policy", SchedulingPolicy(self.scheduling_policy))
+        except ValueError:
+            choices = ", ".join(p.value for p in SchedulingPolicy)
+            raise ConfigError(
+                f"scheduling_policy must be one of {choices}, got {self.scheduling_policy!r}"
+            ) from None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything needed to build an engine; the model's own shapes come from its file."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    step_history: int = 4096
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in ("auto", "float32", "float16", "bfloat16"),
+                 f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        _require(self.step_history >= 1, "step_history must be >= 1")
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineConfig:
+        """Builds a config from flat, field-named options (`max_batch_size=8, block_size=32`)."""
+        sections: dict[type, dict[str, Any]] = {CacheConfig: {}, SchedulerConfig: {}, cls: {}}
+        fields_of = {c: set(c.__dataclass_fields__) for c in sections}
+        for key, value in kwargs.items():
+            owner = next((c for c in (CacheConfig, SchedulerConfig, cls) if key in fields_of[c]), None)
+            if owner is None or key in ("cache", "scheduler", "model"):
+                raise ConfigError(f"unknown engine option {key!r}")
+            sections[owner][key] = value
+        return cls(
+            model=model,
+            cache=CacheConfig(**sections[CacheConfig]),
+            scheduler=SchedulerConfig(**sections[SchedulerConfig]),
+            **sections[cls],
+        )

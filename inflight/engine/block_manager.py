@@ -1,0 +1,177 @@
+"""The paged KV pool's bookkeeping: which blocks each request owns, and the prefix cache.
+
+Pure Python (no torch): the runner owns the tensors, this class only hands out block ids.
+
+Prefix caching: a block full of computed tokens is registered under a hash chained over the
+whole token prefix up to its end, so equal hashes mean equal KV. Blocks are reference-counted;
+a block nobody references goes to the back of the free queue but keeps its hash, so a later
+request with the same prefix can take it back. Allocation takes from the front of the queue,
+evicting the least recently freed cached block.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from inflight.request import Request
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_cnt = [0] * num_blocks
+        self._block_hash: list[int | None] = [None] * num_blocks
+        self._cached: dict[int, int] = {}  # prefix hash -> block id
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[int]] = {}  # request id -> chained hashes of its full blocks
+        self._num_registered: dict[str, int] = {}  # request id -> blocks already in the cache
+        self.peak_used_blocks = 0
+        self.num_allocation_failures = 0
+
+    # --- counters ---------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request references (cached ones among them are evictable)."""
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def peak_usage(self) -> float:
+        return self.peak_used_blocks / self.num_blocks
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self._tables.get(request_id, [])
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # --- prefix cache ---------------------------------------------------------------------------
+
+    def _full_block_hashes(self, request: Request) -> list[int]:
+        hashes = self._hashes.setdefault(request.request_id, [])
+        num_full = request.num_tokens // self.block_size
+        bs = self.block_size
+        while len(hashes) < num_full:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash((parent, tuple(request.tokens_slice(i * bs, (i + 1) * bs)))))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """Cached blocks holding a prefix of the request's tokens. At least one token is always
+        left to compute, since the step that computes it produces the next token's logits."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        for h in self._full_block_hashes(request):
+            block = self._cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        if hits and len(hits) * self.block_size >= request.num_tokens:
+            hits.pop()
+        return hits
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Registers the request's blocks that are now full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        table = self._tables.get(rid)
+        if table is None:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        start = self._num_registered.get(rid, 0)
+        if num_full <= start:
+            return
+        hashes = self._full_block_hashes(request)
+        for i in range(start, num_full):
+            block, h = table[i], hashes[i]
+            if self._block_hash[block] is None and h not in self._cached:
+                self._block_hash[block] = h
+                self._cached[h] = block
+        self._num_registered[rid] = num_full
+
+    # --- allocation -----------------------------------------------------------------------------
+
+    def _num_needed(self, request_id: str, num_tokens: int, computed_blocks: Sequence[int]) -> tuple[int, int]:
+        """(new blocks to take from the free queue, free blocks that the cache hits revive)."""
+        have = len(self._tables.get(request_id, ())) + len(computed_blocks)
+        revived = sum(1 for b in computed_blocks if self._ref_cnt[b] == 0)
+        return max(0, self.num_blocks_for(num_tokens) - have), revived
+
+    def can_allocate(self, request: Request, num_tokens: int, computed_blocks: Sequence[int] = (),
+                     reserve: int = 0) -> bool:
+        """Whether the request's table can grow to hold `num_tokens` tokens with `reserve` free
+        blocks left over; counts nothing."""
+        need, revived = self._num_needed(request.request_id, num_tokens, computed_blocks)
+        return need + revived + reserve <= len(self._free)
+
+    def allocate_slots(self, request: Request, num_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
+        """Grows the request's block table (after `computed_blocks`, its prefix-cache hits) to
+        hold `num_tokens` tokens. Returns False, changing nothing, when the pool is short."""
+        need, revived = self._num_needed(request.request_id, num_tokens, computed_blocks)
+        if need + revived > len(self._free):
+            self.num_allocation_failures += 1
+            return False
+        table = self._tables.setdefault(request.request_id, [])
+        for block in computed_blocks:
+            if self._ref_cnt[block] == 0:
+                del self._free[block]
+            self._ref_cnt[block] += 1
+            table.append(block)
+        if computed_blocks:
+            self._num_registered[request.request_id] = len(table)
+        for _ in range(need):
+            block, _ = self._free.popitem(last=False)
+            evicted = self._block_hash[block]
+            if evicted is not None:
+                del self._cached[evicted]
+                self._block_hash[block] = None
+            self._ref_cnt[block] = 1
+            table.append(block)
+        self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
+        return True
+
+    def free(self, request_id: str) -> None:
+        """Releases the request's blocks; tail blocks go first in the eviction order, since
+        they are the least likely to be shared."""
+        table = self._tables.pop(request_id, [])
+        self._hashes.pop(request_id, None)
+        self._num_registered.pop(request_id, None)
+        for block in reversed(table):
+            self._ref_cnt[block] -= 1
+            if self._ref_cnt[block] == 0:
+                self._free[block] = None
+
+    def reset_peak(self) -> None:
+        self.peak_used_blocks = self.num_used_blocks
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError if the bookkeeping is inconsistent (used by tests)."""
+        owners = [0] * self.num_blocks
+        for table in self._tables.values():
+            assert len(set(table)) == len(table), "a block appears twice in one table"
+            for block in table:
+                owners[block] += 1
+        for block in range(self.num_blocks):
+            assert owners[block] == self._ref_cnt[block], f"block {block}: refcount {self._ref_cnt[block]} != owners {owners[block]}"
+            assert (self._ref_cnt[block] == 0) == (block in self._free), f"block {block}: free queue disagrees with refcount"
+            if owners[block] > 1:
+                assert self._block_hash[block] is not None, f"block {block} shared but not a cached prefix block"
+        for h, block in self._cached.items():
+            assert self._block_hash[block] == h

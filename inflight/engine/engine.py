@@ -1,0 +1,245 @@
+"""The step loop: schedule, run the model, process outputs; again after every step."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import torch
+
+from inflight.config import EngineConfig, SchedulingPolicy
+from inflight.engine.block_manager import BlockManager
+from inflight.engine.output import OutputProcessor, RequestOutput, StepRecord
+from inflight.engine.runner import ModelRunner
+from inflight.engine.sampler import Sampler
+from inflight.engine.scheduler import Scheduler, SchedulerOutput
+from inflight.engine.static import StaticScheduler
+from inflight.errors import ConfigError, EngineOverloadedError, InvalidRequestError
+from inflight.model.loaded import LoadedModel
+from inflight.model.tokenizer import ChatMessage
+from inflight.request import FinishReason, Request, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+StepObserver = Callable[[StepRecord, list[RequestOutput]], None]
+
+
+def select_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device cuda was asked for but CUDA is not available")
+    return device
+
+
+def select_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # CPUs without bf16 units run bf16 matmuls two orders of magnitude slower than fp32.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise ConfigError("cannot read available memory; set num_kv_blocks or kv_cache_memory in bytes")
+
+
+class LLMEngine:
+    """Owns the model, the KV pool, the scheduler and the runner; driven by `step()`."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        """Loads `config.model`, or reuses `loaded` (a model already on the right device)."""
+        self.config = config
+        self.device = select_device(config.device)
+        torch.manual_seed(config.seed)
+        if loaded is None:
+            loaded = LoadedModel.load(config.model, select_dtype(config.dtype, self.device), self.device)
+        self.model_name = loaded.name
+        self.model = loaded.model
+        self.model_config = model_config = loaded.model.config
+        self.tokenizer = loaded.tokenizer
+
+        sched_cfg = config.scheduler
+        if sched_cfg.max_model_len > model_config.max_position_embeddings:
+            sched_cfg = dataclasses.replace(sched_cfg, max_model_len=model_config.max_position_embeddings)
+        self.scheduler_config = sched_cfg
+        cache = config.cache
+        num_blocks = cache.num_kv_blocks or self._blocks_for_budget(cache.kv_cache_memory, cache.block_size)
+        self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        policy = StaticScheduler if sched_cfg.scheduling_policy is SchedulingPolicy.STATIC else Scheduler
+        self.scheduler = policy(sched_cfg, self.block_manager)
+        self.runner = ModelRunner(self.model, num_blocks, cache.block_size, Sampler(self.device, config.seed))
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.step_records: deque[StepRecord] = deque(maxlen=config.step_history)
+        self.step_observers: list[StepObserver] = []
+        self.num_failed_steps = 0
+        self.num_oom_events = 0
+        logger.info("engine ready: %s on %s, %d KV blocks of %d tokens",
+                    self.model_name, self.device, num_blocks, cache.block_size)
+
+    def _blocks_for_budget(self, budget: float, block_size: int) -> int:
+        total = budget if budget > 1 else budget * available_memory_bytes(self.device)
+        num_blocks = int(total // ModelRunner.kv_bytes_per_block(self.model, block_size))
+        if num_blocks < 1:
+            raise ConfigError(f"kv_cache_memory={budget} leaves no room for a single KV block")
+        return num_blocks
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | Sequence[int] | None = None,
+                 messages: Sequence[ChatMessage] | None = None) -> list[int]:
+        """Prompt token ids from text, token ids, or chat messages (chat template applied)."""
+        if messages is not None:
+            return self.tokenizer.apply_chat_template(messages)
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty")
+            return self.tokenizer.encode(prompt)
+        if prompt is None:
+            raise InvalidRequestError("give a prompt or chat messages")
+        ids = list(prompt)
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
+        return ids
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: Sequence[ChatMessage] | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Queues a request; raises InvalidRequestError if it can never be served and
+        EngineOverloadedError if the waiting queue is full."""
+        params = params or SamplingParams()
+        token_ids = self.tokenize(prompt, messages)
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        limit = self.scheduler_config.max_waiting_requests
+        if limit is not None and len(self.scheduler.waiting) >= limit:
+            raise EngineOverloadedError(f"the waiting queue is full ({limit} requests); retry later")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        request = Request(
+            request_id, token_ids, params,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            arrival_time=arrival_time if arrival_time is not None else time.perf_counter(),
+        )
+        self.scheduler.add_request(request)
+        self._requests[request_id] = request
+        self.output_processor.add(request)
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        """Ends a request at once and frees its KV blocks; False if it was not running."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.finish(request, FinishReason.ABORT)
+        self.output_processor.remove(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # --- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, run the model, process outputs."""
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        sampled = self._execute(out)
+        outputs = self._process(out, sampled)
+        self._record(out, start, outputs)
+        return outputs
+
+    def _execute(self, out: SchedulerOutput) -> dict[str, int] | Exception:
+        if out.is_empty:
+            return {}
+        try:
+            return self.runner.execute(out)
+        except Exception as exc:  # a failed step fails its own requests, never the engine
+            self.num_failed_steps += 1
+            if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+                self.num_oom_events += 1
+            logger.exception("step %d failed; failing its %d requests", out.step_id, len(out.scheduled))
+            return exc
+
+    def _process(self, out: SchedulerOutput, sampled: dict[str, int] | Exception) -> list[RequestOutput]:
+        if isinstance(sampled, Exception):
+            message = f"internal error in the model step: {type(sampled).__name__}: {sampled}"
+            return [self._fail(s.request, message) for s in out.scheduled]
+        self.scheduler.update_from_output(out, sampled)
+        now = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        for s in out.scheduled:
+            request = s.request
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            timings = request.timings
+            if timings.first_token is None:
+                timings.first_token = now
+            timings.token_times.append(now)
+            text, finish = self.output_processor.process_token(request, token)
+            if finish is not None:
+                self._end(request, finish)
+            outputs.append(RequestOutput(request.request_id, [token], text, finish is not None, finish, request))
+        return outputs
+
+    def _end(self, request: Request, reason: FinishReason) -> None:
+        self.scheduler.finish(request, reason)
+        self._requests.pop(request.request_id, None)
+        self.output_processor.remove(request.request_id)
+
+    def _fail(self, request: Request, message: str) -> RequestOutput:
+        request.error = message
+        self._end(request, FinishReason.ERROR)
+        return RequestOutput(request.request_id, [], "", True, FinishReason.ERROR, request, error=message)
+
+    def _record(self, out: SchedulerOutput, start: float, outputs: list[RequestOutput]) -> None:
+        record = StepRecord(
+            step_id=out.step_id,
+            start_s=start,
+            duration_s=time.perf_counter() - start,
+            num_requests=len(out.scheduled),
+            num_prefill_tokens=out.num_prefill_tokens,
+            num_decode_tokens=out.num_decode_tokens,
+            num_wasted_tokens=out.num_wasted_tokens,
+            num_kv_blocks_used=self.block_manager.num_used_blocks,
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            num_preempted=len(out.preempted),
+            request_ids=tuple(s.request.request_id for s in out.scheduled),
+        )
+        self.step_records.append(record)
+        for observer in self.step_observers:
+            observer(record, outputs)

@@ -1,0 +1,89 @@
+"""The offline API: `LLM(model=..., **options).generate(prompts, SamplingParams)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from inflight.config import EngineConfig
+from inflight.engine.engine import LLMEngine
+from inflight.model.loaded import LoadedModel
+from inflight.model.tokenizer import ChatMessage
+from inflight.request import FinishReason, RequestTimings, SamplingParams
+
+Prompt = str | Sequence[int] | Sequence[ChatMessage]
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """The result of one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    num_preemptions: int
+    num_cached_tokens: int
+    timings: RequestTimings
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, loaded: LoadedModel | None = None, **options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **options), loaded)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[CompletionOutput]:
+        """Runs every prompt to completion, all in one continuous batch. A prompt is a string,
+        a list of token ids, or a chat conversation (a list of {"role", "content"} dicts)."""
+        batch = [prompts] if _is_single(prompts) else list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            param_list = [params or SamplingParams()] * len(batch)
+        else:
+            param_list = list(params)
+            if len(param_list) != len(batch):
+                raise ValueError(f"{len(batch)} prompts but {len(param_list)} SamplingParams")
+        engine = self.engine
+        requests = []
+        for prompt, p in zip(batch, param_list, strict=True):
+            if _is_chat(prompt):
+                requests.append(engine.add_request(params=p, messages=prompt))  # type: ignore[arg-type]
+            else:
+                requests.append(engine.add_request(prompt, p))  # type: ignore[arg-type]
+        texts = {r.request_id: "" for r in requests}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id in texts:
+                    texts[out.request_id] += out.text
+        return [
+            CompletionOutput(
+                request_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                text=texts[r.request_id],
+                token_ids=list(r.output_token_ids),
+                finish_reason=r.finish_reason or FinishReason.ABORT,
+                num_preemptions=r.num_preemptions,
+                num_cached_tokens=r.num_cached_tokens,
+                timings=r.timings,
+            )
+            for r in requests
+        ]
+
+
+def _is_chat(prompt: Any) -> bool:
+    return isinstance(prompt, Sequence) and not isinstance(prompt, str) and bool(prompt) \
+        and isinstance(prompt[0], dict)
+
+
+def _is_single(prompts: Any) -> bool:
+    if isinstance(prompts, str) or _is_chat(prompts):
+        return True
+    return isinstance(prompts, Sequence) and bool(prompts) and isinstance(prompts[0], int)

@@ -1,0 +1,107 @@
+"""What a step gives back: per-request deltas (tokens, text, finish) and a per-step record.
+
+`OutputProcessor` owns each request's incremental detokenizer and applies the stop rules:
+EOS (unless ignore_eos), stop token ids, stop strings and max_tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from inflight.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from inflight.request import FinishReason, Request
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request. `text` is new text since the last output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    request: Request
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """The composition and cost of one engine step."""
+
+    step_id: int
+    start_s: float
+    duration_s: float
+    num_requests: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_wasted_tokens: int
+    num_kv_blocks_used: int
+    num_running: int
+    num_waiting: int
+    num_preempted: int
+    request_ids: tuple[str, ...] = field(default=())
+
+
+@dataclass(slots=True)
+class _TextState:
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+    num_emitted_chars: int = 0
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[str, _TextState] = {}
+
+    def add(self, request: Request) -> None:
+        self._states[request.request_id] = _TextState(IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids))
+
+    def remove(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    def full_text(self, request_id: str) -> str:
+        state = self._states.get(request_id)
+        return "" if state is None else state.text
+
+    def process_token(self, request: Request, token: int) -> tuple[str, FinishReason | None]:
+        """Accounts for a token just appended to the request; returns (text to emit, finish)."""
+        state = self._states[request.request_id]
+        params = request.sampling_params
+        finish: FinishReason | None = None
+        is_eos = token in request.eos_token_ids and not params.ignore_eos
+        if is_eos or token in params.stop_token_ids:
+            finish = FinishReason.STOP
+        else:
+            state.text += state.detokenizer.add(token)
+        if finish is None and request.num_output_tokens >= params.max_tokens:
+            state.text += state.detokenizer.flush()
+            finish = FinishReason.LENGTH
+        if params.stop and finish is not FinishReason.STOP:
+            cut = _find_stop(state.text, params.stop, state.num_emitted_chars)
+            if cut is not None:
+                state.text = state.text[:cut]
+                finish = FinishReason.STOP
+        # While running, hold back a tail that could be the start of a stop string.
+        hold = 0 if finish is not None or not params.stop else max(len(s) for s in params.stop) - 1
+        end = max(state.num_emitted_chars, len(state.text) - hold)
+        delta = state.text[state.num_emitted_chars:end]
+        state.num_emitted_chars = end
+        return delta, finish
+
+    def pending_text(self, request_id: str) -> str:
+        """Text held back so far (released when a request ends for another reason)."""
+        state = self._states.get(request_id)
+        if state is None:
+            return ""
+        delta = state.text[state.num_emitted_chars:]
+        state.num_emitted_chars = len(state.text)
+        return delta
+
+
+def _find_stop(text: str, stops: tuple[str, ...], emitted: int) -> int | None:
+    """Earliest index where a stop string starts, searching only text not yet emitted."""
+    window_start = max(0, emitted - max(len(s) for s in stops))
+    found = [i for s in stops if (i := text.find(s, window_start)) >= 0]
+    return min(found) if found else None

@@ -1,0 +1,135 @@
+"""Turns a scheduler's plain-data step into tensors, runs the model and samples.
+
+The only place where requests meet tensors: it owns the KV pool and builds, once per step, the
+packed inputs and the `AttentionMetadata` that every layer shares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from inflight.engine.sampler import Sampler
+from inflight.engine.scheduler import ScheduledRequest, SchedulerOutput
+from inflight.model.attention import AttentionMetadata, PrefillSegment
+from inflight.model.llama import LlamaModel
+from inflight.request import Request
+
+
+class StepInputs(NamedTuple):
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sample_requests: list[Request]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, sampler: Sampler) -> None:
+        cfg = model.config
+        self.model = model
+        self.device = model.device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.sampler = sampler
+        # Zeroed, not empty: padded reads of unused slots must stay finite.
+        self.kv_cache = torch.zeros(
+            cfg.num_layers, 2, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim,
+            dtype=model.dtype, device=self.device,
+        )
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
+        # Test hook for fault injection: called with the step before the forward pass.
+        self.before_forward: Callable[[SchedulerOutput], None] | None = None
+
+    @staticmethod
+    def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
+        cfg = model.config
+        itemsize = torch.empty((), dtype=model.dtype).element_size()
+        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * itemsize
+
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        """Runs one step; returns the new token of each request that reached its last token."""
+        if self.before_forward is not None:
+            self.before_forward(out)
+        inputs = self.prepare(out.scheduled)
+        logits = self.model.forward(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_meta, inputs.logits_indices
+        )
+        if not inputs.sample_requests:
+            return {}
+        tokens = self.sampler(logits, inputs.sample_requests)
+        return {r.request_id: t for r, t in zip(inputs.sample_requests, tokens, strict=True)}
+
+    def _slots(self, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return block_table[..., positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
+        # Decodes first, so that they form one contiguous run read by one batched call.
+        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in scheduled if s.num_new_tokens > 1]
+        ordered = decodes + prefills
+        device = self.device
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        logits_indices: list[int] = []
+        sample_requests: list[Request] = []
+        bs = self.block_size
+        for s in ordered:
+            table = s.block_table
+            input_ids.extend(s.request.tokens_slice(s.start, s.end))
+            positions.extend(range(s.start, s.end))
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(s.start, s.end))
+            if s.samples_next_token:
+                logits_indices.append(len(input_ids) - 1)
+                sample_requests.append(s.request)
+
+        decode_slots = decode_mask = None
+        if decodes:
+            context_lens = torch.tensor([s.end for s in decodes], device=device)
+            max_len = max(s.end for s in decodes)
+            num_table = self.num_blocks_for(max_len)
+            tables = torch.tensor([_padded(s.block_table, num_table) for s in decodes], device=device)
+            pos = torch.arange(max_len, device=device)
+            valid = pos.unsqueeze(0) < context_lens.unsqueeze(1)
+            decode_slots = torch.where(valid, self._slots(tables, pos), 0)
+            decode_mask = valid.view(len(decodes), 1, 1, max_len)
+
+        segments: list[PrefillSegment] = []
+        offset = len(decodes)
+        for s in prefills:
+            start, end = offset, offset + s.num_new_tokens
+            offset = end
+            if s.start == 0:
+                segments.append(PrefillSegment(start, end, None, None))
+                continue
+            table = torch.tensor(s.block_table[: self.num_blocks_for(s.end)], device=device)
+            context = torch.arange(s.end, device=device)
+            query_pos = torch.arange(s.start, s.end, device=device)
+            mask = context.unsqueeze(0) <= query_pos.unsqueeze(1)
+            segments.append(PrefillSegment(start, end, self._slots(table, context), mask))
+
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, device=device),
+            num_decode_tokens=len(decodes),
+            decode_slots=decode_slots,
+            decode_mask=decode_mask,
+            prefills=segments,
+        )
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, device=device),
+            positions=torch.tensor(positions, device=device),
+            attn_meta=meta,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
+            sample_requests=sample_requests,
+        )
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
+def _padded(table: list[int], length: int) -> list[int]:
+    return table[:length] + [0] * (length - len(table))

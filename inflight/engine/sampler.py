@@ -1,0 +1,93 @@
+"""Picks each request's next token from its logits, vectorised over the batch.
+
+Greedy rows take the argmax; the others are sampled with temperature, top-k and top-p by an
+exponential race (argmax of p / Exp(1) noise), which draws exactly from p. A request with a
+seed draws its noise from a generator seeded by (seed, output position), so its tokens do not
+depend on what else is in the batch, nor on preemption and recompute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from inflight.request import Request
+
+_SEED_STRIDE = 1_000_003
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        self._generator = torch.Generator(device=device)
+        self._generator.manual_seed(seed)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+        params = [r.sampling_params for r in requests]
+        if any(p.has_penalties for p in params):
+            logits = self._apply_penalties(logits.clone(), requests)
+        if all(p.is_greedy for p in params):
+            return logits.argmax(dim=-1).tolist()
+
+        greedy_tokens = logits.argmax(dim=-1)
+        rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        sub = logits[rows]
+        temperature = torch.tensor([params[i].temperature for i in rows], device=self.device)
+        sub = sub / temperature.unsqueeze(1)
+        top_k = [params[i].top_k for i in rows]
+        if any(top_k):
+            sub = self._apply_top_k(sub, top_k)
+        top_p = [params[i].top_p for i in rows]
+        if any(p < 1 for p in top_p):
+            sub = self._apply_top_p(sub, torch.tensor(top_p, device=self.device))
+        probs = sub.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(rows):
+            seed = params[i].seed
+            if seed is None:
+                noise[j].exponential_(generator=self._generator)
+            else:
+                g = torch.Generator(device=self.device)
+                g.manual_seed((seed * _SEED_STRIDE + requests[i].num_output_tokens) % (2**63))
+                noise[j].exponential_(generator=g)
+        sampled = (probs / noise).argmax(dim=-1)
+        greedy_tokens[rows] = sampled
+        return greedy_tokens.tolist()
+
+    def _apply_penalties(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        vocab = logits.shape[1]
+        for i, request in enumerate(requests):
+            p = request.sampling_params
+            if not p.has_penalties:
+                continue
+            row = logits[i]
+            if p.repetition_penalty != 1:
+                seen = torch.tensor(sorted(set(request.all_token_ids)), device=self.device)
+                seen = seen[seen < vocab]
+                values = row[seen]
+                row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+            if (p.presence_penalty or p.frequency_penalty) and request.output_token_ids:
+                counts = torch.zeros(vocab, device=self.device)
+                out = torch.tensor(request.output_token_ids, device=self.device)
+                counts.scatter_add_(0, out, torch.ones_like(out, dtype=counts.dtype))
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        return logits
+
+    @staticmethod
+    def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+        vocab = logits.shape[1]
+        k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=logits.device)
+        top = logits.topk(int(k.max()), dim=-1).values
+        threshold = top.gather(1, (k - 1).unsqueeze(1))
+        return logits.masked_fill(logits < threshold, float("-inf"))
+
+    @staticmethod
+    def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p; the first stays.
+        drop = (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -1,0 +1,230 @@
+"""Iteration-level scheduling: after every step, decide again which requests compute how many
+tokens, under `max_batch_size`, `max_num_tokens` and the free KV blocks.
+
+There are no prefill or decode phases: each request has `num_computed_tokens` and
+`num_tokens`, and each step hands out tokens so the first catches up with the second. A step
+can therefore mix decodes with prefill chunks. Running requests are served first, decodes
+before prefill chunks (stall-free), then waiting requests in arrival order. Pure Python.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from inflight.config import SchedulerConfig
+from inflight.engine.block_manager import BlockManager
+from inflight.errors import InvalidRequestError
+from inflight.request import FinishReason, Request, RequestStatus
+
+# Free blocks kept back when admitting, so that running requests can grow for a while before
+# the pool runs dry and forces a preemption.
+_ADMISSION_WATERMARK = 0.01
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: compute `num_new_tokens` tokens starting at
+    `start`, with KV in `block_table`."""
+
+    request: Request
+    start: int
+    num_new_tokens: int
+    block_table: list[int]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def samples_next_token(self) -> bool:
+        """Whether this step reaches the request's last known token, so it yields a new one."""
+        return self.end == self.request.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new_tokens == 1 and self.start >= self.request.num_prompt_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """Plain data describing one step; the runner turns it into tensors."""
+
+    step_id: int
+    scheduled: list[ScheduledRequest]
+    preempted: list[Request] = field(default_factory=list)
+    num_wasted_tokens: int = 0
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for s in self.scheduled if s.is_decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_scheduled_tokens - self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """The continuous-batching policy. `StaticScheduler` overrides admission and release."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.num_prefix_query_tokens = 0  # prompt tokens of admitted requests
+        self.num_prefix_hit_tokens = 0  # of which found in the prefix cache
+        self._step_id = 0
+        self._watermark_blocks = int(_ADMISSION_WATERMARK * block_manager.num_blocks)
+
+    # --- requests in and out --------------------------------------------------------------------
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raises InvalidRequestError for a request that could never be served."""
+        cfg, bm = self.config, self.block_manager
+        total = num_prompt_tokens + max_tokens
+        if total > cfg.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
+                f"exceeds max_model_len ({cfg.max_model_len})"
+            )
+        if bm.num_blocks_for(total) > bm.num_blocks:
+            raise InvalidRequestError(
+                f"prompt + max_tokens = {total} tokens cannot fit in the KV cache "
+                f"({bm.num_blocks} blocks of {bm.block_size} tokens)"
+            )
+        if not cfg.enable_chunked_prefill and num_prompt_tokens > cfg.max_num_tokens:
+            raise InvalidRequestError(
+                f"prompt ({num_prompt_tokens} tokens) exceeds max_num_tokens ({cfg.max_num_tokens}) "
+                "and chunked prefill is off"
+            )
+
+    def add_request(self, request: Request) -> None:
+        self.check_admissible(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        self.waiting.append(request)
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """Ends a request (stop, length, abort, error) and releases its KV blocks."""
+        if request.is_finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.timings.finished = time.perf_counter()
+        self._release(request)
+
+    def _release(self, request: Request) -> None:
+        self.block_manager.free(request.request_id)
+
+    # --- one step -------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        self._step_id += 1
+        out = SchedulerOutput(step_id=self._step_id, scheduled=[])
+        budget = self._schedule_running(out, self.config.max_num_tokens)
+        if not out.preempted:  # no admission while the pool is short
+            self._admit(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        # Decodes first, then unfinished prefills, each in admission order.
+        remaining = {id(r): r.num_tokens - r.num_computed_tokens for r in self.running}
+        order = sorted(self.running, key=lambda r: remaining[id(r)] > 1)
+        scheduled_ids: set[int] = set()
+        for request in order:
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(remaining[id(request)], budget)
+            if not self._grow(request, num_new, scheduled_ids, out):
+                continue
+            out.scheduled.append(ScheduledRequest(
+                request, request.num_computed_tokens, num_new, self.block_manager.block_table(request.request_id)
+            ))
+            scheduled_ids.add(id(request))
+            budget -= num_new
+        return budget
+
+    def _grow(self, request: Request, num_new: int, scheduled_ids: set[int], out: SchedulerOutput) -> bool:
+        """Makes room for `num_new` more tokens of a running request, preempting the most
+        recently admitted unscheduled request while the pool is short. False if the request
+        itself had to be preempted."""
+        bm = self.block_manager
+        while not bm.allocate_slots(request, request.num_computed_tokens + num_new):
+            victim = next((r for r in reversed(self.running)
+                           if id(r) not in scheduled_ids and r is not request), request)
+            self._preempt(victim, out)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        # Ahead of every waiting request, and of requests preempted earlier in this step,
+        # which were admitted later than this one.
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        cfg, bm = self.config, self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_batch_size:
+            request = self.waiting[0]
+            hits = bm.get_computed_blocks(request)
+            num_cached = len(hits) * bm.block_size
+            num_new = request.num_tokens - num_cached
+            if num_new > budget:
+                # Without chunked prefill a prompt runs whole or waits; a preempted request
+                # whose recompute can never fit one step is chunked regardless.
+                if not cfg.enable_chunked_prefill and num_new <= cfg.max_num_tokens:
+                    break
+                num_new = budget
+            if not bm.can_allocate(request, num_cached + num_new, hits, reserve=self._watermark_blocks):
+                break
+            bm.allocate_slots(request, num_cached + num_new, hits)
+            self.waiting.popleft()
+            self._start(request, num_cached)
+            self.num_prefix_query_tokens += request.num_tokens
+            self.num_prefix_hit_tokens += num_cached
+            out.scheduled.append(ScheduledRequest(request, num_cached, num_new, bm.block_table(request.request_id)))
+            budget -= num_new
+
+    def _start(self, request: Request, num_cached: int) -> None:
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_cached
+        request.num_cached_tokens = num_cached
+        if request.timings.first_scheduled is None:
+            request.timings.first_scheduled = time.perf_counter()
+        self.running.append(request)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
+        """Advances each scheduled request by the tokens computed and appends its new token."""
+        for s in out.scheduled:
+            request = s.request
+            request.num_computed_tokens = s.end
+            token = sampled.get(request.request_id)
+            if token is not None:
+                request.output_token_ids.append(token)
+            self.block_manager.cache_full_blocks(request)

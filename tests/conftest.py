@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+from inflight import LLM  # noqa: E402
+from inflight.model.loaded import LoadedModel  # noqa: E402
+from inflight.model.loader import default_model_path  # noqa: E402
+
+# Varied prompts: short, long, code, non-English, list, math. Chat ones are added in tests.
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Le petit prince demanda au renard pourquoi",
+    "人工智能的发展历史可以追溯到",
+    "List three uses of a paperclip:\n1.",
+    "Question: What is 17 times 23? Answer:",
+    "Once upon a time, in a small village at the edge of a great forest, there lived an old "
+    "woodcutter and his wife. Every morning the woodcutter walked into the forest with his axe, "
+    "and every evening he came home with a bundle of wood on his back. One winter the snow fell "
+    "so deep that the paths disappeared, and the woodcutter could no longer find his way among "
+    "the trees. His wife worried, for their store of bread was running low, and the children of "
+    "the village had begun to whisper that wolves had been seen near the old mill. On the third "
+    "night of the storm there came a knock at the door, and when the woodcutter opened it he saw",
+]
+
+
+@pytest.fixture(scope="session")
+def loaded() -> LoadedModel:
+    return LoadedModel.load(None, torch.float32, torch.device("cpu"))
+
+
+@pytest.fixture(scope="session")
+def make_llm(loaded: LoadedModel) -> Callable[..., LLM]:
+    def make(**options: Any) -> LLM:
+        options.setdefault("num_kv_blocks", 512)
+        return LLM(loaded=loaded, **options)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_model() -> Any:
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.eval()

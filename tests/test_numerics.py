@@ -1,0 +1,125 @@
+"""inflight's logits and greedy tokens against Hugging Face transformers on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import PROMPTS
+
+from inflight import SamplingParams
+
+NUM_TOKENS = 32
+# fp32 on both sides; the remaining differences are summation order in matmuls and attention.
+LOGITS_ATOL = 2e-3
+
+CHAT = [{"role": "user", "content": "Write a haiku about the sea."}]
+
+
+def prompt_ids(loaded, prompt) -> list[int]:
+    if isinstance(prompt, list):
+        return loaded.tokenizer.apply_chat_template(prompt)
+    return loaded.tokenizer.encode(prompt)
+
+
+def all_prompts():
+    return PROMPTS + [CHAT]
+
+
+@pytest.fixture(scope="module")
+def reference(loaded, hf_model):
+    """For each prompt: (prompt ids, HF greedy continuation, HF logits at every step)."""
+    results = []
+    with torch.inference_mode():
+        for prompt in all_prompts():
+            ids = prompt_ids(loaded, prompt)
+            out = hf_model(input_ids=torch.tensor([ids]), use_cache=True)
+            past, step_logits, tokens = out.past_key_values, [out.logits[0, -1]], []
+            for _ in range(NUM_TOKENS):
+                token = int(step_logits[-1].argmax())
+                tokens.append(token)
+                out = hf_model(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                step_logits.append(out.logits[0, -1])
+            results.append((ids, tokens, torch.stack(step_logits[:NUM_TOKENS])))
+    return results
+
+
+GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
+
+
+def test_logits_match_reference(loaded, reference):
+    from inflight.engine.block_manager import BlockManager
+    from inflight.engine.runner import ModelRunner
+    from inflight.engine.sampler import Sampler
+    from inflight.engine.scheduler import ScheduledRequest
+    from inflight.request import Request
+
+    runner = ModelRunner(loaded.model, 256, 16, Sampler(torch.device("cpu")))
+    bm = BlockManager(256, 16)
+    for i, (ids, tokens, ref_logits) in enumerate(reference):
+        req = Request(f"r{i}", ids, GREEDY)
+        sequence = ids + tokens
+        # Prefill the prompt, then feed the reference tokens one by one (teacher forcing).
+        start = 0
+        for end in [len(ids)] + list(range(len(ids) + 1, len(sequence) + 1))[: NUM_TOKENS - 1]:
+            req.output_token_ids = tokens[: end - len(ids)]
+            assert bm.allocate_slots(req, end)
+            inputs = runner.prepare([ScheduledRequest(req, start, end - start, bm.block_table(req.request_id))])
+            logits = loaded.model.forward(inputs.input_ids, inputs.positions, runner.kv_caches,
+                                          inputs.attn_meta, inputs.logits_indices)
+            step = end - len(ids)
+            torch.testing.assert_close(logits[0], ref_logits[step], atol=LOGITS_ATOL, rtol=0)
+            start = end
+        bm.free(req.request_id)
+
+
+def test_greedy_alone_matches_reference(make_llm, reference):
+    llm = make_llm()
+    for prompt, (_, tokens, _) in zip(all_prompts(), reference, strict=True):
+        [out] = llm.generate([prompt], GREEDY)
+        assert out.token_ids == tokens, f"prompt {prompt!r}"
+
+
+def test_greedy_packed_matches_reference(make_llm, reference):
+    llm = make_llm(max_num_tokens=4096)
+    outs = llm.generate(all_prompts(), GREEDY)
+    for out, (_, tokens, _) in zip(outs, reference, strict=True):
+        assert out.token_ids == tokens
+    steps = list(llm.engine.step_records)
+    assert steps[0].num_requests == len(all_prompts()), "all prompts should be packed into the first step"
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 100])
+def test_greedy_chunked_prefill_matches_reference(make_llm, reference, chunk):
+    llm = make_llm(max_num_tokens=chunk, max_batch_size=1, enable_chunked_prefill=True)
+    prompts = all_prompts() if chunk > 1 else [PROMPTS[0], PROMPTS[3], CHAT]
+    refs = reference if chunk > 1 else [reference[0], reference[3], reference[-1]]
+    outs = llm.generate(prompts, GREEDY)
+    for out, (ids, tokens, _) in zip(outs, refs, strict=True):
+        assert out.token_ids == tokens
+    if chunk < max(len(ids) for ids, _, _ in refs):
+        assert max(r.num_prefill_tokens for r in llm.engine.step_records) == chunk
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_results_do_not_depend_on_block_size(make_llm, reference, block_size):
+    llm = make_llm(block_size=block_size, num_kv_blocks=8192 // block_size, max_num_tokens=4096)
+    outs = llm.generate(all_prompts(), GREEDY)
+    for out, (_, tokens, _) in zip(outs, reference, strict=True):
+        assert out.token_ids == tokens
+
+
+def test_results_do_not_depend_on_physical_blocks(make_llm, reference):
+    import random
+    from collections import OrderedDict
+
+    llm = make_llm(block_size=4, num_kv_blocks=1024, max_num_tokens=4096, enable_prefix_caching=False)
+    bm = llm.engine.block_manager
+    order = list(range(bm.num_blocks))
+    random.Random(0).shuffle(order)
+    bm._free = OrderedDict.fromkeys(order)
+    outs = llm.generate(all_prompts(), GREEDY)
+    for out, (_, tokens, _) in zip(outs, reference, strict=True):
+        assert out.token_ids == tokens
+    tables_were_scattered = order[:4] != [0, 1, 2, 3]
+    assert tables_were_scattered
