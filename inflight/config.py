@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from inflight.errors import ConfigError
@@ -63,7 +63,7 @@ class CacheConfig:
                  f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 
 
-class SchedulingPolicy(str, Enum):
+class SchedulingPolicy(StrEnum):
     CONTINUOUS = "continuous"
     STATIC = "static"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 
 from inflight.errors import InvalidRequestError
 
@@ -59,7 +59,7 @@ class RequestStatus(Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"

@@ -95,7 +95,7 @@ def test_greedy_chunked_prefill_matches_reference(make_llm, reference, chunk):
     prompts = all_prompts() if chunk > 1 else [PROMPTS[0], PROMPTS[3], CHAT]
     refs = reference if chunk > 1 else [reference[0], reference[3], reference[-1]]
     outs = llm.generate(prompts, GREEDY)
-    for out, (ids, tokens, _) in zip(outs, refs, strict=True):
+    for out, (_ids, tokens, _) in zip(outs, refs, strict=True):
         assert out.token_ids == tokens
     if chunk < max(len(ids) for ids, _, _ in refs):
         assert max(r.num_prefill_tokens for r in llm.engine.step_records) == chunk

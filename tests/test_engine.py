@@ -1,0 +1,173 @@
+"""The engine on the real model: batching, preemption, chunking, prefix caching and the static
+policy all give each request the tokens it gets alone; sampling; stop rules; API errors."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import PROMPTS
+
+from inflight import ConfigError, FinishReason, InvalidRequestError, SamplingParams
+
+SYSTEM = ("You are a careful assistant for a library. You answer questions about opening hours, "
+          "loans, renewals and the reading room. Keep answers short and polite. ") * 3
+
+
+def mixed_workload():
+    prompts = PROMPTS + [SYSTEM + "When does the library open?", SYSTEM + "How do I renew a loan?"]
+    lengths = [5, 24, 9, 17, 3, 12, 20, 8, 14]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def alone(make_llm):
+    llm = make_llm()
+    prompts, params = mixed_workload()
+    return [llm.generate([p], q)[0].token_ids for p, q in zip(prompts, params, strict=True)]
+
+
+@pytest.mark.parametrize("options", [
+    pytest.param({"max_num_tokens": 2048}, id="batched"),
+    pytest.param({"max_num_tokens": 24, "max_batch_size": 4}, id="tiny-budget-chunks"),
+    pytest.param({"num_kv_blocks": 20, "block_size": 16, "max_num_tokens": 512}, id="tiny-pool-preempts"),
+    pytest.param({"scheduling_policy": "static", "max_batch_size": 4}, id="static"),
+    pytest.param({"enable_chunked_prefill": False, "max_num_tokens": 256}, id="unchunked"),
+])
+def test_batched_tokens_equal_tokens_alone(make_llm, alone, options):
+    llm = make_llm(**options)
+    prompts, params = mixed_workload()
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == alone
+    steps = list(llm.engine.step_records)
+    assert max(s.num_requests for s in steps) > 1
+    engine = llm.engine
+    assert engine.block_manager.num_used_blocks == 0
+    if options.get("num_kv_blocks") == 20:
+        assert engine.scheduler.num_preemptions > 0
+        assert sum(o.num_preemptions for o in outs) == engine.scheduler.num_preemptions
+    if options.get("max_num_tokens") == 24:
+        assert all(s.num_prefill_tokens + s.num_decode_tokens <= 24 for s in steps)
+    if options.get("scheduling_policy") == "static":
+        assert sum(s.num_wasted_tokens for s in steps) > 0
+
+
+def test_shared_prefix_hits_the_cache(make_llm, alone):
+    llm = make_llm(max_num_tokens=2048)
+    prompts, params = mixed_workload()
+    llm.generate(prompts[-2], params[-2])
+    out = llm.generate(prompts[-1], params[-1])[0]
+    assert out.num_cached_tokens >= 16 * (len(llm.tokenizer.encode(SYSTEM)) // 16 - 1)
+    assert out.token_ids == alone[-1]
+
+
+def test_seeded_sampling_same_alone_and_batched(make_llm):
+    llm = make_llm()
+    seeded = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    alone = llm.generate(PROMPTS[4], seeded)[0].token_ids
+    others = SamplingParams(max_tokens=20, temperature=1.0)
+    batch = llm.generate([PROMPTS[0], PROMPTS[4], PROMPTS[1]], [others, seeded, others])
+    assert batch[1].token_ids == alone
+    again = llm.generate(PROMPTS[4], SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=99))
+    assert again[0].token_ids != alone  # the seed matters
+
+
+def test_stop_strings_and_stop_tokens(make_llm):
+    llm = make_llm()
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    full = llm.generate(PROMPTS[4], greedy)[0]
+    words = full.text.split()
+    stop_word = words[len(words) // 2]
+    cut = llm.generate(PROMPTS[4], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=(stop_word,)))[0]
+    assert cut.finish_reason is FinishReason.STOP
+    assert cut.text == full.text[: full.text.index(stop_word)]
+    stop_id = full.token_ids[5]
+    by_id = llm.generate(PROMPTS[4], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
+                                                    stop_token_ids=(stop_id,)))[0]
+    assert by_id.finish_reason is FinishReason.STOP
+    assert by_id.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1]
+
+
+def test_eos_ends_a_request_unless_ignored(make_llm):
+    llm = make_llm()
+    chat = [{"role": "user", "content": "Say hello."}]
+    out = llm.generate(chat, SamplingParams(max_tokens=200, temperature=0))[0]
+    assert out.finish_reason is FinishReason.STOP and out.token_ids[-1] in llm.tokenizer.eos_token_ids
+    assert "<|im_end|>" not in out.text
+    forced = llm.generate(chat, SamplingParams(max_tokens=len(out.token_ids) + 5, temperature=0, ignore_eos=True))[0]
+    assert forced.finish_reason is FinishReason.LENGTH and len(forced.token_ids) == len(out.token_ids) + 5
+
+
+def test_penalties_change_repetitive_output(make_llm):
+    llm = make_llm()
+    prompt = "one one one one one one one one"
+    plain = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    penalised = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                    frequency_penalty=2.0, presence_penalty=2.0,
+                                                    repetition_penalty=1.5))[0]
+    assert len(set(penalised.token_ids)) > len(set(plain.token_ids))
+
+
+def test_abort_frees_kv(make_llm):
+    llm = make_llm()
+    engine = llm.engine
+    request = engine.add_request(PROMPTS[6], SamplingParams(max_tokens=100, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.block_manager.num_used_blocks > 0
+    assert engine.abort(request.request_id)
+    assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished()
+    assert request.finish_reason is FinishReason.ABORT
+
+
+def test_request_timings_are_recorded(make_llm):
+    llm = make_llm()
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    t = out.timings
+    assert t.arrival <= t.first_scheduled <= t.first_token <= t.finished
+    assert len(t.token_times) == 6 and t.token_times == sorted(t.token_times)
+
+
+def test_failed_step_fails_only_its_requests(make_llm):
+    llm = make_llm()
+    engine = llm.engine
+    victim = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True))
+
+    def boom(out):
+        engine.runner.before_forward = None
+        raise RuntimeError("injected fault")
+
+    engine.runner.before_forward = boom
+    outputs = engine.step()
+    assert [o.request_id for o in outputs] == [victim.request_id] and outputs[0].error
+    assert victim.finish_reason is FinishReason.ERROR and engine.num_failed_steps == 1
+    assert engine.block_manager.num_used_blocks == 0
+    after = llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0))[0]
+    assert len(after.token_ids) == 4
+
+
+@pytest.mark.parametrize("bad", [
+    {"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -1},
+    {"repetition_penalty": 0}, {"presence_penalty": 3}, {"stop": ("",)},
+])
+def test_invalid_sampling_params(bad):
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(**bad)
+
+
+def test_invalid_requests_are_rejected(make_llm):
+    llm = make_llm(max_model_len=64)
+    engine = llm.engine
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.add_request("")
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        engine.add_request("word " * 100)
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        engine.add_request([1, 2, 10**9])
+    assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished()
+
+
+def test_invalid_engine_options(make_llm):
+    with pytest.raises(ConfigError, match="unknown engine option"):
+        make_llm(max_batch=3)
+    with pytest.raises(ConfigError):
+        make_llm(block_size=0)

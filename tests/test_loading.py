@@ -1,0 +1,254 @@
+"""Loading: GGUF (every supported tensor type) and safetensors checkpoints against transformers,
+the tokenizer and incremental detokenizer, and clear errors for bad models."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from inflight import ModelLoadError
+from inflight.engine.block_manager import BlockManager
+from inflight.engine.runner import ModelRunner
+from inflight.engine.sampler import Sampler
+from inflight.engine.scheduler import ScheduledRequest
+from inflight.model.llama import LlamaModel
+from inflight.model.loader import load_checkpoint, resolve_model
+from inflight.model.tokenizer import IncrementalDetokenizer
+from inflight.request import Request, SamplingParams
+
+TINY = dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, vocab=320)
+
+
+def inflight_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
+    """Logits at every position of `ids`, through the paged runner (one prefill step)."""
+    runner = ModelRunner(model, 64, 16, Sampler(torch.device("cpu")))
+    bm = BlockManager(64, 16)
+    req = Request("t", ids, SamplingParams())
+    bm.allocate_slots(req, len(ids))
+    inputs = runner.prepare([ScheduledRequest(req, 0, len(ids), bm.block_table("t"))])
+    return model.forward(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.attn_meta,
+                         torch.arange(len(ids)))
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+# --- safetensors directories ---------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_safetensors_model_matches_transformers(tmp_path, loaded, arch):
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=TINY["vocab"], hidden_size=TINY["hidden"], intermediate_size=TINY["intermediate"],
+                  num_hidden_layers=TINY["layers"], num_attention_heads=TINY["heads"],
+                  num_key_value_heads=TINY["kv_heads"], max_position_embeddings=256, rms_norm_eps=1e-5)
+    if arch == "llama":
+        config = transformers.LlamaConfig(**common, tie_word_embeddings=True,
+                                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        model = transformers.LlamaForCausalLM(config)
+    elif arch == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, tie_word_embeddings=False))
+    else:
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=None))
+    with torch.no_grad():  # random biases, so that a dropped bias would show
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    model.eval().save_pretrained(tmp_path, safe_serialization=True)
+    loaded.tokenizer.hf.save_pretrained(tmp_path)
+
+    source = resolve_model(str(tmp_path))
+    assert source.kind == "hf"
+    config, weights = load_checkpoint(source, torch.float32)
+    assert config.attention_bias == (arch == "qwen2")
+    ours = LlamaModel(config, weights, torch.device("cpu"))
+    ids = list(range(5, 5 + 120))  # beyond the llama3 scaling's original length of 64
+    torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+
+
+# --- GGUF files of every supported tensor type ------------------------------------------------
+
+def _k_quant_bytes(rng: np.random.Generator, rows: int, cols: int, kind: str) -> np.ndarray:
+    """Random K-quant blocks with sane fp16 scales (gguf can dequantize but not quantize these)."""
+    nblocks = cols // 256
+    if kind == "Q4_K":  # d, dmin (f16), 12 bytes of 6-bit scales, 128 bytes of nibbles
+        blocks = rng.integers(0, 256, size=(rows, nblocks, 144), dtype=np.uint8)
+        blocks[..., 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+        blocks[..., 2:4] = np.frombuffer(np.float16(0.005).tobytes(), np.uint8)
+    else:  # Q6_K: 128 low nibbles, 64 high bits, 16 int8 scales, d (f16)
+        blocks = rng.integers(0, 256, size=(rows, nblocks, 210), dtype=np.uint8)
+        blocks[..., 192:208] = rng.integers(0, 8, size=16, dtype=np.uint8)
+        blocks[..., 208:210] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+    return blocks.reshape(rows, nblocks * blocks.shape[-1])
+
+
+def write_tiny_gguf(path: Path, types: dict[str, str], seed: int = 0) -> None:
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    h, f, n_layers = TINY["hidden"], TINY["intermediate"], TINY["layers"]
+    head_dim = h // TINY["heads"]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(n_layers)
+    w.add_context_length(256)
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(f)
+    w.add_head_count(TINY["heads"])
+    w.add_head_count_kv(TINY["kv_heads"])
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(TINY["vocab"])
+    w.add_rope_dimension_count(head_dim)
+
+    def add(name: str, shape: tuple[int, ...], kind: str = "F32", scale: float = 0.05) -> None:
+        qtype = gguf.GGMLQuantizationType[kind]
+        if kind in ("Q4_K", "Q6_K"):
+            w.add_tensor(name, _k_quant_bytes(rng, shape[0], shape[1], kind), raw_dtype=qtype)
+            return
+        data = (rng.standard_normal(shape) * scale).astype(np.float32)
+        if kind == "F32":
+            w.add_tensor(name, data)
+        elif kind == "F16":
+            w.add_tensor(name, data.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+    add("token_embd.weight", (TINY["vocab"], h), types.get("embd", "F32"), 1.0)
+    add("output_norm.weight", (h,), scale=0.1)
+    for i in range(n_layers):
+        add(f"blk.{i}.attn_norm.weight", (h,), scale=0.1)
+        add(f"blk.{i}.ffn_norm.weight", (h,), scale=0.1)
+        add(f"blk.{i}.attn_q.weight", (h, h), types.get("q", "F32"))
+        add(f"blk.{i}.attn_k.weight", (TINY["kv_heads"] * head_dim, h), types.get("k", "F32"))
+        add(f"blk.{i}.attn_v.weight", (TINY["kv_heads"] * head_dim, h), types.get("v", "F32"))
+        add(f"blk.{i}.attn_output.weight", (h, h), types.get("o", "F32"))
+        add(f"blk.{i}.ffn_gate.weight", (f, h), types.get("gate", "F32"))
+        add(f"blk.{i}.ffn_up.weight", (f, h), types.get("up", "F32"))
+        add(f"blk.{i}.ffn_down.weight", (h, f), types.get("down", "F32"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("types", [
+    {"embd": "F16", "q": "BF16", "k": "Q8_0", "v": "Q4_0", "o": "Q4_1", "gate": "Q4_K", "up": "Q6_K", "down": "F16"},
+    {"embd": "Q8_0", "q": "Q4_K", "k": "Q6_K", "v": "Q8_0", "o": "F32", "gate": "Q4_0", "up": "Q4_1", "down": "Q8_0"},
+], ids=["mix-a", "mix-b"])
+def test_gguf_tensor_types_match_transformers(tmp_path, types):
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, types)
+    config, weights = load_checkpoint(resolve_model(str(path)), torch.float32)
+    assert config.tie_word_embeddings  # no output.weight in the file
+    ours = LlamaModel(config, weights, torch.device("cpu"))
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    ids = list(range(3, 60))
+    torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(reference, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_other_dtypes_load(loaded):
+    source = resolve_model(None)
+    config, weights = load_checkpoint(source, torch.bfloat16)
+    assert all(t.dtype == torch.bfloat16 for t in weights.values())
+    model = LlamaModel(config, weights, torch.device("cpu"))
+    ids = loaded.tokenizer.encode("The capital of France is")
+    logits = inflight_logits(model, ids)
+    reference = inflight_logits(loaded.model, ids)
+    assert logits[-1].argmax() == reference[-1].argmax()
+
+
+# --- tokenizer ---------------------------------------------------------------------------------
+
+TEXTS = ["Hello world!", "  leading spaces and\ttabs\n\nnewlines", "naïve café — “quotes”",
+         "人工智能和机器学习", "emoji 🚀🔥 mixed", "def f(x):\n    return x ** 2\n"]
+
+
+def test_tokenizer_matches_transformers(loaded):
+    from transformers import AutoTokenizer
+
+    path = resolve_model(None).path
+    reference = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in TEXTS:
+        assert loaded.tokenizer.encode(text) == reference(text)["input_ids"]
+        assert loaded.tokenizer.decode(loaded.tokenizer.encode(text)) == text
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好, who are you?"}]
+    expected = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
+    assert loaded.tokenizer.apply_chat_template(messages) == list(expected)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_detokenization_equals_full_decode(loaded, text):
+    tok = loaded.tokenizer
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok, tok.encode("Prompt:"))
+    pieces = [detok.add(i) for i in ids]
+    pieces.append(detok.flush())
+    assert "".join(pieces) == tok.decode(ids)
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_multibyte_character_split_across_tokens(loaded):
+    tok = loaded.tokenizer
+    ids = tok.encode("🚀")
+    assert len(ids) > 1, "the test needs a character spread over several byte tokens"
+    detok = IncrementalDetokenizer(tok, [])
+    assert [detok.add(i) for i in ids[:-1]] == [""] * (len(ids) - 1)
+    assert detok.add(ids[-1]) == "🚀"
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+def test_loading_errors(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        resolve_model(str(tmp_path / "missing.gguf"))
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        resolve_model(str(tmp_path / "weights.bin"))
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        resolve_model(str(tmp_path))
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF garbage")
+    with pytest.raises(ModelLoadError, match="cannot read GGUF"):
+        load_checkpoint(resolve_model(str(tmp_path / "broken.gguf")), torch.float32)
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (hf_dir / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'"):
+        load_checkpoint(resolve_model(str(hf_dir)), torch.float32)
+
+
+def test_unsupported_gguf_architecture_and_quantization(tmp_path):
+    import gguf
+
+    w = gguf.GGUFWriter(str(tmp_path / "gpt2.gguf"), "gpt2")
+    w.add_tensor("x", np.zeros(4, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'"):
+        load_checkpoint(resolve_model(str(tmp_path / "gpt2.gguf")), torch.float32)
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    for args in (["generate", "hi", "--model", str(tmp_path / "nope.gguf")],
+                 ["generate", "hi", "--max-batch-size", "0", "--num-kv-blocks", "4"]):
+        proc = subprocess.run([sys.executable, "-m", "inflight.cli", *args], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 2
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("inflight: error:"), proc.stderr
+        assert "Traceback" not in proc.stderr

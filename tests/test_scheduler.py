@@ -1,0 +1,301 @@
+"""Scheduler and block manager on CPU with a fake model runner: invariants as property tests."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from inflight.config import SchedulerConfig
+from inflight.engine.block_manager import BlockManager
+from inflight.engine.scheduler import Scheduler, SchedulerOutput
+from inflight.engine.static import StaticScheduler
+from inflight.errors import ConfigError, InvalidRequestError
+from inflight.request import FinishReason, Request, RequestStatus, SamplingParams
+
+
+def fake_token(request: Request) -> int:
+    """The 'model': a token determined by the request and its position only."""
+    return hash((request.request_id, request.num_tokens)) % 1000 + 10
+
+
+class Driver:
+    """Steps a scheduler the way the engine does, with a fake runner; checks invariants."""
+
+    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
+                 prefix_caching: bool = True, static: bool = False) -> None:
+        self.bm = BlockManager(num_blocks, block_size, prefix_caching)
+        self.config = config
+        self.scheduler = (StaticScheduler if static else Scheduler)(config, self.bm)
+        self.steps: list[SchedulerOutput] = []
+        self.admission_order: list[str] = []
+        self.finished: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def step(self) -> SchedulerOutput:
+        out = self.scheduler.schedule()
+        self.check_step(out)
+        for s in out.scheduled:
+            if s.start == s.request.num_cached_tokens and s.request.request_id not in self.admission_order:
+                self.admission_order.append(s.request.request_id)
+        sampled = {s.request.request_id: fake_token(s.request) for s in out.scheduled if s.samples_next_token}
+        self.scheduler.update_from_output(out, sampled)
+        for s in out.scheduled:
+            r = s.request
+            if r.request_id in sampled and r.num_output_tokens >= r.sampling_params.max_tokens:
+                self.scheduler.finish(r, FinishReason.LENGTH)
+                self.finished.append(r)
+        self.bm.check_invariants()
+        self.steps.append(out)
+        return out
+
+    def check_step(self, out: SchedulerOutput) -> None:
+        cfg = self.config
+        assert len(out.scheduled) <= cfg.max_batch_size
+        if not isinstance(self.scheduler, StaticScheduler):
+            assert out.num_scheduled_tokens <= cfg.max_num_tokens
+        ids = [s.request.request_id for s in out.scheduled]
+        assert len(ids) == len(set(ids)), "a request scheduled twice in one step"
+        for s in out.scheduled:
+            assert s.num_new_tokens >= 1
+            assert s.start == s.request.num_computed_tokens
+            assert s.end <= s.request.num_tokens
+            assert len(s.block_table) * self.bm.block_size >= s.end, "KV slots missing for scheduled tokens"
+
+    def run(self, max_steps: int = 10_000) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.num_unfinished:
+                return
+            self.step()
+        raise AssertionError("requests did not all finish")
+
+
+def make_request(i: int, prompt_len: int, max_tokens: int, prefix: list[int] | None = None) -> Request:
+    prompt = (prefix or []) + [(i * 7919 + j) % 5000 + 10 for j in range(prompt_len)]
+    return Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def expected_tokens(request: Request) -> list[int]:
+    """The tokens the fake model gives this request when it runs alone."""
+    probe = Request(request.request_id, list(request.prompt_token_ids), request.sampling_params)
+    while probe.num_output_tokens < probe.sampling_params.max_tokens:
+        probe.output_token_ids.append(fake_token(probe))
+    return probe.output_token_ids
+
+
+workloads = st.lists(
+    st.tuples(st.integers(1, 80), st.integers(1, 40), st.integers(0, 6)),  # prompt, output, arrival step
+    min_size=1, max_size=16,
+)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    workload=workloads,
+    max_batch_size=st.integers(1, 8),
+    max_num_tokens=st.integers(8, 128),
+    block_size=st.sampled_from([1, 4, 16]),
+    num_blocks=st.integers(8, 64),
+    chunked=st.booleans(),
+    prefix_caching=st.booleans(),
+    shared_prefix=st.integers(0, 40),
+    static=st.booleans(),
+)
+def test_scheduler_invariants(workload, max_batch_size, max_num_tokens, block_size, num_blocks,
+                              chunked, prefix_caching, shared_prefix, static):
+    config = SchedulerConfig(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
+                             max_model_len=4096, enable_chunked_prefill=chunked,
+                             scheduling_policy="static" if static else "continuous")
+    d = Driver(config, num_blocks, block_size, prefix_caching, static=static)
+    prefix = [3] * shared_prefix
+    pending = []
+    for i, (prompt_len, out_len, arrival) in enumerate(workload):
+        pending.append((arrival, make_request(i, prompt_len, out_len, prefix)))
+    accepted: list[Request] = []
+    arrival_order: list[str] = []
+    step = 0
+    while pending or d.scheduler.num_unfinished:
+        for arrival, r in [p for p in pending if p[0] <= step]:
+            pending.remove((arrival, r))
+            try:
+                d.add(r)
+            except InvalidRequestError:
+                continue  # can never fit this pool / budget: rejected on arrival
+            accepted.append(r)
+            arrival_order.append(r.request_id)
+        d.step()
+        step += 1
+        assert step < 20_000, "requests did not all finish"
+
+    assert all(r.status is RequestStatus.FINISHED for r in accepted)
+    assert d.bm.num_used_blocks == 0, "blocks leaked after every request ended"
+    # Admission is first-come first-served (preempted requests re-enter at the head).
+    assert d.admission_order == arrival_order
+    for r in accepted:
+        assert r.output_token_ids == expected_tokens(r), "preemption or chunking changed the tokens"
+        if not chunked and r.num_preemptions == 0:
+            first = next(s for s in d.steps for x in s.scheduled if x.request is r)
+            mine = next(x for x in first.scheduled if x.request is r)
+            assert mine.end == r.num_prompt_tokens, "without chunked prefill a prompt runs whole"
+
+
+def test_finished_request_frees_blocks_and_waiting_request_joins_next_step():
+    config = SchedulerConfig(max_batch_size=2, max_num_tokens=64, max_model_len=512)
+    d = Driver(config, num_blocks=64, block_size=4)
+    short, long_, waiting = make_request(0, 8, 2), make_request(1, 8, 10), make_request(2, 8, 4)
+    for r in (short, long_, waiting):
+        d.add(r)
+    d.step()  # prefill of both: first token each
+    out = d.step()  # short gets its second token and finishes at this step (k)
+    assert short.is_finished and d.bm.block_table(short.request_id) == []
+    assert all(s.request is not waiting for s in out.scheduled)
+    nxt = d.step()  # step k+1: the waiting request is in
+    assert any(s.request is waiting for s in nxt.scheduled)
+
+
+def test_chunked_prefill_progresses_while_decodes_keep_moving():
+    config = SchedulerConfig(max_batch_size=4, max_num_tokens=16, max_model_len=512)
+    d = Driver(config, num_blocks=128, block_size=4)
+    decoding = make_request(0, 4, 30)
+    d.add(decoding)
+    d.step()
+    long_prompt = make_request(1, 100, 2)
+    d.add(long_prompt)
+    progress = []
+    while not long_prompt.output_token_ids:
+        out = d.step()
+        assert any(s.request is decoding and s.is_decode for s in out.scheduled), "the decode stalled"
+        progress.append(long_prompt.num_computed_tokens)
+    assert progress == sorted(progress) and len(progress) > 1
+    assert max(s.num_scheduled_tokens for s in d.steps) <= 16
+
+
+def test_unchunked_prompt_longer_than_budget_is_rejected():
+    config = SchedulerConfig(max_num_tokens=32, enable_chunked_prefill=False)
+    s = Scheduler(config, BlockManager(64, 16))
+    with pytest.raises(InvalidRequestError, match="max_num_tokens"):
+        s.add_request(make_request(0, 40, 4))
+
+
+def test_request_that_can_never_fit_is_rejected():
+    s = Scheduler(SchedulerConfig(max_model_len=100), BlockManager(4, 16))
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        s.add_request(make_request(0, 90, 20))
+    with pytest.raises(InvalidRequestError, match="KV cache"):
+        s.add_request(make_request(1, 60, 20))
+
+
+def test_preemption_under_kv_pressure_then_same_tokens():
+    config = SchedulerConfig(max_batch_size=8, max_num_tokens=256, max_model_len=512)
+    d = Driver(config, num_blocks=12, block_size=4, prefix_caching=False)
+    requests = [make_request(i, 6, 20) for i in range(6)]
+    for r in requests:
+        d.add(r)
+    d.run()
+    assert d.scheduler.num_preemptions > 0
+    assert d.bm.num_allocation_failures > 0
+    assert d.bm.peak_used_blocks <= 12
+    for r in requests:
+        assert r.output_token_ids == expected_tokens(r)
+
+
+def test_prefix_cache_shares_blocks_and_skips_compute():
+    config = SchedulerConfig(max_batch_size=4, max_num_tokens=512, max_model_len=512)
+    d = Driver(config, num_blocks=64, block_size=4)
+    prefix = list(range(100, 132))  # 8 full blocks
+    first = make_request(0, 5, 3, prefix)
+    d.add(first)
+    d.run()
+    second = make_request(1, 5, 3, prefix)
+    d.add(second)
+    out = d.step()
+    [mine] = [s for s in out.scheduled if s.request is second]
+    assert second.num_cached_tokens == 32 and mine.start == 32
+    d.run()
+    assert second.output_token_ids == expected_tokens(second)
+    assert d.scheduler.num_prefix_hit_tokens == 32
+
+
+def test_shared_blocks_counted_by_reference():
+    bm = BlockManager(16, 4)
+    a = make_request(0, 0, 1, list(range(8)) + [50])
+    b = make_request(1, 0, 1, list(range(8)) + [60])
+    assert bm.allocate_slots(a, a.num_tokens)
+    a.num_computed_tokens = a.num_tokens
+    bm.cache_full_blocks(a)
+    hits = bm.get_computed_blocks(b)
+    assert hits == bm.block_table(a.request_id)[:2]
+    assert bm.allocate_slots(b, b.num_tokens, hits)
+    bm.check_invariants()
+    assert bm.num_used_blocks == 4  # 2 shared + 1 tail each
+    bm.free(a.request_id)
+    bm.free(b.request_id)
+    assert bm.num_used_blocks == 0
+    bm.check_invariants()
+
+
+def test_lru_eviction_prefers_least_recently_freed():
+    bm = BlockManager(4, 2)
+    a = make_request(0, 0, 1, [1, 2, 3, 4, 9])
+    assert bm.allocate_slots(a, 4)
+    head, tail = bm.block_table(a.request_id)
+    a.num_computed_tokens = 4
+    bm.cache_full_blocks(a)
+    bm.free(a.request_id)
+    # Free queue: the two never-used blocks, then a's tail, then a's head. A request needing
+    # three blocks takes the unused ones and evicts a's tail; the shared-prefix head survives.
+    c = make_request(1, 6, 1)
+    assert bm.allocate_slots(c, 6)
+    assert tail in bm.block_table(c.request_id) and head not in bm.block_table(c.request_id)
+    bm.free(c.request_id)
+    assert bm.get_computed_blocks(a) == [head]
+
+
+def test_static_policy_holds_slots_until_the_batch_ends():
+    config = SchedulerConfig(max_batch_size=3, max_num_tokens=64, max_model_len=512,
+                             scheduling_policy="static")
+    d = Driver(config, num_blocks=64, block_size=4, static=True)
+    short, long_, late = make_request(0, 4, 2), make_request(1, 9, 12), make_request(2, 4, 2)
+    for r in (short, long_):
+        d.add(r)
+    first = d.step()
+    assert first.num_wasted_tokens == 9 - 4  # padding of the shorter prompt
+    reserved = d.bm.num_used_blocks
+    assert reserved == d.bm.num_blocks_for(4 + 2) + d.bm.num_blocks_for(9 + 12)
+    d.add(late)
+    idle_steps = 0
+    while not long_.is_finished:
+        short_was_done = short.is_finished
+        out = d.step()
+        assert all(s.request is not late for s in out.scheduled), "static admitted into a running batch"
+        if short_was_done:
+            idle_steps += 1
+            assert out.num_wasted_tokens == 1
+        if short.is_finished and not long_.is_finished:
+            assert d.bm.num_used_blocks == reserved, "static released a slot before the batch ended"
+    assert idle_steps > 0
+    out = d.step()
+    assert [s.request for s in out.scheduled] == [late]
+    d.run()
+    assert d.bm.num_used_blocks == 0
+
+
+def test_abort_frees_blocks():
+    config = SchedulerConfig(max_batch_size=4, max_num_tokens=64, max_model_len=512)
+    d = Driver(config, num_blocks=32, block_size=4)
+    r = make_request(0, 10, 50)
+    d.add(r)
+    d.step()
+    assert d.bm.num_used_blocks > 0
+    d.scheduler.finish(r, FinishReason.ABORT)
+    assert d.bm.num_used_blocks == 0 and r.finish_reason is FinishReason.ABORT
+
+
+@pytest.mark.parametrize("bad", [
+    {"max_batch_size": 0}, {"max_num_tokens": 0}, {"max_model_len": 1}, {"scheduling_policy": "fifo"},
+])
+def test_invalid_scheduler_config(bad):
+    with pytest.raises(ConfigError):
+        SchedulerConfig(**bad)
