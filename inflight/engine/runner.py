@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 
+from inflight.engine.memory import keep_freed_memory
 from inflight.engine.sampler import Sampler
 from inflight.engine.scheduler import ScheduledRequest, SchedulerOutput
 from inflight.model.attention import AttentionMetadata, PrefillSegment
@@ -29,6 +30,8 @@ class StepInputs(NamedTuple):
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, sampler: Sampler) -> None:
         cfg = model.config
+        if model.device.type == "cpu":
+            keep_freed_memory()
         self.model = model
         self.device = model.device
         self.block_size = block_size
@@ -62,9 +65,6 @@ class ModelRunner:
         tokens = self.sampler(logits, inputs.sample_requests)
         return {r.request_id: t for r, t in zip(inputs.sample_requests, tokens, strict=True)}
 
-    def _slots(self, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return block_table[..., positions // self.block_size] * self.block_size + positions % self.block_size
-
     def prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
         # Decodes first, so that they form one contiguous run read by one batched call.
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
@@ -87,16 +87,13 @@ class ModelRunner:
                 logits_indices.append(len(input_ids) - 1)
                 sample_requests.append(s.request)
 
-        decode_slots = decode_mask = None
+        decode_tables = decode_mask = None
         if decodes:
             context_lens = torch.tensor([s.end for s in decodes], device=device)
-            max_len = max(s.end for s in decodes)
-            num_table = self.num_blocks_for(max_len)
-            tables = torch.tensor([_padded(s.block_table, num_table) for s in decodes], device=device)
-            pos = torch.arange(max_len, device=device)
-            valid = pos.unsqueeze(0) < context_lens.unsqueeze(1)
-            decode_slots = torch.where(valid, self._slots(tables, pos), 0)
-            decode_mask = valid.view(len(decodes), 1, 1, max_len)
+            num_table = self.num_blocks_for(max(s.end for s in decodes))
+            decode_tables = torch.tensor([_padded(s.block_table, num_table) for s in decodes], device=device)
+            pos = torch.arange(num_table * bs, device=device)
+            decode_mask = (pos.unsqueeze(0) < context_lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
 
         segments: list[PrefillSegment] = []
         offset = len(decodes)
@@ -106,16 +103,18 @@ class ModelRunner:
             if s.start == 0:
                 segments.append(PrefillSegment(start, end, None, None))
                 continue
-            table = torch.tensor(s.block_table[: self.num_blocks_for(s.end)], device=device)
-            context = torch.arange(s.end, device=device)
+            num_table = self.num_blocks_for(s.end)
+            table = torch.tensor(s.block_table[:num_table], device=device)
+            context = torch.arange(num_table * bs, device=device)
             query_pos = torch.arange(s.start, s.end, device=device)
             mask = context.unsqueeze(0) <= query_pos.unsqueeze(1)
-            segments.append(PrefillSegment(start, end, self._slots(table, context), mask))
+            segments.append(PrefillSegment(start, end, table, mask))
 
         meta = AttentionMetadata(
+            block_size=bs,
             slot_mapping=torch.tensor(slot_mapping, device=device),
             num_decode_tokens=len(decodes),
-            decode_slots=decode_slots,
+            decode_block_tables=decode_tables,
             decode_mask=decode_mask,
             prefills=segments,
         )

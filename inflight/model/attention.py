@@ -18,14 +18,14 @@ import torch.nn.functional as F
 class PrefillSegment:
     """A request that computes several new tokens this step (a prompt or a chunk of one).
 
-    `context_slots` is None when the request has no cached context: its new K/V are all it
-    attends to, with a plain causal mask. Otherwise it lists the slots of the whole context
-    (cached tokens, then the new ones) and `mask` is `[num_new, context_len]`.
+    `block_table` is None when the request has no cached context: its new K/V are all it
+    attends to, with a plain causal mask. Otherwise it lists the blocks of the whole context
+    (cached tokens, then the new ones) and `mask` is `[num_new, num_blocks * block_size]`.
     """
 
     start: int
     end: int
-    context_slots: torch.Tensor | None
+    block_table: torch.Tensor | None
     mask: torch.Tensor | None
 
 
@@ -34,14 +34,15 @@ class AttentionMetadata:
     """How the packed tokens of one step map onto the paged KV cache.
 
     The first `num_decode_tokens` packed tokens are single-token decodes, one per request, whose
-    contexts are read in one batched call: `decode_slots` is `[num_decodes, max_context_len]`
-    (padded with slot 0) and `decode_mask` `[num_decodes, 1, 1, max_context_len]` marks real
-    positions. The remaining tokens belong to `prefills`.
+    contexts are read in one batched call: `decode_block_tables` is `[num_decodes, max_blocks]`
+    (padded with block 0) and `decode_mask` `[num_decodes, 1, 1, max_blocks * block_size]`
+    marks real positions. The remaining tokens belong to `prefills`.
     """
 
+    block_size: int
     slot_mapping: torch.Tensor
     num_decode_tokens: int
-    decode_slots: torch.Tensor | None
+    decode_block_tables: torch.Tensor | None
     decode_mask: torch.Tensor | None
     prefills: list[PrefillSegment]
 
@@ -73,17 +74,23 @@ class PagedAttention:
         if meta.num_decode_tokens:
             out[: meta.num_decode_tokens] = self._decode(q[: meta.num_decode_tokens], k_cache, v_cache, meta)
         for seg in meta.prefills:
-            out[seg.start:seg.end] = self._prefill(q, k, v, k_cache, v_cache, seg)
+            out[seg.start:seg.end] = self._prefill(q, k, v, k_cache, v_cache, seg, meta.block_size)
         return out.view(q.shape[0], self.num_heads * self.head_dim)
+
+    def _gather(self, cache: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+        """The K or V of whole blocks, `[*block_table.shape[:-1], num_blocks * block_size, kv, dim]`.
+        Copying whole blocks moves contiguous runs of memory instead of single slots."""
+        blocks = cache.view(-1, block_size * self.num_kv_heads * self.head_dim)
+        gathered = blocks.index_select(0, block_table.reshape(-1))
+        return gathered.view(*block_table.shape[:-1], -1, self.num_kv_heads, self.head_dim)
 
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        assert meta.decode_slots is not None
-        batch, max_len = meta.decode_slots.shape
-        flat = meta.decode_slots.view(-1)
-        keys = k_cache.index_select(0, flat).view(batch, max_len, self.num_kv_heads, self.head_dim)
-        values = v_cache.index_select(0, flat).view(batch, max_len, self.num_kv_heads, self.head_dim)
+        assert meta.decode_block_tables is not None
+        batch = meta.decode_block_tables.shape[0]
+        keys = self._gather(k_cache, meta.decode_block_tables, meta.block_size)
+        values = self._gather(v_cache, meta.decode_block_tables, meta.block_size)
         # One query per request: the query heads sharing a KV head stand in the "query length"
         # dimension of their group, so GQA needs no repeated K/V.
         grouped_q = q.view(batch, self.num_kv_heads, self.group_size, self.head_dim)
@@ -100,13 +107,14 @@ class PagedAttention:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         seg: PrefillSegment,
+        block_size: int,
     ) -> torch.Tensor:
         query = q[seg.start:seg.end].transpose(0, 1).unsqueeze(0)
-        if seg.context_slots is None:
+        if seg.block_table is None:
             keys, values, causal = k[seg.start:seg.end], v[seg.start:seg.end], True
         else:
-            keys = k_cache.index_select(0, seg.context_slots)
-            values = v_cache.index_select(0, seg.context_slots)
+            keys = self._gather(k_cache, seg.block_table, block_size)
+            values = self._gather(v_cache, seg.block_table, block_size)
             causal = False
         out = F.scaled_dot_product_attention(
             query,

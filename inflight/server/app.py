@@ -1,0 +1,113 @@
+"""The FastAPI app: routes, API-key check, body limits, and the engine's lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+
+from inflight.server.async_engine import AsyncEngine
+from inflight.server.config import ServerConfig
+from inflight.server.errors import APIError, from_validation_error, install_error_handlers, invalid
+from inflight.server.metrics import ServerMetrics
+from inflight.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from inflight.server.serving import OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+_Body = TypeVar("_Body", bound=BaseModel)
+
+
+async def read_body(request: Request, model: type[_Body], max_bytes: int) -> _Body:
+    """Parses a JSON body into `model`: 413 past `max_bytes` (declared or actually sent, so
+    a chunked upload cannot dodge the limit), 400 for anything malformed."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise APIError(413, f"the request body is larger than {max_bytes} bytes", code="request_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise APIError(413, f"the request body is larger than {max_bytes} bytes", code="request_too_large")
+        chunks.append(chunk)
+    try:
+        data = json.loads(b"".join(chunks))
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError alike
+        raise invalid(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise invalid("the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(list(exc.errors())) from None
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
+    """An app serving `engine`; the engine loop starts and stops with the app's lifespan."""
+    config = config or ServerConfig()
+    metrics = ServerMetrics(lambda: engine.stats)
+    engine.add_step_observer(metrics.observe_step)
+    serving = OpenAIServing(engine, metrics, config)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        # `GracefulServer` has normally drained already; other hosts get the same drain here.
+        await engine.drain(config.shutdown_timeout_s)
+        await asyncio.to_thread(engine.stop)
+
+    app = FastAPI(title="inflight", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.async_engine = engine
+    app.state.metrics = metrics
+    install_error_handlers(app, on_error=metrics.count_refused)
+
+    async def check_access(request: Request) -> None:
+        if config.api_key is not None:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            # compare_digest: the time taken must not tell how much of a guessed key was right.
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
+                raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                               code="invalid_api_key")
+        if not engine.is_accepting:
+            raise APIError(503, "the server is shutting down")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_access)])
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        body = await read_body(request, CompletionRequest, config.max_body_bytes)
+        return await serving.completion(body, request)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await read_body(request, ChatCompletionRequest, config.max_body_bytes)
+        return await serving.chat(body, request)
+
+    @v1.get("/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=serving.model_name, max_model_len=engine.max_model_len)])
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_accepting:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,303 @@
+"""The engine loop in a background thread, serving requests to asyncio code.
+
+The `LLMEngine` is not thread-safe, so exactly one thread touches it: the loop started by
+`AsyncEngine.start()`. HTTP handlers run on the asyncio event loop; they submit add and abort
+commands through a lock-guarded queue that the loop drains between steps, and they read
+outputs from an asyncio queue per request that the loop feeds with `call_soon_threadsafe`.
+Everything that crosses the thread boundary is plain immutable data (`Delta`, `EngineStats`).
+
+The loop steps while any request is unfinished or a command is pending, and sleeps on a
+condition variable otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from inflight.engine.engine import LLMEngine, StepObserver
+from inflight.engine.output import RequestOutput
+from inflight.errors import EngineOverloadedError, InflightError, InvalidRequestError
+from inflight.model.tokenizer import ChatMessage
+from inflight.request import SamplingParams
+from inflight.server.stream import ADMITTED, Delta, RequestStream
+
+logger = logging.getLogger(__name__)
+
+
+class EngineUnavailableError(InflightError):
+    """The engine is shutting down (or its loop has stopped) and takes no new requests."""
+
+
+class EngineFailedError(InflightError):
+    """The engine ended the request because something inside it failed."""
+
+
+class EngineShutdownError(EngineFailedError):
+    """The engine ended the request because the server is shutting down."""
+
+
+class EngineStats(NamedTuple):
+    """A snapshot of the engine's gauges and counters, published by the loop thread."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_kv_blocks_used: int = 0
+    num_kv_blocks_total: int = 0
+    kv_cache_usage: float = 0.0
+    kv_cache_peak_usage: float = 0.0
+    num_preemptions: int = 0
+    num_oom: int = 0
+    num_failed_steps: int = 0
+
+
+class _Add(NamedTuple):
+    stream: RequestStream
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+class _Abort(NamedTuple):
+    request_id: str
+
+
+class _AbortAll(NamedTuple):
+    message: str
+
+
+_Command = _Add | _Abort | _AbortAll
+
+
+class AsyncEngine:
+    """Runs an `LLMEngine` in one background thread and serves requests to asyncio code."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self._engine = engine
+        self.model_name = engine.model_name
+        self.max_model_len = engine.scheduler_config.max_model_len
+        self.max_waiting_requests = engine.scheduler_config.max_waiting_requests
+        self._lock = threading.Condition()
+        self._commands: list[_Command] = []
+        self._streams: dict[str, RequestStream] = {}  # guarded by _lock
+        self._num_pending_adds = 0  # submitted, not yet in the engine's waiting queue
+        self._num_waiting = 0  # the engine's waiting queue, as last published
+        self._accepting = True
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.stats = EngineStats(num_kv_blocks_total=engine.block_manager.num_blocks)
+
+    # --- read-only facts, safe from any thread --------------------------------------------------
+
+    def tokenize(self, prompt: str | Sequence[int] | None = None,
+                 messages: Sequence[ChatMessage] | None = None) -> list[int]:
+        """Prompt token ids (chat template applied to `messages`). The tokenizer is only read,
+        so handlers may call this while the loop thread detokenizes."""
+        return self._engine.tokenize(prompt, messages)
+
+    def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raises InvalidRequestError for a request the engine could never serve."""
+        self._engine.scheduler.check_admissible(num_prompt_tokens, max_tokens)
+
+    @property
+    def is_accepting(self) -> bool:
+        return self._accepting and self.is_alive
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_active(self) -> int:
+        """Requests submitted and not yet finished."""
+        with self._lock:
+            return len(self._streams)
+
+    def add_step_observer(self, observer: StepObserver) -> None:
+        """Registers a per-step callback; it runs in the loop thread. Call before `start()`."""
+        if self._thread is not None:
+            raise RuntimeError("add step observers before the engine loop starts")
+        self._engine.step_observers.append(observer)
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="inflight-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ends every unfinished request with an error and joins the loop thread."""
+        with self._lock:
+            self._accepting = False
+            self._stopping = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    async def drain(self, timeout_s: float, give_up: Callable[[], bool] = lambda: False) -> int:
+        """Refuses new requests, waits up to `timeout_s` (or until `give_up()`) for the
+        active ones to finish, then ends the rest with an error. Returns how many it ended."""
+        with self._lock:
+            self._accepting = False
+        deadline = time.monotonic() + timeout_s
+        if self.num_active:
+            logger.info("draining: waiting up to %.0f s for %d requests", timeout_s, self.num_active)
+        while self.num_active and time.monotonic() < deadline and self.is_alive and not give_up():
+            await asyncio.sleep(0.05)
+        remaining = self.num_active
+        if remaining:
+            logger.warning("shutdown timeout: ending %d unfinished requests", remaining)
+            self._send(_AbortAll("the server is shutting down; the request was ended early"))
+        return remaining
+
+    # --- requests (event loop side) -------------------------------------------------------------
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float,
+               prefix: str = "req") -> RequestStream:
+        """Queues a request for the engine. Raises EngineOverloadedError at once when the
+        waiting queue (plus adds not yet applied) is full, EngineUnavailableError when draining."""
+        stream = RequestStream(f"{prefix}-{uuid.uuid4().hex}", asyncio.get_running_loop())
+        with self._lock:
+            if not self._accepting or not self.is_alive:
+                raise EngineUnavailableError("the server is shutting down")
+            limit = self.max_waiting_requests
+            if limit is not None and self._num_waiting + self._num_pending_adds >= limit:
+                raise EngineOverloadedError(f"the waiting queue is full ({limit} requests); retry later")
+            self._num_pending_adds += 1
+            self._streams[stream.request_id] = stream
+            self._commands.append(_Add(stream, prompt_token_ids, params, arrival_time))
+            self._lock.notify()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Ends a request at the next step boundary (its client went away). Idempotent."""
+        self._send(_Abort(request_id))
+
+    def _send(self, command: _Command) -> None:
+        with self._lock:
+            self._commands.append(command)
+            self._lock.notify()
+
+    # --- the loop thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        logger.info("engine loop started")
+        while (commands := self._next_commands()) is not None:
+            for command in commands:
+                self._apply(command)
+            if self._engine.has_unfinished():
+                self._step()
+            self._publish()
+        self._fail_all(EngineShutdownError("the server is shutting down; the request was ended early"))
+        self._publish()
+        logger.info("engine loop stopped")
+
+    def _next_commands(self) -> list[_Command] | None:
+        """Takes the pending commands, sleeping while there is nothing to do; None to stop."""
+        with self._lock:
+            while not (self._commands or self._stopping or self._engine.has_unfinished()):
+                self._lock.wait()
+            if self._stopping:
+                return None
+            commands, self._commands = self._commands, []
+            return commands
+
+    def _apply(self, command: _Command) -> None:
+        try:
+            if isinstance(command, _Add):
+                self._apply_add(command)
+            elif isinstance(command, _Abort):
+                self._abort(command.request_id)
+            else:
+                self._fail_all(EngineShutdownError(command.message))
+        except Exception:  # a bad command must never stop the loop
+            logger.exception("engine loop: command %s failed", type(command).__name__)
+
+    def _apply_add(self, command: _Add) -> None:
+        stream = command.stream
+        try:
+            self._engine.add_request(command.prompt_token_ids, command.params,
+                                     request_id=stream.request_id, arrival_time=command.arrival_time)
+        except (InvalidRequestError, EngineOverloadedError) as exc:
+            self._close(stream, exc)
+        except Exception:
+            logger.exception("engine loop: add_request failed for %s", stream.request_id)
+            self._close(stream, EngineFailedError("internal error while queueing the request"))
+        else:
+            stream.in_engine = True
+            stream.put(ADMITTED)
+        finally:
+            with self._lock:
+                self._num_pending_adds -= 1
+                self._num_waiting = self._engine.num_waiting
+
+    def _abort(self, request_id: str) -> None:
+        self._engine.abort(request_id)
+        with self._lock:
+            self._streams.pop(request_id, None)
+
+    def _step(self) -> None:
+        try:
+            outputs = self._engine.step()
+        except Exception:
+            # The engine already turns a failed model step into per-request errors; reaching
+            # here means its own bookkeeping raised, so no request's state can be trusted.
+            logger.exception("engine loop: step raised; failing every request in the engine")
+            self._fail_all(EngineFailedError("internal error in the engine; the request was ended"),
+                           in_engine_only=True)
+            return
+        for out in outputs:
+            self._deliver(out)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._lock:
+            stream = self._streams.get(out.request_id)
+            if stream is not None and out.finished:
+                del self._streams[out.request_id]
+        if stream is None:  # aborted meanwhile
+            return
+        request = out.request
+        stream.put(Delta(out.text, len(out.new_token_ids), out.finish_reason,
+                         request.num_prompt_tokens, request.num_output_tokens, out.error))
+
+    def _fail_all(self, error: Exception, in_engine_only: bool = False) -> None:
+        """Ends every request with `error`; with `in_engine_only`, spares those whose add
+        command is still queued (they arrived during the step and are not affected)."""
+        with self._lock:
+            streams = {rid: st for rid, st in self._streams.items() if st.in_engine or not in_engine_only}
+            for request_id in streams:
+                del self._streams[request_id]
+        for request_id, stream in streams.items():
+            try:
+                self._engine.abort(request_id)
+            except Exception:
+                logger.exception("engine loop: abort of %s failed", request_id)
+            stream.put(error)
+
+    def _close(self, stream: RequestStream, error: Exception) -> None:
+        with self._lock:
+            self._streams.pop(stream.request_id, None)
+        stream.put(error)
+
+    def _publish(self) -> None:
+        engine = self._engine
+        bm = engine.block_manager
+        self.stats = EngineStats(
+            num_running=engine.num_running,
+            num_waiting=engine.num_waiting,
+            num_kv_blocks_used=bm.num_used_blocks,
+            num_kv_blocks_total=bm.num_blocks,
+            kv_cache_usage=bm.usage,
+            kv_cache_peak_usage=bm.peak_usage,
+            num_preemptions=engine.scheduler.num_preemptions,
+            num_oom=bm.num_allocation_failures + engine.num_oom_events,
+            num_failed_steps=engine.num_failed_steps,
+        )
+        with self._lock:
+            self._num_waiting = engine.num_waiting

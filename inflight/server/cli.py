@@ -1,0 +1,82 @@
+"""`inflight serve`: the OpenAI-compatible HTTP server.
+
+Heavy imports (torch, uvicorn) wait until the command runs, so `inflight --help` stays quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import signal
+import sys
+from typing import Any
+
+from inflight.cli import add_engine_options, engine_options
+from inflight.server.config import ServerConfig
+
+API_KEY_ENV = "INFLIGHT_API_KEY"
+_DEFAULTS = ServerConfig()
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
+                              description="Serve /v1/completions, /v1/chat/completions, /v1/models, "
+                                          "/health and /metrics.")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer <key>' on /v1 (default: ${API_KEY_ENV} if set)")
+    g.add_argument("--served-model-name", default=None, help="model name clients must send (default: the file's)")
+    g.add_argument("--max-body-bytes", type=int, default=_DEFAULTS.max_body_bytes,
+                   help="larger request bodies get 413")
+    g.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="requests beyond this many waiting get 429 (default: unbounded)")
+    g.add_argument("--default-max-tokens", type=int, default=_DEFAULTS.default_max_tokens,
+                   help="output cap for requests without max_tokens (never more than the context left)")
+    g.add_argument("--shutdown-timeout", type=float, default=_DEFAULTS.shutdown_timeout_s,
+                   help="seconds running requests may take to finish after SIGTERM")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_options(p)
+    p.set_defaults(func=_cmd_serve)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    config = ServerConfig(
+        served_model_name=args.served_model_name,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_body_bytes=args.max_body_bytes,
+        default_max_tokens=args.default_max_tokens,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+    if config.api_key is None and not is_loopback(args.host):
+        print(f"inflight: WARNING: serving on {args.host} without an API key: anyone who can reach "
+              f"this port can use the model. Set --api-key or ${API_KEY_ENV}.", file=sys.stderr)
+
+    from inflight.config import EngineConfig
+    from inflight.engine.engine import LLMEngine
+    from inflight.server.launcher import make_server
+
+    options = engine_options(args)
+    if args.max_waiting_requests is not None:
+        options["max_waiting_requests"] = args.max_waiting_requests
+    engine = LLMEngine(EngineConfig.from_kwargs(args.model, **options))
+    server = make_server(engine, config, args.host, args.port, args.log_level)
+    # uvicorn re-raises the signal that stopped it once it has shut down, so that the default
+    # action ends the process; after a clean drain a SIGTERM should end it with status 0.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0

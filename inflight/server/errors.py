@@ -1,0 +1,108 @@
+"""HTTP errors with OpenAI's body: `{"error": {"message", "type", "param", "code"}}`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from inflight.server.protocol import ErrorInfo, ErrorResponse
+
+# OpenAI's error types, by HTTP status.
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    """An error answered to the client with `status` and an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    @property
+    def info(self) -> ErrorInfo:
+        return ErrorInfo(message=self.message, type=_TYPES.get(self.status, "server_error"),
+                         param=self.param, code=self.code)
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status, headers=headers)
+
+
+def invalid(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param)
+
+
+def param_of(message: str, known: set[str]) -> str | None:
+    """The request field an engine message is about ("temperature must be >= 0" -> temperature)."""
+    head = message.split(" ", 1)[0].rstrip(":")
+    return head if head in known else None
+
+
+def from_validation_error(errors: list[Any]) -> APIError:
+    """A 400 naming the first bad field of a pydantic (or FastAPI) validation failure."""
+    if not errors:
+        return invalid("the request body is invalid")
+    err = errors[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    if err.get("type") == "value_error" and "error" in err.get("ctx", {}):
+        # Our own model validators raise "field: message".
+        text = str(err["ctx"]["error"])
+        field, sep, rest = text.partition(": ")
+        if sep and " " not in field:
+            return invalid(rest, field)
+        return invalid(text, loc[0] if loc else None)
+    # A union reports each alternative's location ("prompt", "str"); name the field only.
+    field = loc[0] if loc else None
+    where = ".".join(p for p in loc if not _is_type_name(p))
+    message = f"{where}: {err.get('msg', 'invalid value')}" if where else str(err.get("msg", "invalid value"))
+    return invalid(message, field)
+
+
+def _is_type_name(part: str) -> bool:
+    return "[" in part or part in ("str", "int", "float", "bool")
+
+
+def install_error_handlers(app: FastAPI, on_error: Any = None) -> None:
+    """Every error leaves as an OpenAI body; `on_error(status)` is told of each (for metrics)."""
+
+    def answer(error: APIError) -> JSONResponse:
+        if on_error is not None:
+            on_error(error.status)
+        return error.response()
+
+    async def api_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return answer(exc)
+
+    async def request_validation(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError | ValidationError)
+        return answer(from_validation_error(list(exc.errors())))
+
+    async def http_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        return answer(APIError(exc.status_code, str(exc.detail)))
+
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return answer(APIError(500, "internal server error"))
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(Exception, unexpected)
+    app.add_exception_handler(RequestValidationError, request_validation)
+    app.add_exception_handler(StarletteHTTPException, http_error)

@@ -1,0 +1,138 @@
+"""Prometheus metrics, named after vLLM's with the prefix `inflight:`.
+
+Each app owns a private `CollectorRegistry`, so several servers can live in one process
+(tests). Engine gauges and counters are read at scrape time from the snapshot the engine loop
+publishes; per-token and per-request latencies are observed by a step observer, which runs in
+the loop thread (prometheus_client's metrics are thread-safe); request outcomes are counted
+by the HTTP handlers, which alone know how each request ended for its client.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from inflight.engine.output import RequestOutput, StepRecord
+from inflight.request import FinishReason
+from inflight.server.async_engine import EngineStats
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "inflight:"
+
+# Buckets as vLLM's, so dashboards built for it read these the same way.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+# request_failure_total reasons, by the HTTP status a request was refused with.
+_FAILURE_REASONS = {400: "invalid", 404: "invalid", 405: "invalid", 413: "invalid",
+                    401: "unauthorized", 429: "overloaded", 503: "unavailable"}
+
+
+class _EngineCollector:
+    """Engine gauges and counters, read from the loop thread's last published snapshot."""
+
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        gauges = [
+            ("num_requests_running", "Requests in the running batch.", s.num_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+            ("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", s.kv_cache_usage),
+            ("kv_cache_usage_peak_perc", "Peak fraction of KV blocks in use (0..1).", s.kv_cache_peak_usage),
+            ("kv_cache_blocks_used", "KV blocks in use.", s.num_kv_blocks_used),
+            ("kv_cache_blocks_total", "KV blocks in the pool.", s.num_kv_blocks_total),
+        ]
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+        counters = [
+            ("num_preemptions", "Requests preempted (their KV freed, to be recomputed).", s.num_preemptions),
+            ("oom", "KV allocation failures plus out-of-memory errors in a model step.", s.num_oom),
+            ("num_failed_steps", "Engine steps that raised and failed their requests.", s.num_failed_steps),
+        ]
+        for name, doc, value in counters:
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self.registry = registry = CollectorRegistry()
+        registry.register(_EngineCollector(stats))
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prefilled prompt tokens.", registry=registry)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", registry=registry)
+        self.request_success = Counter(PREFIX + "request_success", "Requests that finished, by finish reason.",
+                                       ["finished_reason"], registry=registry)
+        self.request_failure = Counter(
+            PREFIX + "request_failure",
+            "Requests that did not finish: error, aborted (client left), shutdown, invalid, "
+            "unauthorized, overloaded (429), unavailable (503).",
+            ["reason"], registry=registry)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Arrival to first token.",
+                              buckets=_TTFT_BUCKETS, registry=registry)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between two tokens of a request.",
+                             buckets=_ITL_BUCKETS, registry=registry)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to last token.",
+                             buckets=_REQUEST_BUCKETS, registry=registry)
+        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Arrival to first scheduled.",
+                                    buckets=_REQUEST_BUCKETS, registry=registry)
+        self.iteration_tokens = Histogram(PREFIX + "iteration_tokens", "Tokens computed by one engine step.",
+                                          buckets=_ITERATION_BUCKETS, registry=registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # --- outcomes, counted by the handlers ------------------------------------------------------
+
+    def count_success(self, reason: FinishReason) -> None:
+        self.request_success.labels(reason.value).inc()
+
+    def count_failure(self, reason: str) -> None:
+        self.request_failure.labels(reason).inc()
+
+    def count_refused(self, status: int) -> None:
+        """A request answered with an error status before it reached the engine."""
+        reason = _FAILURE_REASONS.get(status)
+        if reason is None and status >= 500:
+            reason = "error"
+        if reason is not None:
+            self.count_failure(reason)
+
+    # --- the step observer (loop thread) --------------------------------------------------------
+
+    def observe_step(self, record: StepRecord, outputs: list[RequestOutput]) -> None:
+        # Metrics must never fail a step: the engine would fail the step's requests.
+        try:
+            self._observe_step(record, outputs)
+        except Exception:
+            logger.exception("metrics: step observer failed")
+
+    def _observe_step(self, record: StepRecord, outputs: list[RequestOutput]) -> None:
+        num_tokens = record.num_prefill_tokens + record.num_decode_tokens
+        if num_tokens:
+            self.iteration_tokens.observe(num_tokens)
+        for out in outputs:
+            if not out.new_token_ids:
+                continue
+            request = out.request
+            t = request.timings
+            self.generation_tokens.inc(len(out.new_token_ids))
+            if len(t.token_times) == 1:
+                self.prompt_tokens.inc(request.num_prompt_tokens)
+                if t.ttft_s is not None:
+                    self.ttft.observe(t.ttft_s)
+                if t.queue_s is not None:
+                    self.queue_time.observe(t.queue_s)
+            elif len(t.token_times) >= 2:
+                self.itl.observe(t.token_times[-1] - t.token_times[-2])
+            if out.finished and t.finished is not None:
+                self.e2e.observe(t.finished - t.arrival)

@@ -1,0 +1,307 @@
+"""Completions and chat completions: validate, submit to the engine, stream or collect.
+
+A request is fully checked before it reaches the engine (tokenized, its sampling parameters
+built, its size checked against the context and the KV pool), so a bad request costs the
+engine nothing and never disturbs others. Tokenizing runs in a worker thread: a prompt near
+the body limit takes a noticeable fraction of a second, which would stall every stream if it
+ran on the event loop. The tokenizer is only read, so this is safe beside the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
+
+from inflight.errors import EngineOverloadedError, InvalidRequestError
+from inflight.request import FinishReason, SamplingParams
+from inflight.server.async_engine import (
+    AsyncEngine,
+    EngineFailedError,
+    EngineShutdownError,
+    EngineUnavailableError,
+)
+from inflight.server.config import ServerConfig
+from inflight.server.errors import APIError, invalid, param_of
+from inflight.server.metrics import ServerMetrics
+from inflight.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorResponse,
+    GenerationRequest,
+    UsageInfo,
+)
+from inflight.server.stream import Delta, RequestStream
+
+_PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "presence_penalty",
+           "frequency_penalty", "stop"}
+
+
+class _Format(Protocol):
+    """How one endpoint shapes its chunks and its whole response."""
+
+    def opening(self) -> list[BaseModel]: ...
+    def chunk(self, text: str, finish: str | None) -> BaseModel: ...
+    def usage_chunk(self, usage: UsageInfo) -> BaseModel: ...
+    def response(self, text: str, finish: str | None, usage: UsageInfo) -> BaseModel: ...
+
+
+class _CompletionFormat:
+    def __init__(self, request_id: str, model: str) -> None:
+        self.id, self.model, self.created = request_id, model, int(time.time())
+
+    def opening(self) -> list[BaseModel]:
+        return []
+
+    def chunk(self, text: str, finish: str | None) -> BaseModel:
+        return CompletionResponse(id=self.id, model=self.model, created=self.created,
+                                  choices=[CompletionChoice(text=text, finish_reason=finish)])
+
+    def usage_chunk(self, usage: UsageInfo) -> BaseModel:
+        return CompletionResponse(id=self.id, model=self.model, created=self.created, choices=[], usage=usage)
+
+    def response(self, text: str, finish: str | None, usage: UsageInfo) -> BaseModel:
+        return CompletionResponse(id=self.id, model=self.model, created=self.created,
+                                  choices=[CompletionChoice(text=text, finish_reason=finish)], usage=usage)
+
+
+class _ChatFormat:
+    def __init__(self, request_id: str, model: str) -> None:
+        self.id, self.model, self.created = request_id, model, int(time.time())
+
+    def opening(self) -> list[BaseModel]:
+        # OpenAI sends the role alone first, with empty content.
+        return [ChatCompletionChunk(id=self.id, model=self.model, created=self.created,
+                                    choices=[ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))])]
+
+    def chunk(self, text: str, finish: str | None) -> BaseModel:
+        delta = DeltaMessage(content=text) if text else DeltaMessage()
+        return ChatCompletionChunk(id=self.id, model=self.model, created=self.created,
+                                   choices=[ChatChunkChoice(delta=delta, finish_reason=finish)])
+
+    def usage_chunk(self, usage: UsageInfo) -> BaseModel:
+        return ChatCompletionChunk(id=self.id, model=self.model, created=self.created, choices=[], usage=usage)
+
+    def response(self, text: str, finish: str | None, usage: UsageInfo) -> BaseModel:
+        return ChatCompletionResponse(id=self.id, model=self.model, created=self.created, usage=usage,
+                                      choices=[ChatChoice(message=ChatMessageOut(content=text), finish_reason=finish)])
+
+
+class _SSEResponse(StreamingResponse):
+    """Calls `on_close` however the response ends. When the client disconnects, Starlette
+    cancels the sending task, and the body generator may be left suspended at a `yield`
+    where its own `finally` would not run until garbage collection."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _sse(model: BaseModel, exclude_usage: bool = False) -> str:
+    return f"data: {model.model_dump_json(exclude={'usage'} if exclude_usage else None)}\n\n"
+
+
+_DONE = "data: [DONE]\n\n"
+
+
+def _finish_name(reason: FinishReason | None) -> str | None:
+    return reason.value if reason in (FinishReason.STOP, FinishReason.LENGTH) else None
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, config: ServerConfig) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.config = config
+        self.model_name = config.served_model_name or engine.model_name
+
+    async def completion(self, req: CompletionRequest, http: Request) -> Response:
+        arrival = time.perf_counter()
+        self._check_model(req.model)
+        try:
+            token_ids = await asyncio.to_thread(self.engine.tokenize, req.single_prompt)
+        except InvalidRequestError as exc:
+            raise invalid(str(exc), "prompt") from None
+        if not token_ids:
+            raise invalid("the prompt is empty", "prompt")
+        params = self._sampling_params(req, req.max_tokens, len(token_ids), "prompt")
+        stream = await self._submit(token_ids, params, arrival, "cmpl")
+        fmt = _CompletionFormat(stream.request_id, self.model_name)
+        return await self._respond(stream, fmt, req, http)
+
+    async def chat(self, req: ChatCompletionRequest, http: Request) -> Response:
+        arrival = time.perf_counter()
+        self._check_model(req.model)
+        try:
+            messages = [m.to_template() for m in req.messages]
+            token_ids = await asyncio.to_thread(self.engine.tokenize, None, messages)
+        except InvalidRequestError as exc:
+            raise invalid(str(exc), "messages") from None
+        params = self._sampling_params(req, req.requested_max_tokens, len(token_ids), "messages")
+        stream = await self._submit(token_ids, params, arrival, "chatcmpl")
+        fmt = _ChatFormat(stream.request_id, self.model_name)
+        return await self._respond(stream, fmt, req, http)
+
+    # --- validation -----------------------------------------------------------------------------
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           "model", "model_not_found")
+
+    def _sampling_params(self, req: GenerationRequest, max_tokens: int | None, num_prompt_tokens: int,
+                         prompt_param: str) -> SamplingParams:
+        room = self.engine.max_model_len - num_prompt_tokens
+        # Blame the prompt unless the client's own max_tokens is what does not fit.
+        blamed = "max_tokens" if max_tokens is not None and room >= 1 else prompt_param
+        if max_tokens is None:
+            if room < 1:
+                raise invalid(f"the prompt ({num_prompt_tokens} tokens) leaves no room for output within "
+                              f"max_model_len ({self.engine.max_model_len})", prompt_param)
+            max_tokens = min(self.config.default_max_tokens, room)
+        try:
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=0 if req.top_k is None or req.top_k == -1 else req.top_k,  # -1: vLLM's "off"
+                seed=req.seed,
+                stop=req.stop_strings,
+                ignore_eos=req.ignore_eos,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+            )
+        except InvalidRequestError as exc:
+            raise invalid(str(exc), param_of(str(exc), _PARAMS)) from None
+        try:
+            self.engine.check_admissible(num_prompt_tokens, max_tokens)
+        except InvalidRequestError as exc:
+            raise invalid(str(exc), blamed) from None
+        return params
+
+    async def _submit(self, token_ids: list[int], params: SamplingParams, arrival: float,
+                      prefix: str) -> RequestStream:
+        try:
+            stream = self.engine.submit(token_ids, params, arrival, prefix)
+            try:
+                await stream.wait_admitted()
+            except asyncio.CancelledError:
+                self.engine.abort(stream.request_id)
+                raise
+        except EngineOverloadedError as exc:
+            raise APIError(429, str(exc), code="overloaded") from None
+        except (EngineUnavailableError, EngineShutdownError) as exc:
+            raise APIError(503, str(exc)) from None
+        except EngineFailedError as exc:
+            raise APIError(500, str(exc)) from None
+        except InvalidRequestError as exc:
+            raise invalid(str(exc)) from None
+        return stream
+
+    # --- responses ------------------------------------------------------------------------------
+
+    async def _respond(self, stream: RequestStream, fmt: _Format, req: GenerationRequest,
+                       http: Request) -> Response:
+        if req.stream:
+            return _SSEResponse(self._stream(stream, fmt, req.include_usage),
+                                on_close=lambda: self._abort_if_running(stream))
+        return await self._collect_or_abort(stream, fmt, http)
+
+    def _ended_by_engine(self, exc: EngineFailedError) -> APIError:
+        shutdown = isinstance(exc, EngineShutdownError)
+        self.metrics.count_failure("shutdown" if shutdown else "error")
+        return APIError(503 if shutdown else 500, str(exc))
+
+    def _abort_if_running(self, stream: RequestStream) -> None:
+        if not stream.finished:
+            stream.finished = True
+            self.engine.abort(stream.request_id)
+            self.metrics.count_failure("aborted")
+
+    async def _stream(self, stream: RequestStream, fmt: _Format, include_usage: bool) -> AsyncIterator[str]:
+        last: Delta | None = None
+        try:
+            for opening in fmt.opening():
+                yield _sse(opening, exclude_usage=not include_usage)
+            async for delta in stream.deltas():
+                last = delta
+                if delta.error is not None or delta.finish_reason is FinishReason.ERROR:
+                    self.metrics.count_failure("error")
+                    yield _error_event(APIError(500, delta.error or "internal error"))
+                    yield _DONE
+                    return
+                finish = _finish_name(delta.finish_reason)
+                if delta.text or finish is not None:
+                    yield _sse(fmt.chunk(delta.text, finish), exclude_usage=not include_usage)
+        except EngineFailedError as exc:
+            yield _error_event(self._ended_by_engine(exc))
+            yield _DONE
+            return
+        if last is not None and last.finish_reason is not None:
+            self.metrics.count_success(last.finish_reason)
+            if include_usage:
+                yield _sse(fmt.usage_chunk(UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens)))
+        yield _DONE
+
+    async def _collect(self, stream: RequestStream, fmt: _Format) -> Response:
+        parts: list[str] = []
+        last: Delta | None = None
+        try:
+            async for delta in stream.deltas():
+                parts.append(delta.text)
+                last = delta
+        except EngineFailedError as exc:
+            return self._ended_by_engine(exc).response()
+        if last is None or last.error is not None or last.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
+            self.metrics.count_failure("error")
+            return APIError(500, (last and last.error) or "internal error").response()
+        self.metrics.count_success(last.finish_reason)
+        usage = UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens)
+        return JSONResponse(fmt.response("".join(parts), _finish_name(last.finish_reason), usage).model_dump())
+
+    async def _collect_or_abort(self, stream: RequestStream, fmt: _Format, http: Request) -> Response:
+        """Collects the whole output, unless the client leaves first: then the request is
+        aborted so that it stops holding a batch slot and KV blocks."""
+        collect = asyncio.ensure_future(self._collect(stream, fmt))
+        watch = asyncio.ensure_future(_wait_disconnect(http.receive))
+        try:
+            await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not collect.done():
+                collect.cancel()
+                self._abort_if_running(stream)
+        if collect.cancelled():
+            return Response(status_code=499)  # nobody will read it
+        return collect.result()
+
+
+def _error_event(error: APIError) -> str:
+    return f"data: {ErrorResponse(error=error.info).model_dump_json()}\n\n"
+
+
+async def _wait_disconnect(receive: Callable[[], Awaitable[dict[str, object]]]) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,342 @@
+"""The HTTP server end to end: a real uvicorn on a free loopback port, the real embedded model,
+and the official `openai` client. Generations are kept short so the file runs in seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from inflight import LLM, EngineConfig, LLMEngine, SamplingParams
+from inflight.model.loaded import LoadedModel
+from inflight.server.config import ServerConfig
+from inflight.server.launcher import RunningServer, serve_in_thread
+
+MAX_BODY_BYTES = 64 * 1024
+NUM_KV_BLOCKS = 256
+
+
+@pytest.fixture(scope="module")
+def server(loaded: LoadedModel) -> Iterator[RunningServer]:
+    engine = LLMEngine(EngineConfig.from_kwargs(num_kv_blocks=NUM_KV_BLOCKS, max_batch_size=32), loaded)
+    with serve_in_thread(engine, ServerConfig(max_body_bytes=MAX_BODY_BYTES, shutdown_timeout_s=5)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def offline(loaded: LoadedModel) -> LLM:
+    return LLM(loaded=loaded, num_kv_blocks=NUM_KV_BLOCKS)
+
+
+@pytest.fixture(scope="module")
+def model(server: RunningServer) -> str:
+    return server.engine.model_name
+
+
+@pytest.fixture()
+def client(server: RunningServer) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def metric(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
+    return samples.get(("inflight:" + name, frozenset(labels.items())), 0.0)
+
+
+def greedy(offline: LLM, prompt: Any, max_tokens: int) -> tuple[str, int, int]:
+    (out,) = offline.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0))
+    return out.text, len(out.prompt_token_ids), len(out.token_ids)
+
+
+# --- the openai client ---------------------------------------------------------------------------
+
+
+def test_models_and_health(server: RunningServer, client: openai.OpenAI, model: str) -> None:
+    assert [m.id for m in client.models.list().data] == [model]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_completion_matches_offline_greedy(client: openai.OpenAI, offline: LLM, model: str) -> None:
+    prompt = "The capital of France is"
+    text, num_prompt, num_output = greedy(offline, prompt, 12)
+    resp = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+    assert resp.choices[0].text == text
+    assert resp.choices[0].finish_reason in ("length", "stop")
+    assert resp.usage is not None
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (num_prompt, num_output)
+    assert resp.usage.total_tokens == num_prompt + num_output
+
+    token_ids = offline.tokenizer.encode(prompt)
+    by_ids = client.completions.create(model=model, prompt=token_ids, max_tokens=12, temperature=0)
+    assert by_ids.choices[0].text == text
+
+
+def test_streamed_completion_matches_and_reports_usage(client: openai.OpenAI, offline: LLM, model: str) -> None:
+    prompt = "List three uses of a paperclip:\n1."
+    text, num_prompt, num_output = greedy(offline, prompt, 16)
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] in ("length", "stop") and all(f is None for f in finishes[:-1])
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (num_prompt, num_output)
+
+
+def test_chat_matches_offline_greedy(client: openai.OpenAI, offline: LLM, model: str) -> None:
+    messages: list[Any] = [{"role": "system", "content": "You are terse."},
+                           {"role": "user", "content": "Name a primary colour."}]
+    text, num_prompt, num_output = greedy(offline, messages, 12)
+    resp = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content == text
+    assert resp.usage is not None and resp.usage.prompt_tokens == num_prompt
+    assert resp.usage.completion_tokens == num_output
+
+    stream = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=12,
+                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-2].choices[0].finish_reason == resp.choices[0].finish_reason
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == num_output
+
+    plain = list(client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
+                                                stream=True))
+    assert all(c.usage is None for c in plain)
+    assert "".join(c.choices[0].delta.content or "" for c in plain) == text
+
+
+def test_sampling_parameters_are_accepted(client: openai.OpenAI, model: str) -> None:
+    kwargs: dict[str, Any] = dict(model=model, prompt="Once upon a time", max_tokens=8, temperature=0.8,
+                                  top_p=0.9, seed=7, frequency_penalty=0.5, presence_penalty=0.5,
+                                  extra_body={"top_k": 20, "repetition_penalty": 1.1, "ignore_eos": True})
+    first = client.completions.create(**kwargs)
+    again = client.completions.create(**kwargs)
+    assert first.usage is not None and first.usage.completion_tokens == 8  # ignore_eos
+    assert first.choices[0].text == again.choices[0].text  # seeded
+
+    stopped = client.completions.create(model=model, prompt="Count: 1, 2, 3,", max_tokens=30, temperature=0,
+                                        stop=[","], extra_body={"ignore_eos": True})
+    assert stopped.choices[0].finish_reason == "stop" and "," not in stopped.choices[0].text
+
+
+def test_sixteen_concurrent_streams_are_batched(server: RunningServer, offline: LLM, model: str) -> None:
+    prompts = [f"Write a sentence about the number {i}." for i in range(16)]
+    expected = [o.text for o in offline.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]
+
+    async def one(client: openai.AsyncOpenAI, prompt: str) -> tuple[str, str, str | None, int]:
+        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        chunks = [c async for c in stream]
+        usage = chunks[-1].usage
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        return chunks[0].id, text, finish, usage.completion_tokens if usage else -1
+
+    async def run_all() -> list[tuple[str, str, str | None, int]]:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
+            return await asyncio.gather(*(one(c, p) for p in prompts))
+
+    before = scrape(server.url)
+    results = asyncio.run(run_all())
+    after = scrape(server.url)
+    assert len(results) == 16 and len({r[0] for r in results}) == 16
+    for (_, text, finish, num_tokens), want in zip(results, expected, strict=True):
+        assert finish == "length" and num_tokens == 8
+        assert text == want  # fp32 greedy: batch composition does not change the tokens
+    # One request per step would take at least 16 * 8 steps; batching takes far fewer.
+    num_steps = metric(after, "iteration_tokens_count") - metric(before, "iteration_tokens_count")
+    assert num_steps <= 16 * 8 // 2, f"{num_steps} steps: the requests were not batched"
+
+
+# --- disconnects ---------------------------------------------------------------------------------
+
+
+def _wait_idle(url: str, idle_usage: float, timeout_s: float = 15.0) -> dict[Any, float]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = scrape(url)
+        if metric(samples, "num_requests_running") == 0 and metric(samples, "kv_cache_usage_perc") == idle_usage:
+            return samples
+        assert time.monotonic() < deadline, f"engine not idle: {samples}"
+        time.sleep(0.1)
+
+
+def test_disconnect_mid_stream_aborts_the_request(server: RunningServer, model: str) -> None:
+    before = scrape(server.url)
+    idle_usage = metric(before, "kv_cache_usage_perc")
+    body = {"model": model, "prompt": "Tell me a long story.", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as http, http.stream("POST", server.url + "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        received = [line for line, _ in zip(lines, range(6), strict=False) if line.startswith("data: ")]
+        assert len(received) >= 2
+        busy = scrape(server.url)
+        assert metric(busy, "num_requests_running") == 1 and metric(busy, "kv_cache_usage_perc") > idle_usage
+    after = _wait_idle(server.url, idle_usage)  # 1500 tokens would take far longer than the wait
+    assert metric(after, "request_failure_total", reason="aborted") == metric(before, "request_failure_total", reason="aborted") + 1
+
+
+def test_disconnect_while_waiting_for_a_whole_completion(server: RunningServer, model: str) -> None:
+    before = scrape(server.url)
+    body = {"model": model, "prompt": "Tell me a long story.", "max_tokens": 1500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
+    after = _wait_idle(server.url, metric(before, "kv_cache_usage_perc"))
+    assert metric(after, "request_failure_total", reason="aborted") == metric(before, "request_failure_total", reason="aborted") + 1
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+LONG_IDS = [1] * 2100  # past max_model_len (2048)
+
+BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
+    # (name, path, body (bytes are sent raw), status, param)
+    ("malformed json", "/completions", b'{"model": "M", "prompt": ', 400, None),
+    ("not an object", "/completions", b"[1, 2]", 400, None),
+    ("not utf-8", "/completions", b"\xff\xfe", 400, None),
+    ("missing prompt", "/completions", {"model": "M"}, 400, "prompt"),
+    ("missing model", "/completions", {"prompt": "hi"}, 400, "model"),
+    ("missing messages", "/chat/completions", {"model": "M"}, 400, "messages"),
+    ("empty messages", "/chat/completions", {"model": "M", "messages": []}, 400, "messages"),
+    ("bad role", "/chat/completions", {"model": "M", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    ("wrong type", "/completions", {"model": "M", "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("prompt wrong type", "/completions", {"model": "M", "prompt": 42}, 400, "prompt"),
+    ("unknown model", "/completions", {"model": "gpt-0", "prompt": "hi"}, 404, "model"),
+    ("empty prompt", "/completions", {"model": "M", "prompt": ""}, 400, "prompt"),
+    ("empty token list", "/completions", {"model": "M", "prompt": []}, 400, "prompt"),
+    ("token id out of vocab", "/completions", {"model": "M", "prompt": [10**9]}, 400, "prompt"),
+    ("batch of prompts", "/completions", {"model": "M", "prompt": ["a", "b"]}, 400, "prompt"),
+    ("prompt too long", "/completions", {"model": "M", "prompt": LONG_IDS}, 400, "prompt"),
+    ("prompt too long, max_tokens", "/completions", {"model": "M", "prompt": LONG_IDS, "max_tokens": 4}, 400, "prompt"),
+    ("max_tokens 0", "/completions", {"model": "M", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens beyond context", "/completions", {"model": "M", "prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),
+    ("chat max_completion_tokens 0", "/chat/completions",
+     {"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, 400, "max_tokens"),
+    ("negative temperature", "/completions", {"model": "M", "prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ("top_p zero", "/completions", {"model": "M", "prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("top_p above one", "/completions", {"model": "M", "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("n above one", "/completions", {"model": "M", "prompt": "hi", "n": 2}, 400, "n"),
+    ("chat n above one", "/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n"),
+    ("empty stop string", "/completions", {"model": "M", "prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("penalty out of range", "/completions", {"model": "M", "prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("logprobs", "/completions", {"model": "M", "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("oversized body", "/completions", {"model": "M", "prompt": "x" * (MAX_BODY_BYTES + 1)}, 413, None),
+]
+
+
+def _send(url: str, path: str, body: Any, model: str, **kwargs: Any) -> httpx.Response:
+    if isinstance(body, bytes):
+        return httpx.post(url + "/v1" + path, content=body, headers={"content-type": "application/json"}, **kwargs)
+    if body.get("model") == "M":
+        body = {**body, "model": model}
+    return httpx.post(url + "/v1" + path, json=body, **kwargs)
+
+
+def _assert_error_body(resp: httpx.Response, status: int, param: str | None = None) -> None:
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+
+
+@pytest.mark.parametrize(("name", "path", "body", "status", "param"), BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_request_gets_an_openai_error(server: RunningServer, model: str, name: str, path: str, body: Any,
+                                          status: int, param: str | None) -> None:
+    _assert_error_body(_send(server.url, path, body, model, timeout=30), status, param)
+
+
+def test_oversized_chunked_body_is_refused_without_content_length(server: RunningServer) -> None:
+    def chunks() -> Iterator[bytes]:
+        yield b'{"model": "M", "prompt": "'
+        for _ in range(MAX_BODY_BYTES // 1024 + 1):
+            yield b"x" * 1024
+        yield b'"}'
+
+    resp = httpx.post(server.url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert "content-length" not in resp.request.headers
+    _assert_error_body(resp, 413)
+
+
+def test_unknown_route_and_method_get_openai_errors(server: RunningServer) -> None:
+    _assert_error_body(httpx.get(server.url + "/v1/nothing"), 404)
+    _assert_error_body(httpx.get(server.url + "/v1/completions"), 405)
+
+
+def test_bad_requests_do_not_disturb_a_running_stream(server: RunningServer, model: str) -> None:
+    before = scrape(server.url)
+    body = {"model": model, "prompt": "The history of the bicycle", "max_tokens": 40, "ignore_eos": True,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    lines: list[str] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as resp:
+            for line in resp.iter_lines():
+                started.set()
+                lines.append(line)
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert started.wait(30)
+    for _, path, bad, status, _ in BAD_REQUESTS:
+        assert _send(server.url, path, bad, model, timeout=30).status_code == status
+    thread.join(60)
+    assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]"
+    assert '"completion_tokens":40' in "".join(lines)
+    after = scrape(server.url)
+    assert metric(after, "request_failure_total", reason="invalid") == \
+        metric(before, "request_failure_total", reason="invalid") + len(BAD_REQUESTS)
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+# --- metrics -------------------------------------------------------------------------------------
+
+
+def test_metrics_parse_and_move_with_requests(server: RunningServer, client: openai.OpenAI, model: str) -> None:
+    text = httpx.get(server.url + "/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    expected = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "kv_cache_usage_peak_perc",
+                "kv_cache_blocks_used", "kv_cache_blocks_total", "num_preemptions", "oom", "num_failed_steps",
+                "prompt_tokens", "generation_tokens", "time_to_first_token_seconds", "inter_token_latency_seconds",
+                "e2e_request_latency_seconds", "request_queue_time_seconds", "iteration_tokens"]
+    for name in expected:
+        assert "inflight:" + name in families, name
+    assert all(name.startswith("inflight:") for name in families)
+
+    before = scrape(server.url)
+    resp = client.completions.create(model=model, prompt="Question: What is 17 times 23? Answer:", max_tokens=6,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    after = scrape(server.url)
+    assert resp.usage is not None
+
+    def moved(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert moved("prompt_tokens_total") == resp.usage.prompt_tokens
+    assert moved("generation_tokens_total") == resp.usage.completion_tokens == 6
+    assert moved("request_success_total", finished_reason="length") == 1
+    assert moved("time_to_first_token_seconds_count") == 1
+    assert moved("request_queue_time_seconds_count") == 1
+    assert moved("e2e_request_latency_seconds_count") == 1
+    assert moved("inter_token_latency_seconds_count") == 5
+    assert moved("iteration_tokens_count") >= 6
+    assert metric(after, "kv_cache_blocks_total") == NUM_KV_BLOCKS
+    assert 0 < metric(after, "kv_cache_usage_peak_perc") <= 1
