@@ -53,6 +53,7 @@ class EngineStats(NamedTuple):
     kv_cache_peak_usage: float = 0.0
     num_preemptions: int = 0
     num_oom: int = 0
+    num_kv_allocation_failures: int = 0
     num_failed_steps: int = 0
 
 
@@ -296,7 +297,8 @@ class AsyncEngine:
             kv_cache_usage=bm.usage,
             kv_cache_peak_usage=bm.peak_usage,
             num_preemptions=engine.scheduler.num_preemptions,
-            num_oom=bm.num_allocation_failures + engine.num_oom_events,
+            num_oom=engine.num_oom_events,
+            num_kv_allocation_failures=bm.num_allocation_failures,
             num_failed_steps=engine.num_failed_steps,
         )
         with self._lock:

@@ -57,7 +57,12 @@ class _EngineCollector:
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
         counters = [
             ("num_preemptions", "Requests preempted (their KV freed, to be recomputed).", s.num_preemptions),
-            ("oom", "KV allocation failures plus out-of-memory errors in a model step.", s.num_oom),
+            # A running request that cannot grow its KV is preempted, not failed: that is counted
+            # here and in num_preemptions, while oom counts only real out-of-memory failures.
+            ("kv_allocation_failures", "Times a running request found no free KV block.",
+             s.num_kv_allocation_failures),
+            ("oom", "Out-of-memory errors that failed a model step (KV pressure preempts instead).",
+             s.num_oom),
             ("num_failed_steps", "Engine steps that raised and failed their requests.", s.num_failed_steps),
         ]
         for name, doc, value in counters:
