@@ -78,6 +78,10 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.CONTINUOUS
     max_waiting_requests: int | None = None
+    # Thrash guard: for this many steps after a preemption, a waiting request is admitted only
+    # if it can run to its maximum length beside the running requests' worst-case growth, so
+    # the pool is not overcommitted straight into the next preemption (0: no throttle).
+    preemption_cooldown_steps: int = 32
 
     def __post_init__(self) -> None:
         _require(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")
@@ -85,6 +89,7 @@ class SchedulerConfig:
         _require(self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}")
         _require(self.max_waiting_requests is None or self.max_waiting_requests >= 1,
                  "max_waiting_requests must be >= 1")
+        _require(self.preemption_cooldown_steps >= 0, "preemption_cooldown_steps must be >= 0")
         try:
             object.__setattr__(self, "scheduling_policy", SchedulingPolicy(self.scheduling_policy))
         except ValueError:

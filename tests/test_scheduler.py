@@ -299,3 +299,37 @@ def test_abort_frees_blocks():
 def test_invalid_scheduler_config(bad):
     with pytest.raises(ConfigError):
         SchedulerConfig(**bad)
+
+
+def _thrash_run(cooldown_steps: int) -> Driver:
+    config = SchedulerConfig(max_batch_size=16, max_num_tokens=256, max_model_len=512,
+                             preemption_cooldown_steps=cooldown_steps)
+    d = Driver(config, num_blocks=64, block_size=4, prefix_caching=False)
+    for i in range(24):
+        d.add(make_request(i, 8, 100))
+    d.run()
+    assert d.bm.num_used_blocks == 0
+    return d
+
+
+def test_preemption_thrash_guard_cuts_recompute():
+    unguarded, guarded = _thrash_run(0), _thrash_run(32)
+
+    def figures(d: Driver) -> tuple[int, int, int]:
+        recomputed = sum(s.num_scheduled_tokens for s in d.steps) - sum(r.num_tokens - 1 for r in d.finished)
+        return d.scheduler.num_preemptions, max(r.num_preemptions for r in d.finished), recomputed
+
+    (pre_u, worst_u, waste_u), (pre_g, worst_g, waste_g) = figures(unguarded), figures(guarded)
+    assert pre_u > 0 and pre_g < pre_u and worst_g < worst_u and waste_g < waste_u
+    for d in (unguarded, guarded):
+        for r in d.finished:
+            assert r.output_token_ids == expected_tokens(r)
+
+
+def test_readmitted_request_is_not_the_automatic_next_victim():
+    config = SchedulerConfig(max_batch_size=8, max_num_tokens=256, max_model_len=512)
+    s = Scheduler(config, BlockManager(64, 4, enable_prefix_caching=False))
+    old, young = make_request(0, 8, 50), make_request(1, 8, 50)
+    s.running = [young, old]  # old was preempted and re-admitted after young
+    assert s._pick_victim(young, set()) is young
+    assert s._pick_victim(old, set()) is young

@@ -14,7 +14,7 @@ import torch
 from inflight.config import EngineConfig, SchedulingPolicy
 from inflight.engine.block_manager import BlockManager
 from inflight.engine.output import OutputProcessor, RequestOutput, StepRecord
-from inflight.engine.runner import ModelRunner
+from inflight.engine.runner import ModelRunner, RunnerTimings
 from inflight.engine.sampler import Sampler
 from inflight.engine.scheduler import Scheduler, SchedulerOutput
 from inflight.engine.static import StaticScheduler
@@ -45,6 +45,13 @@ def select_dtype(name: str, device: torch.device) -> torch.dtype:
         # CPUs without bf16 units run bf16 matmuls two orders of magnitude slower than fp32.
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """CUDA raises torch.OutOfMemoryError; the CPU allocator raises a plain RuntimeError."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -176,19 +183,22 @@ class LLMEngine:
         """One iteration: schedule, run the model, process outputs."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
+        scheduled = time.perf_counter()
         sampled = self._execute(out)
+        executed = time.perf_counter()
         outputs = self._process(out, sampled)
-        self._record(out, start, outputs)
+        self._record(out, outputs, start, scheduled - start, time.perf_counter() - executed)
         return outputs
 
     def _execute(self, out: SchedulerOutput) -> dict[str, int] | Exception:
+        self.runner.last_timings = RunnerTimings()
         if out.is_empty:
             return {}
         try:
             return self.runner.execute(out)
         except Exception as exc:  # a failed step fails its own requests, never the engine
             self.num_failed_steps += 1
-            if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+            if is_out_of_memory(exc):
                 self.num_oom_events += 1
             logger.exception("step %d failed; failing its %d requests", out.step_id, len(out.scheduled))
             return exc
@@ -225,7 +235,9 @@ class LLMEngine:
         self._end(request, FinishReason.ERROR)
         return RequestOutput(request.request_id, [], "", True, FinishReason.ERROR, request, error=message)
 
-    def _record(self, out: SchedulerOutput, start: float, outputs: list[RequestOutput]) -> None:
+    def _record(self, out: SchedulerOutput, outputs: list[RequestOutput], start: float,
+                schedule_s: float, process_s: float) -> None:
+        timings = self.runner.last_timings
         record = StepRecord(
             step_id=out.step_id,
             start_s=start,
@@ -239,6 +251,11 @@ class LLMEngine:
             num_waiting=self.num_waiting,
             num_preempted=len(out.preempted),
             request_ids=tuple(s.request.request_id for s in out.scheduled),
+            schedule_s=schedule_s,
+            prepare_s=timings.prepare_s,
+            forward_s=timings.forward_s,
+            sample_s=timings.sample_s,
+            process_s=process_s,
         )
         self.step_records.append(record)
         for observer in self.step_observers:

@@ -41,6 +41,13 @@ class StepRecord:
     num_waiting: int
     num_preempted: int
     request_ids: tuple[str, ...] = field(default=())
+    # Where the step's time went: scheduling, building tensors, the forward pass, sampling,
+    # and output processing (detokenization, stop rules, bookkeeping).
+    schedule_s: float = 0.0
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    process_s: float = 0.0
 
 
 @dataclass(slots=True)

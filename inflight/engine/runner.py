@@ -6,6 +6,7 @@ packed inputs and the `AttentionMetadata` that every layer shares.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -17,6 +18,12 @@ from inflight.engine.scheduler import ScheduledRequest, SchedulerOutput
 from inflight.model.attention import AttentionMetadata, PrefillSegment
 from inflight.model.llama import LlamaModel
 from inflight.request import Request
+
+
+class RunnerTimings(NamedTuple):
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
 
 
 class StepInputs(NamedTuple):
@@ -45,6 +52,7 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
         # Test hook for fault injection: called with the step before the forward pass.
         self.before_forward: Callable[[SchedulerOutput], None] | None = None
+        self.last_timings = RunnerTimings()
 
     @staticmethod
     def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
@@ -56,13 +64,15 @@ class ModelRunner:
         """Runs one step; returns the new token of each request that reached its last token."""
         if self.before_forward is not None:
             self.before_forward(out)
+        start = time.perf_counter()
         inputs = self.prepare(out.scheduled)
+        prepared = time.perf_counter()
         logits = self.model.forward(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_meta, inputs.logits_indices
         )
-        if not inputs.sample_requests:
-            return {}
-        tokens = self.sampler(logits, inputs.sample_requests)
+        forwarded = time.perf_counter()
+        tokens = self.sampler(logits, inputs.sample_requests) if inputs.sample_requests else []
+        self.last_timings = RunnerTimings(prepared - start, forwarded - prepared, time.perf_counter() - forwarded)
         return {r.request_id: t for r, t in zip(inputs.sample_requests, tokens, strict=True)}
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:

@@ -86,6 +86,7 @@ class Scheduler:
         self.num_prefix_hit_tokens = 0  # of which found in the prefix cache
         self._step_id = 0
         self._watermark_blocks = int(_ADMISSION_WATERMARK * block_manager.num_blocks)
+        self._last_preemption_step = -(10**9)
 
     # --- requests in and out --------------------------------------------------------------------
 
@@ -164,17 +165,23 @@ class Scheduler:
         return budget
 
     def _grow(self, request: Request, num_new: int, scheduled_ids: set[int], out: SchedulerOutput) -> bool:
-        """Makes room for `num_new` more tokens of a running request, preempting the most
-        recently admitted unscheduled request while the pool is short. False if the request
-        itself had to be preempted."""
+        """Makes room for `num_new` more tokens of a running request, preempting while the
+        pool is short. False if the request itself had to be preempted."""
         bm = self.block_manager
         while not bm.allocate_slots(request, request.num_computed_tokens + num_new):
-            victim = next((r for r in reversed(self.running)
-                           if id(r) not in scheduled_ids and r is not request), request)
+            victim = self._pick_victim(request, scheduled_ids)
             self._preempt(victim, out)
             if victim is request:
                 return False
         return True
+
+    def _pick_victim(self, request: Request, scheduled_ids: set[int]) -> Request:
+        """The most recently admitted running request not yet scheduled in this step, the
+        requester included. A re-admitted request keeps the rank of its first admission
+        (running requests are ranked by arrival): ranked by its latest admission instead, an
+        old request that was preempted once would be the next victim every time it returns."""
+        others = [r for r in self.running if id(r) not in scheduled_ids and r is not request]
+        return max([*others, request], key=lambda r: r.arrival_time)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
@@ -183,13 +190,27 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self._last_preemption_step = self._step_id
         # Ahead of every waiting request, and of requests preempted earlier in this step,
         # which were admitted later than this one.
         self.waiting.appendleft(request)
         out.preempted.append(request)
 
+    def _under_pressure(self) -> bool:
+        return self._step_id - self._last_preemption_step <= self.config.preemption_cooldown_steps
+
+    def _outstanding_growth(self) -> int:
+        """Blocks the running requests still need to reach their maximum length."""
+        bm = self.block_manager
+        return sum(max(0, bm.num_blocks_for(r.max_num_tokens) - len(bm.block_table(r.request_id)))
+                   for r in self.running)
+
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         cfg, bm = self.config, self.block_manager
+        # Shortly after a preemption, admit only what can run to its end next to the running
+        # requests' worst-case growth, so the pool is not overcommitted into the next one.
+        pressure = self._under_pressure()
+        reserve = self._outstanding_growth() if pressure else self._watermark_blocks
         while self.waiting and budget > 0 and len(self.running) < cfg.max_batch_size:
             request = self.waiting[0]
             hits = bm.get_computed_blocks(request)
@@ -201,7 +222,12 @@ class Scheduler:
                 if not cfg.enable_chunked_prefill and num_new <= cfg.max_num_tokens:
                     break
                 num_new = budget
-            if not bm.can_allocate(request, num_cached + num_new, hits, reserve=self._watermark_blocks):
+            if pressure:
+                growth = bm.num_blocks_for(request.max_num_tokens) - bm.num_blocks_for(num_cached + num_new)
+                if not bm.can_allocate(request, num_cached + num_new, hits, reserve=reserve + growth):
+                    break
+                reserve += growth
+            elif not bm.can_allocate(request, num_cached + num_new, hits, reserve=reserve):
                 break
             bm.allocate_slots(request, num_cached + num_new, hits)
             self.waiting.popleft()
