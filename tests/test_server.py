@@ -228,7 +228,7 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("max_tokens 0", "/completions", {"model": "M", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("max_tokens beyond context", "/completions", {"model": "M", "prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),
     ("chat max_completion_tokens 0", "/chat/completions",
-     {"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, 400, "max_tokens"),
+     {"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("negative temperature", "/completions", {"model": "M", "prompt": "hi", "temperature": -0.5}, 400, "temperature"),
     ("top_p zero", "/completions", {"model": "M", "prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("top_p above one", "/completions", {"model": "M", "prompt": "hi", "top_p": 1.5}, 400, "top_p"),

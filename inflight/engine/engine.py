@@ -205,7 +205,11 @@ class LLMEngine:
 
     def _process(self, out: SchedulerOutput, sampled: dict[str, int] | Exception) -> list[RequestOutput]:
         if isinstance(sampled, Exception):
-            message = f"internal error in the model step: {type(sampled).__name__}: {sampled}"
+            # The exception's own text (allocator messages, shapes) goes to the log, not to clients.
+            if is_out_of_memory(sampled):
+                message = "out of memory in the model step; the request was ended"
+            else:
+                message = f"internal error in the model step ({type(sampled).__name__}); the request was ended"
             return [self._fail(s.request, message) for s in out.scheduled]
         self.scheduler.update_from_output(out, sampled)
         now = time.perf_counter()

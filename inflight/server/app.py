@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,9 +16,17 @@ from pydantic import BaseModel, ValidationError
 
 from inflight.server.async_engine import AsyncEngine
 from inflight.server.config import ServerConfig
-from inflight.server.errors import APIError, from_validation_error, install_error_handlers, invalid
+from inflight.server.errors import APIError, from_validation_error, install_error_handlers
 from inflight.server.metrics import ServerMetrics
-from inflight.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from inflight.server.openapi import ERROR_RESPONSES, ServedLimits, build_openapi, json_body, sse_ok
+from inflight.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+)
 from inflight.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -29,7 +36,9 @@ _Body = TypeVar("_Body", bound=BaseModel)
 
 async def read_body(request: Request, model: type[_Body], max_bytes: int) -> _Body:
     """Parses a JSON body into `model`: 413 past `max_bytes` (declared or actually sent, so
-    a chunked upload cannot dodge the limit), 400 for anything malformed."""
+    a chunked upload cannot dodge the limit), 400 for anything malformed. pydantic's own JSON
+    parser refuses what `json.loads` would let through to fail later: lone surrogates (which
+    the tokenizer cannot encode) and nesting deep enough to exhaust the Python stack."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise APIError(413, f"the request body is larger than {max_bytes} bytes", code="request_too_large")
@@ -41,15 +50,9 @@ async def read_body(request: Request, model: type[_Body], max_bytes: int) -> _Bo
             raise APIError(413, f"the request body is larger than {max_bytes} bytes", code="request_too_large")
         chunks.append(chunk)
     try:
-        data = json.loads(b"".join(chunks))
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError alike
-        raise invalid(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise invalid("the request body must be a JSON object")
-    try:
-        return model.model_validate(data)
+        return model.model_validate_json(b"".join(chunks))
     except ValidationError as exc:
-        raise from_validation_error(list(exc.errors())) from None
+        raise from_validation_error(exc.errors(include_input=False)) from None
 
 
 def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
@@ -67,7 +70,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         await engine.drain(config.shutdown_timeout_s)
         await asyncio.to_thread(engine.stop)
 
-    app = FastAPI(title="inflight", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="inflight", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.async_engine = engine
     app.state.metrics = metrics
     install_error_handlers(app, on_error=metrics.count_refused)
@@ -84,30 +87,41 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_access)])
 
-    @v1.post("/completions")
+    @v1.post("/completions", openapi_extra=json_body(CompletionRequest),
+             responses={**sse_ok(CompletionResponse), **ERROR_RESPONSES})
     async def completions(request: Request) -> Response:
         body = await read_body(request, CompletionRequest, config.max_body_bytes)
         return await serving.completion(body, request)
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", openapi_extra=json_body(ChatCompletionRequest),
+             responses={**sse_ok(ChatCompletionResponse), **ERROR_RESPONSES})
     async def chat_completions(request: Request) -> Response:
         body = await read_body(request, ChatCompletionRequest, config.max_body_bytes)
         return await serving.chat(body, request)
 
-    @v1.get("/models")
+    @v1.get("/models", responses={401: ERROR_RESPONSES[401], 503: ERROR_RESPONSES[503]})
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=serving.model_name, max_model_len=engine.max_model_len)])
 
     app.include_router(v1)
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"description": '{"status": "ok"}'},
+                                   503: {"description": '{"status": "unavailable"} while shutting down'}})
     async def health() -> Response:
         if not engine.is_accepting:
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    limits = ServedLimits(serving.model_name, engine.max_model_len, engine.max_prompt_chars, engine.vocab_size)
+
+    def openapi() -> dict[str, object]:
+        if app.openapi_schema is None:
+            app.openapi_schema = build_openapi(app, [CompletionRequest, ChatCompletionRequest], limits)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app

@@ -83,6 +83,12 @@ class AsyncEngine:
         self.model_name = engine.model_name
         self.max_model_len = engine.scheduler_config.max_model_len
         self.max_waiting_requests = engine.scheduler_config.max_waiting_requests
+        self.vocab_size = engine.model_config.vocab_size
+        # Every token stands for at most `longest` characters, so a text longer than
+        # max_model_len * longest characters cannot fit, whatever its tokens: it can be refused
+        # before any tokenizing, which bounds the tokenizer's work per request.
+        longest = max((len(t) for t in engine.tokenizer.hf.get_vocab()), default=1)
+        self.max_prompt_chars = self.max_model_len * max(longest, 1)
         self._lock = threading.Condition()
         self._commands: list[_Command] = []
         self._streams: dict[str, RequestStream] = {}  # guarded by _lock

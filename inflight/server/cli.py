@@ -51,6 +51,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The startup warning for a server that anyone on the network could use, else None."""
+    if api_key is not None or is_loopback(host):
+        return None
+    return (f"inflight: WARNING: serving on {host} without an API key: anyone who can reach this port "
+            f"can use the model. Set --api-key or ${API_KEY_ENV}, or bind 127.0.0.1.")
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         served_model_name=args.served_model_name,
@@ -59,9 +67,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         default_max_tokens=args.default_max_tokens,
         shutdown_timeout_s=args.shutdown_timeout,
     )
-    if config.api_key is None and not is_loopback(args.host):
-        print(f"inflight: WARNING: serving on {args.host} without an API key: anyone who can reach "
-              f"this port can use the model. Set --api-key or ${API_KEY_ENV}.", file=sys.stderr)
+    if (warning := exposure_warning(args.host, config.api_key)) is not None:
+        print(warning, file=sys.stderr)
 
     from inflight.config import EngineConfig
     from inflight.engine.engine import LLMEngine

@@ -61,6 +61,10 @@ def from_validation_error(errors: list[Any]) -> APIError:
         return invalid("the request body is invalid")
     err = errors[0]
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    if err.get("type") == "json_invalid":
+        return invalid(f"the request body is not valid JSON: {err.get('ctx', {}).get('error', 'cannot parse it')}")
+    if err.get("type") == "model_type" and not loc:
+        return invalid("the request body must be a JSON object")
     if err.get("type") == "value_error" and "error" in err.get("ctx", {}):
         # Our own model validators raise "field: message".
         text = str(err["ctx"]["error"])

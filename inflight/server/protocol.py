@@ -1,20 +1,90 @@
 """OpenAI-compatible request and response bodies (the subset inflight serves).
 
-Requests are validated strictly (a string is not a number) and unknown fields are ignored,
-as OpenAI clients send fields a server may not know. Fields inflight cannot honour (`n > 1`,
-`logprobs`, `echo`, tools) are refused rather than silently ignored.
+Requests are validated strictly (a string is not a number; but 16.0 is the integer 16, as
+JSON has one number type) and unknown fields are ignored, as OpenAI clients send fields a
+server may not know. Fields inflight cannot honour (`n > 1`, `logprobs`, `echo`, tools) are
+refused rather than silently ignored; the schema lists the one value each accepts.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    model_serializer,
+    model_validator,
+)
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+def _integral(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# Constraints live in the types, so the published OpenAPI schema carries them and a fuzzer
+# explores the edges the server really has. An integer is JSON Schema's: 16 or 16.0, not 16.5
+# (constraints go before the validator, so that the schema shows them).
+_AsInt = BeforeValidator(_integral)
+Int = Annotated[int, _AsInt]
+PositiveInt = Annotated[int, Field(ge=1), _AsInt]
+Text = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0), _AsInt]], Field(min_length=1)]
+# A batch of one is accepted; longer batches are refused with a clear message by the model
+# validator, so the bound is stated in the schema only.
+_BatchOfOne = Field(min_length=1, json_schema_extra={"maxItems": 1})
+
+
+# Unions are discriminated by the JSON type of the input, so that an error names what is wrong
+# with the alternative the client meant, rather than "not a string" for a list.
+def _prompt_kind(value: Any) -> str | None:
+    """The union member a prompt is meant as, told by its JSON type (and its first item)."""
+    if isinstance(value, str):
+        return "str"
+    if isinstance(value, list):
+        first = value[0] if value else None
+        if isinstance(first, str):
+            return "list[str]"
+        return "list[list[int]]" if isinstance(first, list) else "list[int]"
+    return None
+
+
+def _stop_kind(value: Any) -> str | None:
+    return "str" if isinstance(value, str) else "list[str]" if isinstance(value, list) else None
+
+
+Prompt = Annotated[
+    Annotated[Text, Tag("str")]
+    | Annotated[TokenIds, Tag("list[int]")]
+    | Annotated[list[Text], _BatchOfOne, Tag("list[str]")]
+    | Annotated[list[TokenIds], _BatchOfOne, Tag("list[list[int]]")],
+    Discriminator(_prompt_kind, custom_error_type="prompt_type",
+                  custom_error_message="must be a string, a list of token ids, or a list holding one of those"),
+]
+# Every stop string is searched for after every token, in the engine loop: a body full of them
+# would slow every request in the batch, so their number is capped (OpenAI allows 4).
+MAX_STOP_STRINGS = 16
+Stop = Annotated[
+    Annotated[Text, Tag("str")] | Annotated[list[Text], Field(max_length=MAX_STOP_STRINGS), Tag("list[str]")],
+    Discriminator(_stop_kind, custom_error_type="stop_type",
+                  custom_error_message="must be a string or a list of strings"),
+]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+
+
+def _only(*values: Any) -> Any:
+    """A field whose other values are refused (with a clear message, by a validator): the
+    schema names the accepted ones."""
+    return Field(values[0], json_schema_extra={"enum": list(values)})
 
 
 class StreamOptions(_Strict):
@@ -25,21 +95,21 @@ class GenerationRequest(_Strict):
     """Fields shared by completions and chat completions."""
 
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
+    max_tokens: PositiveInt | None = None
+    temperature: Annotated[float, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    n: Int = _only(1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    stop: Stop | None = None
+    seed: Int | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
     user: str | None = None
-    # Extensions (vLLM's names).
-    top_k: int | None = None
+    # Extensions (vLLM's names). top_k -1 and 0 both mean off.
+    top_k: Annotated[int, Field(ge=-1), _AsInt] | None = None
     ignore_eos: bool = False
-    repetition_penalty: float | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
 
     @model_validator(mode="after")
     def _check_supported(self) -> GenerationRequest:
@@ -61,10 +131,10 @@ class GenerationRequest(_Strict):
 class CompletionRequest(GenerationRequest):
     """`POST /v1/completions`. `prompt` is text or token ids (a batch of one is accepted)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
+    prompt: Prompt
+    echo: bool = _only(False)
+    logprobs: Int | None = _only(None)
+    suffix: str | None = _only(None, "")
 
     @model_validator(mode="after")
     def _check_prompt(self) -> CompletionRequest:
@@ -111,9 +181,9 @@ class ChatCompletionRequest(GenerationRequest):
     """`POST /v1/chat/completions`."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    tools: list[dict[str, object]] | None = None
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = _only(False)
+    tools: list[dict[str, object]] | None = _only(None, [])
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:

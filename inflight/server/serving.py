@@ -139,6 +139,8 @@ class OpenAIServing:
     async def completion(self, req: CompletionRequest, http: Request) -> Response:
         arrival = time.perf_counter()
         self._check_model(req.model)
+        if isinstance(req.single_prompt, str):
+            self._check_num_chars(len(req.single_prompt), "prompt")
         try:
             token_ids = await asyncio.to_thread(self.engine.tokenize, req.single_prompt)
         except InvalidRequestError as exc:
@@ -153,8 +155,11 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, http: Request) -> Response:
         arrival = time.perf_counter()
         self._check_model(req.model)
+        messages = [m.to_template() for m in req.messages]
+        # The template only adds text around the contents (roles, markers), so the contents
+        # alone bound the rendered prompt from below.
+        self._check_num_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
-            messages = [m.to_template() for m in req.messages]
             token_ids = await asyncio.to_thread(self.engine.tokenize, None, messages)
         except InvalidRequestError as exc:
             raise invalid(str(exc), "messages") from None
@@ -169,6 +174,13 @@ class OpenAIServing:
         if model != self.model_name:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            "model", "model_not_found")
+
+    def _check_num_chars(self, num_chars: int, param: str) -> None:
+        """Refuses, without tokenizing, a text too long to fit the context whatever its tokens."""
+        limit = self.engine.max_prompt_chars
+        if num_chars > limit:
+            raise invalid(f"the prompt is too long: {num_chars} characters cannot fit in max_model_len "
+                          f"({self.engine.max_model_len}) tokens (the limit is {limit} characters)", param)
 
     def _sampling_params(self, req: GenerationRequest, max_tokens: int | None, num_prompt_tokens: int,
                          prompt_param: str) -> SamplingParams:
