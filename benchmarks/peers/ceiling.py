@@ -1,0 +1,79 @@
+"""The ceiling: the workload's arithmetic divided by an fp32 GEMM timed in the same run.
+
+FLOPs count the weight matmuls only, 2 per parameter per token: every non-embedding weight for
+each token that passes through the model (prompt tokens, and every generated token but the last,
+which is never fed back), plus the LM head once per generated token. Attention's own
+QK^T and PV products are counted apart (`attention_flop`) and left out of the ceiling, as in the
+issue's reference figure; they add about 5% on the burst64 workload.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from peer_protocol import PeerRequest
+
+GEMM_SHAPES = {  # (m, k, n): m tokens through a k x n weight
+    "square_2048": (2048, 2048, 2048),
+    "prefill_512x576x1536": (512, 576, 1536),
+    "decode_64x576x1536": (64, 576, 1536),
+}
+
+
+def time_gemm(m: int, k: int, n: int, reps: int) -> dict[str, float]:
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    torch.mm(a, b)  # warm-up
+    inner = max(1, int(2e9 // (2 * m * k * n)))  # ~2 GFLOP per timed repetition
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(inner):
+            torch.mm(a, b)
+        best = min(best, (time.perf_counter() - start) / inner)
+    return {"m": m, "k": k, "n": n, "best_s": best, "gflops": 2 * m * k * n / best / 1e9}
+
+
+def measure_gemm(reps: int) -> dict[str, Any]:
+    """Best-of-`reps` fp32 GEMM rates; the peak is the best of the shapes (in practice the
+    square one)."""
+    shapes = {name: time_gemm(*shape, reps) for name, shape in GEMM_SHAPES.items()}
+    return {"threads": torch.get_num_threads(), "shapes": shapes,
+            "peak_gflops": max(s["gflops"] for s in shapes.values())}
+
+
+def workload_flop(config: Any, requests: list[PeerRequest]) -> dict[str, float]:
+    """`config` is inflight's ModelConfig (read from the GGUF)."""
+    h, q_dim = config.hidden_size, config.num_heads * config.head_dim
+    kv_dim = config.num_kv_heads * config.head_dim
+    per_layer = h * (q_dim + 2 * kv_dim) + q_dim * h + 3 * h * config.intermediate_size
+    body_params = config.num_layers * per_layer
+    head_params = h * config.vocab_size
+    fed = sum(len(r.prompt_token_ids) + r.max_tokens - 1 for r in requests)
+    generated = sum(r.max_tokens for r in requests)
+    # Token at position p attends to p + 1 keys: QK^T and PV, 2 FLOP per multiply-add each.
+    positions = sum(
+        (len(r.prompt_token_ids) + r.max_tokens - 1) * (len(r.prompt_token_ids) + r.max_tokens) // 2
+        for r in requests
+    )
+    linear = 2 * body_params * fed
+    lm_head = 2 * head_params * generated
+    return {
+        "body_params": body_params,
+        "lm_head_params": head_params,
+        "tokens_fed": fed,
+        "tokens_generated": generated,
+        "linear_flop": linear,
+        "lm_head_flop": lm_head,
+        "attention_flop": 4 * config.num_layers * q_dim * positions,
+        "total_flop": linear + lm_head,
+    }
+
+
+def ceiling(flop: dict[str, float], peak_gflops: float, last_arrival_s: float) -> dict[str, float]:
+    """The fastest the workload could go at the GEMM peak; a trickle of arrivals (mixed) cannot
+    finish before its last request arrives, so that bounds it too."""
+    compute_s = flop["total_flop"] / (peak_gflops * 1e9)
+    wall_s = max(compute_s, last_arrival_s)
+    return {"compute_s": compute_s, "wall_s": wall_s, "tok_s": flop["tokens_generated"] / wall_s}
