@@ -123,3 +123,16 @@ def test_results_do_not_depend_on_physical_blocks(make_llm, reference):
         assert out.token_ids == tokens
     tables_were_scattered = order[:4] != [0, 1, 2, 3]
     assert tables_were_scattered
+
+
+def test_pytorch_attention_path_matches_reference(loaded, make_llm, reference):
+    """The same greedy tokens without the compiled CPU decode kernel (the portable path)."""
+    attention = loaded.model.attention
+    kernel, attention.decode_kernel = attention.decode_kernel, None
+    try:
+        llm = make_llm(max_num_tokens=4096)
+        outs = llm.generate(all_prompts(), GREEDY)
+    finally:
+        attention.decode_kernel = kernel
+    for out, (_, tokens, _) in zip(outs, reference, strict=True):
+        assert out.token_ids == tokens

@@ -97,7 +97,7 @@ class ModelRunner:
                 logits_indices.append(len(input_ids) - 1)
                 sample_requests.append(s.request)
 
-        decode_tables = decode_mask = None
+        decode_tables = decode_mask = context_lens = None
         if decodes:
             context_lens = torch.tensor([s.end for s in decodes], device=device)
             num_table = self.num_blocks_for(max(s.end for s in decodes))
@@ -125,6 +125,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slot_mapping, device=device),
             num_decode_tokens=len(decodes),
             decode_block_tables=decode_tables,
+            decode_context_lens=context_lens,
             decode_mask=decode_mask,
             prefills=segments,
         )

@@ -43,19 +43,22 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     num_decode_tokens: int
     decode_block_tables: torch.Tensor | None
+    decode_context_lens: torch.Tensor | None
     decode_mask: torch.Tensor | None
     prefills: list[PrefillSegment]
 
 
 class PagedAttention:
-    """Plain-PyTorch paged attention: writes the step's K/V into their slots, then attends
-    with scaled_dot_product_attention over gathered context."""
+    """Paged attention: writes the step's K/V into their slots, then attends with
+    scaled_dot_product_attention over gathered blocks. With `decode_kernel` (the compiled CPU
+    kernel of `kernels.py`), fp32 decodes read the pool in place instead of gathering."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, decode_kernel: object = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.group_size = num_heads // num_kv_heads
+        self.decode_kernel = decode_kernel
 
     def forward(
         self,
@@ -87,7 +90,12 @@ class PagedAttention:
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        assert meta.decode_block_tables is not None
+        assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+        if self.decode_kernel is not None and q.dtype == torch.float32 and k_cache.is_contiguous():
+            return self.decode_kernel.paged_decode_attention(  # type: ignore[attr-defined]
+                q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                meta.block_size, self.head_dim ** -0.5,
+            )
         batch = meta.decode_block_tables.shape[0]
         keys = self._gather(k_cache, meta.decode_block_tables, meta.block_size)
         values = self._gather(v_cache, meta.decode_block_tables, meta.block_size)

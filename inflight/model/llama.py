@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from inflight.config import ModelConfig
 from inflight.errors import ModelLoadError
 from inflight.model.attention import AttentionMetadata, PagedAttention
+from inflight.model.kernels import cpu_attention_kernels
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -73,7 +74,8 @@ class LlamaModel:
                 "gate_up": torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]).contiguous(),
                 "down": take(p + "mlp.down_proj.weight"),
             })
-        self.attention = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim)
+        kernel = cpu_attention_kernels() if device.type == "cpu" and self.dtype == torch.float32 else None
+        self.attention = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim, kernel)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self._rope_inv_freq = rope_inv_freq(config).to(device)

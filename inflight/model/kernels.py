@@ -1,0 +1,37 @@
+"""Optional C++ kernels for CPU, compiled on first use with torch's extension builder and
+cached (in $TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). Where no compiler is at
+hand, or INFLIGHT_CPU_KERNELS=0, callers fall back to the plain-PyTorch path."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+
+
+@functools.cache
+def cpu_attention_kernels() -> ModuleType | None:
+    """The compiled paged-attention module, or None if it is disabled or cannot be built."""
+    if os.environ.get("INFLIGHT_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        logger.info("loading the CPU paged-attention kernel (compiled once, then cached)")
+        return load(
+            name="inflight_paged_attention",
+            sources=[str(_SOURCE)],
+            # fast-math lets GCC vectorise the softmax's exp and the dot-product reductions.
+            extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffast-math"],
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, an odd platform: the torch path still works
+        logger.warning("CPU paged-attention kernel unavailable (%s); using the PyTorch path",
+                       str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return None
