@@ -114,6 +114,11 @@ def _extra_commands() -> list[Any]:
         registrars.append(register_bench)
     except ImportError:
         pass
+    try:
+        from inflight.sim.cli import register as register_sim
+        registrars.append(register_sim)
+    except ImportError:
+        pass
     return registrars
 
 

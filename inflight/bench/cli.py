@@ -1,0 +1,176 @@
+"""`inflight bench` (measure a workload on a server or an in-process engine) and `inflight check`
+(the pre-launch SLA checklist)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from inflight.bench.metrics import RequestSLO
+from inflight.bench.report import (
+    command_line,
+    environment,
+    format_table,
+    now_iso,
+    read_run_file,
+    write_run_file,
+)
+from inflight.bench.results import BenchRun
+from inflight.bench.runs import PRESETS, RunPlan, parse_compare, parse_sweep, plan_runs
+from inflight.bench.sla import SLA, check_run, format_check, load_sla
+from inflight.bench.workload import (
+    BenchRequest,
+    WorkloadSpec,
+    canonical_specs,
+    load_workload,
+    with_request_rate,
+)
+from inflight.errors import ConfigError
+
+
+def register(subparsers: Any) -> None:
+    from inflight.cli import add_engine_options
+
+    bench = subparsers.add_parser(
+        "bench", help="measure throughput, latency and KV use on a fixed workload",
+        description="Runs a seeded workload against a server (--url) or an engine in-process, "
+                    "prints a table and optionally writes JSON (--output) and plots (--plot).",
+    )
+    w = bench.add_argument_group("workload")
+    w.add_argument("--workload", required=True,
+                   help=f"a canonical workload ({', '.join(sorted(canonical_specs()))}) or a YAML spec path")
+    w.add_argument("--workload-seed", type=int, default=None, help="override the spec's seed")
+    w.add_argument("--num-requests", type=int, default=None, help="override the spec's number of requests")
+    w.add_argument("--request-rate", type=float, default=None,
+                   help="override the arrival rate in requests/s (inf: all at once)")
+    t = bench.add_argument_group("target")
+    t.add_argument("--url", default=None,
+                   help="an OpenAI-compatible server (http://127.0.0.1:8000); default: an engine in-process")
+    t.add_argument("--served-model-name", default=None, help="model name to send (default: the server's first)")
+    t.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    t.add_argument("--timeout", type=float, default=600.0, help="per-request HTTP timeout in seconds")
+    t.add_argument("--torch-threads", type=int, default=None,
+                   help="intra-op threads of the in-process engine (default: torch's choice)")
+    r = bench.add_argument_group("runs")
+    r.add_argument("--compare", default=None, metavar="A,B,...",
+                   help=f"run each configuration in turn: {', '.join(PRESETS)} (in-process only)")
+    r.add_argument("--sweep", action="append", default=[], metavar="OPTION=V1,V2,...",
+                   help="run each value of an engine option, e.g. max_num_tokens=64,128,256 (repeatable)")
+    o = bench.add_argument_group("output")
+    o.add_argument("--output", "-o", default=None, help="write the runs to this JSON file")
+    o.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots to this folder")
+    o.add_argument("--sla", default=None, help="SLA YAML: goodput limits, and a check after the run")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_engine_options(bench)
+    bench.set_defaults(func=cmd_bench)
+
+    check = subparsers.add_parser(
+        "check", help="pre-launch checklist: a bench run file against an SLA file",
+        description="Shows each SLA line as PASS or FAIL; exits 1 if any fails, 2 on a bad file.",
+    )
+    check.add_argument("--sla", required=True, help="SLA YAML file")
+    check.add_argument("run", help="a JSON file written by `inflight bench --output`")
+    check.set_defaults(func=cmd_check)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from inflight.cli import engine_options
+
+    spec, spec_path = load_workload(args.workload, seed=args.workload_seed, num_requests=args.num_requests)
+    if args.request_rate is not None:
+        spec = with_request_rate(spec, args.request_rate)
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ConfigError("--max-concurrency must be >= 1")
+    if args.torch_threads is not None:
+        if args.torch_threads < 1:
+            raise ConfigError("--torch-threads must be >= 1")
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+    sla = load_sla(args.sla) if args.sla else None
+    slo = sla.goodput.slo() if sla and sla.goodput else None
+    compare = parse_compare(args.compare) if args.compare else []
+    sweeps = [parse_sweep(s) for s in args.sweep]
+    plans = plan_runs(compare, sweeps)
+    progress = not args.no_progress and sys.stderr.isatty()
+    document: dict[str, Any] = {"created_at": now_iso(), "command": command_line(), "environment": environment()}
+
+    if args.url:
+        if compare or sweeps:
+            raise ConfigError("--compare and --sweep need an in-process engine; a server has one configuration")
+        runs, requests, document["target"] = _bench_http(args, spec, spec_path, slo, progress)
+    else:
+        options = engine_options(args)
+        runs, requests = _bench_in_process(args, options, plans, spec, spec_path, slo, progress)
+        document["target"] = {"kind": "in-process", "model": args.model}
+        document.update({"engine_options": options, "compare": compare, "sweep": dict(sweeps)})
+
+    document.update({
+        "workload": {"name": spec.name, "source": str(spec_path), "seed": spec.seed, "sha256": spec.sha256,
+                     "num_requests": len(requests), "spec": spec.model_dump(mode="json")},
+        "max_concurrency": args.max_concurrency,
+        "sla": sla.model_dump(mode="json") if sla else None,
+    })
+    document["environment"]["load_average_end"] = environment()["load_average"]
+    title = f"inflight bench: {spec.name} ({len(requests)} requests, seed {spec.seed})"
+    print(format_table(runs, title))
+    if args.output:
+        write_run_file(Path(args.output), document, runs)
+        print(f"wrote {args.output}", file=sys.stderr)
+    if args.plot:
+        from inflight.bench.plots import plot_runs
+
+        for path in plot_runs(runs, Path(args.plot), title=spec.name, sweep_keys=[k for k, _ in sweeps]):
+            print(f"wrote {path}", file=sys.stderr)
+    if sla is not None:
+        return _check_and_print(sla, args.sla, args.output or "(this run)", runs, spec.name)
+    return 0
+
+
+def _bench_http(args: argparse.Namespace, spec: WorkloadSpec, spec_path: Path, slo: RequestSLO | None,
+                progress: bool) -> tuple[list[BenchRun], list[BenchRequest], dict[str, Any]]:
+    from inflight.bench.client import run_http
+    from inflight.bench.corpus import Corpus
+    from inflight.bench.workload import generate_requests
+    from inflight.model.loader import resolve_model
+    from inflight.model.tokenizer import Tokenizer
+
+    # Prompts are cut with the tokenizer of --model, which must be the model the server runs.
+    requests = generate_requests(spec, Corpus(Tokenizer.load(resolve_model(args.model))), spec_path.parent)
+    capture, info = run_http(args.url, requests, model=args.served_model_name,
+                             max_concurrency=args.max_concurrency, progress=progress, timeout_s=args.timeout)
+    return [BenchRun.measure("server", info, capture, slo)], requests, {"kind": "http", **info}
+
+
+def _bench_in_process(args: argparse.Namespace, options: dict[str, Any], plans: list[RunPlan],
+                      spec: WorkloadSpec, spec_path: Path, slo: RequestSLO | None,
+                      progress: bool) -> tuple[list[BenchRun], list[BenchRequest]]:
+    from inflight.bench.corpus import Corpus
+    from inflight.bench.runs import run_in_process
+    from inflight.bench.workload import generate_requests
+    from inflight.config import EngineConfig
+    from inflight.engine.engine import select_device, select_dtype
+    from inflight.model.loaded import LoadedModel
+
+    EngineConfig.from_kwargs(args.model, **options)  # a bad option fails before the model loads
+    device = select_device(options.get("device", "auto"))
+    loaded = LoadedModel.load(args.model, select_dtype(options.get("dtype", "auto"), device), device)
+    requests = generate_requests(spec, Corpus(loaded.tokenizer), spec_path.parent)
+    runs = run_in_process(args.model, options, plans, requests, max_concurrency=args.max_concurrency,
+                          slo=slo, progress=progress, loaded=loaded)
+    return runs, requests
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    sla = load_sla(args.sla)
+    document, runs = read_run_file(Path(args.run))
+    workload = (document.get("workload") or {}).get("name")
+    return _check_and_print(sla, args.sla, args.run, runs, workload)
+
+
+def _check_and_print(sla: SLA, sla_path: str, run_path: str, runs: list[BenchRun], workload: str | None) -> int:
+    results = [(run, check_run(sla, run, workload)) for run in runs]
+    print(format_check(sla_path, run_path, results))
+    return 0 if all(line.passed for _, lines in results for line in lines) else 1

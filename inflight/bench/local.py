@@ -1,0 +1,144 @@
+"""The in-process target: drives an `LLMEngine` through its offline API, adding each request
+when its arrival time comes, as a server's loop would, and timing tokens as the steps return."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from inflight.bench.metrics import EngineCounters, RequestResult
+from inflight.bench.results import Capture
+from inflight.bench.timeline import StepRecorder
+from inflight.bench.workload import BenchRequest
+from inflight.engine.engine import LLMEngine
+from inflight.engine.output import RequestOutput
+from inflight.errors import InflightError
+from inflight.request import SamplingParams
+
+_WARMUP_PROMPT = list(range(1000, 1032))
+
+
+def bench_params(request: BenchRequest) -> SamplingParams:
+    """Greedy, with the output length forced: the workload fixes every request's length."""
+    return SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
+
+
+def warm_up(engine: LLMEngine) -> None:
+    """One tiny request first, so one-time costs (allocator, kernels) stay out of the run."""
+    engine.add_request(_WARMUP_PROMPT, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                       request_id="bench-warmup")
+    while engine.has_unfinished():
+        engine.step()
+    engine.block_manager.reset_peak()
+
+
+@dataclass(slots=True)
+class _Live:
+    request: BenchRequest
+    sent_at: float
+    token_times: list[float] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+class _Driver:
+    """Adds requests as they arrive (under an optional concurrency cap) and collects their
+    tokens as steps return; what a server's loop and its clients would do together."""
+
+    def __init__(self, engine: LLMEngine, requests: Sequence[BenchRequest], t0: float,
+                 max_concurrency: int | None, bar: tqdm) -> None:
+        self.engine = engine
+        self.t0 = t0
+        self.cap = max_concurrency
+        self.bar = bar
+        self.pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.index)))
+        # Times at which a concurrency slot became free, earliest first (a FIFO semaphore).
+        self.free_slots: deque[float] = deque([t0] * max_concurrency) if max_concurrency else deque()
+        self.live: dict[str, _Live] = {}
+        self.results: dict[int, RequestResult] = {}
+
+    def next_arrival(self) -> float | None:
+        return self.t0 + self.pending[0].arrival_s if self.pending else None
+
+    def admit_arrived(self, now: float) -> None:
+        while self.pending and self.t0 + self.pending[0].arrival_s <= now and (not self.cap or self.free_slots):
+            request = self.pending.popleft()
+            # Stamped at its scheduled time (or when a slot freed): waiting for a step counts.
+            sent = max(self.t0 + request.arrival_s, self.free_slots.popleft() if self.cap else self.t0)
+            state = _Live(request, sent)
+            try:
+                self.engine.add_request(request.prompt_token_ids, bench_params(request),
+                                        request_id=f"bench-{request.index}", arrival_time=sent)
+            except InflightError as exc:
+                self._finish(state, now, None, str(exc))
+                continue
+            self.live[f"bench-{request.index}"] = state
+
+    def collect(self, outputs: list[RequestOutput], now: float) -> None:
+        for out in outputs:
+            state = self.live.get(out.request_id)
+            if state is None:
+                continue
+            if out.new_token_ids:
+                state.token_times.append(now)
+                state.num_tokens += len(out.new_token_ids)
+            if out.finished:
+                del self.live[out.request_id]
+                self._finish(state, now, now, out.error)
+
+    def _finish(self, state: _Live, now: float, finished: float | None, error: str | None) -> None:
+        t0 = self.t0
+        self.results[state.request.index] = RequestResult.from_token_times(
+            state.request.index, state.request.prompt_len, state.request.output_len, state.sent_at - t0,
+            [t - t0 for t in state.token_times], None if finished is None else finished - t0,
+            state.num_tokens, error,
+        )
+        if self.cap:
+            self.free_slots.append(now)
+        self.bar.update()
+
+
+def run_engine(engine: LLMEngine, requests: Sequence[BenchRequest], max_concurrency: int | None = None,
+               progress: bool = True, label: str = "") -> Capture:
+    """Runs the workload on `engine` and returns what was measured. With `max_concurrency`,
+    at most that many requests are in the engine at once; a request that waits for a slot is
+    sent (and its latency counted from) when one frees up."""
+    preemptions0, oom0 = engine.scheduler.num_preemptions, _num_oom(engine)
+    engine.block_manager.reset_peak()
+    index_of = {f"bench-{r.index}": r.index for r in requests}
+    t0 = time.perf_counter()
+    recorder = StepRecorder(t0, engine.block_manager.num_blocks, index_of)
+    engine.step_observers.append(recorder)
+    bar = tqdm(total=len(requests), desc=label or "bench", unit="req", file=sys.stderr,
+               disable=not progress, leave=False)
+    driver = _Driver(engine, requests, t0, max_concurrency, bar)
+    try:
+        while driver.pending or driver.live:
+            driver.admit_arrived(time.perf_counter())
+            if driver.live:
+                outputs = engine.step()
+                driver.collect(outputs, time.perf_counter())
+            elif (arrival := driver.next_arrival()) is not None:
+                time.sleep(max(0.0, arrival - time.perf_counter()))
+    finally:
+        bar.close()
+        engine.step_observers.remove(recorder)
+    results = driver.results
+    duration = max((r.arrival_s + (r.e2e_s or 0.0) for r in results.values()), default=0.0)
+    counters = EngineCounters(
+        kv_peak_perc=100.0 * engine.block_manager.peak_usage,
+        num_preemptions=engine.scheduler.num_preemptions - preemptions0,
+        num_oom=_num_oom(engine) - oom0,
+    )
+    ordered = [results[r.index] for r in sorted(requests, key=lambda r: r.index)]
+    return Capture(ordered, duration, recorder.samples, counters, recorder.timeline)
+
+
+def _num_oom(engine: LLMEngine) -> int:
+    """Out-of-memory errors that failed a step, as the server's `inflight:oom_total` counts
+    them; KV pressure preempts instead, and shows as preemptions."""
+    return engine.num_oom_events

@@ -1,0 +1,178 @@
+"""Per-request results and the metrics of a run, as typed records. Pure arithmetic, no I/O.
+
+Times of a request are client-side: TTFT from its arrival (when it was sent) to its first
+token, TBT (inter-token latency) the gap between consecutive token arrivals, TPOT the mean
+decode time per token after the first, `(e2e - ttft) / (num_output_tokens - 1)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """One request as the client saw it. Times are seconds from the run's start (`*_at_s`) or
+    durations (`*_s`); `token_gaps_s` holds one gap per token event after the first."""
+
+    index: int
+    prompt_len: int
+    output_len: int  # requested (max_tokens)
+    arrival_s: float  # when it was sent
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    token_gaps_s: list[float] = field(default_factory=list)
+    num_output_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.e2e_s is not None
+
+    @property
+    def tpot_s(self) -> float | None:
+        if not self.ok or self.ttft_s is None or self.num_output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.num_output_tokens - 1)  # type: ignore[operator]
+
+    @classmethod
+    def from_token_times(cls, index: int, prompt_len: int, output_len: int, arrival_s: float,
+                         token_times_s: Sequence[float], finished_s: float | None,
+                         num_output_tokens: int | None = None, error: str | None = None) -> RequestResult:
+        """Builds the record from the times (seconds, any common origin) at which token events
+        arrived; `num_output_tokens` defaults to one token per event."""
+        times = list(token_times_s)
+        ttft = times[0] - arrival_s if times else None
+        e2e = finished_s - arrival_s if finished_s is not None and error is None else None
+        gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+        count = len(times) if num_output_tokens is None else num_output_tokens
+        return cls(index, prompt_len, output_len, arrival_s, ttft, e2e, gaps, count, error)
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyStats:
+    """Summary of a latency distribution in milliseconds; all None when there are no values."""
+
+    mean: float | None = None
+    p50: float | None = None
+    p90: float | None = None
+    p99: float | None = None
+    max: float | None = None
+    count: int = 0
+
+    @classmethod
+    def of_seconds(cls, values_s: Sequence[float]) -> LatencyStats:
+        if not len(values_s):
+            return cls()
+        ms = np.asarray(values_s, dtype=float) * 1000.0
+        p50, p90, p99 = np.percentile(ms, [50, 90, 99])
+        return cls(float(ms.mean()), float(p50), float(p90), float(p99), float(ms.max()), len(ms))
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSLO:
+    """Per-request limits that make a request count towards goodput."""
+
+    max_ttft_ms: float | None = None
+    max_tpot_ms: float | None = None
+    max_e2e_ms: float | None = None
+
+    def is_met(self, r: RequestResult) -> bool:
+        if not r.ok:
+            return False
+        checks = ((self.max_ttft_ms, r.ttft_s), (self.max_tpot_ms, r.tpot_s), (self.max_e2e_ms, r.e2e_s))
+        # A one-token request has no TPOT; it meets a TPOT limit trivially.
+        return all(limit is None or value is None or value * 1000.0 <= limit for limit, value in checks)
+
+
+@dataclass(frozen=True, slots=True)
+class KvSample:
+    """Engine state at one moment: KV usage in percent, running and waiting requests."""
+
+    t_s: float
+    kv_usage_perc: float
+    num_running: int
+    num_waiting: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCounters:
+    """What the engine itself reports over a run; None where the target could not tell."""
+
+    kv_peak_perc: float | None = None
+    num_preemptions: int | None = None
+    num_oom: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BenchMetrics:
+    duration_s: float
+    num_requests: int
+    num_completed: int
+    num_failed: int
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput: float  # completed requests / s
+    output_throughput: float  # output tokens / s
+    total_throughput: float  # (prompt + output) tokens / s
+    ttft_ms: LatencyStats
+    tbt_ms: LatencyStats
+    tpot_ms: LatencyStats
+    e2e_ms: LatencyStats
+    num_good: int | None  # requests meeting the per-request SLO, if one was given
+    goodput: float | None  # good requests / s
+    kv_peak_perc: float | None
+    kv_mean_perc: float | None
+    num_preemptions: int | None
+    num_oom: int | None
+
+
+def compute_metrics(results: Sequence[RequestResult], duration_s: float,
+                    samples: Sequence[KvSample] = (), counters: EngineCounters = EngineCounters(),
+                    slo: RequestSLO | None = None) -> BenchMetrics:
+    done = [r for r in results if r.ok]
+    duration = max(duration_s, 1e-9)
+    num_output = sum(r.num_output_tokens for r in done)
+    num_input = sum(r.prompt_len for r in done)
+    num_good = sum(slo.is_met(r) for r in results) if slo is not None else None
+    sampled_peak = max((s.kv_usage_perc for s in samples), default=None)
+    peak = counters.kv_peak_perc
+    if sampled_peak is not None:
+        peak = sampled_peak if peak is None else max(peak, sampled_peak)
+    return BenchMetrics(
+        duration_s=duration_s,
+        num_requests=len(results),
+        num_completed=len(done),
+        num_failed=len(results) - len(done),
+        total_input_tokens=num_input,
+        total_output_tokens=num_output,
+        request_throughput=len(done) / duration,
+        output_throughput=num_output / duration,
+        total_throughput=(num_input + num_output) / duration,
+        ttft_ms=LatencyStats.of_seconds([r.ttft_s for r in done if r.ttft_s is not None]),
+        tbt_ms=LatencyStats.of_seconds([g for r in done for g in r.token_gaps_s]),
+        tpot_ms=LatencyStats.of_seconds([t for r in done if (t := r.tpot_s) is not None]),
+        e2e_ms=LatencyStats.of_seconds([r.e2e_s for r in done if r.e2e_s is not None]),
+        num_good=num_good,
+        goodput=None if num_good is None else num_good / duration,
+        kv_peak_perc=peak,
+        kv_mean_perc=time_weighted_mean([(s.t_s, s.kv_usage_perc) for s in samples]),
+        num_preemptions=counters.num_preemptions,
+        num_oom=counters.num_oom,
+    )
+
+
+def time_weighted_mean(points: Sequence[tuple[float, float]]) -> float | None:
+    """Mean of a step function sampled at (time, value) points, each value holding until the
+    next point; the plain mean when the points span no time."""
+    if not points:
+        return None
+    t = np.array([p[0] for p in points], dtype=float)
+    v = np.array([p[1] for p in points], dtype=float)
+    span = t[-1] - t[0]
+    if len(points) == 1 or span <= 0:
+        return float(v.mean())
+    return float((v[:-1] * np.diff(t)).sum() / span)

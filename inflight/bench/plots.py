@@ -1,0 +1,220 @@
+"""PNG plots of bench runs (matplotlib, Agg): latency CDFs, KV use over time, the step timeline
+of in-process runs side by side, and the trade-off curve of a sweep."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.colors import ListedColormap  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+from matplotlib.ticker import FuncFormatter  # noqa: E402
+
+from inflight.bench.results import BenchRun  # noqa: E402
+from inflight.bench.timeline import Timeline  # noqa: E402
+
+# Cell states of the occupancy raster.
+EMPTY, WAITING, PREFILL, DECODE, HELD = range(5)
+_STATE_COLORS = ["white", "#e3e3e3", "#f28e2b", "#4e79a7", "#e15759"]
+_STATE_NAMES = ["", "arrived, waiting", "prefill", "decode", "slot held idle (static)"]
+_MAX_TIMELINE_COLUMNS = 4
+
+
+def plot_runs(runs: Sequence[BenchRun], folder: Path, title: str = "",
+              sweep_keys: Sequence[str] = ()) -> list[Path]:
+    """Writes every plot that the runs support; returns the files written."""
+    folder.mkdir(parents=True, exist_ok=True)
+    written = [plot_latency_cdfs(runs, folder / "latency_cdf.png", title),
+               plot_kv_usage(runs, folder / "kv_usage.png", title)]
+    with_timeline = [r for r in runs if r.capture.timeline is not None and r.capture.timeline.steps]
+    for start in range(0, len(with_timeline), _MAX_TIMELINE_COLUMNS):
+        group = with_timeline[start:start + _MAX_TIMELINE_COLUMNS]
+        suffix = "" if len(with_timeline) <= _MAX_TIMELINE_COLUMNS else f"_{start // _MAX_TIMELINE_COLUMNS + 1}"
+        written.append(plot_timelines(group, folder / f"timeline{suffix}.png", title))
+    if sweep_keys and len(runs) > 1:
+        written.append(plot_tradeoff(runs, sweep_keys[0], folder / "tradeoff.png", title))
+    return written
+
+
+def _ecdf(values: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    x = np.sort(np.asarray(values, dtype=float))
+    return x, np.arange(1, len(x) + 1) / max(len(x), 1)
+
+
+def plot_latency_cdfs(runs: Sequence[BenchRun], path: Path, title: str = "") -> Path:
+    fig, (ax_ttft, ax_tbt) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for run in runs:
+        done = [r for r in run.capture.results if r.ok]
+        ttft = [r.ttft_s * 1000 for r in done if r.ttft_s is not None]
+        tbt = [g * 1000 for r in done for g in r.token_gaps_s]
+        if ttft:
+            ax_ttft.step(*_ecdf(ttft), where="post", label=run.label)
+        if tbt:
+            ax_tbt.step(*_ecdf(tbt), where="post", label=run.label)
+    for ax, name in ((ax_ttft, "time to first token (ms)"), (ax_tbt, "time between tokens (ms)")):
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(FuncFormatter(_minor_label))
+        ax.set_xlabel(name + ", log scale")
+        ax.set_ylabel("fraction of " + ("requests" if ax is ax_ttft else "token gaps"))
+        ax.axhline(0.99, color="gray", lw=0.8, ls=":")
+        ax.text(0.01, 0.985, "p99", transform=ax.transAxes, va="top", fontsize=8, color="gray")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.set_ylim(0, 1.02)
+        ax.legend(fontsize=8, loc="lower right")
+    ax_ttft.set_title("TTFT CDF")
+    ax_tbt.set_title("TBT CDF")
+    fig.suptitle(f"{title}: latency distributions" if title else "latency distributions")
+    return _save(fig, path)
+
+
+def _minor_label(value: float, _: int) -> str:
+    """Labels 2x and 5x between decades, so a log axis reads in plain milliseconds."""
+    mantissa = value / 10 ** np.floor(np.log10(value))
+    return f"{value:g}" if round(mantissa) in (2, 5) else ""
+
+
+def plot_kv_usage(runs: Sequence[BenchRun], path: Path, title: str = "") -> Path:
+    fig, (ax_kv, ax_q) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, run in enumerate(runs):
+        samples = run.capture.samples
+        if not samples:
+            continue
+        color = colors[i % len(colors)]
+        t = [s.t_s for s in samples]
+        ax_kv.step(t, [s.kv_usage_perc for s in samples], where="post", color=color, label=run.label)
+        ax_q.step(t, [s.num_running for s in samples], where="post", color=color, label=f"{run.label} running")
+        ax_q.step(t, [s.num_waiting for s in samples], where="post", color=color, ls="--", alpha=0.8,
+                  label=f"{run.label} waiting")
+    ax_kv.set_ylabel("KV cache used (%)")
+    ax_kv.set_ylim(0, 100)
+    ax_kv.set_title("KV cache usage")
+    ax_q.set_ylabel("requests")
+    ax_q.set_xlabel("time since start (s)")
+    ax_q.set_title("running (solid) and waiting (dashed) requests")
+    for ax in (ax_kv, ax_q):
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8, loc="upper right", ncol=2 if ax is ax_q else 1)
+    fig.suptitle(f"{title}: engine state over time" if title else "engine state over time")
+    return _save(fig, path)
+
+
+def occupancy(timeline: Timeline, arrivals_s: Sequence[float], static: bool) -> np.ndarray:
+    """Raster of cell states, one row per request (in order of first admission), one column per
+    step: waiting from arrival to first admission, prefill up to the step that produced its
+    first token, decode after; for static batching, the slot held idle until its batch ends."""
+    steps = timeline.steps
+    num_steps, num_requests = len(steps), len(arrivals_s)
+    grid = np.full((num_requests, num_steps), EMPTY, dtype=np.int8)
+    first_seen: dict[int, int] = {}
+    for s, step in enumerate(steps):
+        for idx in step.request_indices:
+            first_seen.setdefault(idx, s)
+            grid[idx, s] = PREFILL if s <= timeline.first_token_step.get(idx, num_steps) else DECODE
+    starts = np.array([st.t_s for st in steps])
+    for idx, arrival in enumerate(arrivals_s):
+        arrived = int(np.searchsorted(starts, arrival, side="left"))
+        end = first_seen.get(idx, num_steps)
+        grid[idx, arrived:end] = np.where(grid[idx, arrived:end] == EMPTY, WAITING, grid[idx, arrived:end])
+    if static:
+        batches: dict[int, list[int]] = {}
+        for idx, s in first_seen.items():
+            batches.setdefault(s, []).append(idx)
+        for members in batches.values():
+            batch_end = max(timeline.last_token_step.get(i, 0) for i in members)
+            for i in members:
+                last = timeline.last_token_step.get(i, batch_end)
+                grid[i, last + 1:batch_end + 1] = HELD
+    order = sorted(range(num_requests), key=lambda i: (first_seen.get(i, num_steps), i))
+    return grid[order]
+
+
+def plot_timelines(runs: Sequence[BenchRun], path: Path, title: str = "") -> Path:
+    fig, axes = plt.subplots(2, len(runs), figsize=(6.5 * len(runs), 8.5), squeeze=False,
+                             gridspec_kw={"height_ratios": [3, 1.4]})
+    cmap = ListedColormap(_STATE_COLORS)
+    # One token scale for all columns; a static batch's admission step (every prompt plus its
+    # padding at once) would flatten the others, so steps above the 99th percentile are clipped.
+    totals = [np.array([s.num_prefill_tokens + s.num_decode_tokens + s.num_wasted_tokens
+                        for s in r.capture.timeline.steps]) for r in runs if r.capture.timeline]
+    y_max = 1.15 * max(float(np.percentile(t, 99)) for t in totals if len(t)) or 1.0
+    for col, run in enumerate(runs):
+        timeline = run.capture.timeline
+        assert timeline is not None
+        static = str(run.options.get("scheduling_policy", "")).endswith("static")
+        grid = occupancy(timeline, [r.arrival_s for r in run.capture.results], static)
+        ax = axes[0][col]
+        ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap, vmin=0, vmax=len(_STATE_COLORS) - 1)
+        ax.set_title(f"{run.label}: {len(timeline.steps)} steps")
+        ax.set_ylabel("request (by admission)")
+        steps = timeline.steps
+        x = np.arange(len(steps))
+        prefill = np.array([s.num_prefill_tokens for s in steps])
+        decode = np.array([s.num_decode_tokens for s in steps])
+        wasted = np.array([s.num_wasted_tokens for s in steps])
+        ax2 = axes[1][col]
+        ax2.fill_between(x, 0, decode, step="post", color=_STATE_COLORS[DECODE], label="decode", lw=0)
+        ax2.fill_between(x, decode, decode + prefill, step="post", color=_STATE_COLORS[PREFILL], label="prefill", lw=0)
+        ax2.fill_between(x, decode + prefill, decode + prefill + wasted, step="post",
+                         color=_STATE_COLORS[HELD], label="wasted (idle slots, padding)", lw=0)
+        ax2.set_xlim(ax.get_xlim())
+        ax2.set_ylim(0, y_max)
+        clipped = (prefill + decode + wasted) > y_max
+        if clipped.any():
+            ax2.text(0.99, 0.97, f"{clipped.sum()} step(s) clipped, up to {(prefill + decode + wasted).max()} tokens",
+                     transform=ax2.transAxes, ha="right", va="top", fontsize=8)
+        ax2.set_xlabel("engine step")
+        ax2.set_ylabel("tokens in step")
+        ax2.grid(True, alpha=0.3)
+        total = prefill.sum() + decode.sum() + wasted.sum()
+        ax2.set_title(f"decode {decode.sum()}, prefill {prefill.sum()}, wasted {wasted.sum()} "
+                      f"({100 * wasted.sum() / max(total, 1):.0f}%)", fontsize=9)
+        if col == 0:
+            ax2.legend(fontsize=8, loc="upper left")
+    handles = [Patch(color=c, label=n) for c, n in zip(_STATE_COLORS[1:], _STATE_NAMES[1:], strict=True)]
+    fig.legend(handles=handles, loc="upper center", ncol=4, fontsize=9, bbox_to_anchor=(0.5, 0.955))
+    fig.suptitle(f"{title}: which requests each step computed" if title else "step timeline", y=0.995)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    return _save(fig, path, tight=False)
+
+
+def plot_tradeoff(runs: Sequence[BenchRun], key: str, path: Path, title: str = "") -> Path:
+    """Throughput, TTFT p99 and TBT p99 against the swept option; one line per other setting."""
+    groups: dict[str, list[BenchRun]] = {}
+    for run in runs:
+        rest = " ".join(p for p in run.label.split() if not p.startswith(f"{key}="))
+        groups.setdefault(rest or "", []).append(run)
+    panels = [("output throughput (tok/s)", lambda m: m.output_throughput),
+              ("TTFT p99 (ms)", lambda m: m.ttft_ms.p99),
+              ("TBT p99 (ms)", lambda m: m.tbt_ms.p99)]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    for name, members in groups.items():
+        xs = [r.options.get(key) for r in members]
+        for ax, (_, get) in zip(axes, panels, strict=True):
+            ys = [get(r.metrics) for r in members]
+            ax.plot([str(x) for x in xs], [np.nan if y is None else y for y in ys], marker="o", label=name or None)
+    for ax, (ylabel, _) in zip(axes, panels, strict=True):
+        ax.set_xlabel(key)
+        ax.set_ylabel(ylabel)
+        ax.set_title(ylabel)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.1)
+        ax.grid(True, alpha=0.3)
+        if any(groups):
+            ax.legend(fontsize=8)
+    fig.suptitle(f"{title}: trade-off as {key} changes" if title else f"trade-off as {key} changes")
+    return _save(fig, path)
+
+
+def _save(fig: plt.Figure, path: Path, tight: bool = True) -> Path:
+    if tight:
+        fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

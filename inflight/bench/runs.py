@@ -1,0 +1,130 @@
+"""Which engine configurations a bench invocation runs (`--compare`, `--sweep`), and running
+them in-process over one loaded model."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from inflight.bench.local import run_engine, warm_up
+from inflight.bench.metrics import RequestSLO
+from inflight.bench.results import BenchRun
+from inflight.bench.workload import BenchRequest
+from inflight.config import CacheConfig, EngineConfig, SchedulerConfig
+from inflight.engine.engine import LLMEngine, select_device, select_dtype
+from inflight.errors import ConfigError
+from inflight.model.loaded import LoadedModel
+
+# Named engine configurations for --compare, as overrides of the base options.
+PRESETS: dict[str, dict[str, Any]] = {
+    "static": {"scheduling_policy": "static"},
+    # Without chunked prefill a step must hold a whole prompt; see `resolve_options`.
+    "continuous": {"scheduling_policy": "continuous", "enable_chunked_prefill": False},
+    "chunked": {"scheduling_policy": "continuous", "enable_chunked_prefill": True},
+    "prefix-caching": {"enable_prefix_caching": True},
+    "no-prefix-caching": {"enable_prefix_caching": False},
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RunPlan:
+    label: str
+    overrides: dict[str, Any]
+    preset: str | None = None
+
+
+def parse_value(text: str) -> Any:
+    lowered = text.strip().lower()
+    if lowered in ("true", "on", "yes"):
+        return True
+    if lowered in ("false", "off", "no"):
+        return False
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def parse_sweep(text: str) -> tuple[str, list[Any]]:
+    """`max_num_tokens=64,128,256` -> ("max_num_tokens", [64, 128, 256])."""
+    key, sep, values = text.partition("=")
+    key = key.strip().replace("-", "_")
+    items = [v for v in values.split(",") if v.strip()]
+    if not sep or not key or not items:
+        raise ConfigError(f"--sweep wants OPTION=V1,V2,..., got {text!r}")
+    if key not in _engine_option_names():
+        raise ConfigError(f"--sweep: unknown engine option {key!r}")
+    return key, [parse_value(v) for v in items]
+
+
+def parse_compare(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PRESETS]
+    if unknown or not names:
+        what = ", ".join(unknown) if unknown else repr(text)
+        raise ConfigError(f"--compare: unknown configuration {what}; choose from {', '.join(PRESETS)}")
+    return names
+
+
+def plan_runs(compare: Sequence[str] = (), sweeps: Sequence[tuple[str, list[Any]]] = ()) -> list[RunPlan]:
+    """One run per combination of a compared preset and one value of each swept option."""
+    plans = []
+    for preset in list(compare) or [None]:
+        for values in itertools.product(*(v for _, v in sweeps)):
+            swept = {k: v for (k, _), v in zip(sweeps, values, strict=True)}
+            parts = ([preset] if preset else []) + [f"{k}={_fmt(v)}" for k, v in swept.items()]
+            overrides = {**(PRESETS[preset] if preset else {}), **swept}
+            plans.append(RunPlan(" ".join(parts) or "default", overrides, preset))
+    return plans
+
+
+def resolve_options(base: dict[str, Any], plan: RunPlan) -> dict[str, Any]:
+    """The engine options of one run. The `continuous` preset (no chunked prefill) raises the
+    step token budget to `max_model_len` when it is smaller, as vLLM does without chunked
+    prefill: a whole prompt must fit one step, and a budget just big enough for the longest
+    prompt would let that prompt in only when no request is decoding."""
+    options = {**base, **plan.overrides}
+    if plan.preset == "continuous":
+        max_model_len = options.get("max_model_len", SchedulerConfig().max_model_len)
+        options["max_num_tokens"] = max(options.get("max_num_tokens", 0), max_model_len)
+    return options
+
+
+def run_in_process(model: str | None, base_options: dict[str, Any], plans: Sequence[RunPlan],
+                   requests: Sequence[BenchRequest], *, max_concurrency: int | None = None,
+                   slo: RequestSLO | None = None, progress: bool = True,
+                   loaded: LoadedModel | None = None) -> list[BenchRun]:
+    """Runs every plan on a fresh engine over one loaded model, one after the other."""
+    configs = [(plan, resolve_options(base_options, plan)) for plan in plans]
+    for _, options in configs:  # fail fast on a bad option, before loading anything
+        EngineConfig.from_kwargs(model, **options)
+    if loaded is None:
+        device = select_device(base_options.get("device", "auto"))
+        loaded = LoadedModel.load(model, select_dtype(base_options.get("dtype", "auto"), device), device)
+    runs = []
+    for plan, options in configs:
+        config = EngineConfig.from_kwargs(model, **options)
+        engine = LLMEngine(config, loaded)
+        warm_up(engine)
+        capture = run_engine(engine, requests, max_concurrency, progress, plan.label)
+        recorded = {**options, "model": engine.model_name, "device": str(engine.device),
+                    "dtype": str(engine.model.dtype).removeprefix("torch."),
+                    "num_kv_blocks_allocated": engine.block_manager.num_blocks}
+        runs.append(BenchRun.measure(plan.label, recorded, capture, slo))
+        del engine, capture
+        gc.collect()
+    return runs
+
+
+def _engine_option_names() -> set[str]:
+    names = set(CacheConfig.__dataclass_fields__) | set(SchedulerConfig.__dataclass_fields__)
+    return names | {"dtype", "device", "seed"}
+
+
+def _fmt(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)

@@ -1,0 +1,153 @@
+"""The pre-launch checklist: SLA limits read from YAML, checked against a bench run.
+
+    workload: mixed               # optional: the run must have used this workload
+    min_output_tokens_per_s: 40
+    max_ttft_p99_ms: 8000
+    max_tbt_p99_ms: 1000
+    max_kv_peak_perc: 90
+    max_oom: 0
+    max_failed_requests: 0
+    min_goodput_req_per_s: 0.5
+    goodput:                      # what makes one request "good"
+      max_ttft_ms: 5000
+      max_tpot_ms: 250
+
+Every line is optional. A limit whose figure the run did not measure fails: a checklist must
+not pass on missing data.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from inflight.bench.distributions import SpecModel
+from inflight.bench.metrics import BenchMetrics, RequestSLO
+from inflight.bench.results import BenchRun
+from inflight.errors import InflightError
+
+
+class SLAError(InflightError):
+    """An SLA file is missing or invalid."""
+
+
+class GoodputLimits(SpecModel):
+    max_ttft_ms: float | None = Field(None, gt=0)
+    max_tpot_ms: float | None = Field(None, gt=0)
+    max_e2e_ms: float | None = Field(None, gt=0)
+
+    def slo(self) -> RequestSLO:
+        return RequestSLO(self.max_ttft_ms, self.max_tpot_ms, self.max_e2e_ms)
+
+
+class SLA(SpecModel):
+    workload: str | None = None
+    min_output_tokens_per_s: float | None = Field(None, ge=0)
+    max_ttft_p99_ms: float | None = Field(None, gt=0)
+    max_tbt_p99_ms: float | None = Field(None, gt=0)
+    max_tpot_p99_ms: float | None = Field(None, gt=0)
+    max_kv_peak_perc: float | None = Field(None, gt=0, le=100)
+    max_oom: int | None = Field(None, ge=0)
+    max_preemptions: int | None = Field(None, ge=0)
+    max_failed_requests: int | None = Field(None, ge=0)
+    min_goodput_req_per_s: float | None = Field(None, ge=0)
+    goodput: GoodputLimits | None = None
+
+    @model_validator(mode="after")
+    def _check_goodput(self) -> SLA:
+        if self.min_goodput_req_per_s is not None and self.goodput is None:
+            raise ValueError("min_goodput_req_per_s needs a goodput: section with per-request limits")
+        return self
+
+
+def load_sla(path: str | Path) -> SLA:
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise SLAError(f"cannot read SLA file {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise SLAError(f"SLA file {path} is not valid YAML: {exc}".replace("\n", " ")) from None
+    if not isinstance(data, dict):
+        raise SLAError(f"SLA file {path}: expected a mapping of limits")
+    try:
+        return SLA.model_validate(data)
+    except ValidationError as exc:
+        parts = [f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}".lstrip(": ")
+                 for e in exc.errors()]
+        raise SLAError(f"SLA file {path}: {'; '.join(parts)}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class CheckLine:
+    name: str
+    measured: float | str | None
+    limit: float | str
+    unit: str
+    passed: bool
+
+    def format(self) -> str:
+        status = "PASS" if self.passed else "FAIL"
+        return (f"  {status}  {self.name:<24} {_show(self.measured, self.unit):>16}   "
+                f"{_show(self.limit, self.unit)}")
+
+
+# (SLA field, shown name, unit, metric getter, comparison the measured value must satisfy)
+_LIMITS: list[tuple[str, str, str, Callable[[BenchMetrics], Any], Callable[[Any, Any], bool], str]] = [
+    ("min_output_tokens_per_s", "output throughput", "tok/s", lambda m: m.output_throughput, operator.ge, ">="),
+    ("max_ttft_p99_ms", "TTFT p99", "ms", lambda m: m.ttft_ms.p99, operator.le, "<="),
+    ("max_tbt_p99_ms", "TBT p99", "ms", lambda m: m.tbt_ms.p99, operator.le, "<="),
+    ("max_tpot_p99_ms", "TPOT p99", "ms", lambda m: m.tpot_ms.p99, operator.le, "<="),
+    ("max_kv_peak_perc", "KV cache peak", "%", lambda m: m.kv_peak_perc, operator.le, "<="),
+    ("max_oom", "OOM events", "", lambda m: m.num_oom, operator.le, "<="),
+    ("max_preemptions", "preemptions", "", lambda m: m.num_preemptions, operator.le, "<="),
+    ("max_failed_requests", "failed requests", "", lambda m: m.num_failed, operator.le, "<="),
+]
+
+
+def check_run(sla: SLA, run: BenchRun, workload_name: str | None) -> list[CheckLine]:
+    lines = []
+    if sla.workload is not None:
+        lines.append(CheckLine("workload", workload_name, f"= {sla.workload}", "", workload_name == sla.workload))
+    for field, name, unit, get, ok, sign in _LIMITS:
+        limit = getattr(sla, field)
+        if limit is None:
+            continue
+        measured = get(run.metrics)
+        lines.append(CheckLine(name, measured, f"{sign} {_num(limit)}", unit,
+                               measured is not None and ok(measured, limit)))
+    if sla.min_goodput_req_per_s is not None and sla.goodput is not None:
+        slo = sla.goodput.slo()
+        good = sum(slo.is_met(r) for r in run.capture.results)
+        goodput = good / max(run.capture.duration_s, 1e-9)
+        lines.append(CheckLine("goodput", goodput, f">= {_num(sla.min_goodput_req_per_s)}", "req/s",
+                               goodput >= sla.min_goodput_req_per_s))
+    return lines
+
+
+def format_check(sla_path: str, run_path: str, results: Sequence[tuple[BenchRun, list[CheckLine]]]) -> str:
+    out = []
+    for run, lines in results:
+        out.append(f"SLA {sla_path} vs {run_path} [{run.label}]")
+        out.extend(line.format() for line in lines)
+    failed = sum(not line.passed for _, lines in results for line in lines)
+    total = sum(len(lines) for _, lines in results)
+    out.append(f"RESULT: {'PASS' if not failed else 'FAIL'} ({total - failed} of {total} checks passed)")
+    return "\n".join(out)
+
+
+def _num(value: float) -> str:
+    return f"{value:g}"
+
+
+def _show(value: Any, unit: str) -> str:
+    if value is None:
+        return "not measured"
+    if isinstance(value, float):
+        value = f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"
+    return f"{value} {unit}".strip()

@@ -1,0 +1,235 @@
+"""Workload specs: a small seeded YAML file that fixes the traffic of a benchmark.
+
+The same spec and seed always give the same requests: every draw comes from one private
+`numpy.random.default_rng(seed)`, in a fixed order (arrivals, prompt lengths, output lengths,
+shared-prefix membership, prompt text). A request is a small record: prompt token ids cut from
+real text to an exact length, the number of output tokens to force (`max_tokens` with
+`ignore_eos`), and its arrival offset in seconds.
+
+    name: mixed
+    seed: 0
+    num_requests: 90
+    arrivals: {kind: poisson, rate: 1.0}
+    prompt_len: {kind: lognormal, mean: 256, std: 256, min: 16, max: 1024}
+    output_len:
+      kind: mixture
+      components:
+        - {weight: 0.85, kind: lognormal, mean: 48, std: 32, min: 4}
+        - {weight: 0.15, kind: uniform, min: 192, max: 384}
+    shared_prefix: {fraction: 0.9, num_tokens: 768}   # optional
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from inflight.bench.corpus import Corpus
+from inflight.bench.distributions import (
+    Arrivals,
+    BurstArrivals,
+    LengthDist,
+    SpecModel,
+    TraceArrivals,
+)
+from inflight.errors import InflightError
+
+
+class WorkloadError(InflightError):
+    """A workload spec or trace file is missing or invalid."""
+
+
+class SharedPrefix(SpecModel):
+    """A share of requests start with the same system prompt of `num_tokens` tokens; for them
+    `prompt_len` is the length of the part after it."""
+
+    fraction: float = Field(ge=0, le=1)
+    num_tokens: int = Field(ge=1)
+
+
+class WorkloadSpec(SpecModel):
+    name: str
+    description: str = ""
+    seed: int = 0
+    num_requests: int | None = Field(None, ge=1, description="required unless arrivals is a trace")
+    arrivals: Arrivals = Field(default_factory=lambda: BurstArrivals(kind="burst"))
+    prompt_len: LengthDist | None = None
+    output_len: LengthDist | None = None
+    shared_prefix: SharedPrefix | None = None
+
+    @model_validator(mode="after")
+    def _check_sources(self) -> WorkloadSpec:
+        if isinstance(self.arrivals, TraceArrivals):
+            if self.prompt_len is not None or self.output_len is not None:
+                raise ValueError("a trace gives its own prompt_len and output_len; remove them from the spec")
+            return self
+        missing = [k for k in ("num_requests", "prompt_len", "output_len") if getattr(self, k) is None]
+        if missing:
+            raise ValueError(f"missing {', '.join(missing)} (needed unless arrivals is a trace)")
+        return self
+
+    @property
+    def sha256(self) -> str:
+        """Fingerprint of the traffic: equal specs (seed included) give equal requests."""
+        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    index: int
+    prompt_token_ids: list[int]
+    prompt: str
+    output_len: int
+    arrival_s: float
+    has_shared_prefix: bool = False
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+# --- loading ------------------------------------------------------------------------------------
+
+
+def canonical_specs() -> dict[str, Path]:
+    folder = resources.files("inflight.bench") / "specs"
+    return {Path(f.name).stem: Path(str(f)) for f in folder.iterdir()
+            if f.name.endswith(".yaml") and f.name != "sla.yaml"}
+
+
+def load_workload(name_or_path: str, **overrides: Any) -> tuple[WorkloadSpec, Path]:
+    """A canonical spec by name (`mixed`) or a YAML file by path; `overrides` replace top-level
+    fields (`seed=1`, `num_requests=10`). Raises WorkloadError with a one-line message."""
+    canonical = canonical_specs()
+    path = canonical.get(name_or_path) or Path(name_or_path)
+    if not path.is_file():
+        raise WorkloadError(f"no workload {name_or_path!r}: give one of {', '.join(sorted(canonical))} "
+                            "or the path of a YAML spec")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise WorkloadError(f"cannot read workload spec {path}: {exc}".replace("\n", " ")) from None
+    if not isinstance(data, dict):
+        raise WorkloadError(f"workload spec {path}: expected a mapping of fields at the top level")
+    data.setdefault("name", path.stem)
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return parse_workload(data, source=str(path)), path
+
+
+def parse_workload(data: dict[str, Any], source: str = "workload spec") -> WorkloadSpec:
+    try:
+        return WorkloadSpec.model_validate(data)
+    except ValidationError as exc:
+        raise WorkloadError(f"{source}: {_describe(exc)}") from None
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)
+
+
+# --- generation ---------------------------------------------------------------------------------
+
+
+def generate_requests(spec: WorkloadSpec, corpus: Corpus, base_dir: Path | None = None) -> list[BenchRequest]:
+    """The spec's requests, in arrival order. `base_dir` resolves a relative trace path."""
+    rng = np.random.default_rng(spec.seed)
+    if isinstance(spec.arrivals, TraceArrivals):
+        offsets, prompt_lens, output_lens = read_trace(spec.arrivals, base_dir, spec.num_requests)
+    else:
+        assert spec.num_requests and spec.prompt_len and spec.output_len  # checked by the model
+        n = spec.num_requests
+        offsets = spec.arrivals.offsets(rng, n)
+        prompt_lens = spec.prompt_len.sample(rng, n)
+        output_lens = spec.output_len.sample(rng, n)
+    n = len(offsets)
+    prefix = spec.shared_prefix
+    with_prefix = rng.random(n) < prefix.fraction if prefix else np.zeros(n, dtype=bool)
+    prefix_ids = corpus.take(rng, prefix.num_tokens) if prefix else []
+    requests = []
+    for i in range(n):
+        ids = (prefix_ids if with_prefix[i] else []) + corpus.take(rng, int(prompt_lens[i]))
+        requests.append(BenchRequest(i, ids, corpus.decode(ids), int(output_lens[i]),
+                                     float(offsets[i]), bool(with_prefix[i])))
+    return requests
+
+
+def read_trace(trace: TraceArrivals, base_dir: Path | None,
+               limit: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(offsets, prompt lengths, output lengths) of a CSV or JSONL trace, sorted by time."""
+    path = Path(trace.path)
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise WorkloadError(f"cannot read trace {path}: {exc.strerror or exc}") from None
+    if path.suffix in (".jsonl", ".json"):
+        rows = _jsonl_rows(text, path)
+    else:
+        rows = list(csv.DictReader(text.splitlines()))
+    parsed = [_trace_row(row, i + 2 if path.suffix not in (".jsonl", ".json") else i + 1, path)
+              for i, row in enumerate(rows)]
+    if not parsed:
+        raise WorkloadError(f"trace {path} has no rows")
+    parsed.sort(key=lambda r: r[0])
+    parsed = parsed[:limit] if limit else parsed
+    times, prompt_lens, output_lens = (np.array(col) for col in zip(*parsed, strict=True))
+    return (times - times[0]) * trace.time_scale, prompt_lens.astype(np.int64), output_lens.astype(np.int64)
+
+
+def _jsonl_rows(text: str, path: Path) -> list[dict[str, Any]]:
+    rows = []
+    for i, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise WorkloadError(f"trace {path} line {i}: not JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise WorkloadError(f"trace {path} line {i}: expected an object")
+        rows.append(row)
+    return rows
+
+
+def _trace_row(row: dict[str, Any], line: int, path: Path) -> tuple[float, int, int]:
+    try:
+        t, p, o = float(row["timestamp"]), int(row["prompt_len"]), int(row["output_len"])
+    except KeyError as exc:
+        raise WorkloadError(f"trace {path} line {line}: missing column {exc.args[0]!r} "
+                            "(need timestamp, prompt_len, output_len)") from None
+    except (TypeError, ValueError):
+        raise WorkloadError(f"trace {path} line {line}: timestamp must be a number and "
+                            "prompt_len, output_len integers") from None
+    if t < 0 or p < 1 or o < 1:
+        raise WorkloadError(f"trace {path} line {line}: need timestamp >= 0, prompt_len >= 1, output_len >= 1")
+    return t, p, o
+
+
+def with_request_rate(spec: WorkloadSpec, rate: float) -> WorkloadSpec:
+    """The spec with another arrival rate: `inf` makes a burst, a number on a burst makes Poisson
+    arrivals, a gamma process keeps its burstiness."""
+    arrivals = spec.arrivals
+    if isinstance(arrivals, TraceArrivals):
+        raise WorkloadError("a trace fixes its own arrival times; --request-rate does not apply")
+    if rate == float("inf"):
+        new: dict[str, Any] = {"kind": "burst"}
+    elif isinstance(arrivals, BurstArrivals):
+        new = {"kind": "poisson", "rate": rate}
+    else:
+        new = {**arrivals.model_dump(), "rate": rate}
+    return parse_workload({**spec.model_dump(), "arrivals": new}, source=f"workload {spec.name}")
