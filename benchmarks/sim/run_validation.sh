@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Re-runs every figure of docs/simulator.md. Results go to $OUT (default benchmarks/sim/results).
+#
+#   bash benchmarks/sim/run_validation.sh                 # all parts
+#   bash benchmarks/sim/run_validation.sh calibrate cpu   # only the named parts
+#
+# Parts: calibrate (about a minute), measured (the real engine on burst, mixed and long-prefill:
+# about 8 minutes on 2 cores), cpu (simulate those runs and compare), gpu (Orca and Sarathi-Serve
+# reproductions in simulation, a few minutes). Parts that time the real engine first wait until
+# the 1-minute load average is under $MAX_LOAD (default 1.5): the machine is shared.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-benchmarks/sim/results}
+INFLIGHT=${INFLIGHT:-.venv/bin/inflight}
+MAX_LOAD=${MAX_LOAD:-1.5}
+# As benchmarks/run_doc_benchmarks.sh: a fixed pool of 2048 KV blocks, one intra-op thread.
+COMMON=(--num-kv-blocks 2048 --torch-threads 1 --no-progress)
+PARTS=" ${*:-calibrate measured cpu gpu} "
+mkdir -p "$OUT"
+
+want() { [[ "$PARTS" == *" $1 "* ]]; }
+wait_quiet() {
+    while awk -v max="$MAX_LOAD" '{exit !($1 >= max)}' /proc/loadavg; do
+        echo "waiting for a quiet machine (load $(cut -d' ' -f1-3 /proc/loadavg))" >&2; sleep 20
+    done
+}
+say() { echo "== $*" >&2; }
+
+if want calibrate; then
+    wait_quiet; say "calibrate"
+    "$INFLIGHT" sim calibrate --output "$OUT/cpu-local.json" --samples "$OUT/calibration-steps.json" \
+        | tee "$OUT/calibration.txt"
+fi
+
+if want measured; then
+    for w in burst mixed; do
+        wait_quiet; say "measure $w"
+        "$INFLIGHT" bench --workload "$w" "${COMMON[@]}" --output "$OUT/measured-$w.json.gz" | tee "$OUT/measured-$w.txt"
+    done
+    wait_quiet; say "measure long-prefill"
+    "$INFLIGHT" bench --workload long-prefill --compare continuous,chunked --max-num-tokens 256 "${COMMON[@]}" \
+        --output "$OUT/measured-long-prefill.json.gz" | tee "$OUT/measured-long-prefill.txt"
+fi
+
+if want cpu; then
+    for w in burst mixed long-prefill; do
+        say "simulate $w against the measured run"
+        "$INFLIGHT" sim --against "$OUT/measured-$w.json.gz" --hardware "$OUT/cpu-local.json" | tee "$OUT/validate-$w.txt"
+    done
+fi
+
+if want gpu; then
+    GPU=(--model llama-3-8b --hardware h100)
+    say "Orca: static vs continuous batching"
+    "$INFLIGHT" sim --workload benchmarks/sim/orca.yaml "${GPU[@]}" --compare static,continuous,chunked \
+        --max-batch-size 64 --output "$OUT/orca.json.gz" --plot "$OUT/orca" | tee "$OUT/orca.txt"
+    for rate in 2 4 8 16; do
+        "$INFLIGHT" sim --workload benchmarks/sim/orca.yaml "${GPU[@]}" --compare static,continuous \
+            --max-batch-size 64 --num-requests 1000 --request-rate "$rate"
+    done | tee "$OUT/orca-rates.txt"
+    say "Sarathi-Serve: chunked vs whole-prompt prefill"
+    "$INFLIGHT" sim --workload benchmarks/sim/sarathi.yaml "${GPU[@]}" --compare continuous,chunked \
+        --max-num-tokens 512 --max-model-len 8192 --max-batch-size 128 \
+        --output "$OUT/sarathi.json.gz" --plot "$OUT/sarathi" | tee "$OUT/sarathi.txt"
+    "$INFLIGHT" sim --workload benchmarks/sim/sarathi.yaml "${GPU[@]}" --sweep max_num_tokens=256,512,1024,2048,4096 \
+        --max-model-len 8192 --max-batch-size 128 --plot "$OUT/sarathi-sweep" | tee "$OUT/sarathi-sweep.txt"
+    "$INFLIGHT" tune --workload benchmarks/sim/sarathi.yaml --sla benchmarks/sim/sarathi-sla.yaml "${GPU[@]}" \
+        --max-model-len 8192 --max-num-tokens-grid 256,512,1024,2048,8192 --max-batch-size-grid 128 \
+        --max-rate --top 5 --all | tee "$OUT/sarathi-tune.txt"
+fi

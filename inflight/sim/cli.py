@@ -1,0 +1,284 @@
+"""`inflight sim` (a workload on the real scheduler over a cost model), `inflight sim calibrate`
+(fit a hardware profile on this machine) and `inflight tune` (configurations that pass an SLA)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from inflight.errors import ConfigError
+
+_MODEL_HELP = ("model shapes: a built-in name (llama-3-8b, llama-3-70b, mistral-7b, qwen2.5-7b, "
+               "smollm2-135m), a Hugging Face config.json or its folder, or a GGUF file "
+               "(default: the embedded SmolLM2-135M)")
+_HARDWARE_HELP = "h100, h200, a100-80gb, l4, cpu-local, or a profile JSON from `inflight sim calibrate`"
+
+
+def register(subparsers: Any) -> None:
+    sim = subparsers.add_parser(
+        "sim", help="simulate a workload: the real scheduler on a virtual clock over a cost model",
+        description="Runs a workload spec through the production scheduler and block manager, with "
+                    "step times from a roofline cost model instead of a model. Prints the bench table; "
+                    "--output, --plot and --sla work as for `inflight bench`.",
+    )
+    _add_target_options(sim)
+    _add_workload_options(sim)
+    r = sim.add_argument_group("runs")
+    r.add_argument("--compare", default=None, metavar="A,B,...",
+                   help="simulate each configuration in turn: static, continuous, chunked, prefix-caching, "
+                        "no-prefix-caching")
+    r.add_argument("--sweep", action="append", default=[], metavar="OPTION=V1,V2,...",
+                   help="simulate each value of an engine option (repeatable)")
+    o = sim.add_argument_group("output")
+    o.add_argument("--output", "-o", default=None, help="write the runs to this JSON file (the bench's format)")
+    o.add_argument("--plot", default=None, metavar="DIR", help="write the bench's PNG plots to this folder")
+    o.add_argument("--sla", default=None, help="SLA YAML: goodput limits, and a check after the run")
+    o.add_argument("--against", default=None, metavar="RUN.json",
+                   help="instead of --workload: re-simulate the runs of an `inflight bench` run file (its "
+                        "workload, engine options and KV pool) and print measured, simulated and the error")
+    _add_engine_options(sim)
+    sim.set_defaults(func=cmd_sim)
+
+    sub = sim.add_subparsers(dest="sim_command", metavar="{calibrate}")
+    cal = sub.add_parser("calibrate", help="time real engine steps on this machine and fit a hardware profile",
+                         description="Times a grid of engine steps (decodes, prefill chunks, mixed) with a "
+                                     "real model on the CPU and fits the profile's efficiency factors and "
+                                     "overheads by least squares.")
+    cal.add_argument("--model", default=None, help="GGUF file or HF model folder (default: the embedded model)")
+    cal.add_argument("--output", "-o", required=True, help="write the fitted profile (JSON) here")
+    cal.add_argument("--base", default="cpu-local", help="profile whose nominal peaks are fitted (default cpu-local)")
+    cal.add_argument("--name", default=None, help="name of the fitted profile (default: the base's)")
+    cal.add_argument("--torch-threads", type=int, default=1,
+                     help="intra-op threads, as the runs it should predict use (default 1)")
+    cal.add_argument("--max-num-tokens", type=int, default=2048,
+                     help="token budget of the timed engine: the largest prefill step (default 2048)")
+    cal.add_argument("--repeats", type=int, default=2, help="times the grid is measured (default 2, ~1.5 min)")
+    cal.add_argument("--samples", default=None, help="also write every timed step (JSON) here")
+    cal.set_defaults(func=cmd_calibrate)
+
+    tune = subparsers.add_parser(
+        "tune", help="search engine configurations in simulation for those that pass an SLA",
+        description="Simulates every combination of --max-num-tokens-grid, --max-batch-size-grid and "
+                    "chunked prefill on/off, checks each against the SLA, and prints those that pass, "
+                    "highest output throughput first.",
+    )
+    _add_target_options(tune)
+    _add_workload_options(tune)
+    tune.add_argument("--sla", required=True, help="SLA YAML file (as for `inflight check`)")
+    g = tune.add_argument_group("search")
+    g.add_argument("--max-num-tokens-grid", default="256,512,1024,2048,4096,8192", metavar="N,N,...")
+    g.add_argument("--max-batch-size-grid", default="16,32,64,128,256", metavar="N,N,...")
+    g.add_argument("--chunked-prefill-grid", default="on,off", metavar="on,off")
+    g.add_argument("--max-rate", action="store_true",
+                   help="also find, for the best --top configurations, the highest Poisson rate that passes")
+    g.add_argument("--top", type=int, default=5, help="configurations given a rate search (default 5)")
+    g.add_argument("--all", action="store_true", help="also list the failing configurations and why")
+    tune.add_argument("--output", "-o", default=None, help="write the passing runs to this JSON file")
+    _add_engine_options(tune)
+    tune.set_defaults(func=cmd_tune)
+
+
+def _add_target_options(parser: argparse.ArgumentParser) -> None:
+    t = parser.add_argument_group("simulated target")
+    t.add_argument("--hardware", default="cpu-local", help=_HARDWARE_HELP + " (default cpu-local)")
+    t.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (default 1)")
+    t.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of each GPU's memory for weights and KV, as vLLM's option (default 0.9)")
+    t.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+
+
+def _add_workload_options(parser: argparse.ArgumentParser) -> None:
+    w = parser.add_argument_group("workload")
+    w.add_argument("--workload", default=None, help="a canonical workload name or a YAML spec path")
+    w.add_argument("--workload-seed", type=int, default=None, help="override the spec's seed")
+    w.add_argument("--num-requests", type=int, default=None, help="override the spec's number of requests")
+    w.add_argument("--request-rate", type=float, default=None, help="override the arrival rate (inf: burst)")
+
+
+def _add_engine_options(parser: argparse.ArgumentParser) -> None:
+    from inflight.cli import add_engine_options
+
+    add_engine_options(parser)
+    for action in parser._actions:  # the same engine options as bench; only --model means shapes here
+        if "--model" in action.option_strings:
+            action.help = _MODEL_HELP
+
+
+def _target(args: argparse.Namespace) -> Any:
+    from inflight.sim.hardware import load_hardware
+    from inflight.sim.runs import SimTarget
+    from inflight.sim.shapes import resolve_shapes
+
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ConfigError("--max-concurrency must be >= 1")
+    name, shapes = resolve_shapes(args.model)
+    return SimTarget(name, shapes, load_hardware(args.hardware), args.tp, args.gpu_memory_utilization)
+
+
+def _workload(args: argparse.Namespace) -> tuple[Any, Path]:
+    from inflight.bench.workload import load_workload, with_request_rate
+
+    if not args.workload:
+        raise ConfigError("--workload is required")
+    spec, path = load_workload(args.workload, seed=args.workload_seed, num_requests=args.num_requests)
+    if args.request_rate is not None:
+        spec = with_request_rate(spec, args.request_rate)
+    return spec, path
+
+
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    from inflight.cli import engine_options
+
+    options = engine_options(args)
+    options.pop("device", None)
+    return options
+
+
+def _document(args: argparse.Namespace, target: Any, spec: Any, spec_path: Path, num_requests: int,
+              sla: Any) -> dict[str, Any]:
+    from inflight.bench.report import command_line, environment, now_iso
+
+    return {
+        "created_at": now_iso(), "command": command_line(), "environment": environment(),
+        "target": target.to_dict(), "engine_options": _engine_options(args),
+        "workload": {"name": spec.name, "source": str(spec_path), "seed": spec.seed, "sha256": spec.sha256,
+                     "num_requests": num_requests, "spec": spec.model_dump(mode="json")},
+        "max_concurrency": args.max_concurrency,
+        "sla": sla.model_dump(mode="json") if sla else None,
+    }
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    from inflight.bench.report import format_table, write_run_file
+    from inflight.bench.runs import parse_compare, parse_sweep, plan_runs
+    from inflight.bench.sla import check_run, format_check, load_sla
+    from inflight.sim.runs import simulate_plans
+    from inflight.sim.workload import synthetic_requests
+
+    target = _target(args)
+    if args.against:
+        return _validate(args.against, target)
+    spec, spec_path = _workload(args)
+    sla = load_sla(args.sla) if args.sla else None
+    slo = sla.goodput.slo() if sla and sla.goodput else None
+    compare = parse_compare(args.compare) if args.compare else []
+    sweeps = [parse_sweep(s) for s in args.sweep]
+    requests = synthetic_requests(spec, spec_path.parent)
+    runs = simulate_plans(target, _engine_options(args), plan_runs(compare, sweeps), requests,
+                          args.max_concurrency, slo)
+    title = f"inflight sim: {spec.name} ({len(requests)} requests, seed {spec.seed}), {target.describe()}"
+    print(format_table(runs, title))
+    if args.output:
+        document = _document(args, target, spec, spec_path, len(requests), sla)
+        document.update({"compare": compare, "sweep": dict(sweeps)})
+        write_run_file(Path(args.output), document, runs)
+        print(f"wrote {args.output}", file=sys.stderr)
+    if args.plot:
+        from inflight.bench.plots import plot_runs
+
+        for path in plot_runs(runs, Path(args.plot), title=f"{spec.name} (simulated)",
+                              sweep_keys=[k for k, _ in sweeps]):
+            print(f"wrote {path}", file=sys.stderr)
+    if sla is None:
+        return 0
+    results = [(run, check_run(sla, run, spec.name)) for run in runs]
+    print(format_check(args.sla, args.output or "(this run)", results))
+    return 0 if all(line.passed for _, lines in results for line in lines) else 1
+
+
+def _validate(run_path: str, target: Any) -> int:
+    from inflight.bench.report import read_run_file
+    from inflight.sim.validate import format_comparisons, resimulate
+
+    document, runs = read_run_file(Path(run_path))
+    workload = document["workload"]
+    load = document.get("environment", {}).get("load_average")
+    title = (f"{run_path}: {workload['name']} ({workload['num_requests']} requests), measured (load average "
+             f"{load}) against simulated on {target.describe()}")
+    print(format_comparisons(resimulate(document, runs, target), title))
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from inflight.sim.calibrate import calibrate, format_fit
+    from inflight.sim.hardware import load_hardware
+
+    base = load_hardware(args.base)
+    if args.torch_threads < 1 or args.repeats < 1:
+        raise ConfigError("--torch-threads and --repeats must be >= 1")
+
+    def progress(message: str) -> None:
+        print(message, file=sys.stderr)
+
+    result, samples = calibrate(args.model, base, name=args.name or base.name, torch_threads=args.torch_threads,
+                                max_num_tokens=args.max_num_tokens, repeats=args.repeats, progress=progress)
+    print(format_fit(result, samples))
+    result.profile.save(Path(args.output))
+    print(f"wrote {args.output}", file=sys.stderr)
+    if args.samples:
+        rows = [{"batch": [list(w) for w in s.batch], "duration_s": s.duration_s, "forward_s": s.forward_s,
+                 "predicted_s": float(p)} for s, p in zip(samples, result.predicted_s, strict=True)]
+        Path(args.samples).write_text(json.dumps({"profile": dataclasses.asdict(result.profile), "steps": rows}))
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from inflight.bench.report import format_table, write_run_file
+    from inflight.bench.runs import parse_value
+    from inflight.bench.sla import load_sla
+    from inflight.sim.tune import SearchSpace, Tuner, add_max_rates, format_candidates
+
+    def ints(text: str, name: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(v) for v in text.split(",") if v.strip())
+        except ValueError:
+            raise ConfigError(f"--{name} wants integers separated by commas, got {text!r}") from None
+        if not values or min(values) < 1:
+            raise ConfigError(f"--{name} wants integers >= 1")
+        return values
+
+    chunked = tuple(parse_value(v) for v in args.chunked_prefill_grid.split(",") if v.strip())
+    if not chunked or not all(isinstance(v, bool) for v in chunked):
+        raise ConfigError("--chunked-prefill-grid wants on, off or on,off")
+    space = SearchSpace(ints(args.max_num_tokens_grid, "max-num-tokens-grid"),
+                        ints(args.max_batch_size_grid, "max-batch-size-grid"), chunked)
+    target = _target(args)
+    spec, spec_path = _workload(args)
+    sla = load_sla(args.sla)
+    base = {k: v for k, v in _engine_options(args).items()
+            if k not in ("max_num_tokens", "max_batch_size", "enable_chunked_prefill")}
+    tuner = Tuner(target, spec, sla, base, spec_path.parent, args.max_concurrency)
+    candidates = tuner.search(space)
+    passing = [c for c in candidates if c.passed]
+    if args.max_rate:
+        passing = add_max_rates(tuner, passing, args.top)
+    title = (f"inflight tune: {spec.name} ({len(tuner.requests)} requests) on {target.describe()}, SLA {args.sla}: "
+             f"{len(passing)} of {len(candidates)} configurations pass ({tuner.num_simulations} simulations)")
+    print(format_candidates(passing, title))
+    if args.all:
+        for c in candidates:
+            if not c.passed:
+                failed = ", ".join(f"{line.name} {_show(line.measured)} {line.unit} (limit {line.limit})"
+                                   for line in c.checks if not line.passed)
+                print(f"  FAIL {c.label}: {failed}")
+    if passing and len(passing) <= 8:
+        print(format_table([c.run for c in passing[:4]], "best configurations"))
+    if args.output and passing:
+        document = _document(args, target, spec, spec_path, len(tuner.requests), sla)
+        document["tune"] = {"space": {"max_num_tokens": space.max_num_tokens, "max_batch_size": space.max_batch_size,
+                                      "enable_chunked_prefill": space.enable_chunked_prefill},
+                            "max_rates": {c.label: c.max_rate for c in passing}}
+        write_run_file(Path(args.output), document, [c.run for c in passing])
+        print(f"wrote {args.output}", file=sys.stderr)
+    return 0 if passing else 1
+
+
+def _show(value: Any) -> str:
+    return "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)

