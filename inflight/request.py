@@ -76,6 +76,11 @@ class RequestTimings:
     token_times: list[float] = field(default_factory=list)
     finished: float | None = None
 
+    def add_token(self, now: float) -> None:
+        if self.first_token is None:
+            self.first_token = now
+        self.token_times.append(now)
+
     @property
     def ttft_s(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.arrival

@@ -219,10 +219,7 @@ class LLMEngine:
             token = sampled.get(request.request_id)
             if token is None:
                 continue
-            timings = request.timings
-            if timings.first_token is None:
-                timings.first_token = now
-            timings.token_times.append(now)
+            request.timings.add_token(now)
             text, finish = self.output_processor.process_token(request, token)
             if finish is not None:
                 self._end(request, finish)

@@ -108,9 +108,7 @@ class SimEngine:
             if token is None:
                 continue
             timings = request.timings
-            if timings.first_token is None:
-                timings.first_token = now
-            timings.token_times.append(now)
+            timings.add_token(now)
             finish = FinishReason.LENGTH if request.num_output_tokens >= request.sampling_params.max_tokens else None
             if finish is not None:
                 self.scheduler.finish(request, finish)
