@@ -22,8 +22,9 @@ from inflight.engine.scheduler import Scheduler
 from inflight.engine.static import StaticScheduler
 from inflight.errors import ConfigError
 from inflight.model.loaded import LoadedModel
-from inflight.sim.calibrate import Sample, StepCase, fit_profile, measure, predict
+from inflight.sim.calibrate import StepCase, measure
 from inflight.sim.cost_model import CostModel, SeqWork
+from inflight.sim.fit import Sample, fit_profile, predict
 from inflight.sim.hardware import BUILTIN_HARDWARE, HardwareProfile, load_hardware
 from inflight.sim.runs import SimTarget, simulate
 from inflight.sim.shapes import BUILTIN_MODELS, num_linear_params, num_params, resolve_shapes

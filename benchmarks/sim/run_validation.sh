@@ -53,7 +53,7 @@ if want gpu; then
     GPU=(--model llama-3-8b --hardware h100)
     say "Orca: static vs continuous batching"
     "$INFLIGHT" sim --workload benchmarks/sim/orca.yaml "${GPU[@]}" --compare static,continuous,chunked \
-        --max-batch-size 64 --output "$OUT/orca.json.gz" --plot "$OUT/orca" | tee "$OUT/orca.txt"
+        --max-batch-size 64 --plot "$OUT/orca" | tee "$OUT/orca.txt"
     for rate in 2 4 8 16; do
         "$INFLIGHT" sim --workload benchmarks/sim/orca.yaml "${GPU[@]}" --compare static,continuous \
             --max-batch-size 64 --num-requests 1000 --request-rate "$rate"
@@ -61,10 +61,14 @@ if want gpu; then
     say "Sarathi-Serve: chunked vs whole-prompt prefill"
     "$INFLIGHT" sim --workload benchmarks/sim/sarathi.yaml "${GPU[@]}" --compare continuous,chunked \
         --max-num-tokens 512 --max-model-len 8192 --max-batch-size 128 \
-        --output "$OUT/sarathi.json.gz" --plot "$OUT/sarathi" | tee "$OUT/sarathi.txt"
+        --plot "$OUT/sarathi" | tee "$OUT/sarathi.txt"
     "$INFLIGHT" sim --workload benchmarks/sim/sarathi.yaml "${GPU[@]}" --sweep max_num_tokens=256,512,1024,2048,4096 \
         --max-model-len 8192 --max-batch-size 128 --plot "$OUT/sarathi-sweep" | tee "$OUT/sarathi-sweep.txt"
     "$INFLIGHT" tune --workload benchmarks/sim/sarathi.yaml --sla benchmarks/sim/sarathi-sla.yaml "${GPU[@]}" \
         --max-model-len 8192 --max-num-tokens-grid 256,512,1024,2048,8192 --max-batch-size-grid 128 \
-        --max-rate --top 5 --all | tee "$OUT/sarathi-tune.txt"
+        --all | tee "$OUT/sarathi-tune.txt"
+    # Capacity under the SLA: every configuration passes at 2 req/s; how far can each go?
+    "$INFLIGHT" tune --workload benchmarks/sim/sarathi.yaml --sla benchmarks/sim/sarathi-sla.yaml "${GPU[@]}" \
+        --max-model-len 8192 --max-num-tokens-grid 256,512,1024,2048,8192 --max-batch-size-grid 128 \
+        --request-rate 2 --max-rate --top 6 | tee "$OUT/sarathi-capacity.txt"
 fi

@@ -207,7 +207,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from inflight.sim.calibrate import calibrate, format_fit
+    from inflight.sim.calibrate import calibrate
+    from inflight.sim.fit import format_fit
     from inflight.sim.hardware import load_hardware
 
     base = load_hardware(args.base)
@@ -219,13 +220,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     result, samples = calibrate(args.model, base, name=args.name or base.name, torch_threads=args.torch_threads,
                                 max_num_tokens=args.max_num_tokens, repeats=args.repeats, progress=progress)
-    print(format_fit(result, samples))
     result.profile.save(Path(args.output))
     print(f"wrote {args.output}", file=sys.stderr)
     if args.samples:
         rows = [{"batch": [list(w) for w in s.batch], "duration_s": s.duration_s, "forward_s": s.forward_s,
                  "predicted_s": float(p)} for s, p in zip(samples, result.predicted_s, strict=True)]
         Path(args.samples).write_text(json.dumps({"profile": dataclasses.asdict(result.profile), "steps": rows}))
+    print(format_fit(result, samples))
     return 0
 
 

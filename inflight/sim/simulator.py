@@ -13,6 +13,7 @@ import dataclasses
 from collections import deque
 from collections.abc import Callable, Sequence
 
+from inflight.bench.local import bench_params
 from inflight.bench.metrics import EngineCounters, RequestResult
 from inflight.bench.results import Capture
 from inflight.bench.timeline import StepRecorder
@@ -132,10 +133,6 @@ class SimEngine:
             observer(record, outputs)
 
 
-def sim_params(request: BenchRequest) -> SamplingParams:
-    return SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
-
-
 def run_simulation(engine: SimEngine, requests: Sequence[BenchRequest],
                    max_concurrency: int | None = None) -> Capture:
     """Runs the workload as `inflight bench` runs it in-process (each request added when its
@@ -163,7 +160,7 @@ def run_simulation(engine: SimEngine, requests: Sequence[BenchRequest],
                 request = pending.popleft()
                 sent = max(request.arrival_s, free_slots.popleft() if max_concurrency else 0.0)
                 try:
-                    engine.add_request(request.prompt_token_ids, sim_params(request),
+                    engine.add_request(request.prompt_token_ids, bench_params(request),
                                        request_id=f"bench-{request.index}", arrival_time=sent)
                 except InflightError as exc:
                     finish(request, sent, [], None, str(exc))

@@ -80,7 +80,9 @@ def resimulate(document: dict[str, Any], runs: Sequence[BenchRun], target: SimTa
         sim = simulate(target, options, requests, run.label, document.get("max_concurrency"))
         timeline = run.capture.timeline
         cost_model = CostModel(target.shapes, target.hardware, target.tp, options.get("dtype"))
-        steps = replay_steps(timeline, requests, cost_model) if timeline and timeline.steps else None
+        # Prefix-cache hits are not in the timeline, so those steps cannot be rebuilt.
+        hits = spec.shared_prefix is not None and options.get("enable_prefix_caching", True)
+        steps = replay_steps(timeline, requests, cost_model) if timeline and timeline.steps and not hits else None
         out.append(Comparison(run.label, run.metrics, sim.metrics, steps))
     return out
 
@@ -88,7 +90,8 @@ def resimulate(document: dict[str, Any], runs: Sequence[BenchRun], target: SimTa
 def step_compositions(timeline: Timeline, requests: Sequence[BenchRequest]) -> list[list[SeqWork]]:
     """Each recorded step's composition, rebuilt from the requests it computed and its prefill
     token count: decodes first, then the prefill tokens handed out in the scheduler's order.
-    Approximate where the run had prefix-cache hits or preemptions (not recorded per step)."""
+    Not for runs with prefix-cache hits; approximate after a preemption (neither is recorded
+    per step)."""
     computed: dict[int, int] = {}
     steps = []
     for step in timeline.steps:
