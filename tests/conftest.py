@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -53,3 +54,23 @@ def hf_model() -> Any:
     path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     return model.eval()
+
+
+def stream_in_background(url: str, body: dict[str, Any]) -> tuple[threading.Thread, list[str]]:
+    """Starts a streaming POST to `url` on a thread; returns once its first line has arrived,
+    with the thread and the list its lines are appended to."""
+    import httpx
+
+    lines: list[str] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", url, json=body, timeout=60) as resp:
+            for line in resp.iter_lines():
+                started.set()
+                lines.append(line)
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert started.wait(30), "the stream sent nothing"
+    return thread, lines

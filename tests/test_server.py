@@ -4,7 +4,6 @@ and the official `openai` client. Generations are kept short so the file runs in
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from conftest import stream_in_background
 from prometheus_client.parser import text_string_to_metric_families
 
 from inflight import LLM, EngineConfig, LLMEngine, SamplingParams
@@ -284,18 +284,7 @@ def test_bad_requests_do_not_disturb_a_running_stream(server: RunningServer, mod
     before = scrape(server.url)
     body = {"model": model, "prompt": "The history of the bicycle", "max_tokens": 40, "ignore_eos": True,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    lines: list[str] = []
-    started = threading.Event()
-
-    def stream() -> None:
-        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as resp:
-            for line in resp.iter_lines():
-                started.set()
-                lines.append(line)
-
-    thread = threading.Thread(target=stream)
-    thread.start()
-    assert started.wait(30)
+    thread, lines = stream_in_background(server.url + "/v1/completions", body)
     for _, path, bad, status, _ in BAD_REQUESTS:
         assert _send(server.url, path, bad, model, timeout=30).status_code == status
     thread.join(60)

@@ -4,13 +4,13 @@ error for requests past the drain timeout). Each test runs its own small in-thre
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from conftest import stream_in_background
 from prometheus_client.parser import text_string_to_metric_families
 
 from inflight import EngineConfig, LLMEngine
@@ -84,18 +84,7 @@ def test_shutdown_refuses_new_requests_and_ends_overdue_ones_cleanly(loaded: Loa
     with serve_in_thread(engine, ServerConfig(shutdown_timeout_s=1.0)) as running:
         body = {"model": engine.model_name, "prompt": "Tell me a long story.", "max_tokens": 1500,
                 "ignore_eos": True, "stream": True}
-        lines: list[str] = []
-        started = threading.Event()
-
-        def stream() -> None:
-            with httpx.stream("POST", running.url + "/v1/completions", json=body, timeout=60) as resp:
-                for line in resp.iter_lines():
-                    started.set()
-                    lines.append(line)
-
-        thread = threading.Thread(target=stream)
-        thread.start()
-        assert started.wait(30)
+        thread, lines = stream_in_background(running.url + "/v1/completions", body)
         running.server.should_exit = True
         deadline = time.monotonic() + 5
         while httpx.get(running.url + "/health").status_code != 503:
