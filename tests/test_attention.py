@@ -15,20 +15,27 @@ HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 
 def dense_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """One query [H, D] against a contiguous context [L, KV, D]."""
-    k = keys.repeat_interleave(HEADS // KV_HEADS, dim=1).transpose(0, 1)
-    v = values.repeat_interleave(HEADS // KV_HEADS, dim=1).transpose(0, 1)
+    group = q.shape[0] // keys.shape[1]
+    k = keys.repeat_interleave(group, dim=1).transpose(0, 1)
+    v = values.repeat_interleave(group, dim=1).transpose(0, 1)
     return F.scaled_dot_product_attention(q.unsqueeze(1), k, v).squeeze(1)
 
 
+# (heads, kv heads, head dim): the model's shape, multi-head, a wide group, the kernel's
+# 128-wide specialisation and its generic head-size path.
+HEAD_SHAPES = [(HEADS, KV_HEADS, DIM), (4, 4, 64), (8, 1, 64), (4, 2, 128), (6, 3, 40)]
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", HEAD_SHAPES)
 @pytest.mark.parametrize("use_kernel", [False, True])
-def test_decode_paths_match_dense_reference(use_kernel):
+def test_decode_paths_match_dense_reference(use_kernel, heads, kv_heads, dim):
     kernel = cpu_attention_kernels() if use_kernel else None
     if use_kernel and kernel is None:
         pytest.skip("no C++ compiler for the CPU kernel")
     torch.manual_seed(0)
     num_blocks = 64
-    k_cache = torch.randn(num_blocks * BLOCK, KV_HEADS, DIM)
-    v_cache = torch.randn(num_blocks * BLOCK, KV_HEADS, DIM)
+    k_cache = torch.randn(num_blocks * BLOCK, kv_heads, dim)
+    v_cache = torch.randn(num_blocks * BLOCK, kv_heads, dim)
     lens = [1, 15, 16, 17, 130]
     order = torch.randperm(num_blocks).tolist()
     tables, contexts = [], []
@@ -41,9 +48,9 @@ def test_decode_paths_match_dense_reference(use_kernel):
     table_tensor = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     lens_tensor = torch.tensor(lens)
     mask = (torch.arange(width * BLOCK)[None] < lens_tensor[:, None]).view(len(lens), 1, 1, -1)
-    q = torch.randn(len(lens), HEADS, DIM)
+    q = torch.randn(len(lens), heads, dim)
     meta = AttentionMetadata(BLOCK, torch.zeros(0, dtype=torch.long), len(lens), table_tensor, lens_tensor, mask, [])
-    attention = PagedAttention(HEADS, KV_HEADS, DIM, kernel)
+    attention = PagedAttention(heads, kv_heads, dim, kernel)
     out = attention._decode(q, k_cache, v_cache, meta)
     for i, (keys, values) in enumerate(contexts):
         torch.testing.assert_close(out[i], dense_reference(q[i], keys, values), atol=1e-5, rtol=1e-5)

@@ -7,6 +7,7 @@ import torch
 from conftest import PROMPTS
 
 from inflight import SamplingParams
+from inflight.model.token_ops import TorchTokenOps
 
 NUM_TOKENS = 32
 # fp32 on both sides; the remaining differences are summation order in matmuls and attention.
@@ -129,14 +130,17 @@ def test_results_do_not_depend_on_physical_blocks(make_llm, reference):
     assert tables_were_scattered
 
 
-def test_pytorch_attention_path_matches_reference(loaded, make_llm, reference):
-    """The same greedy tokens without the compiled CPU decode kernel (the portable path)."""
-    attention = loaded.model.attention
+def test_pytorch_path_matches_reference(loaded, make_llm, reference):
+    """The same greedy tokens without the compiled CPU kernels, attention and token-wise ops
+    both in plain PyTorch (the portable path other devices take)."""
+    model, attention = loaded.model, loaded.model.attention
+    cfg = model.config
     kernel, attention.decode_kernel = attention.decode_kernel, None
+    ops, model.ops = model.ops, TorchTokenOps(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
     try:
         llm = make_llm(max_num_tokens=4096)
         outs = llm.generate(all_prompts(), GREEDY)
     finally:
-        attention.decode_kernel = kernel
+        attention.decode_kernel, model.ops = kernel, ops
     for out, (_, tokens, _) in zip(outs, reference, strict=True):
         assert out.token_ids == tokens

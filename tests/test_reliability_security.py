@@ -120,9 +120,13 @@ _RUNS = st.builds(lambda c, n: c * n, st.sampled_from([" ", "\n", "#", "=", "-",
 @given(text=st.text(min_size=1, max_size=300) | _RUNS | st.lists(_RUNS, min_size=1, max_size=5).map("".join))
 @settings(max_examples=300, deadline=None)
 def test_no_token_stands_for_more_characters_than_the_bound(server: RunningServer, text: str) -> None:
-    # The soundness of the pre-check: characters <= tokens * L for any text.
+    # The soundness of the pre-check: characters <= tokens * L for any text, counting only the
+    # characters the vocabulary can represent. SmolLM2 has no token for some control bytes
+    # (0x06, for one; transformers' tokenizer drops them too): a prompt made of those is
+    # refused by its length in characters, which the error message states.
     chars_per_token = server.engine.max_prompt_chars // MAX_MODEL_LEN
-    assert len(text) <= chars_per_token * len(server.engine.tokenize(text))
+    represented = "".join(c for c in text if server.engine.tokenize(c))
+    assert len(represented) <= chars_per_token * len(server.engine.tokenize(text))
 
 
 class _Capture(logging.Handler):

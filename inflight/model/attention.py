@@ -73,7 +73,7 @@ class PagedAttention:
         Returns `[num_tokens, num_heads * head_dim]`."""
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.num_decode_tokens:
             out[: meta.num_decode_tokens] = self._decode(q[: meta.num_decode_tokens], k_cache, v_cache, meta)
         for seg in meta.prefills:

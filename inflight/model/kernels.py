@@ -5,6 +5,7 @@ hand, or INFLIGHT_CPU_KERNELS=0, callers fall back to the plain-PyTorch path."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -12,7 +13,17 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+
+
+def _cpu_tag() -> str:
+    """A short digest of the CPU's feature flags: the kernel is built with -march=native, so a
+    cache directory shared by different machines must not hand one machine's build to another."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = ""
+    return hashlib.sha256(flags.encode()).hexdigest()[:8]
 
 
 @functools.cache
@@ -25,10 +36,14 @@ def cpu_attention_kernels() -> ModuleType | None:
 
         logger.info("loading the CPU paged-attention kernel (compiled once, then cached)")
         return load(
-            name="inflight_paged_attention",
+            name=f"inflight_cpu_kernels_{_cpu_tag()}",
             sources=[str(_SOURCE)],
-            # fast-math lets GCC vectorise the softmax's exp and the dot-product reductions.
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffast-math"],
+            # fast-math lets GCC vectorise the softmax's exp and the dot-product reductions;
+            # -fopenmp makes at::parallel_for run in parallel (without it the pragma is dropped
+            # and the kernel runs on one thread). The .so then needs libgomp.so.1, which is the
+            # copy torch already loaded, so there is still one OpenMP runtime in the process.
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+            extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, an odd platform: the torch path still works

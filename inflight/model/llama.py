@@ -10,12 +10,13 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from inflight.config import ModelConfig
 from inflight.errors import ModelLoadError
 from inflight.model.attention import AttentionMetadata, PagedAttention
 from inflight.model.kernels import cpu_attention_kernels
+from inflight.model.linear import Linear, onednn_linear_available
+from inflight.model.token_ops import CpuKernelTokenOps, TorchTokenOps
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -56,28 +57,33 @@ class LlamaModel:
 
         self.embed_tokens = take("model.embed_tokens.weight")
         self.dtype = self.embed_tokens.dtype
+        prepack = onednn_linear_available(device, self.dtype)
+
+        def linear(*names: str, bias: tuple[str, ...] | None = None) -> Linear:
+            weight = torch.cat([take(n) for n in names]) if len(names) > 1 else take(names[0])
+            b = torch.cat([take(n) for n in bias]) if bias else None
+            return Linear(weight, b, prepack)
+
         self.final_norm = take("model.norm.weight")
-        self.lm_head = take("lm_head.weight")
-        self.layers: list[dict[str, torch.Tensor | None]] = []
+        self.lm_head = linear("lm_head.weight")
+        self.layers: list[dict[str, torch.Tensor | Linear]] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             attn = p + "self_attn."
-            qkv_bias = None
-            if config.attention_bias:
-                qkv_bias = torch.cat([take(f"{attn}{n}_proj.bias") for n in "qkv"])
+            qkv = [f"{attn}{n}_proj.weight" for n in "qkv"]
+            qkv_bias = tuple(f"{attn}{n}_proj.bias" for n in "qkv") if config.attention_bias else None
             self.layers.append({
                 "input_norm": take(p + "input_layernorm.weight"),
-                "qkv": torch.cat([take(f"{attn}{n}_proj.weight") for n in "qkv"]).contiguous(),
-                "qkv_bias": qkv_bias,
-                "o": take(attn + "o_proj.weight"),
+                "qkv": linear(*qkv, bias=qkv_bias),
+                "o": linear(attn + "o_proj.weight"),
                 "post_norm": take(p + "post_attention_layernorm.weight"),
-                "gate_up": torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]).contiguous(),
-                "down": take(p + "mlp.down_proj.weight"),
+                "gate_up": linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                "down": linear(p + "mlp.down_proj.weight"),
             })
-        kernel = cpu_attention_kernels() if device.type == "cpu" and self.dtype == torch.float32 else None
-        self.attention = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim, kernel)
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        kernels = cpu_attention_kernels() if device.type == "cpu" and self.dtype == torch.float32 else None
+        self.attention = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim, kernels)
+        shape = (config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps)
+        self.ops = CpuKernelTokenOps(*shape, kernels) if kernels is not None else TorchTokenOps(*shape)
         self._rope_inv_freq = rope_inv_freq(config).to(device)
         self._rope_cos, self._rope_sin = self._rope_table(config.max_position_embeddings)
 
@@ -85,19 +91,7 @@ class LlamaModel:
         positions = torch.arange(length, device=self.device, dtype=torch.float32)
         freqs = torch.outer(positions, self._rope_inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
-
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
-        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.config.rms_norm_eps)
-        return weight * normed.to(x.dtype)
-
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        return emb.cos().to(self.dtype).contiguous(), emb.sin().to(self.dtype).contiguous()
 
     @torch.inference_mode()
     def forward(
@@ -110,22 +104,16 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Runs one step over packed tokens and returns fp32 logits `[len(logits_indices), vocab]`:
         the LM head runs only on the rows whose next token is wanted."""
-        cfg = self.config
-        num_tokens = input_ids.shape[0]
-        cos = self._rope_cos.index_select(0, positions).unsqueeze(1)
-        sin = self._rope_sin.index_select(0, positions).unsqueeze(1)
+        ops, layers = self.ops, self.layers
         hidden = self.embed_tokens.index_select(0, input_ids)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = self._rms_norm(hidden, layer["input_norm"])
-            qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self._rotate(q.view(num_tokens, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = self._rotate(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        x = ops.rms_norm(hidden, layers[0]["input_norm"])
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches, strict=True)):
+            q, k, v = ops.rotary(layer["qkv"](x), positions, self._rope_cos, self._rope_sin)
             attn = self.attention.forward(q, k, v, k_cache, v_cache, attn_meta)
-            hidden = hidden + F.linear(attn, layer["o"])
-            x = self._rms_norm(hidden, layer["post_norm"])
-            gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer["down"])
-        hidden = self._rms_norm(hidden.index_select(0, logits_indices), self.final_norm)
-        return F.linear(hidden, self.lm_head).float()
+            x = ops.add_rms_norm_(hidden, layer["o"](attn), layer["post_norm"])
+            mlp = layer["down"](ops.silu_and_mul(layer["gate_up"](x)))
+            if i + 1 < len(layers):
+                x = ops.add_rms_norm_(hidden, mlp, layers[i + 1]["input_norm"])
+        # After the last layer only the rows that sample a token matter.
+        hidden = hidden.index_select(0, logits_indices) + mlp.index_select(0, logits_indices)
+        return self.lm_head(ops.rms_norm(hidden, self.final_norm)).float()

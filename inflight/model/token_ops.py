@@ -1,0 +1,79 @@
+"""The token-wise operations of a decoder layer: RMSNorm (with the residual add folded in),
+rotary embedding and SwiGLU's gate.
+
+`TorchTokenOps` is plain PyTorch and runs on any device and dtype. `CpuKernelTokenOps` does the
+same arithmetic in fp32 with the compiled CPU kernels (`kernels.py`), one call where PyTorch
+needs several: at a decode step's few rows each op's dispatch costs more than its arithmetic.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+
+class TorchTokenOps:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, eps: float) -> None:
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.eps = eps
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return weight * normed.to(x.dtype)
+
+    def add_rms_norm_(self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """`hidden += delta` in place, then the norm of the result."""
+        hidden.add_(delta)
+        return self.rms_norm(hidden, weight)
+
+    def rotary(
+        self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Splits the fused projection `[N, (H + 2 KV) * D]` into q `[N, H, D]`, k and v
+        `[N, KV, D]`, with the rotary embedding applied to q and k (cos/sin: `[max_pos, D]`)."""
+        n = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        cos_p = cos.index_select(0, positions).unsqueeze(1)
+        sin_p = sin.index_select(0, positions).unsqueeze(1)
+        q = _rotate_half(q.view(n, self.num_heads, self.head_dim), cos_p, sin_p)
+        k = _rotate_half(k.view(n, self.num_kv_heads, self.head_dim), cos_p, sin_p)
+        return q, k, v.view(n, self.num_kv_heads, self.head_dim)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class CpuKernelTokenOps(TorchTokenOps):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, kernels: ModuleType) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, eps)
+        self.kernels = kernels
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.kernels.rms_norm(x.contiguous(), weight, self.eps)
+
+    def add_rms_norm_(self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.kernels.add_rms_norm_(hidden, delta.contiguous(), weight, self.eps)
+
+    def rotary(
+        self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = qkv.shape[0]
+        self.kernels.rotary_qk_(qkv, positions, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim),
+                v.view(n, self.num_kv_heads, self.head_dim))
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.kernels.silu_and_mul(gate_up.contiguous())
