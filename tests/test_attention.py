@@ -75,3 +75,35 @@ def test_prefill_with_cached_context_matches_dense_reference():
     for i in range(new):
         n = cached + i + 1
         torch.testing.assert_close(out[i], dense_reference(q[i], keys[:n], values[:n]), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", HEAD_SHAPES)
+def test_prefill_kernel_matches_dense_reference(heads, kv_heads, dim):
+    """Several segments in one call: whole prompts and chunks after cached tokens, lengths
+    around the kernel's 16-token tiles, blocks scattered over the pool."""
+    kernels = cpu_attention_kernels()
+    if kernels is None:
+        pytest.skip("no C++ compiler for the CPU kernel")
+    torch.manual_seed(2)
+    num_blocks = 96
+    k_cache = torch.randn(num_blocks * BLOCK, kv_heads, dim)
+    v_cache = torch.randn(num_blocks * BLOCK, kv_heads, dim)
+    segments = [(0, 2), (0, 37), (20, 7), (16, 16), (5, 1), (100, 45)]  # (cached tokens, new tokens)
+    order = torch.randperm(num_blocks).tolist()
+    tables, slots_of = [], []
+    for cached, new in segments:
+        blocks = [order.pop() for _ in range(-(-(cached + new) // BLOCK))]
+        tables.append(blocks)
+        slots_of.append(torch.tensor([blocks[t // BLOCK] * BLOCK + t % BLOCK for t in range(cached + new)]))
+    width = max(len(t) for t in tables)
+    lens = [new for _, new in segments]
+    starts = torch.tensor([0, *lens[:-1]]).cumsum(0)
+    q = torch.randn(sum(lens), heads, dim)
+    out = kernels.paged_prefill_attention(
+        q, k_cache, v_cache, torch.tensor([t + [0] * (width - len(t)) for t in tables]), starts,
+        torch.tensor(lens), torch.tensor([c for c, _ in segments]), BLOCK, dim ** -0.5)
+    for (cached, new), start, slots in zip(segments, starts.tolist(), slots_of, strict=True):
+        for i in range(new):
+            visible = slots[: cached + i + 1]
+            expected = dense_reference(q[start + i], k_cache[visible], v_cache[visible])
+            torch.testing.assert_close(out[start + i], expected, atol=1e-5, rtol=1e-5)

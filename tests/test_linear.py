@@ -1,4 +1,4 @@
-"""The prepacked oneDNN weight matmul gives what F.linear gives, at any number of rows."""
+"""The prepacked weight matmuls give what F.linear gives, at any number of rows."""
 
 from __future__ import annotations
 
@@ -6,26 +6,53 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inflight.model.linear import Linear, onednn_linear_available
+from inflight.errors import ModelLoadError
+from inflight.model.kernels import cpu_attention_kernels
+from inflight.model.linear import Linear, linear_backend
 
 
-@pytest.mark.skipif(not onednn_linear_available(torch.device("cpu"), torch.float32), reason="no oneDNN")
-@pytest.mark.parametrize("rows", [0, 1, 3, 64, 300])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_prepacked_linear_matches_f_linear(rows, with_bias):
+def available(backend: str) -> bool:
+    if backend == "inflight":
+        kernels = cpu_attention_kernels()
+        return kernels is not None and kernels.gemm_panel_width() >= 16
+    return backend == "torch" or torch.backends.mkldnn.is_available()
+
+
+@pytest.mark.parametrize("backend", ["inflight", "onednn"])
+@pytest.mark.parametrize("rows", [0, 1, 3, 14, 15, 64, 300])
+@pytest.mark.parametrize("out_features,with_bias", [(96, False), (100, True), (5, True)])
+def test_prepacked_linear_matches_f_linear(backend, rows, out_features, with_bias):
+    if not available(backend):
+        pytest.skip(f"{backend} not available here")
     torch.manual_seed(rows)
-    weight = torch.randn(96, 80)
-    bias = torch.randn(96) if with_bias else None
-    packed = Linear(weight, bias, prepack=True)
-    x = torch.randn(rows, 160)[:, ::2]  # a strided view, as a split of a fused output can be
+    weight = torch.randn(out_features, 81)  # odd K; N not a multiple of a panel
+    bias = torch.randn(out_features) if with_bias else None
+    packed = Linear(weight, bias, backend)
+    x = torch.randn(rows, 162)[:, ::2]  # a strided view, as a split of a fused output can be
     with torch.inference_mode():
         out = packed(x)
-    assert out.shape == (rows, 96)
+    assert out.shape == (rows, out_features)
     torch.testing.assert_close(out, F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
 
 
-def test_linear_is_off_for_other_devices_and_dtypes(monkeypatch):
-    assert not onednn_linear_available(torch.device("meta"), torch.float32)
-    assert not onednn_linear_available(torch.device("cpu"), torch.bfloat16)
-    monkeypatch.setenv("INFLIGHT_ONEDNN_LINEAR", "0")
-    assert not onednn_linear_available(torch.device("cpu"), torch.float32)
+def test_inflight_kernel_rows_do_not_depend_on_the_batch():
+    """A row's result is a plain in-order sum: the same alone as beside 63 other rows."""
+    if not available("inflight"):
+        pytest.skip("inflight kernel not available here")
+    torch.manual_seed(0)
+    packed = Linear(torch.randn(64, 576), None, "inflight")
+    x = torch.randn(64, 576)
+    with torch.inference_mode():
+        together = packed(x)
+        for i in (0, 13, 63):
+            assert torch.equal(packed(x[i:i + 1]), together[i:i + 1])
+
+
+def test_backend_choice(monkeypatch):
+    assert linear_backend(torch.device("meta"), torch.float32) == "torch"
+    assert linear_backend(torch.device("cpu"), torch.bfloat16) == "torch"
+    monkeypatch.setenv("INFLIGHT_LINEAR", "torch")
+    assert linear_backend(torch.device("cpu"), torch.float32) == "torch"
+    monkeypatch.setenv("INFLIGHT_LINEAR", "fastest")
+    with pytest.raises(ModelLoadError, match="INFLIGHT_LINEAR"):
+        linear_backend(torch.device("cpu"), torch.float32)

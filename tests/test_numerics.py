@@ -135,12 +135,12 @@ def test_pytorch_path_matches_reference(loaded, make_llm, reference):
     both in plain PyTorch (the portable path other devices take)."""
     model, attention = loaded.model, loaded.model.attention
     cfg = model.config
-    kernel, attention.decode_kernel = attention.decode_kernel, None
+    kernel, attention.kernels = attention.kernels, None
     ops, model.ops = model.ops, TorchTokenOps(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
     try:
         llm = make_llm(max_num_tokens=4096)
         outs = llm.generate(all_prompts(), GREEDY)
     finally:
-        attention.decode_kernel, model.ops = kernel, ops
+        attention.kernels, model.ops = kernel, ops
     for out, (_, tokens, _) in zip(outs, reference, strict=True):
         assert out.token_ids == tokens

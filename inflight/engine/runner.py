@@ -15,7 +15,7 @@ import torch
 from inflight.engine.memory import keep_freed_memory
 from inflight.engine.sampler import Sampler
 from inflight.engine.scheduler import ScheduledRequest, SchedulerOutput
-from inflight.model.attention import AttentionMetadata, PrefillSegment
+from inflight.model.attention import AttentionMetadata, PrefillSegment, PrefillTables
 from inflight.model.llama import LlamaModel
 from inflight.request import Request
 
@@ -120,6 +120,15 @@ class ModelRunner:
             mask = context.unsqueeze(0) <= query_pos.unsqueeze(1)
             segments.append(PrefillSegment(start, end, table, mask))
 
+        prefill_tables = None
+        if prefills:
+            num_table = self.num_blocks_for(max(s.end for s in prefills))
+            prefill_tables = PrefillTables(
+                query_starts=torch.tensor([seg.start - len(decodes) for seg in segments], device=device),
+                query_lens=torch.tensor([s.num_new_tokens for s in prefills], device=device),
+                context_starts=torch.tensor([s.start for s in prefills], device=device),
+                block_tables=torch.tensor([_padded(s.block_table, num_table) for s in prefills], device=device),
+            )
         meta = AttentionMetadata(
             block_size=bs,
             slot_mapping=torch.tensor(slot_mapping, device=device),
@@ -128,6 +137,7 @@ class ModelRunner:
             decode_context_lens=context_lens,
             decode_mask=decode_mask,
             prefills=segments,
+            prefill_tables=prefill_tables,
         )
         return StepInputs(
             input_ids=torch.tensor(input_ids, device=device),

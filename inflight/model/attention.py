@@ -46,19 +46,33 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None
     decode_mask: torch.Tensor | None
     prefills: list[PrefillSegment]
+    prefill_tables: PrefillTables | None = None
+
+
+@dataclass(slots=True)
+class PrefillTables:
+    """All prefill segments of a step for the compiled CPU prefill kernel, one row each:
+    `query_starts` (row offsets among the prefill tokens), `query_lens`, `context_starts` (tokens
+    already cached before the segment) and `block_tables` `[num_segments, max_blocks]`."""
+
+    query_starts: torch.Tensor
+    query_lens: torch.Tensor
+    context_starts: torch.Tensor
+    block_tables: torch.Tensor
 
 
 class PagedAttention:
     """Paged attention: writes the step's K/V into their slots, then attends with
-    scaled_dot_product_attention over gathered blocks. With `decode_kernel` (the compiled CPU
-    kernel of `kernels.py`), fp32 decodes read the pool in place instead of gathering."""
+    scaled_dot_product_attention over gathered blocks. With `kernels` (the compiled CPU
+    kernels of `kernels.py`), fp32 decodes and prefills read the pool in place instead: one
+    call per layer for all decodes and one for all prefill segments."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, decode_kernel: object = None) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kernels: object = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.group_size = num_heads // num_kv_heads
-        self.decode_kernel = decode_kernel
+        self.kernels = kernels
 
     def forward(
         self,
@@ -74,10 +88,18 @@ class PagedAttention:
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if meta.num_decode_tokens:
-            out[: meta.num_decode_tokens] = self._decode(q[: meta.num_decode_tokens], k_cache, v_cache, meta)
-        for seg in meta.prefills:
-            out[seg.start:seg.end] = self._prefill(q, k, v, k_cache, v_cache, seg, meta.block_size)
+        num_decodes = meta.num_decode_tokens
+        if num_decodes:
+            out[:num_decodes] = self._decode(q[:num_decodes], k_cache, v_cache, meta)
+        tables = meta.prefill_tables
+        if tables is not None and self.kernels is not None and q.dtype == torch.float32:
+            out[num_decodes:] = self.kernels.paged_prefill_attention(  # type: ignore[attr-defined]
+                q[num_decodes:].contiguous(), k_cache, v_cache, tables.block_tables, tables.query_starts,
+                tables.query_lens, tables.context_starts, meta.block_size, self.head_dim ** -0.5,
+            )
+        else:
+            for seg in meta.prefills:
+                out[seg.start:seg.end] = self._prefill(q, k, v, k_cache, v_cache, seg, meta.block_size)
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
     def _gather(self, cache: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -91,8 +113,8 @@ class PagedAttention:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
-        if self.decode_kernel is not None and q.dtype == torch.float32 and k_cache.is_contiguous():
-            return self.decode_kernel.paged_decode_attention(  # type: ignore[attr-defined]
+        if self.kernels is not None and q.dtype == torch.float32 and k_cache.is_contiguous():
+            return self.kernels.paged_decode_attention(  # type: ignore[attr-defined]
                 q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
                 meta.block_size, self.head_dim ** -0.5,
             )

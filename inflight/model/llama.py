@@ -15,7 +15,7 @@ from inflight.config import ModelConfig
 from inflight.errors import ModelLoadError
 from inflight.model.attention import AttentionMetadata, PagedAttention
 from inflight.model.kernels import cpu_attention_kernels
-from inflight.model.linear import Linear, onednn_linear_available
+from inflight.model.linear import Linear, linear_backend
 from inflight.model.token_ops import CpuKernelTokenOps, TorchTokenOps
 
 
@@ -57,12 +57,12 @@ class LlamaModel:
 
         self.embed_tokens = take("model.embed_tokens.weight")
         self.dtype = self.embed_tokens.dtype
-        prepack = onednn_linear_available(device, self.dtype)
+        backend = linear_backend(device, self.dtype)
 
         def linear(*names: str, bias: tuple[str, ...] | None = None) -> Linear:
             weight = torch.cat([take(n) for n in names]) if len(names) > 1 else take(names[0])
             b = torch.cat([take(n) for n in bias]) if bias else None
-            return Linear(weight, b, prepack)
+            return Linear(weight, b, backend)
 
         self.final_norm = take("model.norm.weight")
         self.lm_head = linear("lm_head.weight")

@@ -15,6 +15,20 @@
 
 namespace {
 
+// The vector width this build targets (-march=native).
+#if defined(__AVX512F__)
+constexpr int kVec = 16;   // floats per vector register
+constexpr int kMaxRows = 14;  // 2 x 14 accumulators + 2 weight vectors of 32 zmm registers
+#elif defined(__AVX2__)
+constexpr int kVec = 8;
+constexpr int kMaxRows = 6;   // 2 x 6 accumulators + 2 weight vectors of 16 ymm registers
+#else
+constexpr int kVec = 4;
+constexpr int kMaxRows = 4;
+#endif
+constexpr int kNR = 2 * kVec;  // columns per panel
+typedef float vec __attribute__((vector_size(kVec * sizeof(float))));
+
 // kDim > 0 fixes the head size at compile time (fully unrolled, vectorised loops); 0 reads `dim`.
 template <int64_t kDim>
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t dim) {
@@ -51,6 +65,55 @@ struct Pool {
   int64_t slot_stride;     // num_kv_heads * dim
   int64_t block_size;
 };
+
+// o[j] += sum_i p[j * p_stride + i] * v_i for RB rows of o ([rows, kDim]) at once, the rows'
+// accumulators held in registers.
+template <int64_t kDim, int64_t RB>
+inline void pv_rows(const float* p, int64_t p_stride, const float* const* vrow, int64_t nt, float* o) {
+  constexpr int64_t kNV = kDim / kVec;
+  vec acc[RB][kNV];
+  for (int64_t j = 0; j < RB; ++j)
+    for (int64_t c = 0; c < kNV; ++c) __builtin_memcpy(&acc[j][c], o + j * kDim + c * kVec, sizeof(vec));
+  for (int64_t i = 0; i < nt; ++i) {
+    vec v[kNV];
+    for (int64_t c = 0; c < kNV; ++c) __builtin_memcpy(&v[c], vrow[i] + c * kVec, sizeof(vec));
+    for (int64_t j = 0; j < RB; ++j) {
+      const float pj = p[j * p_stride + i];
+      for (int64_t c = 0; c < kNV; ++c) acc[j][c] += pj * v[c];
+    }
+  }
+  for (int64_t j = 0; j < RB; ++j)
+    for (int64_t c = 0; c < kNV; ++c) __builtin_memcpy(o + j * kDim + c * kVec, &acc[j][c], sizeof(vec));
+}
+
+// pv_rows for a run-time row count below R (the remainder of a row block).
+template <int64_t kDim, int64_t R>
+inline void pv_rows_upto(int64_t rows, const float* p, int64_t p_stride, const float* const* vrow, int64_t nt,
+                         float* o) {
+  if constexpr (R > 0) {
+    if (rows == R) return pv_rows<kDim, R>(p, p_stride, vrow, nt, o);
+    pv_rows_upto<kDim, R - 1>(rows, p, p_stride, vrow, nt, o);
+  }
+}
+
+template <int64_t kDim>
+void pv_tile(const float* p, int64_t p_stride, const float* const* vrow, int64_t nt, float* o, int64_t rows,
+             int64_t dim) {
+  if constexpr (kDim > 0 && kDim % kVec == 0) {
+    constexpr int64_t kRB = std::max<int64_t>(1, 24 / (kDim / kVec));  // accumulators: RB x kDim/kVec vectors
+    int64_t r = 0;
+    for (; r + kRB <= rows; r += kRB) pv_rows<kDim, kRB>(p + r * p_stride, p_stride, vrow, nt, o + r * kDim);
+    pv_rows_upto<kDim, kRB - 1>(rows - r, p + r * p_stride, p_stride, vrow, nt, o + r * kDim);
+  } else {
+    for (int64_t i = 0; i < nt; ++i)
+      for (int64_t r = 0; r < rows; ++r) {
+        const float pi = p[r * p_stride + i];
+        float* orow = o + r * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) orow[d] += pi * vrow[i][d];
+      }
+  }
+}
 
 // Pulls one slot's K or V row (all KV heads) of the next block into cache while this one is
 // computed: blocks sit at random places in the pool, so the hardware prefetcher cannot guess.
@@ -133,6 +196,185 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
         attend_request<128>(pool, table, lp[b], qb, num_heads, group, dim, fscale, scores.data(), ob);
       else
         attend_request<0>(pool, table, lp[b], qb, num_heads, group, dim, fscale, scores.data(), ob);
+    }
+  });
+  return out;
+}
+
+// ---- Paged prefill attention: several new tokens per request (a prompt or a chunk of one),
+// each attending causally to the request's cached tokens and to the new ones up to itself. The
+// step's K/V are already in the pool. A work item is (request, KV head, tile of new tokens):
+// the tile's query rows (tokens x heads of the group) share every K and V row they read. Scores
+// for 16 context tokens at a time come from a transposed K tile; the softmax is the online
+// (flash) form, so no score matrix is kept.
+
+namespace {
+
+constexpr int64_t kTokenTile = 16;
+constexpr int64_t kMaxQueryRows = 48;
+constexpr float kNoScore = -1e30f;  // a finite "minus infinity": the file is built with fast-math
+typedef float tile_vec __attribute__((vector_size(kTokenTile * sizeof(float))));  // one score per tile token
+
+struct PrefillItem {
+  int64_t segment, first, rows_tokens, kv_head, cost;
+};
+
+// Per-thread scratch of prefill_item, allocated once per call. Row counts are rounded up to a
+// multiple of 4 (the score kernel's row block); the extra query rows stay zero.
+struct PrefillScratch {
+  std::vector<float> qs, o, kt, s, p, m, l;
+  std::vector<int64_t> limit;
+  PrefillScratch(int64_t rows, int64_t dim)
+      : qs((rows + 3) / 4 * 4 * dim), o(rows * dim), kt(dim * kTokenTile), s((rows + 3) / 4 * 4 * kTokenTile),
+        p(rows * kTokenTile), m(rows), l(rows), limit(rows) {}
+};
+
+template <int64_t kDim>
+void prefill_item(const Pool& pool, const int64_t* table, int64_t ctx_start, const float* q, int64_t num_heads,
+                  int64_t group, int64_t dim_rt, float scale, const PrefillItem& it, PrefillScratch& sc,
+                  float* out) {
+  const int64_t dim = kDim > 0 ? kDim : dim_rt;
+  const int64_t bs = pool.block_size, stride = pool.slot_stride, rows = it.rows_tokens * group;
+  float* qs = sc.qs.data();
+  float* o = sc.o.data();
+  float* kt = sc.kt.data();
+  float* p = sc.p.data();
+  std::fill(sc.qs.begin(), sc.qs.end(), 0.f);
+  std::fill(o, o + rows * dim, 0.f);
+  std::fill(sc.m.begin(), sc.m.begin() + rows, kNoScore);
+  std::fill(sc.l.begin(), sc.l.begin() + rows, 0.f);
+  const float* vrow[kTokenTile];
+  for (int64_t tq = 0; tq < it.rows_tokens; ++tq)
+    for (int64_t hg = 0; hg < group; ++hg) {
+      const int64_t r = tq * group + hg;
+      const float* src = q + ((it.first + tq) * num_heads + it.kv_head * group + hg) * dim;
+      for (int64_t d = 0; d < dim; ++d) qs[r * dim + d] = src[d] * scale;
+      sc.limit[r] = ctx_start + it.first + tq + 1;
+    }
+  const int64_t max_len = ctx_start + it.first + it.rows_tokens;
+  for (int64_t t0 = 0; t0 < max_len; t0 += kTokenTile) {
+    const int64_t nt = std::min(kTokenTile, max_len - t0);
+    for (int64_t i = 0; i < kTokenTile; ++i) {
+      if (i < nt) {
+        const int64_t t = t0 + i;
+        const int64_t slot = table[t / bs] * bs + t % bs;
+        const float* key = pool.k + slot * stride + it.kv_head * dim;
+        vrow[i] = pool.v + slot * stride + it.kv_head * dim;
+        for (int64_t d = 0; d < dim; ++d) kt[d * kTokenTile + i] = key[d];
+      } else {
+        for (int64_t d = 0; d < dim; ++d) kt[d * kTokenTile + i] = 0.f;
+      }
+    }
+    // Scores of 4 query rows at a time: each K-tile vector is loaded once for the four.
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      tile_vec a0{}, a1{}, a2{}, a3{};
+      const float* q0 = qs + r0 * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        tile_vec kd;
+        __builtin_memcpy(&kd, kt + d * kTokenTile, sizeof(tile_vec));
+        a0 += q0[d] * kd;
+        a1 += q0[dim + d] * kd;
+        a2 += q0[2 * dim + d] * kd;
+        a3 += q0[3 * dim + d] * kd;
+      }
+      float* srow = sc.s.data() + r0 * kTokenTile;
+      __builtin_memcpy(srow, &a0, sizeof(tile_vec));
+      __builtin_memcpy(srow + kTokenTile, &a1, sizeof(tile_vec));
+      __builtin_memcpy(srow + 2 * kTokenTile, &a2, sizeof(tile_vec));
+      __builtin_memcpy(srow + 3 * kTokenTile, &a3, sizeof(tile_vec));
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* s = sc.s.data() + r * kTokenTile;
+      float* pr = p + r * kTokenTile;
+      const int64_t visible = std::max<int64_t>(0, std::min(nt, sc.limit[r] - t0));
+      for (int64_t i = visible; i < kTokenTile; ++i) s[i] = kNoScore;  // exp() of it is 0
+      if (visible == 0) {
+        std::fill(pr, pr + kTokenTile, 0.f);
+        continue;
+      }
+      float mx = sc.m[r];
+#pragma omp simd reduction(max : mx)
+      for (int64_t i = 0; i < kTokenTile; ++i) mx = std::max(mx, s[i]);
+      const float alpha = std::exp(sc.m[r] - mx);  // 0 on the first tile
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < kTokenTile; ++i) {
+        pr[i] = std::exp(s[i] - mx);
+        sum += pr[i];
+      }
+      sc.l[r] = sc.l[r] * alpha + sum;
+      sc.m[r] = mx;
+      if (alpha != 1.f) {
+        float* orow = o + r * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) orow[d] *= alpha;
+      }
+    }
+    pv_tile<kDim>(p, kTokenTile, vrow, nt, o, rows, dim);
+  }
+  for (int64_t tq = 0; tq < it.rows_tokens; ++tq)
+    for (int64_t hg = 0; hg < group; ++hg) {
+      const int64_t r = tq * group + hg;
+      float* dst = out + ((it.first + tq) * num_heads + it.kv_head * group + hg) * dim;
+      const float inv = 1.f / sc.l[r];
+      for (int64_t d = 0; d < dim; ++d) dst[d] = o[r * dim + d] * inv;
+    }
+}
+
+}  // namespace
+
+// q: [N, H, D], the new tokens of S requests back to back; segment s owns rows
+// [q_starts[s], q_starts[s] + q_lens[s]), which sit at positions ctx_starts[s]... of a context
+// whose blocks are block_tables[s] (the step's K/V already written). Returns [N, H, D].
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                      torch::Tensor block_tables, torch::Tensor q_starts, torch::Tensor q_lens,
+                                      torch::Tensor ctx_starts, int64_t block_size, double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
+              v_cache.dtype() == torch::kFloat32, "float32 only");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs only");
+  for (const auto& t : {block_tables, q_starts, q_lens, ctx_starts})
+    TORCH_CHECK(t.dtype() == torch::kInt64 && t.is_contiguous(), "int64 contiguous tables only");
+  const int64_t num_heads = q.size(1), dim = q.size(2), num_kv_heads = k_cache.size(1);
+  TORCH_CHECK(num_heads % num_kv_heads == 0 && k_cache.size(2) == dim, "head shapes do not match");
+  const int64_t group = num_heads / num_kv_heads, num_segments = q_starts.numel();
+  const int64_t tokens_per_item = std::max<int64_t>(1, kMaxQueryRows / group);
+  const int64_t* starts = q_starts.data_ptr<int64_t>();
+  const int64_t* lens = q_lens.data_ptr<int64_t>();
+  const int64_t* ctx = ctx_starts.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t max_blocks = block_tables.size(1);
+  std::vector<PrefillItem> items;
+  for (int64_t s = 0; s < num_segments; ++s) {
+    TORCH_CHECK(starts[s] >= 0 && lens[s] >= 0 && starts[s] + lens[s] <= q.size(0), "segment out of range");
+    TORCH_CHECK(ctx[s] + lens[s] <= max_blocks * block_size, "context exceeds its block table");
+    for (int64_t first = 0; first < lens[s]; first += tokens_per_item)
+      for (int64_t g = 0; g < num_kv_heads; ++g) {
+        const int64_t n = std::min(tokens_per_item, lens[s] - first);
+        items.push_back({s, first, n, g, ctx[s] + first + n});
+      }
+  }
+  // Longest contexts first, so that the last items the threads pick up are short.
+  std::sort(items.begin(), items.end(), [](const PrefillItem& a, const PrefillItem& b) { return a.cost > b.cost; });
+  auto out = torch::empty_like(q);
+  const Pool pool{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), num_kv_heads * dim, block_size};
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    PrefillScratch scratch(tokens_per_item * group, dim);
+    for (int64_t i = next++; i < num_items; i = next++) {
+      const PrefillItem& it = items[i];
+      const float* qs = qp + starts[it.segment] * num_heads * dim;
+      float* os = op + starts[it.segment] * num_heads * dim;
+      const int64_t* table = tables + it.segment * max_blocks;
+      if (dim == 64)
+        prefill_item<64>(pool, table, ctx[it.segment], qs, num_heads, group, dim, fscale, it, scratch, os);
+      else if (dim == 128)
+        prefill_item<128>(pool, table, ctx[it.segment], qs, num_heads, group, dim, fscale, it, scratch, os);
+      else
+        prefill_item<0>(pool, table, ctx[it.segment], qs, num_heads, group, dim, fscale, it, scratch, os);
     }
   });
   return out;
@@ -257,10 +499,134 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// ---- Weight matmul y = x @ W.T (+ b) for the few-to-hundreds of rows of a step.
+//
+// W is packed once into panels of kNR output columns, [ceil(N / kNR), K, kNR], so a panel is
+// one contiguous stream. The microkernel keeps an (mr x kNR) block of y in registers, walks K
+// broadcasting one activation per row against the panel's vectors, and prefetches the next
+// panel while it computes: at decode sizes the weights come from DRAM and the stream must
+// overlap the arithmetic. Threads split the panels. Each output is a plain sum over k in order,
+// so a row's result does not depend on how many other rows share the step.
+
+namespace {
+
+
+template <int MR, bool kPrefetch>
+inline void gemm_micro(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K,
+                       const float* __restrict bias, float* __restrict y, int64_t ldy) {
+  vec a0[MR], a1[MR];
+  for (int r = 0; r < MR; ++r) a0[r] = a1[r] = vec{};
+  for (int64_t k = 0; k < K; ++k) {
+    const vec w0 = *reinterpret_cast<const vec*>(w + k * kNR);
+    const vec w1 = *reinterpret_cast<const vec*>(w + k * kNR + kVec);
+    if (kPrefetch) {  // the same row of the next panel, one panel ahead
+      __builtin_prefetch(w + (K + k) * kNR);
+      if (kNR * sizeof(float) > 64) __builtin_prefetch(w + (K + k) * kNR + kVec);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const float xv = x[r * ldx + k];
+      a0[r] += xv * w0;
+      a1[r] += xv * w1;
+    }
+  }
+  if (bias != nullptr) {
+    vec b0, b1;
+    __builtin_memcpy(&b0, bias, sizeof(vec));
+    __builtin_memcpy(&b1, bias + kVec, sizeof(vec));
+    for (int r = 0; r < MR; ++r) a0[r] += b0, a1[r] += b1;
+  }
+  for (int r = 0; r < MR; ++r) {
+    __builtin_memcpy(y + r * ldy, &a0[r], sizeof(vec));
+    __builtin_memcpy(y + r * ldy + kVec, &a1[r], sizeof(vec));
+  }
+}
+
+template <bool kPrefetch>
+void gemm_rows(int mr, const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* y,
+               int64_t ldy) {
+  switch (mr) {
+#define INFLIGHT_ROWS(n)                                        \
+  case n:                                                       \
+    if constexpr (n <= kMaxRows) {                              \
+      gemm_micro<n, kPrefetch>(x, ldx, w, K, bias, y, ldy);     \
+      return;                                                   \
+    }                                                           \
+    break;
+    INFLIGHT_ROWS(1) INFLIGHT_ROWS(2) INFLIGHT_ROWS(3) INFLIGHT_ROWS(4) INFLIGHT_ROWS(5) INFLIGHT_ROWS(6)
+    INFLIGHT_ROWS(7) INFLIGHT_ROWS(8) INFLIGHT_ROWS(9) INFLIGHT_ROWS(10) INFLIGHT_ROWS(11) INFLIGHT_ROWS(12)
+    INFLIGHT_ROWS(13) INFLIGHT_ROWS(14)
+#undef INFLIGHT_ROWS
+    default:
+      break;
+  }
+  TORCH_CHECK(false, "row block of ", mr, " rows is out of range");
+}
+
+}  // namespace
+
+int64_t gemm_panel_width() { return kNR; }
+
+// W [N, K] -> panels [ceil(N / kNR), K, kNR], the last one padded with zero columns.
+torch::Tensor pack_linear_weight(torch::Tensor weight) {
+  TORCH_CHECK(weight.dtype() == torch::kFloat32 && weight.dim() == 2, "float32 [N, K] only");
+  const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kNR - 1) / kNR;
+  auto padded = torch::zeros({panels * kNR, k}, weight.options());
+  padded.narrow(0, 0, n).copy_(weight);
+  return padded.view({panels, kNR, k}).transpose(1, 2).contiguous();
+}
+
+// x [M, K] through packed W (out_features N) and an optional bias [N] -> [M, N].
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                            int64_t out_features) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "float32 [M, K] contiguous only");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kNR && packed.size(1) == x.size(1) && packed.is_contiguous(),
+              "weight was not packed for this kernel or does not match x");
+  const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0), n_pad = panels * kNR;
+  TORCH_CHECK(out_features <= n_pad && out_features > n_pad - kNR, "out_features does not match the packing");
+  torch::Tensor padded_bias;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->numel() == out_features, "bias must be float32 [N]");
+    padded_bias = torch::zeros({n_pad}, x.options());
+    padded_bias.narrow(0, 0, out_features).copy_(*bias);
+  }
+  auto y = torch::empty({M, n_pad}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  const float* bp = bias.has_value() ? padded_bias.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  constexpr int64_t kRowBlock = 128;  // rows whose activations stay in L2 while the panels pass
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m_block = 0; m_block < M; m_block += kRowBlock) {
+      const int64_t rows = std::min(kRowBlock, M - m_block);
+      const int64_t chunks = (rows + kMaxRows - 1) / kMaxRows;
+      for (int64_t p = begin; p < end; ++p) {
+        const float* w = wp + p * K * kNR;
+        const float* b = bp != nullptr ? bp + p * kNR : nullptr;
+        int64_t m = m_block;
+        for (int64_t c = 0; c < chunks; ++c) {
+          const int mr = static_cast<int>((m_block + rows - m) / (chunks - c));  // even split
+          float* out = yp + m * n_pad + p * kNR;
+          if (c == 0 && p + 1 < end)
+            gemm_rows<true>(mr, xp + m * K, K, w, K, b, out, n_pad);
+          else
+            gemm_rows<false>(mr, xp + m * K, K, w, K, b, out, n_pad);
+          m += mr;
+        }
+      }
+    }
+  });
+  return out_features == n_pad ? y : y.narrow(1, 0, out_features).contiguous();
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU, fp32)");
+  m.def("paged_prefill_attention", &paged_prefill_attention, "Paged causal prefill attention (CPU, fp32)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU, fp32)");
   m.def("add_rms_norm_", &add_rms_norm_, "hidden += delta, then RMSNorm (CPU, fp32)");
   m.def("rotary_qk_", &rotary_qk_, "Rotary embedding of the q and k heads of a fused qkv, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU, fp32)");
+  m.def("gemm_panel_width", &gemm_panel_width, "Output columns per packed weight panel (32 with AVX-512)");
+  m.def("pack_linear_weight", &pack_linear_weight, "Pack W [N, K] for packed_linear");
+  m.def("packed_linear", &packed_linear, "x @ W.T (+ b) with a packed W (CPU, fp32)");
 }
