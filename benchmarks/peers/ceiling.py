@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from peer_protocol import PeerRequest
 
-from inflight.model.kernels import cpu_attention_kernels
+from inflight.model.kernels import cpu_kernels
 
 GEMM_SHAPES = {  # (m, k, n): m tokens through a k x n weight
     "square_2048": (2048, 2048, 2048),
@@ -54,7 +54,7 @@ def time_gemm(m: int, k: int, n: int, reps: int) -> dict[str, float]:
         result["onednn_s"] = _timed(
             lambda: torch.ops.mkldnn._linear_pointwise(a, weight, None, "none", [], ""), flop, reps)
         best = min(best, result["onednn_s"])
-    kernels = cpu_attention_kernels()
+    kernels = cpu_kernels()
     if kernels is not None:
         packed = kernels.pack_linear_weight(b.t().contiguous())
         result["inflight_s"] = _timed(lambda: kernels.packed_linear(a, packed, None, n), flop, reps)

@@ -27,14 +27,14 @@ def _cpu_tag() -> str:
 
 
 @functools.cache
-def cpu_attention_kernels() -> ModuleType | None:
-    """The compiled paged-attention module, or None if it is disabled or cannot be built."""
+def cpu_kernels() -> ModuleType | None:
+    """The compiled kernel module, or None if it is disabled or cannot be built."""
     if os.environ.get("INFLIGHT_CPU_KERNELS", "1") == "0":
         return None
     try:
         from torch.utils.cpp_extension import load
 
-        logger.info("loading the CPU paged-attention kernel (compiled once, then cached)")
+        logger.info("loading inflight's CPU kernels (compiled once, then cached)")
         return load(
             name=f"inflight_cpu_kernels_{_cpu_tag()}",
             sources=[str(_SOURCE)],
@@ -47,6 +47,12 @@ def cpu_attention_kernels() -> ModuleType | None:
             verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, an odd platform: the torch path still works
-        logger.warning("CPU paged-attention kernel unavailable (%s); using the PyTorch path",
+        logger.warning("CPU kernels unavailable (%s); using the PyTorch path",
                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return None
+
+
+if __name__ == "__main__":  # `python -m inflight.model.kernels`: build (or find) the cached module
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    module = cpu_kernels()
+    print(f"inflight CPU kernels: {module.__file__ if module else 'unavailable (PyTorch fallback paths)'}")

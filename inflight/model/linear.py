@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from inflight.errors import ModelLoadError
-from inflight.model.kernels import cpu_attention_kernels
+from inflight.model.kernels import cpu_kernels
 
 BACKENDS = ("inflight", "onednn", "torch")
 
@@ -38,7 +38,7 @@ def linear_backend(device: torch.device, dtype: torch.dtype) -> str:
         raise ModelLoadError(f"INFLIGHT_LINEAR={choice!r}: expected auto, {', '.join(BACKENDS)}")
     if device.type != "cpu" or dtype != torch.float32 or choice == "torch":
         return "torch"
-    kernels = cpu_attention_kernels()
+    kernels = cpu_kernels()
     ours = kernels is not None and kernels.gemm_panel_width() >= 16  # AVX2 or wider
     onednn = torch.backends.mkldnn.is_available()
     if choice == "auto":
@@ -59,7 +59,7 @@ class Linear:
         self.backend = backend
         self._kernels: ModuleType | None = None
         if backend == "inflight":
-            self._kernels = cpu_attention_kernels()
+            self._kernels = cpu_kernels()
             assert self._kernels is not None
             self.weight = self._kernels.pack_linear_weight(weight.contiguous())
         elif backend == "onednn":

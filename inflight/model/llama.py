@@ -14,7 +14,7 @@ import torch
 from inflight.config import ModelConfig
 from inflight.errors import ModelLoadError
 from inflight.model.attention import AttentionMetadata, PagedAttention
-from inflight.model.kernels import cpu_attention_kernels
+from inflight.model.kernels import cpu_kernels
 from inflight.model.linear import Linear, linear_backend
 from inflight.model.token_ops import CpuKernelTokenOps, TorchTokenOps
 
@@ -80,7 +80,7 @@ class LlamaModel:
                 "gate_up": linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
                 "down": linear(p + "mlp.down_proj.weight"),
             })
-        kernels = cpu_attention_kernels() if device.type == "cpu" and self.dtype == torch.float32 else None
+        kernels = cpu_kernels() if device.type == "cpu" and self.dtype == torch.float32 else None
         self.attention = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim, kernels)
         shape = (config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps)
         self.ops = CpuKernelTokenOps(*shape, kernels) if kernels is not None else TorchTokenOps(*shape)
