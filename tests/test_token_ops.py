@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from inflight.model.kernels import cpu_kernels
-from inflight.model.token_ops import CpuKernelTokenOps, TorchTokenOps
+from inflight.model.token_ops import CpuKernelTokenOps, KVStore, TorchTokenOps
 
 HEADS, KV_HEADS, DIM, EPS = 6, 2, 32, 1e-5
 
@@ -41,11 +41,18 @@ def test_rotary_matches(ops, rows):
     positions = torch.randint(0, 64, (rows,))
     angles = torch.outer(torch.arange(64.0), 1.0 / 10000 ** (torch.arange(0, DIM, 2) / DIM))
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
-    expected = reference.rotary(qkv.clone(), positions, cos, sin)
-    got = compiled.rotary(qkv, positions, cos, sin)
+    slots = torch.randperm(4 * rows)[:rows]
+    stores = [KVStore(torch.zeros(4 * rows, KV_HEADS, DIM), torch.zeros(4 * rows, KV_HEADS, DIM), slots)
+              for _ in range(2)]
+    expected = reference.rotary(qkv.clone(), positions, cos, sin, stores[0])
+    got = compiled.rotary(qkv, positions, cos, sin, stores[1])
     for e, g in zip(expected, got, strict=True):
         assert g.shape == e.shape
         torch.testing.assert_close(g, e)
+    # The fused KV store wrote the rotated keys and the values to their slots, and nothing else.
+    torch.testing.assert_close(stores[1].k_cache, stores[0].k_cache)
+    torch.testing.assert_close(stores[1].v_cache, stores[0].v_cache)
+    torch.testing.assert_close(stores[1].k_cache[slots], got[1])
     with pytest.raises(RuntimeError, match="rotary table"):
         compiled.rotary(qkv, torch.full((rows,), 64), cos, sin)
 

@@ -82,11 +82,14 @@ class PagedAttention:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         """q: `[num_tokens, num_heads, head_dim]`, k/v: `[num_tokens, num_kv_heads, head_dim]`.
-        Returns `[num_tokens, num_heads * head_dim]`."""
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        Returns `[num_tokens, num_heads * head_dim]`. `kv_stored`: the caller has already
+        written k/v into their slots (fused with the rotary embedding)."""
+        if not kv_stored:
+            k_cache.index_copy_(0, meta.slot_mapping, k)
+            v_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_decodes = meta.num_decode_tokens
         if num_decodes:

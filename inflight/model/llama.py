@@ -16,7 +16,7 @@ from inflight.errors import ModelLoadError
 from inflight.model.attention import AttentionMetadata, PagedAttention
 from inflight.model.kernels import cpu_kernels
 from inflight.model.linear import Linear, linear_backend
-from inflight.model.token_ops import CpuKernelTokenOps, TorchTokenOps
+from inflight.model.token_ops import CpuKernelTokenOps, KVStore, TorchTokenOps
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -108,8 +108,9 @@ class LlamaModel:
         hidden = self.embed_tokens.index_select(0, input_ids)
         x = ops.rms_norm(hidden, layers[0]["input_norm"])
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches, strict=True)):
-            q, k, v = ops.rotary(layer["qkv"](x), positions, self._rope_cos, self._rope_sin)
-            attn = self.attention.forward(q, k, v, k_cache, v_cache, attn_meta)
+            store = KVStore(k_cache, v_cache, attn_meta.slot_mapping)
+            q, k, v = ops.rotary(layer["qkv"](x), positions, self._rope_cos, self._rope_sin, store)
+            attn = self.attention.forward(q, k, v, k_cache, v_cache, attn_meta, kv_stored=True)
             x = ops.add_rms_norm_(hidden, layer["o"](attn), layer["post_norm"])
             mlp = layer["down"](ops.silu_and_mul(layer["gate_up"](x)))
             if i + 1 < len(layers):

@@ -9,9 +9,18 @@ needs several: at a decode step's few rows each op's dispatch costs more than it
 from __future__ import annotations
 
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+
+class KVStore(NamedTuple):
+    """Where a layer's new K/V go: its pool tensors `[num_slots, KV, D]` and one slot per token."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
 
 
 class TorchTokenOps:
@@ -32,17 +41,23 @@ class TorchTokenOps:
         return self.rms_norm(hidden, weight)
 
     def rotary(
-        self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        kv_store: KVStore | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Splits the fused projection `[N, (H + 2 KV) * D]` into q `[N, H, D]`, k and v
-        `[N, KV, D]`, with the rotary embedding applied to q and k (cos/sin: `[max_pos, D]`)."""
+        `[N, KV, D]`, with the rotary embedding applied to q and k (cos/sin: `[max_pos, D]`).
+        With `kv_store`, also writes each token's k and v into its slot of the KV pool."""
         n = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         cos_p = cos.index_select(0, positions).unsqueeze(1)
         sin_p = sin.index_select(0, positions).unsqueeze(1)
         q = _rotate_half(q.view(n, self.num_heads, self.head_dim), cos_p, sin_p)
         k = _rotate_half(k.view(n, self.num_kv_heads, self.head_dim), cos_p, sin_p)
-        return q, k, v.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if kv_store is not None:
+            kv_store.k_cache.index_copy_(0, kv_store.slot_mapping, k)
+            kv_store.v_cache.index_copy_(0, kv_store.slot_mapping, v)
+        return q, k, v
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -67,10 +82,15 @@ class CpuKernelTokenOps(TorchTokenOps):
         return self.kernels.add_rms_norm_(hidden, delta.contiguous(), weight, self.eps)
 
     def rotary(
-        self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        kv_store: KVStore | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = qkv.shape[0]
-        self.kernels.rotary_qk_(qkv, positions, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        if kv_store is None:
+            self.kernels.rotary_qk_(qkv, positions, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        else:
+            self.kernels.rotary_qk_(qkv, positions, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
+                                    *kv_store)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return (q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim),
                 v.view(n, self.num_kv_heads, self.head_dim))

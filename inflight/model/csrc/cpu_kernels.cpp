@@ -445,9 +445,11 @@ torch::Tensor add_rms_norm_(torch::Tensor hidden, torch::Tensor delta, torch::Te
 
 // Rotary embedding (the rotate-half form) applied in place to the query and key heads at the
 // front of each row of the fused projection qkv [N, (H + 2 KV) * D]. cos/sin: [max_pos, D];
-// positions: [N] (int64).
+// positions: [N] (int64). With a KV pool (k_cache, v_cache: [num_slots, KV, D]) and slots [N],
+// each row's rotated key and its value are also written to its slot: the step's KV store.
 void rotary_qk_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, c10::optional<torch::Tensor> k_cache,
+                c10::optional<torch::Tensor> v_cache, c10::optional<torch::Tensor> slot_mapping) {
   TORCH_CHECK(qkv.dtype() == torch::kFloat32 && cos.dtype() == torch::kFloat32 && sin.dtype() == torch::kFloat32,
               "float32 only");
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && cos.is_contiguous() && sin.is_contiguous(), "bad layout");
@@ -459,6 +461,25 @@ void rotary_qk_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, t
   const int64_t* pp = pos.data_ptr<int64_t>();
   for (int64_t r = 0; r < qkv.size(0); ++r)
     TORCH_CHECK(pp[r] >= 0 && pp[r] < max_pos, "position out of the rotary table");
+  const bool store = slot_mapping.has_value();
+  const int64_t kv_width = num_kv_heads * head_dim;
+  float* kp = nullptr;
+  float* vp = nullptr;
+  const int64_t* slots = nullptr;
+  torch::Tensor slot_tensor;
+  if (store) {
+    TORCH_CHECK(k_cache.has_value() && v_cache.has_value(), "a KV store needs both caches");
+    TORCH_CHECK(k_cache->dtype() == torch::kFloat32 && v_cache->dtype() == torch::kFloat32 &&
+                k_cache->is_contiguous() && v_cache->is_contiguous() && k_cache->sizes() == v_cache->sizes() &&
+                k_cache->size(1) == num_kv_heads && k_cache->size(2) == head_dim, "bad KV pool");
+    slot_tensor = slot_mapping->contiguous();
+    TORCH_CHECK(slot_tensor.dtype() == torch::kInt64 && slot_tensor.numel() == qkv.size(0), "slots must be int64 [N]");
+    slots = slot_tensor.data_ptr<int64_t>();
+    for (int64_t r = 0; r < qkv.size(0); ++r)
+      TORCH_CHECK(slots[r] >= 0 && slots[r] < k_cache->size(0), "slot out of the KV pool");
+    kp = k_cache->data_ptr<float>();
+    vp = v_cache->data_ptr<float>();
+  }
   float* base = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
@@ -466,14 +487,20 @@ void rotary_qk_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, t
     for (int64_t r = begin; r < end; ++r) {
       const float* c = cp + pp[r] * head_dim;
       const float* s = sp + pp[r] * head_dim;
+      float* row = base + r * row_stride;
       for (int64_t h = 0; h < rotated_heads; ++h) {
-        float* x = base + r * row_stride + h * head_dim;
+        float* x = row + h * head_dim;
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
           const float x1 = x[i], x2 = x[i + half];
           x[i] = x1 * c[i] - x2 * s[i];
           x[i + half] = x2 * c[i + half] + x1 * s[i + half];
         }
+      }
+      if (store) {
+        std::copy(row + num_heads * head_dim, row + num_heads * head_dim + kv_width, kp + slots[r] * kv_width);
+        std::copy(row + num_heads * head_dim + kv_width, row + num_heads * head_dim + 2 * kv_width,
+                  vp + slots[r] * kv_width);
       }
     }
   });
@@ -624,7 +651,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention, "Paged causal prefill attention (CPU, fp32)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU, fp32)");
   m.def("add_rms_norm_", &add_rms_norm_, "hidden += delta, then RMSNorm (CPU, fp32)");
-  m.def("rotary_qk_", &rotary_qk_, "Rotary embedding of the q and k heads of a fused qkv, in place");
+  m.def("rotary_qk_", &rotary_qk_, "Rotary embedding of the q and k heads of a fused qkv, in place (and KV store)",
+        py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("num_heads"),
+        py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("k_cache") = py::none(), py::arg("v_cache") = py::none(),
+        py::arg("slot_mapping") = py::none());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU, fp32)");
   m.def("gemm_panel_width", &gemm_panel_width, "Output columns per packed weight panel (32 with AVX-512)");
   m.def("pack_linear_weight", &pack_linear_weight, "Pack W [N, K] for packed_linear");
