@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Re-runs every figure of docs/benchmarks.md: one `inflight bench` invocation per comparison, so
-# each ratio comes from runs made back to back on the same requests. Takes about 45 minutes on
+# each ratio comes from runs made back to back on the same requests. Takes about 30 minutes on
 # 2 CPU cores. Results (table, gzipped JSON, PNGs) go to $OUT (default benchmarks/results).
 #
 #   bash benchmarks/run_doc_benchmarks.sh            # all of them
@@ -10,9 +10,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
 INFLIGHT=${INFLIGHT:-.venv/bin/inflight}
 # A fixed KV pool (2048 blocks of 16 tokens) so KV percentages mean the same on any machine;
-# one intra-op thread because the doc figures were taken on a 2-core machine shared with
-# other jobs, where two spinning OpenMP threads stall steps for seconds (see the doc).
-COMMON=(--num-kv-blocks 2048 --torch-threads "${TORCH_THREADS:-1}" --no-progress)
+# two intra-op threads on an otherwise idle machine (TORCH_THREADS=1 on a shared one, where two
+# spinning OpenMP threads and a neighbour stall steps for seconds: see the doc).
+COMMON=(--num-kv-blocks 2048 --torch-threads "${TORCH_THREADS:-2}" --no-progress)
 mkdir -p "$OUT"
 
 run() {

@@ -1,38 +1,88 @@
 """Where inflight's step time goes on the burst of 64: scheduling, building inputs, the forward
-pass, sampling and output processing, from the engine's own per-step records, plus an optional
-torch.profiler table of one decode step with 64 requests.
+pass, sampling and output processing, from the engine's own per-step records; the weight-matmul
+rate of the decode-only steps against an fp32 GEMM peak timed in the same run; and, with
+`--components`, the forward pass of one 64-request decode step and one prefill step split into
+weight matmuls (by output width), attention and token-wise ops (torch.profiler ranges).
 
-    .venv/bin/python benchmarks/step_profile.py [--max-num-tokens 512] [--torch-profile]
+    .venv/bin/python benchmarks/step_profile.py [--max-num-tokens 512] [--components]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 
+import ceiling  # noqa: E402
 from workloads import build, corpus_token_ids  # noqa: E402
 
 from inflight import LLM, SamplingParams  # noqa: E402
+from inflight.model import linear  # noqa: E402
 from inflight.model.loaded import LoadedModel  # noqa: E402
 
 PHASES = ("schedule_s", "prepare_s", "forward_s", "sample_s", "process_s")
+
+
+def instrument(loaded: LoadedModel) -> None:
+    """Wraps the model's components in profiler ranges (a few microseconds each)."""
+    from torch.profiler import record_function
+
+    def wrap(obj: Any, name: str, label: str) -> None:
+        fn = getattr(obj, name)
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            with record_function(label):
+                return fn(*args, **kwargs)
+
+        setattr(obj, name, timed)
+
+    model = loaded.model
+    for op in ("rms_norm", "add_rms_norm_", "rotary", "silu_and_mul"):
+        wrap(model.ops, op, f"token ops: {op}")
+    wrap(model.attention, "forward", "attention")
+    call: Callable[..., torch.Tensor] = linear.Linear.__call__
+
+    def linear_call(self: linear.Linear, x: torch.Tensor) -> torch.Tensor:
+        with record_function(f"matmul -> {self.out_features}"):
+            return call(self, x)
+
+    linear.Linear.__call__ = linear_call  # type: ignore[method-assign]
+
+
+def print_components(title: str, prof: Any, step: Any) -> None:
+    rows = [(e.key, e.cpu_time_total / 1e3, e.count) for e in prof.key_averages()
+            if e.key.startswith(("token ops", "matmul", "attention"))]
+    forward_ms = 1000 * step.forward_s
+    print(f"\n{title}: {step.num_decode_tokens} decodes + {step.num_prefill_tokens} prefill tokens, "
+          f"step {1000 * step.duration_s:.1f} ms, forward {forward_ms:.1f} ms")
+    for key, ms, count in sorted(rows, key=lambda r: -r[1]):
+        print(f"  {key:<28}{ms:>8.2f} ms  {100 * ms / forward_ms:>5.1f}%  x{count}")
+    rest = forward_ms - sum(ms for _, ms, _ in rows)
+    print(f"  {'rest of the forward pass':<28}{rest:>8.2f} ms  {100 * rest / forward_ms:>5.1f}%")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-num-tokens", type=int, default=512)
     parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--torch-profile", action="store_true", help="also profile one 64-request decode step")
+    parser.add_argument("--components", action="store_true",
+                        help="also split one decode step and one prefill step into components")
     args = parser.parse_args()
 
+    gemm = ceiling.measure_gemm(reps=5)
     loaded = LoadedModel.load(None, torch.float32, torch.device("cpu"))
+    if args.components:
+        instrument(loaded)
     requests = build("burst64", corpus_token_ids(loaded.tokenizer.hf), num_requests=args.requests)
     llm = LLM(loaded=loaded, max_batch_size=64, max_num_tokens=args.max_num_tokens, num_kv_blocks=2048)
     engine = llm.engine
@@ -41,15 +91,22 @@ def main() -> int:
     for r in requests:
         engine.add_request(r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True))
     start = time.perf_counter()
-    profiled = None
+    profiles: dict[str, tuple[Any, Any]] = {}
     while engine.has_unfinished():
-        if args.torch_profile and profiled is None and engine.num_running >= 64 and not engine.num_waiting:
-            from torch.profiler import profile
-
-            with profile() as profiled:
-                engine.step()
+        want = None
+        if args.components:
+            if "prefill" not in profiles and engine.num_waiting and engine.num_running >= 16:
+                want = "prefill"
+            elif "decode" not in profiles and engine.num_running >= 64 and not engine.num_waiting:
+                want = "decode"
+        if want is None:
+            engine.step()
             continue
-        engine.step()
+        from torch.profiler import profile
+
+        with profile() as prof:
+            engine.step()
+        profiles[want] = (prof, engine.step_records[-1])
     wall = time.perf_counter() - start
     steps = list(engine.step_records)
     generated = sum(s.num_decode_tokens for s in steps) + len(requests)
@@ -69,11 +126,21 @@ def main() -> int:
         shares = [sum(getattr(s, p) for s in group) / total for p in PHASES]
         print(f"{name:<30}{len(group):>6}{1000 * total / len(group):>9.1f}"
               + "".join(f"{100 * x:>9.1f}%" for x in shares) + f"{100 * (shares[0] + shares[1]):>11.1f}%")
-    if profiled is not None:
-        print(profiled.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
     decode = groups["decode-only, >= 60 requests"]
     if decode:
-        print(f"decode step p50 {1000 * np.median([s.duration_s for s in decode]):.1f} ms")
+        cfg = loaded.model.config
+        flop = ceiling.workload_flop(cfg, [])
+        per_token = 2 * (flop["body_params"] + flop["lm_head_params"])
+        rate = sum(per_token * s.num_decode_tokens for s in decode) / sum(s.duration_s for s in decode) / 1e9
+        print(f"decode-only steps with >= 60 requests: p50 {1000 * np.median([s.duration_s for s in decode]):.1f} ms; "
+              f"weight matmuls at {rate:.0f} GFLOP/s over the whole step = {100 * rate / gemm['peak_gflops']:.0f}% "
+              f"of the GEMM peak timed in this run ({gemm['peak_gflops']:.0f} GFLOP/s)")
+    single = groups["decode-only, 1 request"]
+    if single:
+        print(f"decode-only steps with 1 request: p50 {1000 * np.median([s.duration_s for s in single]):.1f} ms "
+              f"= {1 / np.median([s.duration_s for s in single]):.0f} tok/s for a single stream")
+    for name, (prof, step) in profiles.items():
+        print_components(f"one {name} step", prof, step)
     return 0
 
 
