@@ -102,15 +102,16 @@ BUILTIN_HARDWARE: dict[str, HardwareProfile] = {
     # 2 vCPUs of an AMD EPYC (Zen 5): 2 cores x 2 AVX-512 FMA x 16 fp32 lanes x 2 FLOP x 2.6 GHz.
     # The bandwidth is a nominal share of the host's. The factors and overheads are those fitted
     # by `inflight sim calibrate` on that machine (one torch thread, the embedded model in fp32;
-    # benchmarks/sim/results/cpu-local.json). On one CPU thread weight streaming and compute do
-    # not overlap, so they add up ("sum"), and the BLAS has a few-row regime; see docs/simulator.md.
+    # benchmarks/sim/results/cpu-local.json). inflight's own GEMM prefetches the next weight
+    # panel, so weight streaming and compute overlap ("max"), and the few-row regime that MKL's
+    # per-call weight repacking used to cause is nearly gone; see docs/simulator.md.
     "cpu-local": HardwareProfile(
         "cpu-local", "cpu", peak_flops=332e9, memory_bandwidth=50 * _GB, memory_bytes=16 * _GIB,
-        dtype="float32", roofline="sum", flops_efficiency=0.300, bandwidth_efficiency=0.343,
-        attention_flops_efficiency=0.220, attention_bandwidth_efficiency=0.181,
-        step_overhead_s=0.53e-3, request_overhead_s=45e-6,
-        small_batch_max_rows=3, small_batch_row_s=18.0e-3, gemm_step_s=10.4e-3,
-        source="2-vCPU AMD EPYC dev machine: nominal peaks, factors fitted on 2026-11-29",
+        dtype="float32", roofline="max", flops_efficiency=0.680, bandwidth_efficiency=0.681,
+        attention_flops_efficiency=0.257, attention_bandwidth_efficiency=0.455,
+        step_overhead_s=0.50e-3, request_overhead_s=48e-6,
+        small_batch_max_rows=8, small_batch_row_s=0.34e-3, gemm_step_s=8.2e-3,
+        source="2-vCPU AMD EPYC dev machine: nominal peaks, factors fitted on 2026-11-29 (commit b7bf522)",
     ),
 }
 
