@@ -10,9 +10,9 @@ also leaves out its AVX-512 kernels. Two prepacked paths replace it:
   AVX-512.
 - `onednn`: the weight reordered for oneDNN (bundled with PyTorch as MKL-DNN).
 
-Measured here (2 Zen 5 cores, every weight of SmolLM2 once, as a decode step reads them): 64
-rows take 39 ms with `inflight`, 46 ms with `onednn`, 109 ms with `F.linear`; a 512-row prefill
-is within a few percent between the two prepacked paths. `INFLIGHT_LINEAR=inflight|onednn|torch`
+Measured here by `benchmarks/kernels_bench.py` (2 Zen 5 cores, every weight of SmolLM2 once, as
+a decode step reads them): 64 rows take 38 ms with `inflight`, 45 ms with `onednn`, 109 ms with
+`F.linear`; a 512-row prefill is within a few percent between the two prepacked paths. `INFLIGHT_LINEAR=inflight|onednn|torch`
 forces one (default `auto`: the first available in that order). Other devices and dtypes always
 take `F.linear`.
 """

@@ -1,0 +1,108 @@
+"""The kernel figures of docs/benchmarks.md ("What was done for speed"), each timed in this run:
+
+- every weight matmul of SmolLM2-135M once (30 layers + LM head, distinct weights, so they
+  stream from DRAM as in a real step) at 64 and 512 rows, through inflight's packed kernel,
+  oneDNN prepacked and F.linear;
+- paged decode attention, 64 requests of 256 tokens, 8 distinct layer pools, ms per layer;
+- paged prefill attention of one 300-token prompt against scaled_dot_product_attention.
+
+    .venv/bin/python benchmarks/kernels_bench.py
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from inflight.model.kernels import cpu_kernels
+from inflight.model.linear import Linear
+
+HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
+LAYER_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out): qkv, o, gate_up, down
+
+
+def best_of(fn: Callable[[], object], reps: int = 3) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _every_matmul(layers: list[list[Linear]], lm_head: Linear, x576: torch.Tensor, x1536: torch.Tensor) -> None:
+    for qkv, o, gate_up, down in layers:
+        qkv(x576), o(x576), gate_up(x576), down(x1536)
+    lm_head(x576)
+
+
+def matmuls() -> None:
+    torch.manual_seed(0)
+    weights = [[torch.randn(n, k) * 0.02 for k, n in LAYER_SHAPES] for _ in range(30)]
+    head = torch.randn(49152, 576) * 0.02
+    for backend in ("inflight", "onednn", "torch"):
+        layers = [[Linear(w, None, backend) for w in ws] for ws in weights]
+        lm_head = Linear(head, None, backend)
+        for rows in (64, 512):
+            x576, x1536 = torch.randn(rows, 576), torch.randn(rows, 1536)
+
+            step = functools.partial(_every_matmul, layers, lm_head, x576, x1536)
+            print(f"every weight matmul once, {rows:>3} rows, {backend:<8}: {1000 * best_of(step):7.1f} ms")
+
+
+def decode_attention(kernels: object) -> None:
+    torch.manual_seed(0)
+    batch, context, layers = 64, 256, 8
+    num_blocks = batch * context // BLOCK + 8
+    pools = [(torch.randn(num_blocks * BLOCK, KV_HEADS, DIM), torch.randn(num_blocks * BLOCK, KV_HEADS, DIM))
+             for _ in range(layers)]
+    tables = torch.randperm(num_blocks)[: batch * context // BLOCK].view(batch, -1)
+    lens = torch.full((batch,), context, dtype=torch.int64)
+    q = torch.randn(batch, HEADS, DIM)
+
+    def run() -> None:
+        for k, v in pools:
+            kernels.paged_decode_attention(q, k, v, tables, lens, BLOCK, DIM ** -0.5)  # type: ignore[attr-defined]
+
+    print(f"paged decode attention, {batch} x {context} tokens: {1000 * best_of(run) / layers:.2f} ms per layer")
+
+
+def prefill_attention(kernels: object) -> None:
+    torch.manual_seed(0)
+    length = 300
+    num_blocks = 64
+    k_cache, v_cache = torch.randn(num_blocks * BLOCK, KV_HEADS, DIM), torch.randn(num_blocks * BLOCK, KV_HEADS, DIM)
+    table = torch.randperm(num_blocks)[: -(-length // BLOCK)].view(1, -1)
+    q = torch.randn(length, HEADS, DIM)
+    one = torch.tensor([length])
+    zero = torch.tensor([0])
+    ours = best_of(lambda: kernels.paged_prefill_attention(  # type: ignore[attr-defined]
+        q, k_cache, v_cache, table, zero, one, zero, BLOCK, DIM ** -0.5), reps=20)
+    qh, k, v = q.transpose(0, 1).unsqueeze(0), torch.randn(1, KV_HEADS, length, DIM), torch.randn(1, KV_HEADS, length, DIM)
+    sdpa = best_of(lambda: F.scaled_dot_product_attention(qh, k, v, is_causal=True, enable_gqa=True), reps=20)
+    flop = 4 * HEADS * DIM * length * length / 2
+    print(f"prefill attention, one {length}-token prompt: paged kernel {flop / ours / 1e9:.0f} GFLOP/s, "
+          f"SDPA {flop / sdpa / 1e9:.0f} GFLOP/s")
+
+
+def main() -> int:
+    kernels = cpu_kernels()
+    if kernels is None:
+        print("inflight's CPU kernels are unavailable here (no compiler?)")
+        return 1
+    print(f"{torch.get_num_threads()} threads")
+    with torch.inference_mode():
+        matmuls()
+        decode_attention(kernels)
+        prefill_attention(kernels)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
