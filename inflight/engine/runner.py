@@ -97,20 +97,23 @@ class ModelRunner:
                 logits_indices.append(len(input_ids) - 1)
                 sample_requests.append(s.request)
 
+        # Build only what the attention path of this model reads.
+        in_place = self.model.attention.reads_pool_in_place(self.model.dtype)
         decode_tables = decode_mask = context_lens = None
         if decodes:
             context_lens = torch.tensor([s.end for s in decodes], device=device)
             num_table = self.num_blocks_for(max(s.end for s in decodes))
             decode_tables = torch.tensor([_padded(s.block_table, num_table) for s in decodes], device=device)
-            pos = torch.arange(num_table * bs, device=device)
-            decode_mask = (pos.unsqueeze(0) < context_lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
+            if not in_place:  # the gathered path masks the padding; the kernel reads the lengths
+                pos = torch.arange(num_table * bs, device=device)
+                decode_mask = (pos.unsqueeze(0) < context_lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
 
         segments: list[PrefillSegment] = []
         offset = len(decodes)
         for s in prefills:
             start, end = offset, offset + s.num_new_tokens
             offset = end
-            if s.start == 0:
+            if s.start == 0 or in_place:  # the kernel takes every segment from `prefill_tables`
                 segments.append(PrefillSegment(start, end, None, None))
                 continue
             num_table = self.num_blocks_for(s.end)
@@ -121,7 +124,7 @@ class ModelRunner:
             segments.append(PrefillSegment(start, end, table, mask))
 
         prefill_tables = None
-        if prefills:
+        if prefills and in_place:
             num_table = self.num_blocks_for(max(s.end for s in prefills))
             prefill_tables = PrefillTables(
                 query_starts=torch.tensor([seg.start - len(decodes) for seg in segments], device=device),

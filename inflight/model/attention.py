@@ -47,6 +47,9 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None
     prefills: list[PrefillSegment]
     prefill_tables: PrefillTables | None = None
+    # The runner builds either the gathered path's inputs (`decode_mask`, each segment's
+    # `block_table` and `mask`) or the compiled kernels' (`prefill_tables`), as
+    # `PagedAttention.reads_pool_in_place` says.
 
 
 @dataclass(slots=True)
@@ -74,6 +77,11 @@ class PagedAttention:
         self.group_size = num_heads // num_kv_heads
         self.kernels = kernels
 
+    def reads_pool_in_place(self, dtype: torch.dtype) -> bool:
+        """Whether the compiled kernels serve this dtype: they read the pool through block tables
+        and lengths, so no masks or per-segment gathers are needed."""
+        return self.kernels is not None and dtype == torch.float32
+
     def forward(
         self,
         q: torch.Tensor,
@@ -95,7 +103,7 @@ class PagedAttention:
         if num_decodes:
             out[:num_decodes] = self._decode(q[:num_decodes], k_cache, v_cache, meta)
         tables = meta.prefill_tables
-        if tables is not None and self.kernels is not None and q.dtype == torch.float32:
+        if tables is not None and self.reads_pool_in_place(q.dtype):
             out[num_decodes:] = self.kernels.paged_prefill_attention(  # type: ignore[attr-defined]
                 q[num_decodes:].contiguous(), k_cache, v_cache, tables.block_tables, tables.query_starts,
                 tables.query_lens, tables.context_starts, meta.block_size, self.head_dim ** -0.5,
@@ -116,7 +124,7 @@ class PagedAttention:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
-        if self.kernels is not None and q.dtype == torch.float32 and k_cache.is_contiguous():
+        if self.reads_pool_in_place(q.dtype):
             return self.kernels.paged_decode_attention(  # type: ignore[attr-defined]
                 q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
                 meta.block_size, self.head_dim ** -0.5,
