@@ -1,8 +1,9 @@
 """Where inflight's step time goes on the burst of 64: scheduling, building inputs, the forward
 pass, sampling and output processing, from the engine's own per-step records; the weight-matmul
 rate of the decode-only steps against an fp32 GEMM peak timed in the same run; and, with
-`--components`, the forward pass of one 64-request decode step and one prefill step split into
-weight matmuls (by output width), attention and token-wise ops (torch.profiler ranges).
+`--components`, the forward pass of one 64-request decode step, one prefill step and one
+single-request decode step split into weight matmuls (by output width), attention and
+token-wise ops (torch.profiler ranges).
 
     .venv/bin/python benchmarks/step_profile.py [--max-num-tokens 512] [--components]
 """
@@ -76,7 +77,7 @@ def main() -> int:
     parser.add_argument("--max-num-tokens", type=int, default=512)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--components", action="store_true",
-                        help="also split one decode step and one prefill step into components")
+                        help="also split one 64-request decode step, one prefill step and one single-request decode step into components")
     args = parser.parse_args()
 
     gemm = ceiling.measure_gemm(reps=5)
@@ -99,6 +100,8 @@ def main() -> int:
                 want = "prefill"
             elif "decode" not in profiles and engine.num_running >= 64 and not engine.num_waiting:
                 want = "decode"
+            elif "single-request decode" not in profiles and engine.num_running == 1 and not engine.num_waiting:
+                want = "single-request decode"
         if want is None:
             engine.step()
             continue

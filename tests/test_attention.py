@@ -26,23 +26,19 @@ def dense_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -
 HEAD_SHAPES = [(HEADS, KV_HEADS, DIM), (4, 4, 64), (8, 1, 64), (4, 2, 128), (6, 3, 40)]
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim", HEAD_SHAPES)
-@pytest.mark.parametrize("use_kernel", [False, True])
-def test_decode_paths_match_dense_reference(use_kernel, heads, kv_heads, dim):
-    kernel = cpu_kernels() if use_kernel else None
-    if use_kernel and kernel is None:
-        pytest.skip("no C++ compiler for the CPU kernel")
+def check_decode(kernel, heads: int, kv_heads: int, dim: int, lens: list[int]) -> None:
+    """The decode path against the dense reference, for requests of these context lengths
+    whose blocks are scattered through the pool."""
     torch.manual_seed(0)
-    num_blocks = 64
+    num_blocks = sum(-(-n // BLOCK) for n in lens) + 8
     k_cache = torch.randn(num_blocks * BLOCK, kv_heads, dim)
     v_cache = torch.randn(num_blocks * BLOCK, kv_heads, dim)
-    lens = [1, 15, 16, 17, 130]
     order = torch.randperm(num_blocks).tolist()
     tables, contexts = [], []
     for n in lens:
         blocks = [order.pop() for _ in range(-(-n // BLOCK))]
         tables.append(blocks)
-        slots = torch.tensor([blocks[t // BLOCK] * BLOCK + t % BLOCK for t in range(n)])
+        slots = torch.tensor([blocks[t // BLOCK] * BLOCK + t % BLOCK for t in range(n)], dtype=torch.long)
         contexts.append((k_cache[slots], v_cache[slots]))
     width = max(len(t) for t in tables)
     table_tensor = torch.tensor([t + [0] * (width - len(t)) for t in tables])
@@ -54,6 +50,31 @@ def test_decode_paths_match_dense_reference(use_kernel, heads, kv_heads, dim):
     out = attention._decode(q, k_cache, v_cache, meta)
     for i, (keys, values) in enumerate(contexts):
         torch.testing.assert_close(out[i], dense_reference(q[i], keys, values), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", HEAD_SHAPES)
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_decode_paths_match_dense_reference(use_kernel, heads, kv_heads, dim):
+    kernel = cpu_kernels() if use_kernel else None
+    if use_kernel and kernel is None:
+        pytest.skip("no C++ compiler for the CPU kernel")
+    check_decode(kernel, heads, kv_heads, dim, [1, 15, 16, 17, 130])
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(HEADS, KV_HEADS, DIM), (6, 3, 40)])
+@pytest.mark.parametrize("lens", [[300], [1, 200], [64, 17, 90]], ids=["one", "two", "three"])
+def test_decode_kernel_splits_the_contexts_of_few_requests(lens, heads, kv_heads, dim):
+    """Fewer requests than twice the threads: the kernel splits each context into parts on
+    different threads and merges them; the result is the unsplit attention."""
+    kernel = cpu_kernels()
+    if kernel is None:
+        pytest.skip("no C++ compiler for the CPU kernel")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        check_decode(kernel, heads, kv_heads, dim, lens)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_prefill_with_cached_context_matches_dense_reference():

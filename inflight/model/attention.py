@@ -98,8 +98,10 @@ class PagedAttention:
         if not kv_stored:
             k_cache.index_copy_(0, meta.slot_mapping, k)
             v_cache.index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_decodes = meta.num_decode_tokens
+        if num_decodes == q.shape[0]:  # a decode-only step: the decode path's result is the output
+            return self._decode(q, k_cache, v_cache, meta).view(q.shape[0], self.num_heads * self.head_dim)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if num_decodes:
             out[:num_decodes] = self._decode(q[:num_decodes], k_cache, v_cache, meta)
         tables = meta.prefill_tables

@@ -52,7 +52,9 @@ def cpu_kernels() -> ModuleType | None:
         return None
 
 
-if __name__ == "__main__":  # `python -m inflight.model.kernels`: build (or find) the cached module
+def build() -> None:
+    """Builds (or finds) the cached module and says where it is; `scripts/setup.sh` runs this so
+    that the first `inflight serve` does not wait for the compiler."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     module = cpu_kernels()
     print(f"inflight CPU kernels: {module.__file__ if module else 'unavailable (PyTorch fallback paths)'}")

@@ -91,9 +91,10 @@ class CpuKernelTokenOps(TorchTokenOps):
         else:
             self.kernels.rotary_qk_(qkv, positions, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
                                     *kv_store)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        return (q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim),
-                v.view(n, self.num_kv_heads, self.head_dim))
+        # One view and three slices of it: cheaper than split() and a view of each part.
+        heads = qkv.view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        kv_end = self.num_heads + self.num_kv_heads
+        return heads[:, :self.num_heads], heads[:, self.num_heads:kv_end], heads[:, kv_end:]
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.kernels.silu_and_mul(gate_up.contiguous())

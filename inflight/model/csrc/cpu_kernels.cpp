@@ -1,12 +1,14 @@
 // inflight's CPU kernels (fp32), built on first use by inflight/model/kernels.py.
 //
 // Paged decode attention: one query token per request, reading K/V straight from the block pool
-// (no gathered copy). A work item is one request: every query head scores every cached token,
-// a softmax per head, then a weighted sum of V. Each slot's K and V rows (all KV heads) are read
-// once, in block order, with the next block prefetched; threads take requests from a shared
-// counter, so requests of very different lengths still balance.
+// (no gathered copy). A work item is one request, or a part of its context when there are too
+// few requests for the threads: every query head scores every cached token, a softmax per head,
+// then a weighted sum of V. Each slot's K and V rows (all KV heads) are read once, in block
+// order, with the next block prefetched; threads take items from a shared counter, so requests
+// of very different lengths still balance.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
@@ -29,6 +31,15 @@ constexpr int kMaxRows = 4;
 constexpr int kNR = 2 * kVec;  // columns per panel
 typedef float vec __attribute__((vector_size(kVec * sizeof(float))));
 
+// Unaligned loads and stores of one vector (one instruction each, unlike a memcpy of an array
+// of vectors, which GCC may route through the stack).
+inline vec load_vec(const float* p) {
+  vec v;
+  __builtin_memcpy(&v, p, sizeof(vec));
+  return v;
+}
+inline void store_vec(float* p, vec v) { __builtin_memcpy(p, &v, sizeof(vec)); }
+
 // kDim > 0 fixes the head size at compile time (fully unrolled, vectorised loops); 0 reads `dim`.
 template <int64_t kDim>
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t dim) {
@@ -46,18 +57,33 @@ inline void axpy(float alpha, const float* __restrict x, float* __restrict y, in
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
 
-inline void softmax_inplace(float* s, int64_t len) {
-  const float m = *std::max_element(s, s + len);
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < len; ++t) {
-    s[t] = std::exp(s[t] - m);
-    sum += s[t];
+// The lane sums of four vectors: out = {sum(a), sum(b), sum(c), sum(d)}.
+inline void sum_lanes4(vec a, vec b, vec c, vec d, float* out) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__)
+  auto fold = [](vec x) {  // 16 lanes -> 8
+    const __m512d xd = _mm512_castps_pd(static_cast<__m512>(x));
+    return _mm256_add_ps(_mm256_castpd_ps(_mm512_castpd512_pd256(xd)), _mm256_castpd_ps(_mm512_extractf64x4_pd(xd, 1)));
+  };
+  const __m256 a8 = fold(a), b8 = fold(b), c8 = fold(c), d8 = fold(d);
+#else
+  const __m256 a8 = static_cast<__m256>(a), b8 = static_cast<__m256>(b), c8 = static_cast<__m256>(c),
+               d8 = static_cast<__m256>(d);
+#endif
+  const __m256 ab = _mm256_hadd_ps(a8, b8), cd = _mm256_hadd_ps(c8, d8);
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);  // per 128-bit half: the four partial sums
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+#else
+  const vec* v[4] = {&a, &b, &c, &d};
+  for (int j = 0; j < 4; ++j) {
+    float sum = 0.f;
+    for (int e = 0; e < kVec; ++e) sum += (*v[j])[e];
+    out[j] = sum;
   }
-  const float inv = 1.f / sum;
-#pragma omp simd
-  for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+#endif
 }
+
+constexpr float kNoScore = -1e30f;  // a finite "minus infinity": the file is built with fast-math
 
 struct Pool {
   const float* k;          // [num_slots, num_kv_heads, dim]
@@ -66,44 +92,65 @@ struct Pool {
   int64_t block_size;
 };
 
-// o[j] += sum_i p[j * p_stride + i] * v_i for RB rows of o ([rows, kDim]) at once, the rows'
-// accumulators held in registers.
-template <int64_t kDim, int64_t RB>
-inline void pv_rows(const float* p, int64_t p_stride, const float* const* vrow, int64_t nt, float* o) {
-  constexpr int64_t kNV = kDim / kVec;
-  vec acc[RB][kNV];
+// The PV product of the prefill kernel: o[j] += sum_i p[j * p_stride + i] * v_i for RB rows of
+// o ([rows, kDim]) and CV vectors of columns starting at col, the RB x CV accumulators held in
+// registers next to the CV vectors of the V row being read.
+template <int64_t kDim, int64_t RB, int64_t CV>
+inline void pv_rows(const float* p, int64_t p_stride, const float* const* vrow, int64_t nt, float* o, int64_t col) {
+  vec acc[RB][CV];
   for (int64_t j = 0; j < RB; ++j)
-    for (int64_t c = 0; c < kNV; ++c) __builtin_memcpy(&acc[j][c], o + j * kDim + c * kVec, sizeof(vec));
+    for (int64_t c = 0; c < CV; ++c) __builtin_memcpy(&acc[j][c], o + j * kDim + col + c * kVec, sizeof(vec));
   for (int64_t i = 0; i < nt; ++i) {
-    vec v[kNV];
-    for (int64_t c = 0; c < kNV; ++c) __builtin_memcpy(&v[c], vrow[i] + c * kVec, sizeof(vec));
+    vec v[CV];
+    for (int64_t c = 0; c < CV; ++c) __builtin_memcpy(&v[c], vrow[i] + col + c * kVec, sizeof(vec));
     for (int64_t j = 0; j < RB; ++j) {
       const float pj = p[j * p_stride + i];
-      for (int64_t c = 0; c < kNV; ++c) acc[j][c] += pj * v[c];
+      for (int64_t c = 0; c < CV; ++c) acc[j][c] += pj * v[c];
     }
   }
   for (int64_t j = 0; j < RB; ++j)
-    for (int64_t c = 0; c < kNV; ++c) __builtin_memcpy(o + j * kDim + c * kVec, &acc[j][c], sizeof(vec));
+    for (int64_t c = 0; c < CV; ++c) __builtin_memcpy(o + j * kDim + col + c * kVec, &acc[j][c], sizeof(vec));
 }
 
 // pv_rows for a run-time row count below R (the remainder of a row block).
-template <int64_t kDim, int64_t R>
+template <int64_t kDim, int64_t R, int64_t CV>
 inline void pv_rows_upto(int64_t rows, const float* p, int64_t p_stride, const float* const* vrow, int64_t nt,
-                         float* o) {
+                         float* o, int64_t col) {
   if constexpr (R > 0) {
-    if (rows == R) return pv_rows<kDim, R>(p, p_stride, vrow, nt, o);
-    pv_rows_upto<kDim, R - 1>(rows, p, p_stride, vrow, nt, o);
+    if (rows == R) return pv_rows<kDim, R, CV>(p, p_stride, vrow, nt, o, col);
+    pv_rows_upto<kDim, R - 1, CV>(rows, p, p_stride, vrow, nt, o, col);
   }
+}
+
+// Vector registers of this build: 32 with AVX-512, 16 with AVX2.
+#if defined(__AVX512F__)
+constexpr int64_t kVecRegs = 32;
+#else
+constexpr int64_t kVecRegs = 16;
+#endif
+
+// Column vectors per pass of pv_rows: at most a quarter of the registers (4 of 32, 2 of 16), and a
+// divisor of the head's vector count, so that RB rows of accumulators, the V vectors and the
+// broadcast weight all stay in registers (holding a whole 64-wide head, 8 AVX2 vectors per row,
+// would spill).
+constexpr int64_t pv_col_vectors(int64_t num_vectors) {
+  int64_t cv = kVecRegs / 8;
+  while (cv > 1 && num_vectors % cv != 0) --cv;
+  return cv;
 }
 
 template <int64_t kDim>
 void pv_tile(const float* p, int64_t p_stride, const float* const* vrow, int64_t nt, float* o, int64_t rows,
              int64_t dim) {
   if constexpr (kDim > 0 && kDim % kVec == 0) {
-    constexpr int64_t kRB = std::max<int64_t>(1, 24 / (kDim / kVec));  // accumulators: RB x kDim/kVec vectors
-    int64_t r = 0;
-    for (; r + kRB <= rows; r += kRB) pv_rows<kDim, kRB>(p + r * p_stride, p_stride, vrow, nt, o + r * kDim);
-    pv_rows_upto<kDim, kRB - 1>(rows - r, p + r * p_stride, p_stride, vrow, nt, o + r * kDim);
+    constexpr int64_t kCV = pv_col_vectors(kDim / kVec);
+    constexpr int64_t kRB = (kVecRegs - kCV - 2) / kCV;  // 6 rows with AVX2 and with AVX-512
+    for (int64_t col = 0; col < kDim; col += kCV * kVec) {
+      int64_t r = 0;
+      for (; r + kRB <= rows; r += kRB)
+        pv_rows<kDim, kRB, kCV>(p + r * p_stride, p_stride, vrow, nt, o + r * kDim, col);
+      pv_rows_upto<kDim, kRB - 1, kCV>(rows - r, p + r * p_stride, p_stride, vrow, nt, o + r * kDim, col);
+    }
   } else {
     for (int64_t i = 0; i < nt; ++i)
       for (int64_t r = 0; r < rows; ++r) {
@@ -121,44 +168,163 @@ inline void prefetch_row(const float* row, int64_t num_floats) {
   for (int64_t i = 0; i < num_floats; i += 16) __builtin_prefetch(row + i);
 }
 
-// Attention of all query heads of one request (q, out: [num_heads, dim]) over its `len` cached
-// tokens, reading each slot's row (every KV head) once, in block order. scores: num_heads * len.
-template <int64_t kDim>
-void attend_request(const Pool& pool, const int64_t* table, int64_t len, const float* q, int64_t num_heads,
-                    int64_t group, int64_t dim, float scale, float* scores, float* out) {
-  const int64_t bs = pool.block_size, stride = pool.slot_stride;
-  std::fill(out, out + num_heads * dim, 0.f);
-  if (len == 0) return;
-  const int64_t num_blocks = (len + bs - 1) / bs;
-  for (int64_t blk = 0; blk < num_blocks; ++blk) {
-    const int64_t t0 = blk * bs, n = std::min(bs, len - t0);
-    const float* keys = pool.k + table[blk] * bs * stride;
-    const float* next = blk + 1 < num_blocks ? pool.k + table[blk + 1] * bs * stride : pool.v + table[0] * bs * stride;
-    for (int64_t i = 0; i < n; ++i) {
-      prefetch_row(next + i * stride, stride);
-      const float* key = keys + i * stride;
-      for (int64_t h = 0; h < num_heads; ++h)
-        scores[h * len + t0 + i] = dot<kDim>(q + h * dim, key + (h / group) * dim, dim) * scale;
-    }
+// Pulls a contiguous range into cache a few lines per call of step(), spread over a loop's
+// iterations: issued all at once, a block's 200 prefetches would stall the loads they precede.
+struct Prefetcher {
+  const char* p;
+  const char* end;
+  int64_t lines_per_step;
+  Prefetcher(const float* begin, int64_t num_floats, int64_t steps)
+      : p(reinterpret_cast<const char*>(begin)), end(reinterpret_cast<const char*>(begin + num_floats)),
+        lines_per_step((num_floats * static_cast<int64_t>(sizeof(float)) / 64 + steps) / std::max<int64_t>(steps, 1)) {}
+  void step() {
+    for (int64_t j = 0; j < lines_per_step && p < end; ++j, p += 64) __builtin_prefetch(p);
   }
-  for (int64_t h = 0; h < num_heads; ++h) softmax_inplace(scores + h * len, len);
-  for (int64_t blk = 0; blk < num_blocks; ++blk) {
-    const int64_t t0 = blk * bs, n = std::min(bs, len - t0);
-    const float* values = pool.v + table[blk] * bs * stride;
-    const float* next = blk + 1 < num_blocks ? pool.v + table[blk + 1] * bs * stride : values;
-    for (int64_t i = 0; i < n; ++i) {
-      prefetch_row(next + i * stride, stride);
-      const float* value = values + i * stride;
-      for (int64_t h = 0; h < num_heads; ++h)
-        axpy<kDim>(scores[h * len + t0 + i], value + (h / group) * dim, out + h * dim, dim);
+  void finish() {
+    for (; p < end; p += 64) __builtin_prefetch(p);
+  }
+};
+
+// Scores of every query head against the n keys of one block (rows `stride` floats apart, KV
+// head g at g * kDim), into scores[h * len + i]. A head's query stays in registers while it
+// meets four keys at a time, four independent sums whose lanes are added together at the end.
+template <int64_t kDim>
+inline void score_block(const float* q, int64_t num_heads, int64_t group, const float* keys, int64_t stride,
+                        int64_t n, float scale, float* scores, int64_t len, Prefetcher& next) {
+  constexpr int64_t kNV = kDim / kVec;
+  for (int64_t h = 0; h < num_heads; ++h) {
+    vec qv[kNV];
+    for (int64_t c = 0; c < kNV; ++c) qv[c] = load_vec(q + h * kDim + c * kVec);
+    const float* kh = keys + (h / group) * kDim;
+    float* s = scores + h * len;
+    float sums[4];
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+      vec a0{}, a1{}, a2{}, a3{};
+      for (int64_t c = 0; c < kNV; ++c) {
+        a0 += qv[c] * load_vec(kh + i * stride + c * kVec);
+        a1 += qv[c] * load_vec(kh + (i + 1) * stride + c * kVec);
+        a2 += qv[c] * load_vec(kh + (i + 2) * stride + c * kVec);
+        a3 += qv[c] * load_vec(kh + (i + 3) * stride + c * kVec);
+      }
+      sum_lanes4(a0, a1, a2, a3, sums);
+      for (int64_t j = 0; j < 4; ++j) s[i + j] = sums[j] * scale;
+      next.step();
+    }
+    for (; i < n; ++i) {
+      vec a{};
+      for (int64_t c = 0; c < kNV; ++c) a += qv[c] * load_vec(kh + i * stride + c * kVec);
+      sum_lanes4(a, vec{}, vec{}, vec{}, sums);
+      s[i] = sums[0] * scale;
     }
   }
 }
+
+// out[h] += sum_i p[h * len + i] * v_i over the n value rows of one block, each head's output
+// held in registers across the block.
+template <int64_t kDim>
+inline void value_block(const float* p, int64_t len, int64_t num_heads, int64_t group, const float* values,
+                        int64_t stride, int64_t n, float* out, Prefetcher& next) {
+  constexpr int64_t kNV = kDim / kVec;
+  for (int64_t h = 0; h < num_heads; ++h) {
+    vec acc[kNV];
+    for (int64_t c = 0; c < kNV; ++c) acc[c] = load_vec(out + h * kDim + c * kVec);
+    const float* vh = values + (h / group) * kDim;
+    const float* ph = p + h * len;
+    for (int64_t i = 0; i < n; ++i) {
+      const float pi = ph[i];
+      for (int64_t c = 0; c < kNV; ++c) acc[c] += pi * load_vec(vh + i * stride + c * kVec);
+      if (i % 4 == 3) next.step();
+    }
+    for (int64_t c = 0; c < kNV; ++c) store_vec(out + h * kDim + c * kVec, acc[c]);
+  }
+}
+
+// Attention of all query heads of one request (q: [num_heads, dim]) over the cached tokens
+// [t_begin, t_end) of its context (t_begin a multiple of the block size), block by block, each
+// block's K (then V) rows, every KV head, read once while the next block is prefetched. Leaves
+// the unnormalized result in out ([num_heads, dim], the sum of exp(score - m) * v), and per
+// head the max score m and the sum of the weights l, so that parts of one context computed
+// apart can be merged. scores: num_heads * (t_end - t_begin).
+template <int64_t kDim>
+void attend_range(const Pool& pool, const int64_t* table, int64_t t_begin, int64_t t_end, const float* q,
+                  int64_t num_heads, int64_t group, int64_t dim_rt, float scale, float* scores, float* out, float* m,
+                  float* l) {
+  constexpr bool kBlocked = kDim > 0 && kDim % kVec == 0;
+  const int64_t dim = kDim > 0 ? kDim : dim_rt;
+  const int64_t bs = pool.block_size, stride = pool.slot_stride, len = t_end - t_begin;
+  std::fill(out, out + num_heads * dim, 0.f);
+  std::fill(m, m + num_heads, kNoScore);
+  std::fill(l, l + num_heads, 0.f);
+  if (len <= 0) return;
+  const int64_t first_block = t_begin / bs, last_block = (t_end - 1) / bs;
+  for (int64_t blk = first_block; blk <= last_block; ++blk) {
+    const int64_t t0 = blk * bs, n = std::min(bs, t_end - t0);
+    const float* keys = pool.k + table[blk] * bs * stride;
+    // The next block's K, or after the last one the first block's V.
+    const int64_t next_n = blk < last_block ? std::min(bs, t_end - t0 - bs) : std::min(bs, t_end - first_block * bs);
+    Prefetcher next(blk < last_block ? pool.k + table[blk + 1] * bs * stride : pool.v + table[first_block] * bs * stride,
+                    next_n * stride, num_heads * ((n + 3) / 4));
+    if constexpr (kBlocked) {
+      score_block<kDim>(q, num_heads, group, keys, stride, n, scale, scores + t0 - t_begin, len, next);
+    } else {
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t h = 0; h < num_heads; ++h)
+          scores[h * len + t0 - t_begin + i] = dot<kDim>(q + h * dim, keys + i * stride + (h / group) * dim, dim) * scale;
+    }
+    next.finish();
+  }
+  for (int64_t h = 0; h < num_heads; ++h) {
+    float* s = scores + h * len;
+    const float mx = *std::max_element(s, s + len);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+      s[t] = std::exp(s[t] - mx);
+      sum += s[t];
+    }
+    m[h] = mx;
+    l[h] = sum;
+  }
+  for (int64_t blk = first_block; blk <= last_block; ++blk) {
+    const int64_t t0 = blk * bs, n = std::min(bs, t_end - t0);
+    const float* values = pool.v + table[blk] * bs * stride;
+    Prefetcher next(pool.v + (blk < last_block ? table[blk + 1] : table[blk]) * bs * stride,
+                    blk < last_block ? std::min(bs, t_end - t0 - bs) * stride : 0, num_heads * ((n + 3) / 4));
+    if constexpr (kBlocked) {
+      value_block<kDim>(scores + t0 - t_begin, len, num_heads, group, values, stride, n, out, next);
+    } else {
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t h = 0; h < num_heads; ++h)
+          axpy<kDim>(scores[h * len + t0 - t_begin + i], values + i * stride + (h / group) * dim, out + h * dim, dim);
+    }
+    next.finish();
+  }
+}
+
+void attend(const Pool& pool, const int64_t* table, int64_t t_begin, int64_t t_end, const float* q,
+            int64_t num_heads, int64_t group, int64_t dim, float scale, float* scores, float* out, float* m,
+            float* l) {
+  if (dim == 64)
+    attend_range<64>(pool, table, t_begin, t_end, q, num_heads, group, dim, scale, scores, out, m, l);
+  else if (dim == 128)
+    attend_range<128>(pool, table, t_begin, t_end, q, num_heads, group, dim, scale, scores, out, m, l);
+  else
+    attend_range<0>(pool, table, t_begin, t_end, q, num_heads, group, dim, scale, scores, out, m, l);
+}
+
+// Blocks per part when a context is split: at least this many, so that a part's fixed costs
+// (its softmax pass, the merge) stay small against reading its K/V.
+constexpr int64_t kMinSplitBlocks = 4;
 
 }  // namespace
 
 // q: [B, H, D]; k_cache, v_cache: [num_slots, KV, D]; block_tables: [B, max_blocks] (int64);
 // context_lens: [B] (int64). Returns [B, H, D].
+//
+// A work item is one request, or, when there are too few requests to keep every thread busy
+// (a single stream, the last requests of a batch), a block-aligned part of one request's
+// context; the parts' results are merged by their softmax statistics (flash-decoding).
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens,
                                      int64_t block_size, double scale) {
@@ -180,24 +346,74 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   float* op = out.data_ptr<float>();
   const int64_t max_blocks = tables.size(1);
   const float fscale = static_cast<float>(scale);
-  int64_t max_len = 0;
-  for (int64_t b = 0; b < batch; ++b) max_len = std::max(max_len, lp[b]);
+  const int64_t threads = at::get_num_threads();
+  for (int64_t b = 0; b < batch; ++b)
+    TORCH_CHECK(lp[b] >= 0 && lp[b] <= max_blocks * block_size, "context exceeds its block table");
+
+  // Parts per request: one, unless fewer requests than twice the threads; then enough for
+  // about two parts per thread, each at least kMinSplitBlocks blocks long.
+  struct Part {
+    int64_t request, t_begin, t_end;
+  };
+  std::vector<Part> parts;
+  std::vector<int64_t> first_part(batch + 1);
+  int64_t max_part_len = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    first_part[b] = static_cast<int64_t>(parts.size());
+    const int64_t blocks = (lp[b] + block_size - 1) / block_size;
+    int64_t n = 1;
+    if (batch < 2 * threads) n = std::max<int64_t>(1, std::min((2 * threads + batch - 1) / batch, blocks / kMinSplitBlocks));
+    const int64_t per = (blocks + n - 1) / n * block_size;
+    for (int64_t t = 0; t < std::max<int64_t>(lp[b], 1); t += per) {
+      parts.push_back({b, t, std::min(lp[b], t + per)});
+      max_part_len = std::max(max_part_len, std::min(lp[b], t + per) - t);
+    }
+  }
+  first_part[batch] = static_cast<int64_t>(parts.size());
+  const int64_t num_parts = static_cast<int64_t>(parts.size());
+  const bool split = num_parts > batch;
+  // A split request's parts leave unnormalized outputs and statistics here, merged below.
+  std::vector<float> part_out(split ? num_parts * num_heads * dim : 0);
+  std::vector<float> part_m(num_parts * num_heads), part_l(num_parts * num_heads);
 
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> scores(num_heads * max_len);
-    for (int64_t b = next++; b < batch; b = next++) {
-      const float* qb = qp + b * num_heads * dim;
-      float* ob = op + b * num_heads * dim;
-      const int64_t* table = tp + b * max_blocks;
-      if (dim == 64)
-        attend_request<64>(pool, table, lp[b], qb, num_heads, group, dim, fscale, scores.data(), ob);
-      else if (dim == 128)
-        attend_request<128>(pool, table, lp[b], qb, num_heads, group, dim, fscale, scores.data(), ob);
-      else
-        attend_request<0>(pool, table, lp[b], qb, num_heads, group, dim, fscale, scores.data(), ob);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    std::vector<float> scores(num_heads * max_part_len);
+    for (int64_t i = next++; i < num_parts; i = next++) {
+      const Part& pt = parts[i];
+      float* o = split ? part_out.data() + i * num_heads * dim : op + pt.request * num_heads * dim;
+      float* m = part_m.data() + i * num_heads;
+      float* l = part_l.data() + i * num_heads;
+      attend(pool, tp + pt.request * max_blocks, pt.t_begin, pt.t_end, qp + pt.request * num_heads * dim, num_heads,
+             group, dim, fscale, scores.data(), o, m, l);
+      if (!split)
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) o[h * dim + d] *= inv;
+        }
     }
   });
+  if (split) {
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float mx = kNoScore;
+        for (int64_t i = first_part[b]; i < first_part[b + 1]; ++i) mx = std::max(mx, part_m[i * num_heads + h]);
+        float* dst = op + (b * num_heads + h) * dim;
+        std::fill(dst, dst + dim, 0.f);
+        float sum = 0.f;
+        for (int64_t i = first_part[b]; i < first_part[b + 1]; ++i) {
+          const float w = std::exp(part_m[i * num_heads + h] - mx);
+          sum += w * part_l[i * num_heads + h];
+          const float* src = part_out.data() + (i * num_heads + h) * dim;
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) dst[d] += w * src[d];
+        }
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) dst[d] *= inv;
+      }
+  }
   return out;
 }
 
@@ -212,8 +428,7 @@ namespace {
 
 constexpr int64_t kTokenTile = 16;
 constexpr int64_t kMaxQueryRows = 48;
-constexpr float kNoScore = -1e30f;  // a finite "minus infinity": the file is built with fast-math
-typedef float tile_vec __attribute__((vector_size(kTokenTile * sizeof(float))));  // one score per tile token
+constexpr int64_t kTileVecs = kTokenTile / kVec;  // one score per tile token
 
 struct PrefillItem {
   int64_t segment, first, rows_tokens, kv_head, cost;
@@ -265,23 +480,22 @@ void prefill_item(const Pool& pool, const int64_t* table, int64_t ctx_start, con
         for (int64_t d = 0; d < dim; ++d) kt[d * kTokenTile + i] = 0.f;
       }
     }
-    // Scores of 4 query rows at a time: each K-tile vector is loaded once for the four.
+    // Scores of 4 query rows at a time: each K-tile vector is loaded once for the four. The
+    // tile's 16 tokens are kTileVecs native vectors (one with AVX-512, two with AVX2).
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-      tile_vec a0{}, a1{}, a2{}, a3{};
+      vec acc[4][kTileVecs] = {};
       const float* q0 = qs + r0 * dim;
       for (int64_t d = 0; d < dim; ++d) {
-        tile_vec kd;
-        __builtin_memcpy(&kd, kt + d * kTokenTile, sizeof(tile_vec));
-        a0 += q0[d] * kd;
-        a1 += q0[dim + d] * kd;
-        a2 += q0[2 * dim + d] * kd;
-        a3 += q0[3 * dim + d] * kd;
+        vec kd[kTileVecs];
+        for (int64_t c = 0; c < kTileVecs; ++c) kd[c] = load_vec(kt + d * kTokenTile + c * kVec);
+        for (int64_t j = 0; j < 4; ++j) {
+          const float qv = q0[j * dim + d];
+          for (int64_t c = 0; c < kTileVecs; ++c) acc[j][c] += qv * kd[c];
+        }
       }
       float* srow = sc.s.data() + r0 * kTokenTile;
-      __builtin_memcpy(srow, &a0, sizeof(tile_vec));
-      __builtin_memcpy(srow + kTokenTile, &a1, sizeof(tile_vec));
-      __builtin_memcpy(srow + 2 * kTokenTile, &a2, sizeof(tile_vec));
-      __builtin_memcpy(srow + 3 * kTokenTile, &a3, sizeof(tile_vec));
+      for (int64_t j = 0; j < 4; ++j)
+        for (int64_t c = 0; c < kTileVecs; ++c) store_vec(srow + j * kTokenTile + c * kVec, acc[j][c]);
     }
     for (int64_t r = 0; r < rows; ++r) {
       float* s = sc.s.data() + r * kTokenTile;
