@@ -77,6 +77,22 @@ def test_decode_kernel_splits_the_contexts_of_few_requests(lens, heads, kv_heads
         torch.set_num_threads(threads)
 
 
+def test_decode_kernel_gives_zeros_for_an_empty_context():
+    """A request with no cached token (not produced by the engine, but a valid input) yields
+    zeros and leaves its neighbour's result alone, split or not."""
+    kernel = cpu_kernels()
+    if kernel is None:
+        pytest.skip("no C++ compiler for the CPU kernel")
+    torch.manual_seed(0)
+    k_cache, v_cache = torch.randn(8 * BLOCK, KV_HEADS, DIM), torch.randn(8 * BLOCK, KV_HEADS, DIM)
+    q = torch.randn(2, HEADS, DIM)
+    tables = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
+    out = kernel.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor([0, 64]), BLOCK, DIM ** -0.5)
+    assert torch.equal(out[0], torch.zeros(HEADS, DIM))
+    slots = torch.arange(4 * BLOCK, 8 * BLOCK)
+    torch.testing.assert_close(out[1], dense_reference(q[1], k_cache[slots], v_cache[slots]), atol=1e-5, rtol=1e-5)
+
+
 def test_prefill_with_cached_context_matches_dense_reference():
     torch.manual_seed(1)
     attention = PagedAttention(HEADS, KV_HEADS, DIM)

@@ -350,8 +350,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   for (int64_t b = 0; b < batch; ++b)
     TORCH_CHECK(lp[b] >= 0 && lp[b] <= max_blocks * block_size, "context exceeds its block table");
 
-  // Parts per request: one, unless fewer requests than twice the threads; then enough for
-  // about two parts per thread, each at least kMinSplitBlocks blocks long.
+  // Parts per request: one, unless there are several threads and fewer requests than twice
+  // their number; then enough for about two parts per thread, each at least kMinSplitBlocks
+  // blocks long.
   struct Part {
     int64_t request, t_begin, t_end;
   };
@@ -362,8 +363,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     first_part[b] = static_cast<int64_t>(parts.size());
     const int64_t blocks = (lp[b] + block_size - 1) / block_size;
     int64_t n = 1;
-    if (batch < 2 * threads) n = std::max<int64_t>(1, std::min((2 * threads + batch - 1) / batch, blocks / kMinSplitBlocks));
-    const int64_t per = (blocks + n - 1) / n * block_size;
+    if (threads > 1 && batch < 2 * threads)
+      n = std::max<int64_t>(1, std::min((2 * threads + batch - 1) / batch, blocks / kMinSplitBlocks));
+    const int64_t per = std::max<int64_t>(1, (blocks + n - 1) / n) * block_size;
     for (int64_t t = 0; t < std::max<int64_t>(lp[b], 1); t += per) {
       parts.push_back({b, t, std::min(lp[b], t + per)});
       max_part_len = std::max(max_part_len, std::min(lp[b], t + per) - t);
