@@ -77,7 +77,8 @@ def main() -> int:
     parser.add_argument("--max-num-tokens", type=int, default=512)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--components", action="store_true",
-                        help="also split one 64-request decode step, one prefill step and one single-request decode step into components")
+                        help="also split one 64-request decode step, one prefill step and one "
+                             "single-request decode step into components")
     args = parser.parse_args()
 
     gemm = ceiling.measure_gemm(reps=5)
