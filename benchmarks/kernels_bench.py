@@ -5,7 +5,9 @@
   oneDNN prepacked and F.linear;
 - paged decode attention, 64 requests of 256 tokens and one of 512, ms per layer, over enough
   distinct layer pools (128 MB) that they come from DRAM;
-- paged prefill attention of one 300-token prompt against scaled_dot_product_attention.
+- paged prefill attention of one 300-token prompt against scaled_dot_product_attention;
+- the memory read rate: a sum over 540 MB of fp32 (the model's weights once), the bound of a
+  single-stream decode step.
 
     .venv/bin/python benchmarks/kernels_bench.py
 """
@@ -92,6 +94,12 @@ def prefill_attention(kernels: object) -> None:
           f"SDPA {flop / sdpa / 1e9:.0f} GFLOP/s")
 
 
+def memory_read() -> None:
+    data = torch.randn(135_000_000)  # 540 MB
+    seconds = best_of(data.sum, reps=5)
+    print(f"memory read, sum of 540 MB: {540e6 / seconds / 1e9:.1f} GB/s")
+
+
 def main() -> int:
     kernels = cpu_kernels()
     if kernels is None:
@@ -103,6 +111,7 @@ def main() -> int:
         decode_attention(kernels, 64, 256)
         decode_attention(kernels, 1, 512)  # a single stream: its context split between the threads
         prefill_attention(kernels)
+    memory_read()
     return 0
 
 

@@ -99,17 +99,17 @@ template <int64_t kDim, int64_t RB, int64_t CV>
 inline void pv_rows(const float* p, int64_t p_stride, const float* const* vrow, int64_t nt, float* o, int64_t col) {
   vec acc[RB][CV];
   for (int64_t j = 0; j < RB; ++j)
-    for (int64_t c = 0; c < CV; ++c) __builtin_memcpy(&acc[j][c], o + j * kDim + col + c * kVec, sizeof(vec));
+    for (int64_t c = 0; c < CV; ++c) acc[j][c] = load_vec(o + j * kDim + col + c * kVec);
   for (int64_t i = 0; i < nt; ++i) {
     vec v[CV];
-    for (int64_t c = 0; c < CV; ++c) __builtin_memcpy(&v[c], vrow[i] + col + c * kVec, sizeof(vec));
+    for (int64_t c = 0; c < CV; ++c) v[c] = load_vec(vrow[i] + col + c * kVec);
     for (int64_t j = 0; j < RB; ++j) {
       const float pj = p[j * p_stride + i];
       for (int64_t c = 0; c < CV; ++c) acc[j][c] += pj * v[c];
     }
   }
   for (int64_t j = 0; j < RB; ++j)
-    for (int64_t c = 0; c < CV; ++c) __builtin_memcpy(o + j * kDim + col + c * kVec, &acc[j][c], sizeof(vec));
+    for (int64_t c = 0; c < CV; ++c) store_vec(o + j * kDim + col + c * kVec, acc[j][c]);
 }
 
 // pv_rows for a run-time row count below R (the remainder of a row block).
@@ -162,14 +162,10 @@ void pv_tile(const float* p, int64_t p_stride, const float* const* vrow, int64_t
   }
 }
 
-// Pulls one slot's K or V row (all KV heads) of the next block into cache while this one is
-// computed: blocks sit at random places in the pool, so the hardware prefetcher cannot guess.
-inline void prefetch_row(const float* row, int64_t num_floats) {
-  for (int64_t i = 0; i < num_floats; i += 16) __builtin_prefetch(row + i);
-}
-
-// Pulls a contiguous range into cache a few lines per call of step(), spread over a loop's
-// iterations: issued all at once, a block's 200 prefetches would stall the loads they precede.
+// Pulls a contiguous range (the next KV block: blocks sit at random places in the pool, so the
+// hardware prefetcher cannot guess) into cache a few lines per call of step(), spread over a
+// loop's iterations: issued all at once, a block's 200 prefetches would stall the loads they
+// precede.
 struct Prefetcher {
   const char* p;
   const char* end;
@@ -774,14 +770,12 @@ inline void gemm_micro(const float* __restrict x, int64_t ldx, const float* __re
     }
   }
   if (bias != nullptr) {
-    vec b0, b1;
-    __builtin_memcpy(&b0, bias, sizeof(vec));
-    __builtin_memcpy(&b1, bias + kVec, sizeof(vec));
+    const vec b0 = load_vec(bias), b1 = load_vec(bias + kVec);
     for (int r = 0; r < MR; ++r) a0[r] += b0, a1[r] += b1;
   }
   for (int r = 0; r < MR; ++r) {
-    __builtin_memcpy(y + r * ldy, &a0[r], sizeof(vec));
-    __builtin_memcpy(y + r * ldy + kVec, &a1[r], sizeof(vec));
+    store_vec(y + r * ldy, a0[r]);
+    store_vec(y + r * ldy + kVec, a1[r]);
   }
 }
 
