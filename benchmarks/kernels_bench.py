@@ -4,7 +4,8 @@
   stream from DRAM as in a real step) at 64 and 512 rows, through inflight's packed kernel,
   oneDNN prepacked and F.linear;
 - paged decode attention, 64 requests of 256 tokens and one of 512, ms per layer, over enough
-  distinct layer pools (128 MB) that they come from DRAM;
+  distinct layer pools (128 MB) that they come from DRAM, beside the rate at which a plain sum
+  reads the same blocks in the same order (the bound on attention's memory stream);
 - paged prefill attention of one 300-token prompt against scaled_dot_product_attention;
 - the memory read rate: a sum over 540 MB of fp32 (the model's weights once), the bound of a
   single-stream decode step.
@@ -59,6 +60,51 @@ def matmuls() -> None:
             print(f"every weight matmul once, {rows:>3} rows, {backend:<8}: {1000 * best_of(step):7.1f} ms")
 
 
+_BLOCK_READER = """
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <atomic>
+// Sums every float of each request's K blocks, then its V blocks, in table order (requests
+// taken from a shared counter, as the decode kernel takes them): the memory stream of paged
+// decode attention without its arithmetic.
+double read_blocks(torch::Tensor k, torch::Tensor v, torch::Tensor tables, torch::Tensor lens, int64_t block_size) {
+  const int64_t slot = k.size(1) * k.size(2), batch = tables.size(0), max_blocks = tables.size(1);
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  std::atomic<int64_t> next{0};
+  std::vector<double> sums(at::get_num_threads(), 0.0);
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t t, int64_t) {
+    float acc[16] = {};
+    for (int64_t b = next++; b < batch; b = next++)
+      for (const float* pool : {k.data_ptr<float>(), v.data_ptr<float>()})
+        for (int64_t j = 0; j * block_size < lp[b]; ++j) {
+          const float* x = pool + tp[b * max_blocks + j] * block_size * slot;
+          // The next block's line at the same offset, as the decode kernel prefetches ahead.
+          const float* ahead = (j + 1) * block_size < lp[b] ? pool + tp[b * max_blocks + j + 1] * block_size * slot : x;
+          const int64_t n = std::min(block_size, lp[b] - j * block_size) * slot;
+          for (int64_t i = 0; i + 16 <= n; i += 16) {
+            __builtin_prefetch(ahead + i);
+#pragma omp simd
+            for (int e = 0; e < 16; ++e) acc[e] += x[i + e];
+          }
+        }
+    for (float a : acc) sums[t] += a;
+  });
+  double total = 0;
+  for (double x : sums) total += x;
+  return total;
+}
+"""
+
+
+@functools.cache
+def _block_reader() -> object:
+    from torch.utils.cpp_extension import load_inline
+
+    return load_inline("inflight_bench_block_reader", _BLOCK_READER, functions=["read_blocks"],
+                       extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+
+
 def decode_attention(kernels: object, batch: int, context: int) -> None:
     torch.manual_seed(0)
     layers = max(8, 2 ** 27 // (batch * context * KV_HEADS * DIM * 8))  # pools beyond the L3 cache, as in a step
@@ -73,7 +119,18 @@ def decode_attention(kernels: object, batch: int, context: int) -> None:
         for k, v in pools:
             kernels.paged_decode_attention(q, k, v, tables, lens, BLOCK, DIM ** -0.5)  # type: ignore[attr-defined]
 
-    print(f"paged decode attention, {batch} x {context} tokens: {1000 * best_of(run) / layers:.2f} ms per layer")
+    seconds = best_of(run) / layers
+    nbytes = 2 * batch * context * KV_HEADS * DIM * 4
+
+    def read() -> None:
+        for k, v in pools:
+            _block_reader().read_blocks(k, v, tables, lens, BLOCK)  # type: ignore[attr-defined]
+
+    line = (f"paged decode attention, {batch} x {context} tokens: {1000 * seconds:.2f} ms per layer, "
+            f"{nbytes / seconds / 1e9:.1f} GB/s of K/V")
+    if batch >= 2 * torch.get_num_threads():  # the reader gives each thread whole requests
+        line += f"; a plain sum reads the same blocks at {nbytes / (best_of(read) / layers) / 1e9:.1f} GB/s"
+    print(line)
 
 
 def prefill_attention(kernels: object) -> None:

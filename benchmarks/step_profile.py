@@ -1,9 +1,10 @@
 """Where inflight's step time goes on the burst of 64: scheduling, building inputs, the forward
 pass, sampling and output processing, from the engine's own per-step records; the weight-matmul
-rate of the decode-only steps against an fp32 GEMM peak timed in the same run; and, with
-`--components`, the forward pass of one 64-request decode step, one prefill step and one
-single-request decode step split into weight matmuls (by output width), attention and
-token-wise ops (torch.profiler ranges).
+rate of the decode-only steps against an fp32 GEMM peak timed in the same run; a single stream
+alone (one request, a 300-token prompt, 64 decode steps); and, with `--components`, the forward
+pass of one 64-request decode step, one prefill step and one single-request decode step split
+into weight matmuls (by output width), attention and token-wise ops (torch.profiler ranges;
+those three steps are left out of the per-step figures).
 
     .venv/bin/python benchmarks/step_profile.py [--max-num-tokens 512] [--components]
 """
@@ -112,8 +113,9 @@ def main() -> int:
             engine.step()
         profiles[want] = (prof, engine.step_records[-1])
     wall = time.perf_counter() - start
-    steps = list(engine.step_records)
-    generated = sum(s.num_decode_tokens for s in steps) + len(requests)
+    profiled = {id(step) for _, step in profiles.values()}  # slowed by the profiler: left out below
+    steps = [s for s in engine.step_records if id(s) not in profiled]
+    generated = sum(s.num_decode_tokens for s in engine.step_records) + len(requests)
     print(f"{len(requests)} requests, {len(steps)} steps, {wall:.1f} s, {generated / wall:.1f} generated tok/s "
           f"(max_num_tokens={args.max_num_tokens}, {torch.get_num_threads()} threads)")
     groups = {
@@ -143,9 +145,23 @@ def main() -> int:
     if single:
         print(f"decode-only steps with 1 request: p50 {1000 * np.median([s.duration_s for s in single]):.1f} ms "
               f"= {1 / np.median([s.duration_s for s in single]):.0f} tok/s for a single stream")
+    single_stream(engine, corpus_token_ids(loaded.tokenizer.hf))
     for name, (prof, step) in profiles.items():
         print_components(f"one {name} step", prof, step)
     return 0
+
+
+def single_stream(engine: Any, corpus: np.ndarray, prompt_len: int = 300, decode_steps: int = 64) -> None:
+    """One request alone on the engine, as a single user's stream: the p50 of its decode steps."""
+    engine.step_records.clear()
+    engine.add_request(corpus[:prompt_len].tolist(),
+                       SamplingParams(max_tokens=decode_steps + 1, temperature=0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    durations = [s.duration_s for s in engine.step_records if s.num_prefill_tokens == 0]
+    p50 = float(np.median(durations))
+    print(f"a single stream alone ({prompt_len}-token prompt, {len(durations)} decode steps): "
+          f"p50 {1000 * p50:.1f} ms = {1 / p50:.0f} tok/s")
 
 
 if __name__ == "__main__":
