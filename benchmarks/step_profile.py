@@ -116,7 +116,7 @@ def main() -> int:
     profiled = {id(step) for _, step in profiles.values()}  # slowed by the profiler: left out below
     steps = [s for s in engine.step_records if id(s) not in profiled]
     generated = sum(s.num_decode_tokens for s in engine.step_records) + len(requests)
-    print(f"{len(requests)} requests, {len(steps)} steps, {wall:.1f} s, {generated / wall:.1f} generated tok/s "
+    print(f"{len(requests)} requests, {len(engine.step_records)} steps, {wall:.1f} s, {generated / wall:.1f} generated tok/s "
           f"(max_num_tokens={args.max_num_tokens}, {torch.get_num_threads()} threads)")
     groups = {
         "all steps": steps,
