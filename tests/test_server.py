@@ -135,6 +135,27 @@ def test_sampling_parameters_are_accepted(client: openai.OpenAI, model: str) -> 
     assert stopped.choices[0].finish_reason == "stop" and "," not in stopped.choices[0].text
 
 
+def test_stop_token_ids_end_the_output(client: openai.OpenAI, offline: LLM, model: str) -> None:
+    prompt = "Count: 1, 2, 3,"
+    (free,) = offline.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    stop_at = 3  # the fourth generated token becomes a stop token
+    resp = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True, "stop_token_ids": [free.token_ids[stop_at]]})
+    first = free.token_ids.index(free.token_ids[stop_at])  # it may occur earlier, and stops there
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.usage is not None and resp.usage.completion_tokens == first + 1
+    assert resp.choices[0].text == offline.tokenizer.decode(free.token_ids[:first])
+
+
+def test_no_op_values_of_unsupported_fields_are_accepted(client: openai.OpenAI, model: str) -> None:
+    """Clients send these with their defaults; only values that would change the answer are refused."""
+    resp = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0,
+        response_format={"type": "text"}, logit_bias={}, tool_choice="none", top_logprobs=0, logprobs=False,
+        extra_body={"min_tokens": 0, "min_p": 0, "guided_json": None})
+    assert resp.choices[0].finish_reason in ("length", "stop")
+
+
 def test_sixteen_concurrent_streams_are_batched(server: RunningServer, offline: LLM, model: str) -> None:
     prompts = [f"Write a sentence about the number {i}." for i in range(16)]
     expected = [o.text for o in offline.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]
@@ -237,6 +258,19 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("empty stop string", "/completions", {"model": "M", "prompt": "hi", "stop": [""]}, 400, "stop"),
     ("penalty out of range", "/completions", {"model": "M", "prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
     ("logprobs", "/completions", {"model": "M", "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("best_of", "/completions", {"model": "M", "prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ("json mode", "/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}],
+                                        "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("logit_bias", "/completions", {"model": "M", "prompt": "hi", "logit_bias": {"42": 5}}, 400, "logit_bias"),
+    ("min_tokens", "/completions", {"model": "M", "prompt": "hi", "min_tokens": 4}, 400, "min_tokens"),
+    ("min_p", "/completions", {"model": "M", "prompt": "hi", "min_p": 0.1}, 400, "min_p"),
+    ("guided_choice", "/completions", {"model": "M", "prompt": "hi", "guided_choice": ["a"]}, 400, "guided_choice"),
+    ("chat top_logprobs", "/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}],
+                                                "top_logprobs": 2}, 400, "top_logprobs"),
+    ("tool_choice required", "/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}],
+                                                   "tool_choice": "required"}, 400, "tool_choice"),
+    ("negative stop token id", "/completions", {"model": "M", "prompt": "hi", "stop_token_ids": [-1]}, 400,
+     "stop_token_ids"),
     ("oversized body", "/completions", {"model": "M", "prompt": "x" * (MAX_BODY_BYTES + 1)}, 413, None),
 ]
 

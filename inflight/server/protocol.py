@@ -2,8 +2,9 @@
 
 Requests are validated strictly (a string is not a number; but 16.0 is the integer 16, as
 JSON has one number type) and unknown fields are ignored, as OpenAI clients send fields a
-server may not know. Fields inflight cannot honour (`n > 1`, `logprobs`, `echo`, tools) are
-refused rather than silently ignored; the schema lists the one value each accepts.
+server may not know. Fields inflight cannot honour (`n > 1`, `logprobs`, `echo`, tools, JSON
+mode, `logit_bias`, guided decoding, ...) are refused rather than silently ignored, unless they
+hold their no-op value, which clients often send; the schema lists the values each accepts.
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ Stop = Annotated[
                   custom_error_message="must be a string or a list of strings"),
 ]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
+MAX_STOP_TOKEN_IDS = 64
+StopTokenIds = Annotated[list[Annotated[int, Field(ge=0), _AsInt]], Field(max_length=MAX_STOP_TOKEN_IDS)]
 
 
 def _only(*values: Any) -> Any:
@@ -110,11 +113,32 @@ class GenerationRequest(_Strict):
     top_k: Annotated[int, Field(ge=-1), _AsInt] | None = None
     ignore_eos: bool = False
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    stop_token_ids: StopTokenIds | None = None
+    # Not implemented: accepted only with the value that changes nothing.
+    response_format: dict[str, Any] | None = Field(None, json_schema_extra={"enum": [None, {"type": "text"}]})
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"enum": [None, {}]})
+    min_tokens: Int = _only(0)
+    min_p: float | None = _only(None, 0)
+    guided_json: Any = _only(None)
+    guided_regex: Any = _only(None)
+    guided_choice: Any = _only(None)
+    guided_grammar: Any = _only(None)
 
     @model_validator(mode="after")
     def _check_supported(self) -> GenerationRequest:
         if self.n != 1:
             raise ValueError("n: only n=1 is supported")
+        if self.response_format not in (None, {"type": "text"}):
+            raise ValueError('response_format: only {"type": "text"} is supported (no JSON mode or schema)')
+        if self.logit_bias:
+            raise ValueError("logit_bias: logit_bias is not supported")
+        if self.min_tokens:
+            raise ValueError("min_tokens: min_tokens is not supported")
+        if self.min_p:
+            raise ValueError("min_p: min_p is not supported")
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}: guided decoding is not supported")
         return self
 
     @property
@@ -135,6 +159,7 @@ class CompletionRequest(GenerationRequest):
     echo: bool = _only(False)
     logprobs: Int | None = _only(None)
     suffix: str | None = _only(None, "")
+    best_of: Int | None = _only(None, 1)
 
     @model_validator(mode="after")
     def _check_prompt(self) -> CompletionRequest:
@@ -147,6 +172,8 @@ class CompletionRequest(GenerationRequest):
             raise ValueError("logprobs: logprobs are not supported")
         if self.suffix:
             raise ValueError("suffix: suffix is not supported")
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of: only best_of=1 is supported")
         return self
 
     @property
@@ -183,14 +210,19 @@ class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = _only(False)
+    top_logprobs: Int | None = _only(None, 0)
     tools: list[dict[str, object]] | None = _only(None, [])
+    tool_choice: str | dict[str, object] | None = _only(None, "none", "auto")
+    functions: list[dict[str, object]] | None = _only(None, [])
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
-        if self.logprobs:
-            raise ValueError("logprobs: logprobs are not supported")
-        if self.tools:
-            raise ValueError("tools: tool calls are not supported")
+        if self.logprobs or self.top_logprobs:
+            raise ValueError(f"{'logprobs' if self.logprobs else 'top_logprobs'}: logprobs are not supported")
+        if self.tools or self.functions:
+            raise ValueError(f"{'tools' if self.tools else 'functions'}: tool calls are not supported")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ValueError("tool_choice: tool calls are not supported")
         return self
 
     @property

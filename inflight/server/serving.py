@@ -200,6 +200,7 @@ class OpenAIServing:
                 top_k=0 if req.top_k is None or req.top_k == -1 else req.top_k,  # -1: vLLM's "off"
                 seed=req.seed,
                 stop=req.stop_strings,
+                stop_token_ids=tuple(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 presence_penalty=req.presence_penalty or 0.0,
