@@ -237,6 +237,9 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("missing messages", "/chat/completions", {"model": "M"}, 400, "messages"),
     ("empty messages", "/chat/completions", {"model": "M", "messages": []}, 400, "messages"),
     ("bad role", "/chat/completions", {"model": "M", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    ("image content part", "/chat/completions", {"model": "M", "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]},
+     400, "messages"),
     ("wrong type", "/completions", {"model": "M", "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
     ("prompt wrong type", "/completions", {"model": "M", "prompt": 42}, 400, "prompt"),
     ("unknown model", "/completions", {"model": "gpt-0", "prompt": "hi"}, 404, "model"),

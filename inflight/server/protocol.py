@@ -190,9 +190,21 @@ class TextPart(_Strict):
     text: str
 
 
+def _content_kind(value: Any) -> str | None:
+    return "str" if isinstance(value, str) else "list[TextPart]" if isinstance(value, list) else None
+
+
+# Told apart by JSON type, so that an image part is reported as a part whose type is not "text".
+Content = Annotated[
+    Annotated[str, Tag("str")] | Annotated[list[TextPart], Tag("list[TextPart]")],
+    Discriminator(_content_kind, custom_error_type="content_type",
+                  custom_error_message="must be a string or a list of text parts"),
+]
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Content | None = None
     name: str | None = None
 
     def to_template(self) -> dict[str, str]:
