@@ -211,13 +211,36 @@ def _gguf_weights(reader: Any, config: ModelConfig) -> dict[str, torch.Tensor]:
         array = np.asarray(array, dtype=np.float32)
         if not array.flags.writeable:  # memory-mapped F32 tensors: copy out of the file
             array = array.copy()
-        value = torch.from_numpy(array).reshape(shape)
-        if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
-            value = _unpermute_rope(value, config.num_heads)
-        elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
-            value = _unpermute_rope(value, config.num_kv_heads)
-        weights[name] = value
+        weights[name] = _hf_row_order(name, torch.from_numpy(array).reshape(shape), config)
     return weights
+
+
+def _hf_row_order(name: str, value: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+        return _unpermute_rope(value, config.num_heads)
+    if name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+        return _unpermute_rope(value, config.num_kv_heads)
+    return value
+
+
+def load_q4_1_blocks(source: ModelSource) -> dict[str, torch.Tensor]:
+    """The weights a GGUF file stores as Q4_1, as their raw blocks (uint8 `[rows, K / 32 * 20]`,
+    rows in the order of the dequantized weight under the same HF name): a matmul over few rows
+    can read these instead of fp32 and compute the same values (`csrc`, `q4_1_linear`)."""
+    if source.kind != "gguf":
+        return {}
+    import gguf
+
+    reader = _open_gguf(source.path)
+    config = _gguf_config(reader)
+    blocks: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = _gguf_to_hf_name(tensor.name)
+        if name is None or tensor.tensor_type != gguf.GGMLQuantizationType.Q4_1 or len(tensor.shape) != 2:
+            continue
+        rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8)).reshape(int(tensor.shape[1]), -1)
+        blocks[name] = _hf_row_order(name, rows, config)
+    return blocks
 
 
 def _gguf_to_hf_name(name: str) -> str | None:
