@@ -2,7 +2,8 @@
 
 - every weight matmul of SmolLM2-135M once (30 layers + LM head, distinct weights, so they
   stream from DRAM as in a real step) at 64 and 512 rows, through inflight's packed kernel,
-  oneDNN prepacked and F.linear;
+  oneDNN prepacked and F.linear; and at 1-6 rows from GGUF blocks (Q4_1 and Q8_0, as stored in
+  the embedded model) against the fp32 panels;
 - paged decode attention, 64 requests of 256 tokens and one of 512, ms per layer, over enough
   distinct layer pools (128 MB) that they come from DRAM, beside the rate at which a plain sum
   reads the same blocks in the same order (the bound on attention's memory stream);
@@ -105,6 +106,52 @@ def _block_reader() -> object:
                        extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
 
 
+def _random_blocks(kind: str, rows: int, cols: int, rng: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random GGUF rows of `kind` with sane fp16 scales, and their dequantized fp32 weight."""
+    import gguf
+    import numpy as np
+
+    block_bytes = {"Q4_1": 20, "Q8_0": 34}[kind]
+    blocks = rng.integers(0, 256, size=(rows, cols // 32, block_bytes), dtype=np.uint8)  # type: ignore[attr-defined]
+    for offset in (0, 2) if kind == "Q4_1" else (0,):  # d (and Q4_1's m) as fp16
+        blocks[..., offset:offset + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    raw = blocks.reshape(rows, -1)
+    weight = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).astype(np.float32)
+    return torch.from_numpy(raw.copy()), torch.from_numpy(weight.reshape(rows, cols))
+
+
+def gguf_block_matmuls() -> None:
+    """Every weight matmul once at 1-6 rows, from the GGUF blocks (Q4_1 body, Q8_0 LM head, as in
+    the embedded model) and from the fp32 panels: where the one beats the other."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    layers, fp32 = [], []
+    for _ in range(30):
+        for k, n in LAYER_SHAPES:
+            raw, weight = _random_blocks("Q4_1", n, k, rng)
+            layers.append(Linear(weight, None, "inflight", gguf_blocks=("Q4_1", raw)))
+            fp32.append(Linear(weight, None, "inflight"))
+    raw, weight = _random_blocks("Q8_0", 49152, 576, rng)
+    layers.append(Linear(weight, None, "inflight", gguf_blocks=("Q8_0", raw)))
+    fp32.append(Linear(weight, None, "inflight"))
+
+    def run(linears: list[Linear], x: dict[int, torch.Tensor], blocks: bool) -> None:
+        for linear in linears:
+            if blocks:
+                kernels.gguf_blocks_linear(x[linear.in_features], linear.blocks, linear.out_features)  # type: ignore[attr-defined]
+            else:
+                kernels.packed_linear(x[linear.in_features], linear.weight, None, linear.out_features)  # type: ignore[attr-defined]
+
+    kernels = cpu_kernels()
+    for rows in (1, 2, 3, 4, 5, 6):
+        x = {576: torch.randn(rows, 576), 1536: torch.randn(rows, 1536)}
+        blocks_s = best_of(functools.partial(run, layers, x, True), reps=5)
+        fp32_s = best_of(functools.partial(run, fp32, x, False), reps=5)
+        print(f"every weight matmul once, {rows} rows: from GGUF blocks {1000 * blocks_s:5.1f} ms, "
+              f"fp32 panels {1000 * fp32_s:5.1f} ms")
+
+
 def decode_attention(kernels: object, batch: int, context: int) -> None:
     torch.manual_seed(0)
     layers = max(8, 2 ** 27 // (batch * context * KV_HEADS * DIM * 8))  # pools beyond the L3 cache, as in a step
@@ -165,6 +212,8 @@ def main() -> int:
     print(f"{torch.get_num_threads()} threads")
     with torch.inference_mode():
         matmuls()
+        if kernels.gguf_blocks_available():  # type: ignore[attr-defined]
+            gguf_block_matmuls()
         decode_attention(kernels, 64, 256)
         decode_attention(kernels, 1, 512)  # a single stream: its context split between the threads
         prefill_attention(kernels)

@@ -48,34 +48,38 @@ def test_inflight_kernel_rows_do_not_depend_on_the_batch():
             assert torch.equal(packed(x[i:i + 1]), together[i:i + 1])
 
 
-def random_q4_1(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random GGUF Q4_1 rows (uint8 [rows, cols / 32 * 20]) and their dequantized weight."""
+def random_blocks(kind: str, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random GGUF rows of `kind` (uint8 [rows, cols / 32 * block bytes]) and their dequantized
+    weight, as gguf computes it."""
     import gguf
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(rows, cols // 32, 20), dtype=np.uint8)
+    block_bytes = {"Q4_1": 20, "Q8_0": 34}[kind]
+    blocks = rng.integers(0, 256, size=(rows, cols // 32, block_bytes), dtype=np.uint8)
     blocks[..., 0:2] = rng.uniform(0.001, 0.1, size=(rows, cols // 32)).astype(np.float16)[..., None].view(np.uint8)
-    blocks[..., 2:4] = rng.uniform(-0.5, 0.1, size=(rows, cols // 32)).astype(np.float16)[..., None].view(np.uint8)
+    if kind == "Q4_1":  # the minimum
+        blocks[..., 2:4] = rng.uniform(-0.5, 0.1, size=(rows, cols // 32)).astype(np.float16)[..., None].view(np.uint8)
     raw = blocks.reshape(rows, -1)
-    weight = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1).astype(np.float32)
+    weight = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).astype(np.float32)
     return torch.from_numpy(raw.copy()), torch.from_numpy(weight.reshape(rows, cols))
 
 
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("out_features,with_bias", [(96, False), (37, True)])
-def test_q4_1_matmul_equals_the_fp32_one_bit_for_bit(out_features, with_bias):
-    """Small steps read the Q4_1 blocks; their results are exactly those of the fp32 weights."""
+def test_gguf_block_matmul_equals_the_fp32_one_bit_for_bit(kind, out_features, with_bias):
+    """Small steps read the GGUF blocks; their results are exactly those of the fp32 weights."""
     kernels = cpu_kernels()
-    if not available("inflight") or not kernels.q4_1_available():
-        pytest.skip("Q4_1 kernel not available here")
-    blocks, weight = random_q4_1(out_features, 96, seed=out_features)
+    if not available("inflight") or not kernels.gguf_blocks_available():
+        pytest.skip("GGUF block kernel not available here")
+    blocks, weight = random_blocks(kind, out_features, 96, seed=out_features)
     bias = torch.randn(out_features) if with_bias else None
     fp32_only = Linear(weight, bias, "inflight")
-    both = Linear(weight, bias, "inflight", q4_1_blocks=blocks)
-    assert both.q4_1 is not None
+    both = Linear(weight, bias, "inflight", gguf_blocks=(kind, blocks))
+    assert both.blocks is not None
     x = torch.randn(8, 96)
     with torch.inference_mode():
-        for rows in range(1, 8):  # up to Q4_1_MAX_ROWS from the blocks, then the fp32 panels
+        for rows in range(1, 8):  # up to GGUF_BLOCKS_MAX_ROWS from the blocks, then the fp32 panels
             assert torch.equal(both(x[:rows]), fp32_only(x[:rows]))
         torch.testing.assert_close(both(x[:1]), F.linear(x[:1], weight, bias), atol=1e-4, rtol=1e-5)
 

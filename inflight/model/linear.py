@@ -48,33 +48,36 @@ def linear_backend(device: torch.device, dtype: torch.dtype) -> str:
     return choice
 
 
-# Up to this many rows the Q4_1 matmul, which streams 0.75 bytes a weight but dequantizes for
-# each group of 3 rows, beats the fp32 one (`benchmarks/kernels_bench.py`).
-Q4_1_MAX_ROWS = 3
+# Up to this many rows the matmul from GGUF blocks, which streams a fifth (Q4_1) or a third
+# (Q8_0) of fp32's bytes but dequantizes again for each group of 3 rows, beats the fp32 one
+# (`benchmarks/kernels_bench.py`: 2.2-2.8x at one row, 1.5-2x at three, about even at four).
+GGUF_BLOCKS_MAX_ROWS = 3
 
 
 class Linear:
     """One weight matmul; with a prepacked backend the weight is kept only in its packed form.
 
-    With `q4_1_blocks` (the weight's raw GGUF Q4_1 blocks, of which `weight` is the dequantized
-    form) and the `inflight` backend, steps of at most `Q4_1_MAX_ROWS` rows read those blocks
-    instead: the same values and the same sums, bit for bit, from a fifth of the bytes."""
+    With `gguf_blocks` (the weight's raw GGUF blocks and their type, Q4_1 or Q8_0, of which
+    `weight` is the dequantized form) and the `inflight` backend, steps of at most
+    `GGUF_BLOCKS_MAX_ROWS` rows read those blocks instead: the same values and the same sums, bit
+    for bit, from far fewer bytes."""
 
-    __slots__ = ("backend", "bias", "in_features", "out_features", "weight", "q4_1", "_kernels")
+    __slots__ = ("backend", "bias", "in_features", "out_features", "weight", "blocks", "_kernels")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, backend: str = "torch",
-                 q4_1_blocks: torch.Tensor | None = None) -> None:
+                 gguf_blocks: tuple[str, torch.Tensor] | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.backend = backend
         self._kernels: ModuleType | None = None
-        self.q4_1: torch.Tensor | None = None
+        self.blocks: torch.Tensor | None = None
         if backend == "inflight":
             self._kernels = cpu_kernels()
             assert self._kernels is not None
             self.weight = self._kernels.pack_linear_weight(weight.contiguous())
-            if q4_1_blocks is not None and self._kernels.q4_1_available():
-                self.q4_1 = self._kernels.pack_q4_1_weight(q4_1_blocks.contiguous(), self.in_features)
+            if gguf_blocks is not None and self._kernels.gguf_blocks_available():
+                kind, raw = gguf_blocks
+                self.blocks = self._kernels.pack_gguf_blocks(raw.contiguous(), self.in_features, kind)
         elif backend == "onednn":
             # The reorder's batch-size hint only tunes the layout; any number of rows works.
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
@@ -83,8 +86,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernels is not None:
-            if self.q4_1 is not None and x.shape[0] <= Q4_1_MAX_ROWS:
-                y = self._kernels.q4_1_linear(x.contiguous(), self.q4_1, self.out_features)
+            if self.blocks is not None and x.shape[0] <= GGUF_BLOCKS_MAX_ROWS:
+                y = self._kernels.gguf_blocks_linear(x.contiguous(), self.blocks, self.out_features)
                 return y if self.bias is None else y.add_(self.bias)
             return self._kernels.packed_linear(x.contiguous(), self.weight, self.bias, self.out_features)
         if self.backend == "onednn":

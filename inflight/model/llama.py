@@ -46,9 +46,9 @@ class LlamaModel:
     """Holds the weights (QKV and gate/up fused) and runs one packed forward step."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
-                 q4_1_blocks: dict[str, torch.Tensor] | None = None) -> None:
-        """`q4_1_blocks`: the raw GGUF blocks of weights stored as Q4_1 (`load_q4_1_blocks`), which
-        the weight matmuls of small steps read instead of fp32 where the CPU kernels can."""
+                 gguf_blocks: dict[str, tuple[str, torch.Tensor]] | None = None) -> None:
+        """`gguf_blocks`: the raw GGUF blocks of weights stored as Q4_1 or Q8_0 (`load_gguf_blocks`),
+        which the weight matmuls of small steps read instead of fp32 where the CPU kernels can."""
         self.config = config
         self.device = device
 
@@ -62,13 +62,16 @@ class LlamaModel:
         self.dtype = self.embed_tokens.dtype
         backend = linear_backend(device, self.dtype)
 
-        blocks = q4_1_blocks or {}
+        blocks = gguf_blocks or {}
 
         def linear(*names: str, bias: tuple[str, ...] | None = None) -> Linear:
             weight = torch.cat([take(n) for n in names]) if len(names) > 1 else take(names[0])
             b = torch.cat([take(n) for n in bias]) if bias else None
-            q4 = torch.cat([blocks[n] for n in names]) if all(n in blocks for n in names) else None
-            return Linear(weight, b, backend, q4_1_blocks=q4)
+            kinds = {blocks[n][0] for n in names if n in blocks}
+            quantized = None
+            if len(kinds) == 1 and all(n in blocks for n in names):  # one block type for the fused rows
+                quantized = (kinds.pop(), torch.cat([blocks[n][1] for n in names]))
+            return Linear(weight, b, backend, gguf_blocks=quantized)
 
         self.final_norm = take("model.norm.weight")
         self.lm_head = linear("lm_head.weight")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from inflight.model.llama import LlamaModel
-from inflight.model.loader import load_checkpoint, load_q4_1_blocks, resolve_model
+from inflight.model.loader import load_checkpoint, load_gguf_blocks, resolve_model
 from inflight.model.tokenizer import Tokenizer
 
 
@@ -22,6 +22,6 @@ class LoadedModel:
     def load(cls, model: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
         source = resolve_model(model)
         config, weights = load_checkpoint(source, dtype)
-        blocks = load_q4_1_blocks(source) if dtype == torch.float32 and device.type == "cpu" else {}
-        llama = LlamaModel(config, weights, device, q4_1_blocks=blocks)
+        blocks = load_gguf_blocks(source) if dtype == torch.float32 and device.type == "cpu" else {}
+        llama = LlamaModel(config, weights, device, gguf_blocks=blocks)
         return cls(source.name, llama, Tokenizer.load(source, config.eos_token_ids))

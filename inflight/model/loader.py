@@ -6,6 +6,7 @@ code has one naming scheme whatever the file format.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,6 +117,15 @@ def load_checkpoint(source: ModelSource, dtype: torch.dtype) -> tuple[ModelConfi
 
 
 def _open_gguf(path: Path) -> Any:
+    try:
+        stat = path.stat()
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from None
+    return _read_gguf(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)  # parsing the header (the tokenizer's vocabulary) takes seconds
+def _read_gguf(path: Path, mtime_ns: int, size: int) -> Any:
     import gguf
 
     try:
@@ -223,23 +233,28 @@ def _hf_row_order(name: str, value: torch.Tensor, config: ModelConfig) -> torch.
     return value
 
 
-def load_q4_1_blocks(source: ModelSource) -> dict[str, torch.Tensor]:
-    """The weights a GGUF file stores as Q4_1, as their raw blocks (uint8 `[rows, K / 32 * 20]`,
-    rows in the order of the dequantized weight under the same HF name): a matmul over few rows
-    can read these instead of fp32 and compute the same values (`csrc`, `q4_1_linear`)."""
+# GGUF block types whose raw blocks a matmul over few rows reads instead of fp32.
+BLOCK_TYPES = ("Q4_1", "Q8_0")
+
+
+def load_gguf_blocks(source: ModelSource) -> dict[str, tuple[str, torch.Tensor]]:
+    """The weights a GGUF file stores as Q4_1 or Q8_0, as (type, raw blocks): uint8
+    `[rows, K / 32 * block bytes]`, rows in the order of the dequantized weight under the same HF
+    name (a tied LM head under both names). A matmul over few rows reads these instead of fp32
+    and computes the same values (`csrc`, `gguf_blocks_linear`)."""
     if source.kind != "gguf":
         return {}
-    import gguf
-
     reader = _open_gguf(source.path)
     config = _gguf_config(reader)
-    blocks: dict[str, torch.Tensor] = {}
+    blocks: dict[str, tuple[str, torch.Tensor]] = {}
     for tensor in reader.tensors:
         name = _gguf_to_hf_name(tensor.name)
-        if name is None or tensor.tensor_type != gguf.GGMLQuantizationType.Q4_1 or len(tensor.shape) != 2:
+        if name is None or tensor.tensor_type.name not in BLOCK_TYPES or len(tensor.shape) != 2:
             continue
         rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8)).reshape(int(tensor.shape[1]), -1)
-        blocks[name] = _hf_row_order(name, rows, config)
+        blocks[name] = (tensor.tensor_type.name, _hf_row_order(name, rows, config))
+    if "lm_head.weight" not in blocks and "model.embed_tokens.weight" in blocks and config.tie_word_embeddings:
+        blocks["lm_head.weight"] = blocks["model.embed_tokens.weight"]
     return blocks
 
 

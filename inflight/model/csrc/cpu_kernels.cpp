@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace {
@@ -857,47 +858,65 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
   return out_features == n_pad ? y : y.narrow(1, 0, out_features).contiguous();
 }
 
-// ---- Weight matmul straight from GGUF's Q4_1 blocks, for the few rows of a decode step.
+// ---- Weight matmul straight from GGUF's quantized blocks, for the few rows of a decode step.
 //
-// A Q4_1 block holds 32 consecutive weights of one row as 4-bit q with a scale d and a minimum
-// m (w = d * q + m). With a handful of rows the matmul only streams weights from DRAM, and these
-// blocks are 0.75 bytes a weight against fp32's 4. Packed per panel of 16 output columns and per
-// block: the 16 d, the 16 m (fp32), then for each of the 32 k the 16 q as 8 bytes (column j in
-// the low nibble of byte j, column j + 8 in the high one). d * q is exact in fp32 (an 11-bit
-// mantissa times a 4-bit integer), so d * q + m rounds once, by FMA or not: every weight equals
-// the fp32 value the loader dequantizes, and each output is the same in-order sum as
-// packed_linear's, bit for bit.
+// With a handful of rows a matmul only streams its weights from DRAM. GGUF stores them in
+// blocks of 32 consecutive weights of one row: Q4_1 as 4-bit q with a scale d and a minimum m
+// (w = d * q + m, 0.75 bytes a weight as packed here), Q8_0 as 8-bit q with a scale (w = d * q,
+// 1.125 bytes), against fp32's 4. Packed per panel of 16 output columns and per block: the 16 d
+// (and for Q4_1 the 16 m) in fp32, then for each of the 32 k the 16 q (Q4_1: column j in the
+// low nibble of byte j, column j + 8 in the high one; Q8_0: one byte each). d * q is exact in
+// fp32 (an 11-bit mantissa times an integer of at most 8 bits), so each weight rounds once, as
+// the loader's dequantization does: every weight equals the fp32 value the model holds, and
+// each output is the same in-order sum as packed_linear's, bit for bit.
 
 #if defined(__AVX2__)
 namespace {
 
-constexpr int64_t kQ4Cols = 16, kQ4Block = 32, kQ4BlockBytes = 2 * kQ4Cols * 4 + kQ4Block * kQ4Cols / 2;
-constexpr int kQ4MaxRows = 3;  // 2 x 3 accumulators beside d, m and the weights in 16 registers
+enum class BlockKind { kQ4_1, kQ8_0 };
+constexpr int64_t kQCols = 16, kQBlock = 32;
+constexpr int kQMaxRows = 3;  // 2 x 3 accumulators beside the scales and the weights in 16 registers
 
-template <int MR>
-inline void q4_micro(const float* __restrict x, int64_t ldx, const uint8_t* __restrict panel, int64_t K,
-                     float* __restrict y, int64_t ldy) {
+constexpr int64_t scale_bytes(BlockKind kind) { return (kind == BlockKind::kQ4_1 ? 2 : 1) * kQCols * 4; }
+constexpr int64_t packed_block_bytes(BlockKind kind) {
+  return scale_bytes(kind) + kQBlock * kQCols / (kind == BlockKind::kQ4_1 ? 2 : 1);
+}
+constexpr int64_t gguf_block_bytes(BlockKind kind) { return kind == BlockKind::kQ4_1 ? 20 : 34; }
+
+BlockKind block_kind(const std::string& name) {
+  if (name == "Q4_1") return BlockKind::kQ4_1;
+  TORCH_CHECK(name == "Q8_0", "unsupported block type ", name, " (Q4_1 or Q8_0)");
+  return BlockKind::kQ8_0;
+}
+
+template <int MR, BlockKind kKind>
+inline void quant_micro(const float* __restrict x, int64_t ldx, const uint8_t* __restrict panel, int64_t K,
+                        float* __restrict y, int64_t ldy) {
+  constexpr int64_t kBytes = packed_block_bytes(kKind);
   __m256 a0[MR], a1[MR];
   for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
   const __m128i low = _mm_set1_epi8(0x0F);
-  for (int64_t b = 0; b < K / kQ4Block; ++b) {
-    const uint8_t* blk = panel + b * kQ4BlockBytes;
-    __builtin_prefetch(blk + 4 * kQ4BlockBytes);
-    __builtin_prefetch(blk + 4 * kQ4BlockBytes + 64);
-    __builtin_prefetch(blk + 4 * kQ4BlockBytes + 128);
-    __builtin_prefetch(blk + 4 * kQ4BlockBytes + 192);
-    __builtin_prefetch(blk + 4 * kQ4BlockBytes + 256);
-    __builtin_prefetch(blk + 4 * kQ4BlockBytes + 320);
-    const float* dm = reinterpret_cast<const float*>(blk);
-    const __m256 d0 = _mm256_loadu_ps(dm), d1 = _mm256_loadu_ps(dm + 8);
-    const __m256 m0 = _mm256_loadu_ps(dm + 16), m1 = _mm256_loadu_ps(dm + 24);
-    const uint8_t* q = blk + 2 * kQ4Cols * 4;
-    const float* xb = x + b * kQ4Block;
-    for (int64_t kk = 0; kk < kQ4Block; ++kk) {
-      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kk * 8));
-      const __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
-      const __m256 w0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m0);
-      const __m256 w1 = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m1);
+  for (int64_t b = 0; b < K / kQBlock; ++b) {
+    const uint8_t* blk = panel + b * kBytes;
+    for (int64_t line = 0; line < kBytes; line += 64) __builtin_prefetch(blk + 4 * kBytes + line);
+    const float* scales = reinterpret_cast<const float*>(blk);
+    const __m256 d0 = _mm256_loadu_ps(scales), d1 = _mm256_loadu_ps(scales + 8);
+    __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
+    if constexpr (kKind == BlockKind::kQ4_1) m0 = _mm256_loadu_ps(scales + 16), m1 = _mm256_loadu_ps(scales + 24);
+    const uint8_t* q = blk + scale_bytes(kKind);
+    const float* xb = x + b * kQBlock;
+    for (int64_t kk = 0; kk < kQBlock; ++kk) {
+      __m256 w0, w1;
+      if constexpr (kKind == BlockKind::kQ4_1) {
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kk * 8));
+        const __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+        w0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m0);
+        w1 = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m1);
+      } else {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kk * 16));
+        w0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+        w1 = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))));
+      }
       for (int r = 0; r < MR; ++r) {
         const __m256 xv = _mm256_set1_ps(xb[r * ldx + kk]);
         a0[r] = _mm256_fmadd_ps(xv, w0, a0[r]);
@@ -911,69 +930,95 @@ inline void q4_micro(const float* __restrict x, int64_t ldx, const uint8_t* __re
   }
 }
 
+template <BlockKind kKind>
+void quant_rows(int rows, const float* x, int64_t K, const uint8_t* w, float* y, int64_t ldy) {
+  if (rows == 3) quant_micro<3, kKind>(x, K, w, K, y, ldy);
+  else if (rows == 2) quant_micro<2, kKind>(x, K, w, K, y, ldy);
+  else quant_micro<1, kKind>(x, K, w, K, y, ldy);
+}
+
+float half_at(const uint8_t* p) {
+  at::Half h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(h);
+}
+
 }  // namespace
 
-bool q4_1_available() { return true; }
+bool gguf_blocks_available() { return true; }
 
-// blocks: GGUF Q4_1 rows, uint8 [N, K / 32 * 20] (per block: d, m as fp16, then 16 bytes of q).
-torch::Tensor pack_q4_1_weight(torch::Tensor blocks, int64_t k) {
+// blocks: GGUF rows of `kind` ("Q4_1": per block d, m as fp16 then 16 bytes of nibbles; "Q8_0":
+// d as fp16 then 32 int8), uint8 [N, K / 32 * block bytes] -> panels for gguf_blocks_linear.
+torch::Tensor pack_gguf_blocks(torch::Tensor blocks, int64_t k, const std::string& kind_name) {
+  const BlockKind kind = block_kind(kind_name);
+  const bool q4 = kind == BlockKind::kQ4_1;
   TORCH_CHECK(blocks.dtype() == torch::kUInt8 && blocks.dim() == 2 && blocks.is_contiguous(), "uint8 [N, bytes] only");
-  TORCH_CHECK(k % kQ4Block == 0 && blocks.size(1) == k / kQ4Block * 20, "rows are not Q4_1 blocks of K weights");
-  const int64_t n = blocks.size(0), nb = k / kQ4Block, panels = (n + kQ4Cols - 1) / kQ4Cols;
-  auto packed = torch::zeros({panels, nb, kQ4BlockBytes}, blocks.options());
+  TORCH_CHECK(k % kQBlock == 0 && blocks.size(1) == k / kQBlock * gguf_block_bytes(kind),
+              "rows are not ", kind_name, " blocks of ", k, " weights");
+  const int64_t n = blocks.size(0), nb = k / kQBlock, panels = (n + kQCols - 1) / kQCols;
+  const int64_t out_bytes = packed_block_bytes(kind), in_bytes = gguf_block_bytes(kind);
+  auto packed = torch::zeros({panels, nb, out_bytes}, blocks.options());
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = packed.data_ptr<uint8_t>();
   for (int64_t row = 0; row < n; ++row) {
-    const int64_t p = row / kQ4Cols, j = row % kQ4Cols;
+    const int64_t p = row / kQCols, j = row % kQCols;
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* in = src + (row * nb + b) * 20;
-      uint8_t* out = dst + (p * nb + b) * kQ4BlockBytes;
-      at::Half d, m;
-      std::memcpy(&d, in, 2);
-      std::memcpy(&m, in + 2, 2);
-      reinterpret_cast<float*>(out)[j] = static_cast<float>(d);
-      reinterpret_cast<float*>(out)[kQ4Cols + j] = static_cast<float>(m);
-      for (int64_t e = 0; e < kQ4Block; ++e) {
-        const uint8_t q = e < 16 ? in[4 + e] & 0x0F : in[4 + e - 16] >> 4;
-        uint8_t& byte = out[2 * kQ4Cols * 4 + e * 8 + j % 8];
-        byte |= j < 8 ? q : static_cast<uint8_t>(q << 4);
+      const uint8_t* in = src + (row * nb + b) * in_bytes;
+      uint8_t* out = dst + (p * nb + b) * out_bytes;
+      float* scales = reinterpret_cast<float*>(out);
+      scales[j] = half_at(in);
+      uint8_t* q = out + scale_bytes(kind);
+      if (q4) {
+        scales[kQCols + j] = half_at(in + 2);
+        for (int64_t e = 0; e < kQBlock; ++e) {
+          const uint8_t v = e < 16 ? in[4 + e] & 0x0F : in[4 + e - 16] >> 4;
+          q[e * 8 + j % 8] |= j < 8 ? v : static_cast<uint8_t>(v << 4);
+        }
+      } else {
+        for (int64_t e = 0; e < kQBlock; ++e) q[e * kQCols + j] = in[2 + e];
       }
     }
   }
   return packed;
 }
 
-// x [M, K] through a Q4_1 weight packed by pack_q4_1_weight (out_features N) -> [M, N].
-torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+// x [M, K] through a weight packed by pack_gguf_blocks (out_features N) -> [M, N] (fp32).
+torch::Tensor gguf_blocks_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "float32 [M, K] contiguous only");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kQ4BlockBytes && packed.size(1) * kQ4Block == x.size(1),
-              "weight was not packed by pack_q4_1_weight or does not match x");
-  const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0), n_pad = panels * kQ4Cols;
-  TORCH_CHECK(out_features <= n_pad && out_features > n_pad - kQ4Cols, "out_features does not match the packing");
+  const int64_t block_bytes = packed.dim() == 3 ? packed.size(2) : 0;
+  TORCH_CHECK((block_bytes == packed_block_bytes(BlockKind::kQ4_1) ||
+               block_bytes == packed_block_bytes(BlockKind::kQ8_0)) && packed.size(1) * kQBlock == x.size(1),
+              "weight was not packed by pack_gguf_blocks or does not match x");
+  const bool q4 = block_bytes == packed_block_bytes(BlockKind::kQ4_1);
+  const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0), n_pad = panels * kQCols;
+  TORCH_CHECK(out_features <= n_pad && out_features > n_pad - kQCols, "out_features does not match the packing");
   auto y = torch::empty({M, n_pad}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t panel_bytes = packed.size(1) * kQ4BlockBytes;
+  const int64_t panel_bytes = packed.size(1) * block_bytes;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
-      for (int64_t m = 0; m < M; m += kQ4MaxRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kQ4MaxRows, M - m));
-        const uint8_t* w = wp + p * panel_bytes;
-        float* out = yp + m * n_pad + p * kQ4Cols;
-        if (rows == 3) q4_micro<3>(xp + m * K, K, w, K, out, n_pad);
-        else if (rows == 2) q4_micro<2>(xp + m * K, K, w, K, out, n_pad);
-        else q4_micro<1>(xp + m * K, K, w, K, out, n_pad);
+      for (int64_t m = 0; m < M; m += kQMaxRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kQMaxRows, M - m));
+        float* out = yp + m * n_pad + p * kQCols;
+        if (q4)
+          quant_rows<BlockKind::kQ4_1>(rows, xp + m * K, K, wp + p * panel_bytes, out, n_pad);
+        else
+          quant_rows<BlockKind::kQ8_0>(rows, xp + m * K, K, wp + p * panel_bytes, out, n_pad);
       }
   });
   return out_features == n_pad ? y : y.narrow(1, 0, out_features).contiguous();
 }
 #else
-bool q4_1_available() { return false; }
-torch::Tensor pack_q4_1_weight(torch::Tensor, int64_t) { TORCH_CHECK(false, "Q4_1 kernels need AVX2"); }
-torch::Tensor q4_1_linear(torch::Tensor, torch::Tensor, int64_t) { TORCH_CHECK(false, "Q4_1 kernels need AVX2"); }
+bool gguf_blocks_available() { return false; }
+torch::Tensor pack_gguf_blocks(torch::Tensor, int64_t, const std::string&) {
+  TORCH_CHECK(false, "the GGUF block matmul needs AVX2");
+}
+torch::Tensor gguf_blocks_linear(torch::Tensor, torch::Tensor, int64_t) {
+  TORCH_CHECK(false, "the GGUF block matmul needs AVX2");
+}
 #endif
-
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU, fp32)");
@@ -988,7 +1033,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_panel_width", &gemm_panel_width, "Output columns per packed weight panel (32 with AVX-512)");
   m.def("pack_linear_weight", &pack_linear_weight, "Pack W [N, K] for packed_linear");
   m.def("packed_linear", &packed_linear, "x @ W.T (+ b) with a packed W (CPU, fp32)");
-  m.def("q4_1_available", &q4_1_available, "Whether this build has the Q4_1 matmul (AVX2)");
-  m.def("pack_q4_1_weight", &pack_q4_1_weight, "Pack GGUF Q4_1 rows [N, K/32*20] for q4_1_linear");
-  m.def("q4_1_linear", &q4_1_linear, "x @ W.T with W as packed Q4_1 blocks (CPU, fp32 out)");
+  m.def("gguf_blocks_available", &gguf_blocks_available, "Whether this build has the GGUF block matmul (AVX2)");
+  m.def("pack_gguf_blocks", &pack_gguf_blocks, "Pack GGUF Q4_1 or Q8_0 rows for gguf_blocks_linear");
+  m.def("gguf_blocks_linear", &gguf_blocks_linear, "x @ W.T with W as packed GGUF blocks (CPU, fp32)");
 }
