@@ -18,3 +18,5 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # inflight's CPU kernels are compiled on first use (about 25 s) and cached; build them now so that
 # the first `inflight serve` starts in seconds. Where no compiler is at hand this only warns.
 .venv/bin/python -c "from inflight.model.kernels import build; build()"
+# The GGUF's tokenizer is rebuilt from its metadata (about 8 s) on first load, then cached.
+.venv/bin/python -c "from inflight.model.tokenizer import warm_default_cache; warm_default_cache()"

@@ -252,3 +252,24 @@ def test_cli_errors_are_one_line(tmp_path):
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("inflight: error:"), proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_gguf_tokenizer_cache_gives_the_same_tokenizer(tmp_path, monkeypatch):
+    """The tokenizer rebuilt from GGUF metadata and the one read back from the cache agree."""
+    from inflight.model.tokenizer import Tokenizer, tokenizer_cache_dir
+
+    monkeypatch.setenv("INFLIGHT_CACHE", str(tmp_path))
+    source = resolve_model(None)
+    rebuilt = Tokenizer.load(source, (2,))
+    assert list(tokenizer_cache_dir().glob("*/tokenizer.json"))  # written by the first load
+    cached = Tokenizer.load(source, (2,))
+    assert cached.hf is not rebuilt.hf
+    texts = ["Hello world", "  leading spaces\n\ttabs", "写一首诗 🚀", "<|im_start|>user<|im_end|>", "x" * 300, ""]
+    for text in texts:
+        assert cached.encode(text) == rebuilt.encode(text)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a river."}]
+    assert cached.apply_chat_template(messages) == rebuilt.apply_chat_template(messages)
+    ids = rebuilt.encode("The quick brown fox 🦊")
+    assert cached.decode(ids) == rebuilt.decode(ids)
+    assert (cached.eos_token_ids, cached.vocab_size) == (rebuilt.eos_token_ids, rebuilt.vocab_size)
+    assert cached.hf.all_special_ids == rebuilt.hf.all_special_ids

@@ -3,15 +3,57 @@ detokenizer for streaming."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from inflight.errors import InvalidRequestError, ModelLoadError
 from inflight.model.loader import ModelSource
 
 ChatMessage = dict[str, Any]
+
+
+def tokenizer_cache_dir() -> Path:
+    return Path(os.environ.get("INFLIGHT_CACHE", Path.home() / ".cache" / "inflight")) / "tokenizers"
+
+
+def _load_gguf_tokenizer(path: Path) -> Any:
+    """The tokenizer transformers rebuilds from a GGUF file's metadata (several seconds: the
+    vocabulary and merges are converted in Python), saved once in its own format under
+    `tokenizer_cache_dir()`, keyed by the file and the transformers version, and read from there
+    afterwards (a fraction of a second). An unwritable cache only costs the rebuild."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    stat = path.stat()
+    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}"
+    cached = tokenizer_cache_dir() / hashlib.sha256(key.encode()).hexdigest()[:16]
+    if (cached / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(cached)
+    hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cached.parent) as tmp:
+            hf.save_pretrained(tmp)
+            os.replace(tmp, cached)  # all or nothing: a reader never sees half a directory
+            os.mkdir(tmp)  # for TemporaryDirectory's cleanup
+    except OSError as exc:
+        logging.getLogger(__name__).info("tokenizer cache not written (%s)", exc)
+    return hf
+
+
+def warm_default_cache() -> None:
+    """Converts the default model's tokenizer once (`scripts/setup.sh` runs this), so that the
+    first `inflight serve` does not wait for it."""
+    from inflight.model.loader import load_model_config, resolve_model
+
+    source = resolve_model(None)
+    Tokenizer.load(source, load_model_config(source).eos_token_ids)
+    print(f"inflight tokenizer cache: {tokenizer_cache_dir()}")
 
 
 class Tokenizer:
@@ -37,7 +79,7 @@ class Tokenizer:
         logging.getLogger("transformers").setLevel(logging.ERROR)
         try:
             if source.kind == "gguf":
-                hf = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
+                hf = _load_gguf_tokenizer(source.path)
             else:
                 hf = AutoTokenizer.from_pretrained(source.path)
         except Exception as exc:  # transformers raises many kinds; all mean "cannot load"
