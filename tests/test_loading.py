@@ -256,14 +256,24 @@ def test_cli_errors_are_one_line(tmp_path):
 
 def test_gguf_tokenizer_cache_gives_the_same_tokenizer(tmp_path, monkeypatch):
     """The tokenizer rebuilt from GGUF metadata and the one read back from the cache agree."""
+    from transformers import AutoTokenizer
+
     from inflight.model.tokenizer import Tokenizer, tokenizer_cache_dir
 
     monkeypatch.setenv("INFLIGHT_CACHE", str(tmp_path))
     source = resolve_model(None)
     rebuilt = Tokenizer.load(source, (2,))
-    assert list(tokenizer_cache_dir().glob("*/tokenizer.json"))  # written by the first load
+    (saved,) = tokenizer_cache_dir().glob("*/tokenizer.json")  # written by the first load
+    read_from = []
+    original = AutoTokenizer.from_pretrained
+
+    def recording(path, *args, **kwargs):
+        read_from.append((Path(path), kwargs.get("gguf_file")))
+        return original(path, *args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", recording)
     cached = Tokenizer.load(source, (2,))
-    assert cached.hf is not rebuilt.hf
+    assert read_from == [(saved.parent, None)]  # the cache, not the GGUF file
     texts = ["Hello world", "  leading spaces\n\ttabs", "写一首诗 🚀", "<|im_start|>user<|im_end|>", "x" * 300, ""]
     for text in texts:
         assert cached.encode(text) == rebuilt.encode(text)

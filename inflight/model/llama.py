@@ -67,10 +67,10 @@ class LlamaModel:
         def linear(*names: str, bias: tuple[str, ...] | None = None) -> Linear:
             weight = torch.cat([take(n) for n in names]) if len(names) > 1 else take(names[0])
             b = torch.cat([take(n) for n in bias]) if bias else None
-            kinds = {blocks[n][0] for n in names if n in blocks}
+            parts = [blocks.get(n) for n in names]
             quantized = None
-            if len(kinds) == 1 and all(n in blocks for n in names):  # one block type for the fused rows
-                quantized = (kinds.pop(), torch.cat([blocks[n][1] for n in names]))
+            if all(parts) and len({kind for kind, _ in parts}) == 1:  # fused rows need one block type
+                quantized = (parts[0][0], torch.cat([raw for _, raw in parts]))
             return Linear(weight, b, backend, gguf_blocks=quantized)
 
         self.final_norm = take("model.norm.weight")

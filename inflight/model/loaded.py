@@ -22,6 +22,6 @@ class LoadedModel:
     def load(cls, model: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
         source = resolve_model(model)
         config, weights = load_checkpoint(source, dtype)
-        blocks = load_gguf_blocks(source) if dtype == torch.float32 and device.type == "cpu" else {}
+        blocks = load_gguf_blocks(source, config) if dtype == torch.float32 and device.type == "cpu" else {}
         llama = LlamaModel(config, weights, device, gguf_blocks=blocks)
         return cls(source.name, llama, Tokenizer.load(source, config.eos_token_ids))

@@ -237,7 +237,7 @@ def _hf_row_order(name: str, value: torch.Tensor, config: ModelConfig) -> torch.
 BLOCK_TYPES = ("Q4_1", "Q8_0")
 
 
-def load_gguf_blocks(source: ModelSource) -> dict[str, tuple[str, torch.Tensor]]:
+def load_gguf_blocks(source: ModelSource, config: ModelConfig) -> dict[str, tuple[str, torch.Tensor]]:
     """The weights a GGUF file stores as Q4_1 or Q8_0, as (type, raw blocks): uint8
     `[rows, K / 32 * block bytes]`, rows in the order of the dequantized weight under the same HF
     name (a tied LM head under both names). A matmul over few rows reads these instead of fp32
@@ -245,7 +245,6 @@ def load_gguf_blocks(source: ModelSource) -> dict[str, tuple[str, torch.Tensor]]
     if source.kind != "gguf":
         return {}
     reader = _open_gguf(source.path)
-    config = _gguf_config(reader)
     blocks: dict[str, tuple[str, torch.Tensor]] = {}
     for tensor in reader.tensors:
         name = _gguf_to_hf_name(tensor.name)
@@ -253,7 +252,8 @@ def load_gguf_blocks(source: ModelSource) -> dict[str, tuple[str, torch.Tensor]]
             continue
         rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8)).reshape(int(tensor.shape[1]), -1)
         blocks[name] = (tensor.tensor_type.name, _hf_row_order(name, rows, config))
-    if "lm_head.weight" not in blocks and "model.embed_tokens.weight" in blocks and config.tie_word_embeddings:
+    if "lm_head.weight" not in blocks and "model.embed_tokens.weight" in blocks and not any(
+            _gguf_to_hf_name(t.name) == "lm_head.weight" for t in reader.tensors):  # tied, as load_checkpoint
         blocks["lm_head.weight"] = blocks["model.embed_tokens.weight"]
     return blocks
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,14 +36,16 @@ def _load_gguf_tokenizer(path: Path) -> Any:
     if (cached / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(cached)
     hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tmp = None
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cached.parent) as tmp:
-            hf.save_pretrained(tmp)
-            os.replace(tmp, cached)  # all or nothing: a reader never sees half a directory
-            os.mkdir(tmp)  # for TemporaryDirectory's cleanup
+        tmp = tempfile.mkdtemp(dir=cached.parent)
+        hf.save_pretrained(tmp)
+        os.replace(tmp, cached)  # all or nothing: a reader never sees half a directory
     except OSError as exc:
         logging.getLogger(__name__).info("tokenizer cache not written (%s)", exc)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return hf
 
 
