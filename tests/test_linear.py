@@ -48,6 +48,30 @@ def test_inflight_kernel_rows_do_not_depend_on_the_batch():
             assert torch.equal(packed(x[i:i + 1]), together[i:i + 1])
 
 
+@pytest.mark.parametrize("out_features", [5, 1000])  # fewer panels than threads; many chunks
+def test_inflight_kernel_results_do_not_depend_on_the_threads(out_features):
+    """Threads share the panels out dynamically (one may take chunks of another's range), so which
+    thread computes an output changes from call to call; the output may not."""
+    if not available("inflight"):
+        pytest.skip("inflight kernel not available here")
+    torch.manual_seed(out_features)
+    weight, bias = torch.randn(out_features, 200), torch.randn(out_features)
+    packed = Linear(weight, bias, "inflight")
+    x = torch.randn(150, 200)
+    threads = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            torch.set_num_threads(1)
+            alone = packed(x)
+            for n in (2, 3, 4):
+                torch.set_num_threads(n)
+                for _ in range(3):
+                    assert torch.equal(packed(x), alone)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(alone, F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+
+
 def random_blocks(kind: str, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random GGUF rows of `kind` (uint8 [rows, cols / 32 * block bytes]) and their dequantized
     weight, as gguf computes it."""

@@ -740,6 +740,65 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// ---- Work sharing for the weight matmuls: each thread owns a contiguous range of the panels and
+// takes it chunk by chunk from the front, one sequential stream; a thread that runs out takes
+// chunks from the back of another's range. On a shared host, where a core's speed changes from
+// one moment to the next, a static split left one of two threads waiting for the other for 7%
+// of the matmuls' time over the burst of 64 requests, and 8-20% in a chain of the model's
+// matmuls at 16-512 rows.
+
+namespace {
+
+class PanelRanges {
+ public:
+  PanelRanges(int64_t panels, int64_t owners) : ranges_(owners) {
+    for (int64_t t = 0; t < owners; ++t) ranges_[t].store(pack(t * panels / owners, (t + 1) * panels / owners));
+    chunk_ = std::max<int64_t>(1, panels / (owners * 8));
+  }
+  int64_t owners() const { return static_cast<int64_t>(ranges_.size()); }
+  // Claims the next chunk of range r, from its front (its owner) or its back (another thread).
+  bool claim(int64_t r, bool front, int64_t& begin, int64_t& end) {
+    uint64_t cur = ranges_[r].load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t f = static_cast<int64_t>(cur & 0xffffffffu), b = static_cast<int64_t>(cur >> 32);
+      if (f >= b) return false;
+      const int64_t n = std::min(chunk_, b - f);
+      begin = front ? f : b - n;
+      end = front ? f + n : b;
+      const uint64_t next = front ? pack(f + n, b) : pack(f, b - n);
+      if (ranges_[r].compare_exchange_weak(cur, next, std::memory_order_relaxed)) return true;
+    }
+  }
+
+ private:
+  static uint64_t pack(int64_t front, int64_t back) {
+    return static_cast<uint64_t>(front) | (static_cast<uint64_t>(back) << 32);
+  }
+  std::vector<std::atomic<uint64_t>> ranges_;
+  int64_t chunk_;
+};
+
+// Runs fn(begin, end) over chunks of [0, panels) on every thread, balanced as above.
+template <typename F>
+void for_panels(int64_t panels, const F& fn) {
+  const int64_t owners = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels));
+  if (owners == 1) {
+    fn(int64_t{0}, panels);
+    return;
+  }
+  PanelRanges ranges(panels, owners);
+  at::parallel_for(0, owners, 1, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      int64_t begin, end;
+      while (ranges.claim(t, true, begin, end)) fn(begin, end);
+      for (int64_t v = 1; v < owners; ++v)
+        while (ranges.claim((t + v) % owners, false, begin, end)) fn(begin, end);
+    }
+  });
+}
+
+}  // namespace
+
 // ---- Weight matmul y = x @ W.T (+ b) for the few-to-hundreds of rows of a step.
 //
 // W is packed once into panels of kNR output columns, [ceil(N / kNR), K, kNR], so a panel is
@@ -835,7 +894,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
   const float* bp = bias.has_value() ? padded_bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   constexpr int64_t kRowBlock = 128;  // rows whose activations stay in L2 while the panels pass
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  for_panels(panels, [&](int64_t begin, int64_t end) {
     for (int64_t m_block = 0; m_block < M; m_block += kRowBlock) {
       const int64_t rows = std::min(kRowBlock, M - m_block);
       const int64_t chunks = (rows + kMaxRows - 1) / kMaxRows;
@@ -846,7 +905,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
         for (int64_t c = 0; c < chunks; ++c) {
           const int mr = static_cast<int>((m_block + rows - m) / (chunks - c));  // even split
           float* out = yp + m * n_pad + p * kNR;
-          if (c == 0 && p + 1 < end)
+          if (c == 0 && p + 1 < panels)  // the next panel, most often this thread's next one
             gemm_rows<true>(mr, xp + m * K, K, w, K, b, out, n_pad);
           else
             gemm_rows<false>(mr, xp + m * K, K, w, K, b, out, n_pad);
@@ -997,7 +1056,7 @@ torch::Tensor gguf_blocks_linear(torch::Tensor x, torch::Tensor packed, int64_t 
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t panel_bytes = packed.size(1) * block_bytes;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  for_panels(panels, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
       for (int64_t m = 0; m < M; m += kQMaxRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kQMaxRows, M - m));
