@@ -62,3 +62,31 @@ def test_silu_and_mul_matches(ops):
     torch.manual_seed(0)
     gate_up = torch.randn(33, 2 * 80) * 20  # large magnitudes: exp must neither overflow nor lose sign
     torch.testing.assert_close(compiled.silu_and_mul(gate_up), reference.silu_and_mul(gate_up))
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 8, 9, 100, 49152])
+def test_argmax_rows_picks_what_torch_argmax_picks(vocab):
+    """Greedy sampling's argmax: the first index of the largest value, or of the first NaN."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C++ compiler for the CPU kernels")
+    torch.manual_seed(vocab)
+    rows = [torch.randn(vocab) for _ in range(4)]
+    rows.append(torch.zeros(vocab))  # every value tied: the first index
+    rows.append(torch.full((vocab,), float("-inf")))
+    tied = torch.randint(-3, 4, (vocab,)).float()  # ties between integer values, -0.0 and 0.0
+    tied[tied == 0] = -0.0
+    rows.append(tied)
+    for spot in (0, vocab // 2, vocab - 1):
+        row = torch.randn(vocab)
+        row[spot] = float("nan")
+        row[-1] = float("inf")
+        rows.append(row)
+        late = torch.randn(vocab)
+        late[spot] = late.max() + 1 if vocab > 1 else 1.0  # the maximum at the start, middle or tail
+        rows.append(late)
+    logits = torch.stack(rows)
+    assert torch.equal(kernels.argmax_rows(logits), logits.argmax(dim=-1))
+    if vocab > 1:  # a strided view, each row one shorter
+        view = logits[:, :-1]
+        assert torch.equal(kernels.argmax_rows(view), view.argmax(dim=-1))

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from inflight.model.kernels import cpu_kernels
 from inflight.request import Request
 
 _SEED_STRIDE = 1_000_003
@@ -22,6 +23,15 @@ class Sampler:
         self.device = device
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(seed)
+        # On CPU, the compiled argmax: torch's took 2% of a 64-request decode step (kernels.py).
+        kernels = cpu_kernels() if device.type == "cpu" else None
+        self._argmax_rows = kernels.argmax_rows if kernels is not None else None
+
+    def _argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """torch.argmax(x, dim=-1) of a 2-D tensor: the first index of each row's largest value."""
+        if self._argmax_rows is not None and x.dtype == torch.float32 and x.shape[-1] > 0:
+            return self._argmax_rows(x)
+        return x.argmax(dim=-1)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
@@ -29,9 +39,9 @@ class Sampler:
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits.clone(), requests)
         if all(p.is_greedy for p in params):
-            return logits.argmax(dim=-1).tolist()
+            return self._argmax(logits).tolist()
 
-        greedy_tokens = logits.argmax(dim=-1)
+        greedy_tokens = self._argmax(logits)
         rows = [i for i, p in enumerate(params) if not p.is_greedy]
         sub = logits[rows]
         temperature = torch.tensor([params[i].temperature for i in rows], device=self.device)
@@ -52,7 +62,7 @@ class Sampler:
                 g = torch.Generator(device=self.device)
                 g.manual_seed((seed * _SEED_STRIDE + requests[i].num_output_tokens) % (2**63))
                 noise[j].exponential_(generator=g)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = self._argmax(probs / noise)
         greedy_tokens[rows] = sampled
         return greedy_tokens.tolist()
 

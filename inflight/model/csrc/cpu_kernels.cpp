@@ -740,6 +740,67 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// ---- Greedy sampling's argmax of each row of the logits: the first index of the largest value,
+// or of the first NaN, as torch.argmax picks. torch's reduction took 3.7 ms for 64 rows of a
+// 49k vocabulary on two threads here (2% of a 64-request decode step, run while the other
+// thread waits); two vectorized passes over each row, which sits in L2, take a tenth of that.
+
+namespace {
+
+// NaN tests on the bits: -ffast-math lets the compiler assume that no float is a NaN.
+inline bool is_nan_bits(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  return (bits & 0x7fffffffu) > 0x7f800000u;
+}
+
+int64_t row_argmax(const float* x, int64_t n) {
+  int64_t i = 0;
+  float mx = x[0];
+  bool nan = false;
+#if defined(__AVX2__)
+  if (n >= 8) {
+    __m256 vmax = _mm256_loadu_ps(x);
+    __m256i vnan = _mm256_setzero_si256();
+    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf_bits = _mm256_set1_epi32(0x7f800000);
+    for (; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      vmax = _mm256_max_ps(vmax, v);
+      const __m256i bits = _mm256_and_si256(_mm256_castps_si256(v), abs_mask);
+      vnan = _mm256_or_si256(vnan, _mm256_cmpgt_epi32(bits, inf_bits));
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vmax);
+    for (float v : lanes) mx = std::max(mx, v);
+    nan = !_mm256_testz_si256(vnan, vnan);
+  }
+#endif
+  for (; i < n; ++i) {
+    mx = std::max(mx, x[i]);
+    nan = nan || is_nan_bits(x[i]);
+  }
+  for (int64_t j = 0; j < n; ++j)
+    if (nan ? is_nan_bits(x[j]) : x[j] == mx) return j;
+  return 0;  // not reached
+}
+
+}  // namespace
+
+// logits [N, V] (fp32) -> int64 [N].
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK(logits.dtype() == torch::kFloat32 && logits.dim() == 2 && logits.size(1) > 0,
+              "float32 [N, V] with V > 0 only");
+  auto x = logits.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto out = torch::empty({rows}, x.options().dtype(torch::kInt64));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = row_argmax(xp + r * n, n);
+  });
+  return out;
+}
+
 // ---- Work sharing for the weight matmuls: each thread owns a contiguous range of the panels and
 // takes it chunk by chunk from the front, one sequential stream; a thread that runs out takes
 // chunks from the back of another's range. On a shared host, where a core's speed changes from
@@ -1088,6 +1149,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("num_heads"),
         py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("k_cache") = py::none(), py::arg("v_cache") = py::none(),
         py::arg("slot_mapping") = py::none());
+  m.def("argmax_rows", &argmax_rows, "First index of the largest value (or first NaN) of each row (CPU, fp32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU, fp32)");
   m.def("gemm_panel_width", &gemm_panel_width, "Output columns per packed weight panel (32 with AVX-512)");
   m.def("pack_linear_weight", &pack_linear_weight, "Pack W [N, K] for packed_linear");
