@@ -1,10 +1,11 @@
 """Where inflight's step time goes on the burst of 64: scheduling, building inputs, the forward
 pass, sampling and output processing, from the engine's own per-step records; the weight-matmul
 rate of the decode-only steps against an fp32 GEMM peak timed in the same run; a single stream
-alone (one request, a 300-token prompt, 64 decode steps); and, with `--components`, the forward
-pass of one 64-request decode step, one prefill step and one single-request decode step split
-into weight matmuls (by output width), attention and token-wise ops (torch.profiler ranges;
-those three steps are left out of the per-step figures).
+alone (one request, a 300-token prompt, 64 decode steps); the steps grouped by size, each
+group's time against the ceiling's; and, with `--components`, the forward pass of one 64-request
+decode step, one prefill step and one single-request decode step split into weight matmuls (by
+output width), attention and token-wise ops (torch.profiler ranges; those three steps are left
+out of the per-step figures).
 
     .venv/bin/python benchmarks/step_profile.py [--max-num-tokens 512] [--components]
 """
@@ -141,6 +142,7 @@ def main() -> int:
         print(f"decode-only steps with >= 60 requests: p50 {1000 * np.median([s.duration_s for s in decode]):.1f} ms; "
               f"weight matmuls at {rate:.0f} GFLOP/s over the whole step = {100 * rate / gemm['peak_gflops']:.0f}% "
               f"of the GEMM peak timed in this run ({gemm['peak_gflops']:.0f} GFLOP/s)")
+    by_size(steps, loaded.model.config, max(gemm["peak_gflops"], ceiling.measure_gemm(reps=5)["peak_gflops"]))
     single = groups["decode-only, 1 request"]
     if single:
         print(f"decode-only steps with 1 request: p50 {1000 * np.median([s.duration_s for s in single]):.1f} ms "
@@ -149,6 +151,30 @@ def main() -> int:
     for name, (prof, step) in profiles.items():
         print_components(f"one {name} step", prof, step)
     return 0
+
+
+def by_size(steps: list[Any], config: Any, peak_gflops: float) -> None:
+    """The burst's steps grouped by size, each group's time against the ceiling's time for the
+    same tokens (their weight-matmul FLOPs at the GEMM peak, the higher of those timed before
+    and after the burst, as peers.py takes it)."""
+    flop = ceiling.workload_flop(config, [])
+    groups: dict[str, list[float]] = {}
+    for s in steps:
+        n = s.num_decode_tokens
+        name = ("with prefill" if s.num_prefill_tokens else "decode, 60+ requests" if n >= 60 else
+                "decode, 32-59" if n >= 32 else "decode, 16-31" if n >= 16 else
+                "decode, 4-15" if n >= 4 else "decode, 1-3")
+        ideal = 2 * (flop["body_params"] * (s.num_prefill_tokens + n) + flop["lm_head_params"] * n) / (peak_gflops * 1e9)
+        group = groups.setdefault(name, [0, 0.0, 0.0])
+        group[0] += 1
+        group[1] += s.duration_s
+        group[2] += ideal
+    print(f"\nsteps by size against the ceiling (GEMM peak {peak_gflops:.0f} GFLOP/s)")
+    print(f"{'steps':<24}{'n':>5}{'time s':>9}{'ceiling s':>11}{'share':>7}")
+    for name, (n, seconds, ideal) in groups.items():
+        print(f"{name:<24}{n:>5}{seconds:>9.2f}{ideal:>11.2f}{ideal / seconds:>7.2f}")
+    total, ideal = sum(g[1] for g in groups.values()), sum(g[2] for g in groups.values())
+    print(f"{'all':<24}{sum(g[0] for g in groups.values()):>5}{total:>9.2f}{ideal:>11.2f}{ideal / total:>7.2f}\n")
 
 
 def single_stream(engine: Any, corpus: np.ndarray, prompt_len: int = 300, decode_steps: int = 64) -> None:
