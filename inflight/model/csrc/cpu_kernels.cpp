@@ -501,21 +501,26 @@ void prefill_item(const Pool& pool, const int64_t* table, int64_t ctx_start, con
       float* s = sc.s.data() + r * kTokenTile;
       float* pr = p + r * kTokenTile;
       const int64_t visible = std::max<int64_t>(0, std::min(nt, sc.limit[r] - t0));
-      for (int64_t i = visible; i < kTokenTile; ++i) s[i] = kNoScore;  // exp() of it is 0
       if (visible == 0) {
         std::fill(pr, pr + kTokenTile, 0.f);
         continue;
       }
+      for (int64_t i = visible; i < kTokenTile; ++i) s[i] = kNoScore;
       float mx = sc.m[r];
 #pragma omp simd reduction(max : mx)
       for (int64_t i = 0; i < kTokenTile; ++i) mx = std::max(mx, s[i]);
-      const float alpha = std::exp(sc.m[r] - mx);  // 0 on the first tile
+      // The first tile's old sum is empty. The exponents are floored at -80 and the masked
+      // weights set to 0 after: a vector of exp() with a lane far below -87 (a masked score,
+      // or e^x < 1e-38) takes glibc's slow path, a scalar call per lane, which cost a tenth of
+      // this kernel's time. Weights below e^-80 = 2e-35 of the row's largest make no
+      // difference to its fp32 sums.
+      const float alpha = sc.m[r] == kNoScore ? 0.f : std::exp(sc.m[r] - mx);
+#pragma omp simd
+      for (int64_t i = 0; i < kTokenTile; ++i) pr[i] = std::exp(std::max(s[i] - mx, -80.f));
+      for (int64_t i = visible; i < kTokenTile; ++i) pr[i] = 0.f;
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < kTokenTile; ++i) {
-        pr[i] = std::exp(s[i] - mx);
-        sum += pr[i];
-      }
+      for (int64_t i = 0; i < kTokenTile; ++i) sum += pr[i];
       sc.l[r] = sc.l[r] * alpha + sum;
       sc.m[r] = mx;
       if (alpha != 1.f) {
