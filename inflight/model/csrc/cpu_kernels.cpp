@@ -444,6 +444,43 @@ struct PrefillScratch {
         p(rows * kTokenTile), m(rows), l(rows), limit(rows) {}
 };
 
+// The tile's keys transposed into kt[d * kTokenTile + i] (rows past nt zero), so that a score
+// vector holds consecutive tokens. With AVX2 and 8-float vectors, 8 x 8 blocks at a time.
+template <int64_t kDim>
+inline void transpose_keys(const float* const* krow, int64_t nt, int64_t dim_rt, float* __restrict kt) {
+  const int64_t dim = kDim > 0 ? kDim : dim_rt;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  static_assert(kTokenTile % 8 == 0, "tile of whole 8-token groups");
+  if (dim % 8 == 0) {
+    for (int64_t i0 = 0; i0 < kTokenTile; i0 += 8)
+      for (int64_t d0 = 0; d0 < dim; d0 += 8) {
+        __m256 r[8];
+        for (int64_t j = 0; j < 8; ++j) r[j] = i0 + j < nt ? _mm256_loadu_ps(krow[i0 + j] + d0) : _mm256_setzero_ps();
+        const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+        const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+        const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+        const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+        float* out = kt + d0 * kTokenTile + i0;
+        _mm256_storeu_ps(out + 0 * kTokenTile, _mm256_permute2f128_ps(u0, u4, 0x20));
+        _mm256_storeu_ps(out + 1 * kTokenTile, _mm256_permute2f128_ps(u1, u5, 0x20));
+        _mm256_storeu_ps(out + 2 * kTokenTile, _mm256_permute2f128_ps(u2, u6, 0x20));
+        _mm256_storeu_ps(out + 3 * kTokenTile, _mm256_permute2f128_ps(u3, u7, 0x20));
+        _mm256_storeu_ps(out + 4 * kTokenTile, _mm256_permute2f128_ps(u0, u4, 0x31));
+        _mm256_storeu_ps(out + 5 * kTokenTile, _mm256_permute2f128_ps(u1, u5, 0x31));
+        _mm256_storeu_ps(out + 6 * kTokenTile, _mm256_permute2f128_ps(u2, u6, 0x31));
+        _mm256_storeu_ps(out + 7 * kTokenTile, _mm256_permute2f128_ps(u3, u7, 0x31));
+      }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < kTokenTile; ++i)
+    for (int64_t d = 0; d < dim; ++d) kt[d * kTokenTile + i] = i < nt ? krow[i][d] : 0.f;
+}
+
 template <int64_t kDim>
 void prefill_item(const Pool& pool, const int64_t* table, int64_t ctx_start, const float* q, int64_t num_heads,
                   int64_t group, int64_t dim_rt, float scale, const PrefillItem& it, PrefillScratch& sc,
@@ -469,17 +506,14 @@ void prefill_item(const Pool& pool, const int64_t* table, int64_t ctx_start, con
   const int64_t max_len = ctx_start + it.first + it.rows_tokens;
   for (int64_t t0 = 0; t0 < max_len; t0 += kTokenTile) {
     const int64_t nt = std::min(kTokenTile, max_len - t0);
-    for (int64_t i = 0; i < kTokenTile; ++i) {
-      if (i < nt) {
-        const int64_t t = t0 + i;
-        const int64_t slot = table[t / bs] * bs + t % bs;
-        const float* key = pool.k + slot * stride + it.kv_head * dim;
-        vrow[i] = pool.v + slot * stride + it.kv_head * dim;
-        for (int64_t d = 0; d < dim; ++d) kt[d * kTokenTile + i] = key[d];
-      } else {
-        for (int64_t d = 0; d < dim; ++d) kt[d * kTokenTile + i] = 0.f;
-      }
+    const float* krow[kTokenTile];
+    for (int64_t i = 0; i < nt; ++i) {
+      const int64_t t = t0 + i;
+      const int64_t slot = table[t / bs] * bs + t % bs;
+      krow[i] = pool.k + slot * stride + it.kv_head * dim;
+      vrow[i] = pool.v + slot * stride + it.kv_head * dim;
     }
+    transpose_keys<kDim>(krow, nt, dim, kt);
     // Scores of 4 query rows at a time: each K-tile vector is loaded once for the four. The
     // tile's 16 tokens are kTileVecs native vectors (one with AVX-512, two with AVX2).
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
