@@ -11,15 +11,25 @@
 - the memory read rate: a sum over 540 MB of fp32 (the model's weights once), the bound of a
   single-stream decode step.
 
-    .venv/bin/python benchmarks/kernels_bench.py
+With `--against REV`, instead: the kernels of this checkout beside those of git revision REV
+(built from its `cpu_kernels.cpp` under another name), alternated in one process, several rounds:
+the model's body matmuls chained at 8, 64 and 512 rows, decode attention of 64 requests of
+100-400 tokens, and prefill attention of one step's 8 prompts of 17-300 tokens. On a host whose
+speed drifts, that is how a change to a kernel is measured.
+
+    .venv/bin/python benchmarks/kernels_bench.py [--against REV]
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -204,12 +214,91 @@ def memory_read() -> None:
     print(f"memory read, sum of 540 MB: {540e6 / seconds / 1e9:.1f} GB/s")
 
 
+def _kernels_of(rev: str) -> object:
+    """The CPU kernels as of git revision `rev`, built under a name of their own."""
+    from torch.utils.cpp_extension import load
+
+    root = Path(__file__).resolve().parent.parent
+    source = subprocess.run(["git", "show", f"{rev}:inflight/model/csrc/cpu_kernels.cpp"], cwd=root,
+                            check=True, capture_output=True, text=True).stdout
+    sha = subprocess.run(["git", "rev-parse", "--short", rev], cwd=root, check=True, capture_output=True,
+                         text=True).stdout.strip()
+    path = Path(tempfile.mkdtemp()) / f"cpu_kernels_{sha}.cpp"
+    path.write_text(source)
+    return load(f"inflight_bench_kernels_{sha}", [str(path)], extra_cflags=["-O3", "-march=native", "-fopenmp",
+                "-ffast-math"], extra_ldflags=["-fopenmp"])
+
+
+def compare(rev: str, rounds: int = 4) -> None:
+    """This checkout's kernels against `rev`'s, alternated; best of 3 per round."""
+    mods = {"this checkout": cpu_kernels(), rev: _kernels_of(rev)}
+    torch.manual_seed(0)
+    raw = [[torch.randn(n, k) * 0.02 for k, n in LAYER_SHAPES] for _ in range(30)]
+    packed = {name: [[m.pack_linear_weight(w) for w in ws] for ws in raw] for name, m in mods.items()}  # type: ignore[attr-defined]
+    cases: list[tuple[str, dict[str, Callable[[], object]]]] = []
+    for rows in (8, 64, 512):
+        x = {576: torch.randn(rows, 576), 1536: torch.randn(rows, 1536)}
+
+        def chain(m: object, ws: list[list[torch.Tensor]], x: dict[int, torch.Tensor] = x) -> None:
+            for layer in ws:
+                for (k, n), w in zip(LAYER_SHAPES, layer, strict=True):
+                    m.packed_linear(x[k], w, None, n)  # type: ignore[attr-defined]
+
+        cases.append((f"body matmuls chained, {rows} rows",
+                      {name: functools.partial(chain, m, packed[name]) for name, m in mods.items()}))
+    lens = torch.randint(100, 401, (64,), dtype=torch.int64)
+    blocks = int((lens + BLOCK - 1).div(BLOCK, rounding_mode="floor").sum())
+    pools = [(torch.randn((blocks + 8) * BLOCK, KV_HEADS, DIM), torch.randn((blocks + 8) * BLOCK, KV_HEADS, DIM))
+             for _ in range(8)]
+    tables = torch.zeros(64, int(lens.max()) // BLOCK + 1, dtype=torch.int64)
+    perm, used = torch.randperm(blocks + 8), 0
+    for b, n in enumerate(lens.tolist()):
+        count = -(-n // BLOCK)
+        tables[b, :count] = perm[used:used + count]
+        used += count
+    q = torch.randn(64, HEADS, DIM)
+    cases.append(("decode attention, 64 requests of 100-400 tokens, 8 layers", {
+        name: functools.partial(lambda m: [m.paged_decode_attention(q, k, v, tables, lens, BLOCK, DIM ** -0.5)
+                                           for k, v in pools], m) for name, m in mods.items()}))
+    prompts = [300, 17, 150, 64, 233, 99, 280, 41]
+    need = [-(-n // BLOCK) for n in prompts]
+    k_cache, v_cache = torch.randn(sum(need) * BLOCK, KV_HEADS, DIM), torch.randn(sum(need) * BLOCK, KV_HEADS, DIM)
+    ptables = torch.zeros(len(prompts), max(need), dtype=torch.int64)
+    perm, used = torch.randperm(sum(need)), 0
+    for i, n in enumerate(need):
+        ptables[i, :n] = perm[used:used + n]
+        used += n
+    pq = torch.randn(sum(prompts), HEADS, DIM)
+    starts = torch.tensor([0, *torch.tensor(prompts).cumsum(0)[:-1].tolist()])
+    qlens, zeros = torch.tensor(prompts), torch.zeros(len(prompts), dtype=torch.int64)
+    cases.append(("prefill attention, 8 prompts of 17-300 tokens", {
+        name: functools.partial(lambda m: m.paged_prefill_attention(pq, k_cache, v_cache, ptables, starts, qlens,
+                                                                    zeros, BLOCK, DIM ** -0.5), m)
+        for name, m in mods.items()}))
+    for title, fns in cases:
+        times: dict[str, list[float]] = {name: [] for name in fns}
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                times[name].append(best_of(fn))
+        line = ", ".join(f"{name} {1000 * min(t):.2f} ms" for name, t in times.items())
+        ours, theirs = min(times["this checkout"]), min(times[rev])
+        wins = sum(a < b for a, b in zip(times["this checkout"], times[rev], strict=True))
+        print(f"{title}: {line}; this checkout {theirs / ours:.2f}x, faster in {wins} of {rounds} rounds")
+
+
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--against", metavar="REV", help="compare with the kernels of this git revision")
+    args = parser.parse_args()
     kernels = cpu_kernels()
     if kernels is None:
         print("inflight's CPU kernels are unavailable here (no compiler?)")
         return 1
     print(f"{torch.get_num_threads()} threads")
+    if args.against:
+        with torch.inference_mode():
+            compare(args.against)
+        return 0
     with torch.inference_mode():
         matmuls()
         if kernels.gguf_blocks_available():  # type: ignore[attr-defined]
