@@ -376,10 +376,17 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   std::vector<float> part_out(split ? num_parts * num_heads * dim : 0);
   std::vector<float> part_m(num_parts * num_heads), part_l(num_parts * num_heads);
 
+  // Longest parts first, so that the last ones the threads take are short.
+  std::vector<int64_t> order(num_parts);
+  for (int64_t i = 0; i < num_parts; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return parts[a].t_end - parts[a].t_begin > parts[b].t_end - parts[b].t_begin;
+  });
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> scores(num_heads * max_part_len);
-    for (int64_t i = next++; i < num_parts; i = next++) {
+    for (int64_t taken = next++; taken < num_parts; taken = next++) {
+      const int64_t i = order[taken];
       const Part& pt = parts[i];
       float* o = split ? part_out.data() + i * num_heads * dim : op + pt.request * num_heads * dim;
       float* m = part_m.data() + i * num_heads;
