@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import subprocess
 import sys
 import tempfile
@@ -229,6 +230,17 @@ def _kernels_of(rev: str) -> object:
                 "-ffast-math"], extra_ldflags=["-fopenmp"])
 
 
+def _scattered_tables(lengths: list[int]) -> tuple[torch.Tensor, int]:
+    """Block tables for contexts of these lengths, the blocks at random places in a pool: the
+    tables `[len(lengths), max blocks]` and the pool's size in blocks."""
+    counts = [-(-n // BLOCK) for n in lengths]
+    order = torch.randperm(sum(counts))
+    tables = torch.zeros(len(lengths), max(counts), dtype=torch.int64)
+    for row, (first, count) in enumerate(zip(itertools.accumulate([0, *counts]), counts, strict=False)):
+        tables[row, :count] = order[first:first + count]
+    return tables, sum(counts)
+
+
 def compare(rev: str, rounds: int = 4) -> None:
     """This checkout's kernels against `rev`'s, alternated; best of 3 per round."""
     mods = {"this checkout": cpu_kernels(), rev: _kernels_of(rev)}
@@ -247,34 +259,29 @@ def compare(rev: str, rounds: int = 4) -> None:
         cases.append((f"body matmuls chained, {rows} rows",
                       {name: functools.partial(chain, m, packed[name]) for name, m in mods.items()}))
     lens = torch.randint(100, 401, (64,), dtype=torch.int64)
-    blocks = int((lens + BLOCK - 1).div(BLOCK, rounding_mode="floor").sum())
-    pools = [(torch.randn((blocks + 8) * BLOCK, KV_HEADS, DIM), torch.randn((blocks + 8) * BLOCK, KV_HEADS, DIM))
-             for _ in range(8)]
-    tables = torch.zeros(64, int(lens.max()) // BLOCK + 1, dtype=torch.int64)
-    perm, used = torch.randperm(blocks + 8), 0
-    for b, n in enumerate(lens.tolist()):
-        count = -(-n // BLOCK)
-        tables[b, :count] = perm[used:used + count]
-        used += count
+    tables, blocks = _scattered_tables(lens.tolist())
+    pools = [(torch.randn(blocks * BLOCK, KV_HEADS, DIM), torch.randn(blocks * BLOCK, KV_HEADS, DIM)) for _ in range(8)]
     q = torch.randn(64, HEADS, DIM)
-    cases.append(("decode attention, 64 requests of 100-400 tokens, 8 layers", {
-        name: functools.partial(lambda m: [m.paged_decode_attention(q, k, v, tables, lens, BLOCK, DIM ** -0.5)
-                                           for k, v in pools], m) for name, m in mods.items()}))
+
+    def decode(m: object) -> None:
+        for k, v in pools:
+            m.paged_decode_attention(q, k, v, tables, lens, BLOCK, DIM ** -0.5)  # type: ignore[attr-defined]
+
+    cases.append(("decode attention, 64 requests of 100-400 tokens, 8 layers",
+                  {name: functools.partial(decode, m) for name, m in mods.items()}))
     prompts = [300, 17, 150, 64, 233, 99, 280, 41]
-    need = [-(-n // BLOCK) for n in prompts]
-    k_cache, v_cache = torch.randn(sum(need) * BLOCK, KV_HEADS, DIM), torch.randn(sum(need) * BLOCK, KV_HEADS, DIM)
-    ptables = torch.zeros(len(prompts), max(need), dtype=torch.int64)
-    perm, used = torch.randperm(sum(need)), 0
-    for i, n in enumerate(need):
-        ptables[i, :n] = perm[used:used + n]
-        used += n
+    ptables, blocks = _scattered_tables(prompts)
+    k_cache, v_cache = torch.randn(blocks * BLOCK, KV_HEADS, DIM), torch.randn(blocks * BLOCK, KV_HEADS, DIM)
     pq = torch.randn(sum(prompts), HEADS, DIM)
     starts = torch.tensor([0, *torch.tensor(prompts).cumsum(0)[:-1].tolist()])
     qlens, zeros = torch.tensor(prompts), torch.zeros(len(prompts), dtype=torch.int64)
-    cases.append(("prefill attention, 8 prompts of 17-300 tokens", {
-        name: functools.partial(lambda m: m.paged_prefill_attention(pq, k_cache, v_cache, ptables, starts, qlens,
-                                                                    zeros, BLOCK, DIM ** -0.5), m)
-        for name, m in mods.items()}))
+
+    def prefill(m: object) -> None:
+        m.paged_prefill_attention(pq, k_cache, v_cache, ptables, starts, qlens, zeros, BLOCK,  # type: ignore[attr-defined]
+                                  DIM ** -0.5)
+
+    cases.append(("prefill attention, 8 prompts of 17-300 tokens",
+                  {name: functools.partial(prefill, m) for name, m in mods.items()}))
     for title, fns in cases:
         times: dict[str, list[float]] = {name: [] for name in fns}
         for _ in range(rounds):

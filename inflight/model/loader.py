@@ -252,8 +252,7 @@ def load_gguf_blocks(source: ModelSource, config: ModelConfig) -> dict[str, tupl
             continue
         rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8)).reshape(int(tensor.shape[1]), -1)
         blocks[name] = (tensor.tensor_type.name, _hf_row_order(name, rows, config))
-    if "lm_head.weight" not in blocks and "model.embed_tokens.weight" in blocks and not any(
-            _gguf_to_hf_name(t.name) == "lm_head.weight" for t in reader.tensors):  # tied, as load_checkpoint
+    if config.tie_word_embeddings and "model.embed_tokens.weight" in blocks:
         blocks["lm_head.weight"] = blocks["model.embed_tokens.weight"]
     return blocks
 

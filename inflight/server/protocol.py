@@ -115,8 +115,8 @@ class GenerationRequest(_Strict):
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
     stop_token_ids: StopTokenIds | None = None
     # Not implemented: accepted only with the value that changes nothing.
-    response_format: dict[str, Any] | None = Field(None, json_schema_extra={"enum": [None, {"type": "text"}]})
-    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"enum": [None, {}]})
+    response_format: dict[str, Any] | None = _only(None, {"type": "text"})
+    logit_bias: dict[str, float] | None = _only(None, {})
     min_tokens: Int = _only(0)
     min_p: float | None = _only(None, 0)
     guided_json: Any = _only(None)

@@ -787,9 +787,9 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 }
 
 // ---- Greedy sampling's argmax of each row of the logits: the first index of the largest value,
-// or of the first NaN, as torch.argmax picks. torch's reduction took 3.7 ms for 64 rows of a
-// 49k vocabulary on two threads here (2% of a 64-request decode step, run while the other
-// thread waits); two vectorized passes over each row, which sits in L2, take a tenth of that.
+// or of the first NaN, as torch.argmax picks. torch's reduction took 3.5 ms for 64 rows of a
+// 49k vocabulary on two threads here (2% of a 64-request decode step); two vectorized passes
+// over each row (its maximum, then the first index holding it) take 0.5 ms.
 
 namespace {
 
@@ -850,9 +850,9 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
 // ---- Work sharing for the weight matmuls: each thread owns a contiguous range of the panels and
 // takes it chunk by chunk from the front, one sequential stream; a thread that runs out takes
 // chunks from the back of another's range. On a shared host, where a core's speed changes from
-// one moment to the next, a static split left one of two threads waiting for the other for 7%
-// of the matmuls' time over the burst of 64 requests, and 8-20% in a chain of the model's
-// matmuls at 16-512 rows.
+// one moment to the next, a static split left one of two threads waiting for the other for
+// about 7% of the matmuls' time over the burst of 64 requests (timed once with a build that
+// recorded each thread's finish).
 
 namespace {
 
@@ -862,7 +862,6 @@ class PanelRanges {
     for (int64_t t = 0; t < owners; ++t) ranges_[t].store(pack(t * panels / owners, (t + 1) * panels / owners));
     chunk_ = std::max<int64_t>(1, panels / (owners * 8));
   }
-  int64_t owners() const { return static_cast<int64_t>(ranges_.size()); }
   // Claims the next chunk of range r, from its front (its owner) or its back (another thread).
   bool claim(int64_t r, bool front, int64_t& begin, int64_t& end) {
     uint64_t cur = ranges_[r].load(std::memory_order_relaxed);
