@@ -144,3 +144,16 @@ def test_prefill_kernel_matches_dense_reference(heads, kv_heads, dim):
             visible = slots[: cached + i + 1]
             expected = dense_reference(q[start + i], k_cache[visible], v_cache[visible])
             torch.testing.assert_close(out[start + i], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (30, 2, 4096, 3, 64)], ids=["tiny", "pool"])
+def test_huge_page_pool_is_zeroed_aligned_and_reads_like_any_tensor(shape):
+    from inflight.engine.memory import huge_page_zeros
+
+    pool = huge_page_zeros(*shape, dtype=torch.float32)
+    assert pool.shape == shape and pool.dtype == torch.float32 and pool.is_contiguous()
+    assert torch.count_nonzero(pool) == 0
+    if pool.numel() * 4 >= 2 * 1024 * 1024:
+        assert pool.data_ptr() % (2 * 1024 * 1024) == 0
+    pool.view(-1)[-1] = 7.0  # the whole view is usable, to its last element
+    assert pool.sum() == 7.0

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from inflight.engine.memory import keep_freed_memory
+from inflight.engine.memory import huge_page_zeros, keep_freed_memory
 from inflight.engine.sampler import Sampler
 from inflight.engine.scheduler import ScheduledRequest, SchedulerOutput
 from inflight.model.attention import AttentionMetadata, PrefillSegment, PrefillTables
@@ -45,10 +45,11 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.sampler = sampler
         # Zeroed, not empty: padded reads of unused slots must stay finite.
-        self.kv_cache = torch.zeros(
-            cfg.num_layers, 2, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim,
-            dtype=model.dtype, device=self.device,
-        )
+        shape = (cfg.num_layers, 2, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        if self.device.type == "cpu":
+            self.kv_cache = huge_page_zeros(*shape, dtype=model.dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=model.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
         # Test hook for fault injection: called with the step before the forward pass.
         self.before_forward: Callable[[SchedulerOutput], None] | None = None
