@@ -14,7 +14,7 @@
 
 With `--against REV`, instead: the kernels of this checkout beside those of git revision REV
 (built from its `cpu_kernels.cpp` under another name), alternated in one process, several rounds:
-the model's body matmuls chained at 8, 64 and 512 rows, decode attention of 64 requests of
+the model's body matmuls chained at 8, 16, 32, 64 and 512 rows, decode attention of 64 requests of
 100-400 tokens, and prefill attention of one step's 8 prompts of 17-300 tokens. On a host whose
 speed drifts, that is how a change to a kernel is measured.
 
@@ -276,7 +276,7 @@ def compare(rev: str, rounds: int = 4) -> None:
     raw = [[torch.randn(n, k) * 0.02 for k, n in LAYER_SHAPES] for _ in range(30)]
     packed = {name: [[m.pack_linear_weight(w) for w in ws] for ws in raw] for name, m in mods.items()}  # type: ignore[attr-defined]
     cases: list[tuple[str, dict[str, Callable[[], object]]]] = []
-    for rows in (8, 64, 512):
+    for rows in (8, 16, 32, 64, 512):
         x = {576: torch.randn(rows, 576), 1536: torch.randn(rows, 1536)}
 
         def chain(m: object, ws: list[list[torch.Tensor]], x: dict[int, torch.Tensor] = x) -> None:

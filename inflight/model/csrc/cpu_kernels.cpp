@@ -911,23 +911,49 @@ void for_panels(int64_t panels, const F& fn) {
 // one contiguous stream. The microkernel keeps an (mr x kNR) block of y in registers, walks K
 // broadcasting one activation per row against the panel's vectors, and prefetches the next
 // panel while it computes: at decode sizes the weights come from DRAM and the stream must
-// overlap the arithmetic. Threads split the panels. Each output is a plain sum over k in order,
-// so a row's result does not depend on how many other rows share the step.
+// overlap the arithmetic. When a panel's rows take a few passes (more than kMaxRows rows), each
+// pass prefetches its share of the next panel, spread evenly over its k: prefetched all in the
+// first pass, the weight stream idled through the others, and the model's matmuls at 7-16 rows
+// ran 1.2-1.4x slower (`kernels_bench.py --against 05ff79d`).
+// Threads split the panels. Each output is a plain sum over k in order, so a row's result does
+// not depend on how many other rows share the step.
 
 namespace {
 
 
-template <int MR, bool kPrefetch>
+// How a pass of the microkernel prefetches the next panel: not at all, one k-row of it per k
+// (the whole panel in one pass), or `pf_rows` k-rows from `pf` on, evenly spread over the pass.
+enum class Prefetch { kNone, kEvery, kSpread };
+
+// Up to this many passes over a panel share the next panel's prefetches. With more, the matmul
+// is bound by its arithmetic, the first pass prefetches the whole next panel and the others
+// run without prefetch work (spread over every pass, the 128 and 512-row matmuls ran 1.07-1.09x
+// slower).
+constexpr int64_t kSpreadPasses = 6;
+
+inline void prefetch_panel_row(const float* row) {
+  __builtin_prefetch(row);
+  if (kNR * sizeof(float) > 64) __builtin_prefetch(row + kVec);
+}
+
+template <int MR, Prefetch kPf>
 inline void gemm_micro(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K,
-                       const float* __restrict bias, float* __restrict y, int64_t ldy) {
+                       const float* __restrict bias, float* __restrict y, int64_t ldy, const float* pf,
+                       int64_t pf_rows) {
   vec a0[MR], a1[MR];
   for (int r = 0; r < MR; ++r) a0[r] = a1[r] = vec{};
+  int64_t due = 0;  // kSpread: k-rows owed, in units of 1 / K
   for (int64_t k = 0; k < K; ++k) {
     const vec w0 = *reinterpret_cast<const vec*>(w + k * kNR);
     const vec w1 = *reinterpret_cast<const vec*>(w + k * kNR + kVec);
-    if (kPrefetch) {  // the same row of the next panel, one panel ahead
-      __builtin_prefetch(w + (K + k) * kNR);
-      if (kNR * sizeof(float) > 64) __builtin_prefetch(w + (K + k) * kNR + kVec);
+    if constexpr (kPf == Prefetch::kEvery) {
+      prefetch_panel_row(pf + k * kNR);
+    } else if constexpr (kPf == Prefetch::kSpread) {
+      prefetch_panel_row(pf);  // the same row again until its turn has passed: no branch
+      due += pf_rows;
+      const bool advance = due >= K;
+      due -= advance ? K : 0;
+      pf += advance ? kNR : 0;
     }
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
@@ -946,16 +972,16 @@ inline void gemm_micro(const float* __restrict x, int64_t ldx, const float* __re
   }
 }
 
-template <bool kPrefetch>
+template <Prefetch kPf>
 void gemm_rows(int mr, const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* y,
-               int64_t ldy) {
+               int64_t ldy, const float* pf, int64_t pf_rows) {
   switch (mr) {
-#define INFLIGHT_ROWS(n)                                        \
-  case n:                                                       \
-    if constexpr (n <= kMaxRows) {                              \
-      gemm_micro<n, kPrefetch>(x, ldx, w, K, bias, y, ldy);     \
-      return;                                                   \
-    }                                                           \
+#define INFLIGHT_ROWS(n)                                             \
+  case n:                                                            \
+    if constexpr (n <= kMaxRows) {                                   \
+      gemm_micro<n, kPf>(x, ldx, w, K, bias, y, ldy, pf, pf_rows);   \
+      return;                                                        \
+    }                                                                \
     break;
     INFLIGHT_ROWS(1) INFLIGHT_ROWS(2) INFLIGHT_ROWS(3) INFLIGHT_ROWS(4) INFLIGHT_ROWS(5) INFLIGHT_ROWS(6)
     INFLIGHT_ROWS(7) INFLIGHT_ROWS(8) INFLIGHT_ROWS(9) INFLIGHT_ROWS(10) INFLIGHT_ROWS(11) INFLIGHT_ROWS(12)
@@ -1011,10 +1037,15 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
         for (int64_t c = 0; c < chunks; ++c) {
           const int mr = static_cast<int>((m_block + rows - m) / (chunks - c));  // even split
           float* out = yp + m * n_pad + p * kNR;
-          if (c == 0 && p + 1 < panels)  // the next panel, most often this thread's next one
-            gemm_rows<true>(mr, xp + m * K, K, w, K, b, out, n_pad);
-          else
-            gemm_rows<false>(mr, xp + m * K, K, w, K, b, out, n_pad);
+          const float* next = w + K * kNR;  // the next panel, most often this thread's next one
+          if (p + 1 == panels || (c > 0 && chunks > kSpreadPasses)) {
+            gemm_rows<Prefetch::kNone>(mr, xp + m * K, K, w, K, b, out, n_pad, nullptr, 0);
+          } else if (c == 0 && (chunks == 1 || chunks > kSpreadPasses)) {
+            gemm_rows<Prefetch::kEvery>(mr, xp + m * K, K, w, K, b, out, n_pad, next, K);
+          } else {
+            const int64_t first = c * K / chunks, last = (c + 1) * K / chunks;
+            gemm_rows<Prefetch::kSpread>(mr, xp + m * K, K, w, K, b, out, n_pad, next + first * kNR, last - first);
+          }
           m += mr;
         }
       }
