@@ -911,10 +911,10 @@ void for_panels(int64_t panels, const F& fn) {
 // one contiguous stream. The microkernel keeps an (mr x kNR) block of y in registers, walks K
 // broadcasting one activation per row against the panel's vectors, and prefetches the next
 // panel while it computes: at decode sizes the weights come from DRAM and the stream must
-// overlap the arithmetic. When a panel's rows take a few passes (more than kMaxRows rows), each
-// pass prefetches its share of the next panel, spread evenly over its k: prefetched all in the
-// first pass, the weight stream idled through the others, and the model's matmuls at 7-16 rows
-// ran 1.2-1.4x slower (`kernels_bench.py --against 05ff79d`).
+// overlap the arithmetic. When a panel's rows take several passes (more than kMaxRows rows),
+// the first few share that work, each prefetching its part of the next panel spread evenly over
+// its k: prefetched all in the first pass, the weight stream idled through the others, and the
+// model's matmuls at 7-16 rows ran 1.2-1.4x slower (`kernels_bench.py --against 05ff79d`).
 // Threads split the panels. Each output is a plain sum over k in order, so a row's result does
 // not depend on how many other rows share the step.
 
@@ -925,11 +925,13 @@ namespace {
 // (the whole panel in one pass), or `pf_rows` k-rows from `pf` on, evenly spread over the pass.
 enum class Prefetch { kNone, kEvery, kSpread };
 
-// Up to this many passes over a panel share the next panel's prefetches. With more, the matmul
-// is bound by its arithmetic, the first pass prefetches the whole next panel and the others
-// run without prefetch work (spread over every pass, the 128 and 512-row matmuls ran 1.07-1.09x
-// slower).
+// Up to kSpreadPasses passes over a panel all share the next panel's prefetches; of more, the
+// first kSharedPassesOfMany do. The matmul is then bound by its arithmetic, and the prefetch
+// work slows the passes that carry it (spread over all of 8 to 22 passes, the 48 to 512-row
+// matmuls ran 1.07-1.15x slower; prefetched all in the first pass, the 40 to 64-row ones
+// 1.03-1.10x slower than with three).
 constexpr int64_t kSpreadPasses = 6;
+constexpr int64_t kSharedPassesOfMany = 3;
 
 inline void prefetch_panel_row(const float* row) {
   __builtin_prefetch(row);
@@ -1038,12 +1040,13 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
           const int mr = static_cast<int>((m_block + rows - m) / (chunks - c));  // even split
           float* out = yp + m * n_pad + p * kNR;
           const float* next = w + K * kNR;  // the next panel, most often this thread's next one
-          if (p + 1 == panels || (c > 0 && chunks > kSpreadPasses)) {
+          const int64_t sharing = chunks <= kSpreadPasses ? chunks : kSharedPassesOfMany;
+          if (p + 1 == panels || c >= sharing) {
             gemm_rows<Prefetch::kNone>(mr, xp + m * K, K, w, K, b, out, n_pad, nullptr, 0);
-          } else if (c == 0 && (chunks == 1 || chunks > kSpreadPasses)) {
+          } else if (sharing == 1) {
             gemm_rows<Prefetch::kEvery>(mr, xp + m * K, K, w, K, b, out, n_pad, next, K);
           } else {
-            const int64_t first = c * K / chunks, last = (c + 1) * K / chunks;
+            const int64_t first = c * K / sharing, last = (c + 1) * K / sharing;
             gemm_rows<Prefetch::kSpread>(mr, xp + m * K, K, w, K, b, out, n_pad, next + first * kNR, last - first);
           }
           m += mr;
