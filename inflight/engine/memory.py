@@ -50,8 +50,8 @@ def huge_page_zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor whose memory Linux is asked to back with 2 MiB pages.
 
     The KV pool is read in 12 KiB blocks at random places: with 4 KiB pages nearly every block
-    costs TLB misses, and the decode-attention kernel read a scattered pool 1.2x faster from
-    2 MiB pages (`benchmarks/kernels_bench.py`). The buffer is over-allocated by one huge page
+    costs TLB misses, and the decode-attention kernel read a scattered pool 1.1-1.2x faster
+    from 2 MiB pages (`benchmarks/kernels_bench.py`). The buffer is over-allocated by one huge page
     so that a 2 MiB-aligned view of it can be advised (MADV_HUGEPAGE) before it is first
     touched; the zeroing then faults it in as huge pages where the kernel has them (transparent
     huge pages "always" or "madvise"). Elsewhere, or if madvise fails, it is plain memory.
@@ -66,7 +66,7 @@ def huge_page_zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     if libc is not None and numel * itemsize >= _HUGE_PAGE:
         length = numel * itemsize // _HUGE_PAGE * _HUGE_PAGE
         if libc.madvise(ctypes.c_void_p(view.data_ptr()), ctypes.c_size_t(length), _MADV_HUGEPAGE) != 0:
-            logger.debug("madvise(MADV_HUGEPAGE) refused; the KV pool uses normal pages")
+            logger.debug("madvise(MADV_HUGEPAGE) refused; the buffer keeps normal pages")
     return view.zero_().view(shape)
 
 

@@ -914,7 +914,7 @@ void for_panels(int64_t panels, const F& fn) {
 // overlap the arithmetic. When a panel's rows take several passes (more than kMaxRows rows),
 // the first few share that work, each prefetching its part of the next panel spread evenly over
 // its k: prefetched all in the first pass, the weight stream idled through the others, and the
-// model's matmuls at 7-16 rows ran 1.2-1.4x slower (`kernels_bench.py --against 05ff79d`).
+// model's matmuls at 7-16 rows ran 1.2-1.4x slower (`kernels_bench.py --against e9c05c7`).
 // Threads split the panels. Each output is a plain sum over k in order, so a row's result does
 // not depend on how many other rows share the step.
 
