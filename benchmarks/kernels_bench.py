@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from inflight.engine.memory import huge_page_zeros
-from inflight.model.kernels import cpu_kernels
+from inflight.model.kernels import CFLAGS, LDFLAGS, cpu_kernels
 from inflight.model.linear import Linear
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
@@ -165,9 +165,23 @@ def gguf_block_matmuls() -> None:
               f"fp32 panels {1000 * fp32_s:5.1f} ms")
 
 
+def _layers_beyond_cache(batch: int, context: int) -> int:
+    """Layer pools enough (128 MB of K/V at least) that they come from DRAM, as in a step."""
+    return max(8, 2 ** 27 // (batch * context * KV_HEADS * DIM * 8))
+
+
+def _alternated(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """Each function's best-of-3 time in every round, the functions taking turns."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(best_of(fn))
+    return times
+
+
 def decode_attention(kernels: object, batch: int, context: int) -> None:
     torch.manual_seed(0)
-    layers = max(8, 2 ** 27 // (batch * context * KV_HEADS * DIM * 8))  # pools beyond the L3 cache, as in a step
+    layers = _layers_beyond_cache(batch, context)
     num_blocks = batch * context // BLOCK + 8
     pools = [(torch.randn(num_blocks * BLOCK, KV_HEADS, DIM), torch.randn(num_blocks * BLOCK, KV_HEADS, DIM))
              for _ in range(layers)]
@@ -196,7 +210,7 @@ def decode_attention(kernels: object, batch: int, context: int) -> None:
 def decode_attention_pages(kernels: object, batch: int = 64, context: int = 256, rounds: int = 4) -> None:
     """The KV pool in 4 KiB pages against 2 MiB ones (the engine's, huge_page_zeros), alternated."""
     torch.manual_seed(0)
-    layers = max(8, 2 ** 27 // (batch * context * KV_HEADS * DIM * 8))
+    layers = _layers_beyond_cache(batch, context)
     num_blocks = batch * context // BLOCK * 4  # the used blocks scattered over a pool 4x their size
     shape = (layers, 2, num_blocks * BLOCK, KV_HEADS, DIM)
     small = torch.randn(shape)
@@ -209,14 +223,12 @@ def decode_attention_pages(kernels: object, batch: int = 64, context: int = 256,
         for layer in pool:
             kernels.paged_decode_attention(q, layer[0], layer[1], tables, lens, BLOCK, DIM ** -0.5)  # type: ignore[attr-defined]
 
-    times: dict[str, list[float]] = {"4 KiB": [], "2 MiB": []}
-    for _ in range(rounds):
-        times["4 KiB"].append(best_of(functools.partial(run, small)) / layers)
-        times["2 MiB"].append(best_of(functools.partial(run, huge)) / layers)
+    times = _alternated({"4 KiB": functools.partial(run, small), "2 MiB": functools.partial(run, huge)}, rounds)
+    small_s, huge_s = min(times["4 KiB"]) / layers, min(times["2 MiB"]) / layers
     wins = sum(b < a for a, b in zip(times["4 KiB"], times["2 MiB"], strict=True))
-    print(f"paged decode attention, {batch} x {context} tokens, pool pages: 4 KiB {1000 * min(times['4 KiB']):.2f} ms, "
-          f"2 MiB {1000 * min(times['2 MiB']):.2f} ms per layer; 2 MiB pages "
-          f"{min(times['4 KiB']) / min(times['2 MiB']):.2f}x, faster in {wins} of {rounds} rounds")
+    print(f"paged decode attention, {batch} x {context} tokens, pool pages: 4 KiB {1000 * small_s:.2f} ms, "
+          f"2 MiB {1000 * huge_s:.2f} ms per layer; 2 MiB pages {small_s / huge_s:.2f}x, "
+          f"faster in {wins} of {rounds} rounds")
 
 
 def prefill_attention(kernels: object) -> None:
@@ -254,8 +266,7 @@ def _kernels_of(rev: str) -> object:
                          text=True).stdout.strip()
     path = Path(tempfile.mkdtemp()) / f"cpu_kernels_{sha}.cpp"
     path.write_text(source)
-    return load(f"inflight_bench_kernels_{sha}", [str(path)], extra_cflags=["-O3", "-march=native", "-fopenmp",
-                "-ffast-math"], extra_ldflags=["-fopenmp"])
+    return load(f"inflight_bench_kernels_{sha}", [str(path)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS)
 
 
 def _scattered_tables(lengths: list[int]) -> tuple[torch.Tensor, int]:
@@ -311,10 +322,7 @@ def compare(rev: str, rounds: int = 4) -> None:
     cases.append(("prefill attention, 8 prompts of 17-300 tokens",
                   {name: functools.partial(prefill, m) for name, m in mods.items()}))
     for title, fns in cases:
-        times: dict[str, list[float]] = {name: [] for name in fns}
-        for _ in range(rounds):
-            for name, fn in fns.items():
-                times[name].append(best_of(fn))
+        times = _alternated(fns, rounds)
         line = ", ".join(f"{name} {1000 * min(t):.2f} ms" for name, t in times.items())
         ours, theirs = min(times["this checkout"]), min(times[rev])
         wins = sum(a < b for a, b in zip(times["this checkout"], times[rev], strict=True))

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from inflight.engine.memory import huge_page_zeros
 from inflight.model.attention import AttentionMetadata, PagedAttention, PrefillSegment
 from inflight.model.kernels import cpu_kernels
 
@@ -148,8 +149,6 @@ def test_prefill_kernel_matches_dense_reference(heads, kv_heads, dim):
 
 @pytest.mark.parametrize("shape", [(3, 5), (30, 2, 4096, 3, 64)], ids=["tiny", "pool"])
 def test_huge_page_pool_is_zeroed_aligned_and_reads_like_any_tensor(shape):
-    from inflight.engine.memory import huge_page_zeros
-
     pool = huge_page_zeros(*shape, dtype=torch.float32)
     assert pool.shape == shape and pool.dtype == torch.float32 and pool.is_contiguous()
     assert torch.count_nonzero(pool) == 0

@@ -51,13 +51,12 @@ def huge_page_zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
 
     The KV pool is read in 12 KiB blocks at random places: with 4 KiB pages nearly every block
     costs TLB misses, and the decode-attention kernel read a scattered pool 1.1-1.2x faster
-    from 2 MiB pages (`benchmarks/kernels_bench.py`). The buffer is over-allocated by one huge page
-    so that a 2 MiB-aligned view of it can be advised (MADV_HUGEPAGE) before it is first
+    from 2 MiB pages (`benchmarks/kernels_bench.py`). The buffer is over-allocated by one huge
+    page so that a 2 MiB-aligned view of it can be advised (MADV_HUGEPAGE) before it is first
     touched; the zeroing then faults it in as huge pages where the kernel has them (transparent
     huge pages "always" or "madvise"). Elsewhere, or if madvise fails, it is plain memory.
     """
-    numel = math.prod(shape)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel, itemsize = math.prod(shape), dtype.itemsize
     pad = _HUGE_PAGE // itemsize
     raw = torch.empty(numel + pad, dtype=dtype)
     offset = (-raw.data_ptr() % _HUGE_PAGE) // itemsize

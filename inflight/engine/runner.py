@@ -58,8 +58,7 @@ class ModelRunner:
     @staticmethod
     def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
         cfg = model.config
-        itemsize = torch.empty((), dtype=model.dtype).element_size()
-        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * itemsize
+        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * model.dtype.itemsize
 
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         """Runs one step; returns the new token of each request that reached its last token."""

@@ -14,6 +14,12 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+# fast-math lets GCC vectorise the softmax's exp and the dot-product reductions; -fopenmp makes
+# at::parallel_for run in parallel (without it the pragma is dropped and the kernel runs on one
+# thread). The .so then needs libgomp.so.1, which is the copy torch already loaded, so there is
+# still one OpenMP runtime in the process.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+LDFLAGS = ["-fopenmp"]
 
 
 def _cpu_tag() -> str:
@@ -38,12 +44,8 @@ def cpu_kernels() -> ModuleType | None:
         return load(
             name=f"inflight_cpu_kernels_{_cpu_tag()}",
             sources=[str(_SOURCE)],
-            # fast-math lets GCC vectorise the softmax's exp and the dot-product reductions;
-            # -fopenmp makes at::parallel_for run in parallel (without it the pragma is dropped
-            # and the kernel runs on one thread). The .so then needs libgomp.so.1, which is the
-            # copy torch already loaded, so there is still one OpenMP runtime in the process.
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-            extra_ldflags=["-fopenmp"],
+            extra_cflags=CFLAGS,
+            extra_ldflags=LDFLAGS,
             verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, an odd platform: the torch path still works
