@@ -137,10 +137,11 @@ def test_pytorch_path_matches_reference(loaded, make_llm, reference):
     cfg = model.config
     kernel, attention.kernels = attention.kernels, None
     ops, model.ops = model.ops, TorchTokenOps(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+    stack, model.decoder_stack = model.decoder_stack, None
     try:
         llm = make_llm(max_num_tokens=4096)
         outs = llm.generate(all_prompts(), GREEDY)
     finally:
-        attention.kernels, model.ops = kernel, ops
+        attention.kernels, model.ops, model.decoder_stack = kernel, ops, stack
     for out, (_, tokens, _) in zip(outs, reference, strict=True):
         assert out.token_ids == tokens

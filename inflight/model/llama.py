@@ -8,6 +8,8 @@ tokens of all requests in the step; only attention looks at request boundaries, 
 from __future__ import annotations
 
 import math
+from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -15,7 +17,7 @@ from inflight.config import ModelConfig
 from inflight.errors import ModelLoadError
 from inflight.model.attention import AttentionMetadata, PagedAttention
 from inflight.model.kernels import cpu_kernels
-from inflight.model.linear import Linear, linear_backend
+from inflight.model.linear import GGUF_BLOCKS_MAX_ROWS, Linear, linear_backend
 from inflight.model.token_ops import CpuKernelTokenOps, KVStore, TorchTokenOps
 
 
@@ -95,6 +97,22 @@ class LlamaModel:
         self.ops = CpuKernelTokenOps(*shape, kernels) if kernels is not None else TorchTokenOps(*shape)
         self._rope_inv_freq = rope_inv_freq(config).to(device)
         self._rope_cos, self._rope_sin = self._rope_table(config.max_position_embeddings)
+        self.decoder_stack = self._decoder_stack(kernels)
+
+    def _decoder_stack(self, kernels: ModuleType | None) -> Any:
+        """The compiled loop over the layers (`DecoderStack` in `csrc/cpu_kernels.cpp`), where every
+        kernel it calls serves this model: the same kernels as `forward`'s Python loop, called back
+        to back without Python between them. None elsewhere."""
+        matmuls = [layer[name] for layer in self.layers for name in ("qkv", "o", "gate_up", "down")]
+        if kernels is None or any(m.backend != "inflight" for m in matmuls):  # type: ignore[union-attr]
+            return None
+        norms = [layer[name] for layer in self.layers for name in ("input_norm", "post_norm")]
+        cfg = self.config
+        return kernels.DecoderStack(
+            norms, [m.weight for m in matmuls], [m.blocks for m in matmuls], [m.bias for m in matmuls],  # type: ignore[union-attr]
+            [m.out_features for m in matmuls], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,  # type: ignore[union-attr]
+            cfg.rms_norm_eps, GGUF_BLOCKS_MAX_ROWS,
+        )
 
     def _rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(length, device=self.device, dtype=torch.float32)
@@ -113,8 +131,20 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Runs one step over packed tokens and returns fp32 logits `[len(logits_indices), vocab]`:
         the LM head runs only on the rows whose next token is wanted."""
-        ops, layers = self.ops, self.layers
         hidden = self.embed_tokens.index_select(0, input_ids)
+        if self.decoder_stack is not None:
+            mlp = self._compiled_layers(hidden, positions, kv_caches, attn_meta)
+        else:
+            mlp = self._layers(hidden, positions, kv_caches, attn_meta)
+        # After the last layer only the rows that sample a token matter.
+        hidden = hidden.index_select(0, logits_indices) + mlp.index_select(0, logits_indices)
+        return self.lm_head(self.ops.rms_norm(hidden, self.final_norm)).float()
+
+    def _layers(self, hidden: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn_meta: AttentionMetadata) -> torch.Tensor:
+        """Every decoder layer over the step's tokens: updates the residual stream `hidden` in
+        place and returns the last layer's MLP output."""
+        ops, layers = self.ops, self.layers
         x = ops.rms_norm(hidden, layers[0]["input_norm"])
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches, strict=True)):
             store = KVStore(k_cache, v_cache, attn_meta.slot_mapping)
@@ -124,6 +154,17 @@ class LlamaModel:
             mlp = layer["down"](ops.silu_and_mul(layer["gate_up"](x)))
             if i + 1 < len(layers):
                 x = ops.add_rms_norm_(hidden, mlp, layers[i + 1]["input_norm"])
-        # After the last layer only the rows that sample a token matter.
-        hidden = hidden.index_select(0, logits_indices) + mlp.index_select(0, logits_indices)
-        return self.lm_head(ops.rms_norm(hidden, self.final_norm)).float()
+        return mlp
+
+    def _compiled_layers(self, hidden: torch.Tensor, positions: torch.Tensor,
+                         kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn_meta: AttentionMetadata) -> torch.Tensor:
+        """`_layers` through the compiled `DecoderStack`: the same kernels in the same order."""
+        tables = attn_meta.prefill_tables
+        return self.decoder_stack.forward(
+            hidden, positions, self._rope_cos, self._rope_sin, [k for k, _ in kv_caches], [v for _, v in kv_caches],
+            attn_meta.slot_mapping, attn_meta.num_decode_tokens, attn_meta.decode_block_tables,
+            attn_meta.decode_context_lens, *(
+                (tables.block_tables, tables.query_starts, tables.query_lens, tables.context_starts)
+                if tables is not None else (None,) * 4),
+            attn_meta.block_size,
+        )
