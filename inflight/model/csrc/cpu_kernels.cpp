@@ -1372,7 +1372,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_blocks_available", &gguf_blocks_available, "Whether this build has the GGUF block matmul (AVX2)");
   m.def("pack_gguf_blocks", &pack_gguf_blocks, "Pack GGUF Q4_1 or Q8_0 rows for gguf_blocks_linear");
   m.def("gguf_blocks_linear", &gguf_blocks_linear, "x @ W.T with W as packed GGUF blocks (CPU, fp32)");
-  py::class_<DecoderStack>(m, "DecoderStack", "A step's decoder layers in one call (CPU, fp32)")
+  // module_local: another build of this file in the same process (kernels_bench.py --against)
+  // registers its own DecoderStack.
+  py::class_<DecoderStack>(m, "DecoderStack", py::module_local(), "A step's decoder layers in one call (CPU, fp32)")
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<c10::optional<torch::Tensor>>,
                     std::vector<c10::optional<torch::Tensor>>, std::vector<int64_t>, int64_t, int64_t, int64_t, double,
                     int64_t>())
