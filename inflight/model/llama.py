@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -103,15 +103,15 @@ class LlamaModel:
         """The compiled loop over the layers (`DecoderStack` in `csrc/cpu_kernels.cpp`), where every
         kernel it calls serves this model: the same kernels as `forward`'s Python loop, called back
         to back without Python between them. None elsewhere."""
-        matmuls = [layer[name] for layer in self.layers for name in ("qkv", "o", "gate_up", "down")]
-        if kernels is None or any(m.backend != "inflight" for m in matmuls):  # type: ignore[union-attr]
+        matmuls = [cast(Linear, layer[name]) for layer in self.layers for name in ("qkv", "o", "gate_up", "down")]
+        if kernels is None or any(m.backend != "inflight" for m in matmuls):
             return None
         norms = [layer[name] for layer in self.layers for name in ("input_norm", "post_norm")]
         cfg = self.config
         return kernels.DecoderStack(
-            norms, [m.weight for m in matmuls], [m.blocks for m in matmuls], [m.bias for m in matmuls],  # type: ignore[union-attr]
-            [m.out_features for m in matmuls], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,  # type: ignore[union-attr]
-            cfg.rms_norm_eps, GGUF_BLOCKS_MAX_ROWS,
+            norms, [m.weight for m in matmuls], [m.blocks for m in matmuls], [m.bias for m in matmuls],
+            [m.out_features for m in matmuls], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+            GGUF_BLOCKS_MAX_ROWS,
         )
 
     def _rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1291,7 +1291,7 @@ class DecoderStack {
     TORCH_CHECK(num_decodes == tokens || (prefill_tables.has_value() && query_starts.has_value() &&
                                           query_lens.has_value() && context_starts.has_value()),
                 "prefill tokens need prefill tables");
-    const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
+    const double scale = std::pow(static_cast<double>(head_dim_), -0.5);  // as Python computes head_dim ** -0.5
     torch::Tensor x, mlp;
     {
       Range r("token ops: rms_norm");
