@@ -49,7 +49,7 @@ def step_logits(make_llm, model, compiled: bool, **options) -> tuple[list[torch.
 
 @pytest.mark.parametrize("options", [
     # Chunked prefill: prompts cut into pieces with cached context, beside decodes in one step,
-    # then decode steps shrinking to a single request (the GGUF-block matmuls at <= 3 rows).
+    # then decode steps shrinking to a single request (the GGUF-block matmuls at <= 5 rows).
     {"max_num_tokens": 64, "enable_chunked_prefill": True},
     # Whole prompts in one step, prefill-only, then decode-only steps.
     {"max_num_tokens": 2048},

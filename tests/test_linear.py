@@ -103,8 +103,11 @@ def test_gguf_block_matmul_equals_the_fp32_one_bit_for_bit(kind, out_features, w
     assert both.blocks is not None
     x = torch.randn(8, 96)
     with torch.inference_mode():
-        for rows in range(1, 8):  # up to GGUF_BLOCKS_MAX_ROWS from the blocks, then the fp32 panels
+        for rows in range(1, 9):  # up to GGUF_BLOCKS_MAX_ROWS from the blocks, then the fp32 panels
             assert torch.equal(both(x[:rows]), fp32_only(x[:rows]))
+        # More rows than one pass of the block kernel takes: passes of 5 and 3.
+        assert torch.equal(kernels.gguf_blocks_linear(x, both.blocks, out_features),
+                           kernels.packed_linear(x, fp32_only.weight, None, out_features))
         torch.testing.assert_close(both(x[:1]), F.linear(x[:1], weight, bias), atol=1e-4, rtol=1e-5)
 
 

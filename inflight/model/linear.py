@@ -16,7 +16,7 @@ a decode step reads them): 64 rows take 38 ms with `inflight`, 45 ms with `onedn
 forces one (default `auto`: the first available in that order). Other devices and dtypes always
 take `F.linear`.
 
-A decode step of one to three requests is memory-bound: it streams every weight from DRAM once.
+A decode step of a few requests is memory-bound: it streams every weight from DRAM once.
 Where the checkpoint is a GGUF file whose weights are stored as Q4_1 or Q8_0 blocks, `inflight`
 keeps those blocks beside the fp32 panels and such steps read them instead (`Linear`): 0.75 or
 1.125 bytes a weight instead of 4, dequantized in registers to exactly the fp32 values.
@@ -54,9 +54,9 @@ def linear_backend(device: torch.device, dtype: torch.dtype) -> str:
 
 
 # Up to this many rows the matmul from GGUF blocks, which streams a fifth (Q4_1) or a third
-# (Q8_0) of fp32's bytes but dequantizes again for each group of 3 rows, beats the fp32 one
-# (`benchmarks/kernels_bench.py`: 2.2-2.8x at one row, 1.5-2x at three, about even at four).
-GGUF_BLOCKS_MAX_ROWS = 3
+# (Q8_0) of fp32's bytes but dequantizes again for each group of 5 rows, beats the fp32 one
+# (`benchmarks/kernels_bench.py`: 2.2-2.8x at one row, about 1.5x at four and five, even at six).
+GGUF_BLOCKS_MAX_ROWS = 5
 
 
 class Linear:

