@@ -1385,7 +1385,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<c10::optional<torch::Tensor>>,
                     std::vector<c10::optional<torch::Tensor>>, std::vector<int64_t>, int64_t, int64_t, int64_t, double,
                     int64_t>())
-      .def_property_readonly("num_layers", &DecoderStack::num_layers)
       .def("forward", &DecoderStack::forward, "Runs every layer; returns the last MLP output (hidden updated in place)",
            py::call_guard<py::gil_scoped_release>());
 }
