@@ -58,10 +58,13 @@ def _design(samples: Sequence[Sample], cm: CostModel) -> np.ndarray:
     return np.array(rows)
 
 
-def _positive_lstsq(x: np.ndarray, y: np.ndarray, prior: np.ndarray, relative: bool) -> np.ndarray:
-    """Least squares (in relative error if `relative`) keeping every coefficient positive: a
-    column with no data or a non-positive coefficient keeps its prior value."""
-    coef = prior.copy()
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, fallback: np.ndarray, relative: bool) -> np.ndarray:
+    """Least squares (in relative error if `relative`) with no coefficient below zero: a column
+    with no data, or whose coefficient comes out <= 0, leaves the solve and takes its `fallback`.
+    For a time term (seconds per row, per step) the fallback is 0: a term the data does not ask
+    for is absent, and a term that is truly absent solves to a rounding error of either sign, so
+    keeping any other value there would let the last bit of a sum decide the fit."""
+    coef = fallback.copy()
     free = [j for j in range(x.shape[1]) if np.any(x[:, j] > 0)]
     weights = 1.0 / y if relative else np.ones_like(y)
     while free:
@@ -81,13 +84,13 @@ def _fit_forward(samples: Sequence[Sample], shapes: ModelConfig, profile: Hardwa
                  dtype: str | None, max_iterations: int = 30) -> HardwareProfile:
     """The four efficiency factors and the small-batch terms from the forward-pass times.
     Under `max`, which side of each roofline binds depends on the factors: classify, solve,
-    until the classes stop changing."""
+    until the classes stop changing. An efficiency the data says nothing about keeps `profile`'s
+    (its inverse cannot be 0); a time term keeps 0."""
     y = np.array([s.forward_s for s in samples])
     for _ in range(max_iterations):
         x = _design(samples, CostModel(shapes, profile, dtype=dtype))
-        prior = np.array([*(1 / getattr(profile, k) for k in _EFFICIENCIES), profile.small_batch_row_s,
-                          profile.gemm_step_s])
-        coef = _positive_lstsq(x, y, prior, relative=True)
+        fallback = np.array([*(1 / getattr(profile, k) for k in _EFFICIENCIES), 0.0, 0.0])
+        coef = _nonnegative_lstsq(x, y, fallback, relative=True)
         fitted = {k: float(1 / c) for k, c in zip(_EFFICIENCIES, coef, strict=False)}
         new = dataclasses.replace(profile, **fitted, small_batch_row_s=float(coef[4]), gemm_step_s=float(coef[5]))
         if np.array_equal(_design(samples, CostModel(shapes, new, dtype=dtype)) > 0, x > 0):
@@ -100,8 +103,7 @@ def _fit_overheads(samples: Sequence[Sample], profile: HardwareProfile) -> Hardw
     """Step and per-request overheads from the time of each step outside the forward pass."""
     y = np.array([s.duration_s - s.forward_s for s in samples])
     x = np.array([[1.0, len(s.batch)] for s in samples])
-    prior = np.array([max(float(np.median(y)), 0.0), 0.0])
-    coef = _positive_lstsq(x, np.maximum(y, 1e-9), prior, relative=False)
+    coef = _nonnegative_lstsq(x, np.maximum(y, 1e-9), np.zeros(2), relative=False)
     return dataclasses.replace(profile, step_overhead_s=float(coef[0]), request_overhead_s=float(coef[1]))
 
 
@@ -125,13 +127,25 @@ def fit_profile(samples: Sequence[Sample], shapes: ModelConfig, base: HardwarePr
                 profile = _fit_overheads(kept, _fit_forward(kept, shapes, start, dtype))
                 rel = np.abs(predict(samples, CostModel(shapes, profile, dtype=dtype)) - y) / y
                 fits.append((float(np.mean(rel[keep])), profile, rel))
-        _, profile, rel = min(fits, key=lambda f: f[0])
+        _, profile, rel = _simplest_of_the_best(fits)
         new_keep = rel <= max(outlier_factor * float(np.median(rel[keep])), 0.05)
         if np.array_equal(new_keep, keep):
             break
         keep = new_keep
     errors = {form: round(100 * min(e for e, p, _ in fits if p.roofline == form), 2) for form in rooflines}
     return FitResult(profile, predict(samples, CostModel(shapes, profile, dtype=dtype)), y, ~keep, errors)
+
+
+def _simplest_of_the_best(fits: list[tuple[float, HardwareProfile, np.ndarray]]
+                          ) -> tuple[float, HardwareProfile, np.ndarray]:
+    """The fit with the smallest mean error, except that a simpler one within rounding of it wins:
+    on exact data, a regime of more small-batch rows whose extra term solves to 0 fits exactly as
+    well as the regime without them, and which of the two came out ahead would depend on the last
+    bits of this machine's BLAS. `fits` is in order of preference among equals (roofline form as
+    given, then fewer small-batch rows)."""
+    best = min(error for error, _, _ in fits)
+    tie = best + 1e-9 + 1e-6 * best
+    return min((f for f in fits if f[0] <= tie), key=lambda f: f[1].small_batch_max_rows)
 
 
 def predict(samples: Sequence[Sample], cm: CostModel) -> np.ndarray:
