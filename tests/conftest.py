@@ -74,3 +74,11 @@ def stream_in_background(url: str, body: dict[str, Any]) -> tuple[threading.Thre
     thread.start()
     assert started.wait(30), "the stream sent nothing"
     return thread, lines
+
+
+def pytest_report_header() -> str:
+    """Which build of the CPU kernels this run tests (tests/test_kernel_builds.py reads it)."""
+    from inflight.model.kernels import cpu_kernels, kernel_target
+
+    module = cpu_kernels()
+    return f"inflight CPU kernels: {module.isa() if module else 'unavailable'} ({kernel_target()} build)"

@@ -4,7 +4,9 @@ the same kernels in the same order, so the same logits bit for bit, at every kin
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -65,11 +67,26 @@ def test_compiled_layers_equal_python_loop(make_llm, model, options):
     assert min(s.num_requests for s in steps) == 1
 
 
-def test_compiled_layers_release_the_gil(loaded, model):
-    """The server's event loop runs while a step computes: the compiled call holds no GIL, so
-    this thread never waits for the whole step to get it back."""
-    import time
+class _Watched:
+    """A decoder stack that notes when its last `forward` started and ended."""
 
+    def __init__(self, stack: Any) -> None:
+        self.stack, self.window = stack, (0.0, 0.0)
+
+    def forward(self, *args: object) -> object:
+        start = time.perf_counter()
+        try:
+            return self.stack.forward(*args)
+        finally:
+            self.window = (start, time.perf_counter())
+
+
+def test_compiled_layers_release_the_gil(loaded, model, monkeypatch):
+    """The server's event loop runs while a step computes: the compiled call holds no GIL, so
+    this thread keeps running Python through it. A call that held the GIL would stop this thread
+    for nearly the whole call, on any machine; the operating system may also pause it now and
+    then on a loaded one, which is why the bound is half the call and one clean run of three
+    suffices."""
     from inflight.engine.block_manager import BlockManager
     from inflight.engine.runner import ModelRunner
     from inflight.engine.sampler import Sampler
@@ -81,21 +98,30 @@ def test_compiled_layers_release_the_gil(loaded, model):
     req = Request("r", list(range(100, 612)), SamplingParams(max_tokens=1))
     assert bm.allocate_slots(req, 512)
     inputs = runner.prepare([ScheduledRequest(req, 0, 512, bm.block_table(req.request_id))])
-    done = threading.Event()
-    span: list[float] = []
+    watched = _Watched(model.decoder_stack)
+    monkeypatch.setattr(model, "decoder_stack", watched)
 
-    def run() -> None:
-        start = time.perf_counter()
-        model.forward(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.attn_meta, inputs.logits_indices)
-        span.append(time.perf_counter() - start)
-        done.set()
+    def stall_and_call_s() -> tuple[float, float]:
+        """The longest stretch of the compiled call in which this thread did not run, and the
+        call's duration."""
+        done = threading.Event()
 
-    thread = threading.Thread(target=run)
-    longest_wait, last = 0.0, time.perf_counter()
-    thread.start()
-    while not done.is_set():
-        now = time.perf_counter()
-        longest_wait, last = max(longest_wait, now - last), now
-    thread.join()
-    # Holding the GIL through the layers would stall this loop for nearly the whole step.
-    assert longest_wait < span[0] / 4, (longest_wait, span[0])
+        def run() -> None:
+            model.forward(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.attn_meta,
+                          inputs.logits_indices)
+            done.set()
+
+        thread = threading.Thread(target=run)
+        gaps, last = [], time.perf_counter()
+        thread.start()
+        while not done.is_set():
+            now = time.perf_counter()
+            if now - last > 1e-3:
+                gaps.append((last, now))
+            last = now
+        thread.join()
+        start, end = watched.window
+        return max([min(b, end) - max(a, start) for a, b in gaps] + [0.0]), end - start
+
+    runs = [stall_and_call_s() for _ in range(3)]
+    assert any(stall < call / 2 for stall, call in runs), runs

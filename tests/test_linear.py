@@ -13,8 +13,7 @@ from inflight.model.linear import Linear, linear_backend
 
 def available(backend: str) -> bool:
     if backend == "inflight":
-        kernels = cpu_kernels()
-        return kernels is not None and kernels.gemm_panel_width() >= 16
+        return cpu_kernels() is not None
     return backend == "torch" or torch.backends.mkldnn.is_available()
 
 
@@ -94,12 +93,17 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int) -> tuple[torch.Ten
 def test_gguf_block_matmul_equals_the_fp32_one_bit_for_bit(kind, out_features, with_bias):
     """Small steps read the GGUF blocks; their results are exactly those of the fp32 weights."""
     kernels = cpu_kernels()
-    if not available("inflight") or not kernels.gguf_blocks_available():
-        pytest.skip("GGUF block kernel not available here")
+    if not available("inflight"):
+        pytest.skip("inflight kernel not available here")
     blocks, weight = random_blocks(kind, out_features, 96, seed=out_features)
     bias = torch.randn(out_features) if with_bias else None
     fp32_only = Linear(weight, bias, "inflight")
     both = Linear(weight, bias, "inflight", gguf_blocks=(kind, blocks))
+    if not kernels.gguf_blocks_available():  # the portable build: every step reads the fp32 panels
+        assert both.blocks is None
+        with pytest.raises(RuntimeError, match="needs AVX2"):
+            kernels.pack_gguf_blocks(blocks, 96, kind)
+        return
     assert both.blocks is not None
     x = torch.randn(8, 96)
     with torch.inference_mode():
@@ -114,6 +118,15 @@ def test_gguf_block_matmul_equals_the_fp32_one_bit_for_bit(kind, out_features, w
 def test_backend_choice(monkeypatch):
     assert linear_backend(torch.device("meta"), torch.float32) == "torch"
     assert linear_backend(torch.device("cpu"), torch.bfloat16) == "torch"
+    monkeypatch.delenv("INFLIGHT_LINEAR", raising=False)
+    kernels = cpu_kernels()
+    if kernels is not None:
+        # AVX2 or AVX-512 builds come first; the portable one yields to oneDNN unless named.
+        wide = kernels.gemm_panel_width() >= 16
+        auto = "inflight" if wide else "onednn" if torch.backends.mkldnn.is_available() else "torch"
+        assert linear_backend(torch.device("cpu"), torch.float32) == auto
+        monkeypatch.setenv("INFLIGHT_LINEAR", "inflight")
+        assert linear_backend(torch.device("cpu"), torch.float32) == "inflight"
     monkeypatch.setenv("INFLIGHT_LINEAR", "torch")
     assert linear_backend(torch.device("cpu"), torch.float32) == "torch"
     monkeypatch.setenv("INFLIGHT_LINEAR", "fastest")

@@ -1,6 +1,12 @@
 """Optional C++ kernels for CPU, compiled on first use with torch's extension builder and
 cached (in $TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). Where no compiler is at
-hand, or INFLIGHT_CPU_KERNELS=0, callers fall back to the plain-PyTorch path."""
+hand, or INFLIGHT_CPU_KERNELS=0, callers fall back to the plain-PyTorch path.
+
+The source has three instruction-set branches (AVX-512, AVX2 with FMA, and portable C++ that
+the compiler vectorises as it can); `-march=native` picks the widest this CPU runs. The other
+`TARGETS` build the same machine's code with the wider extensions turned off, so that one machine
+can build and test every branch below its own (INFLIGHT_CPU_KERNELS_TARGET; the suite does it in
+tests/test_kernel_builds.py)."""
 
 from __future__ import annotations
 
@@ -11,15 +17,26 @@ import os
 from pathlib import Path
 from types import ModuleType
 
+from inflight.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 # fast-math lets GCC vectorise the softmax's exp and the dot-product reductions; -fopenmp makes
 # at::parallel_for run in parallel (without it the pragma is dropped and the kernel runs on one
 # thread). The .so then needs libgomp.so.1, which is the copy torch already loaded, so there is
 # still one OpenMP runtime in the process.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 LDFLAGS = ["-fopenmp"]
+
+
+# Extra flags of each build after -march=native; each names the branch it compiles where the
+# CPU has that extension (on a CPU without AVX-512, "native" and "avx2" are the same code).
+TARGETS: dict[str, list[str]] = {
+    "native": [],
+    "avx2": ["-mno-avx512f"],  # turns off every AVX-512 subset
+    "generic": ["-mno-avx2", "-mno-avx512f"],
+}
 
 
 def _cpu_tag() -> str:
@@ -32,22 +49,38 @@ def _cpu_tag() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:8]
 
 
+def kernel_target() -> str:
+    """The build the engine loads: INFLIGHT_CPU_KERNELS_TARGET, "native" unless set."""
+    target = os.environ.get("INFLIGHT_CPU_KERNELS_TARGET", "native").strip().lower() or "native"
+    if target not in TARGETS:
+        raise ConfigError(f"INFLIGHT_CPU_KERNELS_TARGET={target!r}: give one of {', '.join(TARGETS)}")
+    return target
+
+
+def load_kernels(target: str = "native") -> ModuleType:
+    """Builds (or finds in the cache) the kernels for `target` and loads them; raises if the
+    compiler fails. Builds of different targets load side by side."""
+    from torch.utils.cpp_extension import load
+
+    suffix = "" if target == "native" else f"_{target}"
+    return load(
+        name=f"inflight_cpu_kernels_{_cpu_tag()}{suffix}",
+        sources=[str(SOURCE)],
+        extra_cflags=CFLAGS + TARGETS[target],
+        extra_ldflags=LDFLAGS,
+        verbose=False,
+    )
+
+
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
     """The compiled kernel module, or None if it is disabled or cannot be built."""
     if os.environ.get("INFLIGHT_CPU_KERNELS", "1") == "0":
         return None
+    target = kernel_target()
     try:
-        from torch.utils.cpp_extension import load
-
-        logger.info("loading inflight's CPU kernels (compiled once, then cached)")
-        return load(
-            name=f"inflight_cpu_kernels_{_cpu_tag()}",
-            sources=[str(_SOURCE)],
-            extra_cflags=CFLAGS,
-            extra_ldflags=LDFLAGS,
-            verbose=False,
-        )
+        logger.info("loading inflight's CPU kernels (%s build; compiled once, then cached)", target)
+        return load_kernels(target)
     except Exception as exc:  # no compiler, no ninja, an odd platform: the torch path still works
         logger.warning("CPU kernels unavailable (%s); using the PyTorch path",
                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
@@ -59,4 +92,5 @@ def build() -> None:
     that the first `inflight serve` does not wait for the compiler."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     module = cpu_kernels()
-    print(f"inflight CPU kernels: {module.__file__ if module else 'unavailable (PyTorch fallback paths)'}")
+    where = f"{module.isa()} branch, {module.__file__}" if module else "unavailable (PyTorch fallback paths)"
+    print(f"inflight CPU kernels: {where}")

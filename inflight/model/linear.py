@@ -7,7 +7,7 @@ also leaves out its AVX-512 kernels. Two prepacked paths replace it:
 - `inflight`: our own kernel (`csrc/cpu_kernels.cpp`, `packed_linear`): panels of 32 columns
   streamed from memory with the next one prefetched, so that at decode sizes, where the weights
   come from DRAM, the stream overlaps the arithmetic. Used where it was compiled for AVX2 or
-  AVX-512.
+  AVX-512 (its portable build only when asked for by name).
 - `onednn`: the weight reordered for oneDNN (bundled with PyTorch as MKL-DNN).
 
 Measured here by `benchmarks/kernels_bench.py` (2 Zen 5 cores, every weight of SmolLM2 once, as
@@ -44,10 +44,12 @@ def linear_backend(device: torch.device, dtype: torch.dtype) -> str:
     if device.type != "cpu" or dtype != torch.float32 or choice == "torch":
         return "torch"
     kernels = cpu_kernels()
-    ours = kernels is not None and kernels.gemm_panel_width() >= 16  # AVX2 or wider
+    ours = kernels is not None
+    # Built without AVX2, our kernel's 8-column panels lose to oneDNN: asked for by name only.
+    ours_first = ours and kernels.gemm_panel_width() >= 16
     onednn = torch.backends.mkldnn.is_available()
     if choice == "auto":
-        return "inflight" if ours else "onednn" if onednn else "torch"
+        return "inflight" if ours_first else "onednn" if onednn else "torch"
     if (choice == "inflight" and not ours) or (choice == "onednn" and not onednn):
         raise ModelLoadError(f"INFLIGHT_LINEAR={choice}: not available on this machine")
     return choice

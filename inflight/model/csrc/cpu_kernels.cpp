@@ -1362,7 +1362,19 @@ class DecoderStack {
   int64_t blocks_max_rows_;
 };
 
+// Which of the file's instruction-set branches this build compiled (kernels.TARGETS).
+std::string isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "generic";
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa", &isa, "The instruction-set branch this build compiled: avx512, avx2 or generic");
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU, fp32)");
   m.def("paged_prefill_attention", &paged_prefill_attention, "Paged causal prefill attention (CPU, fp32)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU, fp32)");

@@ -1,0 +1,86 @@
+"""Every instruction-set branch of the CPU kernels, on whatever machine the suite runs: the
+kernel and decoder-stack tests again against each build below this CPU's own (an AVX-512 machine
+tests its AVX2 and portable code too, an AVX2 machine its portable code), and the AVX-512 branch
+at least compiled where the CPU cannot run it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from inflight.model import kernels
+
+ROOT = Path(__file__).resolve().parent.parent
+# The tests that compare the kernels with PyTorch references and the compiled layers with the
+# Python loop, token for token.
+KERNEL_TESTS = ["tests/test_linear.py", "tests/test_token_ops.py", "tests/test_attention.py",
+                "tests/test_decoder_stack.py"]
+
+
+def _branch(extra_flags: list[str]) -> str | None:
+    """The branch the compiler would take with these flags (None if it rejects them)."""
+    cmd = [os.environ.get("CXX", "c++"), *kernels.CFLAGS, *extra_flags, "-dM", "-E", "-x", "c++", "-"]
+    try:
+        out = subprocess.run(cmd, input="", capture_output=True, text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return "avx512" if "__AVX512F__ " in out else "avx2" if "__AVX2__ " in out else "generic"
+
+
+@pytest.mark.parametrize("target", [t for t in kernels.TARGETS if t != "native"])
+def test_each_build_passes_the_kernel_tests(target: str) -> None:
+    native = kernels.cpu_kernels()
+    if native is None:
+        pytest.skip("no C++ compiler for the CPU kernels")
+    branch = _branch(kernels.TARGETS[target])
+    if branch is None:
+        pytest.skip(f"the compiler here has no {target} target")
+    if branch == native.isa():
+        pytest.skip(f"the {target} build is this CPU's native {branch} code, which the rest of the suite tests")
+    assert kernels.load_kernels(target).isa() == branch  # built (or cached) here, so that a failure says so
+    # INFLIGHT_LINEAR: the portable build's matmul too, which the engine takes only when named,
+    # and with it the compiled layers.
+    env = {**os.environ, "INFLIGHT_CPU_KERNELS_TARGET": target, "INFLIGHT_LINEAR": "inflight"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-rs",
+                          *KERNEL_TESTS],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = run.stdout + run.stderr
+    assert f"inflight CPU kernels: {branch} ({target} build)" in out, out[-3000:]
+    assert run.returncode == 0, out[-6000:]
+    assert " passed" in out and " failed" not in out, out[-3000:]
+
+
+def test_the_avx512_branch_compiles() -> None:
+    """Where the CPU has no AVX-512 the branch cannot run here, but it must still build."""
+    native = kernels.cpu_kernels()
+    if native is None:
+        pytest.skip("no C++ compiler for the CPU kernels")
+    if native.isa() == "avx512":
+        pytest.skip("this CPU runs the AVX-512 branch, which the rest of the suite tests")
+    flags = ["-march=x86-64-v4"]
+    if _branch(flags) != "avx512":
+        pytest.skip("the compiler here has no AVX-512 target")
+    from torch.utils.cpp_extension import include_paths
+
+    compiler = os.environ.get("CXX", "c++")
+    includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
+    cmd = [compiler, *[f for f in kernels.CFLAGS if not f.startswith("-march")], *flags, "-std=c++17", "-fPIC",
+           "-DTORCH_EXTENSION_NAME=inflight_avx512_check", "-DTORCH_API_INCLUDE_EXTENSION_H", *includes,
+           "-c", str(kernels.SOURCE), "-o", os.devnull]
+    # The compile takes most of a minute (torch's headers); a success is remembered for this
+    # source, these flags and this compiler, as torch's extension cache remembers a build.
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([kernels.SOURCE.read_text(), *cmd, version]).encode()).hexdigest()[:16]
+    stamp = Path.home() / ".cache" / "inflight" / "compile-checks" / f"avx512-{key}.ok"
+    if stamp.exists():
+        return
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-6000:]
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    stamp.touch()
