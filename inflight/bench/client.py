@@ -28,6 +28,7 @@ KV_USAGE = "inflight:kv_cache_usage_perc"
 KV_PEAK = "inflight:kv_cache_usage_peak_perc"
 PREEMPTIONS = "inflight:num_preemptions_total"
 OOMS = "inflight:oom_total"
+KV_ALLOCATION_FAILURES = "inflight:kv_allocation_failures_total"
 RUNNING = "inflight:num_requests_running"
 WAITING = "inflight:num_requests_waiting"
 
@@ -109,7 +110,8 @@ class _MetricsSampler:
         peak = None
         if KV_PEAK in last and last[KV_PEAK] > first.get(KV_PEAK, 0.0):
             peak = 100.0 * last[KV_PEAK]
-        return EngineCounters(kv_peak_perc=peak, num_preemptions=delta(PREEMPTIONS), num_oom=delta(OOMS))
+        return EngineCounters(kv_peak_perc=peak, num_preemptions=delta(PREEMPTIONS), num_oom=delta(OOMS),
+                              num_kv_allocation_failures=delta(KV_ALLOCATION_FAILURES))
 
 
 async def _stream_one(client: httpx.AsyncClient, model: str, request: BenchRequest, t0: float,

@@ -34,7 +34,7 @@ def warm_up(engine: LLMEngine) -> None:
                        request_id="bench-warmup")
     while engine.has_unfinished():
         engine.step()
-    engine.block_manager.reset_peak()
+    engine.reset_kv_peak()
 
 
 @dataclass(slots=True)
@@ -107,8 +107,8 @@ def run_engine(engine: LLMEngine, requests: Sequence[BenchRequest], max_concurre
     """Runs the workload on `engine` and returns what was measured. With `max_concurrency`,
     at most that many requests are in the engine at once; a request that waits for a slot is
     sent (and its latency counted from) when one frees up."""
-    preemptions0, oom0 = engine.scheduler.num_preemptions, _num_oom(engine)
-    engine.block_manager.reset_peak()
+    engine.reset_kv_peak()
+    before = engine.stats()
     index_of = {f"bench-{r.index}": r.index for r in requests}
     t0 = time.perf_counter()
     recorder = StepRecorder(t0, engine.block_manager.num_blocks, index_of)
@@ -129,16 +129,6 @@ def run_engine(engine: LLMEngine, requests: Sequence[BenchRequest], max_concurre
         engine.step_observers.remove(recorder)
     results = driver.results
     duration = max((r.arrival_s + (r.e2e_s or 0.0) for r in results.values()), default=0.0)
-    counters = EngineCounters(
-        kv_peak_perc=100.0 * engine.block_manager.peak_usage,
-        num_preemptions=engine.scheduler.num_preemptions - preemptions0,
-        num_oom=_num_oom(engine) - oom0,
-    )
+    counters = EngineCounters.between(before, engine.stats())
     ordered = [results[r.index] for r in sorted(requests, key=lambda r: r.index)]
     return Capture(ordered, duration, recorder.samples, counters, recorder.timeline)
-
-
-def _num_oom(engine: LLMEngine) -> int:
-    """Out-of-memory errors that failed a step, as the server's `inflight:oom_total` counts
-    them; KV pressure preempts instead, and shows as preemptions."""
-    return engine.num_oom_events

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from inflight.engine.stats import EngineStats
 
 
 @dataclass(slots=True)
@@ -100,11 +104,24 @@ class KvSample:
 
 @dataclass(frozen=True, slots=True)
 class EngineCounters:
-    """What the engine itself reports over a run; None where the target could not tell."""
+    """What the engine itself reports over a run; None where the target could not tell. An OOM
+    is an out-of-memory error that failed a model step (`EngineStats.num_oom_events`); KV
+    pressure fails nothing, it preempts, and shows in the preemptions and allocation failures."""
 
     kv_peak_perc: float | None = None
     num_preemptions: int | None = None
     num_oom: int | None = None
+    num_kv_allocation_failures: int | None = None
+
+    @classmethod
+    def between(cls, before: EngineStats, after: EngineStats) -> EngineCounters:
+        """The counters' rise from one engine snapshot to the next, and the KV peak at the end."""
+        return cls(
+            kv_peak_perc=100.0 * after.kv_cache_peak_usage,
+            num_preemptions=after.num_preemptions - before.num_preemptions,
+            num_oom=after.num_oom_events - before.num_oom_events,
+            num_kv_allocation_failures=after.num_kv_allocation_failures - before.num_kv_allocation_failures,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +145,7 @@ class BenchMetrics:
     kv_mean_perc: float | None
     num_preemptions: int | None
     num_oom: int | None
+    num_kv_allocation_failures: int | None = None
 
 
 def compute_metrics(results: Sequence[RequestResult], duration_s: float,
@@ -162,6 +180,7 @@ def compute_metrics(results: Sequence[RequestResult], duration_s: float,
         kv_mean_perc=time_weighted_mean([(s.t_s, s.kv_usage_perc) for s in samples]),
         num_preemptions=counters.num_preemptions,
         num_oom=counters.num_oom,
+        num_kv_allocation_failures=counters.num_kv_allocation_failures,
     )
 
 

@@ -18,6 +18,7 @@ from inflight.engine.runner import ModelRunner, RunnerTimings
 from inflight.engine.sampler import Sampler
 from inflight.engine.scheduler import Scheduler, SchedulerOutput
 from inflight.engine.static import StaticScheduler
+from inflight.engine.stats import EngineStats, scheduler_stats
 from inflight.errors import ConfigError, EngineOverloadedError, InvalidRequestError
 from inflight.model.loaded import LoadedModel
 from inflight.model.tokenizer import ChatMessage
@@ -168,6 +169,14 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's gauges and counters (see `EngineStats`)."""
+        return scheduler_stats(self.scheduler, self.num_oom_events, self.num_failed_steps)
+
+    def reset_kv_peak(self) -> None:
+        """Starts the KV peak afresh from the blocks in use now (a benchmark's run, say)."""
+        self.block_manager.reset_peak()
 
     @property
     def num_running(self) -> int:

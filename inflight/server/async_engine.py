@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 from inflight.engine.engine import LLMEngine, StepObserver
 from inflight.engine.output import RequestOutput
+from inflight.engine.stats import EngineStats
 from inflight.errors import EngineOverloadedError, InflightError, InvalidRequestError
 from inflight.model.tokenizer import ChatMessage
 from inflight.request import SamplingParams
@@ -40,21 +41,6 @@ class EngineFailedError(InflightError):
 
 class EngineShutdownError(EngineFailedError):
     """The engine ended the request because the server is shutting down."""
-
-
-class EngineStats(NamedTuple):
-    """A snapshot of the engine's gauges and counters, published by the loop thread."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_kv_blocks_used: int = 0
-    num_kv_blocks_total: int = 0
-    kv_cache_usage: float = 0.0
-    kv_cache_peak_usage: float = 0.0
-    num_preemptions: int = 0
-    num_oom: int = 0
-    num_kv_allocation_failures: int = 0
-    num_failed_steps: int = 0
 
 
 class _Add(NamedTuple):
@@ -97,7 +83,7 @@ class AsyncEngine:
         self._accepting = True
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self.stats = EngineStats(num_kv_blocks_total=engine.block_manager.num_blocks)
+        self.stats: EngineStats = engine.stats()  # published by the loop thread after each step
 
     # --- read-only facts, safe from any thread --------------------------------------------------
 
@@ -293,19 +279,6 @@ class AsyncEngine:
         stream.put(error)
 
     def _publish(self) -> None:
-        engine = self._engine
-        bm = engine.block_manager
-        self.stats = EngineStats(
-            num_running=engine.num_running,
-            num_waiting=engine.num_waiting,
-            num_kv_blocks_used=bm.num_used_blocks,
-            num_kv_blocks_total=bm.num_blocks,
-            kv_cache_usage=bm.usage,
-            kv_cache_peak_usage=bm.peak_usage,
-            num_preemptions=engine.scheduler.num_preemptions,
-            num_oom=engine.num_oom_events,
-            num_kv_allocation_failures=bm.num_allocation_failures,
-            num_failed_steps=engine.num_failed_steps,
-        )
+        self.stats = stats = self._engine.stats()
         with self._lock:
-            self._num_waiting = engine.num_waiting
+            self._num_waiting = stats.num_waiting

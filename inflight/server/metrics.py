@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from inflight.engine.output import RequestOutput, StepRecord
+from inflight.engine.stats import EngineStats
 from inflight.request import FinishReason
-from inflight.server.async_engine import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +62,11 @@ class _EngineCollector:
             ("kv_allocation_failures", "Times a running request found no free KV block.",
              s.num_kv_allocation_failures),
             ("oom", "Out-of-memory errors that failed a model step (KV pressure preempts instead).",
-             s.num_oom),
+             s.num_oom_events),
             ("num_failed_steps", "Engine steps that raised and failed their requests.", s.num_failed_steps),
+            ("prefix_cache_queries", "Prompt tokens of admitted requests looked up in the prefix cache.",
+             s.num_prefix_query_tokens),
+            ("prefix_cache_hits", "Of those, tokens found in the prefix cache.", s.num_prefix_hit_tokens),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(PREFIX + name, doc, value=value)

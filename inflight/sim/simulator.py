@@ -23,6 +23,7 @@ from inflight.engine.block_manager import BlockManager
 from inflight.engine.output import RequestOutput, StepRecord
 from inflight.engine.scheduler import Scheduler, SchedulerOutput
 from inflight.engine.static import StaticScheduler
+from inflight.engine.stats import EngineStats, scheduler_stats
 from inflight.errors import EngineOverloadedError, InflightError, InvalidRequestError
 from inflight.request import FinishReason, Request, SamplingParams
 from inflight.sim.cost_model import CostModel
@@ -77,6 +78,10 @@ class SimEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
+
+    def stats(self) -> EngineStats:
+        """`LLMEngine.stats()`'s snapshot; a simulated step never fails, so no OOM events."""
+        return scheduler_stats(self.scheduler)
 
     def step(self) -> list[RequestOutput]:
         start = self.clock.now
@@ -180,10 +185,6 @@ def run_simulation(engine: SimEngine, requests: Sequence[BenchRequest],
     finally:
         engine.step_observers.remove(recorder)
     duration = max((r.arrival_s + (r.e2e_s or 0.0) for r in results.values()), default=0.0)
-    counters = EngineCounters(
-        kv_peak_perc=100.0 * engine.block_manager.peak_usage,
-        num_preemptions=engine.scheduler.num_preemptions,
-        num_oom=engine.block_manager.num_allocation_failures,
-    )
+    counters = EngineCounters.between(EngineStats(), engine.stats())
     ordered = [results[r.index] for r in sorted(requests, key=lambda r: r.index)]
     return Capture(ordered, duration, recorder.samples, counters, recorder.timeline)

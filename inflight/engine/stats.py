@@ -1,0 +1,50 @@
+"""What an engine reports about itself: one frozen snapshot, read by `/metrics`, `inflight bench`
+and `inflight sim` alike, so that each counter means the same thing wherever it is shown."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from inflight.engine.scheduler import Scheduler
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_kv_blocks_used: int = 0
+    num_kv_blocks_total: int = 0
+    num_kv_blocks_peak: int = 0  # since the engine started, or since `reset_kv_peak()`
+    num_preemptions: int = 0  # requests whose KV was freed, to be recomputed
+    # Times a running request found no free KV block; each ends in a preemption, never in a failure.
+    num_kv_allocation_failures: int = 0
+    num_oom_events: int = 0  # out-of-memory errors that failed a model step (and its requests)
+    num_failed_steps: int = 0  # model steps that raised, out of memory or not
+    num_prefix_query_tokens: int = 0  # prompt tokens of admitted requests
+    num_prefix_hit_tokens: int = 0  # of which found in the prefix cache
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.num_kv_blocks_used / self.num_kv_blocks_total if self.num_kv_blocks_total else 0.0
+
+    @property
+    def kv_cache_peak_usage(self) -> float:
+        return self.num_kv_blocks_peak / self.num_kv_blocks_total if self.num_kv_blocks_total else 0.0
+
+
+def scheduler_stats(scheduler: Scheduler, num_oom_events: int = 0, num_failed_steps: int = 0) -> EngineStats:
+    """The snapshot of an engine built around `scheduler`, with the step failures it counted."""
+    bm = scheduler.block_manager
+    return EngineStats(
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        num_kv_blocks_used=bm.num_used_blocks,
+        num_kv_blocks_total=bm.num_blocks,
+        num_kv_blocks_peak=bm.peak_used_blocks,
+        num_preemptions=scheduler.num_preemptions,
+        num_kv_allocation_failures=bm.num_allocation_failures,
+        num_oom_events=num_oom_events,
+        num_failed_steps=num_failed_steps,
+        num_prefix_query_tokens=scheduler.num_prefix_query_tokens,
+        num_prefix_hit_tokens=scheduler.num_prefix_hit_tokens,
+    )
