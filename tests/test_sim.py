@@ -286,6 +286,21 @@ def test_shapes_from_a_config_json(tmp_path: Path) -> None:
         resolve_shapes("gpt-9")
 
 
+def test_loader_and_simulator_read_a_config_json_alike(tmp_path: Path) -> None:
+    """One parser: a multimodal config's nested decoder, newer configs' rope_parameters, and
+    Qwen2's q/k/v biases come out the same for the engine's loader and the simulator."""
+    from inflight.model.loader import ModelSource, load_model_config
+
+    text = {"model_type": "qwen2", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}, "eos_token_id": [7, 8]}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl", "text_config": text}))
+    engine_view = load_model_config(ModelSource(tmp_path, "hf"))
+    assert resolve_shapes(str(tmp_path))[1] == engine_view
+    assert engine_view.attention_bias and engine_view.rope_theta == 500000.0 and engine_view.rope_scaling is None
+    assert engine_view.head_dim == 64 and engine_view.eos_token_ids == (7, 8)
+
+
 def test_hardware_profiles_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "hw.json"
     BUILTIN_HARDWARE["l4"].save(path)

