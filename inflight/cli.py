@@ -30,9 +30,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=_SCHED.enable_chunked_prefill)
     g.add_argument("--block-size", type=int, default=_CACHE.block_size)
-    g.add_argument("--kv-cache-memory", type=float, default=_CACHE.kv_cache_memory,
-                   help="KV pool size: bytes if > 1, else a fraction of available memory")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides --kv-cache-memory)")
+    g.add_argument("--kv-cache-memory-fraction", type=float, default=_CACHE.kv_cache_memory_fraction,
+                   help="KV pool size as a fraction of the memory available at start")
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="KV pool size in bytes (overrides --kv-cache-memory-fraction)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides both)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=_CACHE.enable_prefix_caching)
     g.add_argument("--seed", type=int, default=0)
@@ -41,7 +43,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine's keyword options (as `LLM(**options)` takes them) from parsed arguments."""
     names = ["dtype", "device", "max_batch_size", "max_num_tokens", "max_model_len", "scheduling_policy",
-             "enable_chunked_prefill", "block_size", "kv_cache_memory", "num_kv_blocks",
+             "enable_chunked_prefill", "block_size", "kv_cache_memory_fraction", "kv_cache_memory_bytes", "num_kv_blocks",
              "enable_prefix_caching", "seed"]
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 

@@ -48,17 +48,22 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The paged KV pool. Its size comes from `num_kv_blocks` if set, else `kv_cache_memory`:
-    bytes when above 1, a fraction of the device's available memory when in (0, 1]."""
+    """The paged KV pool. Its size is the first of these that is set: `num_kv_blocks`, then
+    `kv_cache_memory_bytes` (as vLLM's option of that name), then `kv_cache_memory_fraction` of
+    the device's available memory when the engine starts."""
 
     block_size: int = 16
-    kv_cache_memory: float = 0.1
+    kv_cache_memory_fraction: float = 0.1
+    kv_cache_memory_bytes: int | None = None
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
-        _require(self.kv_cache_memory > 0, f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
+        _require(0 < self.kv_cache_memory_fraction <= 1,
+                 f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes >= 1,
+                 f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
         _require(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
                  f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 

@@ -141,10 +141,6 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def token_at(self, index: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
-
     def tokens_slice(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)
         if end <= n:

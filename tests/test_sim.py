@@ -260,8 +260,8 @@ def test_kv_capacity_from_memory_left_after_weights() -> None:
     assert CostModel(seventy, h100, tp=4).num_kv_blocks(16) > 0
     cpu = CostModel(BUILTIN_MODELS["smollm2-135m"], load_hardware("cpu-local"))
     per_block = 16 * 2 * 30 * 3 * 64 * 4  # fp32 on the CPU
-    assert cpu.dtype_bytes == 4 and cpu.num_kv_blocks(16, kv_cache_memory=62.5 * per_block) == 62
-    assert cpu.num_kv_blocks(16, kv_cache_memory=0.1) == int(0.1 * 16 * 2**30 // per_block)
+    assert cpu.dtype_bytes == 4 and cpu.num_kv_blocks(16, kv_cache_memory_bytes=int(62.5 * per_block)) == 62
+    assert cpu.num_kv_blocks(16, kv_cache_memory_fraction=0.1) == int(0.1 * 16 * 2**30 // per_block)
 
 
 def test_published_shapes() -> None:

@@ -37,11 +37,6 @@ class BlockManager:
     # --- counters ---------------------------------------------------------------------------
 
     @property
-    def num_free_blocks(self) -> int:
-        """Blocks no request references (cached ones among them are evictable)."""
-        return len(self._free)
-
-    @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 

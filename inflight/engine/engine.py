@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from inflight.config import EngineConfig, SchedulingPolicy
+from inflight.config import CacheConfig, EngineConfig, SchedulingPolicy
 from inflight.engine.block_manager import BlockManager
 from inflight.engine.output import OutputProcessor, RequestOutput, StepRecord
 from inflight.engine.runner import ModelRunner, RunnerTimings
@@ -62,7 +62,7 @@ def available_memory_bytes(device: torch.device) -> int:
         for line in f:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
-    raise ConfigError("cannot read available memory; set num_kv_blocks or kv_cache_memory in bytes")
+    raise ConfigError("cannot read available memory; set num_kv_blocks or kv_cache_memory_bytes")
 
 
 class LLMEngine:
@@ -85,7 +85,7 @@ class LLMEngine:
             sched_cfg = dataclasses.replace(sched_cfg, max_model_len=model_config.max_position_embeddings)
         self.scheduler_config = sched_cfg
         cache = config.cache
-        num_blocks = cache.num_kv_blocks or self._blocks_for_budget(cache.kv_cache_memory, cache.block_size)
+        num_blocks = cache.num_kv_blocks or self._blocks_for_budget(cache)
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         policy = StaticScheduler if sched_cfg.scheduling_policy is SchedulingPolicy.STATIC else Scheduler
         self.scheduler = policy(sched_cfg, self.block_manager)
@@ -101,11 +101,15 @@ class LLMEngine:
         logger.info("engine ready: %s on %s, %d KV blocks of %d tokens",
                     self.model_name, self.device, num_blocks, cache.block_size)
 
-    def _blocks_for_budget(self, budget: float, block_size: int) -> int:
-        total = budget if budget > 1 else budget * available_memory_bytes(self.device)
-        num_blocks = int(total // ModelRunner.kv_bytes_per_block(self.model, block_size))
+    def _blocks_for_budget(self, cache: CacheConfig) -> int:
+        if cache.kv_cache_memory_bytes is not None:
+            total, asked = cache.kv_cache_memory_bytes, f"kv_cache_memory_bytes={cache.kv_cache_memory_bytes}"
+        else:
+            fraction = cache.kv_cache_memory_fraction
+            total, asked = fraction * available_memory_bytes(self.device), f"kv_cache_memory_fraction={fraction}"
+        num_blocks = int(total // ModelRunner.kv_bytes_per_block(self.model, cache.block_size))
         if num_blocks < 1:
-            raise ConfigError(f"kv_cache_memory={budget} leaves no room for a single KV block")
+            raise ConfigError(f"{asked} leaves no room for a single KV block")
         return num_blocks
 
     # --- requests ---------------------------------------------------------------------------

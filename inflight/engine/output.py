@@ -68,10 +68,6 @@ class OutputProcessor:
     def remove(self, request_id: str) -> None:
         self._states.pop(request_id, None)
 
-    def full_text(self, request_id: str) -> str:
-        state = self._states.get(request_id)
-        return "" if state is None else state.text
-
     def process_token(self, request: Request, token: int) -> tuple[str, FinishReason | None]:
         """Accounts for a token just appended to the request; returns (text to emit, finish)."""
         state = self._states[request.request_id]
@@ -96,15 +92,6 @@ class OutputProcessor:
         delta = state.text[state.num_emitted_chars:end]
         state.num_emitted_chars = end
         return delta, finish
-
-    def pending_text(self, request_id: str) -> str:
-        """Text held back so far (released when a request ends for another reason)."""
-        state = self._states.get(request_id)
-        if state is None:
-            return ""
-        delta = state.text[state.num_emitted_chars:]
-        state.num_emitted_chars = len(state.text)
-        return delta
 
 
 def _find_stop(text: str, stops: tuple[str, ...], emitted: int) -> int | None:

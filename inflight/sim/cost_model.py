@@ -139,14 +139,16 @@ class CostModel:
         return self.kv_bytes_per_token * block_size
 
     def num_kv_blocks(self, block_size: int, gpu_memory_utilization: float = 0.9,
-                      kv_cache_memory: float = 0.1) -> int:
-        """KV blocks that fit on each device. A GPU gives `gpu_memory_utilization` of its memory
-        to the engine, as vLLM does, and the KV pool gets what the weights leave of it; a CPU
-        engine sizes its pool as inflight does: `kv_cache_memory` bytes if above 1, else that
-        fraction of the memory."""
+                      kv_cache_memory_fraction: float = 0.1, kv_cache_memory_bytes: int | None = None) -> int:
+        """KV blocks that fit on each device: `kv_cache_memory_bytes` if given (on a GPU too, as
+        vLLM's option of that name); else a GPU gives `gpu_memory_utilization` of its memory to
+        the engine, as vLLM does, and the KV pool gets what the weights leave of it, while a CPU
+        engine gives its pool `kv_cache_memory_fraction` of the memory, as inflight does."""
         hw = self.hardware
-        if hw.kind == "cpu":
-            budget = kv_cache_memory if kv_cache_memory > 1 else kv_cache_memory * hw.memory_bytes
+        if kv_cache_memory_bytes is not None:
+            budget = float(kv_cache_memory_bytes)
+        elif hw.kind == "cpu":
+            budget = kv_cache_memory_fraction * hw.memory_bytes
         else:
             budget = hw.memory_bytes * gpu_memory_utilization - self.weight_bytes_per_device
         num_blocks = int(budget // self.kv_bytes_per_block(block_size))

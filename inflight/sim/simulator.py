@@ -52,7 +52,7 @@ class SimEngine:
             sched_cfg = dataclasses.replace(sched_cfg, max_model_len=max_len)
         cache = config.cache
         num_blocks = cache.num_kv_blocks or cost_model.num_kv_blocks(
-            cache.block_size, gpu_memory_utilization, cache.kv_cache_memory)
+            cache.block_size, gpu_memory_utilization, cache.kv_cache_memory_fraction, cache.kv_cache_memory_bytes)
         self.config = config
         self.scheduler_config = sched_cfg
         self.scheduler = build_scheduler(sched_cfg, cache, num_blocks)
