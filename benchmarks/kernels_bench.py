@@ -242,7 +242,8 @@ def prefill_attention(kernels: object) -> None:
     zero = torch.tensor([0])
     ours = best_of(lambda: kernels.paged_prefill_attention(  # type: ignore[attr-defined]
         q, k_cache, v_cache, table, zero, one, zero, BLOCK, DIM ** -0.5), reps=20)
-    qh, k, v = q.transpose(0, 1).unsqueeze(0), torch.randn(1, KV_HEADS, length, DIM), torch.randn(1, KV_HEADS, length, DIM)
+    qh, k, v = (q.transpose(0, 1).unsqueeze(0), torch.randn(1, KV_HEADS, length, DIM),
+                torch.randn(1, KV_HEADS, length, DIM))
     sdpa = best_of(lambda: F.scaled_dot_product_attention(qh, k, v, is_causal=True, enable_gqa=True), reps=20)
     flop = 4 * HEADS * DIM * length * length / 2
     print(f"prefill attention, one {length}-token prompt: paged kernel {flop / ours / 1e9:.0f} GFLOP/s, "

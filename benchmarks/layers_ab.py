@@ -51,7 +51,8 @@ def main() -> int:
                         steps.append(time.perf_counter() - start)
                     times[way].append(statistics.median(steps))
             ratios = [p / c for p, c in zip(times["python"], times["compiled"], strict=True)]
-            print(f"{batch:3d} requests decoding: compiled layers {1000 * statistics.median(times['compiled']):6.1f} ms "
+            print(f"{batch:3d} requests decoding: compiled layers "
+                  f"{1000 * statistics.median(times['compiled']):6.1f} ms "
                   f"a step, Python loop {1000 * statistics.median(times['python']):6.1f} ms; compiled "
                   f"{statistics.median(ratios):.3f}x, faster in {sum(x > 1 for x in ratios)} of {args.rounds} rounds")
     finally:

@@ -55,7 +55,8 @@ def main() -> int:
     args = parser.parse_args()
     print(f"{args.requests} requests of {args.prompt_len}+{args.output_len} tokens, "
           f"{args.num_blocks} KV blocks of {args.block_size} tokens")
-    print(f"{'preemption_cooldown_steps':<28}{'preemptions':>12}{'worst per request':>19}{'recomputed tokens':>19}{'steps':>7}")
+    print(f"{'preemption_cooldown_steps':<28}{'preemptions':>12}{'worst per request':>19}"
+          f"{'recomputed tokens':>19}{'steps':>7}")
     for cooldown in (0, 8, 32, 128):
         f = run(cooldown, args)
         print(f"{cooldown:<28}{f['preemptions']:>12}{f['worst']:>19}{f['recomputed']:>19}{f['steps']:>7}")

@@ -266,7 +266,8 @@ def must_conditions(s: dict[str, Any], expected_sent: int) -> dict[str, bool]:
         f"all {expected_sent} requests sent": s["sent"] == expected_sent,
         "no 5xx": s["5xx"] == 0,
         "no request failed": s["failed"] == 0,
-        "no request lost (client: no answer or a cut stream; server: unaccounted)": s["lost"] == 0 and s["unaccounted"] == 0,
+        "no request lost (client: no answer or a cut stream; server: unaccounted)":
+            s["lost"] == 0 and s["unaccounted"] == 0,
         "KV blocks back to idle": s["kv_blocks_end"] == s["kv_blocks_idle"],
         "RSS growth < 5%": s["rss_growth_pct"] is None or s["rss_growth_pct"] < 5,
         "some overload was refused with 429": s["rejected"] > 0,

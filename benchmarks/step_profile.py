@@ -117,7 +117,8 @@ def main() -> int:
     profiled = {id(step) for _, step in profiles.values()}  # slowed by the profiler: left out below
     steps = [s for s in engine.step_records if id(s) not in profiled]
     generated = sum(s.num_decode_tokens for s in engine.step_records) + len(requests)
-    print(f"{len(requests)} requests, {len(engine.step_records)} steps, {wall:.1f} s, {generated / wall:.1f} generated tok/s "
+    print(f"{len(requests)} requests, {len(engine.step_records)} steps, {wall:.1f} s, "
+          f"{generated / wall:.1f} generated tok/s "
           f"(max_num_tokens={args.max_num_tokens}, {torch.get_num_threads()} threads)")
     groups = {
         "all steps": steps,
@@ -164,7 +165,8 @@ def by_size(steps: list[Any], config: Any, peak_gflops: float) -> None:
         name = ("with prefill" if s.num_prefill_tokens else "decode, 60+ requests" if n >= 60 else
                 "decode, 32-59" if n >= 32 else "decode, 16-31" if n >= 16 else
                 "decode, 4-15" if n >= 4 else "decode, 1-3")
-        ideal = 2 * (flop["body_params"] * (s.num_prefill_tokens + n) + flop["lm_head_params"] * n) / (peak_gflops * 1e9)
+        ideal = (2 * (flop["body_params"] * (s.num_prefill_tokens + n) + flop["lm_head_params"] * n)
+                 / (peak_gflops * 1e9))
         group = groups.setdefault(name, [0, 0.0, 0.0])
         group[0] += 1
         group[1] += s.duration_s

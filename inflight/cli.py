@@ -43,8 +43,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine's keyword options (as `LLM(**options)` takes them) from parsed arguments."""
     names = ["dtype", "device", "max_batch_size", "max_num_tokens", "max_model_len", "scheduling_policy",
-             "enable_chunked_prefill", "block_size", "kv_cache_memory_fraction", "kv_cache_memory_bytes", "num_kv_blocks",
-             "enable_prefix_caching", "seed"]
+             "enable_chunked_prefill", "block_size", "kv_cache_memory_fraction", "kv_cache_memory_bytes",
+             "num_kv_blocks", "enable_prefix_caching", "seed"]
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
@@ -72,7 +72,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
     sys.stdout.write("\n")
     t = request.timings
-    if args.verbose and t.first_token is not None and t.finished is not None:
+    if args.verbose and t.ttft_s is not None and t.first_token is not None and t.finished is not None:
         n = request.num_output_tokens
         decode_s = t.finished - t.first_token
         rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -125,7 +126,7 @@ class EngineConfig:
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineConfig:
         """Builds a config from flat, field-named options (`max_batch_size=8, block_size=32`)."""
         sections: dict[type, dict[str, Any]] = {CacheConfig: {}, SchedulerConfig: {}, cls: {}}
-        fields_of = {c: set(c.__dataclass_fields__) for c in sections}
+        fields_of = {c: {f.name for f in dataclasses.fields(c)} for c in sections}
         for key, value in kwargs.items():
             owner = next((c for c in (CacheConfig, SchedulerConfig, cls) if key in fields_of[c]), None)
             if owner is None or key in ("cache", "scheduler", "model"):

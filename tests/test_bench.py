@@ -184,7 +184,8 @@ def test_cli_reports_a_bad_spec_in_one_line(tmp_path: Path, capsys: pytest.Captu
     path = write_yaml(tmp_path / "bad.yaml", {**TINY, "arrivals": {"kind": "poisson"}})
     assert main(["bench", "--workload", str(path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and err.startswith("inflight: error: ") and "arrivals.poisson.rate: Field required" in err
+    assert (err.count("\n") == 0 and err.startswith("inflight: error: ")
+            and "arrivals.poisson.rate: Field required" in err)
     (tmp_path / "notyaml.yaml").write_text("a: [1,\n")
     assert main(["bench", "--workload", str(tmp_path / "notyaml.yaml")]) == 2
     assert capsys.readouterr().err.count("\n") == 1

@@ -54,7 +54,8 @@ def test_safetensors_model_matches_transformers(tmp_path, loaded, arch):
     if arch == "llama":
         config = transformers.LlamaConfig(**common, tie_word_embeddings=True,
                                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+                                                        "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 64})
         model = transformers.LlamaForCausalLM(config)
     elif arch == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, tie_word_embeddings=False))

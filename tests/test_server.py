@@ -211,7 +211,8 @@ def test_disconnect_mid_stream_aborts_the_request(server: RunningServer, model: 
         busy = scrape(server.url)
         assert metric(busy, "num_requests_running") == 1 and metric(busy, "kv_cache_usage_perc") > idle_usage
     after = _wait_idle(server.url, idle_usage)  # 1500 tokens would take far longer than the wait
-    assert metric(after, "request_failure_total", reason="aborted") == metric(before, "request_failure_total", reason="aborted") + 1
+    assert (metric(after, "request_failure_total", reason="aborted")
+            == metric(before, "request_failure_total", reason="aborted") + 1)
 
 
 def test_disconnect_while_waiting_for_a_whole_completion(server: RunningServer, model: str) -> None:
@@ -220,7 +221,8 @@ def test_disconnect_while_waiting_for_a_whole_completion(server: RunningServer, 
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
     after = _wait_idle(server.url, metric(before, "kv_cache_usage_perc"))
-    assert metric(after, "request_failure_total", reason="aborted") == metric(before, "request_failure_total", reason="aborted") + 1
+    assert (metric(after, "request_failure_total", reason="aborted")
+            == metric(before, "request_failure_total", reason="aborted") + 1)
 
 
 # --- bad input -----------------------------------------------------------------------------------
@@ -236,7 +238,8 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("missing model", "/completions", {"prompt": "hi"}, 400, "model"),
     ("missing messages", "/chat/completions", {"model": "M"}, 400, "messages"),
     ("empty messages", "/chat/completions", {"model": "M", "messages": []}, 400, "messages"),
-    ("bad role", "/chat/completions", {"model": "M", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    ("bad role", "/chat/completions",
+     {"model": "M", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
     ("image content part", "/chat/completions", {"model": "M", "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]},
      400, "messages"),
@@ -250,16 +253,20 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("prompt too long", "/completions", {"model": "M", "prompt": LONG_IDS}, 400, "prompt"),
     ("prompt too long, max_tokens", "/completions", {"model": "M", "prompt": LONG_IDS, "max_tokens": 4}, 400, "prompt"),
     ("max_tokens 0", "/completions", {"model": "M", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
-    ("max_tokens beyond context", "/completions", {"model": "M", "prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),
+    ("max_tokens beyond context", "/completions",
+     {"model": "M", "prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),
     ("chat max_completion_tokens 0", "/chat/completions",
-     {"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+     {"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+     400, "max_completion_tokens"),
     ("negative temperature", "/completions", {"model": "M", "prompt": "hi", "temperature": -0.5}, 400, "temperature"),
     ("top_p zero", "/completions", {"model": "M", "prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("top_p above one", "/completions", {"model": "M", "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ("n above one", "/completions", {"model": "M", "prompt": "hi", "n": 2}, 400, "n"),
-    ("chat n above one", "/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n"),
+    ("chat n above one", "/chat/completions",
+     {"model": "M", "messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n"),
     ("empty stop string", "/completions", {"model": "M", "prompt": "hi", "stop": [""]}, 400, "stop"),
-    ("penalty out of range", "/completions", {"model": "M", "prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("penalty out of range", "/completions",
+     {"model": "M", "prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
     ("logprobs", "/completions", {"model": "M", "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
     ("best_of", "/completions", {"model": "M", "prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("json mode", "/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}],
@@ -340,9 +347,10 @@ def test_metrics_parse_and_move_with_requests(server: RunningServer, client: ope
     text = httpx.get(server.url + "/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     expected = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "kv_cache_usage_peak_perc",
-                "kv_cache_blocks_used", "kv_cache_blocks_total", "num_preemptions", "oom", "kv_allocation_failures", "num_failed_steps",
-                "prompt_tokens", "generation_tokens", "time_to_first_token_seconds", "inter_token_latency_seconds",
-                "e2e_request_latency_seconds", "request_queue_time_seconds", "iteration_tokens"]
+                "kv_cache_blocks_used", "kv_cache_blocks_total", "num_preemptions", "oom", "kv_allocation_failures",
+                "num_failed_steps", "prompt_tokens", "generation_tokens", "time_to_first_token_seconds",
+                "inter_token_latency_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                "iteration_tokens"]
     for name in expected:
         assert "inflight:" + name in families, name
     assert all(name.startswith("inflight:") for name in families)

@@ -53,7 +53,8 @@ def test_overload_gets_429_while_admitted_requests_complete(loaded: LoadedModel)
                 assert error["type"] == "rate_limit_error" and "waiting queue is full" in error["message"]
         assert _failures(running.url, "overloaded") == statuses.count(429)
         # Once the queue drains, requests are admitted again.
-        assert httpx.post(running.url + "/v1/completions", json={**body, "max_tokens": 2}, timeout=60).status_code == 200
+        assert httpx.post(running.url + "/v1/completions", json={**body, "max_tokens": 2},
+                          timeout=60).status_code == 200
 
 
 def test_api_key_is_required_on_v1(loaded: LoadedModel) -> None:
@@ -69,7 +70,8 @@ def test_api_key_is_required_on_v1(loaded: LoadedModel) -> None:
         assert httpx.get(running.url + "/health").status_code == 200
         assert httpx.get(running.url + "/metrics").status_code == 200
 
-        with openai.OpenAI(base_url=base, api_key="wrong", max_retries=0) as bad, pytest.raises(openai.AuthenticationError):
+        with (openai.OpenAI(base_url=base, api_key="wrong", max_retries=0) as bad,
+              pytest.raises(openai.AuthenticationError)):
             bad.models.list()
         with openai.OpenAI(base_url=base, api_key="s3cret", max_retries=0) as good:
             assert [m.id for m in good.models.list().data] == ["tiny"]

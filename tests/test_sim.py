@@ -63,7 +63,8 @@ def h100_llama() -> SimTarget:
 
 
 @pytest.mark.parametrize("policy, cls", [("continuous", Scheduler), ("static", StaticScheduler)])
-def test_runs_the_production_scheduler_and_block_manager(policy: str, cls: type, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_runs_the_production_scheduler_and_block_manager(policy: str, cls: type,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     calls = {"schedule": 0, "allocate": 0}
     schedule, allocate = cls.schedule, BlockManager.allocate_slots
 
@@ -138,7 +139,8 @@ def test_bench_and_sim_count_the_same_events(loaded: LoadedModel) -> None:
 
 
 def test_shared_prefix_requests_hit_the_real_prefix_cache() -> None:
-    spec = {**SMALL, "shared_prefix": {"fraction": 0.8, "num_tokens": 256}, "arrivals": {"kind": "poisson", "rate": 2.0}}
+    spec = {**SMALL, "shared_prefix": {"fraction": 0.8, "num_tokens": 256},
+            "arrivals": {"kind": "poisson", "rate": 2.0}}
     requests = synthetic_requests(parse_workload(spec))
     hits = {}
     for caching in (True, False):

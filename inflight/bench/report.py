@@ -141,8 +141,8 @@ def format_table(runs: Sequence[BenchRun], title: str) -> str:
         lines.append(f"-- Ratio to {runs[0].label} ".ljust(width, "-"))
         for name, get in _RATIOS:
             base = get(runs[0].metrics)
-            cells = [_fmt(None if not base or get(r.metrics) is None else get(r.metrics) / base, ".2f") + "x"
-                     for r in runs]
+            values = [get(r.metrics) for r in runs]
+            cells = [_fmt(None if not base or v is None else v / base, ".2f") + "x" for v in values]
             lines.append(f"  {name}".ljust(label_w) + "".join(c.rjust(col_w) for c in cells))
     lines.append("=" * width)
     return "\n".join(lines)

@@ -74,7 +74,8 @@ def parse_compare(text: str) -> list[str]:
 def plan_runs(compare: Sequence[str] = (), sweeps: Sequence[tuple[str, list[Any]]] = ()) -> list[RunPlan]:
     """One run per combination of a compared preset and one value of each swept option."""
     plans = []
-    for preset in list(compare) or [None]:
+    presets: list[str | None] = [*compare] or [None]
+    for preset in presets:
         for values in itertools.product(*(v for _, v in sweeps)):
             swept = {k: v for (k, _), v in zip(sweeps, values, strict=True)}
             parts = ([preset] if preset else []) + [f"{k}={_fmt(v)}" for k, v in swept.items()]

@@ -164,8 +164,10 @@ class BlockManager:
             for block in table:
                 owners[block] += 1
         for block in range(self.num_blocks):
-            assert owners[block] == self._ref_cnt[block], f"block {block}: refcount {self._ref_cnt[block]} != owners {owners[block]}"
-            assert (self._ref_cnt[block] == 0) == (block in self._free), f"block {block}: free queue disagrees with refcount"
+            assert owners[block] == self._ref_cnt[block], (
+                f"block {block}: refcount {self._ref_cnt[block]} != owners {owners[block]}")
+            assert (self._ref_cnt[block] == 0) == (block in self._free), (
+                f"block {block}: free queue disagrees with refcount")
             if owners[block] > 1:
                 assert self._block_hash[block] is not None, f"block {block} shared but not a cached prefix block"
         for h, block in self._cached.items():

@@ -8,6 +8,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -27,6 +28,14 @@ from inflight.request import FinishReason, Request, SamplingParams
 logger = logging.getLogger(__name__)
 
 StepObserver = Callable[[StepRecord, list[RequestOutput]], None]
+
+
+class ModelStepResult(NamedTuple):
+    """What running the model on a step gave: request id -> sampled token for the requests that
+    reached their last known token, or the error that failed the step (and only its requests)."""
+
+    sampled: dict[str, int]
+    error: Exception | None = None
 
 
 def select_device(name: str) -> torch.device:
@@ -102,6 +111,7 @@ class LLMEngine:
                     self.model_name, self.device, num_blocks, cache.block_size)
 
     def _blocks_for_budget(self, cache: CacheConfig) -> int:
+        total: float
         if cache.kv_cache_memory_bytes is not None:
             total, asked = cache.kv_cache_memory_bytes, f"kv_cache_memory_bytes={cache.kv_cache_memory_bytes}"
         else:
@@ -197,33 +207,34 @@ class LLMEngine:
         start = time.perf_counter()
         out = self.scheduler.schedule()
         scheduled = time.perf_counter()
-        sampled = self._execute(out)
+        result = self._execute(out)
         executed = time.perf_counter()
-        outputs = self._process(out, sampled)
+        outputs = self._process(out, result)
         self._record(out, outputs, start, scheduled - start, time.perf_counter() - executed)
         return outputs
 
-    def _execute(self, out: SchedulerOutput) -> dict[str, int] | Exception:
+    def _execute(self, out: SchedulerOutput) -> ModelStepResult:
         self.runner.last_timings = RunnerTimings()
         if out.is_empty:
-            return {}
+            return ModelStepResult({})
         try:
-            return self.runner.execute(out)
+            return ModelStepResult(self.runner.execute(out))
         except Exception as exc:  # a failed step fails its own requests, never the engine
             self.num_failed_steps += 1
             if is_out_of_memory(exc):
                 self.num_oom_events += 1
             logger.exception("step %d failed; failing its %d requests", out.step_id, len(out.scheduled))
-            return exc
+            return ModelStepResult({}, exc)
 
-    def _process(self, out: SchedulerOutput, sampled: dict[str, int] | Exception) -> list[RequestOutput]:
-        if isinstance(sampled, Exception):
+    def _process(self, out: SchedulerOutput, result: ModelStepResult) -> list[RequestOutput]:
+        if result.error is not None:
             # The exception's own text (allocator messages, shapes) goes to the log, not to clients.
-            if is_out_of_memory(sampled):
+            if is_out_of_memory(result.error):
                 message = "out of memory in the model step; the request was ended"
             else:
-                message = f"internal error in the model step ({type(sampled).__name__}); the request was ended"
+                message = f"internal error in the model step ({type(result.error).__name__}); the request was ended"
             return [self._fail(s.request, message) for s in out.scheduled]
+        sampled = result.sampled
         self.scheduler.update_from_output(out, sampled)
         now = time.perf_counter()
         outputs: list[RequestOutput] = []
@@ -265,6 +276,7 @@ class LLMEngine:
             num_waiting=self.num_waiting,
             num_preempted=len(out.preempted),
             request_ids=tuple(s.request.request_id for s in out.scheduled),
+            work=out.work(),
             schedule_s=schedule_s,
             prepare_s=timings.prepare_s,
             forward_s=timings.forward_s,

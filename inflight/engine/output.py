@@ -41,6 +41,7 @@ class StepRecord:
     num_waiting: int
     num_preempted: int
     request_ids: tuple[str, ...] = field(default=())
+    work: tuple[tuple[int, int, bool], ...] = ()  # per request, as `SchedulerOutput.work()` gives
     # Where the step's time went: scheduling, building tensors, the forward pass, sampling,
     # and output processing (detokenization, stop rules, bookkeeping).
     schedule_s: float = 0.0

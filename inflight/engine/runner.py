@@ -117,11 +117,11 @@ class ModelRunner:
                 segments.append(PrefillSegment(start, end, None, None))
                 continue
             num_table = self.num_blocks_for(s.end)
-            table = torch.tensor(s.block_table[:num_table], device=device)
+            blocks = torch.tensor(s.block_table[:num_table], device=device)
             context = torch.arange(num_table * bs, device=device)
             query_pos = torch.arange(s.start, s.end, device=device)
             mask = context.unsqueeze(0) <= query_pos.unsqueeze(1)
-            segments.append(PrefillSegment(start, end, table, mask))
+            segments.append(PrefillSegment(start, end, blocks, mask))
 
         prefill_tables = None
         if prefills and in_place:

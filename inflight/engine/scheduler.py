@@ -32,15 +32,16 @@ class ScheduledRequest:
     start: int
     num_new_tokens: int
     block_table: list[int]
+    # Whether this step reaches the request's last known token, so that it yields a new one;
+    # fixed when the step is scheduled (the request grows by that token afterwards).
+    samples_next_token: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples_next_token = self.end == self.request.num_tokens
 
     @property
     def end(self) -> int:
         return self.start + self.num_new_tokens
-
-    @property
-    def samples_next_token(self) -> bool:
-        """Whether this step reaches the request's last known token, so it yields a new one."""
-        return self.end == self.request.num_tokens
 
     @property
     def is_decode(self) -> bool:
@@ -72,9 +73,16 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    def work(self) -> tuple[tuple[int, int, bool], ...]:
+        """Per scheduled request, in order: (new tokens, tokens in its KV after the step, whether
+        it yields a token), what a cost model needs of the step."""
+        return tuple((s.num_new_tokens, s.end, s.samples_next_token) for s in self.scheduled)
+
 
 class Scheduler:
-    """The continuous-batching policy. `StaticScheduler` overrides admission and release."""
+    """The continuous-batching policy. Another policy subclasses it and overrides `schedule()`
+    and, where it holds KV blocks past a request's end, `release_blocks()`; it builds each step
+    with `new_output()` and seats a request with `start_running()` (`StaticScheduler` does)."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
@@ -129,16 +137,21 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.timings.finished = time.perf_counter()
-        self._release(request)
+        self.release_blocks(request)
 
-    def _release(self, request: Request) -> None:
+    def release_blocks(self, request: Request) -> None:
+        """Hook, called once when `request` has finished: frees its KV blocks."""
         self.block_manager.free(request.request_id)
 
     # --- one step -------------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def new_output(self) -> SchedulerOutput:
+        """An empty output for the next step (step ids count from 1)."""
         self._step_id += 1
-        out = SchedulerOutput(step_id=self._step_id, scheduled=[])
+        return SchedulerOutput(step_id=self._step_id, scheduled=[])
+
+    def schedule(self) -> SchedulerOutput:
+        out = self.new_output()
         budget = self._schedule_running(out, self.config.max_num_tokens)
         if not out.preempted:  # no admission while the pool is short
             self._admit(out, budget)
@@ -231,13 +244,15 @@ class Scheduler:
                 break
             bm.allocate_slots(request, num_cached + num_new, hits)
             self.waiting.popleft()
-            self._start(request, num_cached)
+            self.start_running(request, num_cached)
             self.num_prefix_query_tokens += request.num_tokens
             self.num_prefix_hit_tokens += num_cached
             out.scheduled.append(ScheduledRequest(request, num_cached, num_new, bm.block_table(request.request_id)))
             budget -= num_new
 
-    def _start(self, request: Request, num_cached: int) -> None:
+    def start_running(self, request: Request, num_cached: int) -> None:
+        """Moves a request just taken off `waiting` into the running batch, its first
+        `num_cached` tokens already in its KV blocks."""
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_cached
         request.num_cached_tokens = num_cached

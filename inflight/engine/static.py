@@ -10,18 +10,19 @@ baseline here is, if anything, faster than a real padded implementation.
 
 from __future__ import annotations
 
+from inflight.config import SchedulerConfig
+from inflight.engine.block_manager import BlockManager
 from inflight.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from inflight.request import Request, RequestStatus
 
 
 class StaticScheduler(Scheduler):
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        super().__init__(config, block_manager)
         self._batch: list[Request] = []
 
     def schedule(self) -> SchedulerOutput:
-        self._step_id += 1
-        out = SchedulerOutput(step_id=self._step_id, scheduled=[])
+        out = self.new_output()
         if not self._batch:
             self._admit_batch(out)
             return out
@@ -43,7 +44,7 @@ class StaticScheduler(Scheduler):
                 break
             bm.allocate_slots(request, request.max_num_tokens)
             self.waiting.popleft()
-            self._start(request, 0)
+            self.start_running(request, 0)
             self._batch.append(request)
             out.scheduled.append(ScheduledRequest(
                 request, 0, request.num_tokens, bm.block_table(request.request_id)
@@ -52,7 +53,8 @@ class StaticScheduler(Scheduler):
             longest = max(s.num_new_tokens for s in out.scheduled)
             out.num_wasted_tokens = sum(longest - s.num_new_tokens for s in out.scheduled)
 
-    def _release(self, request: Request) -> None:
+    def release_blocks(self, request: Request) -> None:
+        """A batch's blocks are freed together, when its last member ends."""
         if request not in self._batch:
             self.block_manager.free(request.request_id)
             return

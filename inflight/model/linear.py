@@ -12,9 +12,9 @@ also leaves out its AVX-512 kernels. Two prepacked paths replace it:
 
 Measured here by `benchmarks/kernels_bench.py` (2 Zen 5 cores, every weight of SmolLM2 once, as
 a decode step reads them): 64 rows take 38 ms with `inflight`, 45 ms with `onednn`, 109 ms with
-`F.linear`; a 512-row prefill is within a few percent between the two prepacked paths. `INFLIGHT_LINEAR=inflight|onednn|torch`
-forces one (default `auto`: the first available in that order). Other devices and dtypes always
-take `F.linear`.
+`F.linear`; a 512-row prefill is within a few percent between the two prepacked paths.
+`INFLIGHT_LINEAR=inflight|onednn|torch` forces one (default `auto`: the first available in that
+order). Other devices and dtypes always take `F.linear`.
 
 A decode step of a few requests is memory-bound: it streams every weight from DRAM once.
 Where the checkpoint is a GGUF file whose weights are stored as Q4_1 or Q8_0 blocks, `inflight`
@@ -46,7 +46,7 @@ def linear_backend(device: torch.device, dtype: torch.dtype) -> str:
     kernels = cpu_kernels()
     ours = kernels is not None
     # Built without AVX2, our kernel's 8-column panels lose to oneDNN: asked for by name only.
-    ours_first = ours and kernels.gemm_panel_width() >= 16
+    ours_first = kernels is not None and kernels.gemm_panel_width() >= 16
     onednn = torch.backends.mkldnn.is_available()
     if choice == "auto":
         return "inflight" if ours_first else "onednn" if onednn else "torch"

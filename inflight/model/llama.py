@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from types import ModuleType
-from typing import Any, cast
+from typing import Any, NamedTuple
 
 import torch
 
@@ -44,6 +44,22 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     raise ModelLoadError(f"unsupported rope scaling type {kind!r}")
 
 
+class DecoderLayer(NamedTuple):
+    """One decoder layer's weights: the norms' scales and the fused matmuls."""
+
+    input_norm: torch.Tensor
+    qkv: Linear
+    o: Linear
+    post_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+    @property
+    def matmuls(self) -> tuple[Linear, Linear, Linear, Linear]:
+        """In the order `DecoderStack` takes them."""
+        return self.qkv, self.o, self.gate_up, self.down
+
+
 class LlamaModel:
     """Holds the weights (QKV and gate/up fused) and runs one packed forward step."""
 
@@ -69,28 +85,28 @@ class LlamaModel:
         def linear(*names: str, bias: tuple[str, ...] | None = None) -> Linear:
             weight = torch.cat([take(n) for n in names]) if len(names) > 1 else take(names[0])
             b = torch.cat([take(n) for n in bias]) if bias else None
-            parts = [blocks.get(n) for n in names]
+            parts = [part for n in names if (part := blocks.get(n)) is not None]
             quantized = None
-            if all(parts) and len({kind for kind, _ in parts}) == 1:  # fused rows need one block type
+            if len(parts) == len(names) and len({kind for kind, _ in parts}) == 1:  # fused rows need one block type
                 quantized = (parts[0][0], torch.cat([raw for _, raw in parts]))
             return Linear(weight, b, backend, gguf_blocks=quantized)
 
         self.final_norm = take("model.norm.weight")
         self.lm_head = linear("lm_head.weight")
-        self.layers: list[dict[str, torch.Tensor | Linear]] = []
+        self.layers: list[DecoderLayer] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             attn = p + "self_attn."
             qkv = [f"{attn}{n}_proj.weight" for n in "qkv"]
             qkv_bias = tuple(f"{attn}{n}_proj.bias" for n in "qkv") if config.attention_bias else None
-            self.layers.append({
-                "input_norm": take(p + "input_layernorm.weight"),
-                "qkv": linear(*qkv, bias=qkv_bias),
-                "o": linear(attn + "o_proj.weight"),
-                "post_norm": take(p + "post_attention_layernorm.weight"),
-                "gate_up": linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                "down": linear(p + "mlp.down_proj.weight"),
-            })
+            self.layers.append(DecoderLayer(
+                input_norm=take(p + "input_layernorm.weight"),
+                qkv=linear(*qkv, bias=qkv_bias),
+                o=linear(attn + "o_proj.weight"),
+                post_norm=take(p + "post_attention_layernorm.weight"),
+                gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down=linear(p + "mlp.down_proj.weight"),
+            ))
         kernels = cpu_kernels() if device.type == "cpu" and self.dtype == torch.float32 else None
         self.attention = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim, kernels)
         shape = (config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps)
@@ -103,10 +119,10 @@ class LlamaModel:
         """The compiled loop over the layers (`DecoderStack` in `csrc/cpu_kernels.cpp`), where every
         kernel it calls serves this model: the same kernels as `forward`'s Python loop, called back
         to back without Python between them. None elsewhere."""
-        matmuls = [cast(Linear, layer[name]) for layer in self.layers for name in ("qkv", "o", "gate_up", "down")]
+        matmuls = [m for layer in self.layers for m in layer.matmuls]
         if kernels is None or any(m.backend != "inflight" for m in matmuls):
             return None
-        norms = [layer[name] for layer in self.layers for name in ("input_norm", "post_norm")]
+        norms = [norm for layer in self.layers for norm in (layer.input_norm, layer.post_norm)]
         cfg = self.config
         return kernels.DecoderStack(
             norms, [m.weight for m in matmuls], [m.blocks for m in matmuls], [m.bias for m in matmuls],
@@ -145,19 +161,20 @@ class LlamaModel:
         """Every decoder layer over the step's tokens: updates the residual stream `hidden` in
         place and returns the last layer's MLP output."""
         ops, layers = self.ops, self.layers
-        x = ops.rms_norm(hidden, layers[0]["input_norm"])
+        x = ops.rms_norm(hidden, layers[0].input_norm)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches, strict=True)):
             store = KVStore(k_cache, v_cache, attn_meta.slot_mapping)
-            q, k, v = ops.rotary(layer["qkv"](x), positions, self._rope_cos, self._rope_sin, store)
+            q, k, v = ops.rotary(layer.qkv(x), positions, self._rope_cos, self._rope_sin, store)
             attn = self.attention.forward(q, k, v, k_cache, v_cache, attn_meta, kv_stored=True)
-            x = ops.add_rms_norm_(hidden, layer["o"](attn), layer["post_norm"])
-            mlp = layer["down"](ops.silu_and_mul(layer["gate_up"](x)))
+            x = ops.add_rms_norm_(hidden, layer.o(attn), layer.post_norm)
+            mlp = layer.down(ops.silu_and_mul(layer.gate_up(x)))
             if i + 1 < len(layers):
-                x = ops.add_rms_norm_(hidden, mlp, layers[i + 1]["input_norm"])
+                x = ops.add_rms_norm_(hidden, mlp, layers[i + 1].input_norm)
         return mlp
 
     def _compiled_layers(self, hidden: torch.Tensor, positions: torch.Tensor,
-                         kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn_meta: AttentionMetadata) -> torch.Tensor:
+                         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                         attn_meta: AttentionMetadata) -> torch.Tensor:
         """`_layers` through the compiled `DecoderStack`: the same kernels in the same order."""
         tables = attn_meta.prefill_tables
         return self.decoder_stack.forward(

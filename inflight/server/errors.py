@@ -73,10 +73,9 @@ def from_validation_error(errors: list[Any]) -> APIError:
             return invalid(rest, field)
         return invalid(text, loc[0] if loc else None)
     # A union reports each alternative's location ("prompt", "str"); name the field only.
-    field = loc[0] if loc else None
     where = ".".join(p for p in loc if not _is_type_name(p))
     message = f"{where}: {err.get('msg', 'invalid value')}" if where else str(err.get("msg", "invalid value"))
-    return invalid(message, field)
+    return invalid(message, loc[0] if loc else None)
 
 
 def _is_type_name(part: str) -> bool:

@@ -21,7 +21,7 @@ logger = logging.getLogger("uvicorn.error")  # shown with uvicorn's own lifecycl
 
 # After the drain, uvicorn waits this long for responses still being written before it
 # cancels them; the drain itself is bounded by ServerConfig.shutdown_timeout_s.
-_FLUSH_TIMEOUT_S = 5.0
+_FLUSH_TIMEOUT_S = 5
 
 
 class GracefulServer(uvicorn.Server):

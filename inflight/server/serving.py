@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from fastapi import Request
@@ -42,6 +42,7 @@ from inflight.server.protocol import (
     CompletionResponse,
     DeltaMessage,
     ErrorResponse,
+    FinishReasonName,
     GenerationRequest,
     UsageInfo,
 )
@@ -55,9 +56,9 @@ class _Format(Protocol):
     """How one endpoint shapes its chunks and its whole response."""
 
     def opening(self) -> list[BaseModel]: ...
-    def chunk(self, text: str, finish: str | None) -> BaseModel: ...
+    def chunk(self, text: str, finish: FinishReasonName) -> BaseModel: ...
     def usage_chunk(self, usage: UsageInfo) -> BaseModel: ...
-    def response(self, text: str, finish: str | None, usage: UsageInfo) -> BaseModel: ...
+    def response(self, text: str, finish: FinishReasonName, usage: UsageInfo) -> BaseModel: ...
 
 
 class _CompletionFormat:
@@ -67,14 +68,14 @@ class _CompletionFormat:
     def opening(self) -> list[BaseModel]:
         return []
 
-    def chunk(self, text: str, finish: str | None) -> BaseModel:
+    def chunk(self, text: str, finish: FinishReasonName) -> BaseModel:
         return CompletionResponse(id=self.id, model=self.model, created=self.created,
                                   choices=[CompletionChoice(text=text, finish_reason=finish)])
 
     def usage_chunk(self, usage: UsageInfo) -> BaseModel:
         return CompletionResponse(id=self.id, model=self.model, created=self.created, choices=[], usage=usage)
 
-    def response(self, text: str, finish: str | None, usage: UsageInfo) -> BaseModel:
+    def response(self, text: str, finish: FinishReasonName, usage: UsageInfo) -> BaseModel:
         return CompletionResponse(id=self.id, model=self.model, created=self.created,
                                   choices=[CompletionChoice(text=text, finish_reason=finish)], usage=usage)
 
@@ -88,7 +89,7 @@ class _ChatFormat:
         return [ChatCompletionChunk(id=self.id, model=self.model, created=self.created,
                                     choices=[ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))])]
 
-    def chunk(self, text: str, finish: str | None) -> BaseModel:
+    def chunk(self, text: str, finish: FinishReasonName) -> BaseModel:
         delta = DeltaMessage(content=text) if text else DeltaMessage()
         return ChatCompletionChunk(id=self.id, model=self.model, created=self.created,
                                    choices=[ChatChunkChoice(delta=delta, finish_reason=finish)])
@@ -96,7 +97,7 @@ class _ChatFormat:
     def usage_chunk(self, usage: UsageInfo) -> BaseModel:
         return ChatCompletionChunk(id=self.id, model=self.model, created=self.created, choices=[], usage=usage)
 
-    def response(self, text: str, finish: str | None, usage: UsageInfo) -> BaseModel:
+    def response(self, text: str, finish: FinishReasonName, usage: UsageInfo) -> BaseModel:
         return ChatCompletionResponse(id=self.id, model=self.model, created=self.created, usage=usage,
                                       choices=[ChatChoice(message=ChatMessageOut(content=text), finish_reason=finish)])
 
@@ -125,8 +126,10 @@ def _sse(model: BaseModel, exclude_usage: bool = False) -> str:
 _DONE = "data: [DONE]\n\n"
 
 
-def _finish_name(reason: FinishReason | None) -> str | None:
-    return reason.value if reason in (FinishReason.STOP, FinishReason.LENGTH) else None
+def _finish_name(reason: FinishReason | None) -> FinishReasonName:
+    if reason is FinishReason.STOP:
+        return "stop"
+    return "length" if reason is FinishReason.LENGTH else None
 
 
 class OpenAIServing:
@@ -315,6 +318,6 @@ def _error_event(error: APIError) -> str:
     return f"data: {ErrorResponse(error=error.info).model_dump_json()}\n\n"
 
 
-async def _wait_disconnect(receive: Callable[[], Awaitable[dict[str, object]]]) -> None:
+async def _wait_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass

@@ -89,7 +89,7 @@ class CostModel:
 
     def work(self, batch: Iterable[SeqWork]) -> StepWork:
         num_tokens = num_rows = num_requests = 0
-        attention = []
+        attention: list[tuple[float, float]] = []
         pair_flops, kv_bytes = self._attn_flops_per_pair, self.kv_bytes_per_token
         for n, context, samples in batch:
             num_tokens += n
@@ -99,7 +99,8 @@ class CostModel:
             pairs = n * start + n * (n + 1) // 2  # causal: query i sees start + i + 1 keys
             attention.append((pairs * pair_flops, (context + n) * kv_bytes))
         flops = num_tokens * self._linear_flops_per_token + num_rows * self._head_flops_per_row
-        weight_bytes = (self._linear_weight_bytes if num_tokens else 0.0) + (self._head_weight_bytes if num_rows else 0.0)
+        weight_bytes = ((self._linear_weight_bytes if num_tokens else 0.0)
+                        + (self._head_weight_bytes if num_rows else 0.0))
         return StepWork(num_requests, num_tokens, flops, weight_bytes, attention, self.comm_time(num_tokens))
 
     def comm_time(self, num_tokens: int) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -91,7 +91,7 @@ def _fit_forward(samples: Sequence[Sample], shapes: ModelConfig, profile: Hardwa
         x = _design(samples, CostModel(shapes, profile, dtype=dtype))
         fallback = np.array([*(1 / getattr(profile, k) for k in _EFFICIENCIES), 0.0, 0.0])
         coef = _nonnegative_lstsq(x, y, fallback, relative=True)
-        fitted = {k: float(1 / c) for k, c in zip(_EFFICIENCIES, coef, strict=False)}
+        fitted: dict[str, Any] = {k: float(1 / c) for k, c in zip(_EFFICIENCIES, coef, strict=False)}
         new = dataclasses.replace(profile, **fitted, small_batch_row_s=float(coef[4]), gemm_step_s=float(coef[5]))
         if np.array_equal(_design(samples, CostModel(shapes, new, dtype=dtype)) > 0, x > 0):
             return new

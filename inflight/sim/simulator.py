@@ -132,6 +132,7 @@ class SimEngine:
             num_kv_blocks_used=self.block_manager.num_used_blocks,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_preempted=len(out.preempted), request_ids=tuple(s.request.request_id for s in out.scheduled),
+            work=out.work(),
             forward_s=self.clock.now - start,
         )
         for observer in self.step_observers:

@@ -131,7 +131,8 @@ def format_comparisons(comparisons: Sequence[Comparison], title: str) -> str:
             lines.append(f"  {name:<28}{_num(m):>10}{_num(s):>12}{'-' if err is None else f'{err:+.1f}%':>9}")
         if c.steps is not None:
             r = c.steps
-            lines.append(f"  its {r.num_steps} steps priced by the cost model: measured {r.measured_s:.1f} s, predicted "
+            lines.append(f"  its {r.num_steps} steps priced by the cost model: "
+                         f"measured {r.measured_s:.1f} s, predicted "
                          f"{r.predicted_s:.1f} s ({100 * (r.predicted_s - r.measured_s) / r.measured_s:+.1f}%), "
                          f"median step measured/predicted {r.median_ratio:.2f}")
             lines.append(f"  stalled steps (over {STALL_RATIO}x their prediction): {r.num_stalled}, "
