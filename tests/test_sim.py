@@ -18,6 +18,7 @@ from inflight.bench.workload import load_workload, parse_workload
 from inflight.cli import main
 from inflight.config import EngineConfig, ModelConfig
 from inflight.engine.block_manager import BlockManager
+from inflight.engine.engine import LLMEngine
 from inflight.engine.scheduler import Scheduler
 from inflight.engine.static import StaticScheduler
 from inflight.errors import ConfigError
@@ -28,7 +29,7 @@ from inflight.sim.fit import Sample, fit_profile, predict
 from inflight.sim.hardware import BUILTIN_HARDWARE, HardwareProfile, load_hardware
 from inflight.sim.runs import SimTarget, simulate
 from inflight.sim.shapes import BUILTIN_MODELS, num_linear_params, num_params, resolve_shapes
-from inflight.sim.simulator import SimEngine, run_simulation
+from inflight.sim.simulator import run_simulation, sim_engine
 from inflight.sim.tune import SearchSpace, Tuner, tune
 from inflight.sim.workload import synthetic_requests
 
@@ -78,9 +79,9 @@ def test_runs_the_production_scheduler_and_block_manager(policy: str, cls: type,
 
     monkeypatch.setattr(cls, "schedule", counting_schedule)
     monkeypatch.setattr(BlockManager, "allocate_slots", counting_allocate)
-    engine = SimEngine(EngineConfig.from_kwargs(None, scheduling_policy=policy, num_kv_blocks=400),
-                       CostModel(TOY, BARE))
-    assert type(engine.scheduler) is cls
+    engine = sim_engine(EngineConfig.from_kwargs(None, scheduling_policy=policy, num_kv_blocks=400),
+                        CostModel(TOY, BARE))
+    assert type(engine) is LLMEngine and type(engine.scheduler) is cls
     assert type(engine.block_manager) is BlockManager and engine.block_manager is engine.scheduler.block_manager
     capture = run_simulation(engine, small_requests(arrivals={"kind": "burst"}))
     assert calls["schedule"] == len(capture.timeline.steps) and calls["allocate"] > 0
@@ -92,7 +93,7 @@ def test_runs_the_production_scheduler_and_block_manager(policy: str, cls: type,
 
 
 def test_times_are_virtual_and_consistent() -> None:
-    engine = SimEngine(EngineConfig.from_kwargs(None, num_kv_blocks=400), CostModel(TOY, BARE))
+    engine = sim_engine(EngineConfig.from_kwargs(None, num_kv_blocks=400), CostModel(TOY, BARE))
     requests = small_requests()
     ids = {f"bench-{r.index}": r for r in requests}
     seen = []
@@ -121,7 +122,6 @@ def test_bench_and_sim_count_the_same_events(loaded: LoadedModel) -> None:
     the same preemptions, allocation failures, OOM events and KV peak."""
     from inflight.bench.local import run_engine
     from inflight.bench.workload import BenchRequest
-    from inflight.engine.engine import LLMEngine
 
     rng = np.random.default_rng(7)
     requests = [BenchRequest(i, [int(t) for t in rng.integers(100, 5000, int(rng.integers(40, 90)))], "",
@@ -129,8 +129,8 @@ def test_bench_and_sim_count_the_same_events(loaded: LoadedModel) -> None:
     options = {"num_kv_blocks": 24, "max_batch_size": 8, "max_num_tokens": 256}
     real = LLMEngine(EngineConfig.from_kwargs(None, **options), loaded)
     real_counters = run_engine(real, requests, progress=False).counters
-    sim = SimEngine(EngineConfig.from_kwargs(None, **options), CostModel(BUILTIN_MODELS["smollm2-135m"],
-                                                                        BUILTIN_HARDWARE["cpu-local"]))
+    sim = sim_engine(EngineConfig.from_kwargs(None, **options), CostModel(BUILTIN_MODELS["smollm2-135m"],
+                                                                         BUILTIN_HARDWARE["cpu-local"]))
     sim_counters = run_simulation(sim, requests).counters
     assert real_counters == sim_counters
     assert real_counters.num_preemptions and real_counters.num_kv_allocation_failures
@@ -144,8 +144,8 @@ def test_shared_prefix_requests_hit_the_real_prefix_cache() -> None:
     requests = synthetic_requests(parse_workload(spec))
     hits = {}
     for caching in (True, False):
-        engine = SimEngine(EngineConfig.from_kwargs(None, num_kv_blocks=2000, enable_prefix_caching=caching),
-                           CostModel(TOY, BARE))
+        engine = sim_engine(EngineConfig.from_kwargs(None, num_kv_blocks=2000, enable_prefix_caching=caching),
+                            CostModel(TOY, BARE))
         run_simulation(engine, requests)
         hits[caching] = engine.stats().num_prefix_hit_tokens
     shared = sum(r.has_shared_prefix for r in requests)
@@ -358,8 +358,6 @@ def test_fit_recovers_a_known_profile(form: str, small_rows: int, seed: int | No
 def test_measure_times_real_engine_steps_with_their_composition(loaded: LoadedModel) -> None:
     import torch
 
-    from inflight.engine.engine import LLMEngine
-
     engine = LLMEngine(EngineConfig.from_kwargs(None, num_kv_blocks=64, max_batch_size=8), loaded)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as calibration runs; two threads stall on a busy 2-core machine
@@ -383,7 +381,7 @@ def test_replaying_a_timeline_prices_each_step_as_it_ran() -> None:
 
     requests = small_requests(arrivals={"kind": "burst"})
     cm = CostModel(BUILTIN_MODELS["llama-3-8b"], load_hardware("h100"))
-    engine = SimEngine(EngineConfig.from_kwargs(None, num_kv_blocks=4000, max_num_tokens=256), cm)
+    engine = sim_engine(EngineConfig.from_kwargs(None, num_kv_blocks=4000, max_num_tokens=256), cm)
     capture = run_simulation(engine, requests)
     replay = replay_steps(capture.timeline, requests, cm)
     assert replay.num_steps == len(capture.timeline.steps) and replay.num_stalled == 0

@@ -4,7 +4,6 @@ when its arrival time comes, as a server's loop would, and timing tokens as the 
 from __future__ import annotations
 
 import sys
-import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -102,28 +101,39 @@ class _Driver:
         self.bar.update()
 
 
+# Consecutive steps that schedule nothing while requests wait: the configuration cannot serve them.
+_MAX_IDLE_STEPS = 10_000
+
+
 def run_engine(engine: LLMEngine, requests: Sequence[BenchRequest], max_concurrency: int | None = None,
                progress: bool = True, label: str = "") -> Capture:
-    """Runs the workload on `engine` and returns what was measured. With `max_concurrency`,
-    at most that many requests are in the engine at once; a request that waits for a slot is
-    sent (and its latency counted from) when one frees up."""
+    """Runs the workload on `engine` and returns what was measured, on the engine's clock: wall
+    time for `inflight bench`, virtual time for `inflight sim` (which calls this too). With
+    `max_concurrency`, at most that many requests are in the engine at once; a request that
+    waits for a slot is sent (and its latency counted from) when one frees up."""
+    clock = engine.clock
     engine.reset_kv_peak()
     before = engine.stats()
     index_of = {f"bench-{r.index}": r.index for r in requests}
-    t0 = time.perf_counter()
+    t0 = clock()
     recorder = StepRecorder(t0, engine.block_manager.num_blocks, index_of)
     engine.step_observers.append(recorder)
     bar = tqdm(total=len(requests), desc=label or "bench", unit="req", file=sys.stderr,
                disable=not progress, leave=False)
     driver = _Driver(engine, requests, t0, max_concurrency, bar)
+    idle_steps = 0
     try:
         while driver.pending or driver.live:
-            driver.admit_arrived(time.perf_counter())
+            driver.admit_arrived(clock())
             if driver.live:
                 outputs = engine.step()
-                driver.collect(outputs, time.perf_counter())
+                idle_steps = 0 if engine.step_records[-1].num_requests else idle_steps + 1
+                if idle_steps > _MAX_IDLE_STEPS:
+                    raise InflightError(f"the scheduler made no progress for {_MAX_IDLE_STEPS} steps "
+                                        "with requests waiting")
+                driver.collect(outputs, clock())
             elif (arrival := driver.next_arrival()) is not None:
-                time.sleep(max(0.0, arrival - time.perf_counter()))
+                clock.wait_until(arrival)
     finally:
         bar.close()
         engine.step_observers.remove(recorder)

@@ -8,21 +8,23 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
 import torch
 
-from inflight.config import CacheConfig, EngineConfig, SchedulingPolicy
+from inflight.config import CacheConfig, EngineConfig, ModelConfig, SchedulingPolicy
 from inflight.engine.block_manager import BlockManager
-from inflight.engine.output import OutputProcessor, RequestOutput, StepRecord
+from inflight.engine.output import LengthOutputProcessor, OutputProcessor, RequestOutput, StepRecord
 from inflight.engine.runner import ModelRunner, RunnerTimings
 from inflight.engine.sampler import Sampler
 from inflight.engine.scheduler import Scheduler, SchedulerOutput
 from inflight.engine.static import StaticScheduler
 from inflight.engine.stats import EngineStats, scheduler_stats
 from inflight.errors import ConfigError, EngineOverloadedError, InvalidRequestError
+from inflight.model.llama import LlamaModel
 from inflight.model.loaded import LoadedModel
-from inflight.model.tokenizer import ChatMessage
+from inflight.model.tokenizer import ChatMessage, Tokenizer
 from inflight.request import FinishReason, Request, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -74,32 +76,94 @@ def available_memory_bytes(device: torch.device) -> int:
     raise ConfigError("cannot read available memory; set num_kv_blocks or kv_cache_memory_bytes")
 
 
-class LLMEngine:
-    """Owns the model, the KV pool, the scheduler and the runner; driven by `step()`."""
+def _blocks_for_budget(cache: CacheConfig, model: LlamaModel, device: torch.device) -> int:
+    total: float
+    if cache.kv_cache_memory_bytes is not None:
+        total, asked = cache.kv_cache_memory_bytes, f"kv_cache_memory_bytes={cache.kv_cache_memory_bytes}"
+    else:
+        fraction = cache.kv_cache_memory_fraction
+        total, asked = fraction * available_memory_bytes(device), f"kv_cache_memory_fraction={fraction}"
+    num_blocks = int(total // ModelRunner.kv_bytes_per_block(model, cache.block_size))
+    if num_blocks < 1:
+        raise ConfigError(f"{asked} leaves no room for a single KV block")
+    return num_blocks
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
-        """Loads `config.model`, or reuses `loaded` (a model already on the right device)."""
+
+class Clock(Protocol):
+    """Where the engine reads the time (seconds), and how a driver waits for a later one."""
+
+    def __call__(self) -> float: ...
+
+    def wait_until(self, t: float) -> None: ...
+
+
+class WallClock:
+    """`time.perf_counter`, waited on by sleeping."""
+
+    def __call__(self) -> float:
+        return time.perf_counter()
+
+    def wait_until(self, t: float) -> None:
+        time.sleep(max(0.0, t - time.perf_counter()))
+
+
+class Runner(Protocol):
+    """Runs the model (or stands in for it) on one step's plain data."""
+
+    last_timings: RunnerTimings
+
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        """Request id -> next token, for each request that reached its last known token."""
+        ...
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """What the step loop drives besides the scheduler and block manager it builds: a real model
+    (`LLMEngine(config)` builds these itself), the simulator's cost model on a virtual clock, or
+    a test's fake runner."""
+
+    runner: Runner
+    num_kv_blocks: int
+    model_name: str
+    model_config: ModelConfig
+    tokenizer: Tokenizer | None = None  # None: prompts are token ids, outputs carry no text
+    clock: Clock = field(default_factory=WallClock)  # every time the engine stamps or measures
+    loaded: LoadedModel | None = None
+    device: torch.device | None = None
+    # False where prompt ids are synthetic (the simulator's stand for positions, not tokens).
+    check_token_ids: bool = True
+
+
+class LLMEngine:
+    """Owns the KV pool, the scheduler, the runner and the output processing; driven by `step()`,
+    the one step loop of the server, the offline API, the benchmark and the simulator."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *,
+                 parts: EngineParts | None = None) -> None:
+        """Loads `config.model` (or reuses `loaded`, a model already on the right device) and runs
+        it, unless `parts` says what to run instead."""
         self.config = config
-        self.device = select_device(config.device)
-        torch.manual_seed(config.seed)
-        if loaded is None:
-            loaded = LoadedModel.load(config.model, select_dtype(config.dtype, self.device), self.device)
-        self.model_name = loaded.name
-        self.model = loaded.model
-        self.model_config = model_config = loaded.model.config
-        self.tokenizer = loaded.tokenizer
+        if parts is None:
+            parts = self._model_parts(config, loaded)
+        self.parts = parts
+        self.clock = parts.clock
+        self.device = parts.device
+        self.model_name = parts.model_name
+        self.model_config = model_config = parts.model_config
 
         sched_cfg = config.scheduler
         if sched_cfg.max_model_len > model_config.max_position_embeddings:
             sched_cfg = dataclasses.replace(sched_cfg, max_model_len=model_config.max_position_embeddings)
         self.scheduler_config = sched_cfg
         cache = config.cache
-        num_blocks = cache.num_kv_blocks or self._blocks_for_budget(cache)
+        num_blocks = parts.num_kv_blocks
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         policy = StaticScheduler if sched_cfg.scheduling_policy is SchedulingPolicy.STATIC else Scheduler
-        self.scheduler = policy(sched_cfg, self.block_manager)
-        self.runner = ModelRunner(self.model, num_blocks, cache.block_size, Sampler(self.device, config.seed))
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.scheduler = policy(sched_cfg, self.block_manager, clock=self.clock)
+        self.runner = parts.runner
+        self.output_processor: OutputProcessor | LengthOutputProcessor = (
+            OutputProcessor(parts.tokenizer) if parts.tokenizer is not None else LengthOutputProcessor())
 
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -108,19 +172,31 @@ class LLMEngine:
         self.num_failed_steps = 0
         self.num_oom_events = 0
         logger.info("engine ready: %s on %s, %d KV blocks of %d tokens",
-                    self.model_name, self.device, num_blocks, cache.block_size)
+                    self.model_name, self.device or type(self.runner).__name__, num_blocks, cache.block_size)
 
-    def _blocks_for_budget(self, cache: CacheConfig) -> int:
-        total: float
-        if cache.kv_cache_memory_bytes is not None:
-            total, asked = cache.kv_cache_memory_bytes, f"kv_cache_memory_bytes={cache.kv_cache_memory_bytes}"
-        else:
-            fraction = cache.kv_cache_memory_fraction
-            total, asked = fraction * available_memory_bytes(self.device), f"kv_cache_memory_fraction={fraction}"
-        num_blocks = int(total // ModelRunner.kv_bytes_per_block(self.model, cache.block_size))
-        if num_blocks < 1:
-            raise ConfigError(f"{asked} leaves no room for a single KV block")
-        return num_blocks
+    @staticmethod
+    def _model_parts(config: EngineConfig, loaded: LoadedModel | None) -> EngineParts:
+        device = select_device(config.device)
+        torch.manual_seed(config.seed)
+        if loaded is None:
+            loaded = LoadedModel.load(config.model, select_dtype(config.dtype, device), device)
+        cache = config.cache
+        num_blocks = cache.num_kv_blocks or _blocks_for_budget(cache, loaded.model, device)
+        runner = ModelRunner(loaded.model, num_blocks, cache.block_size, Sampler(device, config.seed))
+        return EngineParts(runner, num_blocks, loaded.name, loaded.model.config, loaded.tokenizer,
+                           loaded=loaded, device=device)
+
+    @property
+    def model(self) -> LlamaModel:
+        if self.parts.loaded is None:
+            raise ConfigError(f"this engine runs {type(self.runner).__name__}, not a model")
+        return self.parts.loaded.model
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self.parts.tokenizer is None:
+            raise ConfigError("this engine has no tokenizer: give prompts as token ids")
+        return self.parts.tokenizer
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -136,7 +212,7 @@ class LLMEngine:
         if prompt is None:
             raise InvalidRequestError("give a prompt or chat messages")
         ids = list(prompt)
-        vocab = self.model_config.vocab_size
+        vocab = self.model_config.vocab_size if self.parts.check_token_ids else 1 << 62
         if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
         return ids
@@ -164,8 +240,8 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         request = Request(
             request_id, token_ids, params,
-            eos_token_ids=self.tokenizer.eos_token_ids,
-            arrival_time=arrival_time if arrival_time is not None else time.perf_counter(),
+            eos_token_ids=self.parts.tokenizer.eos_token_ids if self.parts.tokenizer is not None else frozenset(),
+            arrival_time=arrival_time if arrival_time is not None else self.clock(),
         )
         self.scheduler.add_request(request)
         self._requests[request_id] = request
@@ -204,13 +280,14 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the model, process outputs."""
-        start = time.perf_counter()
+        clock = self.clock
+        start = clock()
         out = self.scheduler.schedule()
-        scheduled = time.perf_counter()
+        scheduled = clock()
         result = self._execute(out)
-        executed = time.perf_counter()
+        executed = clock()
         outputs = self._process(out, result)
-        self._record(out, outputs, start, scheduled - start, time.perf_counter() - executed)
+        self._record(out, outputs, start, scheduled - start, clock() - executed)
         return outputs
 
     def _execute(self, out: SchedulerOutput) -> ModelStepResult:
@@ -236,7 +313,7 @@ class LLMEngine:
             return [self._fail(s.request, message) for s in out.scheduled]
         sampled = result.sampled
         self.scheduler.update_from_output(out, sampled)
-        now = time.perf_counter()
+        now = self.clock()
         outputs: list[RequestOutput] = []
         for s in out.scheduled:
             request = s.request
@@ -266,7 +343,7 @@ class LLMEngine:
         record = StepRecord(
             step_id=out.step_id,
             start_s=start,
-            duration_s=time.perf_counter() - start,
+            duration_s=self.clock() - start,
             num_requests=len(out.scheduled),
             num_prefill_tokens=out.num_prefill_tokens,
             num_decode_tokens=out.num_decode_tokens,

@@ -95,6 +95,23 @@ class OutputProcessor:
         return delta, finish
 
 
+class LengthOutputProcessor:
+    """`OutputProcessor` for an engine without a tokenizer (the simulator, scheduler tests): no
+    text; a request ends at a stop token, at EOS unless ignored, or at `max_tokens`."""
+
+    def add(self, request: Request) -> None:
+        pass
+
+    def remove(self, request_id: str) -> None:
+        pass
+
+    def process_token(self, request: Request, token: int) -> tuple[str, FinishReason | None]:
+        params = request.sampling_params
+        if token in params.stop_token_ids or (token in request.eos_token_ids and not params.ignore_eos):
+            return "", FinishReason.STOP
+        return "", FinishReason.LENGTH if request.num_output_tokens >= params.max_tokens else None
+
+
 def _find_stop(text: str, stops: tuple[str, ...], emitted: int) -> int | None:
     """Earliest index where a stop string starts, searching only text not yet emitted."""
     window_start = max(0, emitted - max(len(s) for s in stops))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from inflight.config import SchedulerConfig
@@ -84,9 +85,12 @@ class Scheduler:
     and, where it holds KV blocks past a request's end, `release_blocks()`; it builds each step
     with `new_output()` and seats a request with `start_running()` (`StaticScheduler` does)."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        """`clock` stamps when requests are first scheduled and when they finish."""
         self.config = config
         self.block_manager = block_manager
+        self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -136,7 +140,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        request.timings.finished = time.perf_counter()
+        request.timings.finished = self.clock()
         self.release_blocks(request)
 
     def release_blocks(self, request: Request) -> None:
@@ -257,7 +261,7 @@ class Scheduler:
         request.num_computed_tokens = num_cached
         request.num_cached_tokens = num_cached
         if request.timings.first_scheduled is None:
-            request.timings.first_scheduled = time.perf_counter()
+            request.timings.first_scheduled = self.clock()
         self.running.append(request)
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:

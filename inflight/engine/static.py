@@ -10,6 +10,9 @@ baseline here is, if anything, faster than a real padded implementation.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from inflight.config import SchedulerConfig
 from inflight.engine.block_manager import BlockManager
 from inflight.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
@@ -17,8 +20,9 @@ from inflight.request import Request, RequestStatus
 
 
 class StaticScheduler(Scheduler):
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
-        super().__init__(config, block_manager)
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        super().__init__(config, block_manager, clock)
         self._batch: list[Request] = []
 
     def schedule(self) -> SchedulerOutput:

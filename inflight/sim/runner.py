@@ -4,6 +4,7 @@ token for every request that reached its last known token."""
 
 from __future__ import annotations
 
+from inflight.engine.runner import RunnerTimings
 from inflight.engine.scheduler import SchedulerOutput
 from inflight.sim.cost_model import CostModel, SeqWork
 
@@ -13,10 +14,13 @@ SIM_TOKEN = 0
 
 
 class VirtualClock:
-    """Seconds since the start of the simulated run."""
+    """Seconds since the start of the simulated run; called, it reads like `time.perf_counter`."""
 
     def __init__(self) -> None:
         self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
@@ -24,15 +28,20 @@ class VirtualClock:
     def advance_to(self, t: float) -> None:
         self.now = max(self.now, t)
 
+    wait_until = advance_to  # what a driver does between arrivals: no time is spent waiting
+
 
 class SimRunner:
+    """`LLMEngine`'s runner in the simulator: the step's whole cost counts as its forward pass."""
+
     def __init__(self, cost_model: CostModel, clock: VirtualClock) -> None:
         self.cost_model = cost_model
         self.clock = clock
-        self.last_step_s = 0.0
+        self.last_timings = RunnerTimings()
 
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        batch = [SeqWork(s.num_new_tokens, s.end, s.samples_next_token) for s in out.scheduled]
-        self.last_step_s = self.cost_model.step_time(batch)
-        self.clock.advance(self.last_step_s)
+        batch = [SeqWork(*work) for work in out.work()]
+        step_s = self.cost_model.step_time(batch)
+        self.clock.advance(step_s)
+        self.last_timings = RunnerTimings(forward_s=step_s)
         return {s.request.request_id: SIM_TOKEN for s in out.scheduled if s.samples_next_token}

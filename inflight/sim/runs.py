@@ -14,7 +14,7 @@ from inflight.bench.workload import BenchRequest
 from inflight.config import EngineConfig, ModelConfig
 from inflight.sim.cost_model import CostModel
 from inflight.sim.hardware import HardwareProfile
-from inflight.sim.simulator import SimEngine, run_simulation
+from inflight.sim.simulator import run_simulation, sim_engine
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ def simulate(target: SimTarget, options: dict[str, Any], requests: Sequence[Benc
     as `inflight bench` takes them; device and seed are ignored)."""
     config = EngineConfig.from_kwargs(None, **options)
     cost_model = CostModel(target.shapes, target.hardware, target.tp, config.dtype)
-    engine = SimEngine(config, cost_model, target.gpu_memory_utilization)
+    engine = sim_engine(config, cost_model, target.gpu_memory_utilization)
     capture = run_simulation(engine, requests, max_concurrency)
     recorded = {**options, "model": target.model_name, "hardware": target.hardware.name, "tp": target.tp,
                 "dtype": cost_model.dtype, "num_kv_blocks_allocated": engine.block_manager.num_blocks}
