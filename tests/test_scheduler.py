@@ -1,13 +1,18 @@
-"""Scheduler and block manager on CPU with a fake model runner: invariants as property tests."""
+"""Scheduler and block manager on CPU, stepped by the engine's own loop with a fake model runner: invariants
+as property tests."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from inflight.config import SchedulerConfig
+from inflight.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SchedulingPolicy
 from inflight.engine.block_manager import BlockManager
+from inflight.engine.engine import EngineParts, LLMEngine
+from inflight.engine.runner import RunnerTimings
 from inflight.engine.scheduler import Scheduler, SchedulerOutput
 from inflight.engine.static import StaticScheduler
 from inflight.errors import ConfigError, InvalidRequestError
@@ -19,37 +24,59 @@ def fake_token(request: Request) -> int:
     return hash((request.request_id, request.num_tokens)) % 1000 + 10
 
 
+# What the engine needs to know of the model here: only how long a request may grow.
+_FAKE_MODEL = ModelConfig("llama", vocab_size=6000, hidden_size=64, intermediate_size=128, num_layers=1,
+                          num_heads=2, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-5, rope_theta=1e4,
+                          max_position_embeddings=1 << 20)
+
+
+class _FakeRunner:
+    """Stands in for the model runner: hands each step to the driver, which answers for the model."""
+
+    def __init__(self, driver: Driver) -> None:
+        self.driver = driver
+        self.last_timings = RunnerTimings()
+
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        return self.driver.on_step(out)
+
+
 class Driver:
-    """Steps a scheduler the way the engine does, with a fake runner; checks invariants."""
+    """The engine's own step loop (`LLMEngine` with a fake runner and no tokenizer) over the real
+    scheduler and block manager; checks invariants at every step."""
 
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
                  prefix_caching: bool = True, static: bool = False) -> None:
-        self.bm = BlockManager(num_blocks, block_size, prefix_caching)
-        self.config = config
-        self.scheduler = (StaticScheduler if static else Scheduler)(config, self.bm)
+        policy = SchedulingPolicy.STATIC if static else SchedulingPolicy.CONTINUOUS
+        self.config = config = dataclasses.replace(config, scheduling_policy=policy)
+        cache = CacheConfig(block_size=block_size, num_kv_blocks=num_blocks, enable_prefix_caching=prefix_caching)
+        parts = EngineParts(_FakeRunner(self), num_blocks, "fake", _FAKE_MODEL, check_token_ids=False)
+        self.engine = LLMEngine(EngineConfig(cache=cache, scheduler=config), parts=parts)
+        self.scheduler = self.engine.scheduler
+        self.bm = self.engine.block_manager
         self.steps: list[SchedulerOutput] = []
         self.admission_order: list[str] = []
         self.finished: list[Request] = []
 
     def add(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+        self.engine.enqueue_request(request)
 
-    def step(self) -> SchedulerOutput:
-        out = self.scheduler.schedule()
+    def on_step(self, out: SchedulerOutput) -> dict[str, int]:
+        """A step as the runner sees it: checked, recorded, and answered with fake tokens."""
         self.check_step(out)
         for s in out.scheduled:
             if s.start == s.request.num_cached_tokens and s.request.request_id not in self.admission_order:
                 self.admission_order.append(s.request.request_id)
-        sampled = {s.request.request_id: fake_token(s.request) for s in out.scheduled if s.samples_next_token}
-        self.scheduler.update_from_output(out, sampled)
-        for s in out.scheduled:
-            r = s.request
-            if r.request_id in sampled and r.num_output_tokens >= r.sampling_params.max_tokens:
-                self.scheduler.finish(r, FinishReason.LENGTH)
-                self.finished.append(r)
-        self.bm.check_invariants()
         self.steps.append(out)
-        return out
+        return {s.request.request_id: fake_token(s.request) for s in out.scheduled if s.samples_next_token}
+
+    def step(self) -> SchedulerOutput:
+        """One engine step; returns what the scheduler gave the runner (empty if nothing ran)."""
+        num_steps = len(self.steps)
+        outputs = self.engine.step()
+        self.finished.extend(o.request for o in outputs if o.finished)
+        self.bm.check_invariants()
+        return self.steps[-1] if len(self.steps) > num_steps else SchedulerOutput(step_id=-1, scheduled=[])
 
     def check_step(self, out: SchedulerOutput) -> None:
         cfg = self.config
@@ -289,7 +316,7 @@ def test_abort_frees_blocks():
     d.add(r)
     d.step()
     assert d.bm.num_used_blocks > 0
-    d.scheduler.finish(r, FinishReason.ABORT)
+    assert d.engine.abort(r.request_id)
     assert d.bm.num_used_blocks == 0 and r.finish_reason is FinishReason.ABORT
 
 

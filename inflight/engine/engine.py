@@ -232,21 +232,25 @@ class LLMEngine:
         token_ids = self.tokenize(prompt, messages)
         if not token_ids:
             raise InvalidRequestError("the prompt is empty")
-        limit = self.scheduler_config.max_waiting_requests
-        if limit is not None and len(self.scheduler.waiting) >= limit:
-            raise EngineOverloadedError(f"the waiting queue is full ({limit} requests); retry later")
-        request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
         request = Request(
-            request_id, token_ids, params,
+            request_id or f"req-{next(self._ids)}", token_ids, params,
             eos_token_ids=self.parts.tokenizer.eos_token_ids if self.parts.tokenizer is not None else frozenset(),
             arrival_time=arrival_time if arrival_time is not None else self.clock(),
         )
-        self.scheduler.add_request(request)
-        self._requests[request_id] = request
-        self.output_processor.add(request)
+        self.enqueue_request(request)
         return request
+
+    def enqueue_request(self, request: Request) -> None:
+        """Queues a request built by the caller (its prompt already token ids); raises as
+        `add_request` does."""
+        limit = self.scheduler_config.max_waiting_requests
+        if limit is not None and len(self.scheduler.waiting) >= limit:
+            raise EngineOverloadedError(f"the waiting queue is full ({limit} requests); retry later")
+        if request.request_id in self._requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        self.scheduler.add_request(request)
+        self._requests[request.request_id] = request
+        self.output_processor.add(request)
 
     def abort(self, request_id: str) -> bool:
         """Ends a request at once and frees its KV blocks; False if it was not running."""
