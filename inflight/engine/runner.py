@@ -1,7 +1,8 @@
 """Turns a scheduler's plain-data step into tensors, runs the model and samples.
 
-The only place where requests meet tensors: it owns the KV pool and builds, once per step, the
-packed inputs and the `AttentionMetadata` that every layer shares.
+The only place where requests meet tensors: it owns the KV pool, packs the step's tokens, and
+hands the attention backend the step's plain description, from which the backend builds, once
+per step, the `AttentionMetadata` that every layer shares.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from inflight.engine.memory import huge_page_zeros, keep_freed_memory
 from inflight.engine.sampler import Sampler
 from inflight.engine.scheduler import ScheduledRequest, SchedulerOutput
-from inflight.model.attention import AttentionMetadata, PrefillSegment, PrefillTables
+from inflight.model.attention import AttentionMetadata, SeqSlice
 from inflight.model.llama import LlamaModel
 from inflight.request import Request
 
@@ -77,9 +78,8 @@ class ModelRunner:
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
         # Decodes first, so that they form one contiguous run read by one batched call.
-        decodes = [s for s in scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in scheduled if s.num_new_tokens > 1]
-        ordered = decodes + prefills
+        decodes = [s for s in scheduled if s.is_decode]
+        ordered = decodes + [s for s in scheduled if not s.is_decode]
         device = self.device
 
         input_ids: list[int] = []
@@ -96,52 +96,9 @@ class ModelRunner:
             if s.samples_next_token:
                 logits_indices.append(len(input_ids) - 1)
                 sample_requests.append(s.request)
-
-        # Build only what the attention path of this model reads.
-        in_place = self.model.attention.reads_pool_in_place(self.model.dtype)
-        decode_tables = decode_mask = context_lens = None
-        if decodes:
-            context_lens = torch.tensor([s.end for s in decodes], device=device)
-            num_table = self.num_blocks_for(max(s.end for s in decodes))
-            decode_tables = torch.tensor([_padded(s.block_table, num_table) for s in decodes], device=device)
-            if not in_place:  # the gathered path masks the padding; the kernel reads the lengths
-                pos = torch.arange(num_table * bs, device=device)
-                decode_mask = (pos.unsqueeze(0) < context_lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
-
-        segments: list[PrefillSegment] = []
-        offset = len(decodes)
-        for s in prefills:
-            start, end = offset, offset + s.num_new_tokens
-            offset = end
-            if s.start == 0 or in_place:  # the kernel takes every segment from `prefill_tables`
-                segments.append(PrefillSegment(start, end, None, None))
-                continue
-            num_table = self.num_blocks_for(s.end)
-            blocks = torch.tensor(s.block_table[:num_table], device=device)
-            context = torch.arange(num_table * bs, device=device)
-            query_pos = torch.arange(s.start, s.end, device=device)
-            mask = context.unsqueeze(0) <= query_pos.unsqueeze(1)
-            segments.append(PrefillSegment(start, end, blocks, mask))
-
-        prefill_tables = None
-        if prefills and in_place:
-            num_table = self.num_blocks_for(max(s.end for s in prefills))
-            prefill_tables = PrefillTables(
-                query_starts=torch.tensor([seg.start - len(decodes) for seg in segments], device=device),
-                query_lens=torch.tensor([s.num_new_tokens for s in prefills], device=device),
-                context_starts=torch.tensor([s.start for s in prefills], device=device),
-                block_tables=torch.tensor([_padded(s.block_table, num_table) for s in prefills], device=device),
-            )
-        meta = AttentionMetadata(
-            block_size=bs,
-            slot_mapping=torch.tensor(slot_mapping, device=device),
-            num_decode_tokens=len(decodes),
-            decode_block_tables=decode_tables,
-            decode_context_lens=context_lens,
-            decode_mask=decode_mask,
-            prefills=segments,
-            prefill_tables=prefill_tables,
-        )
+        meta = self.model.attention.build_metadata(
+            [SeqSlice(s.start, s.num_new_tokens, s.block_table) for s in ordered], len(decodes),
+            torch.tensor(slot_mapping, device=device), bs, self.model.dtype, device)
         return StepInputs(
             input_ids=torch.tensor(input_ids, device=device),
             positions=torch.tensor(positions, device=device),
@@ -152,7 +109,3 @@ class ModelRunner:
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
-
-
-def _padded(table: list[int], length: int) -> list[int]:
-    return table[:length] + [0] * (length - len(table))

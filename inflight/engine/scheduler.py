@@ -46,6 +46,9 @@ class ScheduledRequest:
 
     @property
     def is_decode(self) -> bool:
+        """A decode computes one generated token; a prompt's tokens, one or many (a chunk of one
+        token included), are prefill. The one meaning: step records count by it, the runner
+        packs decodes first by it, and attention reads them in its batched decode call."""
         return self.num_new_tokens == 1 and self.start >= self.request.num_prompt_tokens
 
 

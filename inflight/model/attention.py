@@ -1,14 +1,17 @@
 """Paged attention: the one interface between the model and where KV lives.
 
 The KV pool of a layer is a pair of tensors `[num_slots, num_kv_heads, head_dim]`; slot
-`block_id * block_size + offset` holds one token. The runner describes a step once in an
-`AttentionMetadata` (which slots to write, which slots each request reads), and every layer
-calls `PagedAttention.forward` with it. A faster kernel replaces this class, not the model.
+`block_id * block_size + offset` holds one token. The runner hands the backend each step's
+plain description (`SeqSlice`s and the slots to write); the backend builds from it, once per
+step, the `AttentionMetadata` its own kernels read, and every layer calls
+`PagedAttention.forward` with that. A faster kernel replaces this class, not the model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -47,9 +50,8 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None
     prefills: list[PrefillSegment]
     prefill_tables: PrefillTables | None = None
-    # The runner builds either the gathered path's inputs (`decode_mask`, each segment's
-    # `block_table` and `mask`) or the compiled kernels' (`prefill_tables`), as
-    # `PagedAttention.reads_pool_in_place` says.
+    # `PagedAttention.build_metadata` fills either the gathered path's inputs (`decode_mask`,
+    # each segment's `block_table` and `mask`) or the compiled kernels' (`prefill_tables`).
 
 
 @dataclass(slots=True)
@@ -62,6 +64,20 @@ class PrefillTables:
     query_lens: torch.Tensor
     context_starts: torch.Tensor
     block_tables: torch.Tensor
+
+
+class SeqSlice(NamedTuple):
+    """One request's share of a step's packed tokens, as the runner hands it to the backend:
+    `num_new_tokens` queries at positions `start..start + num_new_tokens` of a context whose KV
+    lives in `block_table`'s blocks."""
+
+    start: int
+    num_new_tokens: int
+    block_table: list[int]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
 
 
 class PagedAttention:
@@ -81,6 +97,61 @@ class PagedAttention:
         """Whether the compiled kernels serve this dtype: they read the pool through block tables
         and lengths, so no masks or per-segment gathers are needed."""
         return self.kernels is not None and dtype == torch.float32
+
+    def build_metadata(self, seqs: Sequence[SeqSlice], num_decodes: int, slot_mapping: torch.Tensor,
+                       block_size: int, dtype: torch.dtype, device: torch.device) -> AttentionMetadata:
+        """What this backend's kernels read for a step whose packed tokens are `seqs`' in order:
+        the first `num_decodes` are decodes (one generated token each, read in one batched call),
+        the rest prompts or chunks of them, of any length. Only the path that will run is built:
+        block tables and lengths for the compiled kernels, masks and per-segment block lists for
+        the gathered one."""
+        decodes, prefills = seqs[:num_decodes], seqs[num_decodes:]
+        if any(s.num_new_tokens != 1 for s in decodes):
+            raise ValueError("a decode computes exactly one token")
+        in_place = self.reads_pool_in_place(dtype)
+        decode_tables = decode_mask = context_lens = None
+        if decodes:
+            context_lens = torch.tensor([s.end for s in decodes], device=device)
+            num_table = _num_blocks(max(s.end for s in decodes), block_size)
+            decode_tables = torch.tensor([_padded(s.block_table, num_table) for s in decodes], device=device)
+            if not in_place:  # the gathered path masks the padding; the kernel reads the lengths
+                pos = torch.arange(num_table * block_size, device=device)
+                decode_mask = (pos.unsqueeze(0) < context_lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
+
+        segments: list[PrefillSegment] = []
+        offset = num_decodes
+        for s in prefills:
+            start, end = offset, offset + s.num_new_tokens
+            offset = end
+            if s.start == 0 or in_place:  # the kernel takes every segment from `prefill_tables`
+                segments.append(PrefillSegment(start, end, None, None))
+                continue
+            num_table = _num_blocks(s.end, block_size)
+            blocks = torch.tensor(s.block_table[:num_table], device=device)
+            context = torch.arange(num_table * block_size, device=device)
+            query_pos = torch.arange(s.start, s.end, device=device)
+            mask = context.unsqueeze(0) <= query_pos.unsqueeze(1)
+            segments.append(PrefillSegment(start, end, blocks, mask))
+
+        prefill_tables = None
+        if prefills and in_place:
+            num_table = _num_blocks(max(s.end for s in prefills), block_size)
+            prefill_tables = PrefillTables(
+                query_starts=torch.tensor([seg.start - num_decodes for seg in segments], device=device),
+                query_lens=torch.tensor([s.num_new_tokens for s in prefills], device=device),
+                context_starts=torch.tensor([s.start for s in prefills], device=device),
+                block_tables=torch.tensor([_padded(s.block_table, num_table) for s in prefills], device=device),
+            )
+        return AttentionMetadata(
+            block_size=block_size,
+            slot_mapping=slot_mapping,
+            num_decode_tokens=num_decodes,
+            decode_block_tables=decode_tables,
+            decode_context_lens=context_lens,
+            decode_mask=decode_mask,
+            prefills=segments,
+            prefill_tables=prefill_tables,
+        )
 
     def forward(
         self,
@@ -168,3 +239,11 @@ class PagedAttention:
             enable_gqa=True,
         )
         return out[0].transpose(0, 1)
+
+
+def _num_blocks(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def _padded(table: list[int], length: int) -> list[int]:
+    return table[:length] + [0] * (length - len(table))
