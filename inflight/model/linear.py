@@ -92,11 +92,9 @@ class Linear:
             self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._kernels is not None:
-            if self.blocks is not None and x.shape[0] <= GGUF_BLOCKS_MAX_ROWS:
-                y = self._kernels.gguf_blocks_linear(x.contiguous(), self.blocks, self.out_features)
-                return y if self.bias is None else y.add_(self.bias)
-            return self._kernels.packed_linear(x.contiguous(), self.weight, self.bias, self.out_features)
+        if self._kernels is not None:  # the kernel chooses blocks or panels, as DecoderStack's layers do
+            return self._kernels.linear_forward(x.contiguous(), self.weight, self.blocks, self.bias, self.out_features,
+                                                GGUF_BLOCKS_MAX_ROWS)
         if self.backend == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

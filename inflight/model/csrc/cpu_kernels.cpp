@@ -1227,6 +1227,19 @@ torch::Tensor gguf_blocks_linear(torch::Tensor, torch::Tensor, int64_t) {
 }
 #endif
 
+// One weight matmul as `Linear` and `DecoderStack` both run it: from the GGUF blocks for steps of
+// at most `blocks_max_rows` rows where the weight has them (the bias added after), else from the
+// fp32 panels. The one place that choice is made.
+torch::Tensor linear_forward(const torch::Tensor& x, const torch::Tensor& packed,
+                             const c10::optional<torch::Tensor>& blocks, const c10::optional<torch::Tensor>& bias,
+                             int64_t out_features, int64_t blocks_max_rows) {
+  if (blocks.has_value() && x.size(0) <= blocks_max_rows) {
+    torch::Tensor y = gguf_blocks_linear(x, *blocks, out_features);
+    return bias.has_value() ? y.add_(*bias) : y;
+  }
+  return packed_linear(x, packed, bias, out_features);
+}
+
 // ---- A step's decoder layers in one call. Driven from Python, a 64-request decode step spent
 // 6-8 ms between these kernels (Python frames, argument conversion and dispatch, slowed by caches
 // that each kernel had just filled with megabytes of weights and K/V), a 16-request step as
@@ -1348,11 +1361,7 @@ class DecoderStack {
  private:
   torch::Tensor apply(const StackLinear& lin, const torch::Tensor& x) const {
     Range r(lin.label);
-    if (lin.blocks.has_value() && x.size(0) <= blocks_max_rows_) {
-      torch::Tensor y = gguf_blocks_linear(x, *lin.blocks, lin.out_features);
-      return lin.bias.has_value() ? y.add_(*lin.bias) : y;
-    }
-    return packed_linear(x, lin.packed, lin.bias, lin.out_features);
+    return linear_forward(x, lin.packed, lin.blocks, lin.bias, lin.out_features, blocks_max_rows_);
   }
 
   std::vector<torch::Tensor> norms_;
@@ -1388,6 +1397,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_panel_width", &gemm_panel_width, "Output columns per packed weight panel (32 with AVX-512)");
   m.def("pack_linear_weight", &pack_linear_weight, "Pack W [N, K] for packed_linear");
   m.def("packed_linear", &packed_linear, "x @ W.T (+ b) with a packed W (CPU, fp32)");
+  m.def("linear_forward", &linear_forward,
+        "x @ W.T (+ b): from the GGUF blocks up to blocks_max_rows rows where given, else the packed W");
   m.def("gguf_blocks_available", &gguf_blocks_available, "Whether this build has the GGUF block matmul (AVX2)");
   m.def("pack_gguf_blocks", &pack_gguf_blocks, "Pack GGUF Q4_1 or Q8_0 rows for gguf_blocks_linear");
   m.def("gguf_blocks_linear", &gguf_blocks_linear, "x @ W.T with W as packed GGUF blocks (CPU, fp32)");
