@@ -212,8 +212,8 @@ class LLMEngine:
         if prompt is None:
             raise InvalidRequestError("give a prompt or chat messages")
         ids = list(prompt)
-        vocab = self.model_config.vocab_size if self.parts.check_token_ids else 1 << 62
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+        vocab = self.model_config.vocab_size
+        if self.parts.check_token_ids and not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
         return ids
 
