@@ -41,11 +41,6 @@ class ModelConfig:
                  f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         _require(self.head_dim % 2 == 0, "head_dim must be even for rotary embeddings")
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token over all layers, in fp32; scale by the dtype's size."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -70,7 +65,8 @@ class CacheConfig:
 
 
 class SchedulingPolicy(StrEnum):
-    CONTINUOUS = "continuous"
+    CONTINUOUS = "continuous"  # first come, first served
+    PRIORITY = "priority"  # by request priority, preempting less urgent requests (engine/priority.py)
     STATIC = "static"
 
 
@@ -88,6 +84,9 @@ class SchedulerConfig:
     # if it can run to its maximum length beside the running requests' worst-case growth, so
     # the pool is not overcommitted straight into the next preemption (0: no throttle).
     preemption_cooldown_steps: int = 32
+    # The priority policy's aging: a waiting request overtaken this many times by later, more
+    # urgent ones is served as the most urgent from then on.
+    priority_max_bypass: int = 64
 
     def __post_init__(self) -> None:
         _require(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")
@@ -96,6 +95,7 @@ class SchedulerConfig:
         _require(self.max_waiting_requests is None or self.max_waiting_requests >= 1,
                  "max_waiting_requests must be >= 1")
         _require(self.preemption_cooldown_steps >= 0, "preemption_cooldown_steps must be >= 0")
+        _require(self.priority_max_bypass >= 1, f"priority_max_bypass must be >= 1, got {self.priority_max_bypass}")
         try:
             object.__setattr__(self, "scheduling_policy", SchedulingPolicy(self.scheduling_policy))
         except ValueError:

@@ -1,5 +1,6 @@
-"""The compiled loop over the decoder layers (`DecoderStack`) against the model's Python loop:
-the same kernels in the same order, so the same logits bit for bit, at every kind of step."""
+"""The compiled interpreter of the layer plan (`DecoderStack`) against the model's Python one:
+the same kernels in the same order, so the same logits bit for bit, at every kind of step, for
+the Llama plan and for another plan."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import torch
 from conftest import PROMPTS
 
 from inflight import SamplingParams
+from inflight.model.layer_plan import LLAMA_LAYER, Op, Reg, Step
+from inflight.model.llama import MATMULS, NORMS, DecoderLayer
 
 
 @pytest.fixture
@@ -65,6 +68,64 @@ def test_compiled_layers_equal_python_loop(make_llm, model, options):
     kinds = {(s.num_decode_tokens > 0, s.num_prefill_tokens > 0) for s in steps}
     assert kinds >= {(True, False), (False, True) if options["max_num_tokens"] > 64 else (True, True)}
     assert min(s.num_requests for s in steps) == 1
+
+
+def test_the_plan_names_the_layers_weights():
+    for step in LLAMA_LAYER:
+        assert step.param is None or step.param in DecoderLayer._fields
+        assert (step.op == Op.MATMUL) == (step.param in MATMULS)
+        assert (step.op == Op.ADD_RMS_NORM) == (step.param in NORMS)
+
+
+def _with_plan(model, plan: tuple[Step, ...]):
+    """The model's layers running `plan` (both interpreters) until the returned undo is called."""
+    old = model.plan, model.decoder_stack
+    model.plan = plan
+    model.decoder_stack = model._decoder_stack(model.attention.kernels)
+
+    def undo() -> None:
+        model.plan, model.decoder_stack = old
+
+    return undo
+
+
+# Attention-only layers: the MLP's steps left out, so each layer adds its attention's projection
+# to the residual stream through the next layer's input norm.
+ATTENTION_ONLY = LLAMA_LAYER[:5]
+
+
+def test_another_plan_runs_the_same_in_both_interpreters(make_llm, model):
+    """Neither interpreter has the order built in: a plan with the MLP left out gives the same
+    logits through both, and not the Llama plan's."""
+    assert ATTENTION_ONLY[-1].dst == Reg.DELTA and all(s.op != Op.SILU_AND_MUL for s in ATTENTION_ONLY)
+    options = {"max_num_tokens": 64, "enable_chunked_prefill": True}
+    undo = _with_plan(model, ATTENTION_ONLY)
+    try:
+        assert model.decoder_stack is not None
+        compiled, _ = step_logits(make_llm, model, True, **options)
+        python, _ = step_logits(make_llm, model, False, **options)
+    finally:
+        undo()
+    full, _ = step_logits(make_llm, model, True, **options)
+    assert len(compiled) == len(python)
+    for a, b in zip(compiled, python, strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(compiled[0], full[0])
+
+
+def test_a_plan_with_an_op_the_kernels_lack_runs_in_python(model):
+    unknown = (Step("qk_norm", Reg.QKV, Reg.QKV), *LLAMA_LAYER)
+    undo = _with_plan(model, unknown)
+    try:
+        assert model.decoder_stack is None
+        hidden = torch.zeros(1, model.config.hidden_size)
+        with pytest.raises(ValueError, match="qk_norm"):
+            model._layers(hidden, torch.zeros(1, dtype=torch.long), [(None, None)] * len(model.layers), None)
+    finally:
+        undo()
+    kernels = model.attention.kernels
+    with pytest.raises(RuntimeError, match="no kernel for the plan's op qk_norm"):
+        kernels.DecoderStack([("qk_norm", 1, 1, -1, [])], int(Reg.DELTA), 1, [], [], [], [], [], 4, 4, 16, 1e-5, 5)
 
 
 class _Watched:

@@ -17,6 +17,7 @@ from inflight.config import ModelConfig
 from inflight.errors import ModelLoadError
 from inflight.model.attention import AttentionMetadata, PagedAttention
 from inflight.model.kernels import cpu_kernels
+from inflight.model.layer_plan import LLAMA_LAYER, OUTPUT, Op, Reg, Step, compiled_ops, released_after
 from inflight.model.linear import GGUF_BLOCKS_MAX_ROWS, Linear, linear_backend
 from inflight.model.token_ops import CpuKernelTokenOps, KVStore, TorchTokenOps
 
@@ -45,7 +46,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class DecoderLayer(NamedTuple):
-    """One decoder layer's weights: the norms' scales and the fused matmuls."""
+    """One decoder layer's weights, which `LLAMA_LAYER`'s steps name: the norms' scales and the
+    fused matmuls."""
 
     input_norm: torch.Tensor
     qkv: Linear
@@ -54,10 +56,9 @@ class DecoderLayer(NamedTuple):
     gate_up: Linear
     down: Linear
 
-    @property
-    def matmuls(self) -> tuple[Linear, Linear, Linear, Linear]:
-        """In the order `DecoderStack` takes them."""
-        return self.qkv, self.o, self.gate_up, self.down
+
+NORMS = ("input_norm", "post_norm")
+MATMULS = ("qkv", "o", "gate_up", "down")
 
 
 class LlamaModel:
@@ -113,19 +114,25 @@ class LlamaModel:
         self.ops = CpuKernelTokenOps(*shape, kernels) if kernels is not None else TorchTokenOps(*shape)
         self._rope_inv_freq = rope_inv_freq(config).to(device)
         self._rope_cos, self._rope_sin = self._rope_table(config.max_position_embeddings)
+        self.plan: tuple[Step, ...] = LLAMA_LAYER
         self.decoder_stack = self._decoder_stack(kernels)
 
     def _decoder_stack(self, kernels: ModuleType | None) -> Any:
-        """The compiled loop over the layers (`DecoderStack` in `csrc/cpu_kernels.cpp`), where every
-        kernel it calls serves this model: the same kernels as `forward`'s Python loop, called back
-        to back without Python between them. None elsewhere."""
-        matmuls = [m for layer in self.layers for m in layer.matmuls]
-        if kernels is None or any(m.backend != "inflight" for m in matmuls):
+        """The compiled interpreter of `self.plan` (`DecoderStack` in `csrc/cpu_kernels.cpp`), where
+        it knows every op of the plan and every matmul runs on its kernels: the same kernels as
+        `_layers` in the same order, without Python between them. None elsewhere."""
+        layers = self.layers
+        if kernels is None or not compiled_ops(self.plan, kernels.plan_ops()):
             return None
-        norms = [norm for layer in self.layers for norm in (layer.input_norm, layer.post_norm)]
+        if any(getattr(layer, f).backend != "inflight" for layer in layers for f in MATMULS):
+            return None
+        plan = [(step.op, int(step.src), int(step.dst), _param_index(step), [int(r) for r in release])
+                for step, release in zip(self.plan, released_after(self.plan), strict=True)]
+        matmuls = [getattr(layer, f) for layer in layers for f in MATMULS]
         cfg = self.config
         return kernels.DecoderStack(
-            norms, [m.weight for m in matmuls], [m.blocks for m in matmuls], [m.bias for m in matmuls],
+            plan, int(OUTPUT), len(layers), [getattr(layer, f) for layer in layers for f in NORMS],
+            [m.weight for m in matmuls], [m.blocks for m in matmuls], [m.bias for m in matmuls],
             [m.out_features for m in matmuls], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
             GGUF_BLOCKS_MAX_ROWS,
         )
@@ -158,24 +165,37 @@ class LlamaModel:
 
     def _layers(self, hidden: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn_meta: AttentionMetadata) -> torch.Tensor:
-        """Every decoder layer over the step's tokens: updates the residual stream `hidden` in
-        place and returns the last layer's MLP output."""
-        ops, layers = self.ops, self.layers
-        x = ops.rms_norm(hidden, layers[0].input_norm)
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches, strict=True)):
-            store = KVStore(k_cache, v_cache, attn_meta.slot_mapping)
-            q, k, v = ops.rotary(layer.qkv(x), positions, self._rope_cos, self._rope_sin, store)
-            attn = self.attention.forward(q, k, v, k_cache, v_cache, attn_meta, kv_stored=True)
-            x = ops.add_rms_norm_(hidden, layer.o(attn), layer.post_norm)
-            mlp = layer.down(ops.silu_and_mul(layer.gate_up(x)))
-            if i + 1 < len(layers):
-                x = ops.add_rms_norm_(hidden, mlp, layers[i + 1].input_norm)
-        return mlp
+        """Every decoder layer over the step's tokens, `self.plan` interpreted step by step: updates
+        the residual stream `hidden` in place and returns the plan's output register."""
+        ops, attention = self.ops, self.attention
+        cos, sin = self._rope_cos, self._rope_sin
+        reg: list[Any] = [None] * len(Reg)
+        steps = list(zip(self.plan, released_after(self.plan), strict=True))
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            for (op, src, dst, param), release in steps:
+                x = reg[src]
+                weight: Any = getattr(layer, param) if param is not None else None
+                if op == Op.MATMUL:
+                    reg[dst] = weight(x)
+                elif op == Op.ADD_RMS_NORM:
+                    reg[dst] = ops.rms_norm(hidden, weight) if x is None else ops.add_rms_norm_(hidden, x, weight)
+                elif op == Op.ROTARY_STORE_KV:  # the register holds the rotated (q, k, v) heads from here
+                    reg[dst] = ops.rotary(x, positions, cos, sin, KVStore(k_cache, v_cache, attn_meta.slot_mapping))
+                elif op == Op.ATTENTION:
+                    q, k, v = x
+                    reg[dst] = attention.forward(q, k, v, k_cache, v_cache, attn_meta, kv_stored=True)
+                elif op == Op.SILU_AND_MUL:
+                    reg[dst] = ops.silu_and_mul(x)
+                else:
+                    raise ValueError(f"no implementation of the plan's op {op!r}")
+                for r in release:
+                    reg[r] = None
+        return reg[OUTPUT]
 
     def _compiled_layers(self, hidden: torch.Tensor, positions: torch.Tensor,
                          kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                          attn_meta: AttentionMetadata) -> torch.Tensor:
-        """`_layers` through the compiled `DecoderStack`: the same kernels in the same order."""
+        """`self.plan` through the compiled `DecoderStack`: the same kernels in the same order."""
         tables = attn_meta.prefill_tables
         return self.decoder_stack.forward(
             hidden, positions, self._rope_cos, self._rope_sin, [k for k, _ in kv_caches], [v for _, v in kv_caches],
@@ -185,3 +205,11 @@ class LlamaModel:
                 if tables is not None else (None,) * 4),
             attn_meta.block_size,
         )
+
+
+def _param_index(step: Step) -> int:
+    """The index `DecoderStack` knows a step's weight by: its place among the layer's norms or
+    its matmuls (-1: the step has none)."""
+    if step.param is None:
+        return -1
+    return (NORMS if step.param in NORMS else MATMULS).index(step.param)

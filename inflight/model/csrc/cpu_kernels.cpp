@@ -12,10 +12,13 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -1269,42 +1272,81 @@ struct StackLinear {
   std::string label;
 };
 
+// The ops of inflight/model/layer_plan.py's Op, as a plan names them.
+enum class PlanOp { kAddRmsNorm, kMatmul, kRotaryStoreKv, kAttention, kSiluAndMul };
+const std::vector<std::pair<std::string, PlanOp>> kPlanOps = {
+    {"add_rms_norm", PlanOp::kAddRmsNorm}, {"matmul", PlanOp::kMatmul}, {"rotary_store_kv", PlanOp::kRotaryStoreKv},
+    {"attention", PlanOp::kAttention},     {"silu_and_mul", PlanOp::kSiluAndMul}};
+constexpr int64_t kMaxRegs = 8;
+
+struct PlanStep {
+  PlanOp op;
+  int64_t src, dst;
+  int64_t param;  // the index of the step's weight among its layer's norms (add_rms_norm) or matmuls (matmul)
+  std::vector<int64_t> release;  // registers dropped after the step (layer_plan.released_after)
+};
+
 }  // namespace
+
+std::vector<std::string> plan_ops() {
+  std::vector<std::string> names;
+  for (const auto& entry : kPlanOps) names.push_back(entry.first);
+  return names;
+}
 
 class DecoderStack {
  public:
-  // Per layer, in order: norms holds its input and post-attention RMSNorm weights; packed,
-  // blocks, biases and out_features its qkv, o, gate_up and down matmuls (as
-  // inflight.model.linear.Linear holds them). Steps of at most blocks_max_rows rows read a
+  // plan: one layer's steps (op name, source register, destination register, weight index,
+  // registers to release after it), as layer_plan.py writes them; every layer runs it, and
+  // after the last one register `output` holds the result. norms holds each layer's RMSNorm
+  // weights, layer after layer; packed, blocks, biases and out_features each layer's matmuls
+  // (as inflight.model.linear.Linear holds them). Steps of at most blocks_max_rows rows read a
   // matmul's GGUF blocks where it has them, as Linear does.
-  DecoderStack(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> packed,
+  DecoderStack(const std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, std::vector<int64_t>>>& plan,
+               int64_t output,
+               int64_t num_layers, std::vector<torch::Tensor> norms, std::vector<torch::Tensor> packed,
                std::vector<c10::optional<torch::Tensor>> blocks, std::vector<c10::optional<torch::Tensor>> biases,
                std::vector<int64_t> out_features, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                double eps, int64_t blocks_max_rows)
-      : norms_(std::move(norms)), num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
-        eps_(eps), blocks_max_rows_(blocks_max_rows) {
-    const size_t layers = norms_.size() / 2;
-    TORCH_CHECK(norms_.size() == 2 * layers && packed.size() == 4 * layers && blocks.size() == 4 * layers &&
-                biases.size() == 4 * layers && out_features.size() == 4 * layers, "4 matmuls and 2 norms per layer");
+      : norms_(std::move(norms)), num_layers_(num_layers), output_(output), num_heads_(num_heads),
+        num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), blocks_max_rows_(blocks_max_rows) {
+    TORCH_CHECK(num_layers > 0 && norms_.size() % num_layers == 0 && packed.size() % num_layers == 0,
+                "the same number of norms and of matmuls in every layer");
+    TORCH_CHECK(blocks.size() == packed.size() && biases.size() == packed.size() && out_features.size() == packed.size(),
+                "blocks, biases and out_features for every matmul");
+    norms_per_layer_ = static_cast<int64_t>(norms_.size()) / num_layers;
+    matmuls_per_layer_ = static_cast<int64_t>(packed.size()) / num_layers;
     for (size_t i = 0; i < packed.size(); ++i)
       linears_.push_back({packed[i], blocks[i], biases[i], out_features[i], "matmul -> " + std::to_string(out_features[i])});
+    TORCH_CHECK(output >= 0 && output < kMaxRegs, "output register out of range");
+    for (const auto& [name, src, dst, param, release] : plan) {
+      auto found = std::find_if(kPlanOps.begin(), kPlanOps.end(), [&](const auto& e) { return e.first == name; });
+      TORCH_CHECK(found != kPlanOps.end(), "DecoderStack: no kernel for the plan's op ", name);
+      TORCH_CHECK(src >= 0 && src < kMaxRegs && dst >= 0 && dst < kMaxRegs, "register out of range in op ", name);
+      const PlanOp op = found->second;
+      if (op == PlanOp::kAddRmsNorm) TORCH_CHECK(param >= 0 && param < norms_per_layer_, "no such norm: ", param);
+      if (op == PlanOp::kMatmul) TORCH_CHECK(param >= 0 && param < matmuls_per_layer_, "no such matmul: ", param);
+      for (int64_t r : release) TORCH_CHECK(r >= 0 && r < kMaxRegs, "register out of range in op ", name);
+      plan_.push_back({op, src, dst, param, release});
+    }
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(norms_.size() / 2); }
+  int64_t num_layers() const { return num_layers_; }
 
   // Runs every layer over the step's packed tokens. hidden [N, hidden_size], the embeddings, is
-  // the residual stream and is updated in place; returns the last layer's MLP output, which the
-  // caller adds to it. The rest describes the step as AttentionMetadata does: the first
-  // num_decodes tokens are decodes (decode_tables, decode_lens), the others prefill segments
-  // (prefill_tables, query_starts, query_lens, context_starts).
+  // the residual stream and is updated in place; returns register `output` after the last
+  // layer. The rest describes the step as AttentionMetadata does: the first num_decodes tokens
+  // are decodes (decode_tables, decode_lens), the others prefill segments (prefill_tables,
+  // query_starts, query_lens, context_starts).
   torch::Tensor forward(torch::Tensor hidden, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                         std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
                         torch::Tensor slot_mapping, int64_t num_decodes, c10::optional<torch::Tensor> decode_tables,
                         c10::optional<torch::Tensor> decode_lens, c10::optional<torch::Tensor> prefill_tables,
                         c10::optional<torch::Tensor> query_starts, c10::optional<torch::Tensor> query_lens,
                         c10::optional<torch::Tensor> context_starts, int64_t block_size) const {
-    const int64_t layers = num_layers(), tokens = hidden.size(0);
-    TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == layers && static_cast<int64_t>(v_caches.size()) == layers,
+    const int64_t tokens = hidden.size(0);
+    TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == num_layers_ &&
+                    static_cast<int64_t>(v_caches.size()) == num_layers_,
                 "one K and one V pool per layer");
     TORCH_CHECK(num_decodes >= 0 && num_decodes <= tokens, "more decodes than tokens");
     TORCH_CHECK(num_decodes == 0 || (decode_tables.has_value() && decode_lens.has_value()), "decodes need tables");
@@ -1312,60 +1354,70 @@ class DecoderStack {
                                           query_lens.has_value() && context_starts.has_value()),
                 "prefill tokens need prefill tables");
     const double scale = std::pow(static_cast<double>(head_dim_), -0.5);  // as Python computes head_dim ** -0.5
-    torch::Tensor x, mlp;
-    {
-      Range r("token ops: rms_norm");
-      x = rms_norm(hidden, norms_[0], eps_);
+    std::array<torch::Tensor, kMaxRegs> reg;
+    for (int64_t i = 0; i < num_layers_; ++i) {
+      for (const PlanStep& step : plan_) {
+        const torch::Tensor& src = reg[step.src];
+        switch (step.op) {
+          case PlanOp::kAddRmsNorm: {
+            const torch::Tensor& weight = norms_[i * norms_per_layer_ + step.param];
+            if (src.defined()) {
+              Range r("token ops: add_rms_norm_");
+              reg[step.dst] = add_rms_norm_(hidden, src, weight, eps_);
+            } else {
+              Range r("token ops: rms_norm");
+              reg[step.dst] = rms_norm(hidden, weight, eps_);
+            }
+            break;
+          }
+          case PlanOp::kMatmul: {
+            const StackLinear& lin = linears_[i * matmuls_per_layer_ + step.param];
+            Range r(lin.label);
+            reg[step.dst] = linear_forward(src, lin.packed, lin.blocks, lin.bias, lin.out_features, blocks_max_rows_);
+            break;
+          }
+          case PlanOp::kRotaryStoreKv: {
+            Range r("token ops: rotary");
+            rotary_qk_(src, positions, cos, sin, num_heads_, num_kv_heads_, head_dim_, k_caches[i], v_caches[i],
+                       slot_mapping);
+            reg[step.dst] = src;
+            break;
+          }
+          case PlanOp::kAttention: {
+            Range r("attention");
+            const torch::Tensor q =
+                src.view({tokens, num_heads_ + 2 * num_kv_heads_, head_dim_}).narrow(1, 0, num_heads_);
+            torch::Tensor decoded, prefilled;
+            if (num_decodes > 0)
+              decoded = paged_decode_attention(q.narrow(0, 0, num_decodes).contiguous(), k_caches[i], v_caches[i],
+                                               *decode_tables, *decode_lens, block_size, scale);
+            if (num_decodes < tokens)
+              prefilled = paged_prefill_attention(q.narrow(0, num_decodes, tokens - num_decodes).contiguous(),
+                                                  k_caches[i], v_caches[i], *prefill_tables, *query_starts,
+                                                  *query_lens, *context_starts, block_size, scale);
+            const torch::Tensor attn =
+                !prefilled.defined() ? decoded : !decoded.defined() ? prefilled : torch::cat({decoded, prefilled});
+            reg[step.dst] = attn.view({tokens, num_heads_ * head_dim_});
+            break;
+          }
+          case PlanOp::kSiluAndMul: {
+            Range r("token ops: silu_and_mul");
+            reg[step.dst] = silu_and_mul(src);
+            break;
+          }
+        }
+        for (int64_t r : step.release) reg[r].reset();
+      }
     }
-    for (int64_t i = 0; i < layers; ++i) {
-      const StackLinear* lin = &linears_[4 * i];
-      torch::Tensor qkv = apply(lin[0], x);
-      {
-        Range r("token ops: rotary");
-        rotary_qk_(qkv, positions, cos, sin, num_heads_, num_kv_heads_, head_dim_, k_caches[i], v_caches[i],
-                   slot_mapping);
-      }
-      torch::Tensor attn;
-      {
-        Range r("attention");
-        const torch::Tensor q = qkv.view({tokens, num_heads_ + 2 * num_kv_heads_, head_dim_}).narrow(1, 0, num_heads_);
-        torch::Tensor decoded, prefilled;
-        if (num_decodes > 0)
-          decoded = paged_decode_attention(q.narrow(0, 0, num_decodes).contiguous(), k_caches[i], v_caches[i],
-                                           *decode_tables, *decode_lens, block_size, scale);
-        if (num_decodes < tokens)
-          prefilled = paged_prefill_attention(q.narrow(0, num_decodes, tokens - num_decodes).contiguous(), k_caches[i],
-                                              v_caches[i], *prefill_tables, *query_starts, *query_lens,
-                                              *context_starts, block_size, scale);
-        attn = !prefilled.defined() ? decoded : !decoded.defined() ? prefilled : torch::cat({decoded, prefilled});
-      }
-      torch::Tensor delta = apply(lin[1], attn.view({tokens, num_heads_ * head_dim_}));
-      {
-        Range r("token ops: add_rms_norm_");
-        x = add_rms_norm_(hidden, delta, norms_[2 * i + 1], eps_);
-      }
-      torch::Tensor gate_up = apply(lin[2], x);
-      {
-        Range r("token ops: silu_and_mul");
-        gate_up = silu_and_mul(gate_up);
-      }
-      mlp = apply(lin[3], gate_up);
-      if (i + 1 < layers) {
-        Range r("token ops: add_rms_norm_");
-        x = add_rms_norm_(hidden, mlp, norms_[2 * (i + 1)], eps_);
-      }
-    }
-    return mlp;
+    TORCH_CHECK(reg[output_].defined(), "the plan never writes its output register");
+    return reg[output_];
   }
 
  private:
-  torch::Tensor apply(const StackLinear& lin, const torch::Tensor& x) const {
-    Range r(lin.label);
-    return linear_forward(x, lin.packed, lin.blocks, lin.bias, lin.out_features, blocks_max_rows_);
-  }
-
   std::vector<torch::Tensor> norms_;
   std::vector<StackLinear> linears_;
+  std::vector<PlanStep> plan_;
+  int64_t num_layers_, output_, norms_per_layer_ = 0, matmuls_per_layer_ = 0;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_;
   int64_t blocks_max_rows_;
@@ -1399,13 +1451,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, "x @ W.T (+ b) with a packed W (CPU, fp32)");
   m.def("linear_forward", &linear_forward,
         "x @ W.T (+ b): from the GGUF blocks up to blocks_max_rows rows where given, else the packed W");
+  m.def("plan_ops", &plan_ops, "The layer-plan ops DecoderStack runs (inflight/model/layer_plan.py's Op)");
   m.def("gguf_blocks_available", &gguf_blocks_available, "Whether this build has the GGUF block matmul (AVX2)");
   m.def("pack_gguf_blocks", &pack_gguf_blocks, "Pack GGUF Q4_1 or Q8_0 rows for gguf_blocks_linear");
   m.def("gguf_blocks_linear", &gguf_blocks_linear, "x @ W.T with W as packed GGUF blocks (CPU, fp32)");
   // module_local: another build of this file in the same process (kernels_bench.py --against)
   // registers its own DecoderStack.
   py::class_<DecoderStack>(m, "DecoderStack", py::module_local(), "A step's decoder layers in one call (CPU, fp32)")
-      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<c10::optional<torch::Tensor>>,
+      .def(py::init<const std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, std::vector<int64_t>>>&,
+                    int64_t, int64_t,
+                    std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<c10::optional<torch::Tensor>>,
                     std::vector<c10::optional<torch::Tensor>>, std::vector<int64_t>, int64_t, int64_t, int64_t, double,
                     int64_t>())
       .def("forward", &DecoderStack::forward, "Runs every layer; returns the last MLP output (hidden updated in place)",
