@@ -19,8 +19,6 @@ from inflight.engine.output import RequestOutput
 from inflight.errors import InflightError
 from inflight.request import SamplingParams
 
-_WARMUP_PROMPT = list(range(1000, 1032))
-
 
 def bench_params(request: BenchRequest) -> SamplingParams:
     """Greedy, with the output length forced: the workload fixes every request's length."""
@@ -29,7 +27,8 @@ def bench_params(request: BenchRequest) -> SamplingParams:
 
 def warm_up(engine: LLMEngine) -> None:
     """One tiny request first, so one-time costs (allocator, kernels) stay out of the run."""
-    engine.add_request(_WARMUP_PROMPT, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+    prompt = [(1000 + i) % engine.model_config.vocab_size for i in range(32)]  # ids any vocabulary has
+    engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
                        request_id="bench-warmup")
     while engine.has_unfinished():
         engine.step()
