@@ -27,6 +27,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=_SCHED.max_model_len)
     g.add_argument("--scheduling-policy", default=_SCHED.scheduling_policy.value,
                    choices=[p.value for p in SchedulingPolicy])
+    g.add_argument("--priority-max-bypass", type=int, default=_SCHED.priority_max_bypass,
+                   help="priority policy: a waiting request overtaken this many times by more urgent ones is "
+                        "served next (aging)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=_SCHED.enable_chunked_prefill)
     g.add_argument("--block-size", type=int, default=_CACHE.block_size)
@@ -43,6 +46,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine's keyword options (as `LLM(**options)` takes them) from parsed arguments."""
     names = ["dtype", "device", "max_batch_size", "max_num_tokens", "max_model_len", "scheduling_policy",
+             "priority_max_bypass",
              "enable_chunked_prefill", "block_size", "kv_cache_memory_fraction", "kv_cache_memory_bytes",
              "num_kv_blocks", "enable_prefix_caching", "seed"]
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}

@@ -46,8 +46,8 @@ class Driver:
     scheduler and block manager; checks invariants at every step."""
 
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
-                 prefix_caching: bool = True, static: bool = False) -> None:
-        policy = SchedulingPolicy.STATIC if static else SchedulingPolicy.CONTINUOUS
+                 prefix_caching: bool = True, static: bool = False, policy: SchedulingPolicy | None = None) -> None:
+        policy = policy or (SchedulingPolicy.STATIC if static else SchedulingPolicy.CONTINUOUS)
         self.config = config = dataclasses.replace(config, scheduling_policy=policy)
         cache = CacheConfig(block_size=block_size, num_kv_blocks=num_blocks, enable_prefix_caching=prefix_caching)
         parts = EngineParts(_FakeRunner(self), num_blocks, "fake", _FAKE_MODEL, check_token_ids=False)
@@ -99,9 +99,10 @@ class Driver:
         raise AssertionError("requests did not all finish")
 
 
-def make_request(i: int, prompt_len: int, max_tokens: int, prefix: list[int] | None = None) -> Request:
+def make_request(i: int, prompt_len: int, max_tokens: int, prefix: list[int] | None = None,
+                 priority: int = 0) -> Request:
     prompt = (prefix or []) + [(i * 7919 + j) % 5000 + 10 for j in range(prompt_len)]
-    return Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), priority=priority)
 
 
 def expected_tokens(request: Request) -> list[int]:
@@ -113,7 +114,8 @@ def expected_tokens(request: Request) -> list[int]:
 
 
 workloads = st.lists(
-    st.tuples(st.integers(1, 80), st.integers(1, 40), st.integers(0, 6)),  # prompt, output, arrival step
+    # prompt, output, arrival step, priority (the priority policy's)
+    st.tuples(st.integers(1, 80), st.integers(1, 40), st.integers(0, 6), st.integers(0, 3)),
     min_size=1, max_size=16,
 )
 
@@ -128,18 +130,19 @@ workloads = st.lists(
     chunked=st.booleans(),
     prefix_caching=st.booleans(),
     shared_prefix=st.integers(0, 40),
-    static=st.booleans(),
+    policy=st.sampled_from(list(SchedulingPolicy)),
+    max_bypass=st.integers(1, 4),
 )
 def test_scheduler_invariants(workload, max_batch_size, max_num_tokens, block_size, num_blocks,
-                              chunked, prefix_caching, shared_prefix, static):
+                              chunked, prefix_caching, shared_prefix, policy, max_bypass):
     config = SchedulerConfig(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
-                             max_model_len=4096, enable_chunked_prefill=chunked,
-                             scheduling_policy="static" if static else "continuous")
-    d = Driver(config, num_blocks, block_size, prefix_caching, static=static)
+                             max_model_len=4096, enable_chunked_prefill=chunked, priority_max_bypass=max_bypass)
+    d = Driver(config, num_blocks, block_size, prefix_caching, policy=policy)
     prefix = [3] * shared_prefix
     pending = []
-    for i, (prompt_len, out_len, arrival) in enumerate(workload):
-        pending.append((arrival, make_request(i, prompt_len, out_len, prefix)))
+    for i, (prompt_len, out_len, arrival, priority) in enumerate(workload):
+        priority = priority if policy is SchedulingPolicy.PRIORITY else 0
+        pending.append((arrival, make_request(i, prompt_len, out_len, prefix, priority)))
     accepted: list[Request] = []
     arrival_order: list[str] = []
     step = 0
@@ -158,8 +161,9 @@ def test_scheduler_invariants(workload, max_batch_size, max_num_tokens, block_si
 
     assert all(r.status is RequestStatus.FINISHED for r in accepted)
     assert d.bm.num_used_blocks == 0, "blocks leaked after every request ended"
-    # Admission is first-come first-served (preempted requests re-enter at the head).
-    assert d.admission_order == arrival_order
+    if policy is not SchedulingPolicy.PRIORITY:
+        # Admission is first-come first-served (preempted requests re-enter at the head).
+        assert d.admission_order == arrival_order
     for r in accepted:
         assert r.output_token_ids == expected_tokens(r), "preemption or chunking changed the tokens"
         if not chunked and r.num_preemptions == 0:
@@ -358,5 +362,5 @@ def test_readmitted_request_is_not_the_automatic_next_victim():
     s = Scheduler(config, BlockManager(64, 4, enable_prefix_caching=False))
     old, young = make_request(0, 8, 50), make_request(1, 8, 50)
     s.running = [young, old]  # old was preempted and re-admitted after young
-    assert s._pick_victim(young, set()) is young
-    assert s._pick_victim(old, set()) is young
+    assert s.pick_victim(young, set()) is young
+    assert s.pick_victim(old, set()) is young

@@ -16,6 +16,7 @@ import torch
 from inflight.config import CacheConfig, EngineConfig, ModelConfig, SchedulingPolicy
 from inflight.engine.block_manager import BlockManager
 from inflight.engine.output import LengthOutputProcessor, OutputProcessor, RequestOutput, StepRecord
+from inflight.engine.priority import PriorityScheduler
 from inflight.engine.runner import ModelRunner, RunnerTimings
 from inflight.engine.sampler import Sampler
 from inflight.engine.scheduler import Scheduler, SchedulerOutput
@@ -89,6 +90,13 @@ def _blocks_for_budget(cache: CacheConfig, model: LlamaModel, device: torch.devi
     return num_blocks
 
 
+_POLICIES: dict[SchedulingPolicy, type[Scheduler]] = {
+    SchedulingPolicy.CONTINUOUS: Scheduler,
+    SchedulingPolicy.PRIORITY: PriorityScheduler,
+    SchedulingPolicy.STATIC: StaticScheduler,
+}
+
+
 class Clock(Protocol):
     """Where the engine reads the time (seconds), and how a driver waits for a later one."""
 
@@ -159,7 +167,7 @@ class LLMEngine:
         cache = config.cache
         num_blocks = parts.num_kv_blocks
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        policy = StaticScheduler if sched_cfg.scheduling_policy is SchedulingPolicy.STATIC else Scheduler
+        policy = _POLICIES[sched_cfg.scheduling_policy]
         self.scheduler = policy(sched_cfg, self.block_manager, clock=self.clock)
         self.runner = parts.runner
         self.output_processor: OutputProcessor | LengthOutputProcessor = (
@@ -225,9 +233,11 @@ class LLMEngine:
         messages: Sequence[ChatMessage] | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> Request:
         """Queues a request; raises InvalidRequestError if it can never be served and
-        EngineOverloadedError if the waiting queue is full."""
+        EngineOverloadedError if the waiting queue is full. `priority`: lower is more urgent;
+        only the priority policy takes one other than 0."""
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt, messages)
         if not token_ids:
@@ -235,10 +245,17 @@ class LLMEngine:
         request = Request(
             request_id or f"req-{next(self._ids)}", token_ids, params,
             eos_token_ids=self.parts.tokenizer.eos_token_ids if self.parts.tokenizer is not None else frozenset(),
-            arrival_time=arrival_time if arrival_time is not None else self.clock(),
+            priority=priority, arrival_time=arrival_time if arrival_time is not None else self.clock(),
         )
         self.enqueue_request(request)
         return request
+
+    def check_priority(self, priority: int) -> None:
+        """Raises InvalidRequestError for a priority this engine's policy would ignore."""
+        policy = self.scheduler_config.scheduling_policy
+        if priority != 0 and policy is not SchedulingPolicy.PRIORITY:
+            raise InvalidRequestError(f"priority {priority}: this engine schedules by the {policy} policy; "
+                                      "priorities need scheduling_policy=priority (--scheduling-policy priority)")
 
     def enqueue_request(self, request: Request) -> None:
         """Queues a request built by the caller (its prompt already token ids); raises as
@@ -248,6 +265,7 @@ class LLMEngine:
             raise EngineOverloadedError(f"the waiting queue is full ({limit} requests); retry later")
         if request.request_id in self._requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        self.check_priority(request.priority)
         self.scheduler.add_request(request)
         self._requests[request.request_id] = request
         self.output_processor.add(request)

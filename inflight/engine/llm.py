@@ -41,9 +41,12 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: int | Sequence[int] = 0,
     ) -> list[CompletionOutput]:
         """Runs every prompt to completion, all in one continuous batch. A prompt is a string,
-        a list of token ids, or a chat conversation (a list of {"role", "content"} dicts)."""
+        a list of token ids, or a chat conversation (a list of {"role", "content"} dicts).
+        `priority`: one for all prompts or one each (lower is more urgent; the priority
+        scheduling policy only)."""
         batch = [prompts] if _is_single(prompts) else list(prompts)
         if params is None or isinstance(params, SamplingParams):
             param_list = [params or SamplingParams()] * len(batch)
@@ -51,13 +54,16 @@ class LLM:
             param_list = list(params)
             if len(param_list) != len(batch):
                 raise ValueError(f"{len(batch)} prompts but {len(param_list)} SamplingParams")
+        priorities = [priority] * len(batch) if isinstance(priority, int) else list(priority)
+        if len(priorities) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(priorities)} priorities")
         engine = self.engine
         requests = []
-        for prompt, p in zip(batch, param_list, strict=True):
+        for prompt, p, rank in zip(batch, param_list, priorities, strict=True):
             if _is_chat(prompt):
-                requests.append(engine.add_request(params=p, messages=prompt))  # type: ignore[arg-type]
+                requests.append(engine.add_request(params=p, messages=prompt, priority=rank))  # type: ignore[arg-type]
             else:
-                requests.append(engine.add_request(prompt, p))  # type: ignore[arg-type]
+                requests.append(engine.add_request(prompt, p, priority=rank))  # type: ignore[arg-type]
         texts = {r.request_id: "" for r in requests}
         while engine.has_unfinished():
             for out in engine.step():

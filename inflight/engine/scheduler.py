@@ -84,9 +84,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """The continuous-batching policy. Another policy subclasses it and overrides `schedule()`
-    and, where it holds KV blocks past a request's end, `release_blocks()`; it builds each step
-    with `new_output()` and seats a request with `start_running()` (`StaticScheduler` does)."""
+    """The continuous-batching policy, first come first served. Another policy subclasses it and
+    overrides its hooks: `schedule()`; `next_waiting()` and `take_waiting()`, which choose the
+    waiting request admitted next; `pick_victim()`, which chooses whom to preempt; and, where it
+    holds KV blocks past a request's end, `release_blocks()`. It builds each step with
+    `new_output()` and seats a request with `start_running()` (`StaticScheduler` and
+    `PriorityScheduler` do)."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -189,13 +192,13 @@ class Scheduler:
         pool is short. False if the request itself had to be preempted."""
         bm = self.block_manager
         while not bm.allocate_slots(request, request.num_computed_tokens + num_new):
-            victim = self._pick_victim(request, scheduled_ids)
+            victim = self.pick_victim(request, scheduled_ids)
             self._preempt(victim, out)
             if victim is request:
                 return False
         return True
 
-    def _pick_victim(self, request: Request, scheduled_ids: set[int]) -> Request:
+    def pick_victim(self, request: Request, scheduled_ids: set[int]) -> Request:
         """The most recently admitted running request not yet scheduled in this step, the
         requester included. A re-admitted request keeps the rank of its first admission
         (running requests are ranked by arrival): ranked by its latest admission instead, an
@@ -225,6 +228,37 @@ class Scheduler:
         return sum(max(0, bm.num_blocks_for(r.max_num_tokens) - len(bm.block_table(r.request_id)))
                    for r in self.running)
 
+    def next_waiting(self) -> Request:
+        """Hook: the waiting request to admit next (here the head of the queue)."""
+        return self.waiting[0]
+
+    def take_waiting(self, request: Request) -> None:
+        """Hook: takes `request`, just admitted, off the waiting queue."""
+        assert self.waiting[0] is request
+        self.waiting.popleft()
+
+    def _admission(self, request: Request, budget: int, reserve: int,
+                   pressure: bool) -> tuple[list[int], int, int, int] | None:
+        """How `request` would start within `budget` tokens, keeping `reserve` blocks free:
+        (cached blocks, cached tokens, tokens to compute, blocks it may still grow by), or None
+        if it cannot start now."""
+        cfg, bm = self.config, self.block_manager
+        hits = bm.get_computed_blocks(request)
+        num_cached = len(hits) * bm.block_size
+        num_new = request.num_tokens - num_cached
+        if num_new > budget:
+            # Without chunked prefill a prompt runs whole or waits; a preempted request
+            # whose recompute can never fit one step is chunked regardless.
+            if not cfg.enable_chunked_prefill and num_new <= cfg.max_num_tokens:
+                return None
+            num_new = budget
+        growth = 0
+        if pressure:
+            growth = bm.num_blocks_for(request.max_num_tokens) - bm.num_blocks_for(num_cached + num_new)
+        if not bm.can_allocate(request, num_cached + num_new, hits, reserve=reserve + growth):
+            return None
+        return hits, num_cached, num_new, growth
+
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         cfg, bm = self.config, self.block_manager
         # Shortly after a preemption, admit only what can run to its end next to the running
@@ -232,25 +266,14 @@ class Scheduler:
         pressure = self._under_pressure()
         reserve = self._outstanding_growth() if pressure else self._watermark_blocks
         while self.waiting and budget > 0 and len(self.running) < cfg.max_batch_size:
-            request = self.waiting[0]
-            hits = bm.get_computed_blocks(request)
-            num_cached = len(hits) * bm.block_size
-            num_new = request.num_tokens - num_cached
-            if num_new > budget:
-                # Without chunked prefill a prompt runs whole or waits; a preempted request
-                # whose recompute can never fit one step is chunked regardless.
-                if not cfg.enable_chunked_prefill and num_new <= cfg.max_num_tokens:
-                    break
-                num_new = budget
-            if pressure:
-                growth = bm.num_blocks_for(request.max_num_tokens) - bm.num_blocks_for(num_cached + num_new)
-                if not bm.can_allocate(request, num_cached + num_new, hits, reserve=reserve + growth):
-                    break
-                reserve += growth
-            elif not bm.can_allocate(request, num_cached + num_new, hits, reserve=reserve):
+            request = self.next_waiting()
+            admission = self._admission(request, budget, reserve, pressure)
+            if admission is None:
                 break
+            hits, num_cached, num_new, growth = admission
+            reserve += growth
             bm.allocate_slots(request, num_cached + num_new, hits)
-            self.waiting.popleft()
+            self.take_waiting(request)
             self.start_running(request, num_cached)
             self.num_prefix_query_tokens += request.num_tokens
             self.num_prefix_hit_tokens += num_cached

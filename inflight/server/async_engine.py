@@ -48,6 +48,7 @@ class _Add(NamedTuple):
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    priority: int
 
 
 class _Abort(NamedTuple):
@@ -96,6 +97,10 @@ class AsyncEngine:
     def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raises InvalidRequestError for a request the engine could never serve."""
         self._engine.scheduler.check_admissible(num_prompt_tokens, max_tokens)
+
+    def check_priority(self, priority: int) -> None:
+        """Raises InvalidRequestError for a priority the engine's policy would ignore."""
+        self._engine.check_priority(priority)
 
     @property
     def is_accepting(self) -> bool:
@@ -152,7 +157,7 @@ class AsyncEngine:
     # --- requests (event loop side) -------------------------------------------------------------
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float,
-               prefix: str = "req") -> RequestStream:
+               prefix: str = "req", priority: int = 0) -> RequestStream:
         """Queues a request for the engine. Raises EngineOverloadedError at once when the
         waiting queue (plus adds not yet applied) is full, EngineUnavailableError when draining."""
         stream = RequestStream(f"{prefix}-{uuid.uuid4().hex}", asyncio.get_running_loop())
@@ -164,7 +169,7 @@ class AsyncEngine:
                 raise EngineOverloadedError(f"the waiting queue is full ({limit} requests); retry later")
             self._num_pending_adds += 1
             self._streams[stream.request_id] = stream
-            self._commands.append(_Add(stream, prompt_token_ids, params, arrival_time))
+            self._commands.append(_Add(stream, prompt_token_ids, params, arrival_time, priority))
             self._lock.notify()
         return stream
 
@@ -216,7 +221,8 @@ class AsyncEngine:
         stream = command.stream
         try:
             self._engine.add_request(command.prompt_token_ids, command.params,
-                                     request_id=stream.request_id, arrival_time=command.arrival_time)
+                                     request_id=stream.request_id, arrival_time=command.arrival_time,
+                                     priority=command.priority)
         except (InvalidRequestError, EngineOverloadedError) as exc:
             self._close(stream, exc)
         except Exception:

@@ -114,6 +114,8 @@ class GenerationRequest(_Strict):
     ignore_eos: bool = False
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
     stop_token_ids: StopTokenIds | None = None
+    # Lower is more urgent; other than 0 only where the server runs --scheduling-policy priority.
+    priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1), _AsInt] = 0
     # Not implemented: accepted only with the value that changes nothing.
     response_format: dict[str, Any] | None = _only(None, {"type": "text"})
     logit_bias: dict[str, float] | None = _only(None, {})

@@ -151,7 +151,7 @@ class OpenAIServing:
         if not token_ids:
             raise invalid("the prompt is empty", "prompt")
         params = self._sampling_params(req, req.max_tokens, len(token_ids), "prompt")
-        stream = await self._submit(token_ids, params, arrival, "cmpl")
+        stream = await self._submit(token_ids, params, arrival, "cmpl", req.priority)
         fmt = _CompletionFormat(stream.request_id, self.model_name)
         return await self._respond(stream, fmt, req, http)
 
@@ -167,7 +167,7 @@ class OpenAIServing:
         except InvalidRequestError as exc:
             raise invalid(str(exc), "messages") from None
         params = self._sampling_params(req, req.requested_max_tokens, len(token_ids), "messages")
-        stream = await self._submit(token_ids, params, arrival, "chatcmpl")
+        stream = await self._submit(token_ids, params, arrival, "chatcmpl", req.priority)
         fmt = _ChatFormat(stream.request_id, self.model_name)
         return await self._respond(stream, fmt, req, http)
 
@@ -218,9 +218,13 @@ class OpenAIServing:
         return params
 
     async def _submit(self, token_ids: list[int], params: SamplingParams, arrival: float,
-                      prefix: str) -> RequestStream:
+                      prefix: str, priority: int) -> RequestStream:
         try:
-            stream = self.engine.submit(token_ids, params, arrival, prefix)
+            self.engine.check_priority(priority)
+        except InvalidRequestError as exc:
+            raise invalid(str(exc), "priority") from None
+        try:
+            stream = self.engine.submit(token_ids, params, arrival, prefix, priority)
             try:
                 await stream.wait_admitted()
             except asyncio.CancelledError:
