@@ -24,6 +24,13 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # No EOS, stop token or stop string ends the output before this many tokens.
+    min_tokens: int = 0
+    # Sampled rows: drop tokens less likely than min_p times the most likely one (after
+    # temperature, top-k and top-p).
+    min_p: float = 0.0
+    # (token id, bias) pairs added to the logits before anything else, greedy rows included.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -43,6 +50,13 @@ class SamplingParams:
         check(-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         check(-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+        check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+              f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
+        bias = dict(self.logit_bias)  # pairs, or a {token id: bias} mapping
+        object.__setattr__(self, "logit_bias", tuple(sorted(bias.items())))
+        check(all(isinstance(t, int) and t >= 0 for t in bias), "logit_bias keys must be token ids >= 0")
+        check(all(-100 <= b <= 100 for b in bias.values()), "logit_bias values must be in [-100, 100]")
 
     @property
     def is_greedy(self) -> bool:
@@ -51,6 +65,12 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before choosing (bias, penalties,
+        or blocking the end while min_tokens is unmet)."""
+        return bool(self.logit_bias) or self.has_penalties or self.min_tokens > 0
 
 
 class RequestStatus(Enum):

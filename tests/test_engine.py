@@ -107,6 +107,54 @@ def test_penalties_change_repetitive_output(make_llm):
     assert len(set(penalised.token_ids)) > len(set(plain.token_ids))
 
 
+def test_min_tokens_hold_back_eos_and_stops(make_llm):
+    llm = make_llm()
+    chat = [{"role": "user", "content": "Say hello."}]
+    free = llm.generate(chat, SamplingParams(max_tokens=200, temperature=0))[0]
+    assert free.finish_reason is FinishReason.STOP
+    n = len(free.token_ids)
+    held = llm.generate(chat, SamplingParams(max_tokens=n + 40, temperature=0, min_tokens=n + 4))[0]
+    assert len(held.token_ids) >= n + 4
+    assert not set(held.token_ids[:n + 4]) & llm.tokenizer.eos_token_ids
+    assert held.token_ids[:n - 1] == free.token_ids[:n - 1]  # the same text up to where EOS came
+    # A stop string is not searched for before min_tokens either; after it, it is again.
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    full = llm.generate(PROMPTS[4], greedy)[0]
+    word = full.text.split()[2]
+    early = llm.generate(PROMPTS[4], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=(word,)))[0]
+    late = llm.generate(PROMPTS[4], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=(word,),
+                                                   min_tokens=len(early.token_ids) + 2))[0]
+    assert len(late.token_ids) > len(early.token_ids) + 1 and late.text.startswith(early.text + word)
+    assert late.finish_reason is FinishReason.STOP or len(late.token_ids) == 40
+
+
+def test_logit_bias_moves_even_greedy_choices(make_llm):
+    llm = make_llm()
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    free = llm.generate(PROMPTS[0], greedy)[0]
+    forced_id = 1234
+    forced = llm.generate(PROMPTS[0], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                     logit_bias={forced_id: 100}))[0]
+    assert forced.token_ids == [forced_id] * 6
+    banned = llm.generate(PROMPTS[0], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                     logit_bias={free.token_ids[0]: -100}))[0]
+    assert banned.token_ids[0] != free.token_ids[0]
+    # Next to unbiased requests in one batch, only the biased row moves.
+    biased = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logit_bias={forced_id: 100})
+    both = llm.generate([PROMPTS[0], PROMPTS[0]], [greedy, biased])
+    assert both[0].token_ids == free.token_ids and both[1].token_ids == [forced_id] * 6
+
+
+def test_min_p_of_one_samples_the_most_likely_token(make_llm):
+    llm = make_llm()
+    greedy = llm.generate(PROMPTS[1], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    only_top = SamplingParams(max_tokens=12, temperature=1.5, ignore_eos=True, min_p=1.0, seed=7)
+    assert llm.generate(PROMPTS[1], only_top)[0].token_ids == greedy.token_ids
+    loose = [llm.generate(PROMPTS[1], SamplingParams(max_tokens=12, temperature=1.5, ignore_eos=True, min_p=0.01,
+                                                      seed=s))[0].token_ids for s in range(3)]
+    assert any(t != greedy.token_ids for t in loose)
+
+
 def test_abort_frees_kv(make_llm):
     llm = make_llm()
     engine = llm.engine
@@ -148,6 +196,7 @@ def test_failed_step_fails_only_its_requests(make_llm):
 @pytest.mark.parametrize("bad", [
     {"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -1},
     {"repetition_penalty": 0}, {"presence_penalty": 3}, {"stop": ("",)},
+    {"min_tokens": -1}, {"min_tokens": 17}, {"min_p": 1.5}, {"logit_bias": {5: 101}}, {"logit_bias": {-1: 1}},
 ])
 def test_invalid_sampling_params(bad):
     with pytest.raises(InvalidRequestError):

@@ -156,6 +156,43 @@ def test_no_op_values_of_unsupported_fields_are_accepted(client: openai.OpenAI, 
     assert resp.choices[0].finish_reason in ("length", "stop")
 
 
+def test_sampling_extras_through_the_openai_client(client: openai.OpenAI, offline: LLM, model: str) -> None:
+    forced = client.completions.create(model=model, prompt="The sky is", max_tokens=5, temperature=0,
+                                       logit_bias={"1234": 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == offline.tokenizer.decode([1234] * 5)
+    chat = [{"role": "user", "content": "Say hello."}]
+    (free,) = offline.generate([chat], SamplingParams(max_tokens=100, temperature=0))
+    held = client.chat.completions.create(model=model, messages=chat, max_tokens=100, temperature=0,
+                                          extra_body={"min_tokens": len(free.token_ids) + 3})
+    assert held.usage is not None and held.usage.completion_tokens >= len(free.token_ids) + 3
+    stream = client.chat.completions.create(model=model, messages=chat, max_tokens=12, temperature=1.2, seed=3,
+                                            stream=True, extra_body={"min_p": 1.0, "ignore_eos": True})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    (greedy,) = offline.generate([chat], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert text == greedy.text
+
+
+def test_tokenize_and_detokenize_in_vllms_shapes(server: RunningServer, offline: LLM, model: str) -> None:
+    tok = offline.tokenizer
+    text = "Tokenize this, please: naïve café"
+    r = httpx.post(server.url + "/tokenize", json={"model": model, "prompt": text, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == tok.encode(text) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == offline.engine.scheduler_config.max_model_len
+    assert len(body["token_strs"]) == body["count"] and all(isinstance(s, str) for s in body["token_strs"])
+    bare = httpx.post(server.url + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+    assert bare["tokens"] == tok.encode(text, add_special_tokens=False) and bare["token_strs"] is None
+    chat = [{"role": "user", "content": "hi"}]
+    r = httpx.post(server.url + "/tokenize", json={"model": model, "messages": chat})
+    assert r.json()["tokens"] == tok.apply_chat_template(chat)
+    back = httpx.post(server.url + "/detokenize", json={"model": model, "tokens": body["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": tok.decode(body["tokens"])}
+    _assert_error_body(httpx.post(server.url + "/tokenize", json={"prompt": "x", "messages": chat}), 400, "prompt")
+    _assert_error_body(httpx.post(server.url + "/detokenize", json={"tokens": [10**9]}), 400, "tokens")
+    _assert_error_body(httpx.post(server.url + "/tokenize", json={"model": "nope", "prompt": "x"}), 404, "model")
+
+
 def test_sixteen_concurrent_streams_are_batched(server: RunningServer, offline: LLM, model: str) -> None:
     prompts = [f"Write a sentence about the number {i}." for i in range(16)]
     expected = [o.text for o in offline.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]
@@ -271,9 +308,15 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("best_of", "/completions", {"model": "M", "prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("json mode", "/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}],
                                         "response_format": {"type": "json_object"}}, 400, "response_format"),
-    ("logit_bias", "/completions", {"model": "M", "prompt": "hi", "logit_bias": {"42": 5}}, 400, "logit_bias"),
-    ("min_tokens", "/completions", {"model": "M", "prompt": "hi", "min_tokens": 4}, 400, "min_tokens"),
-    ("min_p", "/completions", {"model": "M", "prompt": "hi", "min_p": 0.1}, 400, "min_p"),
+    ("logit_bias id outside the vocabulary", "/completions",
+     {"model": "M", "prompt": "hi", "logit_bias": {"99999999": 5}}, 400, "logit_bias"),
+    ("logit_bias key not an id", "/completions", {"model": "M", "prompt": "hi", "logit_bias": {"x": 5}}, 400,
+     "logit_bias"),
+    ("logit_bias value out of range", "/completions", {"model": "M", "prompt": "hi", "logit_bias": {"5": 101}},
+     400, "logit_bias"),
+    ("min_tokens above max_tokens", "/completions", {"model": "M", "prompt": "hi", "min_tokens": 9, "max_tokens": 4},
+     400, "min_tokens"),
+    ("min_p above one", "/completions", {"model": "M", "prompt": "hi", "min_p": 1.5}, 400, "min_p"),
     ("guided_choice", "/completions", {"model": "M", "prompt": "hi", "guided_choice": ["a"]}, 400, "guided_choice"),
     ("chat top_logprobs", "/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}],
                                                 "top_logprobs": 2}, 400, "top_logprobs"),

@@ -266,6 +266,10 @@ class LLMEngine:
         if request.request_id in self._requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         self.check_priority(request.priority)
+        bias = request.sampling_params.logit_bias
+        if bias and bias[-1][0] >= self.model_config.vocab_size:  # sorted by token id
+            raise InvalidRequestError(f"logit_bias: token id {bias[-1][0]} is outside the vocabulary "
+                                      f"[0, {self.model_config.vocab_size})")
         self.scheduler.add_request(request)
         self._requests[request.request_id] = request
         self.output_processor.add(request)

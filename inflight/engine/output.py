@@ -74,21 +74,22 @@ class OutputProcessor:
         state = self._states[request.request_id]
         params = request.sampling_params
         finish: FinishReason | None = None
-        is_eos = token in request.eos_token_ids and not params.ignore_eos
-        if is_eos or token in params.stop_token_ids:
+        may_stop = request.num_output_tokens > params.min_tokens  # this token is past min_tokens
+        if may_stop and _is_stop_token(request, token):
             finish = FinishReason.STOP
         else:
             state.text += state.detokenizer.add(token)
         if finish is None and request.num_output_tokens >= params.max_tokens:
             state.text += state.detokenizer.flush()
             finish = FinishReason.LENGTH
-        if params.stop and finish is not FinishReason.STOP:
-            cut = _find_stop(state.text, params.stop, state.num_emitted_chars)
+        stops = params.stop if request.num_output_tokens >= params.min_tokens else ()
+        if stops and finish is not FinishReason.STOP:
+            cut = _find_stop(state.text, stops, state.num_emitted_chars)
             if cut is not None:
                 state.text = state.text[:cut]
                 finish = FinishReason.STOP
         # While running, hold back a tail that could be the start of a stop string.
-        hold = 0 if finish is not None or not params.stop else max(len(s) for s in params.stop) - 1
+        hold = 0 if finish is not None or not stops else max(len(s) for s in stops) - 1
         end = max(state.num_emitted_chars, len(state.text) - hold)
         delta = state.text[state.num_emitted_chars:end]
         state.num_emitted_chars = end
@@ -107,13 +108,18 @@ class LengthOutputProcessor:
 
     def process_token(self, request: Request, token: int) -> tuple[str, FinishReason | None]:
         params = request.sampling_params
-        if token in params.stop_token_ids or (token in request.eos_token_ids and not params.ignore_eos):
+        if request.num_output_tokens > params.min_tokens and _is_stop_token(request, token):
             return "", FinishReason.STOP
         return "", FinishReason.LENGTH if request.num_output_tokens >= params.max_tokens else None
 
 
+def _is_stop_token(request: Request, token: int) -> bool:
+    params = request.sampling_params
+    return token in params.stop_token_ids or (token in request.eos_token_ids and not params.ignore_eos)
+
+
 def _find_stop(text: str, stops: tuple[str, ...], emitted: int) -> int | None:
-    """Earliest index where a stop string starts, searching only text not yet emitted."""
-    window_start = max(0, emitted - max(len(s) for s in stops))
-    found = [i for s in stops if (i := text.find(s, window_start)) >= 0]
+    """Earliest index where a stop string starts that ends in text not yet emitted (text
+    emitted before `min_tokens` was reached may hold one that no longer counts)."""
+    found = [i for s in stops if (i := text.find(s, max(0, emitted - len(s) + 1))) >= 0]
     return min(found) if found else None

@@ -1,7 +1,9 @@
 """Picks each request's next token from its logits, vectorised over the batch.
 
-Greedy rows take the argmax; the others are sampled with temperature, top-k and top-p by an
-exponential race (argmax of p / Exp(1) noise), which draws exactly from p. A request with a
+First the logits of the rows that ask are edited, in this order: `logit_bias` added, the
+penalties applied, and while `min_tokens` is unmet the request's EOS and stop tokens blocked.
+Greedy rows then take the argmax; the others are sampled with temperature, top-k, top-p and
+min-p by an exponential race (argmax of p / Exp(1) noise), which draws exactly from p. A request with a
 seed draws its noise from a generator seeded by (seed, output position), so its tokens do not
 depend on what else is in the batch, nor on preemption and recompute.
 """
@@ -36,8 +38,8 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
         params = [r.sampling_params for r in requests]
-        if any(p.has_penalties for p in params):
-            logits = self._apply_penalties(logits.clone(), requests)
+        if any(p.edits_logits for p in params):
+            logits = self._edit_logits(logits.clone(), requests)
         if all(p.is_greedy for p in params):
             return self._argmax(logits).tolist()
 
@@ -53,6 +55,10 @@ class Sampler:
         if any(p < 1 for p in top_p):
             sub = self._apply_top_p(sub, torch.tensor(top_p, device=self.device))
         probs = sub.softmax(dim=-1)
+        min_p = [params[i].min_p for i in rows]
+        if any(min_p):
+            threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, device=self.device).unsqueeze(1)
+            probs = probs.masked_fill(probs < threshold, 0.0)
         noise = torch.empty_like(probs)
         for j, i in enumerate(rows):
             seed = params[i].seed
@@ -66,13 +72,16 @@ class Sampler:
         greedy_tokens[rows] = sampled
         return greedy_tokens.tolist()
 
-    def _apply_penalties(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def _edit_logits(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         vocab = logits.shape[1]
         for i, request in enumerate(requests):
             p = request.sampling_params
-            if not p.has_penalties:
+            if not p.edits_logits:
                 continue
             row = logits[i]
+            if p.logit_bias:
+                ids, bias = zip(*p.logit_bias, strict=True)
+                row[torch.tensor(ids, device=self.device)] += torch.tensor(bias, dtype=row.dtype, device=self.device)
             if p.repetition_penalty != 1:
                 seen = torch.tensor(sorted(set(request.all_token_ids)), device=self.device)
                 seen = seen[seen < vocab]
@@ -83,6 +92,10 @@ class Sampler:
                 out = torch.tensor(request.output_token_ids, device=self.device)
                 counts.scatter_add_(0, out, torch.ones_like(out, dtype=counts.dtype))
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+            if request.num_output_tokens < p.min_tokens:
+                ends = [t for t in (*request.eos_token_ids, *p.stop_token_ids) if t < vocab]
+                if ends:
+                    row[torch.tensor(ends, device=self.device)] = float("-inf")
         return logits
 
     @staticmethod

@@ -91,16 +91,19 @@ class Tokenizer:
             raise ModelLoadError(f"the tokenizer of {source.path} has no fast (tokenizers) backend")
         return cls(hf, eos_token_ids)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a raw prompt, with the BOS token if the model's tokenizer adds one."""
-        return list(self.hf(text, add_special_tokens=True)["input_ids"])
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a raw prompt, with the BOS token if the model's tokenizer adds one (and
+        `add_special_tokens`)."""
+        return list(self.hf(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def apply_chat_template(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """Token ids of a conversation rendered by the model's chat template, ready for the reply."""
+    def apply_chat_template(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation rendered by the model's chat template, ready for the reply
+        (unless not `add_generation_prompt`)."""
         if self.hf.chat_template is None:
             raise InvalidRequestError("this model has no chat template; send a plain prompt instead")
         try:
-            text = self.hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            text = self.hf.apply_chat_template(list(messages), tokenize=False,
+                                               add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # jinja errors on malformed messages
             raise InvalidRequestError(f"cannot apply the chat template: {exc}") from None
         # The rendered template already holds any BOS it wants.
@@ -108,6 +111,10 @@ class Tokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        """Each id's token as the vocabulary spells it (byte-level BPE's `Ġ` for a space, ...)."""
+        return [self._backend.id_to_token(t) or "" for t in token_ids]
 
 
 class IncrementalDetokenizer:

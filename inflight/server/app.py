@@ -24,8 +24,12 @@ from inflight.server.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from inflight.server.serving import OpenAIServing
 
@@ -104,6 +108,20 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         return ModelList(data=[ModelCard(id=serving.model_name, max_model_len=engine.max_model_len)])
 
     app.include_router(v1)
+    # vLLM's token utilities, at the root as vLLM serves them (behind the same key).
+    utils = APIRouter(dependencies=[Depends(check_access)])
+
+    @utils.post("/tokenize", openapi_extra=json_body(TokenizeRequest), response_model=TokenizeResponse,
+                responses=ERROR_RESPONSES)
+    async def tokenize(request: Request) -> TokenizeResponse:
+        return await serving.tokenize(await read_body(request, TokenizeRequest, config.max_body_bytes))
+
+    @utils.post("/detokenize", openapi_extra=json_body(DetokenizeRequest), response_model=DetokenizeResponse,
+                responses=ERROR_RESPONSES)
+    async def detokenize(request: Request) -> DetokenizeResponse:
+        return await serving.detokenize(await read_body(request, DetokenizeRequest, config.max_body_bytes))
+
+    app.include_router(utils)
 
     @app.get("/health", responses={200: {"description": '{"status": "ok"}'},
                                    503: {"description": '{"status": "unavailable"} while shutting down'}})
@@ -120,7 +138,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
 
     def openapi() -> dict[str, object]:
         if app.openapi_schema is None:
-            app.openapi_schema = build_openapi(app, [CompletionRequest, ChatCompletionRequest], limits)
+            app.openapi_schema = build_openapi(
+                app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest], limits)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -24,7 +24,7 @@ from inflight.engine.engine import LLMEngine, StepObserver
 from inflight.engine.output import RequestOutput
 from inflight.engine.stats import EngineStats
 from inflight.errors import EngineOverloadedError, InflightError, InvalidRequestError
-from inflight.model.tokenizer import ChatMessage
+from inflight.model.tokenizer import ChatMessage, Tokenizer
 from inflight.request import SamplingParams
 from inflight.server.stream import ADMITTED, Delta, RequestStream
 
@@ -93,6 +93,11 @@ class AsyncEngine:
         """Prompt token ids (chat template applied to `messages`). The tokenizer is only read,
         so handlers may call this while the loop thread detokenizes."""
         return self._engine.tokenize(prompt, messages)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer, which handlers may read while the loop thread detokenizes."""
+        return self._engine.tokenizer
 
     def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raises InvalidRequestError for a request the engine could never serve."""

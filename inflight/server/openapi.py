@@ -64,11 +64,16 @@ def build_openapi(app: FastAPI, bodies: Sequence[type[BaseModel]], limits: Serve
 
 def _with_limits(body: dict[str, Any], limits: ServedLimits) -> dict[str, Any]:
     props = body["properties"]
-    props["model"]["enum"] = [limits.model_name]  # any other name gets 404
+    model = props["model"]  # any other name gets 404 (optional for the token utilities)
+    (model["anyOf"][0] if "anyOf" in model else model)["enum"] = [limits.model_name]
     for name in ("max_tokens", "max_completion_tokens"):
         if name in props:  # the prompt takes at least one token of the context
             props[name]["anyOf"][0]["maximum"] = limits.max_model_len - 1
-    if "prompt" in props:
+    if "tokens" in props:  # /detokenize
+        props["tokens"]["items"]["maximum"] = limits.vocab_size - 1
+    if "prompt" in props and "oneOf" not in props["prompt"]:  # /tokenize: text only
+        props["prompt"]["anyOf"][0]["maxLength"] = limits.max_prompt_chars
+    elif "prompt" in props:
         text, token_ids, _, batch_of_token_ids = props["prompt"]["oneOf"]
         text["maxLength"] = limits.max_prompt_chars
         for ids in (token_ids, batch_of_token_ids["items"]):

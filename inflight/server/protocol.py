@@ -3,7 +3,7 @@
 Requests are validated strictly (a string is not a number; but 16.0 is the integer 16, as
 JSON has one number type) and unknown fields are ignored, as OpenAI clients send fields a
 server may not know. Fields inflight cannot honour (`n > 1`, `logprobs`, `echo`, tools, JSON
-mode, `logit_bias`, guided decoding, ...) are refused rather than silently ignored, unless they
+mode, guided decoding, ...) are refused rather than silently ignored, unless they
 hold their no-op value, which clients often send; the schema lists the values each accepts.
 """
 
@@ -116,11 +116,12 @@ class GenerationRequest(_Strict):
     stop_token_ids: StopTokenIds | None = None
     # Lower is more urgent; other than 0 only where the server runs --scheduling-policy priority.
     priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1), _AsInt] = 0
+    # Token id (as a string, as OpenAI's clients send it) -> bias added to its logit.
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    min_tokens: Annotated[int, Field(ge=0), _AsInt] = 0
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     # Not implemented: accepted only with the value that changes nothing.
     response_format: dict[str, Any] | None = _only(None, {"type": "text"})
-    logit_bias: dict[str, float] | None = _only(None, {})
-    min_tokens: Int = _only(0)
-    min_p: float | None = _only(None, 0)
     guided_json: Any = _only(None)
     guided_regex: Any = _only(None)
     guided_choice: Any = _only(None)
@@ -132,16 +133,17 @@ class GenerationRequest(_Strict):
             raise ValueError("n: only n=1 is supported")
         if self.response_format not in (None, {"type": "text"}):
             raise ValueError('response_format: only {"type": "text"} is supported (no JSON mode or schema)')
-        if self.logit_bias:
-            raise ValueError("logit_bias: logit_bias is not supported")
-        if self.min_tokens:
-            raise ValueError("min_tokens: min_tokens is not supported")
-        if self.min_p:
-            raise ValueError("min_p: min_p is not supported")
+        for key in self.logit_bias or {}:
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"logit_bias: keys must be token ids, got {key!r}")
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
             if getattr(self, name) is not None:
                 raise ValueError(f"{name}: guided decoding is not supported")
         return self
+
+    @property
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
     @property
     def include_usage(self) -> bool:
@@ -326,6 +328,41 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+
+
+class TokenizeRequest(_Strict):
+    """`POST /tokenize` (vLLM's): a prompt, or chat messages rendered by the model's template."""
+
+    model: str | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # prompts only: the chat template holds its own
+    add_generation_prompt: bool = True  # messages only
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give exactly one of prompt and messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    """`POST /detokenize` (vLLM's)."""
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0), _AsInt]]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):

@@ -41,15 +41,19 @@ from inflight.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     FinishReasonName,
     GenerationRequest,
+    TokenizeRequest,
+    TokenizeResponse,
     UsageInfo,
 )
 from inflight.server.stream import Delta, RequestStream
 
 _PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "presence_penalty",
-           "frequency_penalty", "stop"}
+           "frequency_penalty", "stop", "min_tokens", "min_p", "logit_bias"}
 
 
 class _Format(Protocol):
@@ -171,6 +175,32 @@ class OpenAIServing:
         fmt = _ChatFormat(stream.request_id, self.model_name)
         return await self._respond(stream, fmt, req, http)
 
+    async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        if req.model is not None:
+            self._check_model(req.model)
+        tokenizer = self.engine.tokenizer
+        try:
+            if req.messages is not None:
+                messages = [m.to_template() for m in req.messages]
+                self._check_num_chars(sum(len(m["content"]) for m in messages), "messages")
+                ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages, req.add_generation_prompt)
+            else:
+                assert req.prompt is not None
+                self._check_num_chars(len(req.prompt), "prompt")
+                ids = await asyncio.to_thread(tokenizer.encode, req.prompt, req.add_special_tokens)
+        except InvalidRequestError as exc:
+            raise invalid(str(exc), "messages" if req.messages is not None else "prompt") from None
+        return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids,
+                                token_strs=tokenizer.token_strings(ids) if req.return_token_strs else None)
+
+    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        if req.model is not None:
+            self._check_model(req.model)
+        vocab = self.engine.vocab_size
+        if any(t >= vocab for t in req.tokens):
+            raise invalid(f"token ids must be in [0, {vocab})", "tokens")
+        return DetokenizeResponse(prompt=await asyncio.to_thread(self.engine.tokenizer.decode, req.tokens))
+
     # --- validation -----------------------------------------------------------------------------
 
     def _check_model(self, model: str) -> None:
@@ -208,9 +238,16 @@ class OpenAIServing:
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
+                min_tokens=req.min_tokens,
+                min_p=req.min_p or 0.0,
+                logit_bias=tuple(req.logit_bias_ids.items()),
             )
         except InvalidRequestError as exc:
             raise invalid(str(exc), param_of(str(exc), _PARAMS)) from None
+        vocab = self.engine.vocab_size
+        if params.logit_bias and params.logit_bias[-1][0] >= vocab:  # sorted by token id
+            raise invalid(f"logit_bias: token id {params.logit_bias[-1][0]} is outside the vocabulary [0, {vocab})",
+                          "logit_bias")
         try:
             self.engine.check_admissible(num_prompt_tokens, max_tokens)
         except InvalidRequestError as exc:
