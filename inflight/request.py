@@ -5,8 +5,21 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
+from typing import NamedTuple
 
 from inflight.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+
+
+class TokenLogprobs(NamedTuple):
+    """A generated token's log-probability under the model's own distribution (the log-softmax
+    of its logits, before logit_bias, penalties and temperature, as vLLM reports by default), and
+    the `logprobs` most likely tokens' (id, log-probability), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)
@@ -31,6 +44,8 @@ class SamplingParams:
     min_p: float = 0.0
     # (token id, bias) pairs added to the logits before anything else, greedy rows included.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Report each generated token's log-probability and this many alternatives (None: nothing).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -57,6 +72,8 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", tuple(sorted(bias.items())))
         check(all(isinstance(t, int) and t >= 0 for t in bias), "logit_bias keys must be token ids >= 0")
         check(all(-100 <= b <= 100 for b in bias.values()), "logit_bias values must be in [-100, 100]")
+        check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+              f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -123,6 +140,7 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, if asked
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0

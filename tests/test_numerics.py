@@ -145,3 +145,36 @@ def test_pytorch_path_matches_reference(loaded, make_llm, reference):
         attention.kernels, model.ops, model.decoder_stack = kernel, ops, stack
     for out, (_, tokens, _) in zip(outs, reference, strict=True):
         assert out.token_ids == tokens
+
+
+def _check_logprobs(out, ref_tokens, ref_logits, k: int) -> None:
+    """inflight's logprobs of a greedy output against transformers' log-softmax at each step."""
+    assert out.token_ids == ref_tokens and len(out.logprobs) == len(ref_tokens)
+    ref = ref_logits.float().log_softmax(dim=-1)
+    for step, lp in enumerate(out.logprobs):
+        assert lp.token_id == ref_tokens[step]
+        assert abs(lp.logprob - float(ref[step, lp.token_id])) < 1e-4
+        top_values, top_ids = ref[step].topk(k)
+        assert [t for t, _ in lp.top] == top_ids.tolist()
+        torch.testing.assert_close(torch.tensor([v for _, v in lp.top]), top_values, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("options", [{}, {"max_num_tokens": 16, "enable_chunked_prefill": True}],
+                         ids=["whole", "chunked"])
+def test_logprobs_match_reference(make_llm, reference, options):
+    """The raw distribution's log-probabilities, alone and packed beside requests that ask for
+    none, also where the prompt's blocks are prefix-cache hits."""
+    llm = make_llm(max_num_tokens=options.get("max_num_tokens", 4096),
+                   enable_chunked_prefill=options.get("enable_chunked_prefill", True))
+    asking = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
+    prompts = all_prompts()
+    params = [asking if i % 2 == 0 else GREEDY for i in range(len(prompts))]
+    outs = llm.generate(prompts, params)
+    for i, (out, (_, tokens, logits)) in enumerate(zip(outs, reference, strict=True)):
+        if i % 2 == 0:
+            _check_logprobs(out, tokens, logits, 5)
+        else:
+            assert out.logprobs is None and out.token_ids == tokens
+    again = llm.generate(prompts[0], asking)[0]  # its prompt's full blocks are cached now
+    assert again.num_cached_tokens > 0 or len(again.prompt_token_ids) < 32
+    _check_logprobs(again, reference[0][1], reference[0][2], 5)

@@ -36,6 +36,7 @@ class _FakeRunner:
     def __init__(self, driver: Driver) -> None:
         self.driver = driver
         self.last_timings = RunnerTimings()
+        self.last_logprobs: dict = {}
 
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         return self.driver.on_step(out)

@@ -172,6 +172,62 @@ def test_sampling_extras_through_the_openai_client(client: openai.OpenAI, offlin
     assert text == greedy.text
 
 
+def test_a_list_of_prompts_gives_the_texts_of_each_alone(client: openai.OpenAI, offline: LLM, model: str) -> None:
+    prompts = ["The capital of France is", "def add(a, b):", "Once upon a time"]
+    alone = offline.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    resp = client.completions.create(model=model, prompt=prompts, max_tokens=6, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert [c.text for c in resp.choices] == [o.text for o in alone]
+    assert resp.usage is not None and resp.usage.completion_tokens == 18
+    assert resp.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in alone)
+    ids = [o.prompt_token_ids for o in alone]
+    by_ids = client.completions.create(model=model, prompt=ids, max_tokens=6, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert [c.text for c in by_ids.choices] == [o.text for o in alone]
+    stream = client.completions.create(model=model, prompt=prompts, max_tokens=6, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    texts, finishes, usage = ["", "", ""], [None, None, None], None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    assert texts == [o.text for o in alone] and finishes == ["length"] * 3
+    assert usage is not None and usage.completion_tokens == 18
+
+
+def test_logprobs_through_the_openai_client(client: openai.OpenAI, offline: LLM, model: str) -> None:
+    prompt = "The capital of France is"
+    (ref,) = offline.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3))
+    resp = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0, logprobs=3,
+                                     extra_body={"ignore_eos": True})
+    lp = resp.choices[0].logprobs
+    assert lp is not None and "".join(lp.tokens) == resp.choices[0].text == ref.text
+    assert lp.token_logprobs == pytest.approx([t.logprob for t in ref.logprobs], abs=1e-5)
+    assert all(len(top) == 3 for top in lp.top_logprobs)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    streamed = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0, logprobs=3,
+                                         stream=True, extra_body={"ignore_eos": True})
+    chunks = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [v for c in chunks for v in c.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-6)
+    assert [o for c in chunks for o in c.text_offset] == lp.text_offset
+    chat = [{"role": "user", "content": "Say hello."}]
+    (ref_chat,) = offline.generate([chat], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=2))
+    for stream in (False, True):
+        got = client.chat.completions.create(model=model, messages=chat, max_tokens=5, temperature=0, logprobs=True,
+                                             top_logprobs=2, stream=stream, extra_body={"ignore_eos": True})
+        if stream:
+            content = [t for c in got if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+        else:
+            content = got.choices[0].logprobs.content
+        assert [t.logprob for t in content] == pytest.approx([t.logprob for t in ref_chat.logprobs], abs=1e-5)
+        assert all(len(t.top_logprobs) == 2 and bytes(t.bytes).decode("utf-8", "replace") == t.token
+                   for t in content)
+    plain = client.chat.completions.create(model=model, messages=chat, max_tokens=3, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
 def test_tokenize_and_detokenize_in_vllms_shapes(server: RunningServer, offline: LLM, model: str) -> None:
     tok = offline.tokenizer
     text = "Tokenize this, please: naïve café"
@@ -286,7 +342,8 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("empty prompt", "/completions", {"model": "M", "prompt": ""}, 400, "prompt"),
     ("empty token list", "/completions", {"model": "M", "prompt": []}, 400, "prompt"),
     ("token id out of vocab", "/completions", {"model": "M", "prompt": [10**9]}, 400, "prompt"),
-    ("batch of prompts", "/completions", {"model": "M", "prompt": ["a", "b"]}, 400, "prompt"),
+    ("too many prompts", "/completions", {"model": "M", "prompt": ["a"] * 257}, 400, "prompt"),
+    ("a batch with an empty prompt", "/completions", {"model": "M", "prompt": ["a", ""]}, 400, "prompt"),
     ("prompt too long", "/completions", {"model": "M", "prompt": LONG_IDS}, 400, "prompt"),
     ("prompt too long, max_tokens", "/completions", {"model": "M", "prompt": LONG_IDS, "max_tokens": 4}, 400, "prompt"),
     ("max_tokens 0", "/completions", {"model": "M", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
@@ -304,7 +361,10 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("empty stop string", "/completions", {"model": "M", "prompt": "hi", "stop": [""]}, 400, "stop"),
     ("penalty out of range", "/completions",
      {"model": "M", "prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
-    ("logprobs", "/completions", {"model": "M", "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("logprobs above 20", "/completions", {"model": "M", "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("chat top_logprobs above 20", "/chat/completions",
+     {"model": "M", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs"),
     ("best_of", "/completions", {"model": "M", "prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("json mode", "/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}],
                                         "response_format": {"type": "json_object"}}, 400, "response_format"),

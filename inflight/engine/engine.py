@@ -26,7 +26,7 @@ from inflight.errors import ConfigError, EngineOverloadedError, InvalidRequestEr
 from inflight.model.llama import LlamaModel
 from inflight.model.loaded import LoadedModel
 from inflight.model.tokenizer import ChatMessage, Tokenizer
-from inflight.request import FinishReason, Request, SamplingParams
+from inflight.request import FinishReason, Request, SamplingParams, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,7 @@ class Runner(Protocol):
     """Runs the model (or stands in for it) on one step's plain data."""
 
     last_timings: RunnerTimings
+    last_logprobs: dict[str, TokenLogprobs]  # of the last step's tokens, for the requests that ask
 
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         """Request id -> next token, for each request that reached its last known token."""
@@ -318,6 +319,7 @@ class LLMEngine:
 
     def _execute(self, out: SchedulerOutput) -> ModelStepResult:
         self.runner.last_timings = RunnerTimings()
+        self.runner.last_logprobs = {}
         if out.is_empty:
             return ModelStepResult({})
         try:
@@ -337,7 +339,7 @@ class LLMEngine:
             else:
                 message = f"internal error in the model step ({type(result.error).__name__}); the request was ended"
             return [self._fail(s.request, message) for s in out.scheduled]
-        sampled = result.sampled
+        sampled, logprobs = result.sampled, self.runner.last_logprobs
         self.scheduler.update_from_output(out, sampled)
         now = self.clock()
         outputs: list[RequestOutput] = []
@@ -347,10 +349,14 @@ class LLMEngine:
             if token is None:
                 continue
             request.timings.add_token(now)
+            token_logprobs = logprobs.get(request.request_id)
+            if token_logprobs is not None:
+                request.output_logprobs.append(token_logprobs)
             text, finish = self.output_processor.process_token(request, token)
             if finish is not None:
                 self._end(request, finish)
-            outputs.append(RequestOutput(request.request_id, [token], text, finish is not None, finish, request))
+            outputs.append(RequestOutput(request.request_id, [token], text, finish is not None, finish, request,
+                                         logprobs=token_logprobs))
         return outputs
 
     def _end(self, request: Request, reason: FinishReason) -> None:

@@ -10,7 +10,7 @@ from inflight.config import EngineConfig
 from inflight.engine.engine import LLMEngine
 from inflight.model.loaded import LoadedModel
 from inflight.model.tokenizer import ChatMessage
-from inflight.request import FinishReason, RequestTimings, SamplingParams
+from inflight.request import FinishReason, RequestTimings, SamplingParams, TokenLogprobs
 
 Prompt = str | Sequence[int] | Sequence[ChatMessage]
 
@@ -27,6 +27,7 @@ class CompletionOutput:
     num_preemptions: int
     num_cached_tokens: int
     timings: RequestTimings
+    logprobs: list[TokenLogprobs] | None = None  # one per token, with SamplingParams(logprobs=k)
 
 
 class LLM:
@@ -79,6 +80,7 @@ class LLM:
                 num_preemptions=r.num_preemptions,
                 num_cached_tokens=r.num_cached_tokens,
                 timings=r.timings,
+                logprobs=list(r.output_logprobs) if r.sampling_params.logprobs is not None else None,
             )
             for r in requests
         ]

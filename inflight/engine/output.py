@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from inflight.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from inflight.request import FinishReason, Request
+from inflight.request import FinishReason, Request, TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -23,6 +23,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     request: Request
     error: str | None = None
+    logprobs: TokenLogprobs | None = None  # of the new token, if the request asks
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ from inflight.engine.sampler import Sampler
 from inflight.engine.scheduler import ScheduledRequest, SchedulerOutput
 from inflight.model.attention import AttentionMetadata, SeqSlice
 from inflight.model.llama import LlamaModel
-from inflight.request import Request
+from inflight.request import Request, TokenLogprobs
 
 
 class RunnerTimings(NamedTuple):
@@ -55,6 +55,7 @@ class ModelRunner:
         # Test hook for fault injection: called with the step before the forward pass.
         self.before_forward: Callable[[SchedulerOutput], None] | None = None
         self.last_timings = RunnerTimings()
+        self.last_logprobs: dict[str, TokenLogprobs] = {}
 
     @staticmethod
     def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
@@ -72,7 +73,9 @@ class ModelRunner:
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_meta, inputs.logits_indices
         )
         forwarded = time.perf_counter()
-        tokens = self.sampler(logits, inputs.sample_requests) if inputs.sample_requests else []
+        requests = inputs.sample_requests
+        tokens = self.sampler(logits, requests) if requests else []
+        self.last_logprobs = self.sampler.logprobs(logits, requests, tokens) if requests else {}
         self.last_timings = RunnerTimings(prepared - start, forwarded - prepared, time.perf_counter() - forwarded)
         return {r.request_id: t for r, t in zip(inputs.sample_requests, tokens, strict=True)}
 

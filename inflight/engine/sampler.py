@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from inflight.model.kernels import cpu_kernels
-from inflight.request import Request
+from inflight.request import Request, TokenLogprobs
 
 _SEED_STRIDE = 1_000_003
 
@@ -71,6 +71,28 @@ class Sampler:
         sampled = self._argmax(probs / noise)
         greedy_tokens[rows] = sampled
         return greedy_tokens.tolist()
+
+    @torch.inference_mode()
+    def logprobs(self, logits: torch.Tensor, requests: Sequence[Request],
+                 tokens: Sequence[int]) -> dict[str, TokenLogprobs]:
+        """For the requests that ask: the chosen token's log-probability and the top ones, from
+        the model's raw logits (the rows of the others are not touched)."""
+        rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+        if not rows:
+            return {}
+        index = torch.tensor(rows, device=logits.device)
+        log_probs = logits.index_select(0, index).float().log_softmax(dim=-1)
+        chosen = torch.tensor([tokens[i] for i in rows], device=logits.device)
+        chosen_lp = log_probs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+        k = max(requests[i].sampling_params.logprobs or 0 for i in rows)
+        top_lp, top_ids = log_probs.topk(k, dim=-1) if k else (log_probs[:, :0], log_probs[:, :0].long())
+        top_lp_rows, top_id_rows = top_lp.tolist(), top_ids.tolist()
+        out = {}
+        for j, i in enumerate(rows):
+            n = requests[i].sampling_params.logprobs or 0
+            top = tuple(zip(top_id_rows[j][:n], top_lp_rows[j][:n], strict=True))
+            out[requests[i].request_id] = TokenLogprobs(tokens[i], chosen_lp[j], top)
+        return out
 
     def _edit_logits(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         vocab = logits.shape[1]

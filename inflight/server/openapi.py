@@ -74,8 +74,8 @@ def _with_limits(body: dict[str, Any], limits: ServedLimits) -> dict[str, Any]:
     if "prompt" in props and "oneOf" not in props["prompt"]:  # /tokenize: text only
         props["prompt"]["anyOf"][0]["maxLength"] = limits.max_prompt_chars
     elif "prompt" in props:
-        text, token_ids, _, batch_of_token_ids = props["prompt"]["oneOf"]
-        text["maxLength"] = limits.max_prompt_chars
+        text, token_ids, batch_of_texts, batch_of_token_ids = props["prompt"]["oneOf"]
+        text["maxLength"] = batch_of_texts["items"]["maxLength"] = limits.max_prompt_chars
         for ids in (token_ids, batch_of_token_ids["items"]):
             ids["maxItems"] = limits.max_model_len - 1
             ids["items"]["maximum"] = limits.vocab_size - 1

@@ -2,7 +2,7 @@
 
 Requests are validated strictly (a string is not a number; but 16.0 is the integer 16, as
 JSON has one number type) and unknown fields are ignored, as OpenAI clients send fields a
-server may not know. Fields inflight cannot honour (`n > 1`, `logprobs`, `echo`, tools, JSON
+server may not know. Fields inflight cannot honour (`n > 1`, `echo`, tools, JSON
 mode, guided decoding, ...) are refused rather than silently ignored, unless they
 hold their no-op value, which clients often send; the schema lists the values each accepts.
 """
@@ -10,7 +10,7 @@ hold their no-op value, which clients often send; the schema lists the values ea
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import (
     BaseModel,
@@ -22,6 +22,8 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
+
+from inflight.request import MAX_LOGPROBS
 
 
 class _Strict(BaseModel):
@@ -40,9 +42,9 @@ Int = Annotated[int, _AsInt]
 PositiveInt = Annotated[int, Field(ge=1), _AsInt]
 Text = Annotated[str, Field(min_length=1)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0), _AsInt]], Field(min_length=1)]
-# A batch of one is accepted; longer batches are refused with a clear message by the model
-# validator, so the bound is stated in the schema only.
-_BatchOfOne = Field(min_length=1, json_schema_extra={"maxItems": 1})
+# A list of prompts: each its own engine request, so that they batch.
+MAX_PROMPTS = 256
+_Batch = Field(min_length=1, max_length=MAX_PROMPTS)
 
 
 # Unions are discriminated by the JSON type of the input, so that an error names what is wrong
@@ -66,10 +68,10 @@ def _stop_kind(value: Any) -> str | None:
 Prompt = Annotated[
     Annotated[Text, Tag("str")]
     | Annotated[TokenIds, Tag("list[int]")]
-    | Annotated[list[Text], _BatchOfOne, Tag("list[str]")]
-    | Annotated[list[TokenIds], _BatchOfOne, Tag("list[list[int]]")],
+    | Annotated[list[Text], _Batch, Tag("list[str]")]
+    | Annotated[list[TokenIds], _Batch, Tag("list[list[int]]")],
     Discriminator(_prompt_kind, custom_error_type="prompt_type",
-                  custom_error_message="must be a string, a list of token ids, or a list holding one of those"),
+                  custom_error_message="must be a string, a list of token ids, or a list of either"),
 ]
 # Every stop string is searched for after every token, in the engine loop: a body full of them
 # would slow every request in the batch, so their number is capped (OpenAI allows 4).
@@ -161,19 +163,14 @@ class CompletionRequest(GenerationRequest):
 
     prompt: Prompt
     echo: bool = _only(False)
-    logprobs: Int | None = _only(None)
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _AsInt] | None = None
     suffix: str | None = _only(None, "")
     best_of: Int | None = _only(None, 1)
 
     @model_validator(mode="after")
     def _check_prompt(self) -> CompletionRequest:
-        p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str | list) and len(p) != 1:
-            raise ValueError("prompt: batched prompts are not supported; send one prompt per request")
         if self.echo:
             raise ValueError("echo: echo is not supported")
-        if self.logprobs is not None:
-            raise ValueError("logprobs: logprobs are not supported")
         if self.suffix:
             raise ValueError("suffix: suffix is not supported")
         if self.best_of not in (None, 1):
@@ -181,12 +178,14 @@ class CompletionRequest(GenerationRequest):
         return self
 
     @property
-    def single_prompt(self) -> str | list[int]:
-        """The prompt with a batch of one unwrapped."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt, or the batch of prompts, as a list."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str | list):
-            return p[0]  # type: ignore[return-value]
-        return p  # type: ignore[return-value]
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p[0], int):
+            return [cast(list[int], p)]
+        return [one for one in cast(list[str] | list[list[int]], p)]
 
 
 class TextPart(_Strict):
@@ -225,21 +224,26 @@ class ChatCompletionRequest(GenerationRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: PositiveInt | None = None
-    logprobs: bool = _only(False)
-    top_logprobs: Int | None = _only(None, 0)
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _AsInt] | None = None
     tools: list[dict[str, object]] | None = _only(None, [])
     tool_choice: str | dict[str, object] | None = _only(None, "none", "auto")
     functions: list[dict[str, object]] | None = _only(None, [])
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
-        if self.logprobs or self.top_logprobs:
-            raise ValueError(f"{'logprobs' if self.logprobs else 'top_logprobs'}: logprobs are not supported")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
         if self.tools or self.functions:
             raise ValueError(f"{'tools' if self.tools else 'functions'}: tool calls are not supported")
         if self.tool_choice not in (None, "none", "auto"):
             raise ValueError("tool_choice: tool calls are not supported")
         return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """How many alternatives to report per token (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -267,10 +271,20 @@ class UsageInfo(BaseModel):
 FinishReasonName = Literal["stop", "length"] | None
 
 
+class CompletionLogprobs(BaseModel):
+    """Per generated token: its text, its log-probability, the top alternatives' and where its
+    text starts in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReasonName
 
 
@@ -288,10 +302,24 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReasonName
 
 
@@ -317,7 +345,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReasonName = None
 
 

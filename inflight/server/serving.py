@@ -20,7 +20,8 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from inflight.errors import EngineOverloadedError, InvalidRequestError
-from inflight.request import FinishReason, SamplingParams
+from inflight.model.tokenizer import Tokenizer
+from inflight.request import FinishReason, SamplingParams, TokenLogprobs
 from inflight.server.async_engine import (
     AsyncEngine,
     EngineFailedError,
@@ -36,8 +37,11 @@ from inflight.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     ChatMessageOut,
+    ChatTokenLogprob,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
@@ -48,6 +52,7 @@ from inflight.server.protocol import (
     GenerationRequest,
     TokenizeRequest,
     TokenizeResponse,
+    TopLogprob,
     UsageInfo,
 )
 from inflight.server.stream import Delta, RequestStream
@@ -56,54 +61,100 @@ _PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", 
            "frequency_penalty", "stop", "min_tokens", "min_p", "logit_bias"}
 
 
-class _Format(Protocol):
-    """How one endpoint shapes its chunks and its whole response."""
+Logprobs = list[TokenLogprobs]
 
-    def opening(self) -> list[BaseModel]: ...
-    def chunk(self, text: str, finish: FinishReasonName) -> BaseModel: ...
+
+class _Format(Protocol):
+    """How one endpoint shapes its chunks and its whole response; `index` is the choice's, and
+    `logprobs` those of the tokens the text came from (None where the request asked for none)."""
+
+    def opening(self, num_choices: int) -> list[BaseModel]: ...
+    def chunk(self, index: int, text: str, finish: FinishReasonName, logprobs: Logprobs | None) -> BaseModel: ...
     def usage_chunk(self, usage: UsageInfo) -> BaseModel: ...
-    def response(self, text: str, finish: FinishReasonName, usage: UsageInfo) -> BaseModel: ...
+    def response(self, choices: list[tuple[str, FinishReasonName, Logprobs | None]], usage: UsageInfo) -> BaseModel: ...
+
+
+# JSON has no -inf: a log-probability that underflows is reported as this, as vLLM does.
+_MIN_LOGPROB = -9999.0
+
+
+def _lp(value: float) -> float:
+    return max(value, _MIN_LOGPROB)
 
 
 class _CompletionFormat:
-    def __init__(self, request_id: str, model: str) -> None:
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer) -> None:
         self.id, self.model, self.created = request_id, model, int(time.time())
+        self.tokenizer = tokenizer
+        self._offsets: dict[int, int] = {}  # per choice, where the next token's text starts
 
-    def opening(self) -> list[BaseModel]:
+    def opening(self, num_choices: int) -> list[BaseModel]:
         return []
 
-    def chunk(self, text: str, finish: FinishReasonName) -> BaseModel:
-        return CompletionResponse(id=self.id, model=self.model, created=self.created,
-                                  choices=[CompletionChoice(text=text, finish_reason=finish)])
+    def _logprobs(self, index: int, logprobs: Logprobs | None) -> CompletionLogprobs | None:
+        if logprobs is None:
+            return None
+        tok = self.tokenizer
+        tokens = [tok.decode([lp.token_id], skip_special_tokens=False) for lp in logprobs]
+        offsets, at = [], self._offsets.get(index, 0)
+        for text in tokens:
+            offsets.append(at)
+            at += len(text)
+        self._offsets[index] = at
+        return CompletionLogprobs(
+            tokens=tokens, token_logprobs=[_lp(lp.logprob) for lp in logprobs], text_offset=offsets,
+            top_logprobs=[{tok.decode([t], skip_special_tokens=False): _lp(v) for t, v in lp.top} for lp in logprobs])
+
+    def chunk(self, index: int, text: str, finish: FinishReasonName, logprobs: Logprobs | None) -> BaseModel:
+        return CompletionResponse(id=self.id, model=self.model, created=self.created, choices=[
+            CompletionChoice(index=index, text=text, finish_reason=finish, logprobs=self._logprobs(index, logprobs))])
 
     def usage_chunk(self, usage: UsageInfo) -> BaseModel:
         return CompletionResponse(id=self.id, model=self.model, created=self.created, choices=[], usage=usage)
 
-    def response(self, text: str, finish: FinishReasonName, usage: UsageInfo) -> BaseModel:
-        return CompletionResponse(id=self.id, model=self.model, created=self.created,
-                                  choices=[CompletionChoice(text=text, finish_reason=finish)], usage=usage)
+    def response(self, choices: list[tuple[str, FinishReasonName, Logprobs | None]], usage: UsageInfo) -> BaseModel:
+        return CompletionResponse(id=self.id, model=self.model, created=self.created, usage=usage, choices=[
+            CompletionChoice(index=i, text=text, finish_reason=finish, logprobs=self._logprobs(i, logprobs))
+            for i, (text, finish, logprobs) in enumerate(choices)])
 
 
 class _ChatFormat:
-    def __init__(self, request_id: str, model: str) -> None:
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer) -> None:
         self.id, self.model, self.created = request_id, model, int(time.time())
+        self.tokenizer = tokenizer
 
-    def opening(self) -> list[BaseModel]:
-        # OpenAI sends the role alone first, with empty content.
+    def opening(self, num_choices: int) -> list[BaseModel]:
+        # OpenAI sends each choice's role alone first, with empty content.
+        role = DeltaMessage(role="assistant", content="")
         return [ChatCompletionChunk(id=self.id, model=self.model, created=self.created,
-                                    choices=[ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))])]
+                                    choices=[ChatChunkChoice(index=i, delta=role)]) for i in range(num_choices)]
 
-    def chunk(self, text: str, finish: FinishReasonName) -> BaseModel:
+    def _top(self, token_id: int, logprob: float) -> TopLogprob:
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return TopLogprob(token=text, logprob=_lp(logprob), bytes=list(text.encode("utf-8", errors="replace")))
+
+    def _logprobs(self, logprobs: Logprobs | None) -> ChatLogprobs | None:
+        if logprobs is None:
+            return None
+        content = []
+        for lp in logprobs:
+            chosen = self._top(lp.token_id, lp.logprob)
+            content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=[self._top(t, v) for t, v in lp.top]))
+        return ChatLogprobs(content=content)
+
+    def chunk(self, index: int, text: str, finish: FinishReasonName, logprobs: Logprobs | None) -> BaseModel:
         delta = DeltaMessage(content=text) if text else DeltaMessage()
-        return ChatCompletionChunk(id=self.id, model=self.model, created=self.created,
-                                   choices=[ChatChunkChoice(delta=delta, finish_reason=finish)])
+        return ChatCompletionChunk(id=self.id, model=self.model, created=self.created, choices=[
+            ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=self._logprobs(logprobs))])
 
     def usage_chunk(self, usage: UsageInfo) -> BaseModel:
         return ChatCompletionChunk(id=self.id, model=self.model, created=self.created, choices=[], usage=usage)
 
-    def response(self, text: str, finish: FinishReasonName, usage: UsageInfo) -> BaseModel:
-        return ChatCompletionResponse(id=self.id, model=self.model, created=self.created, usage=usage,
-                                      choices=[ChatChoice(message=ChatMessageOut(content=text), finish_reason=finish)])
+    def response(self, choices: list[tuple[str, FinishReasonName, Logprobs | None]], usage: UsageInfo) -> BaseModel:
+        return ChatCompletionResponse(id=self.id, model=self.model, created=self.created, usage=usage, choices=[
+            ChatChoice(index=i, message=ChatMessageOut(content=text), finish_reason=finish,
+                       logprobs=self._logprobs(logprobs))
+            for i, (text, finish, logprobs) in enumerate(choices)])
 
 
 class _SSEResponse(StreamingResponse):
@@ -144,20 +195,24 @@ class OpenAIServing:
         self.model_name = config.served_model_name or engine.model_name
 
     async def completion(self, req: CompletionRequest, http: Request) -> Response:
+        """One engine request per prompt of the batch (so that they batch), choices in order."""
         arrival = time.perf_counter()
         self._check_model(req.model)
-        if isinstance(req.single_prompt, str):
-            self._check_num_chars(len(req.single_prompt), "prompt")
+        prompts = req.prompts
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                self._check_num_chars(len(prompt), "prompt")
         try:
-            token_ids = await asyncio.to_thread(self.engine.tokenize, req.single_prompt)
+            token_ids = await asyncio.to_thread(lambda: [self.engine.tokenize(p) for p in prompts])
         except InvalidRequestError as exc:
             raise invalid(str(exc), "prompt") from None
-        if not token_ids:
+        if not all(token_ids):
             raise invalid("the prompt is empty", "prompt")
-        params = self._sampling_params(req, req.max_tokens, len(token_ids), "prompt")
-        stream = await self._submit(token_ids, params, arrival, "cmpl", req.priority)
-        fmt = _CompletionFormat(stream.request_id, self.model_name)
-        return await self._respond(stream, fmt, req, http)
+        work = [(ids, self._sampling_params(req, req.max_tokens, len(ids), "prompt", req.logprobs))
+                for ids in token_ids]
+        streams = await self._submit(work, arrival, "cmpl", req.priority)
+        fmt = _CompletionFormat(streams[0].request_id, self.model_name, self.engine.tokenizer)
+        return await self._respond(streams, fmt, req, http)
 
     async def chat(self, req: ChatCompletionRequest, http: Request) -> Response:
         arrival = time.perf_counter()
@@ -170,10 +225,10 @@ class OpenAIServing:
             token_ids = await asyncio.to_thread(self.engine.tokenize, None, messages)
         except InvalidRequestError as exc:
             raise invalid(str(exc), "messages") from None
-        params = self._sampling_params(req, req.requested_max_tokens, len(token_ids), "messages")
-        stream = await self._submit(token_ids, params, arrival, "chatcmpl", req.priority)
-        fmt = _ChatFormat(stream.request_id, self.model_name)
-        return await self._respond(stream, fmt, req, http)
+        params = self._sampling_params(req, req.requested_max_tokens, len(token_ids), "messages", req.num_logprobs)
+        streams = await self._submit([(token_ids, params)], arrival, "chatcmpl", req.priority)
+        fmt = _ChatFormat(streams[0].request_id, self.model_name, self.engine.tokenizer)
+        return await self._respond(streams, fmt, req, http)
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         if req.model is not None:
@@ -216,7 +271,7 @@ class OpenAIServing:
                           f"({self.engine.max_model_len}) tokens (the limit is {limit} characters)", param)
 
     def _sampling_params(self, req: GenerationRequest, max_tokens: int | None, num_prompt_tokens: int,
-                         prompt_param: str) -> SamplingParams:
+                         prompt_param: str, logprobs: int | None) -> SamplingParams:
         room = self.engine.max_model_len - num_prompt_tokens
         # Blame the prompt unless the client's own max_tokens is what does not fit.
         blamed = "max_tokens" if max_tokens is not None and room >= 1 else prompt_param
@@ -241,6 +296,7 @@ class OpenAIServing:
                 min_tokens=req.min_tokens,
                 min_p=req.min_p or 0.0,
                 logit_bias=tuple(req.logit_bias_ids.items()),
+                logprobs=logprobs,
             )
         except InvalidRequestError as exc:
             raise invalid(str(exc), param_of(str(exc), _PARAMS)) from None
@@ -254,94 +310,125 @@ class OpenAIServing:
             raise invalid(str(exc), blamed) from None
         return params
 
-    async def _submit(self, token_ids: list[int], params: SamplingParams, arrival: float,
-                      prefix: str, priority: int) -> RequestStream:
+    async def _submit(self, work: list[tuple[list[int], SamplingParams]], arrival: float, prefix: str,
+                      priority: int) -> list[RequestStream]:
+        """Queues one engine request per (prompt ids, params) and waits until the engine has them
+        all; if it refuses one, or the client leaves meanwhile, the others are aborted."""
         try:
             self.engine.check_priority(priority)
         except InvalidRequestError as exc:
             raise invalid(str(exc), "priority") from None
+        streams: list[RequestStream] = []
         try:
-            stream = self.engine.submit(token_ids, params, arrival, prefix, priority)
-            try:
+            for token_ids, params in work:
+                streams.append(self.engine.submit(token_ids, params, arrival, prefix, priority))
+            for stream in streams:
                 await stream.wait_admitted()
-            except asyncio.CancelledError:
-                self.engine.abort(stream.request_id)
-                raise
-        except EngineOverloadedError as exc:
-            raise APIError(429, str(exc), code="overloaded") from None
-        except (EngineUnavailableError, EngineShutdownError) as exc:
-            raise APIError(503, str(exc)) from None
-        except EngineFailedError as exc:
-            raise APIError(500, str(exc)) from None
-        except InvalidRequestError as exc:
-            raise invalid(str(exc)) from None
-        return stream
+        except BaseException as exc:
+            for stream in streams:
+                self._abort_if_running(stream, count=False)
+            if isinstance(exc, EngineOverloadedError):
+                raise APIError(429, str(exc), code="overloaded") from None
+            if isinstance(exc, EngineUnavailableError | EngineShutdownError):
+                raise APIError(503, str(exc)) from None
+            if isinstance(exc, EngineFailedError):
+                raise APIError(500, str(exc)) from None
+            if isinstance(exc, InvalidRequestError):
+                raise invalid(str(exc)) from None
+            raise
+        return streams
 
     # --- responses ------------------------------------------------------------------------------
 
-    async def _respond(self, stream: RequestStream, fmt: _Format, req: GenerationRequest,
+    async def _respond(self, streams: list[RequestStream], fmt: _Format, req: GenerationRequest,
                        http: Request) -> Response:
         if req.stream:
-            return _SSEResponse(self._stream(stream, fmt, req.include_usage),
-                                on_close=lambda: self._abort_if_running(stream))
-        return await self._collect_or_abort(stream, fmt, http)
+            return _SSEResponse(self._stream(streams, fmt, req.include_usage),
+                                on_close=lambda: self._abort_all(streams))
+        return await self._collect_or_abort(streams, fmt, http)
 
     def _ended_by_engine(self, exc: EngineFailedError) -> APIError:
         shutdown = isinstance(exc, EngineShutdownError)
         self.metrics.count_failure("shutdown" if shutdown else "error")
         return APIError(503 if shutdown else 500, str(exc))
 
-    def _abort_if_running(self, stream: RequestStream) -> None:
+    def _abort_if_running(self, stream: RequestStream, count: bool = True) -> None:
         if not stream.finished:
             stream.finished = True
             self.engine.abort(stream.request_id)
-            self.metrics.count_failure("aborted")
+            if count:
+                self.metrics.count_failure("aborted")
 
-    async def _stream(self, stream: RequestStream, fmt: _Format, include_usage: bool) -> AsyncIterator[str]:
-        last: Delta | None = None
+    def _abort_all(self, streams: list[RequestStream]) -> None:
+        for stream in streams:
+            self._abort_if_running(stream)
+
+    async def _stream(self, streams: list[RequestStream], fmt: _Format,
+                      include_usage: bool) -> AsyncIterator[str]:
+        last: dict[int, Delta] = {}
         try:
-            for opening in fmt.opening():
+            for opening in fmt.opening(len(streams)):
                 yield _sse(opening, exclude_usage=not include_usage)
-            async for delta in stream.deltas():
-                last = delta
+            async for index, delta in _merged(streams):
+                last[index] = delta
                 if delta.error is not None or delta.finish_reason is FinishReason.ERROR:
                     self.metrics.count_failure("error")
+                    self._abort_all(streams)
                     yield _error_event(APIError(500, delta.error or "internal error"))
                     yield _DONE
                     return
                 finish = _finish_name(delta.finish_reason)
-                if delta.text or finish is not None:
-                    yield _sse(fmt.chunk(delta.text, finish), exclude_usage=not include_usage)
+                if delta.text or finish is not None or delta.logprobs is not None:
+                    logprobs = [delta.logprobs] if delta.logprobs is not None else None
+                    yield _sse(fmt.chunk(index, delta.text, finish, logprobs), exclude_usage=not include_usage)
         except EngineFailedError as exc:
+            self._abort_all(streams)
             yield _error_event(self._ended_by_engine(exc))
             yield _DONE
             return
-        if last is not None and last.finish_reason is not None:
-            self.metrics.count_success(last.finish_reason)
+        ends = list(last.values())
+        finishes = [d.finish_reason for d in ends if d.finish_reason is not None]
+        if len(finishes) == len(streams):
+            for finish_reason in finishes:
+                self.metrics.count_success(finish_reason)
             if include_usage:
-                yield _sse(fmt.usage_chunk(UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens)))
+                yield _sse(fmt.usage_chunk(_usage(ends)))
         yield _DONE
 
-    async def _collect(self, stream: RequestStream, fmt: _Format) -> Response:
-        parts: list[str] = []
-        last: Delta | None = None
-        try:
+    async def _collect(self, streams: list[RequestStream], fmt: _Format) -> Response:
+        async def one(stream: RequestStream) -> tuple[str, Delta | None, Logprobs | None]:
+            parts: list[str] = []
+            logprobs: Logprobs = []
+            last: Delta | None = None
             async for delta in stream.deltas():
                 parts.append(delta.text)
+                if delta.logprobs is not None:
+                    logprobs.append(delta.logprobs)
                 last = delta
-        except EngineFailedError as exc:
-            return self._ended_by_engine(exc).response()
-        if last is None or last.error is not None or last.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
-            self.metrics.count_failure("error")
-            return APIError(500, (last and last.error) or "internal error").response()
-        self.metrics.count_success(last.finish_reason)
-        usage = UsageInfo.of(last.num_prompt_tokens, last.num_output_tokens)
-        return JSONResponse(fmt.response("".join(parts), _finish_name(last.finish_reason), usage).model_dump())
+            return "".join(parts), last, logprobs or None
 
-    async def _collect_or_abort(self, stream: RequestStream, fmt: _Format, http: Request) -> Response:
-        """Collects the whole output, unless the client leaves first: then the request is
-        aborted so that it stops holding a batch slot and KV blocks."""
-        collect = asyncio.ensure_future(self._collect(stream, fmt))
+        try:
+            outs = await asyncio.gather(*(one(s) for s in streams))
+        except EngineFailedError as exc:
+            self._abort_all(streams)
+            return self._ended_by_engine(exc).response()
+        ends: list[Delta] = []
+        for _, last, _ in outs:
+            if last is None or last.error is not None or last.finish_reason not in (FinishReason.STOP,
+                                                                                     FinishReason.LENGTH):
+                self.metrics.count_failure("error")
+                self._abort_all(streams)
+                return APIError(500, (last and last.error) or "internal error").response()
+            self.metrics.count_success(last.finish_reason)
+            ends.append(last)
+        choices = [(text, _finish_name(d.finish_reason), logprobs)
+                   for (text, _, logprobs), d in zip(outs, ends, strict=True)]
+        return JSONResponse(fmt.response(choices, _usage(ends)).model_dump())
+
+    async def _collect_or_abort(self, streams: list[RequestStream], fmt: _Format, http: Request) -> Response:
+        """Collects the whole output, unless the client leaves first: then its requests are
+        aborted so that they stop holding batch slots and KV blocks."""
+        collect = asyncio.ensure_future(self._collect(streams, fmt))
         watch = asyncio.ensure_future(_wait_disconnect(http.receive))
         try:
             await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -349,10 +436,48 @@ class OpenAIServing:
             watch.cancel()
             if not collect.done():
                 collect.cancel()
-                self._abort_if_running(stream)
+                self._abort_all(streams)
         if collect.cancelled():
             return Response(status_code=499)  # nobody will read it
         return collect.result()
+
+
+def _usage(ends: list[Delta]) -> UsageInfo:
+    """Summed over the choices, each its own prompt."""
+    return UsageInfo.of(sum(d.num_prompt_tokens for d in ends), sum(d.num_output_tokens for d in ends))
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Delta]]:
+    """The deltas of all `streams` as they come, each with its stream's index; raises the first
+    error a stream raises. One stream is read directly, without a task."""
+    if len(streams) == 1:
+        async for delta in streams[0].deltas():
+            yield 0, delta
+        return
+    queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for delta in stream.deltas():
+                await queue.put((index, delta))
+        except EngineFailedError as exc:
+            await queue.put((index, exc))
+        await queue.put((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            index, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _error_event(error: APIError) -> str:

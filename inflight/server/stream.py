@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
-from inflight.request import FinishReason
+from inflight.request import FinishReason, TokenLogprobs
 
 
 class Delta(NamedTuple):
@@ -22,6 +22,7 @@ class Delta(NamedTuple):
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None
+    logprobs: TokenLogprobs | None = None  # of the step's token, if the request asks
 
     @property
     def finished(self) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from inflight.engine.runner import RunnerTimings
 from inflight.engine.scheduler import SchedulerOutput
+from inflight.request import TokenLogprobs
 from inflight.sim.cost_model import CostModel, SeqWork
 
 # Any id will do: output tokens only feed the prefix cache's chained block hashes, which start
@@ -38,6 +39,7 @@ class SimRunner:
         self.cost_model = cost_model
         self.clock = clock
         self.last_timings = RunnerTimings()
+        self.last_logprobs: dict[str, TokenLogprobs] = {}  # the simulator has no distribution
 
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         batch = [SeqWork(*work) for work in out.work()]
