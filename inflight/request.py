@@ -46,6 +46,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # Report each generated token's log-probability and this many alternatives (None: nothing).
     logprobs: int | None = None
+    # The same for each prompt token after the first (lm-eval's loglikelihood; `echo` over HTTP).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -72,8 +74,10 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", tuple(sorted(bias.items())))
         check(all(isinstance(t, int) and t >= 0 for t in bias), "logit_bias keys must be token ids >= 0")
         check(all(-100 <= b <= 100 for b in bias.values()), "logit_bias values must be in [-100, 100]")
-        check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
-              f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS),
+                  f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -141,6 +145,9 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, if asked
+    # With prompt_logprobs: one per prompt token after the first, in order, filled as the prompt's
+    # chunks are computed (a recompute after preemption adds none twice).
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
@@ -161,6 +168,13 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether prompt positions still need their logits computed (so prefix-cache hits,
+        which skip computing them, must not be taken)."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1)
 
     @property
     def num_tokens(self) -> int:

@@ -178,3 +178,37 @@ def test_logprobs_match_reference(make_llm, reference, options):
     again = llm.generate(prompts[0], asking)[0]  # its prompt's full blocks are cached now
     assert again.num_cached_tokens > 0 or len(again.prompt_token_ids) < 32
     _check_logprobs(again, reference[0][1], reference[0][2], 5)
+
+
+@pytest.mark.parametrize("options", [{}, {"max_num_tokens": 7, "enable_chunked_prefill": True}],
+                         ids=["whole", "chunked"])
+def test_prompt_logprobs_match_reference(make_llm, loaded, hf_model, options):
+    """lm-eval's loglikelihood: every prompt token's log-probability after the first, also for a
+    prompt whose blocks are already in the prefix cache (they are computed again, not skipped)."""
+    llm = make_llm(**options)
+    prompts = [prompt_ids(loaded, p) for p in (PROMPTS[3], CHAT)] + [list(range(500, 540))]
+    for ids in prompts:
+        llm.generate(ids, SamplingParams(max_tokens=2, temperature=0))  # fills the prefix cache
+        out = llm.generate(ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))[0]
+        assert out.num_cached_tokens == 0 and len(out.prompt_logprobs) == len(ids) - 1
+        with torch.inference_mode():
+            ref = hf_model(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(dim=-1)
+        for q, lp in enumerate(out.prompt_logprobs):
+            assert lp.token_id == ids[q + 1]
+            assert abs(lp.logprob - float(ref[q, ids[q + 1]])) < 1e-4
+            assert [t for t, _ in lp.top] == ref[q].topk(2).indices.tolist()
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_prompt_logprobs_survive_preemption(make_llm):
+    prompts = [list(range(600 + 50 * i, 640 + 50 * i)) for i in range(4)]
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    alone = [make_llm().generate(p, params)[0].prompt_logprobs for p in prompts]
+    tight = make_llm(num_kv_blocks=16, block_size=16)
+    outs = tight.generate(prompts, params)
+    assert tight.engine.scheduler.num_preemptions > 0
+    for out, ref in zip(outs, alone, strict=True):
+        assert len(out.prompt_logprobs) == 39
+        assert [lp.token_id for lp in out.prompt_logprobs] == [lp.token_id for lp in ref]
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in out.prompt_logprobs]),
+                                   torch.tensor([lp.logprob for lp in ref]), atol=1e-5, rtol=0)

@@ -37,6 +37,7 @@ class _FakeRunner:
         self.driver = driver
         self.last_timings = RunnerTimings()
         self.last_logprobs: dict = {}
+        self.last_prompt_logprobs: dict = {}
 
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         return self.driver.on_step(out)

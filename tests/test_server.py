@@ -4,6 +4,7 @@ and the official `openai` client. Generations are kept short so the file runs in
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import torch
 from conftest import stream_in_background
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -226,6 +228,35 @@ def test_logprobs_through_the_openai_client(client: openai.OpenAI, offline: LLM,
                    for t in content)
     plain = client.chat.completions.create(model=model, messages=chat, max_tokens=3, temperature=0)
     assert plain.choices[0].logprobs is None
+
+
+def test_echo_with_logprobs_as_lm_eval_asks(server: RunningServer, offline: LLM, hf_model: Any, model: str) -> None:
+    """lm-evaluation-harness's loglikelihood request (token-id prompts, batched, max_tokens 1,
+    logprobs 1, echo, greedy): every prompt token after the first has transformers' logprob, sent
+    twice so that the second finds its blocks in the prefix cache."""
+    tok = offline.tokenizer
+    prompts = [tok.encode("Question: What is the capital of France? Answer: Paris"), list(range(700, 760))]
+    body = {"model": model, "prompt": prompts, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0}
+    for _ in range(2):
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        for ids, choice in zip(prompts, r.json()["choices"], strict=True):
+            lp = choice["logprobs"]
+            assert len(lp["tokens"]) == len(ids) + 1
+            assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+            assert choice["text"].startswith(tok.decode(ids))
+            with torch.inference_mode():
+                ref = hf_model(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(dim=-1)
+            want = [float(ref[q, ids[q + 1]]) for q in range(len(ids) - 1)]
+            assert lp["token_logprobs"][1:len(ids)] == pytest.approx(want, abs=1e-4)
+            assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
+    streamed = httpx.post(server.url + "/v1/completions", json={**body, "prompt": "Hello there", "stream": True,
+                                                                "max_tokens": 3}, timeout=60)
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    assert text.startswith("Hello there") and events[0]["choices"][0]["logprobs"]["token_logprobs"][0] is None
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "echo": True}
+    _assert_error_body(httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=30), 400, "echo")
 
 
 def test_tokenize_and_detokenize_in_vllms_shapes(server: RunningServer, offline: LLM, model: str) -> None:

@@ -120,6 +120,7 @@ class Runner(Protocol):
 
     last_timings: RunnerTimings
     last_logprobs: dict[str, TokenLogprobs]  # of the last step's tokens, for the requests that ask
+    last_prompt_logprobs: dict[str, list[TokenLogprobs]]  # of the prompt tokens the last step computed
 
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         """Request id -> next token, for each request that reached its last known token."""
@@ -320,6 +321,7 @@ class LLMEngine:
     def _execute(self, out: SchedulerOutput) -> ModelStepResult:
         self.runner.last_timings = RunnerTimings()
         self.runner.last_logprobs = {}
+        self.runner.last_prompt_logprobs = {}
         if out.is_empty:
             return ModelStepResult({})
         try:
@@ -340,6 +342,8 @@ class LLMEngine:
                 message = f"internal error in the model step ({type(result.error).__name__}); the request was ended"
             return [self._fail(s.request, message) for s in out.scheduled]
         sampled, logprobs = result.sampled, self.runner.last_logprobs
+        for s in out.scheduled:
+            s.request.prompt_logprobs.extend(self.runner.last_prompt_logprobs.get(s.request.request_id, ()))
         self.scheduler.update_from_output(out, sampled)
         now = self.clock()
         outputs: list[RequestOutput] = []
@@ -355,8 +359,10 @@ class LLMEngine:
             text, finish = self.output_processor.process_token(request, token)
             if finish is not None:
                 self._end(request, finish)
+            first_with_prompt = request.sampling_params.prompt_logprobs is not None and request.num_output_tokens == 1
             outputs.append(RequestOutput(request.request_id, [token], text, finish is not None, finish, request,
-                                         logprobs=token_logprobs))
+                                         logprobs=token_logprobs,
+                                         prompt_logprobs=list(request.prompt_logprobs) if first_with_prompt else None))
         return outputs
 
     def _end(self, request: Request, reason: FinishReason) -> None:

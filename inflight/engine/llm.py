@@ -28,6 +28,8 @@ class CompletionOutput:
     num_cached_tokens: int
     timings: RequestTimings
     logprobs: list[TokenLogprobs] | None = None  # one per token, with SamplingParams(logprobs=k)
+    # One per prompt token after the first, with SamplingParams(prompt_logprobs=k).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class LLM:
@@ -81,6 +83,7 @@ class LLM:
                 num_cached_tokens=r.num_cached_tokens,
                 timings=r.timings,
                 logprobs=list(r.output_logprobs) if r.sampling_params.logprobs is not None else None,
+                prompt_logprobs=list(r.prompt_logprobs) if r.sampling_params.prompt_logprobs is not None else None,
             )
             for r in requests
         ]

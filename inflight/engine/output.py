@@ -24,6 +24,8 @@ class RequestOutput:
     request: Request
     error: str | None = None
     logprobs: TokenLogprobs | None = None  # of the new token, if the request asks
+    # With the first token of a request that asks: one per prompt token after the first.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(slots=True)

@@ -31,8 +31,11 @@ class StepInputs(NamedTuple):
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn_meta: AttentionMetadata
-    logits_indices: torch.Tensor
+    logits_indices: torch.Tensor  # the sampled rows first, then `prompt_rows`' rows
     sample_requests: list[Request]
+    # Per request that wants prompt logprobs: (the first prompt position whose successor's
+    # logprob this step computes, how many), for the rows after the sampled ones.
+    prompt_rows: list[tuple[Request, int, int]]
 
 
 class ModelRunner:
@@ -56,6 +59,7 @@ class ModelRunner:
         self.before_forward: Callable[[SchedulerOutput], None] | None = None
         self.last_timings = RunnerTimings()
         self.last_logprobs: dict[str, TokenLogprobs] = {}
+        self.last_prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
 
     @staticmethod
     def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
@@ -74,8 +78,10 @@ class ModelRunner:
         )
         forwarded = time.perf_counter()
         requests = inputs.sample_requests
-        tokens = self.sampler(logits, requests) if requests else []
-        self.last_logprobs = self.sampler.logprobs(logits, requests, tokens) if requests else {}
+        sampled_logits = logits[:len(requests)] if inputs.prompt_rows else logits
+        tokens = self.sampler(sampled_logits, requests) if requests else []
+        self.last_logprobs = self.sampler.logprobs(sampled_logits, requests, tokens) if requests else {}
+        self.last_prompt_logprobs = self._prompt_logprobs(logits[len(requests):], inputs.prompt_rows)
         self.last_timings = RunnerTimings(prepared - start, forwarded - prepared, time.perf_counter() - forwarded)
         return {r.request_id: t for r, t in zip(inputs.sample_requests, tokens, strict=True)}
 
@@ -90,15 +96,25 @@ class ModelRunner:
         slot_mapping: list[int] = []
         logits_indices: list[int] = []
         sample_requests: list[Request] = []
+        prompt_indices: list[int] = []
+        prompt_rows: list[tuple[Request, int, int]] = []
         bs = self.block_size
         for s in ordered:
             table = s.block_table
+            row = len(input_ids)  # of position s.start
             input_ids.extend(s.request.tokens_slice(s.start, s.end))
             positions.extend(range(s.start, s.end))
             slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(s.start, s.end))
             if s.samples_next_token:
                 logits_indices.append(len(input_ids) - 1)
                 sample_requests.append(s.request)
+            if s.request.needs_prompt_logits:
+                # Position q's logits give prompt token q + 1's logprob; those not yet recorded.
+                first = max(s.start, len(s.request.prompt_logprobs))
+                end = min(s.end, s.request.num_prompt_tokens - 1)
+                if end > first:
+                    prompt_indices.extend(range(row + first - s.start, row + end - s.start))
+                    prompt_rows.append((s.request, first, end - first))
         meta = self.model.attention.build_metadata(
             [SeqSlice(s.start, s.num_new_tokens, s.block_table) for s in ordered], len(decodes),
             torch.tensor(slot_mapping, device=device), bs, self.model.dtype, device)
@@ -106,9 +122,21 @@ class ModelRunner:
             input_ids=torch.tensor(input_ids, device=device),
             positions=torch.tensor(positions, device=device),
             attn_meta=meta,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
+            logits_indices=torch.tensor(logits_indices + prompt_indices, dtype=torch.long, device=device),
             sample_requests=sample_requests,
+            prompt_rows=prompt_rows,
         )
+
+    def _prompt_logprobs(self, logits: torch.Tensor,
+                         rows: list[tuple[Request, int, int]]) -> dict[str, list[TokenLogprobs]]:
+        out: dict[str, list[TokenLogprobs]] = {}
+        offset = 0
+        for request, first, count in rows:
+            targets = request.prompt_token_ids[first + 1:first + 1 + count]
+            k = request.sampling_params.prompt_logprobs or 0
+            out[request.request_id] = self.sampler.token_logprobs(logits[offset:offset + count], targets, k)
+            offset += count
+        return out
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -81,18 +81,28 @@ class Sampler:
         if not rows:
             return {}
         index = torch.tensor(rows, device=logits.device)
-        log_probs = logits.index_select(0, index).float().log_softmax(dim=-1)
-        chosen = torch.tensor([tokens[i] for i in rows], device=logits.device)
-        chosen_lp = log_probs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
         k = max(requests[i].sampling_params.logprobs or 0 for i in rows)
-        top_lp, top_ids = log_probs.topk(k, dim=-1) if k else (log_probs[:, :0], log_probs[:, :0].long())
-        top_lp_rows, top_id_rows = top_lp.tolist(), top_ids.tolist()
+        found = self.token_logprobs(logits.index_select(0, index), [tokens[i] for i in rows], k)
         out = {}
-        for j, i in enumerate(rows):
+        for i, lp in zip(rows, found, strict=True):
             n = requests[i].sampling_params.logprobs or 0
-            top = tuple(zip(top_id_rows[j][:n], top_lp_rows[j][:n], strict=True))
-            out[requests[i].request_id] = TokenLogprobs(tokens[i], chosen_lp[j], top)
+            out[requests[i].request_id] = lp._replace(top=lp.top[:n])
         return out
+
+    @torch.inference_mode()
+    def token_logprobs(self, logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[TokenLogprobs]:
+        """Per row of `logits`: `tokens[row]`'s log-probability under its log-softmax, and the `k`
+        most likely tokens'."""
+        log_probs = logits.float().log_softmax(dim=-1)
+        chosen = torch.tensor(list(tokens), device=logits.device)
+        chosen_lp = log_probs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+        if k:
+            top_lp, top_ids = log_probs.topk(k, dim=-1)
+            tops = [tuple(zip(ids, lps, strict=True)) for ids, lps in zip(top_ids.tolist(), top_lp.tolist(),
+                                                                          strict=True)]
+        else:
+            tops = [()] * len(chosen_lp)
+        return [TokenLogprobs(t, lp, top) for t, lp, top in zip(tokens, chosen_lp, tops, strict=True)]
 
     def _edit_logits(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         vocab = logits.shape[1]

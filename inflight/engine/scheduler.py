@@ -243,7 +243,8 @@ class Scheduler:
         (cached blocks, cached tokens, tokens to compute, blocks it may still grow by), or None
         if it cannot start now."""
         cfg, bm = self.config, self.block_manager
-        hits = bm.get_computed_blocks(request)
+        # A request that wants its prompt's log-probabilities computes every prompt position.
+        hits = [] if request.needs_prompt_logits else bm.get_computed_blocks(request)
         num_cached = len(hits) * bm.block_size
         num_new = request.num_tokens - num_cached
         if num_new > budget:

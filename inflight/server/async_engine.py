@@ -268,7 +268,8 @@ class AsyncEngine:
             return
         request = out.request
         stream.put(Delta(out.text, len(out.new_token_ids), out.finish_reason,
-                         request.num_prompt_tokens, request.num_output_tokens, out.error, out.logprobs))
+                         request.num_prompt_tokens, request.num_output_tokens, out.error, out.logprobs,
+                         out.prompt_logprobs))
 
     def _fail_all(self, error: Exception, in_engine_only: bool = False) -> None:
         """Ends every request with `error`; with `in_engine_only`, spares those whose add

@@ -2,7 +2,7 @@
 
 Requests are validated strictly (a string is not a number; but 16.0 is the integer 16, as
 JSON has one number type) and unknown fields are ignored, as OpenAI clients send fields a
-server may not know. Fields inflight cannot honour (`n > 1`, `echo`, tools, JSON
+server may not know. Fields inflight cannot honour (`n > 1`, `echo` in chat, tools, JSON
 mode, guided decoding, ...) are refused rather than silently ignored, unless they
 hold their no-op value, which clients often send; the schema lists the values each accepts.
 """
@@ -162,15 +162,13 @@ class CompletionRequest(GenerationRequest):
     """`POST /v1/completions`. `prompt` is text or token ids (a batch of one is accepted)."""
 
     prompt: Prompt
-    echo: bool = _only(False)
+    echo: bool = False  # the prompt's text (and, with logprobs, its tokens' logprobs) before the output
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _AsInt] | None = None
     suffix: str | None = _only(None, "")
     best_of: Int | None = _only(None, 1)
 
     @model_validator(mode="after")
     def _check_prompt(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo: echo is not supported")
         if self.suffix:
             raise ValueError("suffix: suffix is not supported")
         if self.best_of not in (None, 1):
@@ -229,9 +227,12 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[dict[str, object]] | None = _only(None, [])
     tool_choice: str | dict[str, object] | None = _only(None, "none", "auto")
     functions: list[dict[str, object]] | None = _only(None, [])
+    echo: bool = _only(False)
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
+        if self.echo:
+            raise ValueError("echo: echo is for /v1/completions; chat completions do not take it")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs: true")
         if self.tools or self.functions:

@@ -65,13 +65,13 @@ Logprobs = list[TokenLogprobs]
 
 
 class _Format(Protocol):
-    """How one endpoint shapes its chunks and its whole response; `index` is the choice's, and
-    `logprobs` those of the tokens the text came from (None where the request asked for none)."""
+    """How one endpoint shapes its chunks and its whole response from a choice's deltas;
+    `index` is the choice's."""
 
     def opening(self, num_choices: int) -> list[BaseModel]: ...
-    def chunk(self, index: int, text: str, finish: FinishReasonName, logprobs: Logprobs | None) -> BaseModel: ...
+    def chunk(self, index: int, delta: Delta) -> BaseModel | None: ...
     def usage_chunk(self, usage: UsageInfo) -> BaseModel: ...
-    def response(self, choices: list[tuple[str, FinishReasonName, Logprobs | None]], usage: UsageInfo) -> BaseModel: ...
+    def response(self, choices: list[list[Delta]], usage: UsageInfo) -> BaseModel: ...
 
 
 # JSON has no -inf: a log-probability that underflows is reported as this, as vLLM does.
@@ -82,40 +82,68 @@ def _lp(value: float) -> float:
     return max(value, _MIN_LOGPROB)
 
 
+def _token_logprobs(deltas: list[Delta]) -> Logprobs | None:
+    found = [d.logprobs for d in deltas if d.logprobs is not None]
+    return found or None
+
+
 class _CompletionFormat:
-    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer) -> None:
+    """With `echo`, each choice starts with its prompt (text as sent, or decoded from ids) and,
+    where logprobs are asked for, the prompt tokens' logprobs, the first one null."""
+
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer,
+                 echo: list[tuple[str, list[int]]] | None = None) -> None:
         self.id, self.model, self.created = request_id, model, int(time.time())
         self.tokenizer = tokenizer
+        self.echo = echo
         self._offsets: dict[int, int] = {}  # per choice, where the next token's text starts
 
     def opening(self, num_choices: int) -> list[BaseModel]:
         return []
 
-    def _logprobs(self, index: int, logprobs: Logprobs | None) -> CompletionLogprobs | None:
-        if logprobs is None:
-            return None
+    def _logprobs(self, index: int, entries: list[tuple[int, TokenLogprobs | None]]) -> CompletionLogprobs:
+        """entries: (token id, its logprobs, or None for the prompt's first token)."""
         tok = self.tokenizer
-        tokens = [tok.decode([lp.token_id], skip_special_tokens=False) for lp in logprobs]
+        tokens = [tok.decode([t], skip_special_tokens=False) for t, _ in entries]
         offsets, at = [], self._offsets.get(index, 0)
         for text in tokens:
             offsets.append(at)
             at += len(text)
         self._offsets[index] = at
         return CompletionLogprobs(
-            tokens=tokens, token_logprobs=[_lp(lp.logprob) for lp in logprobs], text_offset=offsets,
-            top_logprobs=[{tok.decode([t], skip_special_tokens=False): _lp(v) for t, v in lp.top} for lp in logprobs])
+            tokens=tokens, text_offset=offsets,
+            token_logprobs=[None if lp is None else _lp(lp.logprob) for _, lp in entries],
+            top_logprobs=[None if lp is None else {tok.decode([t], skip_special_tokens=False): _lp(v)
+                                                   for t, v in lp.top} for _, lp in entries])
 
-    def chunk(self, index: int, text: str, finish: FinishReasonName, logprobs: Logprobs | None) -> BaseModel:
-        return CompletionResponse(id=self.id, model=self.model, created=self.created, choices=[
-            CompletionChoice(index=index, text=text, finish_reason=finish, logprobs=self._logprobs(index, logprobs))])
+    def _piece(self, index: int, deltas: list[Delta], first: bool) -> CompletionChoice:
+        text = "".join(d.text for d in deltas)
+        logprobs = _token_logprobs(deltas)
+        entries: list[tuple[int, TokenLogprobs | None]] = [(lp.token_id, lp) for lp in logprobs or []]
+        if first and self.echo is not None:
+            prompt_text, prompt_ids = self.echo[index]
+            text = prompt_text + text
+            prompt_lps = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
+            if prompt_lps is not None:
+                entries = [(prompt_ids[0], None), *((lp.token_id, lp) for lp in prompt_lps), *entries]
+                logprobs = logprobs or []
+        finish = _finish_name(deltas[-1].finish_reason) if deltas else None
+        return CompletionChoice(index=index, text=text, finish_reason=finish,
+                                logprobs=self._logprobs(index, entries) if logprobs is not None else None)
+
+    def chunk(self, index: int, delta: Delta) -> BaseModel | None:
+        first = delta.num_output_tokens <= delta.num_new_tokens  # the choice's first delta
+        if not (delta.text or delta.finished or delta.logprobs is not None or (first and self.echo)):
+            return None
+        return CompletionResponse(id=self.id, model=self.model, created=self.created,
+                                  choices=[self._piece(index, [delta], first)])
 
     def usage_chunk(self, usage: UsageInfo) -> BaseModel:
         return CompletionResponse(id=self.id, model=self.model, created=self.created, choices=[], usage=usage)
 
-    def response(self, choices: list[tuple[str, FinishReasonName, Logprobs | None]], usage: UsageInfo) -> BaseModel:
-        return CompletionResponse(id=self.id, model=self.model, created=self.created, usage=usage, choices=[
-            CompletionChoice(index=i, text=text, finish_reason=finish, logprobs=self._logprobs(i, logprobs))
-            for i, (text, finish, logprobs) in enumerate(choices)])
+    def response(self, choices: list[list[Delta]], usage: UsageInfo) -> BaseModel:
+        return CompletionResponse(id=self.id, model=self.model, created=self.created, usage=usage,
+                                  choices=[self._piece(i, deltas, True) for i, deltas in enumerate(choices)])
 
 
 class _ChatFormat:
@@ -142,19 +170,24 @@ class _ChatFormat:
             content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=[self._top(t, v) for t, v in lp.top]))
         return ChatLogprobs(content=content)
 
-    def chunk(self, index: int, text: str, finish: FinishReasonName, logprobs: Logprobs | None) -> BaseModel:
-        delta = DeltaMessage(content=text) if text else DeltaMessage()
+    def chunk(self, index: int, delta: Delta) -> BaseModel | None:
+        if not (delta.text or delta.finished or delta.logprobs is not None):
+            return None
+        message = DeltaMessage(content=delta.text) if delta.text else DeltaMessage()
+        logprobs = self._logprobs([delta.logprobs] if delta.logprobs is not None else None)
         return ChatCompletionChunk(id=self.id, model=self.model, created=self.created, choices=[
-            ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=self._logprobs(logprobs))])
+            ChatChunkChoice(index=index, delta=message, finish_reason=_finish_name(delta.finish_reason),
+                            logprobs=logprobs)])
 
     def usage_chunk(self, usage: UsageInfo) -> BaseModel:
         return ChatCompletionChunk(id=self.id, model=self.model, created=self.created, choices=[], usage=usage)
 
-    def response(self, choices: list[tuple[str, FinishReasonName, Logprobs | None]], usage: UsageInfo) -> BaseModel:
+    def response(self, choices: list[list[Delta]], usage: UsageInfo) -> BaseModel:
         return ChatCompletionResponse(id=self.id, model=self.model, created=self.created, usage=usage, choices=[
-            ChatChoice(index=i, message=ChatMessageOut(content=text), finish_reason=finish,
-                       logprobs=self._logprobs(logprobs))
-            for i, (text, finish, logprobs) in enumerate(choices)])
+            ChatChoice(index=i, message=ChatMessageOut(content="".join(d.text for d in deltas)),
+                       finish_reason=_finish_name(deltas[-1].finish_reason), logprobs=self._logprobs(
+                           _token_logprobs(deltas)))
+            for i, deltas in enumerate(choices)])
 
 
 class _SSEResponse(StreamingResponse):
@@ -208,10 +241,16 @@ class OpenAIServing:
             raise invalid(str(exc), "prompt") from None
         if not all(token_ids):
             raise invalid("the prompt is empty", "prompt")
-        work = [(ids, self._sampling_params(req, req.max_tokens, len(ids), "prompt", req.logprobs))
+        prompt_logprobs = req.logprobs if req.echo else None
+        work = [(ids, self._sampling_params(req, req.max_tokens, len(ids), "prompt", req.logprobs, prompt_logprobs))
                 for ids in token_ids]
         streams = await self._submit(work, arrival, "cmpl", req.priority)
-        fmt = _CompletionFormat(streams[0].request_id, self.model_name, self.engine.tokenizer)
+        tokenizer = self.engine.tokenizer
+        echo = None
+        if req.echo:  # the prompt as sent, or decoded from its ids
+            echo = [(p if isinstance(p, str) else tokenizer.decode(p), ids)
+                    for p, ids in zip(prompts, token_ids, strict=True)]
+        fmt = _CompletionFormat(streams[0].request_id, self.model_name, tokenizer, echo)
         return await self._respond(streams, fmt, req, http)
 
     async def chat(self, req: ChatCompletionRequest, http: Request) -> Response:
@@ -271,7 +310,7 @@ class OpenAIServing:
                           f"({self.engine.max_model_len}) tokens (the limit is {limit} characters)", param)
 
     def _sampling_params(self, req: GenerationRequest, max_tokens: int | None, num_prompt_tokens: int,
-                         prompt_param: str, logprobs: int | None) -> SamplingParams:
+                         prompt_param: str, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         room = self.engine.max_model_len - num_prompt_tokens
         # Blame the prompt unless the client's own max_tokens is what does not fit.
         blamed = "max_tokens" if max_tokens is not None and room >= 1 else prompt_param
@@ -297,6 +336,7 @@ class OpenAIServing:
                 min_p=req.min_p or 0.0,
                 logit_bias=tuple(req.logit_bias_ids.items()),
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
             )
         except InvalidRequestError as exc:
             raise invalid(str(exc), param_of(str(exc), _PARAMS)) from None
@@ -377,10 +417,9 @@ class OpenAIServing:
                     yield _error_event(APIError(500, delta.error or "internal error"))
                     yield _DONE
                     return
-                finish = _finish_name(delta.finish_reason)
-                if delta.text or finish is not None or delta.logprobs is not None:
-                    logprobs = [delta.logprobs] if delta.logprobs is not None else None
-                    yield _sse(fmt.chunk(index, delta.text, finish, logprobs), exclude_usage=not include_usage)
+                piece = fmt.chunk(index, delta)
+                if piece is not None:
+                    yield _sse(piece, exclude_usage=not include_usage)
         except EngineFailedError as exc:
             self._abort_all(streams)
             yield _error_event(self._ended_by_engine(exc))
@@ -396,16 +435,8 @@ class OpenAIServing:
         yield _DONE
 
     async def _collect(self, streams: list[RequestStream], fmt: _Format) -> Response:
-        async def one(stream: RequestStream) -> tuple[str, Delta | None, Logprobs | None]:
-            parts: list[str] = []
-            logprobs: Logprobs = []
-            last: Delta | None = None
-            async for delta in stream.deltas():
-                parts.append(delta.text)
-                if delta.logprobs is not None:
-                    logprobs.append(delta.logprobs)
-                last = delta
-            return "".join(parts), last, logprobs or None
+        async def one(stream: RequestStream) -> list[Delta]:
+            return [delta async for delta in stream.deltas()]
 
         try:
             outs = await asyncio.gather(*(one(s) for s in streams))
@@ -413,7 +444,8 @@ class OpenAIServing:
             self._abort_all(streams)
             return self._ended_by_engine(exc).response()
         ends: list[Delta] = []
-        for _, last, _ in outs:
+        for deltas in outs:
+            last = deltas[-1] if deltas else None
             if last is None or last.error is not None or last.finish_reason not in (FinishReason.STOP,
                                                                                      FinishReason.LENGTH):
                 self.metrics.count_failure("error")
@@ -421,9 +453,7 @@ class OpenAIServing:
                 return APIError(500, (last and last.error) or "internal error").response()
             self.metrics.count_success(last.finish_reason)
             ends.append(last)
-        choices = [(text, _finish_name(d.finish_reason), logprobs)
-                   for (text, _, logprobs), d in zip(outs, ends, strict=True)]
-        return JSONResponse(fmt.response(choices, _usage(ends)).model_dump())
+        return JSONResponse(fmt.response(outs, _usage(ends)).model_dump())
 
     async def _collect_or_abort(self, streams: list[RequestStream], fmt: _Format, http: Request) -> Response:
         """Collects the whole output, unless the client leaves first: then its requests are

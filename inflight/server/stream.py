@@ -23,6 +23,7 @@ class Delta(NamedTuple):
     num_output_tokens: int
     error: str | None = None
     logprobs: TokenLogprobs | None = None  # of the step's token, if the request asks
+    prompt_logprobs: list[TokenLogprobs] | None = None  # with the first token, if the request asks
 
     @property
     def finished(self) -> bool:

@@ -40,6 +40,7 @@ class SimRunner:
         self.clock = clock
         self.last_timings = RunnerTimings()
         self.last_logprobs: dict[str, TokenLogprobs] = {}  # the simulator has no distribution
+        self.last_prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
 
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         batch = [SeqWork(*work) for work in out.work()]
