@@ -48,6 +48,8 @@ class SamplingParams:
     logprobs: int | None = None
     # The same for each prompt token after the first (lm-eval's loglikelihood; `echo` over HTTP).
     prompt_logprobs: int | None = None
+    # Samples of the prompt: after its prefill, n - 1 more requests share its KV blocks.
+    n: int = 1
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -74,6 +76,7 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", tuple(sorted(bias.items())))
         check(all(isinstance(t, int) and t >= 0 for t in bias), "logit_bias keys must be token ids >= 0")
         check(all(-100 <= b <= 100 for b in bias.values()), "logit_bias values must be in [-100, 100]")
+        check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             check(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS),
@@ -148,6 +151,10 @@ class Request:
     # With prompt_logprobs: one per prompt token after the first, in order, filled as the prompt's
     # chunks are computed (a recompute after preemption adds none twice).
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Parallel sampling: which of its prompt's n samples this request is (0: the one that ran
+    # the prefill), and, on sample 0, the others once forked.
+    sample_index: int = 0
+    samples: list[Request] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
@@ -168,6 +175,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def awaits_fork(self) -> bool:
+        """Sample 0 of n > 1 whose siblings do not exist yet (they fork after its prefill)."""
+        return self.sampling_params.n > 1 and self.sample_index == 0 and not self.samples
 
     @property
     def needs_prompt_logits(self) -> bool:
@@ -200,3 +212,8 @@ class Request:
         if start >= n:
             return self.output_token_ids[start - n:end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+
+def sample_request_id(request_id: str, index: int) -> str:
+    """The id of sample `index` (>= 1) of request `request_id`, which asked for n > 1."""
+    return f"{request_id}#{index}"

@@ -35,7 +35,8 @@ def test_equal_priorities_schedule_exactly_as_fcfs(workload, max_batch_size, max
     runs = []
     for policy in (SchedulingPolicy.CONTINUOUS, PRIORITY):
         d = Driver(config, num_blocks, 4, policy=policy)
-        pending = sorted(((arrival, i, make_request(i, p, o)) for i, (p, o, arrival, _) in enumerate(workload)),
+        pending = sorted(((arrival, i, make_request(i, p, o, n=min(n, max_batch_size)))
+                          for i, (p, o, arrival, _, n) in enumerate(workload)),
                          key=lambda x: x[:2])
         step = 0
         while pending or d.scheduler.num_unfinished:

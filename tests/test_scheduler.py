@@ -102,9 +102,9 @@ class Driver:
 
 
 def make_request(i: int, prompt_len: int, max_tokens: int, prefix: list[int] | None = None,
-                 priority: int = 0) -> Request:
+                 priority: int = 0, n: int = 1) -> Request:
     prompt = (prefix or []) + [(i * 7919 + j) % 5000 + 10 for j in range(prompt_len)]
-    return Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), priority=priority)
+    return Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, n=n), priority=priority)
 
 
 def expected_tokens(request: Request) -> list[int]:
@@ -116,8 +116,8 @@ def expected_tokens(request: Request) -> list[int]:
 
 
 workloads = st.lists(
-    # prompt, output, arrival step, priority (the priority policy's)
-    st.tuples(st.integers(1, 80), st.integers(1, 40), st.integers(0, 6), st.integers(0, 3)),
+    # prompt, output, arrival step, priority (the priority policy's), samples (n)
+    st.tuples(st.integers(1, 80), st.integers(1, 40), st.integers(0, 6), st.integers(0, 3), st.integers(1, 3)),
     min_size=1, max_size=16,
 )
 
@@ -142,9 +142,10 @@ def test_scheduler_invariants(workload, max_batch_size, max_num_tokens, block_si
     d = Driver(config, num_blocks, block_size, prefix_caching, policy=policy)
     prefix = [3] * shared_prefix
     pending = []
-    for i, (prompt_len, out_len, arrival, priority) in enumerate(workload):
+    for i, (prompt_len, out_len, arrival, priority, n) in enumerate(workload):
         priority = priority if policy is SchedulingPolicy.PRIORITY else 0
-        pending.append((arrival, make_request(i, prompt_len, out_len, prefix, priority)))
+        n = 1 if policy is SchedulingPolicy.STATIC else min(n, max_batch_size)
+        pending.append((arrival, make_request(i, prompt_len, out_len, prefix, priority, n)))
     accepted: list[Request] = []
     arrival_order: list[str] = []
     step = 0
@@ -161,11 +162,13 @@ def test_scheduler_invariants(workload, max_batch_size, max_num_tokens, block_si
         step += 1
         assert step < 20_000, "requests did not all finish"
 
+    assert all(len(r.samples) == r.sampling_params.n - 1 for r in accepted), "every prompt forks its samples"
+    accepted += [sample for r in accepted for sample in r.samples]
     assert all(r.status is RequestStatus.FINISHED for r in accepted)
     assert d.bm.num_used_blocks == 0, "blocks leaked after every request ended"
     if policy is not SchedulingPolicy.PRIORITY:
         # Admission is first-come first-served (preempted requests re-enter at the head).
-        assert d.admission_order == arrival_order
+        assert [r for r in d.admission_order if "#" not in r] == arrival_order
     for r in accepted:
         assert r.output_token_ids == expected_tokens(r), "preemption or chunking changed the tokens"
         if not chunked and r.num_preemptions == 0:

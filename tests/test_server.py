@@ -259,6 +259,60 @@ def test_echo_with_logprobs_as_lm_eval_asks(server: RunningServer, offline: LLM,
     _assert_error_body(httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=30), 400, "echo")
 
 
+def test_n_samples_through_the_openai_client(client: openai.OpenAI, server: RunningServer, model: str) -> None:
+    prompt = "Write a short poem about the sea."
+    resp = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=1.0, seed=5, n=3,
+                                     extra_body={"ignore_eos": True})
+    assert [c.index for c in resp.choices] == [0, 1, 2] and len({c.text for c in resp.choices}) == 3
+    assert resp.usage is not None and resp.usage.completion_tokens == 24
+    single = client.completions.create(model=model, prompt=prompt, max_tokens=1)
+    assert single.usage is not None and resp.usage.prompt_tokens == single.usage.prompt_tokens  # counted once
+    again = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=1.0, seed=5, n=3,
+                                      extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in resp.choices]
+    two_prompts = client.completions.create(model=model, prompt=[prompt, "Hello"], max_tokens=4, n=2,
+                                            temperature=0, extra_body={"ignore_eos": True})
+    texts = [c.text for c in two_prompts.choices]
+    assert len(texts) == 4 and texts[0] == texts[1] and texts[2] == texts[3]  # greedy samples agree
+    chat = [{"role": "user", "content": "Name a color."}]
+    stream = client.chat.completions.create(model=model, messages=chat, max_tokens=6, temperature=1.0, seed=1,
+                                            n=2, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+    texts, usage = ["", ""], None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert all(texts) and usage is not None and usage.completion_tokens == 12
+    assert server.engine.num_active == 0
+
+
+def test_lm_eval_task_loglikelihoods_match_transformers(server: RunningServer, offline: LLM, hf_model: Any,
+                                                        model: str) -> None:
+    """Items of benchmarks/lm_eval/task.jsonl scored as lm-eval's local-completions scores them:
+    one batched request of context + continuation ids, the continuation's summed logprobs."""
+    from pathlib import Path
+
+    tok = offline.tokenizer
+    lines = (Path(__file__).parents[1] / "benchmarks" / "lm_eval" / "task.jsonl").read_text().splitlines()
+    items = [json.loads(line) for line in lines[:2] + lines[-2:]]
+    pairs = [(item["query"], " " + choice) for item in items for choice in item["choices"]]
+    encoded = []
+    for context, continuation in pairs:
+        whole = tok.encode(context + continuation)
+        encoded.append((whole, len(tok.encode(context))))
+    r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+        "model": model, "prompt": [ids for ids, _ in encoded], "max_tokens": 1, "logprobs": 1, "echo": True,
+        "temperature": 0})
+    assert r.status_code == 200, r.text
+    for (ids, ctxlen), choice in zip(encoded, r.json()["choices"], strict=True):
+        ours = sum(choice["logprobs"]["token_logprobs"][ctxlen:-1])
+        with torch.inference_mode():
+            ref = hf_model(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(dim=-1)
+        theirs = sum(float(ref[q - 1, ids[q]]) for q in range(ctxlen, len(ids)))
+        assert abs(ours - theirs) < 1e-3, (ours, theirs)
+
+
 def test_tokenize_and_detokenize_in_vllms_shapes(server: RunningServer, offline: LLM, model: str) -> None:
     tok = offline.tokenizer
     text = "Tokenize this, please: naïve café"
@@ -386,9 +440,9 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("negative temperature", "/completions", {"model": "M", "prompt": "hi", "temperature": -0.5}, 400, "temperature"),
     ("top_p zero", "/completions", {"model": "M", "prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("top_p above one", "/completions", {"model": "M", "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
-    ("n above one", "/completions", {"model": "M", "prompt": "hi", "n": 2}, 400, "n"),
-    ("chat n above one", "/chat/completions",
-     {"model": "M", "messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n"),
+    ("n above 16", "/completions", {"model": "M", "prompt": "hi", "n": 17}, 400, "n"),
+    ("chat n zero", "/chat/completions",
+     {"model": "M", "messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n"),
     ("empty stop string", "/completions", {"model": "M", "prompt": "hi", "stop": [""]}, 400, "stop"),
     ("penalty out of range", "/completions",
      {"model": "M", "prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),

@@ -7,6 +7,12 @@ whole token prefix up to its end, so equal hashes mean equal KV. Blocks are refe
 a block nobody references goes to the back of the free queue but keeps its hash, so a later
 request with the same prefix can take it back. Allocation takes from the front of the queue,
 evicting the least recently freed cached block.
+
+Parallel sampling (`n` > 1): `fork` gives a new request the blocks of another's prompt, each
+referenced once more. The last of them may be partly filled; whichever request first writes
+into a block that others still hold gets a private copy (copy on write): `allocate_slots`
+swaps it into that request's table and records (source, destination) for the runner, which
+copies the KV before the step's forward pass (`take_copies`).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ class BlockManager:
         self._num_registered: dict[str, int] = {}  # request id -> blocks already in the cache
         self.peak_used_blocks = 0
         self.num_allocation_failures = 0
+        self._copies: list[tuple[int, int]] = []  # (source, destination) blocks to copy before the next step
 
     # --- counters ---------------------------------------------------------------------------
 
@@ -103,26 +110,44 @@ class BlockManager:
 
     # --- allocation -----------------------------------------------------------------------------
 
-    def _num_needed(self, request_id: str, num_tokens: int, computed_blocks: Sequence[int]) -> tuple[int, int]:
+    def _shared_write_block(self, request: Request) -> int | None:
+        """The index in the request's table of the block its next token goes into, if other
+        requests hold that block too (a forked prompt's last block)."""
+        table = self._tables.get(request.request_id)
+        i = request.num_computed_tokens // self.block_size
+        if table is not None and i < len(table) and self._ref_cnt[table[i]] > 1:
+            return i
+        return None
+
+    def _num_needed(self, request: Request, num_tokens: int, computed_blocks: Sequence[int]) -> tuple[int, int]:
         """(new blocks to take from the free queue, free blocks that the cache hits revive)."""
-        have = len(self._tables.get(request_id, ())) + len(computed_blocks)
+        have = len(self._tables.get(request.request_id, ())) + len(computed_blocks)
         revived = sum(1 for b in computed_blocks if self._ref_cnt[b] == 0)
-        return max(0, self.num_blocks_for(num_tokens) - have), revived
+        copy = 1 if self._shared_write_block(request) is not None else 0
+        return max(0, self.num_blocks_for(num_tokens) - have) + copy, revived
 
     def can_allocate(self, request: Request, num_tokens: int, computed_blocks: Sequence[int] = (),
                      reserve: int = 0) -> bool:
         """Whether the request's table can grow to hold `num_tokens` tokens with `reserve` free
         blocks left over; counts nothing."""
-        need, revived = self._num_needed(request.request_id, num_tokens, computed_blocks)
+        need, revived = self._num_needed(request, num_tokens, computed_blocks)
         return need + revived + reserve <= len(self._free)
 
     def allocate_slots(self, request: Request, num_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
         """Grows the request's block table (after `computed_blocks`, its prefix-cache hits) to
         hold `num_tokens` tokens. Returns False, changing nothing, when the pool is short."""
-        need, revived = self._num_needed(request.request_id, num_tokens, computed_blocks)
+        need, revived = self._num_needed(request, num_tokens, computed_blocks)
         if need + revived > len(self._free):
             self.num_allocation_failures += 1
             return False
+        shared = self._shared_write_block(request)
+        if shared is not None:  # copy on write
+            table = self._tables[request.request_id]
+            source, copy = table[shared], self._take_free()
+            self._ref_cnt[source] -= 1
+            table[shared] = copy
+            self._copies.append((source, copy))
+            need -= 1
         table = self._tables.setdefault(request.request_id, [])
         for block in computed_blocks:
             if self._ref_cnt[block] == 0:
@@ -132,15 +157,32 @@ class BlockManager:
         if computed_blocks:
             self._num_registered[request.request_id] = len(table)
         for _ in range(need):
-            block, _ = self._free.popitem(last=False)
-            evicted = self._block_hash[block]
-            if evicted is not None:
-                del self._cached[evicted]
-                self._block_hash[block] = None
-            self._ref_cnt[block] = 1
-            table.append(block)
+            table.append(self._take_free())
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
         return True
+
+    def _take_free(self) -> int:
+        """The front of the free queue, its cached hash (if any) evicted, referenced once."""
+        block, _ = self._free.popitem(last=False)
+        evicted = self._block_hash[block]
+        if evicted is not None:
+            del self._cached[evicted]
+            self._block_hash[block] = None
+        self._ref_cnt[block] = 1
+        return block
+
+    def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
+        """Gives `child` the parent's blocks that hold its first `num_tokens` tokens, shared."""
+        blocks = self._tables[parent.request_id][:self.num_blocks_for(num_tokens)]
+        for block in blocks:
+            self._ref_cnt[block] += 1
+        self._tables[child.request_id] = list(blocks)
+        self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write copies made since the last call, for the runner to carry out."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def free(self, request_id: str) -> None:
         """Releases the request's blocks; tail blocks go first in the eviction order, since
@@ -168,7 +210,8 @@ class BlockManager:
                 f"block {block}: refcount {self._ref_cnt[block]} != owners {owners[block]}")
             assert (self._ref_cnt[block] == 0) == (block in self._free), (
                 f"block {block}: free queue disagrees with refcount")
-            if owners[block] > 1:
-                assert self._block_hash[block] is not None, f"block {block} shared but not a cached prefix block"
+            if owners[block] > 1 and self._block_hash[block] is None:  # forked: at one place in every table
+                assert len({t.index(block) for t in self._tables.values() if block in t}) == 1, (
+                    f"block {block} shared but neither a cached prefix block nor a forked prompt's")
         for h, block in self._cached.items():
             assert self._block_hash[block] == h

@@ -26,7 +26,7 @@ from inflight.errors import ConfigError, EngineOverloadedError, InvalidRequestEr
 from inflight.model.llama import LlamaModel
 from inflight.model.loaded import LoadedModel
 from inflight.model.tokenizer import ChatMessage, Tokenizer
-from inflight.request import FinishReason, Request, SamplingParams, TokenLogprobs
+from inflight.request import FinishReason, Request, SamplingParams, TokenLogprobs, sample_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -268,6 +268,11 @@ class LLMEngine:
         if request.request_id in self._requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         self.check_priority(request.priority)
+        n = request.sampling_params.n
+        if n > 1 and self.scheduler_config.scheduling_policy is SchedulingPolicy.STATIC:
+            raise InvalidRequestError("n > 1 needs the continuous or priority policy (static reserves per request)")
+        if n > self.scheduler_config.max_batch_size:
+            raise InvalidRequestError(f"n ({n}) exceeds max_batch_size ({self.scheduler_config.max_batch_size})")
         bias = request.sampling_params.logit_bias
         if bias and bias[-1][0] >= self.model_config.vocab_size:  # sorted by token id
             raise InvalidRequestError(f"logit_bias: token id {bias[-1][0]} is outside the vocabulary "
@@ -311,6 +316,7 @@ class LLMEngine:
         clock = self.clock
         start = clock()
         out = self.scheduler.schedule()
+        out.block_copies = self.block_manager.take_copies()
         scheduled = clock()
         result = self._execute(out)
         executed = clock()
@@ -345,6 +351,9 @@ class LLMEngine:
         for s in out.scheduled:
             s.request.prompt_logprobs.extend(self.runner.last_prompt_logprobs.get(s.request.request_id, ()))
         self.scheduler.update_from_output(out, sampled)
+        for s in out.scheduled:  # before a sample's first token can end it and free its blocks
+            if s.request.awaits_fork and s.request.num_output_tokens == 1:
+                self._fork(s.request)
         now = self.clock()
         outputs: list[RequestOutput] = []
         for s in out.scheduled:
@@ -364,6 +373,20 @@ class LLMEngine:
                                          logprobs=token_logprobs,
                                          prompt_logprobs=list(request.prompt_logprobs) if first_with_prompt else None))
         return outputs
+
+    def _fork(self, parent: Request) -> None:
+        """The other n - 1 samples of a prompt just computed, sharing its KV blocks."""
+        children = [
+            Request(sample_request_id(parent.request_id, j), parent.prompt_token_ids, parent.sampling_params,
+                    eos_token_ids=parent.eos_token_ids, priority=parent.priority, arrival_time=parent.arrival_time,
+                    sample_index=j)
+            for j in range(1, parent.sampling_params.n)
+        ]
+        parent.samples = children
+        self.scheduler.fork(parent, children)
+        for child in children:
+            self._requests[child.request_id] = child
+            self.output_processor.add(child)
 
     def _end(self, request: Request, reason: FinishReason) -> None:
         self.scheduler.finish(request, reason)

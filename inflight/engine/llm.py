@@ -27,6 +27,7 @@ class CompletionOutput:
     num_preemptions: int
     num_cached_tokens: int
     timings: RequestTimings
+    index: int = 0  # which sample of its prompt, with SamplingParams(n > 1)
     logprobs: list[TokenLogprobs] | None = None  # one per token, with SamplingParams(logprobs=k)
     # One per prompt token after the first, with SamplingParams(prompt_logprobs=k).
     prompt_logprobs: list[TokenLogprobs] | None = None
@@ -67,21 +68,26 @@ class LLM:
                 requests.append(engine.add_request(params=p, messages=prompt, priority=rank))  # type: ignore[arg-type]
             else:
                 requests.append(engine.add_request(prompt, p, priority=rank))  # type: ignore[arg-type]
-        texts = {r.request_id: "" for r in requests}
+        mine = {r.request_id for r in requests}
+        texts: dict[str, str] = {}
         while engine.has_unfinished():
             for out in engine.step():
-                if out.request_id in texts:
-                    texts[out.request_id] += out.text
+                parent = out.request_id.split("#")[0]  # a sample's id extends its prompt's (n > 1)
+                if parent in mine:
+                    texts[out.request_id] = texts.get(out.request_id, "") + out.text
+        # With n > 1 each prompt's samples follow it, in order.
+        requests = [sample for r in requests for sample in (r, *r.samples)]
         return [
             CompletionOutput(
                 request_id=r.request_id,
                 prompt_token_ids=r.prompt_token_ids,
-                text=texts[r.request_id],
+                text=texts.get(r.request_id, ""),
                 token_ids=list(r.output_token_ids),
                 finish_reason=r.finish_reason or FinishReason.ABORT,
                 num_preemptions=r.num_preemptions,
                 num_cached_tokens=r.num_cached_tokens,
                 timings=r.timings,
+                index=r.sample_index,
                 logprobs=list(r.output_logprobs) if r.sampling_params.logprobs is not None else None,
                 prompt_logprobs=list(r.prompt_logprobs) if r.sampling_params.prompt_logprobs is not None else None,
             )

@@ -71,6 +71,8 @@ class ModelRunner:
         if self.before_forward is not None:
             self.before_forward(out)
         start = time.perf_counter()
+        if out.block_copies:
+            self.copy_blocks(out.block_copies)
         inputs = self.prepare(out.scheduled)
         prepared = time.perf_counter()
         logits = self.model.forward(
@@ -84,6 +86,15 @@ class ModelRunner:
         self.last_prompt_logprobs = self._prompt_logprobs(logits[len(requests):], inputs.prompt_rows)
         self.last_timings = RunnerTimings(prepared - start, forwarded - prepared, time.perf_counter() - forwarded)
         return {r.request_id: t for r, t in zip(inputs.sample_requests, tokens, strict=True)}
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copies whole KV blocks, every layer's K and V (copy on write of forked samples)."""
+        cfg = self.model.config
+        blocks = self.kv_cache.view(cfg.num_layers, 2, self.num_blocks, self.block_size, cfg.num_kv_heads,
+                                    cfg.head_dim)
+        source = torch.tensor([s for s, _ in copies], device=self.device)
+        destination = torch.tensor([d for _, d in copies], device=self.device)
+        blocks[:, :, destination] = blocks[:, :, source]
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
         # Decodes first, so that they form one contiguous run read by one batched call.

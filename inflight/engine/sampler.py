@@ -4,8 +4,9 @@ First the logits of the rows that ask are edited, in this order: `logit_bias` ad
 penalties applied, and while `min_tokens` is unmet the request's EOS and stop tokens blocked.
 Greedy rows then take the argmax; the others are sampled with temperature, top-k, top-p and
 min-p by an exponential race (argmax of p / Exp(1) noise), which draws exactly from p. A request with a
-seed draws its noise from a generator seeded by (seed, output position), so its tokens do not
-depend on what else is in the batch, nor on preemption and recompute.
+seed draws its noise from a generator seeded by (seed, sample index, output position), so its
+tokens do not depend on what else is in the batch, nor on preemption and recompute, and the n
+samples of one prompt differ.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from inflight.model.kernels import cpu_kernels
 from inflight.request import Request, TokenLogprobs
 
 _SEED_STRIDE = 1_000_003
+_SAMPLE_STRIDE = 7_919 * 65_537
 
 
 class Sampler:
@@ -66,7 +68,9 @@ class Sampler:
                 noise[j].exponential_(generator=self._generator)
             else:
                 g = torch.Generator(device=self.device)
-                g.manual_seed((seed * _SEED_STRIDE + requests[i].num_output_tokens) % (2**63))
+                # The samples of one prompt (n > 1) draw apart: each its own stream.
+                stream = seed * _SEED_STRIDE + requests[i].sample_index * _SAMPLE_STRIDE
+                g.manual_seed((stream + requests[i].num_output_tokens) % (2**63))
                 noise[j].exponential_(generator=g)
         sampled = self._argmax(probs / noise)
         greedy_tokens[rows] = sampled

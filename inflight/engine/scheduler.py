@@ -60,6 +60,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted: list[Request] = field(default_factory=list)
     num_wasted_tokens: int = 0
+    # KV blocks to copy (source, destination) before the forward pass: copy on write of a
+    # block that forked samples share.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -268,6 +271,8 @@ class Scheduler:
         reserve = self._outstanding_growth() if pressure else self._watermark_blocks
         while self.waiting and budget > 0 and len(self.running) < cfg.max_batch_size:
             request = self.next_waiting()
+            if request.awaits_fork and len(self.running) + request.sampling_params.n > cfg.max_batch_size:
+                break  # its samples will need their batch slots next to it
             admission = self._admission(request, budget, reserve, pressure)
             if admission is None:
                 break
@@ -290,6 +295,18 @@ class Scheduler:
         if request.timings.first_scheduled is None:
             request.timings.first_scheduled = self.clock()
         self.running.append(request)
+
+    def fork(self, parent: Request, children: list[Request]) -> None:
+        """Seats `children`, the other samples of `parent`'s prompt, just after the step that
+        computed the prompt: each shares the blocks of all prompt tokens but the last, which
+        it computes itself for its own first token (writing a private copy of that block)."""
+        start = parent.num_prompt_tokens - 1
+        for child in children:
+            self.block_manager.fork(parent, child, start)
+            child.status = RequestStatus.RUNNING
+            child.num_computed_tokens = child.num_cached_tokens = start
+            child.timings.first_scheduled = parent.timings.first_scheduled
+            self.running.append(child)
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
         """Advances each scheduled request by the tokens computed and appends its new token."""

@@ -25,7 +25,7 @@ from inflight.engine.output import RequestOutput
 from inflight.engine.stats import EngineStats
 from inflight.errors import EngineOverloadedError, InflightError, InvalidRequestError
 from inflight.model.tokenizer import ChatMessage, Tokenizer
-from inflight.request import SamplingParams
+from inflight.request import FinishReason, SamplingParams, sample_request_id
 from inflight.server.stream import ADMITTED, Delta, RequestStream
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ class _Add(NamedTuple):
     params: SamplingParams
     arrival_time: float
     priority: int
+    samples: list[RequestStream]  # with n > 1: the other samples' streams, fed once they fork
 
 
 class _Abort(NamedTuple):
@@ -70,6 +71,7 @@ class AsyncEngine:
         self.model_name = engine.model_name
         self.max_model_len = engine.scheduler_config.max_model_len
         self.max_waiting_requests = engine.scheduler_config.max_waiting_requests
+        self.max_batch_size = engine.scheduler_config.max_batch_size
         self.vocab_size = engine.model_config.vocab_size
         # Every token stands for at most `longest` characters, so a text longer than
         # max_model_len * longest characters cannot fit, whatever its tokens: it can be refused
@@ -162,10 +164,13 @@ class AsyncEngine:
     # --- requests (event loop side) -------------------------------------------------------------
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float,
-               prefix: str = "req", priority: int = 0) -> RequestStream:
-        """Queues a request for the engine. Raises EngineOverloadedError at once when the
-        waiting queue (plus adds not yet applied) is full, EngineUnavailableError when draining."""
-        stream = RequestStream(f"{prefix}-{uuid.uuid4().hex}", asyncio.get_running_loop())
+               prefix: str = "req", priority: int = 0) -> list[RequestStream]:
+        """Queues a request for the engine; returns its stream, then (with n > 1) those of its
+        other samples. Raises EngineOverloadedError at once when the waiting queue (plus adds
+        not yet applied) is full, EngineUnavailableError when draining."""
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(f"{prefix}-{uuid.uuid4().hex}", loop)
+        samples = [RequestStream(sample_request_id(stream.request_id, j), loop) for j in range(1, params.n)]
         with self._lock:
             if not self._accepting or not self.is_alive:
                 raise EngineUnavailableError("the server is shutting down")
@@ -173,10 +178,11 @@ class AsyncEngine:
             if limit is not None and self._num_waiting + self._num_pending_adds >= limit:
                 raise EngineOverloadedError(f"the waiting queue is full ({limit} requests); retry later")
             self._num_pending_adds += 1
-            self._streams[stream.request_id] = stream
-            self._commands.append(_Add(stream, prompt_token_ids, params, arrival_time, priority))
+            for one in (stream, *samples):
+                self._streams[one.request_id] = one
+            self._commands.append(_Add(stream, prompt_token_ids, params, arrival_time, priority, samples))
             self._lock.notify()
-        return stream
+        return [stream, *samples]
 
     def abort(self, request_id: str) -> None:
         """Ends a request at the next step boundary (its client went away). Idempotent."""
@@ -229,12 +235,15 @@ class AsyncEngine:
                                      request_id=stream.request_id, arrival_time=command.arrival_time,
                                      priority=command.priority)
         except (InvalidRequestError, EngineOverloadedError) as exc:
-            self._close(stream, exc)
+            for one in (stream, *command.samples):
+                self._close(one, exc)
         except Exception:
             logger.exception("engine loop: add_request failed for %s", stream.request_id)
-            self._close(stream, EngineFailedError("internal error while queueing the request"))
+            for one in (stream, *command.samples):
+                self._close(one, EngineFailedError("internal error while queueing the request"))
         else:
-            stream.in_engine = True
+            for one in (stream, *command.samples):
+                one.in_engine = True
             stream.put(ADMITTED)
         finally:
             with self._lock:
@@ -264,9 +273,16 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is not None and out.finished:
                 del self._streams[out.request_id]
+        request = out.request
+        if out.finished and request.awaits_fork:  # ended (failed) before its other samples began
+            for j in range(1, request.sampling_params.n):
+                with self._lock:
+                    sample = self._streams.pop(sample_request_id(request.request_id, j), None)
+                if sample is not None:
+                    sample.put(Delta("", 0, FinishReason.ERROR, request.num_prompt_tokens, 0,
+                                     out.error or "the request ended before this sample began"))
         if stream is None:  # aborted meanwhile
             return
-        request = out.request
         stream.put(Delta(out.text, len(out.new_token_ids), out.finish_reason,
                          request.num_prompt_tokens, request.num_output_tokens, out.error, out.logprobs,
                          out.prompt_logprobs))

@@ -25,6 +25,8 @@ from pydantic import (
 
 from inflight.request import MAX_LOGPROBS
 
+MAX_N = 16  # samples per prompt
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
@@ -103,7 +105,7 @@ class GenerationRequest(_Strict):
     max_tokens: PositiveInt | None = None
     temperature: Annotated[float, Field(ge=0)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    n: Int = _only(1)
+    n: Annotated[int, Field(ge=1, le=MAX_N), _AsInt] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Stop | None = None
@@ -131,8 +133,6 @@ class GenerationRequest(_Strict):
 
     @model_validator(mode="after")
     def _check_supported(self) -> GenerationRequest:
-        if self.n != 1:
-            raise ValueError("n: only n=1 is supported")
         if self.response_format not in (None, {"type": "text"}):
             raise ValueError('response_format: only {"type": "text"} is supported (no JSON mode or schema)')
         for key in self.logit_bias or {}:

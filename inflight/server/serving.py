@@ -247,9 +247,9 @@ class OpenAIServing:
         streams = await self._submit(work, arrival, "cmpl", req.priority)
         tokenizer = self.engine.tokenizer
         echo = None
-        if req.echo:  # the prompt as sent, or decoded from its ids
+        if req.echo:  # the prompt as sent, or decoded from its ids; the same for each of its n choices
             echo = [(p if isinstance(p, str) else tokenizer.decode(p), ids)
-                    for p, ids in zip(prompts, token_ids, strict=True)]
+                    for p, ids in zip(prompts, token_ids, strict=True) for _ in range(req.n)]
         fmt = _CompletionFormat(streams[0].request_id, self.model_name, tokenizer, echo)
         return await self._respond(streams, fmt, req, http)
 
@@ -337,9 +337,12 @@ class OpenAIServing:
                 logit_bias=tuple(req.logit_bias_ids.items()),
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                n=req.n,
             )
         except InvalidRequestError as exc:
             raise invalid(str(exc), param_of(str(exc), _PARAMS)) from None
+        if req.n > self.engine.max_batch_size:
+            raise invalid(f"n ({req.n}) exceeds this server's --max-batch-size ({self.engine.max_batch_size})", "n")
         vocab = self.engine.vocab_size
         if params.logit_bias and params.logit_bias[-1][0] >= vocab:  # sorted by token id
             raise invalid(f"logit_bias: token id {params.logit_bias[-1][0]} is outside the vocabulary [0, {vocab})",
@@ -353,16 +356,20 @@ class OpenAIServing:
     async def _submit(self, work: list[tuple[list[int], SamplingParams]], arrival: float, prefix: str,
                       priority: int) -> list[RequestStream]:
         """Queues one engine request per (prompt ids, params) and waits until the engine has them
-        all; if it refuses one, or the client leaves meanwhile, the others are aborted."""
+        all; if it refuses one, or the client leaves meanwhile, the others are aborted. Returns
+        the choices' streams: each prompt's n samples in turn, as OpenAI numbers the choices."""
         try:
             self.engine.check_priority(priority)
         except InvalidRequestError as exc:
             raise invalid(str(exc), "priority") from None
         streams: list[RequestStream] = []
         try:
+            firsts = []
             for token_ids, params in work:
-                streams.append(self.engine.submit(token_ids, params, arrival, prefix, priority))
-            for stream in streams:
+                samples = self.engine.submit(token_ids, params, arrival, prefix, priority)
+                firsts.append(samples[0])
+                streams.extend(samples)
+            for stream in firsts:  # the others join the engine when their prompt's prefill is done
                 await stream.wait_admitted()
         except BaseException as exc:
             for stream in streams:
@@ -383,9 +390,9 @@ class OpenAIServing:
     async def _respond(self, streams: list[RequestStream], fmt: _Format, req: GenerationRequest,
                        http: Request) -> Response:
         if req.stream:
-            return _SSEResponse(self._stream(streams, fmt, req.include_usage),
+            return _SSEResponse(self._stream(streams, fmt, req.include_usage, req.n),
                                 on_close=lambda: self._abort_all(streams))
-        return await self._collect_or_abort(streams, fmt, http)
+        return await self._collect_or_abort(streams, fmt, http, req.n)
 
     def _ended_by_engine(self, exc: EngineFailedError) -> APIError:
         shutdown = isinstance(exc, EngineShutdownError)
@@ -403,8 +410,8 @@ class OpenAIServing:
         for stream in streams:
             self._abort_if_running(stream)
 
-    async def _stream(self, streams: list[RequestStream], fmt: _Format,
-                      include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(self, streams: list[RequestStream], fmt: _Format, include_usage: bool,
+                      n: int) -> AsyncIterator[str]:
         last: dict[int, Delta] = {}
         try:
             for opening in fmt.opening(len(streams)):
@@ -431,10 +438,10 @@ class OpenAIServing:
             for finish_reason in finishes:
                 self.metrics.count_success(finish_reason)
             if include_usage:
-                yield _sse(fmt.usage_chunk(_usage(ends)))
+                yield _sse(fmt.usage_chunk(_usage(ends, n)))
         yield _DONE
 
-    async def _collect(self, streams: list[RequestStream], fmt: _Format) -> Response:
+    async def _collect(self, streams: list[RequestStream], fmt: _Format, n: int) -> Response:
         async def one(stream: RequestStream) -> list[Delta]:
             return [delta async for delta in stream.deltas()]
 
@@ -453,12 +460,13 @@ class OpenAIServing:
                 return APIError(500, (last and last.error) or "internal error").response()
             self.metrics.count_success(last.finish_reason)
             ends.append(last)
-        return JSONResponse(fmt.response(outs, _usage(ends)).model_dump())
+        return JSONResponse(fmt.response(outs, _usage(ends, n)).model_dump())
 
-    async def _collect_or_abort(self, streams: list[RequestStream], fmt: _Format, http: Request) -> Response:
+    async def _collect_or_abort(self, streams: list[RequestStream], fmt: _Format, http: Request,
+                                n: int) -> Response:
         """Collects the whole output, unless the client leaves first: then its requests are
         aborted so that they stop holding batch slots and KV blocks."""
-        collect = asyncio.ensure_future(self._collect(streams, fmt))
+        collect = asyncio.ensure_future(self._collect(streams, fmt, n))
         watch = asyncio.ensure_future(_wait_disconnect(http.receive))
         try:
             await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -472,9 +480,9 @@ class OpenAIServing:
         return collect.result()
 
 
-def _usage(ends: list[Delta]) -> UsageInfo:
-    """Summed over the choices, each its own prompt."""
-    return UsageInfo.of(sum(d.num_prompt_tokens for d in ends), sum(d.num_output_tokens for d in ends))
+def _usage(ends: list[Delta], n: int) -> UsageInfo:
+    """Output summed over the choices; each prompt counted once, not once per sample."""
+    return UsageInfo.of(sum(d.num_prompt_tokens for d in ends) // n, sum(d.num_output_tokens for d in ends))
 
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Delta]]:
