@@ -348,8 +348,8 @@ class LLMEngine:
                 message = f"internal error in the model step ({type(result.error).__name__}); the request was ended"
             return [self._fail(s.request, message) for s in out.scheduled]
         sampled, logprobs = result.sampled, self.runner.last_logprobs
-        for s in out.scheduled:
-            s.request.prompt_logprobs.extend(self.runner.last_prompt_logprobs.get(s.request.request_id, ()))
+        for request_id, prompt_logprobs in self.runner.last_prompt_logprobs.items():  # empty unless asked
+            self._requests[request_id].prompt_logprobs.extend(prompt_logprobs)
         self.scheduler.update_from_output(out, sampled)
         for s in out.scheduled:  # before a sample's first token can end it and free its blocks
             if s.request.awaits_fork and s.request.num_output_tokens == 1:
