@@ -369,3 +369,18 @@ def test_readmitted_request_is_not_the_automatic_next_victim():
     s.running = [young, old]  # old was preempted and re-admitted after young
     assert s.pick_victim(young, set()) is young
     assert s.pick_victim(old, set()) is young
+
+
+@pytest.mark.parametrize("policy", [SchedulingPolicy.CONTINUOUS, SchedulingPolicy.PRIORITY])
+def test_a_prompt_holds_batch_slots_for_the_samples_it_will_fork(policy: SchedulingPolicy) -> None:
+    # A prompt of n=3 is admitted into a batch of 3; a request behind it must not take the slots
+    # its samples will need once its prefill is done (the batch would hold 4).
+    config = SchedulerConfig(max_batch_size=3, max_num_tokens=64, max_model_len=4096)
+    d = Driver(config, num_blocks=64, block_size=4, policy=policy)
+    d.add(make_request(0, 20, 4, n=3))
+    d.add(make_request(1, 5, 4))
+    first = d.step()
+    assert [s.request.request_id for s in first.scheduled] == ["r0"]
+    d.run()
+    assert {r.request_id for r in d.finished} == {"r0", "r0#1", "r0#2", "r1"}
+    assert max(len(s.scheduled) for s in d.steps) == 3

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from inflight.config import SchedulerConfig
 from inflight.engine.block_manager import BlockManager
-from inflight.engine.scheduler import Scheduler, SchedulerOutput
+from inflight.engine.scheduler import Scheduler, SchedulerOutput, batch_slots
 from inflight.request import FinishReason, Request
 
 
@@ -96,7 +96,7 @@ class PriorityScheduler(Scheduler):
         """Whether `request` could be admitted this step: a batch slot, and KV blocks for the
         chunk it would get next to the running decodes, as `_admit` judges them."""
         cfg = self.config
-        if len(self.running) >= cfg.max_batch_size:
+        if batch_slots(request) > self.free_batch_slots():
             return False
         decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         pressure = self._under_pressure()

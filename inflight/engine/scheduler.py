@@ -24,6 +24,11 @@ from inflight.request import FinishReason, Request, RequestStatus
 _ADMISSION_WATERMARK = 0.01
 
 
+def batch_slots(request: Request) -> int:
+    """Batch slots a request takes: with n > 1 before its fork, its samples' too."""
+    return request.sampling_params.n if request.awaits_fork else 1
+
+
 @dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step: compute `num_new_tokens` tokens starting at
@@ -222,6 +227,10 @@ class Scheduler:
         self.waiting.appendleft(request)
         out.preempted.append(request)
 
+    def free_batch_slots(self) -> int:
+        """Batch slots neither running nor held for the samples a running prompt will fork."""
+        return self.config.max_batch_size - sum(batch_slots(r) for r in self.running)
+
     def _under_pressure(self) -> bool:
         return self._step_id - self._last_preemption_step <= self.config.preemption_cooldown_steps
 
@@ -264,14 +273,14 @@ class Scheduler:
         return hits, num_cached, num_new, growth
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        cfg, bm = self.config, self.block_manager
+        bm = self.block_manager
         # Shortly after a preemption, admit only what can run to its end next to the running
         # requests' worst-case growth, so the pool is not overcommitted into the next one.
         pressure = self._under_pressure()
         reserve = self._outstanding_growth() if pressure else self._watermark_blocks
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_batch_size:
+        while self.waiting and budget > 0 and self.free_batch_slots() > 0:
             request = self.next_waiting()
-            if request.awaits_fork and len(self.running) + request.sampling_params.n > cfg.max_batch_size:
+            if batch_slots(request) > self.free_batch_slots():
                 break  # its samples will need their batch slots next to it
             admission = self._admission(request, budget, reserve, pressure)
             if admission is None:
