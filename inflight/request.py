@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from inflight.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from inflight.engine.structured import Grammar
 
 MAX_LOGPROBS = 20
 
@@ -20,6 +24,44 @@ class TokenLogprobs(NamedTuple):
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on the output, exactly one of (vLLM's `StructuredOutputsParams`): a JSON
+    schema, any JSON object, a regular expression, one of several strings, or a grammar (Lark, or
+    llama.cpp's GBNF). A schema given as a dict is kept as its JSON text."""
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise InvalidRequestError("structured output takes exactly one of json, json_object, regex, choice, "
+                                      f"grammar; got {', '.join(given) or 'none'}")
+        if self.choice is not None and not (self.choice and all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidRequestError("choice must be a non-empty list of non-empty strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise InvalidRequestError(f"{name} must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: json, json_object, regex, choice or grammar."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
 
 
 @dataclass(frozen=True)
@@ -50,6 +92,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # Samples of the prompt: after its prefill, n - 1 more requests share its KV blocks.
     n: int = 1
+    # Constrains every output token to those the grammar allows; the output ends when it is complete.
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -155,6 +199,9 @@ class Request:
     # the prefill), and, on sample 0, the others once forked.
     sample_index: int = 0
     samples: list[Request] = field(default_factory=list)
+    # With structured_outputs: the grammar's state, advanced by each output token (kept through
+    # preemption, as the outputs are).
+    grammar: Grammar | None = None
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0

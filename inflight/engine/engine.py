@@ -22,11 +22,12 @@ from inflight.engine.sampler import Sampler
 from inflight.engine.scheduler import Scheduler, SchedulerOutput
 from inflight.engine.static import StaticScheduler
 from inflight.engine.stats import EngineStats, scheduler_stats
+from inflight.engine.structured import Grammar, GrammarCompiler
 from inflight.errors import ConfigError, EngineOverloadedError, InvalidRequestError
 from inflight.model.llama import LlamaModel
 from inflight.model.loaded import LoadedModel
 from inflight.model.tokenizer import ChatMessage, Tokenizer
-from inflight.request import FinishReason, Request, SamplingParams, TokenLogprobs, sample_request_id
+from inflight.request import FinishReason, Request, SamplingParams, StructuredOutputs, TokenLogprobs, sample_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +176,7 @@ class LLMEngine:
         self.output_processor: OutputProcessor | LengthOutputProcessor = (
             OutputProcessor(parts.tokenizer) if parts.tokenizer is not None else LengthOutputProcessor())
 
+        self._grammar_compiler: GrammarCompiler | None = None
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.step_records: deque[StepRecord] = deque(maxlen=config.step_history)
@@ -208,6 +210,12 @@ class LLMEngine:
             raise ConfigError("this engine has no tokenizer: give prompts as token ids")
         return self.parts.tokenizer
 
+    def tokenizer_for(self, feature: str) -> Tokenizer:
+        """The tokenizer, or InvalidRequestError naming the `feature` that needs one."""
+        if self.parts.tokenizer is None:
+            raise InvalidRequestError(f"{feature} needs a tokenizer, and this engine has none")
+        return self.parts.tokenizer
+
     # --- requests ---------------------------------------------------------------------------
 
     def tokenize(self, prompt: str | Sequence[int] | None = None,
@@ -236,10 +244,12 @@ class LLMEngine:
         request_id: str | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        grammar: Grammar | None = None,
     ) -> Request:
         """Queues a request; raises InvalidRequestError if it can never be served and
         EngineOverloadedError if the waiting queue is full. `priority`: lower is more urgent;
-        only the priority policy takes one other than 0."""
+        only the priority policy takes one other than 0. `grammar`: the params' structured
+        output compiled already (`compile_grammar`), else the engine compiles it."""
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt, messages)
         if not token_ids:
@@ -248,9 +258,18 @@ class LLMEngine:
             request_id or f"req-{next(self._ids)}", token_ids, params,
             eos_token_ids=self.parts.tokenizer.eos_token_ids if self.parts.tokenizer is not None else frozenset(),
             priority=priority, arrival_time=arrival_time if arrival_time is not None else self.clock(),
+            grammar=grammar,
         )
         self.enqueue_request(request)
         return request
+
+    def compile_grammar(self, spec: StructuredOutputs) -> Grammar:
+        """A request's grammar for `spec`; raises InvalidRequestError if it does not compile.
+        Thread-safe, so that a server can compile (and refuse) outside the step loop."""
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer_for("structured output"),
+                                                     self.model_config.vocab_size)
+        return self._grammar_compiler.compile(spec)
 
     def check_priority(self, priority: int) -> None:
         """Raises InvalidRequestError for a priority this engine's policy would ignore."""
@@ -277,6 +296,9 @@ class LLMEngine:
         if bias and bias[-1][0] >= self.model_config.vocab_size:  # sorted by token id
             raise InvalidRequestError(f"logit_bias: token id {bias[-1][0]} is outside the vocabulary "
                                       f"[0, {self.model_config.vocab_size})")
+        structured = request.sampling_params.structured_outputs
+        if structured is not None and request.grammar is None:
+            request.grammar = self.compile_grammar(structured)
         self.scheduler.add_request(request)
         self._requests[request.request_id] = request
         self.output_processor.add(request)
@@ -362,6 +384,10 @@ class LLMEngine:
             if token is None:
                 continue
             request.timings.add_token(now)
+            if request.grammar is not None and not request.grammar.accept(token):
+                # The mask allows only what the grammar accepts; this is a grammar stuck in an error.
+                outputs.append(self._fail(request, f"structured output failed: {request.grammar.error}"))
+                continue
             token_logprobs = logprobs.get(request.request_id)
             if token_logprobs is not None:
                 request.output_logprobs.append(token_logprobs)
@@ -379,7 +405,7 @@ class LLMEngine:
         children = [
             Request(sample_request_id(parent.request_id, j), parent.prompt_token_ids, parent.sampling_params,
                     eos_token_ids=parent.eos_token_ids, priority=parent.priority, arrival_time=parent.arrival_time,
-                    sample_index=j)
+                    sample_index=j, grammar=parent.grammar.fresh() if parent.grammar is not None else None)
             for j in range(1, parent.sampling_params.n)
         ]
         parent.samples = children

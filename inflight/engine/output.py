@@ -1,7 +1,8 @@
 """What a step gives back: per-request deltas (tokens, text, finish) and a per-step record.
 
 `OutputProcessor` owns each request's incremental detokenizer and applies the stop rules:
-EOS (unless ignore_eos), stop token ids, stop strings and max_tokens.
+EOS (unless ignore_eos), stop token ids, a structured output's grammar complete, stop strings
+and max_tokens.
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ class OutputProcessor:
             finish = FinishReason.STOP
         else:
             state.text += state.detokenizer.add(token)
+        if finish is None and request.grammar is not None and request.grammar.is_complete:
+            state.text += state.detokenizer.flush()
+            finish = FinishReason.STOP
         if finish is None and request.num_output_tokens >= params.max_tokens:
             state.text += state.detokenizer.flush()
             finish = FinishReason.LENGTH

@@ -96,14 +96,18 @@ class Tokenizer:
         `add_special_tokens`)."""
         return list(self.hf(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def apply_chat_template(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation rendered by the model's chat template, ready for the reply
-        (unless not `add_generation_prompt`)."""
-        if self.hf.chat_template is None:
+    def apply_chat_template(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
+                            tools: Sequence[dict[str, Any]] | None = None,
+                            chat_template: str | None = None) -> list[int]:
+        """Token ids of a conversation rendered by the model's chat template (or `chat_template`,
+        a Jinja template in its stead), ready for the reply (unless not `add_generation_prompt`);
+        `tools` (OpenAI's shape) are the template's to render, or to ignore if it does not know them."""
+        if (chat_template or self.hf.chat_template) is None:
             raise InvalidRequestError("this model has no chat template; send a plain prompt instead")
         try:
-            text = self.hf.apply_chat_template(list(messages), tokenize=False,
-                                               add_generation_prompt=add_generation_prompt)
+            text = self.hf.apply_chat_template(list(messages), tokenize=False, tools=list(tools) if tools else None,
+                                               add_generation_prompt=add_generation_prompt,
+                                               chat_template=chat_template)
         except Exception as exc:  # jinja errors on malformed messages
             raise InvalidRequestError(f"cannot apply the chat template: {exc}") from None
         # The rendered template already holds any BOS it wants.

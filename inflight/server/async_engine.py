@@ -23,9 +23,10 @@ from typing import NamedTuple
 from inflight.engine.engine import LLMEngine, StepObserver
 from inflight.engine.output import RequestOutput
 from inflight.engine.stats import EngineStats
+from inflight.engine.structured import Grammar
 from inflight.errors import EngineOverloadedError, InflightError, InvalidRequestError
 from inflight.model.tokenizer import ChatMessage, Tokenizer
-from inflight.request import FinishReason, SamplingParams, sample_request_id
+from inflight.request import FinishReason, SamplingParams, StructuredOutputs, sample_request_id
 from inflight.server.stream import ADMITTED, Delta, RequestStream
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class _Add(NamedTuple):
     arrival_time: float
     priority: int
     samples: list[RequestStream]  # with n > 1: the other samples' streams, fed once they fork
+    grammar: Grammar | None  # the params' structured output, compiled
 
 
 class _Abort(NamedTuple):
@@ -109,6 +111,11 @@ class AsyncEngine:
         """Raises InvalidRequestError for a priority the engine's policy would ignore."""
         self._engine.check_priority(priority)
 
+    def compile_grammar(self, spec: StructuredOutputs) -> Grammar:
+        """A request's grammar (compiled in the caller's thread, not the loop's); raises
+        InvalidRequestError with the compiler's message if `spec` does not compile."""
+        return self._engine.compile_grammar(spec)
+
     @property
     def is_accepting(self) -> bool:
         return self._accepting and self.is_alive
@@ -164,10 +171,11 @@ class AsyncEngine:
     # --- requests (event loop side) -------------------------------------------------------------
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float,
-               prefix: str = "req", priority: int = 0) -> list[RequestStream]:
+               prefix: str = "req", priority: int = 0, grammar: Grammar | None = None) -> list[RequestStream]:
         """Queues a request for the engine; returns its stream, then (with n > 1) those of its
-        other samples. Raises EngineOverloadedError at once when the waiting queue (plus adds
-        not yet applied) is full, EngineUnavailableError when draining."""
+        other samples. `grammar`: the params' structured output from `compile_grammar`. Raises
+        EngineOverloadedError at once when the waiting queue (plus adds not yet applied) is full,
+        EngineUnavailableError when draining."""
         loop = asyncio.get_running_loop()
         stream = RequestStream(f"{prefix}-{uuid.uuid4().hex}", loop)
         samples = [RequestStream(sample_request_id(stream.request_id, j), loop) for j in range(1, params.n)]
@@ -180,7 +188,7 @@ class AsyncEngine:
             self._num_pending_adds += 1
             for one in (stream, *samples):
                 self._streams[one.request_id] = one
-            self._commands.append(_Add(stream, prompt_token_ids, params, arrival_time, priority, samples))
+            self._commands.append(_Add(stream, prompt_token_ids, params, arrival_time, priority, samples, grammar))
             self._lock.notify()
         return [stream, *samples]
 
@@ -233,7 +241,7 @@ class AsyncEngine:
         try:
             self._engine.add_request(command.prompt_token_ids, command.params,
                                      request_id=stream.request_id, arrival_time=command.arrival_time,
-                                     priority=command.priority)
+                                     priority=command.priority, grammar=command.grammar)
         except (InvalidRequestError, EngineOverloadedError) as exc:
             for one in (stream, *command.samples):
                 self._close(one, exc)

@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from inflight.cli import add_engine_options, engine_options
+from inflight.errors import ConfigError
 from inflight.server.config import ServerConfig
 
 API_KEY_ENV = "INFLIGHT_API_KEY"
@@ -37,6 +38,8 @@ def register(subparsers: Any) -> None:
                    help="output cap for requests without max_tokens (never more than the context left)")
     g.add_argument("--shutdown-timeout", type=float, default=_DEFAULTS.shutdown_timeout_s,
                    help="seconds running requests may take to finish after SIGTERM")
+    g.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template to use instead of the model's (one that renders tools, say)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_options(p)
     p.set_defaults(func=_cmd_serve)
@@ -59,8 +62,19 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
             f"can use the model. Set --api-key or ${API_KEY_ENV}, or bind 127.0.0.1.")
 
 
+def _read_chat_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise ConfigError(f"--chat-template: cannot read {path}: {exc.strerror}") from None
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
+        chat_template=_read_chat_template(args.chat_template),
         served_model_name=args.served_model_name,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_body_bytes=args.max_body_bytes,

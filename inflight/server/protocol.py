@@ -2,13 +2,14 @@
 
 Requests are validated strictly (a string is not a number; but 16.0 is the integer 16, as
 JSON has one number type) and unknown fields are ignored, as OpenAI clients send fields a
-server may not know. Fields inflight cannot honour (`n > 1`, `echo` in chat, tools, JSON
-mode, guided decoding, ...) are refused rather than silently ignored, unless they
-hold their no-op value, which clients often send; the schema lists the values each accepts.
+server may not know. Fields inflight cannot honour (`echo` in chat, `suffix`, `best_of`, ...)
+are refused rather than silently ignored, unless they hold their no-op value, which clients
+often send; the schema lists the values each accepts.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal, cast
 
@@ -18,12 +19,14 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    PrivateAttr,
     Tag,
     model_serializer,
     model_validator,
 )
 
-from inflight.request import MAX_LOGPROBS
+from inflight.errors import InvalidRequestError
+from inflight.request import MAX_LOGPROBS, StructuredOutputs
 
 MAX_N = 16  # samples per prompt
 
@@ -98,6 +101,50 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+# --- structured output -------------------------------------------------------------------------
+
+JsonSchemaBody = dict[str, Any] | Text  # an object, or its JSON text
+
+
+class JsonSchemaFormat(_Strict):
+    name: str | None = None  # OpenAI requires one; it changes nothing here
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON that matches a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError('response_format: type "json_schema" needs json_schema.schema')
+        return self
+
+
+class StructuredOutputsBody(_Strict):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+
+    json_: JsonSchemaBody | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: Annotated[list[Text], Field(min_length=1)] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+
+def _structured(field: str, json_schema: Any = None, json_object: bool = False, regex: str | None = None,
+                choice: list[str] | None = None, grammar: str | None = None) -> StructuredOutputs:
+    try:
+        return StructuredOutputs(json=json_schema, json_object=json_object, regex=regex,
+                                 choice=tuple(choice) if choice is not None else None, grammar=grammar)
+    except InvalidRequestError as exc:
+        raise ValueError(f"{field}: {exc}") from None
+
+
 class GenerationRequest(_Strict):
     """Fields shared by completions and chat completions."""
 
@@ -124,24 +171,59 @@ class GenerationRequest(_Strict):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     min_tokens: Annotated[int, Field(ge=0), _AsInt] = 0
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    # Not implemented: accepted only with the value that changes nothing.
-    response_format: dict[str, Any] | None = _only(None, {"type": "text"})
-    guided_json: Any = _only(None)
-    guided_regex: Any = _only(None)
-    guided_choice: Any = _only(None)
-    guided_grammar: Any = _only(None)
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs, or vLLM's older
+    # guided_* fields; at most one of them.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: JsonSchemaBody | None = None
+    guided_regex: Text | None = None
+    guided_choice: Annotated[list[Text], Field(min_length=1)] | None = None
+    guided_grammar: Text | None = None
+    _constraint: StructuredOutputs | None = PrivateAttr(None)
+    _constraint_field: str | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _check_supported(self) -> GenerationRequest:
-        if self.response_format not in (None, {"type": "text"}):
-            raise ValueError('response_format: only {"type": "text"} is supported (no JSON mode or schema)')
         for key in self.logit_bias or {}:
             if not (key.isascii() and key.isdigit()):
                 raise ValueError(f"logit_bias: keys must be token ids, got {key!r}")
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-            if getattr(self, name) is not None:
-                raise ValueError(f"{name}: guided decoding is not supported")
+        given = [name for name in ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                                   "guided_choice", "guided_grammar") if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type == "text":
+            given.remove("response_format")
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: give one structured output constraint, not {' and '.join(given)}")
+        self._constraint = self._parse_constraint()
+        self._constraint_field = given[0] if given else None
         return self
+
+    def _parse_constraint(self) -> StructuredOutputs | None:
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            return _structured("response_format", json_object=True)
+        if fmt is not None and fmt.type == "json_schema":
+            assert fmt.json_schema is not None
+            return _structured("response_format", json_schema=fmt.json_schema.schema_)
+        so = self.structured_outputs
+        if so is not None:
+            return _structured("structured_outputs", so.json_, bool(so.json_object), so.regex, so.choice, so.grammar)
+        if self.guided_json is not None:
+            return _structured("guided_json", json_schema=self.guided_json)
+        if self.guided_regex is not None or self.guided_choice is not None or self.guided_grammar is not None:
+            field = "guided_regex" if self.guided_regex is not None else "guided_choice" if self.guided_choice \
+                is not None else "guided_grammar"
+            return _structured(field, regex=self.guided_regex, choice=self.guided_choice, grammar=self.guided_grammar)
+        return None
+
+    @property
+    def constraint(self) -> StructuredOutputs | None:
+        """The structured output asked for, whichever field asked."""
+        return self._constraint
+
+    @property
+    def constraint_field(self) -> str:
+        """The field that asked for `constraint` (to name in an error)."""
+        return self._constraint_field or "response_format"
 
     @property
     def logit_bias_ids(self) -> dict[int, float]:
@@ -203,18 +285,84 @@ Content = Annotated[
 ]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallIn(_Strict):
+    """A tool call of an earlier assistant turn, sent back by the client."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def to_template(self) -> dict[str, Any]:
+        # Chat templates read arguments as a mapping (transformers' convention); OpenAI sends JSON text.
+        try:
+            arguments: Any = json.loads(self.function.arguments)
+        except json.JSONDecodeError:
+            arguments = self.function.arguments
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.function.name, "arguments": arguments}}
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call they answer
 
-    def to_template(self) -> dict[str, str]:
+    def to_template(self) -> dict[str, Any]:
         """The message as the chat template wants it: one role (developer is OpenAI's newer
-        name for system) and plain text."""
+        name for system), plain text, and the tool calls or the call answered, if any."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                   "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [call.to_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+ToolName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+
+
+class FunctionDefinition(_Strict):
+    name: ToolName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
+    strict: bool | None = None
+
+    @property
+    def parameter_schema(self) -> dict[str, Any]:
+        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: ToolName
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -224,9 +372,11 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _AsInt] | None = None
-    tools: list[dict[str, object]] | None = _only(None, [])
-    tool_choice: str | dict[str, object] | None = _only(None, "none", "auto")
-    functions: list[dict[str, object]] | None = _only(None, [])
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    # Default: "auto" when there are tools, else "none" (OpenAI's).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    functions: list[dict[str, object]] | None = _only(None, [])  # OpenAI's deprecated form of tools
     echo: bool = _only(False)
 
     @model_validator(mode="after")
@@ -235,11 +385,51 @@ class ChatCompletionRequest(GenerationRequest):
             raise ValueError("echo: echo is for /v1/completions; chat completions do not take it")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs: true")
-        if self.tools or self.functions:
-            raise ValueError(f"{'tools' if self.tools else 'functions'}: tool calls are not supported")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice: tool calls are not supported")
+        if self.functions:
+            raise ValueError("functions: the deprecated functions field is not supported; send tools")
+        tools = self.tools or []
+        names = [t.function.name for t in tools]
+        if len(set(names)) < len(names):
+            raise ValueError("tools: function names must be distinct")
+        mode = self.tool_mode
+        if mode in ("required", "named") and not tools:
+            raise ValueError("tool_choice: a required or named tool choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice: no tool is named {self.tool_choice.function.name!r}")
+        if mode in ("required", "named"):
+            if self._constraint is not None:
+                raise ValueError(f"{self.constraint_field}: a structured output constraint cannot go with "
+                                 f"tool_choice {mode!r}, which constrains the output itself")
+            self._constraint = _structured("tool_choice", json_schema=self._tool_schema())
+            self._constraint_field = "tool_choice"
         return self
+
+    @property
+    def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
+        """How tools are used: not at all, as the model decides, at least one call, or one call
+        to the named function."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return "named"
+        if choice is None:
+            return "auto" if self.tools else "none"
+        return choice
+
+    @property
+    def named_function(self) -> str | None:
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    def _tool_schema(self) -> dict[str, Any]:
+        from inflight.server.tools import required_schema
+
+        tools = self.tools or []
+        if self.named_function is not None:
+            return next(t.function.parameter_schema for t in tools if t.function.name == self.named_function)
+        return required_schema(tools, self.parallel_tool_calls)
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (OpenAI's shape), or None."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     @property
     def num_logprobs(self) -> int | None:
@@ -269,7 +459,7 @@ class UsageInfo(BaseModel):
                    total_tokens=num_prompt_tokens + num_output_tokens)
 
 
-FinishReasonName = Literal["stop", "length"] | None
+FinishReasonName = Literal["stop", "length", "tool_calls"] | None
 
 
 class CompletionLogprobs(BaseModel):
@@ -300,7 +490,8 @@ class CompletionResponse(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class TopLogprob(BaseModel):
@@ -333,14 +524,32 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed tool call: its first carries `id`, `type` and the name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer
-    def _only_set(self) -> dict[str, str]:
+    def _only_set(self) -> dict[str, Any]:
         # OpenAI sends only the fields a delta carries: `{}` on the last chunk.
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        out: dict[str, Any] = {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        if self.tool_calls:
+            out["tool_calls"] = [call.model_dump(exclude_none=True) for call in self.tool_calls]
+        return out
 
 
 class ChatChunkChoice(BaseModel):
@@ -367,6 +576,7 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True  # prompts only: the chat template holds its own
     add_generation_prompt: bool = True  # messages only
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None  # messages only, for the template
     return_token_strs: bool = False
 
     @model_validator(mode="after")

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
+from inflight.engine.structured import Grammar
 from inflight.errors import EngineOverloadedError, InvalidRequestError
 from inflight.model.tokenizer import Tokenizer
 from inflight.request import FinishReason, SamplingParams, TokenLogprobs
@@ -45,6 +46,7 @@ from inflight.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DeltaToolCall,
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
@@ -52,10 +54,12 @@ from inflight.server.protocol import (
     GenerationRequest,
     TokenizeRequest,
     TokenizeResponse,
+    ToolCall,
     TopLogprob,
     UsageInfo,
 )
 from inflight.server.stream import Delta, RequestStream
+from inflight.server.tools import ToolCallReader, ToolMode, tool_call_format
 
 _PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "presence_penalty",
            "frequency_penalty", "stop", "min_tokens", "min_p", "logit_bias"}
@@ -147,9 +151,22 @@ class _CompletionFormat:
 
 
 class _ChatFormat:
-    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer) -> None:
+    """With tools in use (`tools`: the reader's mode and the named function), each choice's text
+    goes through its own `ToolCallReader`, which makes tool calls of it."""
+
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer,
+                 tools: tuple[ToolMode, str | None] | None = None) -> None:
         self.id, self.model, self.created = request_id, model, int(time.time())
         self.tokenizer = tokenizer
+        self.tools = tools
+        self._readers: dict[int, ToolCallReader] = {}
+
+    def _reader(self, index: int) -> ToolCallReader | None:
+        if self.tools is None:
+            return None
+        if index not in self._readers:
+            self._readers[index] = ToolCallReader(*self.tools)
+        return self._readers[index]
 
     def opening(self, num_choices: int) -> list[BaseModel]:
         # OpenAI sends each choice's role alone first, with empty content.
@@ -170,24 +187,47 @@ class _ChatFormat:
             content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=[self._top(t, v) for t, v in lp.top]))
         return ChatLogprobs(content=content)
 
+    @staticmethod
+    def _finish(reason: FinishReason | None, reader: ToolCallReader | None) -> FinishReasonName:
+        # OpenAI: "tool_calls" when the model chose to call (auto, required); a named call stops.
+        if reader is not None and reader.mode != "named" and reader.num_calls and reason is FinishReason.STOP:
+            return "tool_calls"
+        return _finish_name(reason)
+
     def chunk(self, index: int, delta: Delta) -> BaseModel | None:
-        if not (delta.text or delta.finished or delta.logprobs is not None):
+        reader = self._reader(index)
+        content, calls = delta.text, list[DeltaToolCall]()
+        if reader is not None:
+            content, calls = reader.feed(delta.text)
+            if delta.finished:
+                tail, more = reader.end()
+                content, calls = content + tail, calls + more
+        if not (content or calls or delta.finished or delta.logprobs is not None):
             return None
-        message = DeltaMessage(content=delta.text) if delta.text else DeltaMessage()
+        message = DeltaMessage(content=content or None, tool_calls=calls or None)
         logprobs = self._logprobs([delta.logprobs] if delta.logprobs is not None else None)
         return ChatCompletionChunk(id=self.id, model=self.model, created=self.created, choices=[
-            ChatChunkChoice(index=index, delta=message, finish_reason=_finish_name(delta.finish_reason),
+            ChatChunkChoice(index=index, delta=message, finish_reason=self._finish(delta.finish_reason, reader),
                             logprobs=logprobs)])
 
     def usage_chunk(self, usage: UsageInfo) -> BaseModel:
         return ChatCompletionChunk(id=self.id, model=self.model, created=self.created, choices=[], usage=usage)
 
+    def _choice(self, index: int, deltas: list[Delta]) -> ChatChoice:
+        text = "".join(d.text for d in deltas)
+        reader = self._reader(index)
+        content: str | None = text
+        calls: list[ToolCall] = []
+        if reader is not None:
+            content, calls = reader.whole(text)
+            reader.num_calls = len(calls)
+        return ChatChoice(index=index, message=ChatMessageOut(content=content, tool_calls=calls),
+                          finish_reason=self._finish(deltas[-1].finish_reason, reader),
+                          logprobs=self._logprobs(_token_logprobs(deltas)))
+
     def response(self, choices: list[list[Delta]], usage: UsageInfo) -> BaseModel:
-        return ChatCompletionResponse(id=self.id, model=self.model, created=self.created, usage=usage, choices=[
-            ChatChoice(index=i, message=ChatMessageOut(content="".join(d.text for d in deltas)),
-                       finish_reason=_finish_name(deltas[-1].finish_reason), logprobs=self._logprobs(
-                           _token_logprobs(deltas)))
-            for i, deltas in enumerate(choices)])
+        return ChatCompletionResponse(id=self.id, model=self.model, created=self.created, usage=usage,
+                                      choices=[self._choice(i, deltas) for i, deltas in enumerate(choices)])
 
 
 class _SSEResponse(StreamingResponse):
@@ -244,7 +284,7 @@ class OpenAIServing:
         prompt_logprobs = req.logprobs if req.echo else None
         work = [(ids, self._sampling_params(req, req.max_tokens, len(ids), "prompt", req.logprobs, prompt_logprobs))
                 for ids in token_ids]
-        streams = await self._submit(work, arrival, "cmpl", req.priority)
+        streams = await self._submit(work, arrival, "cmpl", req.priority, await self._grammar(req))
         tokenizer = self.engine.tokenizer
         echo = None
         if req.echo:  # the prompt as sent, or decoded from its ids; the same for each of its n choices
@@ -260,13 +300,16 @@ class OpenAIServing:
         # The template only adds text around the contents (roles, markers), so the contents
         # alone bound the rendered prompt from below.
         self._check_num_chars(sum(len(m["content"]) for m in messages), "messages")
+        tokenizer = self.engine.tokenizer
+        tools = self._tool_reading(req, self.config.chat_template or tokenizer.hf.chat_template)
         try:
-            token_ids = await asyncio.to_thread(self.engine.tokenize, None, messages)
+            token_ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages, True, req.template_tools(),
+                                                self.config.chat_template)
         except InvalidRequestError as exc:
             raise invalid(str(exc), "messages") from None
         params = self._sampling_params(req, req.requested_max_tokens, len(token_ids), "messages", req.num_logprobs)
-        streams = await self._submit([(token_ids, params)], arrival, "chatcmpl", req.priority)
-        fmt = _ChatFormat(streams[0].request_id, self.model_name, self.engine.tokenizer)
+        streams = await self._submit([(token_ids, params)], arrival, "chatcmpl", req.priority, await self._grammar(req))
+        fmt = _ChatFormat(streams[0].request_id, self.model_name, tokenizer, tools)
         return await self._respond(streams, fmt, req, http)
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
@@ -277,7 +320,9 @@ class OpenAIServing:
             if req.messages is not None:
                 messages = [m.to_template() for m in req.messages]
                 self._check_num_chars(sum(len(m["content"]) for m in messages), "messages")
-                ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages, req.add_generation_prompt)
+                tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+                ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages, req.add_generation_prompt,
+                                              tools, self.config.chat_template)
             else:
                 assert req.prompt is not None
                 self._check_num_chars(len(req.prompt), "prompt")
@@ -296,6 +341,22 @@ class OpenAIServing:
         return DetokenizeResponse(prompt=await asyncio.to_thread(self.engine.tokenizer.decode, req.tokens))
 
     # --- validation -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _tool_reading(req: ChatCompletionRequest, chat_template: str | None) -> tuple[ToolMode, str | None] | None:
+        """How the chat's output becomes tool calls (None: it does not); a 400 for "auto" where
+        the model's chat template does not teach a tool-call format inflight reads."""
+        mode = req.tool_mode
+        if mode == "none":
+            return None
+        if mode == "auto":
+            found = tool_call_format(chat_template)
+            if found is None:
+                raise invalid('tool_choice "auto" (the default with tools): this model\'s chat template does not '
+                              "render tools in a tool-call format inflight reads (Hermes' <tool_call>); send "
+                              'tool_choice "required", a named function, or "none"', "tool_choice")
+            return found, None
+        return mode, req.named_function
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -338,6 +399,7 @@ class OpenAIServing:
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 n=req.n,
+                structured_outputs=req.constraint,
             )
         except InvalidRequestError as exc:
             raise invalid(str(exc), param_of(str(exc), _PARAMS)) from None
@@ -353,11 +415,22 @@ class OpenAIServing:
             raise invalid(str(exc), blamed) from None
         return params
 
+    async def _grammar(self, req: GenerationRequest) -> Grammar | None:
+        """The request's structured output compiled (off the event loop), or a 400 with the
+        compiler's message."""
+        if req.constraint is None:
+            return None
+        try:
+            return await asyncio.to_thread(self.engine.compile_grammar, req.constraint)
+        except InvalidRequestError as exc:
+            raise invalid(str(exc), req.constraint_field) from None
+
     async def _submit(self, work: list[tuple[list[int], SamplingParams]], arrival: float, prefix: str,
-                      priority: int) -> list[RequestStream]:
+                      priority: int, grammar: Grammar | None = None) -> list[RequestStream]:
         """Queues one engine request per (prompt ids, params) and waits until the engine has them
         all; if it refuses one, or the client leaves meanwhile, the others are aborted. Returns
-        the choices' streams: each prompt's n samples in turn, as OpenAI numbers the choices."""
+        the choices' streams: each prompt's n samples in turn, as OpenAI numbers the choices.
+        `grammar`: the params' structured output, compiled; each prompt gets its own copy."""
         try:
             self.engine.check_priority(priority)
         except InvalidRequestError as exc:
@@ -365,8 +438,9 @@ class OpenAIServing:
         streams: list[RequestStream] = []
         try:
             firsts = []
-            for token_ids, params in work:
-                samples = self.engine.submit(token_ids, params, arrival, prefix, priority)
+            for i, (token_ids, params) in enumerate(work):
+                own = grammar.fresh() if grammar is not None and i > 0 else grammar
+                samples = self.engine.submit(token_ids, params, arrival, prefix, priority, own)
                 firsts.append(samples[0])
                 streams.extend(samples)
             for stream in firsts:  # the others join the engine when their prompt's prefill is done

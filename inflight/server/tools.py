@@ -1,0 +1,175 @@
+"""Tool calls: the constraint a forced tool choice puts on the output, and the readers that turn
+a choice's text into OpenAI `tool_calls`, whole or as stream deltas.
+
+- A named function (`tool_choice: {"type": "function", "function": {"name": ...}}`): the output
+  is constrained to the function's parameter schema, and that JSON is the call's `arguments`.
+- `"required"`: the output is constrained to a JSON array of one or more `{"name": ...,
+  "parameters": {...}}` objects, each one of the tools with its own schema (one call only with
+  `parallel_tool_calls: false`).
+- `"auto"`: nothing is constrained; the model decides, in the format its chat template taught it.
+  inflight reads Hermes' format (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as in
+  the Qwen 2.5/3, Hermes and SmolLM3 templates); a template that renders tools in another format,
+  or none, gets a 400 for "auto".
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Literal
+
+from inflight.server.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, Tool, ToolCall
+
+ToolMode = Literal["named", "required", "hermes"]
+
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def tool_call_format(chat_template: str | None) -> Literal["hermes"] | None:
+    """The tool-call format a chat template teaches its model, if inflight can read it."""
+    if chat_template and "tools" in chat_template and HERMES_OPEN in chat_template:
+        return "hermes"
+    return None
+
+
+def required_schema(tools: list[Tool], parallel: bool) -> dict[str, Any]:
+    """The JSON schema of `"required"`'s output: an array of calls, each to one of `tools`."""
+    calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                               "parameters": t.function.parameter_schema},
+              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def _call(name: str, arguments: Any) -> ToolCall:
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=text))
+
+
+def _hermes_call(body: str) -> ToolCall | None:
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not (isinstance(value, dict) and isinstance(value.get("name"), str)):
+        return None
+    return _call(value["name"], value.get("arguments", value.get("parameters", {})))
+
+
+def _required_calls(text: str) -> list[ToolCall] | None:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None  # cut short by max_tokens
+    return [_call(item["name"], item["parameters"]) for item in value]
+
+
+def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
+    """(the text outside tool-call tags, or None if nothing is left; the calls inside them). A
+    tag whose body is not a call (bad JSON, no name) stays in the text."""
+    content, calls, rest = [], [], text
+    while (start := rest.find(HERMES_OPEN)) >= 0:
+        end = rest.find(HERMES_CLOSE, start)
+        body_end = end if end >= 0 else len(rest)
+        call = _hermes_call(rest[start + len(HERMES_OPEN):body_end].strip())
+        if call is None:
+            content.append(rest[:body_end + (len(HERMES_CLOSE) if end >= 0 else 0)])
+        else:
+            content.append(rest[:start])
+            calls.append(call)
+        rest = rest[body_end + len(HERMES_CLOSE):] if end >= 0 else ""
+    content.append(rest)
+    joined = "".join(content).strip()
+    return joined or None, calls
+
+
+class ToolCallReader:
+    """One choice's text as content and tool calls, for a response (`whole`) or a stream
+    (`feed` each delta's text, then `end`)."""
+
+    def __init__(self, mode: ToolMode, function_name: str | None = None) -> None:
+        self.mode = mode
+        self.function_name = function_name
+        self._text = ""
+        self._sent = 0  # of _text, streamed as content (hermes) or arguments (named)
+        self._named_id: str | None = None
+        self.num_calls = 0
+
+    def whole(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        if self.mode == "named":
+            assert self.function_name is not None
+            return None, [_call(self.function_name, text)]
+        if self.mode == "required":
+            calls = _required_calls(text)
+            return (text, []) if calls is None else (None, calls)
+        return parse_hermes(text)
+
+    def feed(self, text: str) -> tuple[str, list[DeltaToolCall]]:
+        """(content to stream now, tool-call deltas to stream now) for a delta's new text."""
+        self._text += text
+        if self.mode == "named":
+            return "", self._named_delta(text)
+        if self.mode == "required":
+            return "", []  # a call is known once the array is whole: sent by `end`
+        return self._hermes_step(final=False)
+
+    def end(self) -> tuple[str, list[DeltaToolCall]]:
+        """What is left to stream once the choice has finished."""
+        if self.mode == "named":
+            return "", self._named_delta("") if self._named_id is None else []
+        if self.mode == "required":
+            calls = _required_calls(self._text)
+            if calls is None:
+                return self._text, []
+            return "", [self._delta(call) for call in calls]
+        return self._hermes_step(final=True)
+
+    def _delta(self, call: ToolCall) -> DeltaToolCall:
+        self.num_calls += 1
+        return DeltaToolCall(index=self.num_calls - 1, id=call.id, type="function",
+                             function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments))
+
+    def _named_delta(self, text: str) -> list[DeltaToolCall]:
+        if self._named_id is None:
+            assert self.function_name is not None
+            self._named_id = f"call_{uuid.uuid4().hex[:24]}"
+            self.num_calls = 1
+            return [DeltaToolCall(index=0, id=self._named_id, type="function",
+                                  function=DeltaFunctionCall(name=self.function_name, arguments=text))]
+        return [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text))] if text else []
+
+    def _hermes_step(self, final: bool) -> tuple[str, list[DeltaToolCall]]:
+        """Streams the content before each tool-call tag (holding back what could be the start of
+        one) and each call once its closing tag (or, at the end, the end of the text) arrives."""
+        content, deltas = "", list[DeltaToolCall]()
+        while True:
+            pending = self._text[self._sent:]
+            start = pending.find(HERMES_OPEN)
+            if start < 0:
+                hold = 0 if final else _partial_suffix(pending, HERMES_OPEN)
+                content += pending[:len(pending) - hold]
+                self._sent += len(pending) - hold
+                return content, deltas
+            content += pending[:start]
+            end = pending.find(HERMES_CLOSE, start)
+            if end < 0 and not final:
+                self._sent += start
+                return content, deltas
+            body_end = end if end >= 0 else len(pending)
+            call = _hermes_call(pending[start + len(HERMES_OPEN):body_end].strip())
+            consumed = body_end + (len(HERMES_CLOSE) if end >= 0 else 0)
+            if call is None:
+                content += pending[start:consumed]
+            else:
+                deltas.append(self._delta(call))
+            self._sent += consumed
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0

@@ -1,0 +1,201 @@
+"""Structured output: every constraint's outputs match it, in the engine and through the server
+(the official `openai` client), unconstrained rows of the same batch are untouched, preemption
+keeps a grammar's state, and a constraint that does not compile is a clear error."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from inflight import LLM, EngineConfig, LLMEngine, SamplingParams
+from inflight.errors import InvalidRequestError
+from inflight.model.loaded import LoadedModel
+from inflight.request import StructuredOutputs
+from inflight.server.config import ServerConfig
+from inflight.server.launcher import RunningServer, serve_in_thread
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "languages": {"type": "array", "items": {"enum": ["English", "French", "Chinese"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "languages"],
+    "additionalProperties": False,
+}
+ASK_PERSON = [{"role": "user", "content": "Describe a famous scientist as JSON with name, age and languages."}]
+
+
+def assert_person(text: str) -> None:
+    value = json.loads(text)
+    assert set(value) == {"name", "age", "languages"}, value
+    assert isinstance(value["name"], str) and len(value["name"]) <= 40
+    assert isinstance(value["age"], int) and 0 <= value["age"] <= 150
+    assert isinstance(value["languages"], list) and len(value["languages"]) <= 3
+    assert set(value["languages"]) <= {"English", "French", "Chinese"}
+
+
+@pytest.fixture(scope="module")
+def llm(make_llm: Callable[..., LLM]) -> LLM:
+    return make_llm(max_batch_size=16)
+
+
+def generate(llm: LLM, prompt: Any, constraint: StructuredOutputs, **params: Any) -> list[Any]:
+    params.setdefault("max_tokens", 96)
+    params.setdefault("temperature", 0)
+    return llm.generate([prompt], SamplingParams(structured_outputs=constraint, **params))
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 7, "n": 3}],
+                         ids=["greedy", "sampled-n3"])
+def test_json_schema_outputs_parse_and_match_the_schema(llm: LLM, sampling: dict[str, Any]) -> None:
+    outs = generate(llm, ASK_PERSON, StructuredOutputs(json=PERSON), **sampling)
+    assert len(outs) == sampling.get("n", 1)
+    for out in outs:
+        assert out.finish_reason == "stop", out.text  # the grammar ends the output once complete
+        assert_person(out.text)
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_json_object_regex_choice_and_grammars_are_each_met(llm: LLM) -> None:
+    prompt = [{"role": "user", "content": "Answer briefly: is the sky blue? Then give a phone number."}]
+    (obj,) = generate(llm, prompt, StructuredOutputs(json_object=True), max_tokens=200)
+    if obj.finish_reason == "stop":
+        assert isinstance(json.loads(obj.text), dict)
+    else:  # cut by max_tokens: still the start of an object
+        assert obj.text.lstrip().startswith("{")
+    (phone,) = generate(llm, prompt, StructuredOutputs(regex=r"\(\d{3}\) \d{3}-\d{4}"))
+    assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", phone.text) and phone.finish_reason == "stop"
+    choices = ("yes", "no", "it depends")
+    answers = {generate(llm, prompt, StructuredOutputs(choice=choices), temperature=1.0, seed=s)[0].text
+               for s in range(6)}
+    assert answers <= set(choices) and answers
+    gbnf = 'root ::= "The answer is " digit digit "."\ndigit ::= [0-9]'
+    (gbnf_out,) = generate(llm, prompt, StructuredOutputs(grammar=gbnf))
+    assert re.fullmatch(r"The answer is \d\d\.", gbnf_out.text), gbnf_out.text
+    lark = 'start: "colour: " COLOUR\nCOLOUR: "red" | "green" | "blue"'
+    (lark_out,) = generate(llm, prompt, StructuredOutputs(grammar=lark))
+    assert lark_out.text in {"colour: red", "colour: green", "colour: blue"}
+
+
+def test_unconstrained_rows_of_the_batch_are_untouched(llm: LLM) -> None:
+    prompts = ["The capital of France is", "List three uses of a paperclip:\n1.", "Once upon a time"]
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = [o.token_ids for o in llm.generate(prompts, plain)]
+    constrained = SamplingParams(max_tokens=24, temperature=0, structured_outputs=StructuredOutputs(json=PERSON))
+    mixed = llm.generate([prompts[0], ASK_PERSON, prompts[1], ASK_PERSON, prompts[2]],
+                         [plain, constrained, plain, constrained, plain])
+    assert [mixed[i].token_ids for i in (0, 2, 4)] == alone
+    assert mixed[1].token_ids == mixed[3].token_ids  # two copies of one constraint, each its own state
+
+
+def test_a_preempted_request_keeps_its_grammar(make_llm: Callable[..., LLM]) -> None:
+    params = SamplingParams(max_tokens=60, temperature=0, structured_outputs=StructuredOutputs(json=PERSON))
+    (reference,) = make_llm().generate([ASK_PERSON], params)
+    # 9 blocks of 16 tokens: the two requests' prompts (~40 tokens each) fit, their outputs do
+    # not, so the later one is preempted and recomputed mid-output.
+    small = make_llm(num_kv_blocks=9, max_batch_size=2)
+    outs = small.generate([ASK_PERSON, ASK_PERSON], params)
+    assert small.engine.stats().num_preemptions > 0
+    assert [o.token_ids for o in outs] == [reference.token_ids] * 2
+    assert small.engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("constraint", [
+    StructuredOutputs(regex="(unclosed"),
+    StructuredOutputs(json="{not json"),
+    StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "no-such-type"}}}),
+    StructuredOutputs(grammar="root ::= missing_rule"),
+], ids=["regex", "json-text", "schema", "grammar"])
+def test_a_constraint_that_does_not_compile_is_refused(llm: LLM, constraint: StructuredOutputs) -> None:
+    with pytest.raises(InvalidRequestError, match="cannot compile"):
+        llm.generate(["hi"], SamplingParams(structured_outputs=constraint))
+    assert not llm.engine.has_unfinished()
+
+
+def test_structured_outputs_take_exactly_one_constraint() -> None:
+    with pytest.raises(InvalidRequestError, match="exactly one"):
+        StructuredOutputs(regex="a", choice=("a",))
+    with pytest.raises(InvalidRequestError, match="exactly one"):
+        StructuredOutputs()
+    with pytest.raises(InvalidRequestError, match="choice"):
+        StructuredOutputs(choice=())
+
+
+# --- through the server --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(loaded: LoadedModel) -> Iterator[RunningServer]:
+    engine = LLMEngine(EngineConfig.from_kwargs(num_kv_blocks=256, max_batch_size=16), loaded)
+    with serve_in_thread(engine, ServerConfig(shutdown_timeout_s=5)) as running:
+        yield running
+
+
+@pytest.fixture()
+def client(server: RunningServer) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def test_response_format_through_the_openai_client(client: openai.OpenAI, server: RunningServer) -> None:
+    model = server.engine.model_name
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    resp = client.chat.completions.create(model=model, messages=ASK_PERSON, max_tokens=96, temperature=0,
+                                          response_format=fmt)
+    assert resp.choices[0].finish_reason == "stop"
+    assert_person(resp.choices[0].message.content or "")
+    stream = client.chat.completions.create(model=model, messages=ASK_PERSON, max_tokens=96, temperature=1.0,
+                                            seed=3, n=2, response_format=fmt, stream=True)
+    texts = ["", ""]
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    for text in texts:
+        assert_person(text)
+    obj = client.chat.completions.create(model=model, messages=ASK_PERSON, max_tokens=200, temperature=0,
+                                         response_format={"type": "json_object"})
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content or ""), dict)
+    assert server.engine.num_active == 0
+
+
+def test_vllms_guided_fields_on_completions(client: openai.OpenAI, server: RunningServer) -> None:
+    model = server.engine.model_name
+    resp = client.completions.create(model=model, prompt=["Is water wet?", "Is fire cold?"], max_tokens=8,
+                                     temperature=0, extra_body={"guided_choice": ["yes", "no"]})
+    assert [c.text in {"yes", "no"} for c in resp.choices] == [True, True]
+    resp = client.completions.create(model=model, prompt="A date:", max_tokens=16, temperature=0,
+                                     extra_body={"structured_outputs": {"regex": r"20\d\d-[01]\d-[0-3]\d"}})
+    assert re.fullmatch(r"20\d\d-[01]\d-[0-3]\d", resp.choices[0].text)
+    resp = client.completions.create(model=model, prompt="Data:", max_tokens=96, temperature=0,
+                                     extra_body={"guided_json": json.dumps(PERSON)})
+    assert_person(resp.choices[0].text)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format"),
+    ({"guided_regex": "(", "max_tokens": 4}, "guided_regex"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),
+], ids=["schema-missing", "unknown-type", "bad-schema", "bad-regex", "two-constraints", "two-in-one",
+        "empty-choice", "bad-grammar"])
+def test_bad_constraints_get_a_400_naming_the_field(server: RunningServer, body: dict[str, Any], param: str) -> None:
+    resp = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": server.engine.model_name, "messages": [{"role": "user", "content": "x"}], **body})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param and error["message"], error
+    assert server.engine.num_active == 0

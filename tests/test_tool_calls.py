@@ -1,0 +1,226 @@
+"""Tool calls through the official `openai` client: a named function or `"required"` constrain
+the output to the tools' schemas and come back as `tool_calls`, whole or streamed; `"auto"`
+reads Hermes' `<tool_call>` format where the chat template teaches it (else a 400); earlier
+calls and their results go back into the template."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+import inflight
+from inflight import EngineConfig, LLMEngine
+from inflight.model.loaded import LoadedModel
+from inflight.server.config import ServerConfig
+from inflight.server.launcher import RunningServer, serve_in_thread
+from inflight.server.tools import ToolCallReader, parse_hermes
+
+HERMES_TEMPLATE = (Path(inflight.__file__).parent / "data" / "chatml_tools.jinja").read_text()
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 30}},
+                   "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris, and what time is it in Tokyo?"}]
+
+
+def assert_valid_call(name: str, arguments: str) -> None:
+    args = json.loads(arguments)
+    if name == "get_weather":
+        assert set(args) == {"city", "unit"} and isinstance(args["city"], str)
+        assert args["unit"] in ("celsius", "fahrenheit")
+    else:
+        assert name == "get_time" and set(args) == {"zone"} and isinstance(args["zone"], str)
+
+
+# --- reading Hermes' format ------------------------------------------------------------------------
+
+HERMES_TEXT = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+               '"celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "Asia/Tokyo"}}'
+               '\n</tool_call>')
+
+
+def test_hermes_calls_are_read_out_of_the_text() -> None:
+    content, calls = parse_hermes(HERMES_TEXT)
+    assert content == "Let me check."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"zone": "Asia/Tokyo"})]
+    assert len({c.id for c in calls}) == 2
+    assert parse_hermes("no calls here") == ("no calls here", [])
+    bad = "<tool_call>{not json}</tool_call> tail"
+    assert parse_hermes(bad) == (bad, [])  # not a call: left as text
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, 1000])
+def test_streamed_hermes_reading_equals_the_whole(step: int) -> None:
+    reader = ToolCallReader("hermes")
+    content, calls = "", []
+    for i in range(0, len(HERMES_TEXT), step):
+        piece, deltas = reader.feed(HERMES_TEXT[i:i + step])
+        assert "<" not in piece  # the start of a tag is held back, never streamed as content
+        content += piece
+        calls += deltas
+    piece, deltas = reader.end()
+    content, calls = content + piece, calls + deltas
+    whole_content, whole_calls = parse_hermes(HERMES_TEXT)
+    assert content.strip() == whole_content
+    assert [(d.index, d.function.name, d.function.arguments) for d in calls] == [
+        (i, c.function.name, c.function.arguments) for i, c in enumerate(whole_calls)]
+
+
+def test_text_that_only_looks_like_a_tag_is_streamed_in_the_end() -> None:
+    reader = ToolCallReader("hermes")
+    assert reader.feed("a <tool") == ("a ", [])
+    assert reader.feed("box> b") == ("<toolbox> b", [])
+    assert reader.end() == ("", [])
+
+
+# --- through the server ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(loaded: LoadedModel) -> Iterator[RunningServer]:
+    engine = LLMEngine(EngineConfig.from_kwargs(num_kv_blocks=256, max_batch_size=16), loaded)
+    with serve_in_thread(engine, ServerConfig(shutdown_timeout_s=5)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def hermes_server(loaded: LoadedModel) -> Iterator[RunningServer]:
+    engine = LLMEngine(EngineConfig.from_kwargs(num_kv_blocks=256, max_batch_size=16), loaded)
+    with serve_in_thread(engine, ServerConfig(shutdown_timeout_s=5, chat_template=HERMES_TEMPLATE)) as running:
+        yield running
+
+
+def _client(server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _streamed(stream: Any) -> tuple[str, dict[int, dict[str, str]], str | None]:
+    """Content, tool calls (index -> id, name, arguments) and finish reason, accumulated from
+    chunks as the OpenAI SDK's users do."""
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for d in choice.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
+                call["id"] += d.id or ""
+                call["name"] += (d.function and d.function.name) or ""
+                call["arguments"] += (d.function and d.function.arguments) or ""
+            finish = choice.finish_reason or finish
+    return content, calls, finish
+
+
+def test_a_named_function_is_called_with_valid_arguments(server: RunningServer) -> None:
+    model = server.engine.model_name
+    choice: Any = {"type": "function", "function": {"name": "get_weather"}}
+    with _client(server) as client:
+        resp = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+                                              max_tokens=64, temperature=0)
+        message = resp.choices[0].message
+        assert resp.choices[0].finish_reason == "stop" and message.content is None
+        (call,) = message.tool_calls or []
+        assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+        assert_valid_call(call.function.name, call.function.arguments)
+        streamed = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, TIME],
+                                                  tool_choice=choice, max_tokens=64, temperature=0, stream=True)
+        content, calls, finish = _streamed(streamed)
+    assert content == "" and finish == "stop" and list(calls) == [0]
+    assert calls[0]["name"] == "get_weather" and calls[0]["arguments"] == call.function.arguments
+    assert server.engine.num_active == 0
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_calls_one_or_more_tools(server: RunningServer, parallel: bool) -> None:
+    model = server.engine.model_name
+    with _client(server) as client:
+        resp = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                              parallel_tool_calls=parallel, max_tokens=160, temperature=0)
+        choice = resp.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        calls = choice.message.tool_calls or []
+        assert len(calls) >= 1 and (parallel or len(calls) == 1)
+        for call in calls:
+            assert_valid_call(call.function.name, call.function.arguments)
+        streamed = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, TIME],
+                                                  tool_choice="required", parallel_tool_calls=parallel,
+                                                  max_tokens=160, temperature=0, stream=True)
+        _, streamed_calls, finish = _streamed(streamed)
+    assert finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in streamed_calls.values()] == [
+        (c.function.name, c.function.arguments) for c in calls]
+
+
+def test_auto_needs_a_template_that_teaches_a_readable_format(server: RunningServer,
+                                                              hermes_server: RunningServer) -> None:
+    body = {"model": server.engine.model_name, "messages": ASK, "tools": [WEATHER], "max_tokens": 24,
+            "temperature": 0}
+    for extra in ({}, {"tool_choice": "auto"}):  # auto is the default with tools
+        resp = httpx.post(server.url + "/v1/chat/completions", json={**body, **extra}, timeout=30)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "tool_choice", resp.text
+    resp = httpx.post(server.url + "/v1/chat/completions", json={**body, "tool_choice": "none"}, timeout=60)
+    assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["tool_calls"] == []
+    # Under a Hermes template the model decides; whatever it wrote comes back as content or calls.
+    resp = httpx.post(hermes_server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    message = resp.json()["choices"][0]["message"]
+    assert message["content"] or message["tool_calls"]
+    for call in message["tool_calls"]:
+        assert call["function"]["name"] and json.loads(call["function"]["arguments"]) is not None
+
+
+def test_tools_and_earlier_calls_reach_the_template(hermes_server: RunningServer) -> None:
+    conversation = [
+        *ASK,
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"},
+    ]
+    resp = httpx.post(hermes_server.url + "/tokenize", timeout=30,
+                      json={"messages": conversation, "tools": [WEATHER], "return_token_strs": False})
+    assert resp.status_code == 200, resp.text
+    text = httpx.post(hermes_server.url + "/detokenize", json={"tokens": resp.json()["tokens"]}, timeout=30).json()
+    rendered = text["prompt"]
+    assert '"name": "get_weather"' in rendered and "<tools>" in rendered
+    assert '{"city": "Paris", "unit": "celsius"}' in rendered and "18 degrees and sunny" in rendered
+    with _client(hermes_server) as client:
+        reply = client.chat.completions.create(model=hermes_server.engine.model_name, messages=conversation,
+                                               tools=[WEATHER], tool_choice="none", max_tokens=16, temperature=0)
+    assert reply.choices[0].message.content
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}], "tool_choice": "required"}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+], ids=["required-without-tools", "unknown-name", "duplicate-names", "bad-name", "with-response-format",
+        "unknown-choice", "functions"])
+def test_bad_tool_requests_get_a_400(server: RunningServer, body: dict[str, Any], param: str) -> None:
+    resp = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                      json={"model": server.engine.model_name, "messages": ASK, **body})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param, resp.json()
+
+
+def test_an_unreadable_chat_template_is_one_line_at_startup(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from inflight.cli import main
+
+    assert main(["serve", "--chat-template", str(tmp_path / "missing.jinja")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("inflight: error: --chat-template: cannot read") and "\n" not in err
