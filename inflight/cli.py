@@ -30,6 +30,17 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--priority-max-bypass", type=int, default=_SCHED.priority_max_bypass,
                    help="priority policy: a waiting request overtaken this many times by more urgent ones is "
                         "served next (aging)")
+    g.add_argument("--ttft-slo-ms", type=float, default=None,
+                   help="slo policy: the TTFT target (orders waiting requests by deadline)")
+    g.add_argument("--tbt-slo-ms", type=float, default=None,
+                   help="slo policy: the TBT target (sets each step's token budget)")
+    g.add_argument("--slo-from", default=None, metavar="SLA_FILE",
+                   help="slo policy: take the targets from an `inflight check` SLA file (its goodput: "
+                        "max_ttft_ms and max_tpot_ms, else max_ttft_p99_ms and max_tbt_p99_ms)")
+    g.add_argument("--reject-late", action="store_true",
+                   help="slo policy: refuse (429) a request that would miss its TTFT target on arrival")
+    g.add_argument("--slo-cost-profile", default=_SCHED.slo_cost_profile,
+                   help="slo policy: hardware profile (name or JSON) that predicts step times; refitted online")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=_SCHED.enable_chunked_prefill)
     g.add_argument("--block-size", type=int, default=_CACHE.block_size)
@@ -46,10 +57,29 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine's keyword options (as `LLM(**options)` takes them) from parsed arguments."""
     names = ["dtype", "device", "max_batch_size", "max_num_tokens", "max_model_len", "scheduling_policy",
-             "priority_max_bypass",
+             "priority_max_bypass", "ttft_slo_ms", "tbt_slo_ms", "slo_cost_profile",
              "enable_chunked_prefill", "block_size", "kv_cache_memory_fraction", "kv_cache_memory_bytes",
              "num_kv_blocks", "enable_prefix_caching", "seed"]
-    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    options = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    if getattr(args, "reject_late", False):
+        options["reject_late"] = True
+    if getattr(args, "slo_from", None) is not None:
+        options.update({k: v for k, v in slo_targets(args.slo_from).items() if options.get(k) is None})
+    return options
+
+
+def slo_targets(path: str) -> dict[str, float]:
+    """The SLO policy's targets from an SLA file: its per-request goodput limits, else its p99s."""
+    from inflight.bench.sla import load_sla
+
+    sla = load_sla(path)
+    good = sla.goodput
+    ttft = good.max_ttft_ms if good is not None and good.max_ttft_ms is not None else sla.max_ttft_p99_ms
+    tbt = good.max_tpot_ms if good is not None and good.max_tpot_ms is not None else sla.max_tbt_p99_ms
+    found = {k: v for k, v in (("ttft_slo_ms", ttft), ("tbt_slo_ms", tbt)) if v is not None}
+    if not found:
+        raise InflightError(f"--slo-from {path}: the SLA file sets no TTFT or TBT limit")
+    return found
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

@@ -68,6 +68,7 @@ class SchedulingPolicy(StrEnum):
     CONTINUOUS = "continuous"  # first come, first served
     PRIORITY = "priority"  # by request priority, preempting less urgent requests (engine/priority.py)
     STATIC = "static"
+    SLO = "slo"  # priority, then TTFT deadline; a token budget that follows the TBT target (engine/slo.py)
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,12 @@ class SchedulerConfig:
     # The priority policy's aging: a waiting request overtaken this many times by later, more
     # urgent ones is served as the most urgent from then on.
     priority_max_bypass: int = 64
+    # The SLO policy's targets (and what it predicts step times with: a hardware profile's name
+    # or file, "auto" for cpu-local on a CPU and h100 on a GPU; refitted online either way).
+    ttft_slo_ms: float | None = None
+    tbt_slo_ms: float | None = None
+    reject_late: bool = False  # refuse, on arrival, a request that would miss its TTFT target
+    slo_cost_profile: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")
@@ -103,6 +110,17 @@ class SchedulerConfig:
             raise ConfigError(
                 f"scheduling_policy must be one of {choices}, got {self.scheduling_policy!r}"
             ) from None
+        for name in ("ttft_slo_ms", "tbt_slo_ms"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, f"{name} must be > 0, got {value}")
+        slo = self.scheduling_policy is SchedulingPolicy.SLO
+        if slo:
+            _require(self.ttft_slo_ms is not None or self.tbt_slo_ms is not None,
+                     "scheduling_policy slo needs a target: ttft_slo_ms, tbt_slo_ms or both")
+            _require(self.enable_chunked_prefill, "scheduling_policy slo needs chunked prefill (its budget cuts "
+                                                  "prompts into chunks)")
+        _require(not self.reject_late or (slo and self.ttft_slo_ms is not None),
+                 "reject_late needs scheduling_policy slo and a ttft_slo_ms")
 
 
 @dataclass(frozen=True)

@@ -137,13 +137,17 @@ workloads = st.lists(
 )
 def test_scheduler_invariants(workload, max_batch_size, max_num_tokens, block_size, num_blocks,
                               chunked, prefix_caching, shared_prefix, policy, max_bypass):
+    slo = policy is SchedulingPolicy.SLO
+    chunked = chunked or slo  # the SLO policy cuts prompts by its budget
+    # Targets are read by the SLO policy only (its order and budget then follow wall-clock steps).
     config = SchedulerConfig(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
-                             max_model_len=4096, enable_chunked_prefill=chunked, priority_max_bypass=max_bypass)
+                             max_model_len=4096, enable_chunked_prefill=chunked, priority_max_bypass=max_bypass,
+                             ttft_slo_ms=50, tbt_slo_ms=5)
     d = Driver(config, num_blocks, block_size, prefix_caching, policy=policy)
     prefix = [3] * shared_prefix
     pending = []
     for i, (prompt_len, out_len, arrival, priority, n) in enumerate(workload):
-        priority = priority if policy is SchedulingPolicy.PRIORITY else 0
+        priority = priority if policy in (SchedulingPolicy.PRIORITY, SchedulingPolicy.SLO) else 0
         n = 1 if policy is SchedulingPolicy.STATIC else min(n, max_batch_size)
         pending.append((arrival, make_request(i, prompt_len, out_len, prefix, priority, n)))
     accepted: list[Request] = []
@@ -166,7 +170,7 @@ def test_scheduler_invariants(workload, max_batch_size, max_num_tokens, block_si
     accepted += [sample for r in accepted for sample in r.samples]
     assert all(r.status is RequestStatus.FINISHED for r in accepted)
     assert d.bm.num_used_blocks == 0, "blocks leaked after every request ended"
-    if policy is not SchedulingPolicy.PRIORITY:
+    if policy not in (SchedulingPolicy.PRIORITY, SchedulingPolicy.SLO):
         # Admission is first-come first-served (preempted requests re-enter at the head).
         assert [r for r in d.admission_order if "#" not in r] == arrival_order
     for r in accepted:

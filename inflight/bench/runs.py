@@ -24,6 +24,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Without chunked prefill a step must hold a whole prompt; see `resolve_options`.
     "continuous": {"scheduling_policy": "continuous", "enable_chunked_prefill": False},
     "chunked": {"scheduling_policy": "continuous", "enable_chunked_prefill": True},
+    "priority": {"scheduling_policy": "priority", "enable_chunked_prefill": True},
+    # The SLO policy with the targets given as engine options (--ttft-slo-ms, --tbt-slo-ms, --slo-from).
+    "slo": {"scheduling_policy": "slo", "enable_chunked_prefill": True},
     "prefix-caching": {"enable_prefix_caching": True},
     "no-prefix-caching": {"enable_prefix_caching": False},
 }
@@ -88,8 +91,11 @@ def resolve_options(base: dict[str, Any], plan: RunPlan) -> dict[str, Any]:
     """The engine options of one run. The `continuous` preset (no chunked prefill) raises the
     step token budget to `max_model_len` when it is smaller, as vLLM does without chunked
     prefill: a whole prompt must fit one step, and a budget just big enough for the longest
-    prompt would let that prompt in only when no request is decoding."""
+    prompt would let that prompt in only when no request is decoding. `--reject-late` applies to
+    the SLO policy's runs only."""
     options = {**base, **plan.overrides}
+    if options.get("scheduling_policy") != "slo":
+        options.pop("reject_late", None)  # the SLO policy's alone, when runs compare it with others
     if plan.preset == "continuous":
         max_model_len = options.get("max_model_len", SchedulerConfig().max_model_len)
         options["max_num_tokens"] = max(options.get("max_num_tokens", 0), max_model_len)

@@ -13,13 +13,14 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from inflight.config import CacheConfig, EngineConfig, ModelConfig, SchedulingPolicy
+from inflight.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SchedulingPolicy
 from inflight.engine.block_manager import BlockManager
 from inflight.engine.output import LengthOutputProcessor, OutputProcessor, RequestOutput, StepRecord
 from inflight.engine.priority import PriorityScheduler
 from inflight.engine.runner import ModelRunner, RunnerTimings
 from inflight.engine.sampler import Sampler
 from inflight.engine.scheduler import Scheduler, SchedulerOutput
+from inflight.engine.slo import SLOScheduler, StepTimePredictor
 from inflight.engine.static import StaticScheduler
 from inflight.engine.stats import EngineStats, scheduler_stats
 from inflight.engine.structured import Grammar, GrammarCompiler
@@ -28,6 +29,8 @@ from inflight.model.llama import LlamaModel
 from inflight.model.loaded import LoadedModel
 from inflight.model.tokenizer import ChatMessage, Tokenizer
 from inflight.request import FinishReason, Request, SamplingParams, StructuredOutputs, TokenLogprobs, sample_request_id
+from inflight.sim.cost_model import CostModel
+from inflight.sim.hardware import load_hardware
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +101,16 @@ _POLICIES: dict[SchedulingPolicy, type[Scheduler]] = {
 }
 
 
+def _slo_cost_model(config: SchedulerConfig, model: ModelConfig, parts: EngineParts) -> CostModel:
+    """The SLO policy's step-time model: its profile, or by default the built-in one for the
+    device (its efficiencies then follow the machine through the online correction)."""
+    name = config.slo_cost_profile
+    if name == "auto":
+        name = "h100" if parts.device is not None and parts.device.type == "cuda" else "cpu-local"
+    dtype = None if parts.loaded is None else str(parts.loaded.model.dtype).removeprefix("torch.")
+    return CostModel(model, load_hardware(name), dtype=dtype)
+
+
 class Clock(Protocol):
     """Where the engine reads the time (seconds), and how a driver waits for a later one."""
 
@@ -144,6 +157,9 @@ class EngineParts:
     device: torch.device | None = None
     # False where prompt ids are synthetic (the simulator's stand for positions, not tokens).
     check_token_ids: bool = True
+    # What the SLO policy predicts step times with (the simulator passes its own); None: built
+    # from the scheduler config's `slo_cost_profile`.
+    step_cost_model: CostModel | None = None
 
 
 class LLMEngine:
@@ -170,8 +186,12 @@ class LLMEngine:
         cache = config.cache
         num_blocks = parts.num_kv_blocks
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        policy = _POLICIES[sched_cfg.scheduling_policy]
-        self.scheduler = policy(sched_cfg, self.block_manager, clock=self.clock)
+        if sched_cfg.scheduling_policy is SchedulingPolicy.SLO:
+            predictor = StepTimePredictor(parts.step_cost_model or _slo_cost_model(sched_cfg, model_config, parts))
+            self.scheduler: Scheduler = SLOScheduler(sched_cfg, self.block_manager, predictor, clock=self.clock)
+        else:
+            policy = _POLICIES[sched_cfg.scheduling_policy]
+            self.scheduler = policy(sched_cfg, self.block_manager, clock=self.clock)
         self.runner = parts.runner
         self.output_processor: OutputProcessor | LengthOutputProcessor = (
             OutputProcessor(parts.tokenizer) if parts.tokenizer is not None else LengthOutputProcessor())
@@ -274,9 +294,9 @@ class LLMEngine:
     def check_priority(self, priority: int) -> None:
         """Raises InvalidRequestError for a priority this engine's policy would ignore."""
         policy = self.scheduler_config.scheduling_policy
-        if priority != 0 and policy is not SchedulingPolicy.PRIORITY:
-            raise InvalidRequestError(f"priority {priority}: this engine schedules by the {policy} policy; "
-                                      "priorities need scheduling_policy=priority (--scheduling-policy priority)")
+        if priority != 0 and policy not in (SchedulingPolicy.PRIORITY, SchedulingPolicy.SLO):
+            raise InvalidRequestError(f"priority {priority}: this engine schedules by the {policy} policy; priorities "
+                                      "need scheduling_policy=priority or slo (--scheduling-policy priority)")
 
     def enqueue_request(self, request: Request) -> None:
         """Queues a request built by the caller (its prompt already token ids); raises as
@@ -448,5 +468,6 @@ class LLMEngine:
             process_s=process_s,
         )
         self.step_records.append(record)
+        self.scheduler.observe_step(record.work, record.duration_s)
         for observer in self.step_observers:
             observer(record, outputs)

@@ -71,7 +71,7 @@ class PriorityScheduler(Scheduler):
         out = self.new_output()
         self._make_room(out)
         made_room = len(out.preempted)
-        budget = self._schedule_running(out, self.config.max_num_tokens)
+        budget = self._schedule_running(out, self.step_token_budget())
         if len(out.preempted) == made_room:  # no admission while the pool is short
             self._admit(out, budget)
         return out
@@ -95,10 +95,9 @@ class PriorityScheduler(Scheduler):
     def _can_start(self, request: Request) -> bool:
         """Whether `request` could be admitted this step: a batch slot, and KV blocks for the
         chunk it would get next to the running decodes, as `_admit` judges them."""
-        cfg = self.config
         if batch_slots(request) > self.free_batch_slots():
             return False
         decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         pressure = self._under_pressure()
         reserve = self._outstanding_growth() if pressure else self._watermark_blocks
-        return self._admission(request, max(1, cfg.max_num_tokens - decodes), reserve, pressure) is not None
+        return self._admission(request, max(1, self.step_token_budget() - decodes), reserve, pressure) is not None

@@ -168,9 +168,17 @@ class Scheduler:
         self._step_id += 1
         return SchedulerOutput(step_id=self._step_id, scheduled=[])
 
+    def step_token_budget(self) -> int:
+        """Hook: tokens this step may compute (here `max_num_tokens`; the SLO policy's follows its
+        TBT target)."""
+        return self.config.max_num_tokens
+
+    def observe_step(self, work: tuple[tuple[int, int, bool], ...], duration_s: float) -> None:
+        """Hook: a step just ran, `work` as `SchedulerOutput.work()` gives it, in `duration_s`."""
+
     def schedule(self) -> SchedulerOutput:
         out = self.new_output()
-        budget = self._schedule_running(out, self.config.max_num_tokens)
+        budget = self._schedule_running(out, self.step_token_budget())
         if not out.preempted:  # no admission while the pool is short
             self._admit(out, budget)
         return out

@@ -28,12 +28,14 @@ _TYPES = {
 class APIError(Exception):
     """An error answered to the client with `status` and an OpenAI error body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
 
     @property
     def info(self) -> ErrorInfo:
@@ -41,7 +43,7 @@ class APIError(Exception):
                          param=self.param, code=self.code)
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else self.headers
         return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status, headers=headers)
 
 

@@ -85,6 +85,10 @@ class ServerMetrics:
             "Requests that did not finish: error, aborted (client left), shutdown, invalid, "
             "unauthorized, overloaded (429), unavailable (503).",
             ["reason"], registry=registry)
+        self.rejected_late = Counter(
+            PREFIX + "requests_rejected_late",
+            "Requests refused on arrival (429) because they would miss the TTFT target (slo policy, --reject-late).",
+            registry=registry)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Arrival to first token.",
                               buckets=_TTFT_BUCKETS, registry=registry)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between two tokens of a request.",
@@ -103,6 +107,9 @@ class ServerMetrics:
 
     def count_success(self, reason: FinishReason) -> None:
         self.request_success.labels(reason.value).inc()
+
+    def count_rejected_late(self) -> None:
+        self.rejected_late.inc()
 
     def count_failure(self, reason: str) -> None:
         self.request_failure.labels(reason).inc()

@@ -10,6 +10,7 @@ ran on the event loop. The tokenizer is only read, so this is safe beside the en
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
@@ -19,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
+from inflight.engine.slo import LateRequestError
 from inflight.engine.structured import Grammar
 from inflight.errors import EngineOverloadedError, InvalidRequestError
 from inflight.model.tokenizer import Tokenizer
@@ -448,6 +450,10 @@ class OpenAIServing:
         except BaseException as exc:
             for stream in streams:
                 self._abort_if_running(stream, count=False)
+            if isinstance(exc, LateRequestError):
+                self.metrics.count_rejected_late()
+                raise APIError(429, str(exc), code="late",
+                               headers={"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}) from None
             if isinstance(exc, EngineOverloadedError):
                 raise APIError(429, str(exc), code="overloaded") from None
             if isinstance(exc, EngineUnavailableError | EngineShutdownError):
