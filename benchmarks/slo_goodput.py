@@ -6,7 +6,8 @@ schedulers around saturation, on the canonical workloads, in one invocation:
 - `fcfs-tuned`: the same with the fixed `max_num_tokens` and `max_batch_size` that give the most
   goodput at the middle rate, searched in the simulator as `inflight tune` searches (the space
   is `inflight tune`'s, chunked prefill on);
-- `slo`: `scheduling_policy=slo` with the same targets (`--reject-late` adds a fourth run with it).
+- `slo`: `scheduling_policy=slo` with the same targets, choosing budget and batch size itself
+  under ceilings of 8192 tokens and 256 requests (`--reject-late` adds a fourth run with it).
 
     .venv/bin/python benchmarks/slo_goodput.py --target sim --model llama-3-8b --hardware h100 \\
         --rates 20,40,60,80 --ttft-ms 500 --tpot-ms 25 --plot runs/slo-h100
@@ -31,6 +32,9 @@ from inflight.bench.workload import load_workload, with_request_rate
 from inflight.sim.tune import SearchSpace
 
 DEFAULTS = {"max_num_tokens": 512, "max_batch_size": 64, "enable_chunked_prefill": True}
+# The SLO policy chooses each step's budget and the batch's size itself: these are only its
+# ceilings, the largest values of the tuning space.
+SLO_CEILINGS = {"max_num_tokens": 8192, "max_batch_size": 256}
 
 
 def _runner(args: argparse.Namespace) -> Any:
@@ -125,10 +129,10 @@ def main() -> None:
             "fcfs": {**DEFAULTS, "scheduling_policy": "continuous"},
             f"fcfs-tuned ({tuned['max_num_tokens']}/{tuned['max_batch_size']})":
                 {**DEFAULTS, **tuned, "scheduling_policy": "continuous"},
-            "slo": {**DEFAULTS, **slo_options},
+            "slo": {**DEFAULTS, **SLO_CEILINGS, **slo_options},
         }
         if args.reject_late:
-            configs["slo+reject-late"] = {**DEFAULTS, **slo_options, "reject_late": True}
+            configs["slo+reject-late"] = {**DEFAULTS, **SLO_CEILINGS, **slo_options, "reject_late": True}
         results[name] = {label: [] for label in configs}
         print(f"\n{name} ({spec.num_requests} requests)")
         print(f"{'rate':>6}  {'config':28s} {'goodput':>8} {'attain':>7} {'TTFT p99':>9} {'TPOT p99':>9} "

@@ -397,6 +397,7 @@ def test_http_client_against_a_fake_server(char_corpus: Corpus) -> None:
             return httpx.Response(200, text=f"inflight:kv_cache_usage_perc 0.5\ninflight:kv_cache_usage_peak_perc "
                                             f"{0.1 + 0.01 * n}\ninflight:num_preemptions_total {n}\n")
         body = json.loads(request.content)
+        sent_priorities.append(body.get("priority", 0))
         assert body["model"] == "fake" and body["ignore_eos"] and body["temperature"] == 0
         assert body["stream_options"] == {"include_usage": True} and isinstance(body["prompt"], list)
         if body["max_tokens"] == 2:
@@ -405,11 +406,15 @@ def test_http_client_against_a_fake_server(char_corpus: Corpus) -> None:
         return httpx.Response(200, content=_sse(text("a"), text("bc"), text("", "length"),
                                                 {"choices": [], "usage": {"completion_tokens": body["max_tokens"]}}))
 
-    spec = parse_workload({**TINY, "num_requests": 6, "output_len": {"kind": "uniform", "min": 2, "max": 4}})
+    sent_priorities: list[int] = []
+    spec = parse_workload({**TINY, "num_requests": 6, "output_len": {"kind": "uniform", "min": 2, "max": 4},
+                           "priorities": [{"priority": 0, "share": 0.5}, {"priority": 2, "share": 0.5}]})
     requests = generate_requests(spec, char_corpus)
     capture, info = run_http("http://fake", requests, progress=False,
                              transport=httpx.MockTransport(handler), max_concurrency=2)
     assert info["served_model_name"] == "fake"
+    assert sorted(sent_priorities) == sorted(r.priority for r in requests)
+    assert [r.priority for r in capture.results] == [r.priority for r in requests]
     for request, result in zip(requests, capture.results, strict=True):
         if request.output_len == 2:
             assert result.error is not None and "HTTP 400" in result.error and not result.ok
@@ -418,3 +423,31 @@ def test_http_client_against_a_fake_server(char_corpus: Corpus) -> None:
             assert len(result.token_gaps_s) == 1  # two chunks carried tokens; the finish marker did not
     assert capture.counters.num_preemptions is not None and capture.counters.num_preemptions >= 1
     assert capture.counters.kv_peak_perc is not None and capture.samples[0].kv_usage_perc == 50.0
+
+
+def test_priority_classes_are_drawn_apart_from_the_rest(char_corpus: Corpus) -> None:
+    plain = parse_workload({**TINY, "num_requests": 400})
+    classed = parse_workload({**TINY, "num_requests": 400,
+                              "priorities": [{"priority": 0, "share": 0.25}, {"priority": 5, "share": 0.75}]})
+    a, b = generate_requests(plain, char_corpus), generate_requests(classed, char_corpus)
+    assert key(a) == key(b)  # same lengths, arrivals and prompts: the classes come from their own stream
+    counts = {p: sum(r.priority == p for r in b) for p in (0, 5)}
+    assert counts[0] + counts[5] == 400 and 70 <= counts[0] <= 130
+    assert all(r.priority == 0 for r in a)
+    for bad, message in (([{"priority": 0, "share": 0.5}], "sum to 1"),
+                         ([{"priority": 1, "share": 0.5}, {"priority": 1, "share": 0.5}], "each priority once")):
+        with pytest.raises(WorkloadError, match=message):
+            parse_workload({**TINY, "priorities": bad})
+
+
+def test_the_bench_sends_priorities_and_reports_each_class(loaded: LoadedModel, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    spec = write_yaml(tmp_path / "classes.yaml", {
+        **TINY, "num_requests": 8, "shared_prefix": None,
+        "priorities": [{"priority": 0, "share": 0.5}, {"priority": 3, "share": 0.5}]})
+    assert main(["bench", "--workload", str(spec), "--scheduling-policy", "priority", "--num-kv-blocks", "256",
+                 "--no-progress", "--output", str(tmp_path / "run.json")]) == 0
+    out = capsys.readouterr().out
+    assert "-- Priority 0 " in out and "-- Priority 3 " in out
+    _, (run,) = read_run_file(tmp_path / "run.json")
+    assert {r.priority for r in run.capture.results} == {0, 3} and all(r.ok for r in run.capture.results)

@@ -139,3 +139,27 @@ def test_reject_late_is_a_429_with_retry_after(loaded) -> None:  # type: ignore[
         metrics = httpx.get(server.url + "/metrics", timeout=10).text
         assert "inflight:requests_rejected_late_total 1.0" in metrics
         assert server.engine.num_active == 0
+
+
+def test_the_server_counts_the_requests_meeting_its_targets(loaded) -> None:  # type: ignore[no-untyped-def]
+    import httpx
+
+    from inflight import LLMEngine
+    from inflight.server.config import ServerConfig
+    from inflight.server.launcher import serve_in_thread
+
+    def good_count(url: str) -> float:
+        line = next(x for x in httpx.get(url + "/metrics", timeout=10).text.splitlines()
+                    if x.startswith("inflight:requests_meeting_slo_total"))
+        return float(line.split()[-1])
+
+    # Targets any request here meets (generous), then ones none can (a TTFT of 1 microsecond).
+    for ttft_ms, expected in ((60_000, 2.0), (0.001, 0.0)):
+        engine = LLMEngine(EngineConfig.from_kwargs(num_kv_blocks=64, ttft_slo_ms=ttft_ms, tbt_slo_ms=60_000), loaded)
+        with serve_in_thread(engine, ServerConfig(shutdown_timeout_s=5)) as server:
+            for _ in range(2):
+                resp = httpx.post(server.url + "/v1/completions", timeout=30, json={
+                    "model": server.engine.model_name, "prompt": "Hello there", "max_tokens": 4})
+                assert resp.status_code == 200
+            assert good_count(server.url) == expected
+

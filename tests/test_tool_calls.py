@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -35,12 +36,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris, and what time 
 
 
 def assert_valid_call(name: str, arguments: str) -> None:
-    args = json.loads(arguments)
-    if name == "get_weather":
-        assert set(args) == {"city", "unit"} and isinstance(args["city"], str)
-        assert args["unit"] in ("celsius", "fahrenheit")
-    else:
-        assert name == "get_time" and set(args) == {"zone"} and isinstance(args["zone"], str)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    jsonschema.validate(json.loads(arguments), schemas[name])  # and a KeyError for an unknown tool
 
 
 # --- reading Hermes' format ------------------------------------------------------------------------

@@ -119,11 +119,13 @@ async def _stream_one(client: httpx.AsyncClient, model: str, request: BenchReque
     await asyncio.sleep(max(0.0, t0 + request.arrival_s - time.perf_counter()))
     if slots is not None:
         await slots.acquire()
-    body = {
+    body: dict[str, Any] = {
         "model": model, "prompt": request.prompt_token_ids, "max_tokens": request.output_len,
         "temperature": 0.0, "ignore_eos": True, "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if request.priority:  # vLLM's field too; sent only where the workload has classes
+        body["priority"] = request.priority
     sent = time.perf_counter()
     token_times: list[float] = []
     usage_tokens: int | None = None
@@ -161,7 +163,7 @@ async def _stream_one(client: httpx.AsyncClient, model: str, request: BenchReque
         error = "the stream ended without a token"
     return RequestResult.from_token_times(
         request.index, request.prompt_len, request.output_len, sent - t0,
-        [t - t0 for t in token_times], finished - t0, num_tokens, error,
+        [t - t0 for t in token_times], finished - t0, num_tokens, error, request.priority,
     )
 
 

@@ -70,7 +70,8 @@ class _Driver:
             state = _Live(request, sent)
             try:
                 self.engine.add_request(request.prompt_token_ids, bench_params(request),
-                                        request_id=f"bench-{request.index}", arrival_time=sent)
+                                        request_id=f"bench-{request.index}", arrival_time=sent,
+                                        priority=request.priority)
             except InflightError as exc:
                 self._finish(state, now, None, str(exc))
                 continue
@@ -93,7 +94,7 @@ class _Driver:
         self.results[state.request.index] = RequestResult.from_token_times(
             state.request.index, state.request.prompt_len, state.request.output_len, state.sent_at - t0,
             [t - t0 for t in state.token_times], None if finished is None else finished - t0,
-            state.num_tokens, error,
+            state.num_tokens, error, state.request.priority,
         )
         if self.cap:
             self.free_slots.append(now)

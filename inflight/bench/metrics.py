@@ -31,6 +31,7 @@ class RequestResult:
     token_gaps_s: list[float] = field(default_factory=list)
     num_output_tokens: int = 0
     error: str | None = None
+    priority: int = 0  # the class it was sent with
 
     @property
     def ok(self) -> bool:
@@ -45,7 +46,8 @@ class RequestResult:
     @classmethod
     def from_token_times(cls, index: int, prompt_len: int, output_len: int, arrival_s: float,
                          token_times_s: Sequence[float], finished_s: float | None,
-                         num_output_tokens: int | None = None, error: str | None = None) -> RequestResult:
+                         num_output_tokens: int | None = None, error: str | None = None,
+                         priority: int = 0) -> RequestResult:
         """Builds the record from the times (seconds, any common origin) at which token events
         arrived; `num_output_tokens` defaults to one token per event."""
         times = list(token_times_s)
@@ -53,7 +55,7 @@ class RequestResult:
         e2e = finished_s - arrival_s if finished_s is not None and error is None else None
         gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
         count = len(times) if num_output_tokens is None else num_output_tokens
-        return cls(index, prompt_len, output_len, arrival_s, ttft, e2e, gaps, count, error)
+        return cls(index, prompt_len, output_len, arrival_s, ttft, e2e, gaps, count, error, priority)
 
 
 @dataclass(frozen=True, slots=True)

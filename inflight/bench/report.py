@@ -13,7 +13,9 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from inflight.bench.metrics import BenchMetrics
+import numpy as np
+
+from inflight.bench.metrics import BenchMetrics, RequestResult
 from inflight.bench.results import BenchRun
 from inflight.errors import InflightError
 
@@ -137,6 +139,10 @@ def format_table(runs: Sequence[BenchRun], title: str) -> str:
             continue
         name, get, spec = row
         lines.append(name.ljust(label_w) + "".join(_fmt(get(r.metrics), spec).rjust(col_w) for r in runs))
+    for priority in sorted({r.priority for run in runs for r in run.capture.results}) if _has_classes(runs) else []:
+        lines.append(f"-- Priority {priority} ".ljust(width, "-"))
+        for class_row, of_run, class_spec in _class_rows(priority):
+            lines.append(class_row.ljust(label_w) + "".join(_fmt(of_run(r), class_spec).rjust(col_w) for r in runs))
     if len(runs) > 1:
         lines.append(f"-- Ratio to {runs[0].label} ".ljust(width, "-"))
         for name, get in _RATIOS:
@@ -146,6 +152,33 @@ def format_table(runs: Sequence[BenchRun], title: str) -> str:
             lines.append(f"  {name}".ljust(label_w) + "".join(c.rjust(col_w) for c in cells))
     lines.append("=" * width)
     return "\n".join(lines)
+
+
+def _has_classes(runs: Sequence[BenchRun]) -> bool:
+    return len({r.priority for run in runs for r in run.capture.results}) > 1
+
+
+def _class_rows(priority: int) -> list[tuple[str, Callable[[BenchRun], Any], str]]:
+    """Each priority class's own figures, from the run's requests of that class."""
+    def of(run: BenchRun) -> list[RequestResult]:
+        return [r for r in run.capture.results if r.priority == priority]
+
+    def stat(values: list[float], q: float) -> float | None:
+        return float(np.percentile(values, q)) if values else None
+
+    def ttft(run: BenchRun, q: float) -> float | None:
+        return stat([r.ttft_s * 1e3 for r in of(run) if r.ok and r.ttft_s is not None], q)
+
+    def tpot(run: BenchRun, q: float) -> float | None:
+        return stat([t * 1e3 for r in of(run) if (t := r.tpot_s) is not None], q)
+
+    return [
+        ("  requests (completed)", lambda run: f"{len(of(run))} ({sum(r.ok for r in of(run))})", ""),
+        ("  TTFT p50 (ms)", lambda run: ttft(run, 50), ".0f"),
+        ("  TTFT p99 (ms)", lambda run: ttft(run, 99), ".0f"),
+        ("  TPOT p50 (ms)", lambda run: tpot(run, 50), ".1f"),
+        ("  TPOT p99 (ms)", lambda run: tpot(run, 99), ".1f"),
+    ]
 
 
 def _differing_options(runs: Sequence[BenchRun]) -> list[str]:

@@ -56,6 +56,13 @@ class SharedPrefix(SpecModel):
     num_tokens: int = Field(ge=1)
 
 
+class PriorityClass(SpecModel):
+    """A share of the requests sent with this `priority` (lower is more urgent)."""
+
+    priority: int = Field(ge=-(2**31), le=2**31 - 1)
+    share: float = Field(gt=0, le=1)
+
+
 class WorkloadSpec(SpecModel):
     name: str
     description: str = ""
@@ -65,9 +72,17 @@ class WorkloadSpec(SpecModel):
     prompt_len: LengthDist | None = None
     output_len: LengthDist | None = None
     shared_prefix: SharedPrefix | None = None
+    # Priority classes (their shares summing to 1), each request drawn into one; none: all at 0.
+    priorities: list[PriorityClass] | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _check_sources(self) -> WorkloadSpec:
+        if self.priorities is not None:
+            total = sum(c.share for c in self.priorities)
+            if abs(total - 1) > 1e-6:
+                raise ValueError(f"priorities: the shares must sum to 1, got {total:g}")
+            if len({c.priority for c in self.priorities}) < len(self.priorities):
+                raise ValueError("priorities: each priority once")
         if isinstance(self.arrivals, TraceArrivals):
             if self.prompt_len is not None or self.output_len is not None:
                 raise ValueError("a trace gives its own prompt_len and output_len; remove them from the spec")
@@ -91,6 +106,7 @@ class BenchRequest:
     output_len: int
     arrival_s: float
     has_shared_prefix: bool = False
+    priority: int = 0
 
     @property
     def prompt_len(self) -> int:
@@ -159,11 +175,17 @@ def generate_requests(spec: WorkloadSpec, corpus: Corpus, base_dir: Path | None 
     prefix = spec.shared_prefix
     with_prefix = rng.random(n) < prefix.fraction if prefix else np.zeros(n, dtype=bool)
     prefix_ids = corpus.take(rng, prefix.num_tokens) if prefix else []
+    # Classes from a stream of their own, so that adding them leaves lengths and arrivals as they were.
+    priorities = [0] * n
+    if spec.priorities:
+        classes = np.random.default_rng([spec.seed, 1]).choice(
+            len(spec.priorities), size=n, p=[c.share for c in spec.priorities])
+        priorities = [spec.priorities[int(k)].priority for k in classes]
     requests = []
     for i in range(n):
         ids = (prefix_ids if with_prefix[i] else []) + corpus.take(rng, int(prompt_lens[i]))
         requests.append(BenchRequest(i, ids, corpus.decode(ids), int(output_lens[i]),
-                                     float(offsets[i]), bool(with_prefix[i])))
+                                     float(offsets[i]), bool(with_prefix[i]), priorities[i]))
     return requests
 
 

@@ -20,13 +20,19 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import llguidance
 import torch
 
 from inflight.errors import InvalidRequestError
 from inflight.model.tokenizer import Tokenizer
 from inflight.request import StructuredOutputs
+
+if TYPE_CHECKING:
+    import llguidance
+
+# llguidance is imported where a constraint is first compiled, so that an engine that never
+# sees one does not load it.
 
 
 class Grammar:
@@ -59,6 +65,8 @@ class Grammar:
 
 def _grammar_text(spec: StructuredOutputs) -> str:
     """llguidance's grammar for a constraint; raises ValueError for a malformed one."""
+    import llguidance
+
     match spec.kind:
         case "json":
             assert isinstance(spec.json, str)
@@ -107,6 +115,8 @@ class GrammarCompiler:
             if compiled is not None:
                 self._compiled.move_to_end(spec)
                 return compiled.fresh()
+        import llguidance
+
         tokenizer = self._tokenizer_for_llguidance()
         try:
             text = _grammar_text(spec)
@@ -130,6 +140,8 @@ class TokenMasks:
     """Masks the logits of a step's constrained rows with their grammars' allowed tokens."""
 
     def __init__(self, device: torch.device, num_threads: int = 2) -> None:
+        import llguidance
+
         self.device = device
         self._executor = llguidance.LLExecutor(num_threads=num_threads)
         self._shifts = torch.arange(_BITS, dtype=torch.int32, device=device)

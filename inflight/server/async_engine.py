@@ -74,6 +74,10 @@ class AsyncEngine:
         self.max_model_len = engine.scheduler_config.max_model_len
         self.max_waiting_requests = engine.scheduler_config.max_waiting_requests
         self.max_batch_size = engine.scheduler_config.max_batch_size
+        # The per-request targets the server counts goodput against (seconds; None: not set).
+        cfg = engine.scheduler_config
+        self.ttft_target_s = cfg.ttft_slo_ms / 1e3 if cfg.ttft_slo_ms is not None else None
+        self.tpot_target_s = cfg.tbt_slo_ms / 1e3 if cfg.tbt_slo_ms is not None else None
         self.vocab_size = engine.model_config.vocab_size
         # Every token stands for at most `longest` characters, so a text longer than
         # max_model_len * longest characters cannot fit, whatever its tokens: it can be refused

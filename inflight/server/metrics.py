@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from inflight.engine.output import RequestOutput, StepRecord
 from inflight.engine.stats import EngineStats
-from inflight.request import FinishReason
+from inflight.request import FinishReason, Request
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +73,20 @@ class _EngineCollector:
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    """The server's Prometheus series. With a TTFT or TPOT target (`--ttft-slo-ms`,
+    `--tbt-slo-ms`), finished requests are also counted against them: their rate is the goodput
+    the server sees."""
+
+    def __init__(self, stats: Callable[[], EngineStats], ttft_target_s: float | None = None,
+                 tpot_target_s: float | None = None) -> None:
         self.registry = registry = CollectorRegistry()
+        self.ttft_target_s, self.tpot_target_s = ttft_target_s, tpot_target_s
+        self.slo_good: Counter | None = None
+        if ttft_target_s is not None or tpot_target_s is not None:
+            self.slo_good = Counter(
+                PREFIX + "requests_meeting_slo",
+                "Finished requests that met the TTFT target and the TPOT target (those set): their rate is goodput.",
+                registry=registry)
         registry.register(_EngineCollector(stats))
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prefilled prompt tokens.", registry=registry)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", registry=registry)
@@ -151,3 +163,15 @@ class ServerMetrics:
                 self.itl.observe(t.token_times[-1] - t.token_times[-2])
             if out.finished and t.finished is not None:
                 self.e2e.observe(t.finished - t.arrival)
+                if self.slo_good is not None and out.error is None and self._meets_slo(request):
+                    self.slo_good.inc()
+
+    def _meets_slo(self, request: Request) -> bool:
+        t = request.timings
+        if t.ttft_s is None or t.finished is None or t.first_token is None:
+            return False
+        if self.ttft_target_s is not None and t.ttft_s > self.ttft_target_s:
+            return False
+        n = request.num_output_tokens
+        tpot = (t.finished - t.first_token) / (n - 1) if n > 1 else 0.0
+        return self.tpot_target_s is None or tpot <= self.tpot_target_s
