@@ -25,6 +25,7 @@ from inflight.bench.workload import BenchRequest
 from inflight.errors import InflightError
 
 KV_USAGE = "inflight:kv_cache_usage_perc"
+KV_LIVE = "inflight:kv_cache_live_token_perc"
 KV_PEAK = "inflight:kv_cache_usage_peak_perc"
 PREEMPTIONS = "inflight:num_preemptions_total"
 OOMS = "inflight:oom_total"
@@ -89,8 +90,10 @@ class _MetricsSampler:
         self.first = self.first or values
         self.last = values
         if KV_USAGE in values:
+            live = values.get(KV_LIVE)
             self.samples.append(KvSample(time.perf_counter() - self.t0, 100.0 * values[KV_USAGE],
-                                         int(values.get(RUNNING, 0)), int(values.get(WAITING, 0))))
+                                         int(values.get(RUNNING, 0)), int(values.get(WAITING, 0)),
+                                         100.0 * live if live is not None and values[KV_USAGE] > 0 else None))
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set() and self.available:

@@ -116,7 +116,7 @@ def run_engine(engine: LLMEngine, requests: Sequence[BenchRequest], max_concurre
     before = engine.stats()
     index_of = {f"bench-{r.index}": r.index for r in requests}
     t0 = clock()
-    recorder = StepRecorder(t0, engine.block_manager.num_blocks, index_of)
+    recorder = StepRecorder(t0, engine.block_manager.num_blocks, index_of, engine.block_manager.block_size)
     engine.step_observers.append(recorder)
     bar = tqdm(total=len(requests), desc=label or "bench", unit="req", file=sys.stderr,
                disable=not progress, leave=False)

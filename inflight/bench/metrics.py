@@ -102,6 +102,8 @@ class KvSample:
     kv_usage_perc: float
     num_running: int
     num_waiting: int
+    # Of the allocated KV slots, the share (%) holding live tokens; None where not reported.
+    kv_live_perc: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +150,10 @@ class BenchMetrics:
     num_preemptions: int | None
     num_oom: int | None
     num_kv_allocation_failures: int | None = None
+    # Of the allocated KV slots, the share (%) holding live tokens: time-weighted over the run's
+    # samples with any block in use, and at the sample of peak usage.
+    kv_live_mean_perc: float | None = None
+    kv_live_at_peak_perc: float | None = None
 
 
 def compute_metrics(results: Sequence[RequestResult], duration_s: float,
@@ -183,7 +189,15 @@ def compute_metrics(results: Sequence[RequestResult], duration_s: float,
         num_preemptions=counters.num_preemptions,
         num_oom=counters.num_oom,
         num_kv_allocation_failures=counters.num_kv_allocation_failures,
+        kv_live_mean_perc=time_weighted_mean(live) if (live := _live_points(samples)) else None,
+        kv_live_at_peak_perc=max(with_live, key=lambda s: s.kv_usage_perc).kv_live_perc
+        if (with_live := [s for s in samples if s.kv_live_perc is not None]) else None,
     )
+
+
+def _live_points(samples: Sequence[KvSample]) -> list[tuple[float, float]]:
+    """(time, live share) of the samples that report one: those with KV blocks in use."""
+    return [(s.t_s, s.kv_live_perc) for s in samples if s.kv_live_perc is not None]
 
 
 def time_weighted_mean(points: Sequence[tuple[float, float]]) -> float | None:

@@ -88,13 +88,16 @@ def plot_kv_usage(runs: Sequence[BenchRun], path: Path, title: str = "") -> Path
             continue
         color = colors[i % len(colors)]
         t = [s.t_s for s in samples]
-        ax_kv.step(t, [s.kv_usage_perc for s in samples], where="post", color=color, label=run.label)
+        ax_kv.step(t, [s.kv_usage_perc for s in samples], where="post", color=color, label=f"{run.label} allocated")
+        # The live tokens' share of the pool: allocated times the share of it that is live.
+        live = [s.kv_usage_perc * (s.kv_live_perc if s.kv_live_perc is not None else 100.0) / 100 for s in samples]
+        ax_kv.step(t, live, where="post", color=color, ls=":", label=f"{run.label} live tokens")
         ax_q.step(t, [s.num_running for s in samples], where="post", color=color, label=f"{run.label} running")
         ax_q.step(t, [s.num_waiting for s in samples], where="post", color=color, ls="--", alpha=0.8,
                   label=f"{run.label} waiting")
     ax_kv.set_ylabel("KV cache used (%)")
     ax_kv.set_ylim(0, 100)
-    ax_kv.set_title("KV cache usage")
+    ax_kv.set_title("KV cache usage: blocks allocated (solid) and slots holding live tokens (dotted)")
     ax_q.set_ylabel("requests")
     ax_q.set_xlabel("time since start (s)")
     ax_q.set_title("running (solid) and waiting (dashed) requests")

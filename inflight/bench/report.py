@@ -112,6 +112,8 @@ _ROWS: list[Row | str] = [
     "Engine",
     ("KV cache peak (%)", lambda m: m.kv_peak_perc, ".1f"),
     ("KV cache mean (%)", lambda m: m.kv_mean_perc, ".1f"),
+    ("KV slots live, mean (%)", lambda m: m.kv_live_mean_perc, ".1f"),
+    ("KV slots live, at peak (%)", lambda m: m.kv_live_at_peak_perc, ".1f"),
     ("Preemptions", lambda m: m.num_preemptions, "d"),
     ("KV allocation failures", lambda m: m.num_kv_allocation_failures, "d"),
     ("OOM events", lambda m: m.num_oom, "d"),

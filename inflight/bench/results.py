@@ -52,7 +52,7 @@ class BenchRun:
             "counters": dataclasses.asdict(c.counters),
             "duration_s": c.duration_s,
             "requests": [_rounded(dataclasses.asdict(r)) for r in c.results],
-            "samples": {"fields": ["t_s", "kv_usage_perc", "num_running", "num_waiting"],
+            "samples": {"fields": ["t_s", "kv_usage_perc", "num_running", "num_waiting", "kv_live_perc"],
                         "rows": [_rounded(list(dataclasses.astuple(s))) for s in c.samples]},
             "timeline": c.timeline.to_dict() if c.timeline is not None else None,
         }

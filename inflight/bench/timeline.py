@@ -55,9 +55,10 @@ class StepRecorder:
     """An engine step observer: turns each StepRecord into a StepSample and a KvSample, with
     times relative to `t0` (perf_counter seconds) and request ids mapped to workload indices."""
 
-    def __init__(self, t0: float, num_kv_blocks: int, index_of: dict[str, int]) -> None:
+    def __init__(self, t0: float, num_kv_blocks: int, index_of: dict[str, int], block_size: int = 16) -> None:
         self.t0 = t0
         self.num_kv_blocks = num_kv_blocks
+        self.block_size = block_size
         self.index_of = index_of
         self.timeline = Timeline()
         self.samples: list[KvSample] = []
@@ -69,10 +70,12 @@ class StepRecorder:
             record.start_s - self.t0, record.duration_s, record.num_prefill_tokens,
             record.num_decode_tokens, record.num_wasted_tokens, record.num_preempted, indices,
         ))
+        slots = record.num_kv_blocks_used * self.block_size
         self.samples.append(KvSample(
             record.start_s + record.duration_s - self.t0,
             100.0 * record.num_kv_blocks_used / self.num_kv_blocks,
             record.num_running, record.num_waiting,
+            100.0 * record.num_kv_live_tokens / slots if slots else None,
         ))
         for out in outputs:
             index = self.index_of.get(out.request_id)

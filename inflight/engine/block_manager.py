@@ -195,6 +195,16 @@ class BlockManager:
             if self._ref_cnt[block] == 0:
                 self._free[block] = None
 
+    def num_live_tokens(self, requests: Sequence[Request]) -> int:
+        """Allocated KV slots that hold a token of one of `requests` (the unfinished ones): each
+        request's computed tokens within its table, a block shared by k tables (prefix-cache
+        hits and forks, full blocks) counted once. Blocks held for requests not in `requests`
+        (the static policy's finished members) hold none."""
+        bs = self.block_size
+        mine = sum(min(r.num_computed_tokens, len(self._tables.get(r.request_id, ())) * bs) for r in requests)
+        extra_refs = sum(len(t) for t in self._tables.values()) - self.num_used_blocks
+        return max(0, mine - extra_refs * bs)
+
     def reset_peak(self) -> None:
         self.peak_used_blocks = self.num_used_blocks
 

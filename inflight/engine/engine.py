@@ -466,6 +466,7 @@ class LLMEngine:
             forward_s=timings.forward_s,
             sample_s=timings.sample_s,
             process_s=process_s,
+            num_kv_live_tokens=self.block_manager.num_live_tokens(self.scheduler.running),
         )
         self.step_records.append(record)
         self.scheduler.observe_step(record.work, record.duration_s)

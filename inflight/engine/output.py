@@ -53,6 +53,8 @@ class StepRecord:
     forward_s: float = 0.0
     sample_s: float = 0.0
     process_s: float = 0.0
+    # Allocated KV slots holding a token of an unfinished request, after the step.
+    num_kv_live_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -22,10 +22,18 @@ class EngineStats:
     num_failed_steps: int = 0  # model steps that raised, out of memory or not
     num_prefix_query_tokens: int = 0  # prompt tokens of admitted requests
     num_prefix_hit_tokens: int = 0  # of which found in the prefix cache
+    num_kv_live_tokens: int = 0  # allocated KV slots holding a token of an unfinished request
+    block_size: int = 16
 
     @property
     def kv_cache_usage(self) -> float:
         return self.num_kv_blocks_used / self.num_kv_blocks_total if self.num_kv_blocks_total else 0.0
+
+    @property
+    def kv_live_token_share(self) -> float:
+        """Of the allocated KV slots, the share holding live tokens (1.0 with nothing allocated)."""
+        slots = self.num_kv_blocks_used * self.block_size
+        return self.num_kv_live_tokens / slots if slots else 1.0
 
     @property
     def kv_cache_peak_usage(self) -> float:
@@ -47,4 +55,6 @@ def scheduler_stats(scheduler: Scheduler, num_oom_events: int = 0, num_failed_st
         num_failed_steps=num_failed_steps,
         num_prefix_query_tokens=scheduler.num_prefix_query_tokens,
         num_prefix_hit_tokens=scheduler.num_prefix_hit_tokens,
+        num_kv_live_tokens=bm.num_live_tokens(scheduler.running),
+        block_size=bm.block_size,
     )

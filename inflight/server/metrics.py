@@ -50,6 +50,8 @@ class _EngineCollector:
             ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
             ("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", s.kv_cache_usage),
             ("kv_cache_usage_peak_perc", "Peak fraction of KV blocks in use (0..1).", s.kv_cache_peak_usage),
+            ("kv_cache_live_token_perc", "Of the KV slots in use, the fraction holding a token of an unfinished "
+             "request (0..1): what paging does not waste.", s.kv_live_token_share),
             ("kv_cache_blocks_used", "KV blocks in use.", s.num_kv_blocks_used),
             ("kv_cache_blocks_total", "KV blocks in the pool.", s.num_kv_blocks_total),
         ]
