@@ -163,3 +163,29 @@ def test_the_server_counts_the_requests_meeting_its_targets(loaded) -> None:  # 
                 assert resp.status_code == 200
             assert good_count(server.url) == expected
 
+
+
+def test_waiting_requests_go_by_priority_then_slack_with_late_ones_last() -> None:
+    from inflight.request import Request, SamplingParams
+
+    engine = sim_engine(EngineConfig.from_kwargs(None, num_kv_blocks=1000, scheduling_policy="slo",
+                                                 ttft_slo_ms=1000, tbt_slo_ms=50), COST)
+    scheduler = engine.scheduler
+    now = engine.clock()
+    params = SamplingParams(max_tokens=8)
+
+    def waiting(rid: str, age_s: float, prompt: int, priority: int = 0) -> Request:
+        r = Request(rid, [7] * prompt, params, priority=priority, arrival_time=now - age_s)
+        scheduler.add_request(r)
+        return r
+
+    late = waiting("late", 5.0, 100)  # its deadline passed long ago
+    early = waiting("early", 0.1, 100)  # most slack
+    tight = waiting("tight", 0.8, 100)  # arrived earlier: less slack than `early`
+    assert scheduler.next_waiting() is tight
+    scheduler.take_waiting(tight)
+    assert scheduler.next_waiting() is early
+    scheduler.take_waiting(early)
+    assert scheduler.next_waiting() is late  # served once nobody who can still make it waits
+    urgent = waiting("urgent", 0.0, 100, priority=-1)
+    assert scheduler.next_waiting() is urgent  # priority above deadline
