@@ -31,7 +31,6 @@ from collections.abc import Callable
 from inflight.config import SchedulerConfig
 from inflight.engine.block_manager import BlockManager
 from inflight.engine.priority import PriorityScheduler
-from inflight.engine.scheduler import batch_slots
 from inflight.errors import EngineOverloadedError
 from inflight.request import FinishReason, Request
 from inflight.sim.cost_model import CostModel, SeqWork
@@ -128,7 +127,8 @@ class SLOScheduler(PriorityScheduler):
             return free
         if self._limit_step != self._step_id:
             self._limit_step, self.last_batch_limit = self._step_id, self._tbt_batch_limit()
-        return min(free, self.last_batch_limit - sum(batch_slots(r) for r in self.running))
+        taken = self.config.max_batch_size - free
+        return min(free, self.last_batch_limit - taken)
 
     def _tbt_batch_limit(self) -> int:
         """The most decodes, at the running requests' mean context, that one step takes within
