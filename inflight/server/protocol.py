@@ -356,6 +356,11 @@ class Tool(_Strict):
     function: FunctionDefinition
 
 
+def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """Tools as chat templates take them (OpenAI's shape), or None."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
 class FunctionName(_Strict):
     name: ToolName
 
@@ -428,8 +433,7 @@ class ChatCompletionRequest(GenerationRequest):
         return required_schema(tools, self.parallel_tool_calls)
 
     def template_tools(self) -> list[dict[str, Any]] | None:
-        """The tools as chat templates take them (OpenAI's shape), or None."""
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+        return template_tools(self.tools)
 
     @property
     def num_logprobs(self) -> int | None:

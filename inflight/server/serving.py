@@ -59,6 +59,7 @@ from inflight.server.protocol import (
     ToolCall,
     TopLogprob,
     UsageInfo,
+    template_tools,
 )
 from inflight.server.stream import Delta, RequestStream
 from inflight.server.tools import ToolCallReader, ToolMode, tool_call_format
@@ -322,9 +323,8 @@ class OpenAIServing:
             if req.messages is not None:
                 messages = [m.to_template() for m in req.messages]
                 self._check_num_chars(sum(len(m["content"]) for m in messages), "messages")
-                tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
                 ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages, req.add_generation_prompt,
-                                              tools, self.config.chat_template)
+                                              template_tools(req.tools), self.config.chat_template)
             else:
                 assert req.prompt is not None
                 self._check_num_chars(len(req.prompt), "prompt")
