@@ -77,7 +77,7 @@ def key(requests: list[BenchRequest]) -> list[tuple[Any, ...]]:
 # --- workloads ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["burst", "mixed", "long-prefill", "shared-prefix"])
+@pytest.mark.parametrize("name", ["burst", "mixed", "long-prefill", "shared-prefix", "multi-prefix"])
 def test_same_spec_and_seed_give_same_requests(name: str, char_corpus: Corpus) -> None:
     spec, path = load_workload(name)
     first = generate_requests(spec, char_corpus, path.parent)
@@ -90,7 +90,7 @@ def test_same_spec_and_seed_give_same_requests(name: str, char_corpus: Corpus) -
 
 
 def test_canonical_specs_are_shipped() -> None:
-    assert set(canonical_specs()) == {"burst", "mixed", "long-prefill", "shared-prefix"}
+    assert set(canonical_specs()) == {"burst", "mixed", "long-prefill", "shared-prefix", "multi-prefix"}
     with pytest.raises(WorkloadError, match="no workload 'nope'.*burst"):
         load_workload("nope")
 
@@ -144,6 +144,19 @@ def test_prompts_are_exact_token_lengths_of_real_text(loaded: LoadedModel) -> No
         assert (r.prompt_token_ids[:64] == prefix) == r.has_shared_prefix
         assert all(0 <= t < loaded.tokenizer.vocab_size for t in r.prompt_token_ids)
         assert r.prompt.strip() and "\ufffd" not in r.prompt[1:-1]
+
+
+def test_several_system_prompts(char_corpus: Corpus) -> None:
+    one = parse_workload({**TINY, "num_requests": 60, "shared_prefix": {"fraction": 0.8, "num_tokens": 32}})
+    four = parse_workload({**TINY, "num_requests": 60,
+                           "shared_prefix": {"fraction": 0.8, "num_tokens": 32, "num_prompts": 4}})
+    singles, several = generate_requests(one, char_corpus), generate_requests(four, char_corpus)
+    heads = {tuple(r.prompt_token_ids[:32]) for r in several if r.has_shared_prefix}
+    assert len(heads) == 4  # four distinct system prompts, each drawn to at least one request
+    # The same arrivals, lengths and membership as with one prompt: the draw is on its own stream.
+    assert [(r.arrival_s, r.prompt_len, r.output_len, r.has_shared_prefix) for r in several] == \
+        [(r.arrival_s, r.prompt_len, r.output_len, r.has_shared_prefix) for r in singles]
+    assert [r.prompt_token_ids[32:] for r in several] == [r.prompt_token_ids[32:] for r in singles]
 
 
 def test_trace_files(tmp_path: Path, char_corpus: Corpus) -> None:
@@ -263,6 +276,13 @@ def test_parse_prometheus() -> None:
     values = parse_prometheus(text)
     assert values["inflight:kv_cache_usage_perc"] == 0.25 and values["inflight:oom_total"] == 2.0
     assert values["inflight:request_success_total"] == 7.0
+    # Behind a fleet: one series per replica. Counters add up; the KV gauges keep the fullest pool.
+    fleet = ('inflight:kv_cache_usage_perc{replica="a"} 0.25\ninflight:kv_cache_usage_perc{replica="b"} 0.75\n'
+             'inflight:kv_cache_usage_peak_perc{replica="a"} 0.9\ninflight:kv_cache_usage_peak_perc{replica="b"} 0.8\n'
+             'inflight:num_preemptions_total{replica="a"} 2.0\ninflight:num_preemptions_total{replica="b"} 5.0\n')
+    values = parse_prometheus(fleet)
+    assert values["inflight:kv_cache_usage_perc"] == 0.75 and values["inflight:kv_cache_usage_peak_perc"] == 0.9
+    assert values["inflight:num_preemptions_total"] == 7.0
 
 
 # --- runs and comparisons -----------------------------------------------------------------------

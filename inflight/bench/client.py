@@ -41,8 +41,14 @@ class ServerError(InflightError):
     """The server could not be reached or does not speak the expected API."""
 
 
+# Gauges of one pool each: behind a fleet (one series per replica) the fullest pool speaks for
+# the run, as the KV watermark an SLA bounds is any one pool's. Everything else is summed.
+_HIGHEST = frozenset({KV_USAGE, KV_LIVE, KV_PEAK})
+
+
 def parse_prometheus(text: str) -> dict[str, float]:
-    """Sample values by metric name, summed over label sets (`name{labels} value`)."""
+    """Sample values by metric name: summed over label sets (`name{labels} value`), except the
+    KV pool gauges, of which the highest is kept."""
     values: dict[str, float] = {}
     for line in text.splitlines():
         match = _SAMPLE.match(line)
@@ -50,9 +56,13 @@ def parse_prometheus(text: str) -> dict[str, float]:
             continue
         name, value = match.group(1), match.group(2)
         try:
-            values[name] = values.get(name, 0.0) + float(value)
+            number = float(value)
         except ValueError:
             continue
+        if name in _HIGHEST:
+            values[name] = max(values.get(name, number), number)
+        else:
+            values[name] = values.get(name, 0.0) + number
     return values
 
 

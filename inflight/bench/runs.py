@@ -53,14 +53,15 @@ def parse_value(text: str) -> Any:
     return text.strip()
 
 
-def parse_sweep(text: str) -> tuple[str, list[Any]]:
-    """`max_num_tokens=64,128,256` -> ("max_num_tokens", [64, 128, 256])."""
+def parse_sweep(text: str, extra: Sequence[str] = ()) -> tuple[str, list[Any]]:
+    """`max_num_tokens=64,128,256` -> ("max_num_tokens", [64, 128, 256]); `extra`: option
+    names allowed besides the engine's (the simulator's fleet options)."""
     key, sep, values = text.partition("=")
     key = key.strip().replace("-", "_")
     items = [v for v in values.split(",") if v.strip()]
     if not sep or not key or not items:
         raise ConfigError(f"--sweep wants OPTION=V1,V2,..., got {text!r}")
-    if key not in _engine_option_names():
+    if key not in _engine_option_names() and key not in extra:
         raise ConfigError(f"--sweep: unknown engine option {key!r}")
     return key, [parse_value(v) for v in items]
 

@@ -49,11 +49,14 @@ class WorkloadError(InflightError):
 
 
 class SharedPrefix(SpecModel):
-    """A share of requests start with the same system prompt of `num_tokens` tokens; for them
-    `prompt_len` is the length of the part after it."""
+    """A share of requests start with a system prompt of `num_tokens` tokens; for them
+    `prompt_len` is the length of the part after it. With `num_prompts` > 1 there are that many
+    distinct system prompts, each request drawn to one of them at random (what a fleet's
+    prefix-aware router is for)."""
 
     fraction: float = Field(ge=0, le=1)
     num_tokens: int = Field(ge=1)
+    num_prompts: int = Field(1, ge=1)
 
 
 class PriorityClass(SpecModel):
@@ -174,7 +177,12 @@ def generate_requests(spec: WorkloadSpec, corpus: Corpus, base_dir: Path | None 
     n = len(offsets)
     prefix = spec.shared_prefix
     with_prefix = rng.random(n) < prefix.fraction if prefix else np.zeros(n, dtype=bool)
-    prefix_ids = corpus.take(rng, prefix.num_tokens) if prefix else []
+    prefixes = [corpus.take(rng, prefix.num_tokens)] if prefix else [[]]
+    which = np.zeros(n, dtype=int)
+    if prefix and prefix.num_prompts > 1:  # a stream of their own: one prompt leaves the draws as they were
+        extra = np.random.default_rng([spec.seed, 2])
+        prefixes += [corpus.take(extra, prefix.num_tokens) for _ in range(prefix.num_prompts - 1)]
+        which = extra.integers(0, prefix.num_prompts, size=n)
     # Classes from a stream of their own, so that adding them leaves lengths and arrivals as they were.
     priorities = [0] * n
     if spec.priorities:
@@ -183,7 +191,7 @@ def generate_requests(spec: WorkloadSpec, corpus: Corpus, base_dir: Path | None 
         priorities = [spec.priorities[int(k)].priority for k in classes]
     requests = []
     for i in range(n):
-        ids = (prefix_ids if with_prefix[i] else []) + corpus.take(rng, int(prompt_lens[i]))
+        ids = (prefixes[which[i]] if with_prefix[i] else []) + corpus.take(rng, int(prompt_lens[i]))
         requests.append(BenchRequest(i, ids, corpus.decode(ids), int(output_lens[i]),
                                      float(offsets[i]), bool(with_prefix[i]), priorities[i]))
     return requests

@@ -23,6 +23,21 @@ from collections.abc import Sequence
 from inflight.request import Request
 
 
+def chain_hash(parent: int | None, block_tokens: Sequence[int]) -> int:
+    """The prefix-cache key of a full block: its tokens chained to the key of the block before
+    (None for the first). Python hashes ints, None and tuples of them the same way in every
+    process, so a router elsewhere computes the same keys (`block_hashes`)."""
+    return hash((parent, tuple(block_tokens)))
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The chained keys of every full block of `token_ids`, as the block manager computes them."""
+    hashes: list[int] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        hashes.append(chain_hash(hashes[-1] if hashes else None, token_ids[start:start + block_size]))
+    return hashes
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1:
@@ -69,9 +84,13 @@ class BlockManager:
         bs = self.block_size
         while len(hashes) < num_full:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash((parent, tuple(request.tokens_slice(i * bs, (i + 1) * bs)))))
+            hashes.append(chain_hash(hashes[-1] if hashes else None, request.tokens_slice(i * bs, (i + 1) * bs)))
         return hashes
+
+    def cached_block_hashes(self) -> list[int]:
+        """The keys of every block in the prefix cache (in use or evictable): what a prefix-aware
+        router needs to know of this pool."""
+        return list(self._cached)
 
     def get_computed_blocks(self, request: Request) -> list[int]:
         """Cached blocks holding a prefix of the request's tokens. At least one token is always

@@ -23,6 +23,9 @@ class EngineStats:
     num_prefix_query_tokens: int = 0  # prompt tokens of admitted requests
     num_prefix_hit_tokens: int = 0  # of which found in the prefix cache
     num_kv_live_tokens: int = 0  # allocated KV slots holding a token of an unfinished request
+    # Tokens still to prefill: waiting requests' whole prompts (less cache hits, once admitted)
+    # and the rest of running ones' prompts. The queue a new request waits behind.
+    num_waiting_tokens: int = 0
     block_size: int = 16
 
     @property
@@ -38,6 +41,13 @@ class EngineStats:
     @property
     def kv_cache_peak_usage(self) -> float:
         return self.num_kv_blocks_peak / self.num_kv_blocks_total if self.num_kv_blocks_total else 0.0
+
+
+def num_waiting_tokens(scheduler: Scheduler) -> int:
+    """Tokens still to prefill: all of each waiting request's, and those of each running one
+    beyond the one token a decode step computes."""
+    waiting = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting)
+    return waiting + sum(max(0, r.num_tokens - r.num_computed_tokens - 1) for r in scheduler.running)
 
 
 def scheduler_stats(scheduler: Scheduler, num_oom_events: int = 0, num_failed_steps: int = 0) -> EngineStats:
@@ -56,5 +66,6 @@ def scheduler_stats(scheduler: Scheduler, num_oom_events: int = 0, num_failed_st
         num_prefix_query_tokens=scheduler.num_prefix_query_tokens,
         num_prefix_hit_tokens=scheduler.num_prefix_hit_tokens,
         num_kv_live_tokens=bm.num_live_tokens(scheduler.running),
+        num_waiting_tokens=num_waiting_tokens(scheduler),
         block_size=bm.block_size,
     )

@@ -38,11 +38,9 @@ logger = logging.getLogger(__name__)
 _Body = TypeVar("_Body", bound=BaseModel)
 
 
-async def read_body(request: Request, model: type[_Body], max_bytes: int) -> _Body:
-    """Parses a JSON body into `model`: 413 past `max_bytes` (declared or actually sent, so
-    a chunked upload cannot dodge the limit), 400 for anything malformed. pydantic's own JSON
-    parser refuses what `json.loads` would let through to fail later: lone surrogates (which
-    the tokenizer cannot encode) and nesting deep enough to exhaust the Python stack."""
+async def read_raw_body(request: Request, max_bytes: int) -> bytes:
+    """The request's body; 413 past `max_bytes` (declared or actually sent, so a chunked upload
+    cannot dodge the limit)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise APIError(413, f"the request body is larger than {max_bytes} bytes", code="request_too_large")
@@ -53,8 +51,17 @@ async def read_body(request: Request, model: type[_Body], max_bytes: int) -> _Bo
         if size > max_bytes:
             raise APIError(413, f"the request body is larger than {max_bytes} bytes", code="request_too_large")
         chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_body(request: Request, model: type[_Body], max_bytes: int) -> _Body:
+    """Parses a JSON body into `model`: 413 past `max_bytes`, 400 for anything malformed.
+    pydantic's own JSON parser refuses what `json.loads` would let through to fail later: lone
+    surrogates (which the tokenizer cannot encode) and nesting deep enough to exhaust the Python
+    stack."""
+    body = await read_raw_body(request, max_bytes)
     try:
-        return model.model_validate_json(b"".join(chunks))
+        return model.model_validate_json(body)
     except ValidationError as exc:
         raise from_validation_error(exc.errors(include_input=False)) from None
 

@@ -13,6 +13,7 @@ condition variable otherwise.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -62,7 +63,11 @@ class _AbortAll(NamedTuple):
     message: str
 
 
-_Command = _Add | _Abort | _AbortAll
+class _CachedHashes(NamedTuple):
+    result: concurrent.futures.Future[list[int]]
+
+
+_Command = _Add | _Abort | _AbortAll | _CachedHashes
 
 
 class AsyncEngine:
@@ -200,6 +205,17 @@ class AsyncEngine:
         """Ends a request at the next step boundary (its client went away). Idempotent."""
         self._send(_Abort(request_id))
 
+    async def cached_block_hashes(self) -> list[int]:
+        """The keys of the blocks in the engine's prefix cache, read by the loop thread between
+        two steps (a prefix-aware router's view of this engine)."""
+        result: concurrent.futures.Future[list[int]] = concurrent.futures.Future()
+        with self._lock:
+            if self._stopping or not self.is_alive:
+                raise EngineUnavailableError("the engine loop has stopped")
+            self._commands.append(_CachedHashes(result))
+            self._lock.notify()
+        return await asyncio.wrap_future(result)
+
     def _send(self, command: _Command) -> None:
         with self._lock:
             self._commands.append(command)
@@ -217,6 +233,10 @@ class AsyncEngine:
             self._publish()
         self._fail_all(EngineShutdownError("the server is shutting down; the request was ended early"))
         self._publish()
+        with self._lock:  # questions the loop will never answer now
+            for command in self._commands:
+                if isinstance(command, _CachedHashes):
+                    command.result.set_exception(EngineUnavailableError("the engine loop has stopped"))
         logger.info("engine loop stopped")
 
     def _next_commands(self) -> list[_Command] | None:
@@ -235,6 +255,8 @@ class AsyncEngine:
                 self._apply_add(command)
             elif isinstance(command, _Abort):
                 self._abort(command.request_id)
+            elif isinstance(command, _CachedHashes):
+                command.result.set_result(self._engine.scheduler.block_manager.cached_block_hashes())
             else:
                 self._fail_all(EngineShutdownError(command.message))
         except Exception:  # a bad command must never stop the loop

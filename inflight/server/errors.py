@@ -47,6 +47,11 @@ class APIError(Exception):
         return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status, headers=headers)
 
 
+def error_event(error: APIError) -> str:
+    """A server-sent event carrying `error`: how a stream that has begun reports a failure."""
+    return f"data: {ErrorResponse(error=error.info).model_dump_json()}\n\n"
+
+
 def invalid(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
 

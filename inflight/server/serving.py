@@ -32,7 +32,7 @@ from inflight.server.async_engine import (
     EngineUnavailableError,
 )
 from inflight.server.config import ServerConfig
-from inflight.server.errors import APIError, invalid, param_of
+from inflight.server.errors import APIError, error_event, invalid, param_of
 from inflight.server.metrics import ServerMetrics
 from inflight.server.protocol import (
     ChatChoice,
@@ -51,7 +51,6 @@ from inflight.server.protocol import (
     DeltaToolCall,
     DetokenizeRequest,
     DetokenizeResponse,
-    ErrorResponse,
     FinishReasonName,
     GenerationRequest,
     TokenizeRequest,
@@ -501,7 +500,7 @@ class OpenAIServing:
                 if delta.error is not None or delta.finish_reason is FinishReason.ERROR:
                     self.metrics.count_failure("error")
                     self._abort_all(streams)
-                    yield _error_event(APIError(500, delta.error or "internal error"))
+                    yield error_event(APIError(500, delta.error or "internal error"))
                     yield _DONE
                     return
                 piece = fmt.chunk(index, delta)
@@ -509,7 +508,7 @@ class OpenAIServing:
                     yield _sse(piece, exclude_usage=not include_usage)
         except EngineFailedError as exc:
             self._abort_all(streams)
-            yield _error_event(self._ended_by_engine(exc))
+            yield error_event(self._ended_by_engine(exc))
             yield _DONE
             return
         ends = list(last.values())
@@ -596,10 +595,6 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Delt
     finally:
         for task in tasks:
             task.cancel()
-
-
-def _error_event(error: APIError) -> str:
-    return f"data: {ErrorResponse(error=error.info).model_dump_json()}\n\n"
 
 
 async def _wait_disconnect(receive: Receive) -> None:

@@ -71,6 +71,10 @@ def register(subparsers: Any) -> None:
     g.add_argument("--max-num-tokens-grid", default="256,512,1024,2048,4096,8192", metavar="N,N,...")
     g.add_argument("--max-batch-size-grid", default="16,32,64,128,256", metavar="N,N,...")
     g.add_argument("--chunked-prefill-grid", default="on,off", metavar="on,off")
+    g.add_argument("--replicas-grid", default="1", metavar="N,N,...",
+                   help="fleet sizes to search (engine replicas behind a router; default 1)")
+    g.add_argument("--router-grid", default="prefix", metavar="P,P,...",
+                   help="routing policies to search with replicas > 1: prefix, pow2, round-robin")
     g.add_argument("--max-rate", action="store_true",
                    help="also find, for the best --top configurations, the highest Poisson rate that passes")
     g.add_argument("--top", type=int, default=5, help="configurations given a rate search (default 5)")
@@ -84,6 +88,10 @@ def _add_target_options(parser: argparse.ArgumentParser) -> None:
     t = parser.add_argument_group("simulated target")
     t.add_argument("--hardware", default="cpu-local", help=_HARDWARE_HELP + " (default cpu-local)")
     t.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (default 1)")
+    t.add_argument("--replicas", type=int, default=1,
+                   help="engine replicas behind a router, as `inflight serve --replicas` (default 1)")
+    t.add_argument("--router", default="prefix", choices=["prefix", "pow2", "round-robin"],
+                   help="the fleet's routing policy (with --replicas 2 or more)")
     t.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of each GPU's memory for weights and KV, as vLLM's option (default 0.9)")
     t.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
@@ -131,10 +139,15 @@ def _workload(args: argparse.Namespace) -> tuple[Any, Path]:
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine's options, and the fleet's (replicas, router) where there is more than one."""
     from inflight.cli import engine_options
 
     options = engine_options(args)
     options.pop("device", None)
+    if args.replicas < 1:
+        raise ConfigError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.replicas > 1:
+        options.update(replicas=args.replicas, router=args.router)
     return options
 
 
@@ -156,7 +169,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     from inflight.bench.report import format_table, write_run_file
     from inflight.bench.runs import parse_compare, parse_sweep, plan_runs
     from inflight.bench.sla import check_run, format_check, load_sla
-    from inflight.sim.runs import simulate_plans
+    from inflight.sim.runs import FLEET_OPTIONS, simulate_plans
     from inflight.sim.workload import synthetic_requests
 
     target = _target(args)
@@ -166,7 +179,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     sla = load_sla(args.sla) if args.sla else None
     slo = sla.goodput.slo() if sla and sla.goodput else None
     compare = parse_compare(args.compare) if args.compare else []
-    sweeps = [parse_sweep(s) for s in args.sweep]
+    sweeps = [parse_sweep(s, extra=FLEET_OPTIONS) for s in args.sweep]
     requests = synthetic_requests(spec, spec_path.parent)
     runs = simulate_plans(target, _engine_options(args), plan_runs(compare, sweeps), requests,
                           args.max_concurrency, slo)
@@ -248,13 +261,17 @@ def cmd_tune(args: argparse.Namespace) -> int:
     chunked = tuple(parse_value(v) for v in args.chunked_prefill_grid.split(",") if v.strip())
     if not chunked or not all(isinstance(v, bool) for v in chunked):
         raise ConfigError("--chunked-prefill-grid wants on, off or on,off")
+    routers = tuple(r.strip() for r in args.router_grid.split(",") if r.strip())
+    if not routers or any(r not in ("prefix", "pow2", "round-robin") for r in routers):
+        raise ConfigError("--router-grid wants prefix, pow2 and round-robin, separated by commas")
     space = SearchSpace(ints(args.max_num_tokens_grid, "max-num-tokens-grid"),
-                        ints(args.max_batch_size_grid, "max-batch-size-grid"), chunked)
+                        ints(args.max_batch_size_grid, "max-batch-size-grid"), chunked,
+                        ints(args.replicas_grid, "replicas-grid"), routers)
     target = _target(args)
     spec, spec_path = _workload(args)
     sla = load_sla(args.sla)
     base = {k: v for k, v in _engine_options(args).items()
-            if k not in ("max_num_tokens", "max_batch_size", "enable_chunked_prefill")}
+            if k not in ("max_num_tokens", "max_batch_size", "enable_chunked_prefill", "replicas", "router")}
     tuner = Tuner(target, spec, sla, base, spec_path.parent, args.max_concurrency)
     candidates = tuner.search(space)
     passing = [c for c in candidates if c.passed]
@@ -274,7 +291,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.output and passing:
         document = _document(args, target, spec, spec_path, len(tuner.requests), sla)
         document["tune"] = {"space": {"max_num_tokens": space.max_num_tokens, "max_batch_size": space.max_batch_size,
-                                      "enable_chunked_prefill": space.enable_chunked_prefill},
+                                      "enable_chunked_prefill": space.enable_chunked_prefill,
+                                      "replicas": space.replicas, "routers": space.routers},
                             "max_rates": {c.label: c.max_rate for c in passing}}
         write_run_file(Path(args.output), document, [c.run for c in passing])
         print(f"wrote {args.output}", file=sys.stderr)

@@ -12,7 +12,10 @@ from inflight.bench.results import BenchRun
 from inflight.bench.runs import RunPlan, resolve_options
 from inflight.bench.workload import BenchRequest
 from inflight.config import EngineConfig, ModelConfig
+from inflight.errors import ConfigError
+from inflight.fleet.routing import RouterConfig
 from inflight.sim.cost_model import CostModel
+from inflight.sim.fleet import run_fleet
 from inflight.sim.hardware import HardwareProfile
 from inflight.sim.simulator import run_simulation, sim_engine
 
@@ -37,17 +40,40 @@ class SimTarget:
                 "gpu_memory_utilization": self.gpu_memory_utilization, "hardware": hw}
 
 
+# Options of the fleet, not of one engine: `replicas` engines behind the `router` policy.
+FLEET_OPTIONS = ("replicas", "router")
+
+
 def simulate(target: SimTarget, options: dict[str, Any], requests: Sequence[BenchRequest], label: str = "sim",
              max_concurrency: int | None = None, slo: RequestSLO | None = None) -> BenchRun:
     """Simulates the requests on an engine built with `options` (the engine's keyword options,
-    as `inflight bench` takes them; device and seed are ignored)."""
-    config = EngineConfig.from_kwargs(None, **options)
+    as `inflight bench` takes them; device and seed are ignored). With `replicas` N > 1 among
+    them, on a fleet of N such engines behind the `router` policy (default prefix), as
+    `inflight serve --replicas N` runs them."""
+    engine_options = {k: v for k, v in options.items() if k not in FLEET_OPTIONS}
+    replicas = int(options.get("replicas", 1))
+    config = EngineConfig.from_kwargs(None, **engine_options)
     cost_model = CostModel(target.shapes, target.hardware, target.tp, config.dtype)
-    engine = sim_engine(config, cost_model, target.gpu_memory_utilization)
-    capture = run_simulation(engine, requests, max_concurrency)
     recorded = {**options, "model": target.model_name, "hardware": target.hardware.name, "tp": target.tp,
-                "dtype": cost_model.dtype, "num_kv_blocks_allocated": engine.block_manager.num_blocks}
-    return BenchRun.measure(label, recorded, capture, slo)
+                "dtype": cost_model.dtype}
+    if replicas < 1:
+        raise ConfigError(f"replicas must be >= 1, got {replicas}")
+    if replicas == 1:
+        engine = sim_engine(config, cost_model, target.gpu_memory_utilization)
+        capture = run_simulation(engine, requests, max_concurrency)
+        recorded["num_kv_blocks_allocated"] = engine.block_manager.num_blocks
+        return BenchRun.measure(label, recorded, capture, slo)
+    if max_concurrency is not None:
+        raise ConfigError("--max-concurrency is for one engine; a simulated fleet takes the whole workload")
+    try:
+        router = RouterConfig(options.get("router", "prefix"))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    engines = [sim_engine(config, cost_model, target.gpu_memory_utilization) for _ in range(replicas)]
+    result = run_fleet(engines, requests, router)
+    recorded.update(num_kv_blocks_allocated=engines[0].block_manager.num_blocks, routed=result.routed,
+                    prefix_hit_rate=round(result.prefix_hit_rate, 4))
+    return BenchRun.measure(label, recorded, result.capture, slo)
 
 
 def simulate_plans(target: SimTarget, base_options: dict[str, Any], plans: Sequence[RunPlan],

@@ -21,14 +21,21 @@ from inflight.sim.workload import synthetic_requests
 
 @dataclass(frozen=True)
 class SearchSpace:
+    """Engine options, and with `replicas` beyond (1,) the fleet's size and routing policy."""
+
     max_num_tokens: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192)
     max_batch_size: tuple[int, ...] = (16, 32, 64, 128, 256)
     enable_chunked_prefill: tuple[bool, ...] = (True, False)
+    replicas: tuple[int, ...] = (1,)
+    routers: tuple[str, ...] = ("prefix",)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        for tokens, batch, chunked in itertools.product(self.max_num_tokens, self.max_batch_size,
-                                                        self.enable_chunked_prefill):
-            yield {"max_num_tokens": tokens, "max_batch_size": batch, "enable_chunked_prefill": chunked}
+        fleets: list[dict[str, Any]] = [{"replicas": 1}] if self.replicas == (1,) else [
+            {"replicas": n, "router": r} for n in self.replicas for r in (self.routers if n > 1 else self.routers[:1])]
+        for fleet, tokens, batch, chunked in itertools.product(fleets, self.max_num_tokens, self.max_batch_size,
+                                                               self.enable_chunked_prefill):
+            options = {"max_num_tokens": tokens, "max_batch_size": batch, "enable_chunked_prefill": chunked}
+            yield options if self.replicas == (1,) else {**fleet, **options}
 
 
 @dataclass(slots=True)
@@ -45,7 +52,10 @@ class Candidate:
     @property
     def label(self) -> str:
         o = self.overrides
-        return f"tokens={o['max_num_tokens']} batch={o['max_batch_size']} " + (
+        fleet = f"replicas={o['replicas']} " if "replicas" in o else ""
+        if o.get("replicas", 1) > 1:
+            fleet += f"router={o['router']} "
+        return fleet + f"tokens={o['max_num_tokens']} batch={o['max_batch_size']} " + (
             "chunked" if o["enable_chunked_prefill"] else "whole-prompt")
 
 
@@ -157,13 +167,16 @@ def tune(tuner: Tuner, space: SearchSpace, find_max_rate: bool = False, top: int
 
 
 def format_candidates(candidates: Sequence[Candidate], title: str) -> str:
-    header = (f"{'#':>3} {'max_num_tokens':>14} {'max_batch_size':>14} {'chunked':>8} {'out tok/s':>10} "
+    fleet = any("replicas" in c.overrides for c in candidates)
+    header = (f"{'#':>3} " + (f"{'replicas':>8} {'router':>11} " if fleet else "")
+              + f"{'max_num_tokens':>14} {'max_batch_size':>14} {'chunked':>8} {'out tok/s':>10} "
               f"{'TTFT p99 ms':>12} {'TBT p99 ms':>11} {'KV peak %':>9} {'preempt':>7} {'max req/s':>9}")
     lines = [title, header, "-" * len(header)]
     for i, c in enumerate(candidates, 1):
         m, o = c.run.metrics, c.overrides
         rate = "-" if c.max_rate is None else f"{c.max_rate:.3g}"
-        lines.append(f"{i:>3} {o['max_num_tokens']:>14} {o['max_batch_size']:>14} "
+        where = f"{o.get('replicas', 1):>8} {o.get('router', '-') if o.get('replicas', 1) > 1 else '-':>11} "
+        lines.append(f"{i:>3} " + (where if fleet else "") + f"{o['max_num_tokens']:>14} {o['max_batch_size']:>14} "
                      f"{'on' if o['enable_chunked_prefill'] else 'off':>8} {m.output_throughput:>10.1f} "
                      f"{_ms(m.ttft_ms.p99):>12} {_ms(m.tbt_ms.p99):>11} {_num(m.kv_peak_perc):>9} "
                      f"{_num(m.num_preemptions):>7} {rate:>9}")

@@ -1,0 +1,93 @@
+"""Ray Serve's autoscaling under a burst, on a real fleet: `inflight serve --replicas 1
+--min-replicas 1 --max-replicas N`, a burst of long requests, then quiet; printed once a second,
+the replicas reporting and the requests running and waiting over all of them, until the fleet
+is back to its minimum.
+
+    .venv/bin/python benchmarks/fleet_autoscale.py                       # 1 -> 2 -> 1 on 2 cores, ~2 min
+    .venv/bin/python benchmarks/fleet_autoscale.py --max-replicas 4 --replica-cpus 2 --requests 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from inflight.bench.client import parse_prometheus
+
+REPORTING = "inflight:fleet_replicas_reporting"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max-replicas", type=int, default=2)
+    parser.add_argument("--replica-cpus", type=int, default=1)
+    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--target-ongoing-requests", type=float, default=4)
+    parser.add_argument("--downscale-delay", type=float, default=15)
+    parser.add_argument("--port", type=int, default=8011)
+    args = parser.parse_args()
+    url = f"http://127.0.0.1:{args.port}"
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / "fleet-autoscale.log"
+    cmd = [sys.executable, "-m", "inflight.cli", "serve", "--replicas", "1", "--min-replicas", "1",
+           "--max-replicas", str(args.max_replicas), "--replica-cpus", str(args.replica_cpus),
+           "--target-ongoing-requests", str(args.target_ongoing_requests), "--upscale-delay", "2",
+           "--downscale-delay", str(args.downscale_delay), "--port", str(args.port), "--num-kv-blocks", "512",
+           "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if parse_prometheus(httpx.get(url + "/metrics", timeout=2).text).get(REPORTING, 0) >= 1:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise SystemExit(f"the fleet did not come up; see {log}")
+            time.sleep(0.5)
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        done = [0]
+
+        def one(i: int) -> None:
+            body = {"model": model, "prompt": f"Chapter {i}.", "max_tokens": args.max_tokens, "ignore_eos": True}
+            httpx.post(url + "/v1/completions", json=body, timeout=600)
+            done[0] += 1
+
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(args.requests)]
+        for t in threads:
+            t.start()
+        print(f"{'t (s)':>6} {'replicas':>8} {'running':>8} {'waiting':>8} {'done':>5}")
+        peak, back_at = 1, None
+        while time.monotonic() - t0 < 600:
+            values = parse_prometheus(httpx.get(url + "/metrics", timeout=5).text)
+            replicas = int(values.get(REPORTING, 0))
+            peak = max(peak, replicas)
+            running = int(values.get("inflight:num_requests_running", 0))
+            waiting = int(values.get("inflight:num_requests_waiting", 0))
+            print(f"{time.monotonic() - t0:6.0f} {replicas:8d} {running:8d} {waiting:8d} {done[0]:5d}", flush=True)
+            if done[0] == args.requests and peak > 1 and replicas == 1:
+                back_at = time.monotonic() - t0
+                break
+            time.sleep(1)
+        print(f"peak {peak} replicas; back to 1 at {back_at if back_at is None else round(back_at)} s")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""One engine replica of the fleet: a Ray Serve deployment around the single-process server.
+
+Each replica builds its own engine and its own copy of the single-process app, and runs every
+forwarded request through that app (`inflight.fleet.asgi`), so a replica answers exactly as
+`inflight serve` does alone. Besides requests it answers Ray Serve's two questions:
+`record_routing_stats` (its load and prefix-cache keys, for the router; it also hands its
+Prometheus text to the fleet's metrics board) and `check_health`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+import torch
+from ray import serve
+
+from inflight.config import EngineConfig
+from inflight.engine.engine import LLMEngine
+from inflight.fleet.asgi import ForwardedRequest, ResponseStart, call_app
+from inflight.fleet.routing import ReplicaLoad, RouteHint
+from inflight.server.app import build_app
+from inflight.server.async_engine import AsyncEngine
+from inflight.server.config import ServerConfig
+
+logger = logging.getLogger("ray.serve")
+
+
+class EngineReplica:
+    def __init__(self, model: str | None, engine_options: dict[str, Any], server_config: ServerConfig,
+                 threads: int, board: Any = None) -> None:
+        torch.set_num_threads(max(1, threads))
+        self.engine = AsyncEngine(LLMEngine(EngineConfig.from_kwargs(model, **engine_options)))
+        # The app's lifespan would start the engine; here the replica's life is the app's.
+        self.app = build_app(self.engine, server_config)
+        self.engine.start()
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._board = board  # the MetricsBoard actor, or None
+        self._where = {"pid": str(os.getpid()), "node": ray.get_runtime_context().get_node_id()[:12]}
+
+    async def handle(self, request: ForwardedRequest, route: RouteHint | None = None
+                     ) -> AsyncIterator[ResponseStart | bytes]:
+        """`route` is the router's (what it knew of the request); the app needs nothing of it.
+        The response says which replica answered (`x-inflight-replica`)."""
+        async for item in call_app(self.app, request):
+            if isinstance(item, ResponseStart):
+                item = ResponseStart(item.status, (*item.headers, ("x-inflight-replica", self.replica_id)))
+            yield item
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        stats = self.engine.stats
+        load = ReplicaLoad(time=time.time(), free_blocks=stats.num_kv_blocks_total - stats.num_kv_blocks_used,
+                           total_blocks=stats.num_kv_blocks_total, waiting_tokens=stats.num_waiting_tokens,
+                           num_running=stats.num_running, num_waiting=stats.num_waiting,
+                           cached=frozenset(await self.engine.cached_block_hashes()))
+        if self._board is not None:
+            self._board.report.remote(self.replica_id, self.app.state.metrics.render(), self._where)
+        return load.to_dict()
+
+    def check_health(self) -> None:
+        if not self.engine.is_alive:
+            raise RuntimeError("the engine loop has stopped")
+
+    def __del__(self) -> None:
+        # Ray Serve calls this at a graceful stop, once the ongoing requests have finished (or
+        # graceful_shutdown_timeout_s has passed): what is left ends with an error.
+        self.engine.stop()
