@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -46,6 +49,10 @@ def test_block_hashes_are_the_block_managers_keys() -> None:
     bm.cache_full_blocks(request)
     assert sorted(bm.cached_block_hashes()) == sorted(block_hashes(tokens, BS))
     assert len(block_hashes(tokens, BS)) == 5
+    # The same keys in another process (the router's), whatever its address-space layout.
+    code = f"from inflight.engine.block_manager import block_hashes; print(block_hashes({tokens!r}, {BS}))"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(other.stdout) == block_hashes(tokens, BS)
     # Chained: the same block after a different prefix has a different key.
     assert block_hashes([1, 2, 3, 4, 5, 6, 7, 8], BS)[1] != block_hashes([9, 9, 9, 9, 5, 6, 7, 8], BS)[1]
 

@@ -284,3 +284,32 @@ def test_gguf_tokenizer_cache_gives_the_same_tokenizer(tmp_path, monkeypatch):
     assert cached.decode(ids) == rebuilt.decode(ids)
     assert (cached.eos_token_ids, cached.vocab_size) == (rebuilt.eos_token_ids, rebuilt.vocab_size)
     assert cached.hf.all_special_ids == rebuilt.hf.all_special_ids
+
+
+def test_gguf_index_cache_gives_the_same_weights(tmp_path, monkeypatch):
+    """The second load reads the saved tensor table instead of parsing the GGUF metadata, and
+    gets the same config, weights and raw blocks; a corrupt table falls back to parsing."""
+    import gguf
+
+    from inflight.model import loader
+
+    monkeypatch.setenv("INFLIGHT_CACHE", str(tmp_path))
+    source = resolve_model(None)
+    loader._read_gguf.cache_clear()
+    config, weights = load_checkpoint(source, torch.float32)
+    blocks = loader.load_gguf_blocks(source, config)
+    (table,) = (tmp_path / "gguf").glob("*.json")
+    loader._read_gguf.cache_clear()
+    parsed = []
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: parsed.append(a) or pytest.fail("parsed again"))
+    config2, weights2 = load_checkpoint(source, torch.float32)
+    assert not parsed and config2 == config and weights2.keys() == weights.keys()
+    assert all(torch.equal(weights[k], weights2[k]) for k in weights)
+    blocks2 = loader.load_gguf_blocks(source, config2)
+    assert blocks2.keys() == blocks.keys() and all(torch.equal(blocks[k][1], blocks2[k][1]) for k in blocks)
+    monkeypatch.undo()
+    monkeypatch.setenv("INFLIGHT_CACHE", str(tmp_path))
+    table.write_text("{not json")
+    loader._read_gguf.cache_clear()
+    assert load_checkpoint(source, torch.float32)[0] == config
+    loader._read_gguf.cache_clear()

@@ -23,11 +23,16 @@ from collections.abc import Sequence
 from inflight.request import Request
 
 
+# The parent of a prompt's first block. Not None: before Python 3.12, None hashes by its address,
+# which differs between processes.
+_ROOT = 0x9E3779B97F4A7C15
+
+
 def chain_hash(parent: int | None, block_tokens: Sequence[int]) -> int:
     """The prefix-cache key of a full block: its tokens chained to the key of the block before
-    (None for the first). Python hashes ints, None and tuples of them the same way in every
-    process, so a router elsewhere computes the same keys (`block_hashes`)."""
-    return hash((parent, tuple(block_tokens)))
+    (None for the first). Python hashes ints and tuples of ints the same way in every process,
+    so a router in another process computes the same keys (`block_hashes`)."""
+    return hash((_ROOT if parent is None else parent, tuple(block_tokens)))
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:

