@@ -21,3 +21,7 @@ class InvalidRequestError(InflightError, ValueError):
 
 class EngineOverloadedError(InflightError):
     """The waiting queue is full; the caller should retry later."""
+
+
+class FleetError(InflightError):
+    """The fleet of replicas could not start: Ray, Ray Serve or a replica's constructor failed."""

@@ -28,6 +28,8 @@ from inflight.engine.llm import LLM
 from inflight.request import SamplingParams
 from tests.test_server_sigterm import _free_port, _wait_healthy
 
+API_KEY = "fleet-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_WAITING_TOKENS = 300  # the router's overload limit in this fleet: two of the prompts below
 SYSTEM = ("You are a careful assistant for a shipping company. Answer in one short sentence, cite the "
           "relevant rule by its number, and never invent a rule. Rules: 1. Parcels over 30 kg go by freight. "
@@ -37,7 +39,7 @@ SYSTEM = ("You are a careful assistant for a shipping company. Answer in one sho
 class Fleet:
     def __init__(self, url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
         self.url, self.proc, self.log = url, proc, log
-        self.client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        self.client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
     def metrics(self) -> dict[tuple[str, str | None], float]:
         text = httpx.get(self.url + "/metrics", timeout=10).text
@@ -65,7 +67,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "inflight.cli", "serve", "--replicas", "2", "--replica-cpus", "1", "--port", str(port),
          "--num-kv-blocks", "256", "--max-model-len", "1024", "--shutdown-timeout", "10", "--log-level", "warning",
-         "--router-max-waiting-tokens", str(MAX_WAITING_TOKENS)],
+         "--router-max-waiting-tokens", str(MAX_WAITING_TOKENS), "--api-key", API_KEY],
         stdout=log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     fleet = Fleet(f"http://127.0.0.1:{port}", proc, log)
     try:
@@ -110,7 +112,10 @@ def test_openai_client_through_the_fleet_matches_one_process(fleet: Fleet, make_
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=model, prompt="x", max_tokens=5, logprobs=99)
     assert "logprobs" in str(err.value)
-    assert httpx.post(fleet.url + "/tokenize", json={"prompt": "hello world"}).json()["count"] >= 2
+    assert httpx.post(fleet.url + "/tokenize", json={"prompt": "hello world"}, headers=AUTH).json()["count"] >= 2
+    # The API key holds through the fleet.
+    refused = httpx.post(fleet.url + "/v1/completions", json={"model": model, "prompt": "x"})
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_prefix_affinity_and_the_overload_fallback(fleet: Fleet) -> None:
@@ -151,7 +156,7 @@ def test_a_killed_replica_ends_its_streams_with_an_error(fleet: Fleet) -> None:
 
     def stream(i: int) -> None:
         body = {"model": model, "prompt": f"Tale {i}:", "max_tokens": 400, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", fleet.url + "/v1/completions", json=body, timeout=120) as resp:
+        with httpx.stream("POST", fleet.url + "/v1/completions", json=body, headers=AUTH, timeout=120) as resp:
             replica_of[i] = resp.headers.get("x-inflight-replica")
             for line in resp.iter_lines():
                 if line.startswith("data: "):

@@ -25,7 +25,7 @@ BS = 4
 
 
 def hint(tokens: list[int]) -> RouteHint:
-    return RouteHint(len(tokens), tuple(block_hashes(tokens, BS)))
+    return RouteHint(len(tokens), tuple(block_hashes(tokens, BS)), BS)
 
 
 def load(cached: list[int] = (), free: int = 100, total: int = 100, waiting: int = 0, t: float = 1.0) -> ReplicaLoad:
@@ -98,8 +98,9 @@ def test_routed_requests_count_until_a_later_report_shows_them() -> None:
     again = router.choose(["a", "b"], hint(prompt))
     assert again.reason == "prefix" and again.ranked[0] == first.ranked[0]
     assert router.waiting_tokens(first.ranked[0]) == 80
-    router.on_routed(first.ranked[0], hint(prompt), key="second")
-    assert router.waiting_tokens(first.ranked[0]) == 160
+    # A second request with that prefix adds only what is not cached there: its own 6 tokens.
+    router.on_routed(first.ranked[0], hint(prompt + [1, 2, 3, 4, 5, 6]), key="second")
+    assert router.waiting_tokens(first.ranked[0]) == 86
     router.on_finished(first.ranked[0], key="second")  # it has ended: it waits no more
     assert router.waiting_tokens(first.ranked[0]) == 80
     router.on_routed(first.ranked[0], hint(prompt), key="third")

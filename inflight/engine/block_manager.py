@@ -22,7 +22,6 @@ from collections.abc import Sequence
 
 from inflight.request import Request
 
-
 # The parent of a prompt's first block. Not None: before Python 3.12, None hashes by its address,
 # which differs between processes.
 _ROOT = 0x9E3779B97F4A7C15

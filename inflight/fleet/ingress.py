@@ -12,6 +12,7 @@ has begun, it ends with an error event instead.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -34,6 +35,7 @@ from inflight.fleet.routing import RouteHint
 from inflight.model.loader import resolve_model
 from inflight.model.tokenizer import Tokenizer
 from inflight.server.app import read_raw_body
+from inflight.server.config import ServerConfig
 from inflight.server.errors import APIError, error_event
 from inflight.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -75,16 +77,23 @@ def prompt_tokens(path: str, body: bytes, tokenizer: Tokenizer, chat_template: s
 
 
 class FleetIngress:
-    def __init__(self, replicas: DeploymentHandle, model: str | None, block_size: int, chat_template: str | None,
-                 max_body_bytes: int, board: Any = None) -> None:
+    def __init__(self, replicas: DeploymentHandle, model: str | None, block_size: int, server: ServerConfig,
+                 board: Any = None) -> None:
         self.replicas = replicas
         self.tokenizer = Tokenizer.load(resolve_model(model))
         self.block_size = block_size
-        self.chat_template = chat_template
-        self.max_body_bytes = max_body_bytes
+        self.chat_template = server.chat_template
+        self.max_body_bytes = server.max_body_bytes
+        self.api_key = server.api_key
         self._board = board  # the MetricsBoard actor, or None
         self.accepting = True
         self.num_active = 0
+
+    def _authorized(self, request: Request) -> bool:
+        if self.api_key is None:
+            return True
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
 
     # --- control, called by the launcher ------------------------------------------------------
 
@@ -112,10 +121,12 @@ class FleetIngress:
         except APIError as exc:
             return exc.response()
         hint = None
-        if request.method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
+        # Tokenizing costs time: only for requests the replica will not refuse at once (401).
+        generation = request.method == "POST" and path in ("/v1/completions", "/v1/chat/completions")
+        if generation and self._authorized(request):
             ids = await asyncio.to_thread(prompt_tokens, path, body, self.tokenizer, self.chat_template)
             if ids is not None:
-                hint = RouteHint(len(ids), tuple(block_hashes(ids, self.block_size)))
+                hint = RouteHint(len(ids), tuple(block_hashes(ids, self.block_size)), self.block_size)
         forwarded = ForwardedRequest(request.method, path, request.url.query.encode("latin-1"),
                                      forwardable(list(request.headers.items())), body)
         self.num_active += 1

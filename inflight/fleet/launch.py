@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from inflight.errors import ConfigError
+from inflight.errors import ConfigError, FleetError
 from inflight.fleet.routing import POLICIES, RouterConfig
 from inflight.server.config import ServerConfig
 
@@ -155,8 +155,11 @@ def deploy(fleet: FleetConfig, model: str | None, engine_options: dict[str, Any]
     replicas = serve.deployment(**replica_options)(EngineReplica).bind(model, engine_options, server, cpus, board)
     ingress = serve.deployment(name="Ingress", num_replicas=1, max_ongoing_requests=1_000_000,
                                ray_actor_options={"num_cpus": 0})(FleetIngress).bind(
-        replicas, model, block_size, server.chat_template, server.max_body_bytes, board)
-    handle = serve.run(ingress, name=APP_NAME, route_prefix="/")
+        replicas, model, block_size, server, board)
+    try:
+        handle = serve.run(ingress, name=APP_NAME, route_prefix="/")
+    except RuntimeError as exc:  # Serve's word for a deployment that failed; the replicas' logs say why
+        raise FleetError(f"the fleet did not start: {exc}") from None
     return RunningFleet(f"http://{host}:{port}", handle, fleet)
 
 

@@ -6,8 +6,9 @@ what `inflight sim --replicas` predicts is what `inflight serve --replicas` does
 Each replica reports a `ReplicaLoad` now and then: its KV blocks free and in all, the tokens
 waiting to be prefilled, and the keys of the blocks in its prefix cache (the block manager's
 chained hashes, so equal keys mean equal prefixes). Between two reports the router counts what
-it sent itself (`Router.on_routed`): each request's prompt tokens, waiting until the request
-ends (`on_finished`), and its block keys, which that replica will cache once it prefills them.
+it sent itself (`Router.on_routed`): each request's prompt tokens less those cached there,
+waiting until the request ends (`on_finished`), and its block keys, which that replica will
+cache once it prefills them.
 Entries older than the newest report by more than `report_lag_s` are dropped, since the report
 already shows them.
 
@@ -77,6 +78,7 @@ class RouteHint:
 
     num_prompt_tokens: int = 0
     block_hashes: tuple[int, ...] = ()
+    block_size: int = 16
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,7 @@ class RouterConfig:
 class _Routed:
     time: float
     hint: RouteHint
+    prefill_tokens: int  # what it adds to its replica's queue: the prompt less what was cached there
     key: Hashable | None = None
     finished: bool = False  # no longer waiting; its prefix still counts as cached there
 
@@ -147,8 +150,9 @@ class Router(Generic[R]):
 
     def on_routed(self, replica: R, hint: RouteHint, key: Hashable | None = None) -> None:
         """A request went to `replica`; `key` names it for `on_finished`."""
+        cached = self.matched_blocks(replica, hint.block_hashes) * hint.block_size
         view = self._views.setdefault(replica, _View())
-        view.routed.append(_Routed(self._clock(), hint, key))
+        view.routed.append(_Routed(self._clock(), hint, max(0, hint.num_prompt_tokens - cached), key))
         view.in_flight += 1
 
     def on_finished(self, replica: R, key: Hashable | None = None) -> None:
@@ -191,7 +195,7 @@ class Router(Generic[R]):
         if view is None:
             return 0
         reported = view.report.waiting_tokens if view.report is not None else 0
-        return reported + sum(r.hint.num_prompt_tokens for r in view.routed if not r.finished)
+        return reported + sum(r.prefill_tokens for r in view.routed if not r.finished)
 
     def is_overloaded(self, replica: R) -> bool:
         view = self._views.get(replica)

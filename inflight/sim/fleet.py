@@ -89,7 +89,7 @@ def run_fleet(engines: Sequence[LLMEngine], requests: Sequence[BenchRequest], co
             if arrival - last_report[j] >= stats_period_s:
                 router.report(j, replica_load(engine, arrival))
                 last_report[j] = arrival
-        hint = RouteHint(request.prompt_len, tuple(block_hashes(request.prompt_token_ids, block_size)))
+        hint = RouteHint(request.prompt_len, tuple(block_hashes(request.prompt_token_ids, block_size)), block_size)
         j = router.choose(list(range(len(engines))), hint).ranked[0]
         router.on_routed(j, hint, f"bench-{request.index}")
         routed[j] += 1
