@@ -288,27 +288,31 @@ def test_gguf_tokenizer_cache_gives_the_same_tokenizer(tmp_path, monkeypatch):
 
 def test_gguf_index_cache_gives_the_same_weights(tmp_path, monkeypatch):
     """The second load reads the saved tensor table instead of parsing the GGUF metadata, and
-    gets the same config, weights and raw blocks; a corrupt table falls back to parsing."""
+    gets the same config, weights and raw blocks, for every tensor type; a corrupt table falls
+    back to parsing."""
     import gguf
 
     from inflight.model import loader
 
-    monkeypatch.setenv("INFLIGHT_CACHE", str(tmp_path))
-    source = resolve_model(None)
+    monkeypatch.setenv("INFLIGHT_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, {"embd": "F16", "q": "BF16", "k": "Q8_0", "v": "Q4_0", "o": "Q4_1", "gate": "Q4_K",
+                           "up": "Q6_K", "down": "F16"})
+    source = resolve_model(str(path))
     loader._read_gguf.cache_clear()
     config, weights = load_checkpoint(source, torch.float32)
     blocks = loader.load_gguf_blocks(source, config)
-    (table,) = (tmp_path / "gguf").glob("*.json")
+    assert {kind for kind, _ in blocks.values()} == {"Q8_0", "Q4_1"}
+    (table,) = (tmp_path / "cache" / "gguf").glob("*.json")
     loader._read_gguf.cache_clear()
-    parsed = []
-    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: parsed.append(a) or pytest.fail("parsed again"))
+    real_reader = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: pytest.fail("parsed the file again"))
     config2, weights2 = load_checkpoint(source, torch.float32)
-    assert not parsed and config2 == config and weights2.keys() == weights.keys()
+    assert config2 == config and weights2.keys() == weights.keys()
     assert all(torch.equal(weights[k], weights2[k]) for k in weights)
     blocks2 = loader.load_gguf_blocks(source, config2)
     assert blocks2.keys() == blocks.keys() and all(torch.equal(blocks[k][1], blocks2[k][1]) for k in blocks)
-    monkeypatch.undo()
-    monkeypatch.setenv("INFLIGHT_CACHE", str(tmp_path))
+    monkeypatch.setattr(gguf, "GGUFReader", real_reader)
     table.write_text("{not json")
     loader._read_gguf.cache_clear()
     assert load_checkpoint(source, torch.float32)[0] == config

@@ -45,13 +45,19 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> 
 
 
 def test_sigterm_under_load_drains_and_exits_zero(tmp_path: Path) -> None:
+    """Also: the single process never imports Ray (a `ray` that cannot be imported comes first
+    on its path)."""
+    poison = tmp_path / "poison" / "ray"
+    poison.mkdir(parents=True)
+    (poison / "__init__.py").write_text("raise ImportError('the single-process server imported ray')\n")
+    path = os.pathsep.join(p for p in (str(poison.parent), os.environ.get("PYTHONPATH", "")) if p)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log = (tmp_path / "serve.log").open("wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "inflight.cli", "serve", "--port", str(port), "--num-kv-blocks", "256",
          "--max-model-len", "1024", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--log-level", "warning"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path},
     )
     try:
         _wait_healthy(url, proc, timeout_s=90)
