@@ -1,9 +1,10 @@
-"""Ray Serve's autoscaling under a burst, on a real fleet: `inflight serve --replicas 1
---min-replicas 1 --max-replicas N`, a burst of long requests, then quiet; printed once a second,
-the replicas reporting and the requests running and waiting over all of them, until the fleet
-is back to its minimum.
+"""Ray Serve's autoscaling under load, on a real fleet: `inflight serve --replicas 1
+--min-replicas 1 --max-replicas N`, long requests arriving over `--spread` seconds (0: one
+burst), then quiet; printed once a second, the requests running on each replica and those done,
+until the fleet is back to its minimum.
 
-    .venv/bin/python benchmarks/fleet_autoscale.py                       # 1 -> 2 -> 1 on 2 cores, ~2 min
+    .venv/bin/python benchmarks/fleet_autoscale.py --spread 0            # one burst: 1 -> 2 -> 1, ~1 min
+    .venv/bin/python benchmarks/fleet_autoscale.py --spread 40 --requests 48   # sustained load
     .venv/bin/python benchmarks/fleet_autoscale.py --max-replicas 4 --replica-cpus 2 --requests 64
 """
 
@@ -30,6 +31,7 @@ def main() -> None:
     parser.add_argument("--max-replicas", type=int, default=2)
     parser.add_argument("--replica-cpus", type=int, default=1)
     parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--spread", type=float, default=0.0, help="seconds over which the requests start")
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--target-ongoing-requests", type=float, default=4)
     parser.add_argument("--downscale-delay", type=float, default=15)
@@ -59,6 +61,7 @@ def main() -> None:
         done = [0]
 
         def one(i: int) -> None:
+            time.sleep(args.spread * i / args.requests)
             body = {"model": model, "prompt": f"Chapter {i}.", "max_tokens": args.max_tokens, "ignore_eos": True}
             httpx.post(url + "/v1/completions", json=body, timeout=600)
             done[0] += 1
@@ -67,15 +70,17 @@ def main() -> None:
         threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(args.requests)]
         for t in threads:
             t.start()
-        print(f"{'t (s)':>6} {'replicas':>8} {'running':>8} {'waiting':>8} {'done':>5}")
+        print(f"{'t (s)':>6} {'replicas':>8} {'waiting':>8} {'done':>5}  running on each replica")
         peak, back_at = 1, None
         while time.monotonic() - t0 < 600:
-            values = parse_prometheus(httpx.get(url + "/metrics", timeout=5).text)
+            text = httpx.get(url + "/metrics", timeout=5).text
+            values = parse_prometheus(text)
             replicas = int(values.get(REPORTING, 0))
             peak = max(peak, replicas)
-            running = int(values.get("inflight:num_requests_running", 0))
             waiting = int(values.get("inflight:num_requests_waiting", 0))
-            print(f"{time.monotonic() - t0:6.0f} {replicas:8d} {running:8d} {waiting:8d} {done[0]:5d}", flush=True)
+            each = [line.rsplit(" ", 1)[1].split(".")[0] for line in text.splitlines()
+                    if line.startswith("inflight:num_requests_running{")]
+            print(f"{time.monotonic() - t0:6.0f} {replicas:8d} {waiting:8d} {done[0]:5d}  {' '.join(each)}", flush=True)
             if done[0] == args.requests and peak > 1 and replicas == 1:
                 back_at = time.monotonic() - t0
                 break

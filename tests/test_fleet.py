@@ -186,6 +186,16 @@ def test_a_killed_replica_ends_its_streams_with_an_error(fleet: Fleet) -> None:
     survivor_text, survivor = _chat(fleet, "After the failure: batteries?")
     assert survivor != victim and survivor_text
     assert time.monotonic() - t0 < 150
+    # And every pool that reports comes back to idle: no request left running, every KV block free.
+    deadline = time.monotonic() + 30
+    while True:
+        values = fleet.metrics()
+        busy = {(name, r): v for (name, r), v in values.items() if v and r is not None
+                and name in ("inflight:num_requests_running", "inflight:kv_cache_blocks_used")}
+        if not busy and ("inflight:num_requests_running", survivor) in values:
+            break
+        assert time.monotonic() < deadline, f"pools still busy after the failure: {busy}"
+        time.sleep(0.5)
 
 
 def test_sigterm_drains_the_fleet_and_exits_zero(fleet: Fleet) -> None:

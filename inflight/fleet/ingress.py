@@ -15,7 +15,7 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import ray
@@ -24,8 +24,7 @@ from pydantic import ValidationError
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import JSONResponse, Response
 
 from inflight.engine.block_manager import block_hashes
 from inflight.errors import InflightError
@@ -38,25 +37,11 @@ from inflight.server.app import read_raw_body
 from inflight.server.config import ServerConfig
 from inflight.server.errors import APIError, error_event
 from inflight.server.protocol import ChatCompletionRequest, CompletionRequest
+from inflight.server.serving import ClosingStreamingResponse
 
 logger = logging.getLogger("ray.serve")
 
 _DEAD = (RayActorError, ActorUnavailableError)  # the replica's process is gone or unreachable
-
-
-class _Relayed(StreamingResponse):
-    """A relayed stream that calls `on_close` once, however it ends (finished, client gone)."""
-
-    def __init__(self, content: AsyncIterator[bytes], status: int, headers: dict[str, str],
-                 on_close: Callable[[], None]) -> None:
-        super().__init__(content, status_code=status, headers=headers)
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
 
 
 def prompt_tokens(path: str, body: bytes, tokenizer: Tokenizer, chat_template: str | None) -> list[int] | None:
@@ -148,7 +133,8 @@ class FleetIngress:
             finally:
                 self.num_active -= 1
             return Response(content, status_code=start.status, headers=headers)
-        return _Relayed(self._relay(responses), start.status, headers, on_close=self._finished)
+        return ClosingStreamingResponse(self._relay(responses), on_close=self._finished, status_code=start.status,
+                                        headers=headers)
 
     def _finished(self) -> None:
         self.num_active -= 1

@@ -13,7 +13,7 @@ import asyncio
 import math
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -232,14 +232,13 @@ class _ChatFormat:
                                       choices=[self._choice(i, deltas) for i, deltas in enumerate(choices)])
 
 
-class _SSEResponse(StreamingResponse):
-    """Calls `on_close` however the response ends. When the client disconnects, Starlette
-    cancels the sending task, and the body generator may be left suspended at a `yield`
-    where its own `finally` would not run until garbage collection."""
+class ClosingStreamingResponse(StreamingResponse):
+    """A streamed response that calls `on_close` once, however it ends. When the client
+    disconnects, Starlette cancels the sending task, and the body generator may be left
+    suspended at a `yield` where its own `finally` would not run until garbage collection."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def __init__(self, content: AsyncIterator[Any], on_close: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -247,6 +246,9 @@ class _SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
+
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def _sse(model: BaseModel, exclude_usage: bool = False) -> str:
@@ -469,8 +471,9 @@ class OpenAIServing:
     async def _respond(self, streams: list[RequestStream], fmt: _Format, req: GenerationRequest,
                        http: Request) -> Response:
         if req.stream:
-            return _SSEResponse(self._stream(streams, fmt, req.include_usage, req.n),
-                                on_close=lambda: self._abort_all(streams))
+            return ClosingStreamingResponse(self._stream(streams, fmt, req.include_usage, req.n),
+                                            on_close=lambda: self._abort_all(streams),
+                                            media_type="text/event-stream", headers=_SSE_HEADERS)
         return await self._collect_or_abort(streams, fmt, http, req.n)
 
     def _ended_by_engine(self, exc: EngineFailedError) -> APIError:
