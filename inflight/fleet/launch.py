@@ -1,9 +1,6 @@
 """Starts a fleet: Ray (in-process, or joined), Ray Serve's HTTP proxy, the ingress, N engine
-replicas behind the inflight router; and stops it again, draining first.
-
-    with start_fleet(FleetConfig(replicas=2), model=None, engine_options={}) as fleet:
-        ...  # fleet.url serves the OpenAI API
-"""
+replicas behind the inflight router; and stops it again, draining first:
+`start_ray`, then `deploy`, then `shutdown` (as `inflight serve --replicas` does)."""
 
 from __future__ import annotations
 
@@ -11,8 +8,6 @@ import logging
 import math
 import os
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -182,19 +177,3 @@ def shutdown(fleet: RunningFleet | None, drain_timeout_s: float) -> int:
     finally:
         ray.shutdown()
     return remaining
-
-
-@contextmanager
-def start_fleet(fleet: FleetConfig, model: str | None, engine_options: dict[str, Any],
-                server: ServerConfig | None = None, host: str = "127.0.0.1",
-                port: int = 8000) -> Iterator[RunningFleet]:
-    server = server or ServerConfig()
-    running = None
-    try:
-        start_ray(fleet)
-        running = deploy(fleet, model, engine_options, server, host, port)
-        yield running
-    finally:
-        shutdown(running, server.shutdown_timeout_s)
-
-

@@ -52,11 +52,7 @@ class EngineReplica:
             yield item
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        stats = self.engine.stats
-        load = ReplicaLoad(time=time.time(), free_blocks=stats.num_kv_blocks_total - stats.num_kv_blocks_used,
-                           total_blocks=stats.num_kv_blocks_total, waiting_tokens=stats.num_waiting_tokens,
-                           num_running=stats.num_running, num_waiting=stats.num_waiting,
-                           cached=frozenset(await self.engine.cached_block_hashes()))
+        load = ReplicaLoad.of(self.engine.stats, await self.engine.cached_block_hashes(), time.time())
         if self._board is not None:
             self._board.report.remote(self.replica_id, self.app.state.metrics.render(), self._where)
         return load.to_dict()

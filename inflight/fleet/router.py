@@ -43,7 +43,6 @@ class InflightRequestRouter(RequestRouter):
         # Request id -> the replica it was counted on, until it completes (bounded: a request
         # cancelled before dispatch never completes).
         self._chosen: OrderedDict[str, ReplicaID] = OrderedDict()
-        self.decisions: dict[str, int] = {"prefix": 0, "balance": 0, "round-robin": 0}
 
     def _read_reports(self, replicas: list[RunningReplica]) -> None:
         for replica in replicas:
@@ -60,7 +59,6 @@ class InflightRequestRouter(RequestRouter):
         by_id = {r.replica_id: r for r in candidate_replicas}
         hint = route_hint(pending_request)
         decision = self.rule.choose(list(by_id), hint)
-        self.decisions[decision.reason] += 1
         if pending_request is not None:
             self._count_on(decision.ranked[0], pending_request)
         first, *rest = (by_id[i] for i in decision.ranked)

@@ -30,9 +30,11 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
+
+from inflight.engine.stats import EngineStats
 
 Policy = Literal["prefix", "pow2", "round-robin"]
 POLICIES: tuple[Policy, ...] = ("prefix", "pow2", "round-robin")
@@ -51,6 +53,13 @@ class ReplicaLoad:
     num_running: int = 0
     num_waiting: int = 0
     cached: frozenset[int] = frozenset()  # prefix-cache keys
+
+    @classmethod
+    def of(cls, stats: EngineStats, cached: Iterable[int], now: float) -> ReplicaLoad:
+        """The report of an engine whose snapshot is `stats` and prefix-cache keys `cached`."""
+        return cls(time=now, free_blocks=stats.num_kv_blocks_total - stats.num_kv_blocks_used,
+                   total_blocks=stats.num_kv_blocks_total, waiting_tokens=stats.num_waiting_tokens,
+                   num_running=stats.num_running, num_waiting=stats.num_waiting, cached=frozenset(cached))
 
     @property
     def free_share(self) -> float:

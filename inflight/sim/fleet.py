@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from inflight.bench.local import _Driver
+from inflight.bench.local import _MAX_IDLE_STEPS, _Driver
 from inflight.bench.metrics import EngineCounters
 from inflight.bench.results import Capture
 from inflight.bench.workload import BenchRequest
@@ -26,17 +26,6 @@ from inflight.engine.engine import LLMEngine
 from inflight.errors import ConfigError, InflightError
 from inflight.fleet.routing import ReplicaLoad, RouteHint, Router, RouterConfig
 from inflight.sim.runner import VirtualClock
-
-_MAX_IDLE_STEPS = 10_000
-
-
-def replica_load(engine: LLMEngine, now: float) -> ReplicaLoad:
-    """What a replica reports in `record_routing_stats`, read off a simulated engine."""
-    stats = engine.stats()
-    return ReplicaLoad(time=now, free_blocks=stats.num_kv_blocks_total - stats.num_kv_blocks_used,
-                       total_blocks=stats.num_kv_blocks_total, waiting_tokens=stats.num_waiting_tokens,
-                       num_running=stats.num_running, num_waiting=stats.num_waiting,
-                       cached=frozenset(engine.block_manager.cached_block_hashes()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +76,7 @@ def run_fleet(engines: Sequence[LLMEngine], requests: Sequence[BenchRequest], co
             if not drivers[j].live:
                 clocks[j].wait_until(arrival)  # type: ignore[attr-defined]
             if arrival - last_report[j] >= stats_period_s:
-                router.report(j, replica_load(engine, arrival))
+                router.report(j, ReplicaLoad.of(engine.stats(), engine.block_manager.cached_block_hashes(), arrival))
                 last_report[j] = arrival
         hint = RouteHint(request.prompt_len, tuple(block_hashes(request.prompt_token_ids, block_size)), block_size)
         j = router.choose(list(range(len(engines))), hint).ranked[0]
