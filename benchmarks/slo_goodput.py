@@ -40,13 +40,14 @@ SLO_CEILINGS = {"max_num_tokens": 8192, "max_batch_size": 256}
 def _runner(args: argparse.Namespace) -> Any:
     """A function (options, spec) -> BenchRun on the chosen target."""
     if args.target == "sim":
-        from inflight.sim.hardware import load_hardware
+        from inflight.sim.engine_profile import load_profiles
         from inflight.sim.runs import SimTarget, simulate
         from inflight.sim.shapes import resolve_shapes
         from inflight.sim.workload import synthetic_requests
 
         name, shapes = resolve_shapes(args.model)
-        target = SimTarget(name, shapes, load_hardware(args.hardware))
+        hardware, engine = load_profiles(args.hardware, args.engine_profile)
+        target = SimTarget(name, shapes, hardware, engine=engine)
 
         def run_sim(options: dict[str, Any], spec: Any, label: str) -> BenchRun:
             return simulate(target, options, synthetic_requests(spec), label, slo=args.slo)
@@ -74,13 +75,17 @@ def _runner(args: argparse.Namespace) -> Any:
 def _tuned(args: argparse.Namespace, spec: Any) -> dict[str, Any]:
     """The fixed budget and batch size with the most goodput, searched in the simulator (on the
     target's own profile; for the local target, `--tune-hardware`)."""
-    from inflight.sim.hardware import load_hardware
+    from inflight.sim.engine_profile import load_profiles
     from inflight.sim.runs import SimTarget, simulate
     from inflight.sim.shapes import resolve_shapes
     from inflight.sim.workload import synthetic_requests
 
     name, shapes = resolve_shapes(args.model if args.target == "sim" else None)
-    target = SimTarget(name, shapes, load_hardware(args.hardware if args.target == "sim" else args.tune_hardware))
+    if args.target == "sim":
+        hardware, engine = load_profiles(args.hardware, args.engine_profile)
+    else:
+        hardware, engine = load_profiles(args.tune_hardware)
+    target = SimTarget(name, shapes, hardware, engine=engine)
     requests = synthetic_requests(spec)
     best: tuple[float, dict[str, Any]] | None = None
     for overrides in SearchSpace(enable_chunked_prefill=(True,)):
@@ -100,6 +105,7 @@ def main() -> None:
     parser.add_argument("--target", choices=["sim", "local"], default="sim")
     parser.add_argument("--model", default=None, help="sim: a built-in shape (llama-3-8b); local: a model file")
     parser.add_argument("--hardware", default="h100", help="sim: the hardware profile")
+    parser.add_argument("--engine-profile", default=None, help="sim: the engine profile (default vllm on a GPU)")
     parser.add_argument("--tune-hardware", default="cpu-local", help="local: the profile the budget is tuned on")
     parser.add_argument("--workloads", default="mixed,long-prefill")
     parser.add_argument("--rates", required=True, help="Poisson rates, req/s, comma-separated")

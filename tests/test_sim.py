@@ -25,6 +25,7 @@ from inflight.errors import ConfigError
 from inflight.model.loaded import LoadedModel
 from inflight.sim.calibrate import StepCase, measure
 from inflight.sim.cost_model import CostModel, SeqWork
+from inflight.sim.engine_profile import BUILTIN_ENGINES, INFLIGHT_CPU, EngineProfile, load_profiles, save_profile
 from inflight.sim.fit import Sample, fit_profile, predict
 from inflight.sim.hardware import BUILTIN_HARDWARE, HardwareProfile, load_hardware
 from inflight.sim.runs import SimTarget, simulate
@@ -40,15 +41,18 @@ SMALL = {
     "output_len": {"kind": "uniform", "min": 4, "max": 64},
 }
 
+ROOT = Path(__file__).resolve().parents[1]
+
 # A toy decoder whose amounts are easy to write by hand: 2 layers of 2**24 linear parameters.
 TOY = ModelConfig(architecture="llama", vocab_size=1000, hidden_size=1024, intermediate_size=4096,
                   num_layers=2, num_heads=8, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
                   rope_theta=1e4, max_position_embeddings=8192)
-# 100 TFLOP/s, 1 TB/s, every efficiency 1, no overhead: times are the bare roofline.
+# 100 TFLOP/s, 1 TB/s; an engine with every efficiency 1 and no overhead: times are the bare roofline.
 BARE = HardwareProfile("bare", "gpu", peak_flops=1e14, memory_bandwidth=1e12, memory_bytes=10e9,
-                       interconnect_bandwidth=1e11, flops_efficiency=1, bandwidth_efficiency=1,
-                       attention_flops_efficiency=1, attention_bandwidth_efficiency=1,
-                       step_overhead_s=0, request_overhead_s=0, allreduce_latency_s=1e-6)
+                       interconnect_bandwidth=1e11, peak_flops_fp8=2e14)
+FLAT = EngineProfile("flat", flops_efficiency=1, bandwidth_efficiency=1, attention_flops_efficiency=1,
+                     attention_bandwidth_efficiency=1, step_overhead_s=0, request_overhead_s=0,
+                     allreduce_latency_s=1e-6)
 
 
 def small_requests(**changes: Any) -> list[Any]:
@@ -80,7 +84,7 @@ def test_runs_the_production_scheduler_and_block_manager(policy: str, cls: type,
     monkeypatch.setattr(cls, "schedule", counting_schedule)
     monkeypatch.setattr(BlockManager, "allocate_slots", counting_allocate)
     engine = sim_engine(EngineConfig.from_kwargs(None, scheduling_policy=policy, num_kv_blocks=400),
-                        CostModel(TOY, BARE))
+                        CostModel(TOY, BARE, engine=FLAT))
     assert type(engine) is LLMEngine and type(engine.scheduler) is cls
     assert type(engine.block_manager) is BlockManager and engine.block_manager is engine.scheduler.block_manager
     capture = run_simulation(engine, small_requests(arrivals={"kind": "burst"}))
@@ -93,7 +97,7 @@ def test_runs_the_production_scheduler_and_block_manager(policy: str, cls: type,
 
 
 def test_times_are_virtual_and_consistent() -> None:
-    engine = sim_engine(EngineConfig.from_kwargs(None, num_kv_blocks=400), CostModel(TOY, BARE))
+    engine = sim_engine(EngineConfig.from_kwargs(None, num_kv_blocks=400), CostModel(TOY, BARE, engine=FLAT))
     requests = small_requests()
     ids = {f"bench-{r.index}": r for r in requests}
     seen = []
@@ -145,7 +149,7 @@ def test_shared_prefix_requests_hit_the_real_prefix_cache() -> None:
     hits = {}
     for caching in (True, False):
         engine = sim_engine(EngineConfig.from_kwargs(None, num_kv_blocks=2000, enable_prefix_caching=caching),
-                            CostModel(TOY, BARE))
+                            CostModel(TOY, BARE, engine=FLAT))
         run_simulation(engine, requests)
         hits[caching] = engine.stats().num_prefix_hit_tokens
     shared = sum(r.has_shared_prefix for r in requests)
@@ -187,11 +191,11 @@ def test_synthetic_requests_match_the_bench_draws() -> None:
 def test_toy_amounts() -> None:
     assert num_linear_params(TOY) == 2**25
     assert num_params(TOY) == 2**25 + 2 * 1000 * 1024 + 5 * 1024
-    assert CostModel(TOY, BARE).kv_bytes_per_token == 2 * 2 * 8 * 128 * 2  # K and V, 2 layers, bf16
+    assert CostModel(TOY, BARE, engine=FLAT).kv_bytes_per_token == 2 * 2 * 8 * 128 * 2  # K and V, 2 layers, bf16
 
 
 def test_pure_decode_is_bandwidth_bound() -> None:
-    cm = CostModel(TOY, BARE)
+    cm = CostModel(TOY, BARE, engine=FLAT)
     cost = cm.cost(cm.work([SeqWork(1, 100, True)]))
     weight_bytes = (2**25 + 1000 * 1024) * 2  # every weight once, the LM head included, bf16
     flops = 2 * 2**25 + 2 * 1000 * 1024
@@ -202,7 +206,7 @@ def test_pure_decode_is_bandwidth_bound() -> None:
 
 
 def test_large_prefill_is_compute_bound() -> None:
-    cm = CostModel(TOY, BARE)
+    cm = CostModel(TOY, BARE, engine=FLAT)
     cost = cm.cost(cm.work([SeqWork(4096, 4096, True)]))
     flops = 4096 * 2 * 2**25 + 2 * 1000 * 1024
     assert cost.linear_s == pytest.approx(flops / 1e14)
@@ -211,7 +215,7 @@ def test_large_prefill_is_compute_bound() -> None:
 
 
 def test_attention_time_grows_with_context() -> None:
-    cm = CostModel(TOY, BARE)
+    cm = CostModel(TOY, BARE, engine=FLAT)
     times = [cm.cost(cm.work([SeqWork(1, c, True)] * 32)).attention_s for c in (128, 1024, 8192)]
     assert times[0] < times[1] < times[2]
     assert times[2] / times[1] == pytest.approx(8193 / 1025)
@@ -220,7 +224,7 @@ def test_attention_time_grows_with_context() -> None:
 
 
 def test_tensor_parallel_halves_the_work_and_adds_all_reduces() -> None:
-    one, two = CostModel(TOY, BARE), CostModel(TOY, BARE, tp=2)
+    one, two = CostModel(TOY, BARE, engine=FLAT), CostModel(TOY, BARE, tp=2, engine=FLAT)
     batch = [SeqWork(4096, 4096, True)]
     c1, c2 = one.cost(one.work(batch)), two.cost(two.work(batch))
     assert c2.linear_s == pytest.approx(c1.linear_s / 2)
@@ -229,24 +233,132 @@ def test_tensor_parallel_halves_the_work_and_adds_all_reduces() -> None:
     assert c1.comm_s == 0 and c2.comm_s == pytest.approx(2 * 2 * all_reduce)
     assert two.weight_bytes_per_device == pytest.approx(one.weight_bytes_per_device / 2)
     with pytest.raises(ConfigError):
-        CostModel(TOY, BARE, tp=3)  # 8 heads do not split over 3 devices
+        CostModel(TOY, BARE, tp=3, engine=FLAT)  # 8 heads do not split over 3 devices
 
 
 def test_small_batch_matmuls_cost_a_pass_per_extra_row() -> None:
-    hw = dataclasses.replace(BARE, small_batch_max_rows=3, small_batch_row_s=0.01, gemm_step_s=0.005)
-    base, cm = CostModel(TOY, BARE), CostModel(TOY, hw)
+    engine = dataclasses.replace(FLAT, small_batch_max_rows=3, small_batch_row_s=0.01, gemm_step_s=0.005)
+    base, cm = CostModel(TOY, BARE, engine=FLAT), CostModel(TOY, BARE, engine=engine)
     for rows, extra in ((1, 0.0), (2, 0.01), (3, 0.02), (4, 0.005), (64, 0.005)):
         batch = [SeqWork(1, 100, True)] * rows
         assert cm.step_time(batch) - base.step_time(batch) == pytest.approx(extra)
 
 
 def test_overheads_and_the_sum_form() -> None:
-    hw = dataclasses.replace(BARE, step_overhead_s=1e-3, request_overhead_s=1e-5, roofline="sum")
-    cm = CostModel(TOY, hw)
+    engine = dataclasses.replace(FLAT, step_overhead_s=1e-3, request_overhead_s=1e-5, roofline="sum")
+    cm = CostModel(TOY, BARE, engine=engine)
     cost = cm.cost(cm.work([SeqWork(1, 100, True)] * 4))
     assert cost.overhead_s == pytest.approx(1e-3 + 4e-5)
     assert cost.linear_s == pytest.approx(4 * (2 * 2**25 + 2 * 1000 * 1024) / 1e14 + (2**25 + 1000 * 1024) * 2 / 1e12)
     assert cm.step_time([]) == pytest.approx(1e-3)
+
+
+def test_per_layer_cost_and_cuda_graphs() -> None:
+    engine = dataclasses.replace(FLAT, layer_overhead_s=10e-6, cuda_graphs=True, cuda_graph_max_batch=4,
+                                 graph_layer_overhead_s=2e-6)
+    cm = CostModel(TOY, BARE, engine=engine)
+    launch = [cm.cost(cm.work(batch)).launch_s for batch in
+              ([SeqWork(1, 100, True)] * 4, [SeqWork(1, 100, True)] * 5, [SeqWork(64, 64, True)], [])]
+    # Decodes up to the captured batch replay a graph; more, or a prefill, launch eagerly; no work, no layers.
+    assert launch == pytest.approx([2 * 2e-6, 2 * 10e-6, 2 * 10e-6, 0.0])
+    eager = CostModel(TOY, BARE, engine=dataclasses.replace(engine, cuda_graphs=False))
+    assert eager.cost(eager.work([SeqWork(1, 100, True)])).launch_s == pytest.approx(2 * 10e-6)
+    deeper = CostModel(dataclasses.replace(TOY, num_layers=4), BARE, engine=engine)
+    assert deeper.cost(deeper.work([SeqWork(64, 64, True)])).launch_s == pytest.approx(4 * 10e-6)
+
+
+def test_all_reduce_is_zero_at_tp_1_and_grows_with_tp_and_message() -> None:
+    engine = dataclasses.replace(FLAT, allreduce_latency_s=5e-6, allreduce_peer_latency_s=1e-6,
+                                 allreduce_bandwidth_efficiency=0.5)
+
+    def comm(tp: int, tokens: int) -> float:
+        cm = CostModel(TOY, BARE, tp=tp, engine=engine)
+        return cm.cost(cm.work([SeqWork(tokens, tokens, True)])).comm_s
+
+    assert comm(1, 4096) == 0.0
+    by_tp = [comm(tp, 256) for tp in (2, 4, 8)]
+    assert by_tp[0] < by_tp[1] < by_tp[2]
+    by_size = [comm(4, n) for n in (1, 64, 4096)]
+    assert by_size[0] < by_size[1] < by_size[2]
+    one = 5e-6 + 3 * 1e-6 + 2 * 3 / 4 * (4096 * 1024 * 2) / (1e11 * 0.5)  # tp 4: 3 peers, ring traffic
+    assert comm(4, 4096) == pytest.approx(2 * 2 * one)  # two per layer, 2 layers
+
+
+@pytest.mark.parametrize("name", ["vllm", "sglang", "trtllm", "inflight"])
+def test_step_time_is_monotone_in_batch_context_and_tp(name: str) -> None:
+    hw, engine = load_profiles("h100", name)
+    seventy = BUILTIN_MODELS["llama-3-70b"]
+    cm = CostModel(BUILTIN_MODELS["llama-3-8b"], hw, engine=engine)
+    by_batch = [cm.step_time([SeqWork(1, 1024, True)] * b) for b in (1, 2, 8, 32, 64, 128, 256, 512, 1024)]
+    assert all(a <= b for a, b in zip(by_batch, by_batch[1:], strict=False)), by_batch
+    by_context = [cm.step_time([SeqWork(1, c, True)] * 64) for c in (128, 1024, 8192, 32768)]
+    assert all(a < b for a, b in zip(by_context, by_context[1:], strict=False)), by_context
+    prefill = [cm.step_time([SeqWork(n, n, True)]) for n in (16, 256, 2048, 8192)]
+    assert all(a < b for a, b in zip(prefill, prefill[1:], strict=False)), prefill
+    # More devices: less work on each, more communication.
+    costs = [CostModel(seventy, hw, tp, engine=engine).cost(CostModel(seventy, hw, tp, engine=engine).work(
+        [SeqWork(1, 1024, True)] * 64)) for tp in (2, 4, 8)]
+    assert [c.comm_s for c in costs] == sorted(c.comm_s for c in costs) and costs[0].comm_s > 0
+    assert costs[0].linear_s > costs[1].linear_s > costs[2].linear_s
+
+
+def test_smooth_roofline_lies_between_max_and_sum() -> None:
+    from inflight.sim.cost_model import combine
+
+    for k in (1.5, 2.0, 4.0):
+        engine = dataclasses.replace(FLAT, roofline="smooth", roofline_exponent=k)
+        assert max(3.0, 4.0) < combine(3.0, 4.0, engine) < 3.0 + 4.0
+        assert combine(0.0, 4.0, engine) == pytest.approx(4.0)
+        assert combine(1.0, 100.0, engine) == pytest.approx(100.0, rel=1e-2)  # far from the ridge: the max
+    at_ridge = [combine(1.0, 1.0, dataclasses.replace(FLAT, roofline="smooth", roofline_exponent=k)) for k in (2, 4)]
+    assert at_ridge == pytest.approx([2**0.5, 2**0.25])
+    with pytest.raises(ConfigError, match="roofline"):
+        dataclasses.replace(FLAT, roofline="curvy")
+    with pytest.raises(ConfigError, match="roofline_exponent"):
+        dataclasses.replace(FLAT, roofline="smooth", roofline_exponent=0.5)
+
+
+def test_overlapped_scheduling_hides_the_cpu_overhead() -> None:
+    engine = dataclasses.replace(FLAT, step_overhead_s=1e-3, request_overhead_s=0.0)
+    serial, overlapped = (CostModel(TOY, BARE, engine=dataclasses.replace(engine, overlap_scheduling=o))
+                          for o in (False, True))
+    small, large = [SeqWork(1, 100, True)], [SeqWork(4096, 4096, True)]
+    device_small = serial.cost(serial.work(small)).device_s
+    assert device_small < 1e-3
+    assert serial.step_time(small) == pytest.approx(device_small + 1e-3)
+    assert overlapped.step_time(small) == pytest.approx(1e-3)  # the CPU side is the longer
+    assert overlapped.step_time(large) == pytest.approx(overlapped.cost(overlapped.work(large)).device_s)
+
+
+def test_eight_bit_weights_and_kv_cache() -> None:
+    llama = BUILTIN_MODELS["llama-3-8b"]
+    h100, a100 = load_hardware("h100"), load_hardware("a100-80gb")
+    bf16, fp8 = CostModel(llama, h100), CostModel(llama, h100, weight_dtype="fp8", kv_cache_dtype="fp8")
+    linear = num_linear_params(llama)
+    # The matmul weights in one byte; embedding, LM head and norms stay in bf16.
+    assert fp8.weight_bytes_per_device == linear + (num_params(llama) - linear) * 2
+    assert fp8.kv_bytes_per_token == bf16.kv_bytes_per_token // 2 == 2 * 32 * 8 * 128
+    blocks = fp8.num_kv_blocks(16, 0.9)
+    assert blocks == int((80e9 * 0.9 - fp8.weight_bytes_per_device) // (16 * 2 * 32 * 8 * 128))
+    assert blocks > 2 * bf16.num_kv_blocks(16, 0.9)  # half the bytes per token, and more memory left
+    # FP8 matmuls on H100's FP8 tensor cores; A100 has none, so its fp8 weights are only smaller.
+    assert fp8.linear_peak_flops == h100.peak_flops_fp8 == pytest.approx(2 * h100.peak_flops, rel=1e-3)
+    assert CostModel(llama, a100, weight_dtype="fp8").linear_peak_flops == a100.peak_flops
+    assert CostModel(llama, a100, weight_dtype="int8").linear_peak_flops == a100.peak_flops_int8
+    decode, prefill = [SeqWork(1, 1024, True)] * 8, [SeqWork(4096, 4096, True)]
+    assert fp8.step_time(decode) < 0.7 * bf16.step_time(decode)  # weight-bound: half the bytes
+    assert fp8.step_time(prefill) < 0.7 * bf16.step_time(prefill)  # compute-bound: twice the peak
+    # An engine whose 8-bit matmuls reach half the share of their peak: no faster than bf16 in compute.
+    halved = dataclasses.replace(BUILTIN_ENGINES["vllm"], eight_bit_flops_efficiency=0.5 * BUILTIN_ENGINES["vllm"]
+                                 .flops_efficiency, roofline="max")
+    slow8 = CostModel(llama, h100, engine=halved, weight_dtype="fp8")
+    plain = CostModel(llama, h100, engine=dataclasses.replace(halved, eight_bit_flops_efficiency=0.0))
+    linear = [cm.cost(cm.work(prefill)).linear_s for cm in (slow8, plain)]
+    assert linear[0] == pytest.approx(linear[1], rel=1e-3)
+    with pytest.raises(ConfigError, match="unknown KV cache dtype"):
+        CostModel(llama, h100, kv_cache_dtype="fp4")
+    with pytest.raises(ConfigError, match="storage type"):
+        CostModel(llama, h100, dtype="fp8")
 
 
 def test_kv_capacity_from_memory_left_after_weights() -> None:
@@ -314,6 +426,62 @@ def test_hardware_profiles_round_trip(tmp_path: Path) -> None:
         load_hardware("tpu-v9")
 
 
+def test_profile_files_and_their_errors(tmp_path: Path) -> None:
+    path = tmp_path / "machine.json"
+    hw, engine = load_profiles("cpu-local")
+    save_profile(path, hw, engine)
+    assert load_profiles(str(path)) == (hw, engine)
+    assert load_profiles(str(path), "inflight") == (hw, engine)
+    # A file of the first schema (hardware and factors in one record), as calibrate wrote them.
+    legacy_hw, legacy = load_profiles(str(ROOT / "benchmarks/sim/results/cpu-zen3-1thread.json"))
+    assert legacy_hw.kind == legacy.kind == "cpu" and legacy.name == "inflight" and legacy.gemm_step_s > 0
+    engine_path = tmp_path / "engine.json"
+    dataclasses.replace(BUILTIN_ENGINES["vllm"], name="mine").save(engine_path)
+    assert load_profiles("h100", str(engine_path))[1].name == "mine"
+    assert load_profiles("h100")[1] is BUILTIN_ENGINES["vllm"]  # the default on a GPU
+    assert load_profiles("h100", "inflight")[1] is BUILTIN_ENGINES["inflight"]
+    with pytest.raises(ConfigError, match="is for a gpu"):
+        load_profiles("cpu-local", "vllm")
+    with pytest.raises(ConfigError, match="unknown engine profile"):
+        load_profiles("h100", "tgi")
+    engine_path.write_text(json.dumps({"schema": "inflight-sim-engine/1", "name": "x", "warp_speed": 9}))
+    with pytest.raises(ConfigError, match="unknown fields"):
+        load_profiles("h100", str(engine_path))
+    with pytest.raises(ConfigError, match="must be > 0"):
+        EngineProfile("x", flops_efficiency=0)
+    with pytest.raises(ConfigError, match="must be >= 0"):
+        EngineProfile("x", layer_overhead_s=-1e-6)
+
+
+def test_fit_recovers_per_layer_and_all_reduce_terms() -> None:
+    """Steps of two models at several TP degrees separate a per-layer cost from a per-step one,
+    and an all-reduce's fixed cost from its per-peer one and its bandwidth."""
+    h100 = load_hardware("h100")
+    truth = dataclasses.replace(BUILTIN_ENGINES["trtllm"], roofline="max", flops_efficiency=0.65,
+                                bandwidth_efficiency=0.85, attention_flops_efficiency=0.45,
+                                attention_bandwidth_efficiency=0.75, step_overhead_s=7e-4, request_overhead_s=4e-6,
+                                overlap_scheduling=False, layer_overhead_s=30e-6, cuda_graphs=True,
+                                cuda_graph_max_batch=64, graph_layer_overhead_s=6e-6, allreduce_latency_s=9e-6,
+                                allreduce_peer_latency_s=2e-6, allreduce_bandwidth_efficiency=0.7)
+    samples = []
+    for shapes, tps in ((BUILTIN_MODELS["llama-3-8b"], (1, 2)), (BUILTIN_MODELS["llama-3-70b"], (4, 8))):
+        for tp in tps:
+            cm = CostModel(shapes, h100, tp, engine=truth)
+            for batch in _grid_batches() + [tuple([SeqWork(1, 512, True)] * 200)]:
+                cost = cm.cost(cm.work(batch))
+                samples.append(Sample(batch, cost.total_s, cost.device_s, shapes, tp))
+    start = dataclasses.replace(truth, layer_overhead_s=0.0, graph_layer_overhead_s=0.0, allreduce_latency_s=0.0,
+                                allreduce_peer_latency_s=0.0, allreduce_bandwidth_efficiency=1.0,
+                                flops_efficiency=0.5, bandwidth_efficiency=0.5)
+    result = fit_profile(samples, BUILTIN_MODELS["llama-3-8b"], h100, start, rooflines=("max",),
+                         small_batch_rows=(1,))
+    for name in ("flops_efficiency", "bandwidth_efficiency", "attention_bandwidth_efficiency", "step_overhead_s",
+                 "request_overhead_s", "layer_overhead_s", "graph_layer_overhead_s", "allreduce_latency_s",
+                 "allreduce_peer_latency_s", "allreduce_bandwidth_efficiency"):
+        assert getattr(result.profile, name) == pytest.approx(getattr(truth, name), rel=1e-3), name
+    assert np.allclose(result.predicted_s, result.measured_s, rtol=1e-6)
+
+
 # --- calibration ----------------------------------------------------------------------------------
 
 
@@ -325,18 +493,19 @@ def _grid_batches() -> list[tuple[SeqWork, ...]]:
 
 
 @pytest.mark.parametrize("seed", [None, 0, 1, 2])
-@pytest.mark.parametrize("form, small_rows", [("max", 1), ("sum", 3)])
+@pytest.mark.parametrize("form, small_rows", [("max", 1), ("sum", 3), ("smooth", 1)])
 def test_fit_recovers_a_known_profile(form: str, small_rows: int, seed: int | None) -> None:
     """Exact samples, and samples off by a few units in the last place (`seed`): the rounding
     that differs between machines' BLAS and SIMD builds must not change what the fit finds."""
-    truth = dataclasses.replace(BUILTIN_HARDWARE["cpu-local"], roofline=form, flops_efficiency=0.3,
+    hardware = BUILTIN_HARDWARE["cpu-local"]
+    truth = dataclasses.replace(INFLIGHT_CPU, roofline=form, roofline_exponent=4.0, flops_efficiency=0.3,
                                 bandwidth_efficiency=0.5, attention_flops_efficiency=0.2,
                                 attention_bandwidth_efficiency=0.6, step_overhead_s=4e-4,
                                 request_overhead_s=3e-5, small_batch_max_rows=small_rows,
                                 small_batch_row_s=0.01 if small_rows > 1 else 0.0,
                                 gemm_step_s=0.005 if small_rows > 1 else 0.0)
     shapes = BUILTIN_MODELS["smollm2-135m"]
-    cm = CostModel(shapes, truth)
+    cm = CostModel(shapes, hardware, engine=truth)
     rng = np.random.default_rng(seed)
     samples = []
     for batch in _grid_batches():
@@ -345,14 +514,15 @@ def test_fit_recovers_a_known_profile(form: str, small_rows: int, seed: int | No
         if seed is not None:
             forward_s, rest_s = (t * (1 + 1e-13 * rng.standard_normal()) for t in (forward_s, rest_s))
         samples.append(Sample(batch, forward_s + rest_s, forward_s))
-    result = fit_profile(samples, shapes, BUILTIN_HARDWARE["cpu-local"])
+    result = fit_profile(samples, shapes, hardware, INFLIGHT_CPU)
     fitted = result.profile
     assert fitted.roofline == form and not result.outliers.any()
+    assert form != "smooth" or fitted.roofline_exponent == truth.roofline_exponent
     assert fitted.small_batch_max_rows == small_rows
     for name in ("flops_efficiency", "bandwidth_efficiency", "step_overhead_s", "request_overhead_s",
                  "attention_bandwidth_efficiency", "small_batch_row_s", "gemm_step_s"):
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-3), name
-    assert np.allclose(predict(samples, CostModel(shapes, fitted)), result.measured_s, rtol=1e-3)
+    assert np.allclose(predict(samples, CostModel(shapes, hardware, engine=fitted)), result.measured_s, rtol=1e-3)
 
 
 def test_measure_times_real_engine_steps_with_their_composition(loaded: LoadedModel) -> None:

@@ -30,7 +30,7 @@ from inflight.model.loaded import LoadedModel
 from inflight.model.tokenizer import ChatMessage, Tokenizer
 from inflight.request import FinishReason, Request, SamplingParams, StructuredOutputs, TokenLogprobs, sample_request_id
 from inflight.sim.cost_model import CostModel
-from inflight.sim.hardware import load_hardware
+from inflight.sim.engine_profile import load_profiles
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,8 @@ def _slo_cost_model(config: SchedulerConfig, model: ModelConfig, parts: EnginePa
     if name == "auto":
         name = "h100" if parts.device is not None and parts.device.type == "cuda" else "cpu-local"
     dtype = None if parts.loaded is None else str(parts.loaded.model.dtype).removeprefix("torch.")
-    return CostModel(model, load_hardware(name), dtype=dtype)
+    hardware, engine = load_profiles(name)
+    return CostModel(model, hardware, dtype=dtype, engine=engine)
 
 
 class Clock(Protocol):

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from inflight.sim.cost_model import SeqWork
+from inflight.sim.engine_profile import EngineProfile
 from inflight.sim.fit import FitResult, Sample, fit_profile
 from inflight.sim.hardware import HardwareProfile
 
@@ -132,13 +133,13 @@ def measure(engine: Any, cases: Sequence[StepCase], seed: int = 0,
 # --- the whole procedure --------------------------------------------------------------------------
 
 
-def calibrate(model: str | None, base: HardwareProfile, *, name: str = "cpu-local",
+def calibrate(model: str | None, hardware: HardwareProfile, base: EngineProfile, *, name: str = "cpu-local",
               cases: Sequence[StepCase] | None = None, torch_threads: int | None = 1,
               num_kv_blocks: int = 4096, max_num_tokens: int = 2048, repeats: int = 2,
               progress: Callable[[str], None] | None = None) -> tuple[FitResult, list[Sample]]:
-    """Loads `model` on the CPU, measures the grid and fits a profile named `name` from `base`
-    (the nominal peaks of this machine). `max_num_tokens` is the calibration engine's budget:
-    the largest prefill chunk measured."""
+    """Loads `model` on the CPU, measures the grid and fits the inflight engine's profile on
+    `hardware` (the nominal peaks of this machine, renamed `name`), starting from `base`.
+    `max_num_tokens` is the calibration engine's budget: the largest prefill chunk measured."""
     import torch
 
     from inflight.bench.local import warm_up
@@ -160,7 +161,8 @@ def calibrate(model: str | None, base: HardwareProfile, *, name: str = "cpu-loca
     elapsed = time.perf_counter() - started
     _, shapes = resolve_shapes(model)
     dtype = str(engine.model.dtype).removeprefix("torch.")
-    result = fit_profile(samples, shapes, dataclasses.replace(base, name=name, dtype=dtype), dtype)
+    hardware = dataclasses.replace(hardware, name=name, dtype=dtype)
+    result = fit_profile(samples, shapes, hardware, dataclasses.replace(base, name="inflight"), dtype)
     rel = np.abs(result.predicted_s - result.measured_s) / result.measured_s
     info = {
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -179,5 +181,5 @@ def calibrate(model: str | None, base: HardwareProfile, *, name: str = "cpu-loca
         "grid": [c._asdict() for c in cases],
     }
     profile = dataclasses.replace(result.profile, calibration=info,
-                                  source=f"fitted by `inflight sim calibrate` from {base.source or base.name}")
-    return result._replace(profile=profile), samples
+                                  source=f"inflight on {name}: fitted by `inflight sim calibrate`")
+    return result._replace(profile=profile, hardware=hardware), samples

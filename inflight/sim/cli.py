@@ -10,8 +10,9 @@ from typing import Any
 
 from inflight.errors import ConfigError
 
-_MODEL_HELP = ("model shapes: a built-in name (llama-3-8b, llama-3-70b, mistral-7b, qwen2.5-7b, "
-               "smollm2-135m), a Hugging Face config.json or its folder, or a GGUF file "
+_MODEL_HELP = ("model shapes: a built-in name (llama-3-8b, llama-3-70b, llama-3.1-8b, llama-3.1-70b, "
+               "llama-2-7b, llama-2-70b, mistral-7b, qwen2.5-7b, smollm2-135m), a Hugging Face config.json "
+               "or its folder, or a GGUF file "
                "(default: the embedded SmolLM2-135M)")
 _HARDWARE_HELP = "h100, h200, a100-80gb, l4, cpu-local, or a profile JSON from `inflight sim calibrate`"
 
@@ -48,7 +49,9 @@ def register(subparsers: Any) -> None:
                                      "overheads by least squares.")
     cal.add_argument("--model", default=None, help="GGUF file or HF model folder (default: the embedded model)")
     cal.add_argument("--output", "-o", required=True, help="write the fitted profile (JSON) here")
-    cal.add_argument("--base", default="cpu-local", help="profile whose nominal peaks are fitted (default cpu-local)")
+    cal.add_argument("--base", default="cpu-local",
+                     help="hardware whose nominal peaks the fit uses, and whose engine factors it starts from "
+                          "(default cpu-local)")
     cal.add_argument("--name", default=None, help="name of the fitted profile (default: the base's)")
     cal.add_argument("--torch-threads", type=int, default=1,
                      help="intra-op threads, as the runs it should predict use (default 1)")
@@ -87,6 +90,11 @@ def register(subparsers: Any) -> None:
 def _add_target_options(parser: argparse.ArgumentParser) -> None:
     t = parser.add_argument_group("simulated target")
     t.add_argument("--hardware", default="cpu-local", help=_HARDWARE_HELP + " (default cpu-local)")
+    t.add_argument("--engine-profile", default=None, metavar="NAME|FILE",
+                   help="whose kernels and step loop: vllm, sglang, trtllm, inflight, or an engine profile "
+                        "JSON (default: the engine calibrated with --hardware, else vllm on a GPU)")
+    t.add_argument("--weight-dtype", default="auto", help="auto (the compute type), bfloat16, float16, fp8, int8")
+    t.add_argument("--kv-cache-dtype", default="auto", help="auto (the compute type), bfloat16, float16, fp8, int8")
     t.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (default 1)")
     t.add_argument("--replicas", type=int, default=1,
                    help="engine replicas behind a router, as `inflight serve --replicas` (default 1)")
@@ -115,7 +123,8 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _target(args: argparse.Namespace) -> Any:
-    from inflight.sim.hardware import load_hardware
+    from inflight.sim.cost_model import normalize_dtype
+    from inflight.sim.engine_profile import load_profiles
     from inflight.sim.runs import SimTarget
     from inflight.sim.shapes import resolve_shapes
 
@@ -124,7 +133,10 @@ def _target(args: argparse.Namespace) -> Any:
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ConfigError("--max-concurrency must be >= 1")
     name, shapes = resolve_shapes(args.model)
-    return SimTarget(name, shapes, load_hardware(args.hardware), args.tp, args.gpu_memory_utilization)
+    hardware, engine = load_profiles(args.hardware, args.engine_profile)
+    weights = normalize_dtype(args.weight_dtype, "auto", "--weight-dtype")
+    kv = normalize_dtype(args.kv_cache_dtype, "auto", "--kv-cache-dtype")
+    return SimTarget(name, shapes, hardware, args.tp, args.gpu_memory_utilization, engine, weights, kv)
 
 
 def _workload(args: argparse.Namespace) -> tuple[Any, Path]:
@@ -221,24 +233,28 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     import json
 
     from inflight.sim.calibrate import calibrate
+    from inflight.sim.engine_profile import load_profiles, save_profile
     from inflight.sim.fit import format_fit
-    from inflight.sim.hardware import load_hardware
 
-    base = load_hardware(args.base)
+    hardware, base = load_profiles(args.base)
+    if hardware.kind != "cpu":
+        raise ConfigError(f"calibrate times the engine on this machine's CPU; --base {args.base} is a GPU")
     if args.torch_threads < 1 or args.repeats < 1:
         raise ConfigError("--torch-threads and --repeats must be >= 1")
 
     def progress(message: str) -> None:
         print(message, file=sys.stderr)
 
-    result, samples = calibrate(args.model, base, name=args.name or base.name, torch_threads=args.torch_threads,
-                                max_num_tokens=args.max_num_tokens, repeats=args.repeats, progress=progress)
-    result.profile.save(Path(args.output))
+    result, samples = calibrate(args.model, hardware, base, name=args.name or hardware.name,
+                                torch_threads=args.torch_threads, max_num_tokens=args.max_num_tokens,
+                                repeats=args.repeats, progress=progress)
+    save_profile(Path(args.output), result.hardware, result.profile)
     print(f"wrote {args.output}", file=sys.stderr)
     if args.samples:
         rows = [{"batch": [list(w) for w in s.batch], "duration_s": s.duration_s, "forward_s": s.forward_s,
                  "predicted_s": float(p)} for s, p in zip(samples, result.predicted_s, strict=True)]
-        Path(args.samples).write_text(json.dumps({"profile": dataclasses.asdict(result.profile), "steps": rows}))
+        Path(args.samples).write_text(json.dumps({"engine": dataclasses.asdict(result.profile),
+                                                  "hardware": dataclasses.asdict(result.hardware), "steps": rows}))
     print(format_fit(result, samples))
     return 0
 

@@ -4,16 +4,21 @@ Each request in a step computes `num_new_tokens` tokens and ends with `context_l
 KV. Per device, with tensor parallelism over `tp` devices:
 
 - linear layers: `2 * tokens * params` FLOPs (the LM head only on sampled rows) against the peak
-  FLOP/s, and every weight read once against the memory bandwidth; the slower bound wins;
+  FLOP/s of their compute type (the 8-bit tensor-core peak for fp8 or int8 weights where the
+  device has one), and every weight read once, in its own type, against the memory bandwidth;
 - attention, per request: `4 * layers * heads * head_dim` FLOPs per (query, key) pair, causal,
-  against the peak, and its KV (read whole, new tokens written) against the bandwidth;
-- with `tp > 1`, two ring all-reduces of the step's activations per layer over the interconnect;
-- a fixed overhead per step and per scheduled request (the CPU side of a step);
-- where the profile says so (a CPU BLAS), matmuls of a few rows run one row at a time, each
-  extra row costing about another pass over the weights, and larger ones pay once per step
+  against the peak, and its KV (read whole, new tokens written, in the KV cache's type) against
+  the bandwidth;
+- compute and memory time combine by the engine's roofline (max, sum or smooth max);
+- with `tp > 1`, two all-reduces of the step's activations per layer over the interconnect;
+- a fixed cost per layer (kernel launches and the gaps between them; less in a step replayed
+  from a CUDA graph) and a CPU overhead per step and per scheduled request, which an engine
+  that overlaps scheduling hides behind the device's work;
+- where the engine profile says so (a CPU BLAS), matmuls of a few rows run one row at a time,
+  each extra row costing about another pass over the weights, and larger ones pay once per step
   for packing the weights.
 
-Peaks come from the hardware profile, scaled by its efficiency factors.
+Peaks come from the hardware profile; efficiencies and overheads from the engine profile.
 """
 
 from __future__ import annotations
@@ -23,10 +28,24 @@ from typing import NamedTuple
 
 from inflight.config import ModelConfig
 from inflight.errors import ConfigError
+from inflight.sim.engine_profile import EngineProfile, default_engine
 from inflight.sim.hardware import HardwareProfile
 from inflight.sim.shapes import num_linear_params, num_params
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
+COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
+_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float8": "fp8",
+            "fp8_e4m3": "fp8", "float8_e4m3fn": "fp8", "fp8_e5m2": "fp8"}
+
+
+def normalize_dtype(name: str | None, default: str, what: str) -> str:
+    """`name` as one of DTYPE_BYTES' keys (`auto` or None: `default`)."""
+    if name in (None, "auto"):
+        return default
+    key = _ALIASES.get(str(name).lower(), str(name).lower())
+    if key not in DTYPE_BYTES:
+        raise ConfigError(f"unknown {what} {name!r}: give auto, {', '.join(DTYPE_BYTES)}")
+    return key
 
 
 class SeqWork(NamedTuple):
@@ -42,93 +61,140 @@ class StepWork(NamedTuple):
 
     num_requests: int
     num_tokens: int
-    linear_flops: float
+    linear_compute_s: float  # the linear layers' FLOPs over their compute type's peak
     linear_bytes: float
     attention: list[tuple[float, float]]  # per request: (FLOPs, KV bytes)
-    comm_s: float
+    num_layers: int  # layers the step runs: the model's, or none in an empty step
+    graphed: bool  # replayed from a CUDA graph
+    num_allreduces: int
+    allreduce_bytes: float  # what each device sends over the link, all of the step's all-reduces
 
 
 class StepCost(NamedTuple):
     linear_s: float
     attention_s: float
     comm_s: float
-    overhead_s: float
+    launch_s: float  # the per-layer fixed cost
+    overhead_s: float  # CPU work of the step
+    overlapped: bool = False  # the overhead runs while the device computes
+
+    @property
+    def device_s(self) -> float:
+        return self.linear_s + self.attention_s + self.comm_s + self.launch_s
 
     @property
     def total_s(self) -> float:
-        return self.linear_s + self.attention_s + self.comm_s + self.overhead_s
+        if self.overlapped:
+            return max(self.device_s, self.overhead_s)
+        return self.device_s + self.overhead_s
+
+
+def combine(compute_s: float, memory_s: float, engine: EngineProfile) -> float:
+    """A kernel's time from its compute-bound and memory-bound times, by the engine's roofline."""
+    if engine.roofline == "max":
+        return max(compute_s, memory_s)
+    if engine.roofline == "sum":
+        return compute_s + memory_s
+    top = max(compute_s, memory_s)
+    if top <= 0:
+        return 0.0
+    k = engine.roofline_exponent
+    return top * ((compute_s / top) ** k + (memory_s / top) ** k) ** (1 / k)
 
 
 class CostModel:
-    def __init__(self, model: ModelConfig, hardware: HardwareProfile, tp: int = 1,
-                 dtype: str | None = None) -> None:
-        dtype = hardware.dtype if dtype in (None, "auto") else dtype
-        if dtype not in DTYPE_BYTES:
-            raise ConfigError(f"unknown dtype {dtype!r}")
+    def __init__(self, model: ModelConfig, hardware: HardwareProfile, tp: int = 1, dtype: str | None = None,
+                 engine: EngineProfile | None = None, weight_dtype: str | None = None,
+                 kv_cache_dtype: str | None = None) -> None:
+        dtype = normalize_dtype(dtype, hardware.dtype, "dtype")
+        if dtype not in COMPUTE_DTYPES:
+            raise ConfigError(f"dtype {dtype} is a storage type; compute runs in {', '.join(COMPUTE_DTYPES)}")
         if tp < 1 or model.num_heads % tp:
             raise ConfigError(f"--tp {tp} must be >= 1 and divide the model's {model.num_heads} heads")
         if tp > 1 and hardware.interconnect_bandwidth <= 0:
             raise ConfigError(f"hardware {hardware.name} has no interconnect for --tp {tp}")
         self.model = model
         self.hardware = hardware
+        self.engine = engine or default_engine(hardware)
+        if self.engine.kind != hardware.kind:
+            raise ConfigError(f"engine profile {self.engine.name} is for a {self.engine.kind}; "
+                              f"{hardware.name} is a {hardware.kind}")
         self.tp = tp
         self.dtype = dtype
+        self.weight_dtype = normalize_dtype(weight_dtype, dtype, "weight dtype")
+        self.kv_cache_dtype = normalize_dtype(kv_cache_dtype, dtype, "KV cache dtype")
         self.dtype_bytes = DTYPE_BYTES[dtype]
-        b = self.dtype_bytes
-        self._linear_flops_per_token = 2 * num_linear_params(model) / tp
-        self._head_flops_per_row = 2 * model.vocab_size * model.hidden_size / tp
-        self._linear_weight_bytes = num_linear_params(model) * b / tp
-        self._head_weight_bytes = model.vocab_size * model.hidden_size * b / tp
+        a, w = self.dtype_bytes, DTYPE_BYTES[self.weight_dtype]
+        self.linear_peak_flops = self._linear_peak()
+        eight_bit = self.linear_peak_flops != hardware.peak_flops
+        self.linear_flops_efficiency = (self.engine.eight_bit_flops_efficiency or self.engine.flops_efficiency
+                                        if eight_bit else self.engine.flops_efficiency)
+        linear = num_linear_params(model)
+        head = model.vocab_size * model.hidden_size
+        # The LM head and the embedding stay in the activations' type, as in quantized checkpoints.
+        self._linear_s_per_token = 2 * linear / tp / self.linear_peak_flops
+        self._head_s_per_row = 2 * head / tp / hardware.peak_flops
+        self._linear_weight_bytes = linear * w / tp
+        self._head_weight_bytes = head * a / tp
         self._attn_flops_per_pair = 4 * model.num_layers * (model.num_heads // tp) * model.head_dim
         # KV heads are split over the devices, replicated when there are fewer than devices.
         self.kv_heads_per_device = -(-model.num_kv_heads // tp)
-        self.kv_bytes_per_token = 2 * model.num_layers * self.kv_heads_per_device * model.head_dim * b
-        self.weight_bytes_per_device = num_params(model) * b / tp
+        kv = DTYPE_BYTES[self.kv_cache_dtype]
+        self.kv_bytes_per_token = 2 * model.num_layers * self.kv_heads_per_device * model.head_dim * kv
+        self.weight_bytes_per_device = (linear * w + (num_params(model) - linear) * a) / tp
+
+    def _linear_peak(self) -> float:
+        hw = self.hardware
+        eight_bit = {"fp8": hw.peak_flops_fp8, "int8": hw.peak_flops_int8}.get(self.weight_dtype, 0.0)
+        return eight_bit or hw.peak_flops  # none: weight-only, dequantized into the matmul
 
     # --- amounts --------------------------------------------------------------------------------
 
     def work(self, batch: Iterable[SeqWork]) -> StepWork:
         num_tokens = num_rows = num_requests = 0
+        decode_only = True
         attention: list[tuple[float, float]] = []
         pair_flops, kv_bytes = self._attn_flops_per_pair, self.kv_bytes_per_token
         for n, context, samples in batch:
             num_tokens += n
             num_rows += samples
             num_requests += 1
+            decode_only = decode_only and n == 1
             start = context - n
             pairs = n * start + n * (n + 1) // 2  # causal: query i sees start + i + 1 keys
             attention.append((pairs * pair_flops, (context + n) * kv_bytes))
-        flops = num_tokens * self._linear_flops_per_token + num_rows * self._head_flops_per_row
+        compute_s = num_tokens * self._linear_s_per_token + num_rows * self._head_s_per_row
         weight_bytes = ((self._linear_weight_bytes if num_tokens else 0.0)
                         + (self._head_weight_bytes if num_rows else 0.0))
-        return StepWork(num_requests, num_tokens, flops, weight_bytes, attention, self.comm_time(num_tokens))
-
-    def comm_time(self, num_tokens: int) -> float:
-        """Two ring all-reduces of the activations per layer (after attention and after the MLP)."""
-        if self.tp == 1 or num_tokens == 0:
-            return 0.0
-        hw = self.hardware
-        size = num_tokens * self.model.hidden_size * self.dtype_bytes
-        one = hw.allreduce_latency_s + 2 * (self.tp - 1) / self.tp * size / hw.interconnect_bandwidth
-        return 2 * self.model.num_layers * one
+        layers = self.model.num_layers if num_tokens else 0
+        allreduces = 2 * layers if self.tp > 1 else 0
+        # A ring all-reduce sends 2 (tp - 1) / tp of the message from each device.
+        message = num_tokens * self.model.hidden_size * self.dtype_bytes
+        sent = allreduces * 2 * (self.tp - 1) / self.tp * message
+        return StepWork(num_requests, num_tokens, compute_s, weight_bytes, attention, layers,
+                        self.engine.graphed(num_requests, decode_only), allreduces, sent)
 
     # --- time -----------------------------------------------------------------------------------
 
     def cost(self, work: StepWork) -> StepCost:
-        hw = self.hardware
-        flops_rate = hw.peak_flops * hw.flops_efficiency
-        bytes_rate = hw.memory_bandwidth * hw.bandwidth_efficiency
-        attn_flops_rate = hw.peak_flops * hw.attention_flops_efficiency
-        kv_rate = hw.memory_bandwidth * hw.attention_bandwidth_efficiency
-        combine = max if hw.roofline == "max" else _add
-        linear = combine(work.linear_flops / flops_rate, work.linear_bytes / bytes_rate)
-        if 2 <= work.num_tokens <= hw.small_batch_max_rows:
-            linear += (work.num_tokens - 1) * hw.small_batch_row_s
+        hw, eng = self.hardware, self.engine
+        bytes_rate = hw.memory_bandwidth * eng.bandwidth_efficiency
+        attn_flops_rate = hw.peak_flops * eng.attention_flops_efficiency
+        kv_rate = hw.memory_bandwidth * eng.attention_bandwidth_efficiency
+        linear = combine(work.linear_compute_s / self.linear_flops_efficiency, work.linear_bytes / bytes_rate, eng)
+        if 2 <= work.num_tokens <= eng.small_batch_max_rows:
+            linear += (work.num_tokens - 1) * eng.small_batch_row_s
         elif work.num_tokens >= 2:
-            linear += hw.gemm_step_s
-        attention = sum(combine(f / attn_flops_rate, b / kv_rate) for f, b in work.attention)
-        overhead = hw.step_overhead_s + hw.request_overhead_s * work.num_requests
-        return StepCost(linear, attention, work.comm_s, overhead)
+            linear += eng.gemm_step_s
+        attention = sum(combine(f / attn_flops_rate, b / kv_rate, eng) for f, b in work.attention)
+        comm = 0.0
+        if work.num_allreduces:
+            latency = eng.allreduce_latency_s + eng.allreduce_peer_latency_s * (self.tp - 1)
+            link = hw.interconnect_bandwidth * eng.allreduce_bandwidth_efficiency
+            comm = work.num_allreduces * latency + work.allreduce_bytes / link
+        launch = work.num_layers * (eng.graph_layer_overhead_s if work.graphed else eng.layer_overhead_s)
+        overhead = eng.step_overhead_s + eng.request_overhead_s * work.num_requests
+        return StepCost(linear, attention, comm, launch, overhead, eng.overlap_scheduling)
 
     def step_time(self, batch: Sequence[SeqWork]) -> float:
         """Seconds of one step; an empty step costs the step overhead alone."""
@@ -159,6 +225,8 @@ class CostModel:
                               f"per device of {hw.memory_bytes / 1e9:.0f} GB); raise --tp")
         return num_blocks
 
-
-def _add(a: float, b: float) -> float:
-    return a + b
+    def describe(self) -> str:
+        """The engine profile and the types, for titles and run records."""
+        types = self.dtype if self.weight_dtype == self.kv_cache_dtype == self.dtype else (
+            f"{self.dtype}, weights {self.weight_dtype}, KV {self.kv_cache_dtype}")
+        return f"{self.engine.name} ({types})"

@@ -1,5 +1,6 @@
-"""Fitting a hardware profile to timed engine steps: least squares on relative error over the
-cost model's terms, for each roofline form and small-batch regime, keeping the best."""
+"""Fitting an engine profile to timed engine steps on known hardware: least squares on relative
+error over the cost model's terms, for each roofline form and small-batch regime, keeping the
+best."""
 
 from __future__ import annotations
 
@@ -10,52 +11,92 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from inflight.config import ModelConfig
-from inflight.sim.cost_model import CostModel, SeqWork
+from inflight.sim.cost_model import CostModel, SeqWork, combine
+from inflight.sim.engine_profile import EngineProfile
 from inflight.sim.hardware import HardwareProfile
 
 
 class Sample(NamedTuple):
     batch: tuple[SeqWork, ...]
     duration_s: float  # the whole step, as `LLMEngine.step()` took it
-    forward_s: float  # of which the model's forward pass
+    forward_s: float  # of which the model's forward pass (the device's work)
+    shapes: ModelConfig | None = None  # the model it ran; None: the fit's
+    tp: int = 1
 
 
 _EFFICIENCIES = ("flops_efficiency", "bandwidth_efficiency", "attention_flops_efficiency",
                  "attention_bandwidth_efficiency")
+# The forward pass's time terms, in the order of `_design`'s columns: an efficiency's column
+# holds work over the peak (its coefficient is 1 / efficiency), a time term's a count.
+_TERMS = (*_EFFICIENCIES, "small_batch_row_s", "gemm_step_s", "layer_overhead_s", "graph_layer_overhead_s",
+          "allreduce_latency_s", "allreduce_peer_latency_s", "allreduce_bandwidth_efficiency")
+_INVERSE = {*_EFFICIENCIES, "allreduce_bandwidth_efficiency"}
 
 
 class FitResult(NamedTuple):
-    profile: HardwareProfile
+    profile: EngineProfile
     predicted_s: np.ndarray
     measured_s: np.ndarray
     outliers: np.ndarray  # bool per sample: left out of the final fit
     errors_by_roofline: dict[str, float]  # mean relative error (%) of each form's best fit
+    hardware: HardwareProfile
 
 
-def _design(samples: Sequence[Sample], cm: CostModel) -> np.ndarray:
-    """Per sample, the forward pass's time terms at efficiency 1: linear FLOPs, weight bytes,
-    attention FLOPs, KV bytes, each over its peak; the extra rows of a small-batch step and
-    whether the step runs GEMMs (only fitted where single-row steps are in the data).
-    Under the `max` roofline only the side that binds (under `cm`'s current factors) is kept;
-    under `sum` both are."""
-    hw = cm.hardware
+class _Models:
+    """One cost model per (shapes, tp) among the samples, on the profiles being fitted."""
+
+    def __init__(self, shapes: ModelConfig, hardware: HardwareProfile, dtype: str | None) -> None:
+        self.shapes, self.hardware, self.dtype = shapes, hardware, dtype
+        self._cache: dict[tuple[int, int, EngineProfile], CostModel] = {}
+
+    def of(self, sample: Sample, engine: EngineProfile) -> CostModel:
+        key = (id(sample.shapes), sample.tp, engine)
+        if key not in self._cache:
+            if len(self._cache) > 64:
+                self._cache.clear()
+            self._cache[key] = CostModel(sample.shapes or self.shapes, self.hardware, sample.tp, self.dtype, engine)
+        return self._cache[key]
+
+
+def _design(samples: Sequence[Sample], models: _Models, engine: EngineProfile) -> np.ndarray:
+    """Per sample, the forward pass's terms at efficiency 1 (see `_TERMS`). Under `max` only the
+    side of each roofline that binds (under `engine`'s current factors) is kept; under `sum`
+    both are; under `smooth` both, weighted as `_sides` says."""
+    hw = models.hardware
     peak, bw = hw.peak_flops, hw.memory_bandwidth
-    both = hw.roofline == "sum"
     rows = []
     for sample in samples:
+        cm = models.of(sample, engine)
         w = cm.work(sample.batch)
-        compute = w.linear_flops / (peak * hw.flops_efficiency) >= w.linear_bytes / (bw * hw.bandwidth_efficiency)
+        lin_c, lin_m = _sides(w.linear_compute_s, cm.linear_flops_efficiency,
+                              w.linear_bytes / bw, engine.bandwidth_efficiency, engine)
         attn_f = attn_b = 0.0
         for f, b in w.attention:
-            bound = f / (peak * hw.attention_flops_efficiency) >= b / (bw * hw.attention_bandwidth_efficiency)
-            attn_f += f if both or bound else 0.0
-            attn_b += b if both or not bound else 0.0
-        small = w.num_tokens - 1 if 2 <= w.num_tokens <= hw.small_batch_max_rows else 0
+            c, m = _sides(f / peak, engine.attention_flops_efficiency, b / bw,
+                          engine.attention_bandwidth_efficiency, engine)
+            attn_f, attn_b = attn_f + c, attn_b + m
+        small = w.num_tokens - 1 if 2 <= w.num_tokens <= engine.small_batch_max_rows else 0
         gemm = 1.0 if w.num_tokens >= 2 and not small else 0.0
-        rows.append([w.linear_flops / peak if both or compute else 0.0,
-                     w.linear_bytes / bw if both or not compute else 0.0, attn_f / peak, attn_b / bw,
-                     small, gemm])
+        link = hw.interconnect_bandwidth or 1.0
+        rows.append([lin_c, lin_m, attn_f, attn_b, small, gemm,
+                     0.0 if w.graphed else w.num_layers, w.num_layers if w.graphed else 0.0,
+                     w.num_allreduces, w.num_allreduces * (cm.tp - 1), w.allreduce_bytes / link])
     return np.array(rows)
+
+
+def _sides(compute: float, compute_eff: float, memory: float, memory_eff: float,
+           engine: EngineProfile) -> tuple[float, float]:
+    """The design's two entries for one roofline, at efficiency 1. The smooth max `T(c, m)` is
+    homogeneous of degree 1, so `T = c * dT/dc + m * dT/dm` (Euler): each side enters weighted
+    by its partial derivative at the current factors, `(side / T) ** (k - 1)`. At the right
+    factors that is exact, and both efficiencies stay in the solve."""
+    if engine.roofline == "sum":
+        return compute, memory
+    c, m = compute / compute_eff, memory / memory_eff
+    if engine.roofline == "max" or max(c, m) <= 0:
+        return (compute, 0.0) if c >= m else (0.0, memory)
+    total, k = combine(c, m, engine), engine.roofline_exponent
+    return compute * (c / total) ** (k - 1), memory * (m / total) ** (k - 1)
 
 
 def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, fallback: np.ndarray, relative: bool) -> np.ndarray:
@@ -80,26 +121,27 @@ def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, fallback: np.ndarray, relat
     return coef
 
 
-def _fit_forward(samples: Sequence[Sample], shapes: ModelConfig, profile: HardwareProfile,
-                 dtype: str | None, max_iterations: int = 30) -> HardwareProfile:
-    """The four efficiency factors and the small-batch terms from the forward-pass times.
-    Under `max`, which side of each roofline binds depends on the factors: classify, solve,
-    until the classes stop changing. An efficiency the data says nothing about keeps `profile`'s
-    (its inverse cannot be 0); a time term keeps 0."""
+def _fit_forward(samples: Sequence[Sample], models: _Models, profile: EngineProfile,
+                 max_iterations: int = 300) -> EngineProfile:
+    """The efficiency factors and the time terms from the forward-pass times. Under `max`, which
+    side of each roofline binds depends on the factors, and under `smooth` so does the factor
+    over it: classify, solve, until the classes and the factors stop changing. An efficiency
+    the data says nothing about keeps `profile`'s (its inverse cannot be 0); a time term keeps 0."""
     y = np.array([s.forward_s for s in samples])
     for _ in range(max_iterations):
-        x = _design(samples, CostModel(shapes, profile, dtype=dtype))
-        fallback = np.array([*(1 / getattr(profile, k) for k in _EFFICIENCIES), 0.0, 0.0])
+        x = _design(samples, models, profile)
+        fallback = np.array([1 / getattr(profile, k) if k in _INVERSE else 0.0 for k in _TERMS])
         coef = _nonnegative_lstsq(x, y, fallback, relative=True)
-        fitted: dict[str, Any] = {k: float(1 / c) for k, c in zip(_EFFICIENCIES, coef, strict=False)}
-        new = dataclasses.replace(profile, **fitted, small_batch_row_s=float(coef[4]), gemm_step_s=float(coef[5]))
-        if np.array_equal(_design(samples, CostModel(shapes, new, dtype=dtype)) > 0, x > 0):
+        fitted: dict[str, Any] = {k: float(1 / c if k in _INVERSE else c) for k, c in zip(_TERMS, coef, strict=True)}
+        new = dataclasses.replace(profile, **fitted)
+        x_new = _design(samples, models, new)
+        if np.array_equal(x_new > 0, x > 0) and (profile.roofline != "smooth" or np.allclose(x_new, x, rtol=1e-14)):
             return new
         profile = new
     return profile
 
 
-def _fit_overheads(samples: Sequence[Sample], profile: HardwareProfile) -> HardwareProfile:
+def _fit_overheads(samples: Sequence[Sample], profile: EngineProfile) -> EngineProfile:
     """Step and per-request overheads from the time of each step outside the forward pass."""
     y = np.array([s.duration_s - s.forward_s for s in samples])
     x = np.array([[1.0, len(s.batch)] for s in samples])
@@ -107,25 +149,30 @@ def _fit_overheads(samples: Sequence[Sample], profile: HardwareProfile) -> Hardw
     return dataclasses.replace(profile, step_overhead_s=float(coef[0]), request_overhead_s=float(coef[1]))
 
 
-def fit_profile(samples: Sequence[Sample], shapes: ModelConfig, base: HardwareProfile,
-                dtype: str | None = None, rooflines: Sequence[str] = ("max", "sum"),
-                small_batch_rows: Sequence[int] = (1, 2, 3, 4, 6, 8),
+def fit_profile(samples: Sequence[Sample], shapes: ModelConfig, hardware: HardwareProfile, base: EngineProfile,
+                dtype: str | None = None, rooflines: Sequence[str] = ("max", "sum", "smooth"),
+                exponents: Sequence[float] = (2.0, 4.0), small_batch_rows: Sequence[int] = (1, 2, 3, 4, 6, 8),
                 outlier_factor: float = 4.0) -> FitResult:
-    """Fits the efficiency factors of `base` to the forward-pass times and its overheads to the
-    rest of each step, for each roofline form and small-batch regime, and keeps the one with
-    the smallest mean relative error. Samples whose error exceeds `outlier_factor` times the
-    median (steps stalled by other work on the machine) are then left out and the fit runs
-    again, once."""
+    """Fits the efficiency factors and time terms of `base` to the forward-pass times and its
+    overheads to the rest of each step, for each roofline form (the smooth one at each of
+    `exponents`) and small-batch regime, and keeps the one with the smallest mean relative
+    error. Samples whose error exceeds `outlier_factor` times the median (steps stalled by
+    other work on the machine) are then left out and the fit runs again, once. Samples may
+    come from several models and TP degrees (`Sample.shapes`, `Sample.tp`), which is what
+    separates a per-layer cost from a per-step one."""
+    models = _Models(shapes, hardware, dtype)
     y = np.array([s.duration_s for s in samples])
     keep = np.ones(len(samples), dtype=bool)
+    forms = [(form, k) for form in rooflines for k in (exponents if form == "smooth" else (base.roofline_exponent,))]
     for _ in range(2):
         kept = [s for s, k in zip(samples, keep, strict=True) if k]
         fits = []
-        for form in rooflines:
+        for form, exponent in forms:
             for rows in small_batch_rows:
-                start = dataclasses.replace(base, roofline=form, small_batch_max_rows=rows)
-                profile = _fit_overheads(kept, _fit_forward(kept, shapes, start, dtype))
-                rel = np.abs(predict(samples, CostModel(shapes, profile, dtype=dtype)) - y) / y
+                start = dataclasses.replace(base, roofline=form, roofline_exponent=exponent,
+                                            small_batch_max_rows=rows)
+                profile = _fit_overheads(kept, _fit_forward(kept, models, start))
+                rel = np.abs(predict(samples, models, profile) - y) / y
                 fits.append((float(np.mean(rel[keep])), profile, rel))
         _, profile, rel = _simplest_of_the_best(fits)
         new_keep = rel <= max(outlier_factor * float(np.median(rel[keep])), 0.05)
@@ -133,11 +180,11 @@ def fit_profile(samples: Sequence[Sample], shapes: ModelConfig, base: HardwarePr
             break
         keep = new_keep
     errors = {form: round(100 * min(e for e, p, _ in fits if p.roofline == form), 2) for form in rooflines}
-    return FitResult(profile, predict(samples, CostModel(shapes, profile, dtype=dtype)), y, ~keep, errors)
+    return FitResult(profile, predict(samples, models, profile), y, ~keep, errors, hardware)
 
 
-def _simplest_of_the_best(fits: list[tuple[float, HardwareProfile, np.ndarray]]
-                          ) -> tuple[float, HardwareProfile, np.ndarray]:
+def _simplest_of_the_best(fits: list[tuple[float, EngineProfile, np.ndarray]]
+                          ) -> tuple[float, EngineProfile, np.ndarray]:
     """The fit with the smallest mean error, except that a simpler one within rounding of it wins:
     on exact data, a regime of more small-batch rows whose extra term solves to 0 fits exactly as
     well as the regime without them, and which of the two came out ahead would depend on the last
@@ -148,8 +195,13 @@ def _simplest_of_the_best(fits: list[tuple[float, HardwareProfile, np.ndarray]]
     return min((f for f in fits if f[0] <= tie), key=lambda f: f[1].small_batch_max_rows)
 
 
-def predict(samples: Sequence[Sample], cm: CostModel) -> np.ndarray:
-    return np.array([cm.step_time(s.batch) for s in samples])
+def predict(samples: Sequence[Sample], models: _Models | CostModel, engine: EngineProfile | None = None
+            ) -> np.ndarray:
+    """Each sample's predicted step time: by one cost model, or per sample's model and TP."""
+    if isinstance(models, CostModel):
+        return np.array([models.step_time(s.batch) for s in samples])
+    assert engine is not None
+    return np.array([models.of(s, engine).step_time(s.batch) for s in samples])
 
 
 def _kind(sample: Sample) -> str:
@@ -167,16 +219,20 @@ def _kind(sample: Sample) -> str:
 
 def format_fit(result: FitResult, samples: Sequence[Sample]) -> str:
     """The fitted factors and, per kind of step, measured against predicted mean time."""
-    p = result.profile
+    p, hw = result.profile, result.hardware
+    form = f"smooth (exponent {p.roofline_exponent:g})" if p.roofline == "smooth" else p.roofline
     small = (f"{p.small_batch_row_s * 1e3:.1f} ms per extra row up to {p.small_batch_max_rows} rows, "
              if p.small_batch_max_rows > 1 else "") + f"{p.gemm_step_s * 1e3:.1f} ms per GEMM step"
-    lines = [f"profile {p.name} ({p.roofline} roofline; mean error of each form: {result.errors_by_roofline} %)",
-             f"  linear: {p.flops_efficiency:.3f} of {p.peak_flops / 1e9:.0f} GFLOP/s, "
-             f"{p.bandwidth_efficiency:.3f} of {p.memory_bandwidth / 1e9:.0f} GB/s",
+    lines = [f"engine profile {p.name} on {hw.name} ({form} roofline; mean error of each form: "
+             f"{result.errors_by_roofline} %)",
+             f"  linear: {p.flops_efficiency:.3f} of {hw.peak_flops / 1e9:.0f} GFLOP/s, "
+             f"{p.bandwidth_efficiency:.3f} of {hw.memory_bandwidth / 1e9:.0f} GB/s",
              f"  attention: {p.attention_flops_efficiency:.3f} of peak FLOP/s, "
              f"{p.attention_bandwidth_efficiency:.3f} of peak bandwidth",
              f"  overhead: {p.step_overhead_s * 1e3:.2f} ms per step + {p.request_overhead_s * 1e6:.1f} us per request",
              f"  small-batch matmuls: {small}",
+             f"  per layer: {p.layer_overhead_s * 1e6:.1f} us, "
+             f"{p.graph_layer_overhead_s * 1e6:.1f} us from a CUDA graph",
              f"  {len(samples)} steps, {int(result.outliers.sum())} left out as outliers",
              f"{'kind of step':<40}{'steps':>6}{'measured ms':>13}{'predicted ms':>14}{'error':>8}"]
     groups: dict[str, list[int]] = {}

@@ -1,27 +1,36 @@
-"""Hardware profiles: datasheet peaks plus the efficiency factors and overheads that turn them
-into step times. Built in: a few GPUs and `cpu-local` (this project's 2-core dev machine);
-`inflight sim calibrate` fits a profile for the machine at hand and writes it as JSON."""
+"""Hardware profiles: what a datasheet gives (peak FLOP/s per compute type, memory bandwidth and
+size, the interconnect's bandwidth). How close an engine's kernels come to those peaks, and what
+its steps cost besides, belongs to the engine: `inflight.sim.engine_profile`.
+
+Built in: a few NVIDIA GPUs and `cpu-local` (this project's 2-core dev machine, nominal peaks).
+`inflight sim calibrate` writes a profile file holding a machine's hardware and the inflight
+engine's factors fitted on it; `load_profiles` reads either kind of file, and the files of
+earlier versions, which mixed both in one record.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from inflight.errors import ConfigError
 
-SCHEMA = "inflight-sim-hardware/1"
+SCHEMA = "inflight-sim-hardware/2"
+LEGACY_SCHEMA = "inflight-sim-hardware/1"  # hardware and engine factors in one record
 _GB = 1e9
 _GIB = 1024**3
+_T = 1e12
 
 
 @dataclass(frozen=True)
 class HardwareProfile:
-    """One device (a GPU, or a CPU socket). Peaks are per device, for `dtype`; `--tp N` uses N of
-    them. The efficiency factors scale the peaks to what the engine's kernels reach; the
-    overheads are the per-step CPU work (scheduling, building inputs, launching, outputs)."""
+    """One device (a GPU, or a CPU socket). Peaks are per device: `peak_flops` for `dtype` (the
+    type an engine computes in by default: bf16 on a GPU, fp32 on a CPU), and the dense 8-bit
+    tensor-core peaks where the device has them (0: it has none, and 8-bit weights are then
+    dequantized to `dtype` in the matmul). `--tp N` uses N devices linked by the interconnect."""
 
     name: str
     kind: str  # "gpu" or "cpu"
@@ -29,42 +38,18 @@ class HardwareProfile:
     memory_bandwidth: float  # bytes/s
     memory_bytes: float
     interconnect_bandwidth: float = 0.0  # bytes/s per device and direction, for all-reduce
-    dtype: str = "bfloat16"  # what the engine runs on this device by default
-    # How compute and memory time combine in one kernel: "max" (they overlap, the slower bound
-    # wins: the roofline) or "sum" (they do not, as for small matmuls on one CPU thread).
-    roofline: str = "max"
-    flops_efficiency: float = 0.6  # linear layers, compute-bound
-    bandwidth_efficiency: float = 0.8  # linear layers, weight-bound
-    attention_flops_efficiency: float = 0.4
-    attention_bandwidth_efficiency: float = 0.7  # KV reads
-    step_overhead_s: float = 2e-3
-    request_overhead_s: float = 20e-6  # per request scheduled in the step
-    allreduce_latency_s: float = 10e-6
-    # How a CPU BLAS treats the few-row matmuls of small decode batches: one row is a
-    # matrix-vector product; 2 to `small_batch_max_rows` rows run one product per row, each row
-    # after the first costing `small_batch_row_s` more (another pass over the weights); more
-    # rows run as a GEMM, which first packs the weights: `gemm_step_s` more, once per step.
-    # GPUs: 1 and zeros.
-    small_batch_max_rows: int = 1
-    small_batch_row_s: float = 0.0
-    gemm_step_s: float = 0.0
+    dtype: str = "bfloat16"
+    peak_flops_fp8: float = 0.0
+    peak_flops_int8: float = 0.0
     source: str = ""
-    calibration: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in ("gpu", "cpu"):
             raise ConfigError(f"hardware {self.name}: kind must be gpu or cpu, got {self.kind!r}")
-        if self.roofline not in ("max", "sum"):
-            raise ConfigError(f"hardware {self.name}: roofline must be max or sum, got {self.roofline!r}")
-        positive = ("peak_flops", "memory_bandwidth", "memory_bytes", "flops_efficiency",
-                    "bandwidth_efficiency", "attention_flops_efficiency", "attention_bandwidth_efficiency")
-        for name in positive:
+        for name in ("peak_flops", "memory_bandwidth", "memory_bytes"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"hardware {self.name}: {name} must be > 0")
-        if self.small_batch_max_rows < 1:
-            raise ConfigError(f"hardware {self.name}: small_batch_max_rows must be >= 1")
-        for name in ("step_overhead_s", "request_overhead_s", "allreduce_latency_s", "interconnect_bandwidth",
-                     "small_batch_row_s", "gemm_step_s"):
+        for name in ("interconnect_bandwidth", "peak_flops_fp8", "peak_flops_int8"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"hardware {self.name}: {name} must be >= 0")
 
@@ -73,65 +58,66 @@ class HardwareProfile:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HardwareProfile:
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - fields - {"schema"}
-        if data.get("schema") != SCHEMA or unknown:
-            what = f"unknown fields {sorted(unknown)}" if unknown else f"schema is not {SCHEMA}"
-            raise ConfigError(f"not a hardware profile: {what}")
-        return cls(**{k: v for k, v in data.items() if k in fields})
+        return cls(**_fields_of(cls, data, SCHEMA, "hardware profile"))
 
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+        write_json(path, self.to_dict())
 
 
-def _gpu(name: str, tflops: float, tb_s: float, mem_gb: float, link_gb_s: float, latency_s: float,
-         source: str) -> HardwareProfile:
-    return HardwareProfile(name, "gpu", tflops * 1e12, tb_s * 1e12, mem_gb * _GB, link_gb_s * _GB,
-                           allreduce_latency_s=latency_s, source=source)
+def _fields_of(cls: type, data: dict[str, Any], schema: str, what: str) -> dict[str, Any]:
+    """The dataclass fields of a record that says it is `schema`; anything else is an error."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - fields - {"schema"}
+    if data.get("schema") != schema or unknown:
+        problem = f"unknown fields {sorted(unknown)}" if unknown else f"schema is not {schema}"
+        raise ConfigError(f"not a {what}: {problem}")
+    return {k: v for k, v in data.items() if k in fields}
 
 
-# Dense bf16 tensor-core peaks and HBM bandwidth from NVIDIA's datasheets (SXM parts); the link
-# is NVLink (or PCIe for L4) per direction. Efficiency factors are typical of vLLM-class
-# kernels, not measured here: calibrate on the real machine for figures you act on.
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def _gpu(name: str, tflops: float, fp8_tflops: float, int8_tops: float, tb_s: float, mem_gb: float,
+         link_gb_s: float, source: str) -> HardwareProfile:
+    return HardwareProfile(name, "gpu", tflops * _T, tb_s * _T, mem_gb * _GB, link_gb_s * _GB,
+                           peak_flops_fp8=fp8_tflops * _T, peak_flops_int8=int8_tops * _T, source=source)
+
+
+# Dense (not 2:4 sparse) tensor-core peaks and HBM bandwidth from NVIDIA's datasheets, SXM parts;
+# the link is NVLink (PCIe for L4), per direction: half the datasheet's bidirectional figure.
 BUILTIN_HARDWARE: dict[str, HardwareProfile] = {
-    "h100": _gpu("h100", 989.4, 3.35, 80, 450, 8e-6, "H100 SXM5 80GB datasheet"),
-    "h200": _gpu("h200", 989.4, 4.8, 141, 450, 8e-6, "H200 SXM 141GB datasheet"),
-    "a100-80gb": _gpu("a100-80gb", 312, 2.039, 80, 300, 10e-6, "A100 SXM4 80GB datasheet"),
-    "l4": _gpu("l4", 121, 0.3, 24, 32, 25e-6, "L4 datasheet (PCIe Gen4 x16, no NVLink)"),
+    "h100": _gpu("h100", 989.4, 1978.9, 1978.9, 3.35, 80, 450, "H100 SXM5 80GB datasheet"),
+    "h200": _gpu("h200", 989.4, 1978.9, 1978.9, 4.8, 141, 450, "H200 SXM 141GB datasheet"),
+    "a100-80gb": _gpu("a100-80gb", 312, 0, 624, 2.039, 80, 300, "A100 SXM4 80GB datasheet (no FP8 tensor cores)"),
+    "l4": _gpu("l4", 121, 242.5, 242.5, 0.3, 24, 32, "L4 datasheet (PCIe Gen4 x16, no NVLink)"),
     # 2 vCPUs of an AMD EPYC (Zen 5): 2 cores x 2 AVX-512 FMA x 16 fp32 lanes x 2 FLOP x 2.6 GHz.
-    # The bandwidth is a nominal share of the host's. The factors and overheads are those fitted
-    # by `inflight sim calibrate` on that machine (one torch thread, the embedded model in fp32;
-    # benchmarks/sim/results/cpu-local.json). inflight's own GEMM prefetches the next weight
-    # panel, so weight streaming and compute overlap ("max"), and the few-row regime that MKL's
-    # per-call weight repacking used to cause is nearly gone; see docs/simulator.md.
-    "cpu-local": HardwareProfile(
-        "cpu-local", "cpu", peak_flops=332e9, memory_bandwidth=50 * _GB, memory_bytes=16 * _GIB,
-        dtype="float32", roofline="max", flops_efficiency=0.680, bandwidth_efficiency=0.681,
-        attention_flops_efficiency=0.257, attention_bandwidth_efficiency=0.455,
-        step_overhead_s=0.50e-3, request_overhead_s=48e-6,
-        small_batch_max_rows=8, small_batch_row_s=0.34e-3, gemm_step_s=8.2e-3,
-        source="2-vCPU AMD EPYC dev machine: nominal peaks, factors fitted on 2026-11-29 (commit b7bf522)",
-    ),
+    # The bandwidth is a nominal share of the host's. inflight's factors fitted on it are the
+    # built-in `cpu-local` engine profile (inflight/sim/engine_profile.py).
+    "cpu-local": HardwareProfile("cpu-local", "cpu", peak_flops=332e9, memory_bandwidth=50 * _GB,
+                                 memory_bytes=16 * _GIB, dtype="float32",
+                                 source="2-vCPU AMD EPYC (Zen 5) dev machine: nominal peaks"),
 }
 
 
 def load_hardware(name_or_path: str) -> HardwareProfile:
-    """A built-in profile by name (case-insensitive) or a profile JSON written by calibrate."""
-    key = name_or_path.strip().lower()
-    if key in BUILTIN_HARDWARE:
-        return BUILTIN_HARDWARE[key]
+    """A built-in profile by name (case-insensitive), or the hardware of a profile file."""
+    from inflight.sim.engine_profile import load_profiles
+
+    return load_profiles(name_or_path)[0]
+
+
+def read_profile_file(name_or_path: str, known: str) -> dict[str, Any]:
+    """The JSON object of a profile file; `known` lists the built-in names for the error."""
     path = Path(name_or_path).expanduser()
     if not path.is_file():
-        raise ConfigError(f"unknown hardware {name_or_path!r}: give one of {', '.join(BUILTIN_HARDWARE)} "
+        raise ConfigError(f"unknown hardware {name_or_path!r}: give one of {known} "
                           "or a profile JSON written by `inflight sim calibrate`")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"cannot read hardware profile {path}: {exc}") from None
+        raise ConfigError(f"cannot read profile {path}: {exc}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: not a hardware profile")
-    try:
-        return HardwareProfile.from_dict(data)
-    except TypeError as exc:
-        raise ConfigError(f"{path}: malformed hardware profile ({exc})") from None
+        raise ConfigError(f"{path}: not a profile")
+    return data

@@ -15,6 +15,7 @@ from inflight.config import EngineConfig, ModelConfig
 from inflight.errors import ConfigError
 from inflight.fleet.routing import RouterConfig
 from inflight.sim.cost_model import CostModel
+from inflight.sim.engine_profile import EngineProfile, default_engine
 from inflight.sim.fleet import run_fleet
 from inflight.sim.hardware import HardwareProfile
 from inflight.sim.simulator import run_simulation, sim_engine
@@ -22,22 +23,40 @@ from inflight.sim.simulator import run_simulation, sim_engine
 
 @dataclass(frozen=True)
 class SimTarget:
-    """What is simulated: a model's shapes on `tp` devices of one kind."""
+    """What is simulated: a model's shapes on `tp` devices of one kind, run by one engine (its
+    profile: kernels and step loop), with weights and KV cache in the given types (`auto`: the
+    compute type)."""
 
     model_name: str
     shapes: ModelConfig
     hardware: HardwareProfile
     tp: int = 1
     gpu_memory_utilization: float = 0.9
+    engine: EngineProfile | None = None  # None: the hardware's default
+    weight_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+
+    @property
+    def engine_profile(self) -> EngineProfile:
+        return self.engine or default_engine(self.hardware)
+
+    def cost_model(self, dtype: str | None = None) -> CostModel:
+        return CostModel(self.shapes, self.hardware, self.tp, dtype, self.engine_profile, self.weight_dtype,
+                         self.kv_cache_dtype)
 
     def describe(self) -> str:
-        return f"{self.model_name} on {self.hardware.name}" + (f" x{self.tp}" if self.tp > 1 else "")
+        where = f"{self.model_name} on {self.hardware.name}" + (f" x{self.tp}" if self.tp > 1 else "")
+        types = [f"{what} {t}" for what, t in (("weights", self.weight_dtype), ("KV", self.kv_cache_dtype))
+                 if t != "auto"]
+        return f"{where}, {self.engine_profile.name}" + (f" ({', '.join(types)})" if types else "")
 
     def to_dict(self) -> dict[str, Any]:
-        hw = self.hardware.to_dict()
+        hw, engine = self.hardware.to_dict(), self.engine_profile.to_dict()
         hw.pop("schema")
+        engine.pop("schema")
         return {"kind": "simulated", "model": self.model_name, "tp": self.tp,
-                "gpu_memory_utilization": self.gpu_memory_utilization, "hardware": hw}
+                "gpu_memory_utilization": self.gpu_memory_utilization, "weight_dtype": self.weight_dtype,
+                "kv_cache_dtype": self.kv_cache_dtype, "hardware": hw, "engine": engine}
 
 
 # Options of the fleet, not of one engine: `replicas` engines behind the `router` policy.
@@ -53,9 +72,10 @@ def simulate(target: SimTarget, options: dict[str, Any], requests: Sequence[Benc
     engine_options = {k: v for k, v in options.items() if k not in FLEET_OPTIONS}
     replicas = int(options.get("replicas", 1))
     config = EngineConfig.from_kwargs(None, **engine_options)
-    cost_model = CostModel(target.shapes, target.hardware, target.tp, config.dtype)
+    cost_model = target.cost_model(config.dtype)
     recorded = {**options, "model": target.model_name, "hardware": target.hardware.name, "tp": target.tp,
-                "dtype": cost_model.dtype}
+                "engine_profile": cost_model.engine.name, "dtype": cost_model.dtype,
+                "weight_dtype": cost_model.weight_dtype, "kv_cache_dtype": cost_model.kv_cache_dtype}
     if replicas < 1:
         raise ConfigError(f"replicas must be >= 1, got {replicas}")
     if replicas == 1:

@@ -79,7 +79,7 @@ def resimulate(document: dict[str, Any], runs: Sequence[BenchRun], target: SimTa
         options = engine_options_of(run)
         sim = simulate(target, options, requests, run.label, document.get("max_concurrency"))
         timeline = run.capture.timeline
-        cost_model = CostModel(target.shapes, target.hardware, target.tp, options.get("dtype"))
+        cost_model = target.cost_model(options.get("dtype"))
         # Prefix-cache hits are not in the timeline, so those steps cannot be rebuilt.
         hits = spec.shared_prefix is not None and options.get("enable_prefix_caching", True)
         steps = replay_steps(timeline, requests, cost_model) if timeline and timeline.steps and not hits else None

@@ -1,0 +1,249 @@
+"""Engine profiles: how close an engine's kernels come to a device's peaks, and what its steps
+cost besides the arithmetic (CPU work per step and per request, kernel launches per layer, CUDA
+graphs, its all-reduce). Two engines on one GPU differ here, not in the hardware profile.
+
+Built in: `vllm`, `sglang` and `trtllm`, each fitted to that engine's published figures (their
+`source` names them; docs/simulator.md has the table), `inflight` on a GPU (assumed: the CUDA path
+has not run on one yet), and `inflight-cpu`, fitted by `inflight sim calibrate` on the dev machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from inflight.errors import ConfigError
+from inflight.sim.hardware import (
+    BUILTIN_HARDWARE,
+    LEGACY_SCHEMA,
+    HardwareProfile,
+    _fields_of,
+    read_profile_file,
+    write_json,
+)
+from inflight.sim.hardware import (
+    SCHEMA as HARDWARE_SCHEMA,
+)
+
+SCHEMA = "inflight-sim-engine/1"
+PROFILE_SCHEMA = "inflight-sim-profile/1"  # a calibrated machine: its hardware and engine together
+ROOFLINES = ("max", "sum", "smooth")
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    """One engine's kernels and step loop, on the `kind` of device it was fitted for.
+
+    - Linear layers and attention reach `*_efficiency` of the device's peaks; 8-bit matmuls on
+      8-bit tensor cores reach `eight_bit_flops_efficiency` of theirs, which is lower than a
+      16-bit matmul's share of its own (0: the same). Compute and memory
+      time combine by `roofline`: `max` (perfect overlap), `sum` (none), or `smooth`:
+      `(c**k + m**k) ** (1/k)` with `k = roofline_exponent`, between the two near the ridge.
+    - Per step: `step_overhead_s` + `request_overhead_s` per scheduled request (CPU work:
+      scheduling, inputs, sampling, outputs). With `overlap_scheduling` it runs while the device
+      computes the step, which then takes the longer of the two.
+    - Per layer and step: `layer_overhead_s` (launches and gaps of its kernels, eager), or
+      `graph_layer_overhead_s` in a step replayed from a CUDA graph: with `cuda_graphs`, a step of
+      decodes only, of at most `cuda_graph_max_batch` requests (0: any).
+    - With TP, each all-reduce costs `allreduce_latency_s` + `allreduce_peer_latency_s` per peer,
+      plus its bytes over `allreduce_bandwidth_efficiency` of the link.
+    - A CPU BLAS's few-row matmuls: 2 to `small_batch_max_rows` rows run one product per row,
+      each row after the first costing `small_batch_row_s` more; more rows run as a GEMM that
+      packs the weights first, `gemm_step_s` per step. GPUs: 1 and zeros.
+    """
+
+    name: str
+    kind: str = "gpu"
+    roofline: str = "max"
+    roofline_exponent: float = 2.0
+    flops_efficiency: float = 0.6
+    eight_bit_flops_efficiency: float = 0.0  # of the 8-bit peak, for fp8/int8 matmuls; 0: flops_efficiency
+    bandwidth_efficiency: float = 0.8
+    attention_flops_efficiency: float = 0.4
+    attention_bandwidth_efficiency: float = 0.7
+    step_overhead_s: float = 2e-3
+    request_overhead_s: float = 20e-6
+    overlap_scheduling: bool = False
+    layer_overhead_s: float = 0.0
+    cuda_graphs: bool = False
+    cuda_graph_max_batch: int = 0
+    graph_layer_overhead_s: float = 0.0
+    allreduce_latency_s: float = 10e-6
+    allreduce_peer_latency_s: float = 0.0
+    allreduce_bandwidth_efficiency: float = 1.0
+    small_batch_max_rows: int = 1
+    small_batch_row_s: float = 0.0
+    gemm_step_s: float = 0.0
+    source: str = ""
+    calibration: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        where = f"engine profile {self.name}"
+        if self.kind not in ("gpu", "cpu"):
+            raise ConfigError(f"{where}: kind must be gpu or cpu, got {self.kind!r}")
+        if self.roofline not in ROOFLINES:
+            raise ConfigError(f"{where}: roofline must be one of {', '.join(ROOFLINES)}, got {self.roofline!r}")
+        if not self.roofline_exponent >= 1:
+            raise ConfigError(f"{where}: roofline_exponent must be >= 1")
+        for name in ("flops_efficiency", "bandwidth_efficiency", "attention_flops_efficiency",
+                     "attention_bandwidth_efficiency", "allreduce_bandwidth_efficiency"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{where}: {name} must be > 0")
+        if self.small_batch_max_rows < 1 or self.cuda_graph_max_batch < 0:
+            raise ConfigError(f"{where}: small_batch_max_rows must be >= 1 and cuda_graph_max_batch >= 0")
+        if self.eight_bit_flops_efficiency < 0:
+            raise ConfigError(f"{where}: eight_bit_flops_efficiency must be >= 0")
+        for name in ("step_overhead_s", "request_overhead_s", "layer_overhead_s", "graph_layer_overhead_s",
+                     "allreduce_latency_s", "allreduce_peer_latency_s", "small_batch_row_s", "gemm_step_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{where}: {name} must be >= 0")
+
+    def graphed(self, num_requests: int, decode_only: bool) -> bool:
+        """Whether a step runs from a captured CUDA graph."""
+        return (self.cuda_graphs and decode_only and num_requests > 0
+                and (self.cuda_graph_max_batch == 0 or num_requests <= self.cuda_graph_max_batch))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": SCHEMA, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineProfile:
+        return cls(**_fields_of(cls, data, SCHEMA, "engine profile"))
+
+    def save(self, path: Path) -> None:
+        write_json(path, self.to_dict())
+
+
+def save_profile(path: Path, hardware: HardwareProfile, engine: EngineProfile) -> None:
+    """A calibrated machine: its hardware and the engine's factors fitted on it, in one file."""
+    write_json(path, {"schema": PROFILE_SCHEMA, "hardware": hardware.to_dict(), "engine": engine.to_dict()})
+
+
+# Fitted on the dev machine (2 vCPUs of an AMD EPYC, Zen 5; one torch thread, the embedded model
+# in fp32; benchmarks/sim/results/cpu-local.json). inflight's own GEMM prefetches the next weight
+# panel, so weight streaming and compute overlap ("max"), and the few-row regime that MKL's
+# per-call weight repacking used to cause is nearly gone; see docs/simulator.md.
+INFLIGHT_CPU = EngineProfile(
+    "inflight-cpu", kind="cpu", roofline="max", flops_efficiency=0.680, bandwidth_efficiency=0.681,
+    attention_flops_efficiency=0.257, attention_bandwidth_efficiency=0.455,
+    step_overhead_s=0.50e-3, request_overhead_s=48e-6, allreduce_latency_s=0.0,
+    small_batch_max_rows=8, small_batch_row_s=0.34e-3, gemm_step_s=8.2e-3,
+    source="inflight on cpu-local: factors fitted by `inflight sim calibrate` on 2026-11-29 (commit b7bf522)",
+)
+
+BUILTIN_ENGINES: dict[str, EngineProfile] = {
+    "vllm": EngineProfile(
+        "vllm", roofline="smooth", roofline_exponent=3.0, flops_efficiency=0.6, bandwidth_efficiency=0.75,
+        attention_flops_efficiency=0.4, attention_bandwidth_efficiency=0.7, step_overhead_s=2.70e-3,
+        request_overhead_s=15e-6, layer_overhead_s=54e-6, cuda_graphs=True, cuda_graph_max_batch=256,
+        graph_layer_overhead_s=10e-6, allreduce_latency_s=18e-6, allreduce_peer_latency_s=2e-6,
+        allreduce_bandwidth_efficiency=0.388,
+        source="vLLM 0.6.0: step and per-layer overheads fitted to its offline throughput and TPOT for "
+               "Llama-3.1-8B on one A100, its all-reduce to the TPOT of Llama-3.1-70B on 4 H100s, in "
+               "sgl-project/sglang benchmark/benchmark_vllm_060 (120affb)"),
+    "sglang": EngineProfile(
+        "sglang", roofline="smooth", roofline_exponent=3.0, flops_efficiency=0.507, bandwidth_efficiency=0.634,
+        attention_flops_efficiency=0.4, attention_bandwidth_efficiency=0.7, step_overhead_s=1.0e-3,
+        request_overhead_s=10e-6, overlap_scheduling=True, layer_overhead_s=27.6e-6, cuda_graphs=True,
+        cuda_graph_max_batch=160, graph_layer_overhead_s=10e-6, allreduce_latency_s=18e-6,
+        allreduce_peer_latency_s=2e-6, allreduce_bandwidth_efficiency=0.388,
+        source="SGLang 0.3.0: efficiencies and per-layer overhead fitted to its offline throughput and TPOT "
+               "for Llama-3.1-8B on one A100, its all-reduce to the TPOT of Llama-3.1-70B on 4 H100s, in "
+               "sgl-project/sglang benchmark/benchmark_vllm_060 (120affb)"),
+    "trtllm": EngineProfile(
+        "trtllm", roofline="smooth", roofline_exponent=3.0, flops_efficiency=0.67, eight_bit_flops_efficiency=0.493,
+        bandwidth_efficiency=0.571,
+        attention_flops_efficiency=0.45, attention_bandwidth_efficiency=0.887, step_overhead_s=1.0e-3,
+        request_overhead_s=5e-6, overlap_scheduling=True, layer_overhead_s=33.8e-6, cuda_graphs=True,
+        cuda_graph_max_batch=0, graph_layer_overhead_s=8e-6, allreduce_latency_s=23.9e-6,
+        allreduce_peer_latency_s=1e-6, allreduce_bandwidth_efficiency=0.592,
+        source="TensorRT-LLM 0.14 and 0.17: fitted to five points of NVIDIA/TensorRT-LLM "
+               "docs/source/performance/perf-overview.md (258c754): Llama-3.1-8B and 70B FP8 offline "
+               "throughput on H100 (128/2048, 2048/128, 70B TP4 128/2048) and bf16 mean ITL at 8 QPS; its "
+               "16-bit matmuls to the first-token latency of a 2048-token prompt, Llama-2-7B fp16 on A100, in "
+               "docs/source/performance.md (77d24b5)"),
+    # inflight's CUDA path is eager PyTorch: no CUDA graphs, one launch per op, Python between
+    # them. Assumed, not measured (issue #22 runs it on a GPU).
+    "inflight": EngineProfile(
+        "inflight", roofline="smooth", roofline_exponent=3.0, flops_efficiency=0.55, bandwidth_efficiency=0.75,
+        attention_flops_efficiency=0.3, attention_bandwidth_efficiency=0.6, step_overhead_s=3e-3,
+        request_overhead_s=40e-6, layer_overhead_s=120e-6, allreduce_latency_s=15e-6,
+        allreduce_peer_latency_s=2e-6, allreduce_bandwidth_efficiency=0.6,
+        source="assumed for eager PyTorch on a GPU; not fitted (inflight's CUDA path has not run on a GPU)"),
+    "inflight-cpu": INFLIGHT_CPU,
+}
+
+# Built-in hardware that comes with the inflight engine's factors fitted on it.
+CALIBRATED: dict[str, EngineProfile] = {"cpu-local": INFLIGHT_CPU}
+
+_DEFAULT_ENGINE = {"gpu": "vllm", "cpu": "inflight-cpu"}
+
+
+def load_profiles(hardware: str, engine: str | None = None) -> tuple[HardwareProfile, EngineProfile]:
+    """The hardware (a built-in name or a profile file) and the engine profile to simulate on it:
+    `engine` by name or file; by default, the engine fitted with the hardware (a calibrated
+    machine), else vllm on a GPU and inflight-cpu on a CPU. `inflight` means the calibrated
+    engine where there is one, else inflight's built-in profile for the device."""
+    hw, calibrated = _read_hardware(hardware)
+    if engine is None or engine.strip().lower() == "inflight":
+        if calibrated is not None:
+            return hw, calibrated
+        engine = _DEFAULT_ENGINE[hw.kind] if engine is None or hw.kind == "cpu" else "inflight"
+    profile = _read_engine(engine)
+    if profile.kind != hw.kind:
+        raise ConfigError(f"engine profile {profile.name} is for a {profile.kind}; {hw.name} is a {hw.kind}")
+    return hw, profile
+
+
+def default_engine(hardware: HardwareProfile) -> EngineProfile:
+    return CALIBRATED.get(hardware.name) or BUILTIN_ENGINES[_DEFAULT_ENGINE[hardware.kind]]
+
+
+def _read_hardware(name_or_path: str) -> tuple[HardwareProfile, EngineProfile | None]:
+    key = name_or_path.strip().lower()
+    if key in BUILTIN_HARDWARE:
+        return BUILTIN_HARDWARE[key], CALIBRATED.get(key)
+    data = read_profile_file(name_or_path, ", ".join(BUILTIN_HARDWARE))
+    try:
+        schema = data.get("schema")
+        if schema == PROFILE_SCHEMA:
+            return HardwareProfile.from_dict(data["hardware"]), EngineProfile.from_dict(data["engine"])
+        if schema == LEGACY_SCHEMA:
+            return _split_legacy(data)
+        if schema == HARDWARE_SCHEMA:
+            return HardwareProfile.from_dict(data), None
+    except (TypeError, KeyError, AttributeError) as exc:
+        raise ConfigError(f"{name_or_path}: malformed profile ({exc})") from None
+    raise ConfigError(f"{name_or_path}: not a hardware profile (schema {schema!r})")
+
+
+def _read_engine(name_or_path: str) -> EngineProfile:
+    key = name_or_path.strip().lower()
+    if key in BUILTIN_ENGINES:
+        return BUILTIN_ENGINES[key]
+    path = Path(name_or_path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"unknown engine profile {name_or_path!r}: give one of {', '.join(BUILTIN_ENGINES)} "
+                          "or an engine profile JSON")
+    data = read_profile_file(name_or_path, ", ".join(BUILTIN_ENGINES))
+    try:
+        return EngineProfile.from_dict(data["engine"] if data.get("schema") == PROFILE_SCHEMA else data)
+    except (TypeError, KeyError) as exc:
+        raise ConfigError(f"{name_or_path}: malformed engine profile ({exc})") from None
+
+
+_LEGACY_HARDWARE = ("name", "kind", "peak_flops", "memory_bandwidth", "memory_bytes", "interconnect_bandwidth",
+                    "dtype", "source")
+
+
+def _split_legacy(data: dict[str, Any]) -> tuple[HardwareProfile, EngineProfile]:
+    """A profile of the first schema: the hardware and the engine's factors in one record."""
+    engine_fields = {f.name for f in dataclasses.fields(EngineProfile)}
+    unknown = set(data) - set(_LEGACY_HARDWARE) - engine_fields - {"schema"}
+    if unknown:
+        raise ConfigError(f"not a hardware profile: unknown fields {sorted(unknown)}")
+    hw = HardwareProfile(**{k: data[k] for k in _LEGACY_HARDWARE if k in data})
+    engine = {k: v for k, v in data.items() if k in engine_fields and k not in ("name", "kind", "source")}
+    return hw, EngineProfile(name="inflight", kind=hw.kind, source=data.get("source", ""), **engine)
