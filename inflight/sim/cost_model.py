@@ -125,10 +125,12 @@ class CostModel:
         self.kv_cache_dtype = normalize_dtype(kv_cache_dtype, dtype, "KV cache dtype")
         self.dtype_bytes = DTYPE_BYTES[dtype]
         a, w = self.dtype_bytes, DTYPE_BYTES[self.weight_dtype]
-        self.linear_peak_flops = self._linear_peak()
-        eight_bit = self.linear_peak_flops != hardware.peak_flops
-        self.linear_flops_efficiency = (self.engine.eight_bit_flops_efficiency or self.engine.flops_efficiency
-                                        if eight_bit else self.engine.flops_efficiency)
+        hw = hardware
+        eight_bit_peak = {"fp8": hw.peak_flops_fp8, "int8": hw.peak_flops_int8}.get(self.weight_dtype, 0.0)
+        # Without 8-bit tensor cores the weights are dequantized into a matmul of the compute type.
+        self.linear_peak_flops = eight_bit_peak or hw.peak_flops
+        self.linear_flops_efficiency = ((eight_bit_peak and self.engine.eight_bit_flops_efficiency)
+                                        or self.engine.flops_efficiency)
         linear = num_linear_params(model)
         head = model.vocab_size * model.hidden_size
         # The LM head and the embedding stay in the activations' type, as in quantized checkpoints.
@@ -142,11 +144,6 @@ class CostModel:
         kv = DTYPE_BYTES[self.kv_cache_dtype]
         self.kv_bytes_per_token = 2 * model.num_layers * self.kv_heads_per_device * model.head_dim * kv
         self.weight_bytes_per_device = (linear * w + (num_params(model) - linear) * a) / tp
-
-    def _linear_peak(self) -> float:
-        hw = self.hardware
-        eight_bit = {"fp8": hw.peak_flops_fp8, "int8": hw.peak_flops_int8}.get(self.weight_dtype, 0.0)
-        return eight_bit or hw.peak_flops  # none: weight-only, dequantized into the matmul
 
     # --- amounts --------------------------------------------------------------------------------
 
