@@ -1,11 +1,14 @@
 """What the fleet's layers cost: one engine served by the plain process (`inflight serve`)
 against the same engine as the only replica of a fleet (`--replicas 1 --min-replicas 1
---max-replicas 1`: Ray Serve's proxy, the ingress, the router and a deployment handle in
-between, every streamed chunk crossing Ray), with the same workload sent through HTTP by
-`inflight bench`'s client. Both get all the machine's cores for torch; alternated.
+--max-replicas 1`: the ingress in the serving process, the router, and a deployment handle to
+the replica), with the same workload sent through HTTP by `inflight bench`'s client. The fleet
+runs twice: with the inflight router, whose replica sends each step's pieces to the ingress in
+one Ray message ("fleet of 1"), and with Ray Serve's own router, where every streamed chunk is
+its own Ray message ("fleet of 1, per-chunk"). Each gets all the machine's cores for torch;
+alternated. The CPU time of every process is measured over each run.
 
-    .venv/bin/python benchmarks/fleet_overhead.py                     # burst workload, 2 rounds, ~8 min
-    .venv/bin/python benchmarks/fleet_overhead.py --workload mixed --rounds 1
+    .venv/bin/python benchmarks/fleet_overhead.py                     # burst workload, 2 rounds, ~12 min
+    .venv/bin/python benchmarks/fleet_overhead.py --workload mixed --rounds 1 --servers one,fleet
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 from inflight.bench.client import run_http
 from inflight.bench.corpus import Corpus
@@ -35,13 +39,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(fleet: bool, num_kv_blocks: int, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+SERVERS = {"one": "one process", "fleet": "fleet of 1", "fleet-direct": "fleet of 1, per-chunk"}
+
+
+def _serve(server: str, num_kv_blocks: int, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "inflight.cli", "serve", "--port", str(port), "--num-kv-blocks", str(num_kv_blocks),
            "--log-level", "warning"]
-    if fleet:
+    if server != "one":
         cmd += ["--replicas", "1", "--min-replicas", "1", "--max-replicas", "1",
                 "--replica-cpus", str(os.cpu_count() or 1)]
+    if server == "fleet-direct":
+        cmd += ["--router", "ray"]
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     url = f"http://127.0.0.1:{port}"
@@ -59,29 +68,50 @@ def _serve(fleet: bool, num_kv_blocks: int, log: Path) -> tuple[subprocess.Popen
     raise SystemExit(f"the server did not come up; see {log}")
 
 
+def _cpu_seconds() -> dict[str, float]:
+    """CPU seconds so far of every process but this one, keyed by pid and name; the process
+    that runs the model (the plain server, or the replica) is "engine"."""
+    out: dict[str, float] = {}
+    for p in psutil.process_iter(["cmdline", "cpu_times"]):
+        if p.pid == os.getpid() or p.info["cpu_times"] is None:
+            continue
+        cmd = " ".join(p.info["cmdline"] or [])
+        engine = "EngineReplica" in cmd or ("inflight.cli serve" in cmd and "--replicas" not in cmd)
+        out["engine" if engine else f"{p.pid} {cmd[:40]}"] = p.info["cpu_times"].user + p.info["cpu_times"].system
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", default="burst")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--num-kv-blocks", type=int, default=2048)
+    parser.add_argument("--servers", default="one,fleet,fleet-direct", help=f"some of {', '.join(SERVERS)}")
     args = parser.parse_args()
+    servers = args.servers.split(",")
+    if unknown := set(servers) - set(SERVERS):
+        parser.error(f"--servers: unknown {', '.join(sorted(unknown))}")
     spec, path = load_workload(args.workload)
     requests = generate_requests(spec, Corpus(Tokenizer.load(resolve_model(None))), path.parent)
     logs = Path(os.environ.get("TMPDIR", "/tmp"))
     print(f"{spec.name}: {len(requests)} requests over HTTP; {os.cpu_count()} CPUs")
-    print(f"{'server':14s} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TBT p50':>8} {'TBT p99':>8}")
+    print(f"{'server':22s} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TBT p50':>8} {'TBT p99':>8} "
+          f"{'CPU s/run':>9} {'of it outside the engine':>24}")
     for _ in range(args.rounds):
-        for fleet in (False, True):
-            name = "fleet of 1" if fleet else "one process"
-            proc, url = _serve(fleet, args.num_kv_blocks, logs / f"overhead-{'fleet' if fleet else 'one'}.log")
+        for server in servers:
+            proc, url = _serve(server, args.num_kv_blocks, logs / f"overhead-{server}.log")
             try:
+                before = _cpu_seconds()
                 capture, _ = run_http(url, requests, progress=False)
+                spent = {name: t - before.get(name, 0.0) for name, t in _cpu_seconds().items()}
             finally:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(120)
-            m = BenchRun.measure(name, {}, capture).metrics
-            print(f"{name:14s} {m.output_throughput:9.1f} {m.ttft_ms.p50:8.0f}ms {m.ttft_ms.p99:8.0f}ms "
-                  f"{m.tbt_ms.p50:7.1f}ms {m.tbt_ms.p99:7.1f}ms", flush=True)
+            m = BenchRun.measure(SERVERS[server], {}, capture).metrics
+            total = sum(t for t in spent.values() if t > 0)
+            engine = spent.get("engine", 0.0)
+            print(f"{SERVERS[server]:22s} {m.output_throughput:9.1f} {m.ttft_ms.p50:8.0f}ms {m.ttft_ms.p99:8.0f}ms "
+                  f"{m.tbt_ms.p50:7.1f}ms {m.tbt_ms.p99:7.1f}ms {total:9.1f} {total - engine:24.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ two CPUs), Ray Serve, the ingress and two engine replicas of one thread each, on
 
 One fleet serves every test here (Ray's start-up is the cost): the official openai client,
 greedy text equal to the single process's, prefix affinity and its overload fallback, the
-merged `/metrics`, then a replica killed mid-stream, and last SIGTERM, which must drain and
+merged `/metrics`, then a replica killed mid-stream (and Ray Serve replacing it), and last SIGTERM, which must drain and
 exit 0. (That the single process imports no Ray is checked by tests/test_server_sigterm.py.)"""
 
 from __future__ import annotations
@@ -50,13 +50,15 @@ class Fleet:
         return {s.labels["replica"]: int(s.labels["pid"]) for f in text_string_to_metric_families(text)
                 if f.name == "inflight:replica_info" for s in f.samples}
 
-    def wait_for_replicas(self, n: int, timeout_s: float) -> dict[str, int]:
+    def wait_for_replicas(self, n: int, timeout_s: float, without: str | None = None) -> dict[str, int]:
+        """The replicas reporting, once there are `n` (none of them `without`)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if len(pids := self.replica_pids()) >= n:
+            pids = self.replica_pids()
+            if len(pids) >= n and without not in pids:
                 return pids
             time.sleep(0.5)
-        raise AssertionError(f"fewer than {n} replicas reported in {timeout_s} s")
+        raise AssertionError(f"fewer than {n} replicas (besides {without}) reported in {timeout_s} s")
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +151,29 @@ def test_metrics_carry_a_replica_label(fleet: Fleet) -> None:
     assert sum(values.get(("inflight:prefix_cache_queries_total", r), 0) for r in replicas) > 0
 
 
+def _running(fleet: Fleet) -> float:
+    return sum(v for (name, r), v in fleet.metrics().items() if name == "inflight:num_requests_running" and r)
+
+
+def test_a_client_that_leaves_stops_its_request_on_the_replica(fleet: Fleet) -> None:
+    # Alone on its replica, the stream is that replica's channel: the ingress must abort it by
+    # a call pinned there, not cancel the call that carries the channel.
+    model = fleet.client.models.list().data[0].id
+    body = {"model": model, "prompt": "A long tale:", "max_tokens": 600, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", fleet.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as resp:
+        deadline = time.monotonic() + 15
+        for line in resp.iter_lines():  # until a replica's report shows it running
+            assert line.startswith("data: {") or not line, f"the stream ended early: {line}"
+            if line and _running(fleet) >= 1:
+                break
+            assert time.monotonic() < deadline, "the request never showed as running"
+    deadline = time.monotonic() + 15  # 600 tokens would take a minute on one thread
+    while _running(fleet):
+        assert time.monotonic() < deadline, "the replica kept generating for a client that had left"
+        time.sleep(0.5)
+    assert _chat(fleet, "Still there?")[0]  # and the channel serves the next request
+
+
 def test_a_killed_replica_ends_its_streams_with_an_error(fleet: Fleet) -> None:
     model = fleet.client.models.list().data[0].id
     pids = fleet.wait_for_replicas(2, timeout_s=30)
@@ -196,6 +221,8 @@ def test_a_killed_replica_ends_its_streams_with_an_error(fleet: Fleet) -> None:
             break
         assert time.monotonic() < deadline, f"pools still busy after the failure: {busy}"
         time.sleep(0.5)
+    # Ray Serve replaces the dead replica: a new one reports beside the survivor.
+    fleet.wait_for_replicas(2, timeout_s=90, without=victim)
 
 
 def test_sigterm_drains_the_fleet_and_exits_zero(fleet: Fleet) -> None:

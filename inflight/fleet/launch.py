@@ -1,6 +1,7 @@
-"""Starts a fleet: Ray (in-process, or joined), Ray Serve's HTTP proxy, the ingress, N engine
-replicas behind the inflight router; and stops it again, draining first:
-`start_ray`, then `deploy`, then `shutdown` (as `inflight serve --replicas` does)."""
+"""Starts a fleet: Ray (in-process, or joined), N engine replicas on Ray Serve behind the
+inflight router, and the ingress's HTTP server in this process; and stops it again, draining
+first: `start_ray`, `deploy`, then `running.server.run()` until a signal, then `shutdown` (as
+`inflight serve --replicas` does)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import uvicorn
+
 from inflight.errors import ConfigError, FleetError
 from inflight.fleet.routing import POLICIES, RouterConfig
 from inflight.server.config import ServerConfig
+from inflight.server.launcher import FLUSH_TIMEOUT_S, GracefulServer
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +92,11 @@ class FleetConfig:
 
 @dataclass
 class RunningFleet:
+    """The deployed replicas, and the ingress's server (not yet running): `server.run()` serves
+    until SIGTERM or SIGINT, draining the ingress before it stops listening."""
+
     url: str
-    ingress: Any  # the ingress deployment's handle
+    server: GracefulServer
     config: FleetConfig
 
 
@@ -110,20 +117,22 @@ def start_ray(fleet: FleetConfig) -> None:
 
 
 def deploy(fleet: FleetConfig, model: str | None, engine_options: dict[str, Any], server: ServerConfig,
-           host: str = "127.0.0.1", port: int = 8000) -> RunningFleet:
-    """Starts the fleet on Ray (`start_ray` first); returns once every replica is up."""
+           host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning") -> RunningFleet:
+    """Starts the replicas on Ray (`start_ray` first); returns once every one is up, with the
+    ingress's server ready to run. Ray Serve's own HTTP proxy is not started: the ingress is
+    this process's server, so a streamed chunk crosses Ray once."""
     import ray
     from ray import serve
-    from ray.serve.config import HTTPOptions
+    from ray.serve.config import ProxyLocation
 
     from inflight.config import EngineConfig
-    from inflight.fleet.ingress import FleetIngress
+    from inflight.fleet.ingress import FleetIngress, ingress_app
     from inflight.fleet.metrics import MetricsBoard
     from inflight.fleet.replica import EngineReplica
     from inflight.fleet.router import InflightRequestRouter
 
     block_size = EngineConfig.from_kwargs(model, **engine_options).cache.block_size  # checks the options too
-    serve.start(http_options=HTTPOptions(host=host, port=port), logging_config={"log_level": "WARNING"})
+    serve.start(proxy_location=ProxyLocation.Disabled, logging_config={"log_level": "WARNING"})
     # A replica that has not reported for five periods has gone (died, or scaled down).
     board = ray.remote(num_cpus=0)(MetricsBoard).options(name=f"metrics-{uuid.uuid4().hex[:8]}").remote(
         max(5.0, 5 * fleet.stats_period_s))
@@ -142,38 +151,32 @@ def deploy(fleet: FleetConfig, model: str | None, engine_options: dict[str, Any]
         "health_check_timeout_s": max(10.0, 5 * fleet.health_check_period_s),
         "graceful_shutdown_timeout_s": server.shutdown_timeout_s,
         "graceful_shutdown_wait_loop_s": 0.5,
+        "logging_config": {"log_level": "WARNING"},  # not a line per call
     }
     if fleet.autoscaling:
         replica_options["autoscaling_config"] = fleet.autoscaling_config()
     else:
         replica_options["num_replicas"] = fleet.replicas
     replicas = serve.deployment(**replica_options)(EngineReplica).bind(model, engine_options, server, cpus, board)
-    ingress = serve.deployment(name="Ingress", num_replicas=1, max_ongoing_requests=1_000_000,
-                               ray_actor_options={"num_cpus": 0})(FleetIngress).bind(
-        replicas, model, block_size, server, board)
     try:
-        handle = serve.run(ingress, name=APP_NAME, route_prefix="/")
+        handle = serve.run(replicas, name=APP_NAME, route_prefix=None)
     except RuntimeError as exc:  # Serve's word for a deployment that failed; the replicas' logs say why
         raise FleetError(f"the fleet did not start: {exc}") from None
-    return RunningFleet(f"http://{host}:{port}", handle, fleet)
+    ingress = FleetIngress(handle, model, block_size, server, board, relay=fleet.router is not None)
+    uv_config = uvicorn.Config(ingress_app(ingress), host=host, port=port, log_level=log_level, lifespan="off",
+                               timeout_graceful_shutdown=FLUSH_TIMEOUT_S)
+    return RunningFleet(f"http://{host}:{port}", GracefulServer(uv_config, ingress, server.shutdown_timeout_s), fleet)
 
 
-def shutdown(fleet: RunningFleet | None, drain_timeout_s: float) -> int:
-    """Drains (new requests get 503 while running ones finish, up to the timeout), then stops
-    Serve and Ray. Returns how many requests were still running when the wait ended."""
+def shutdown() -> None:
+    """Stops Serve (each replica drains what it still runs) and Ray; after the ingress's server
+    has drained and stopped."""
     import ray
     from ray import serve
 
-    remaining = 0
     if not ray.is_initialized():
-        return remaining
-    if fleet is not None:
-        try:
-            remaining = fleet.ingress.drain.remote(drain_timeout_s).result(timeout_s=drain_timeout_s + 10)
-        except Exception:  # the ingress itself is gone: nothing left to wait for
-            logger.exception("fleet drain failed")
+        return
     try:
         serve.shutdown()
     finally:
         ray.shutdown()
-    return remaining

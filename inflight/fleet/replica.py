@@ -2,13 +2,17 @@
 
 Each replica builds its own engine and its own copy of the single-process app, and runs every
 forwarded request through that app (`inflight.fleet.asgi`), so a replica answers exactly as
-`inflight serve` does alone. Besides requests it answers Ray Serve's two questions:
+`inflight serve` does alone. A request that says whom to reply to is answered over that
+ingress's channel, a step's pieces at a time (`inflight.fleet.relay`); one that does not (the
+ingress under Ray Serve's own router, which cannot pin a call to a replica) streams its own
+pieces back. Besides requests it answers Ray Serve's two questions:
 `record_routing_stats` (its load and prefix-cache keys, for the router; it also hands its
 Prometheus text to the fleet's metrics board) and `check_health`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -22,6 +26,7 @@ from ray import serve
 from inflight.config import EngineConfig
 from inflight.engine.engine import LLMEngine
 from inflight.fleet.asgi import ForwardedRequest, ResponseStart, call_app
+from inflight.fleet.relay import END, Outbox, Relayed
 from inflight.fleet.routing import ReplicaLoad, RouteHint
 from inflight.server.app import build_app
 from inflight.server.async_engine import AsyncEngine
@@ -41,15 +46,61 @@ class EngineReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._board = board  # the MetricsBoard actor, or None
         self._where = {"pid": str(os.getpid()), "node": ray.get_runtime_context().get_node_id()[:12]}
+        self._outboxes: dict[str, Outbox] = {}  # ingress id -> what is owed to it
+        self._relayed: dict[tuple[str, str], asyncio.Task[None]] = {}  # (ingress id, key) -> its request
 
-    async def handle(self, request: ForwardedRequest, route: RouteHint | None = None
-                     ) -> AsyncIterator[ResponseStart | bytes]:
-        """`route` is the router's (what it knew of the request); the app needs nothing of it.
-        The response says which replica answered (`x-inflight-replica`)."""
+    async def _answers(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
+        """The app's answer; it says which replica answered (`x-inflight-replica`)."""
         async for item in call_app(self.app, request):
             if isinstance(item, ResponseStart):
                 item = ResponseStart(item.status, (*item.headers, ("x-inflight-replica", self.replica_id)))
             yield item
+
+    async def handle(self, request: ForwardedRequest, route: RouteHint | None = None, reply_to: str | None = None,
+                     key: str = "") -> AsyncIterator[Any]:
+        """`route` is the router's (what it knew of the request); the app needs nothing of it.
+        Without `reply_to`, yields the answer itself; with it, `Relayed`, then (if this call is
+        the channel) batches for that ingress, else nothing until the request ends."""
+        if reply_to is None:
+            async for item in self._answers(request):
+                yield item
+            return
+        box = self._outboxes.setdefault(reply_to, Outbox())
+        box.open(key)
+        task = asyncio.create_task(self._relay(request, box, key))
+        self._relayed[reply_to, key] = task
+        task.add_done_callback(lambda _: self._relayed.pop((reply_to, key), None))
+        if box.has_channel:
+            yield Relayed(self.replica_id, channel=False)
+            try:
+                await asyncio.shield(task)
+            except asyncio.CancelledError:  # the ingress cancelled the call: its client left
+                task.cancel()
+                raise
+            return
+        box.has_channel = True
+        yield Relayed(self.replica_id, channel=True)
+        async for batch in box.batches():
+            yield batch
+        if not box.keys and not box.has_channel:
+            self._outboxes.pop(reply_to, None)
+
+    async def _relay(self, request: ForwardedRequest, box: Outbox, key: str) -> None:
+        try:
+            async for item in self._answers(request):
+                box.put(key, item)
+        finally:
+            box.put(key, END)
+            box.close(key)
+
+    async def abort(self, reply_to: str, key: str, to_replica: str | None = None) -> bool:
+        """Ends a relayed request whose client has left (the ingress pins this call here with
+        `to_replica`); False if it is not running here."""
+        task = self._relayed.get((reply_to, key))
+        if task is None:
+            return False
+        task.cancel()
+        return True
 
     async def record_routing_stats(self) -> dict[str, Any]:
         load = ReplicaLoad.of(self.engine.stats, await self.engine.cached_block_hashes(), time.time())

@@ -10,6 +10,9 @@ Requests are matched to routing decisions by their own id (no FIFOMixin): a deci
 one prompt's prefix must not be spent on another's. A decision counts towards its replica's load
 as soon as it is made, so that a burst routed in one go sees its own earlier members; should Ray
 send the request elsewhere (the first choice was full), it moves there.
+
+A call with a `to_replica` keyword (the ingress aborting a relayed request) is pinned to that
+replica, and counts as no load.
 """
 
 from __future__ import annotations
@@ -55,6 +58,9 @@ class InflightRequestRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        if pending_request is not None and (pin := pending_request.kwargs.get("to_replica")) is not None:
+            # Gone: any replica will do, and will say it has no such request.
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == pin] or candidate_replicas]
         self._read_reports(candidate_replicas)
         by_id = {r.replica_id: r for r in candidate_replicas}
         hint = route_hint(pending_request)
@@ -78,11 +84,12 @@ class InflightRequestRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
-        self._count_on(replica_id, pending_request)
+        if "to_replica" not in pending_request.kwargs:
+            self._count_on(replica_id, pending_request)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._chosen.pop(internal_request_id, None)
-        self.rule.on_finished(replica_id, internal_request_id)
+        if self._chosen.pop(internal_request_id, None) is not None:  # not a pinned call
+            self.rule.on_finished(replica_id, internal_request_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)

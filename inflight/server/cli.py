@@ -10,7 +10,6 @@ import ipaddress
 import os
 import signal
 import sys
-import threading
 from typing import Any
 
 from inflight.cli import add_engine_options, engine_options
@@ -157,21 +156,23 @@ def _serve_fleet(args: argparse.Namespace, options: dict[str, Any], config: Serv
                         target_ongoing_requests=args.target_ongoing_requests, upscale_delay_s=args.upscale_delay,
                         downscale_delay_s=args.downscale_delay, ray_address=args.ray_address, router=router)
     EngineConfig.from_kwargs(args.model, **options)  # a bad option is one CLI line before Ray starts
-    stop = threading.Event()
-    running = previous = None
+    stopped: list[int] = []
+    previous: dict[int, Any] = {}
     try:
         start_ray(fleet)
-        # After Ray's start-up, which installs a SIGTERM handler of its own in this process.
-        previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
-        running = deploy(fleet, args.model, options, config, args.host, args.port)
-        print(f"inflight: serving {args.replicas} replicas on {running.url} (router: {args.router})", file=sys.stderr)
-        while not stop.wait(0.5):
-            pass
-        print("inflight: draining the fleet", file=sys.stderr)
+        # After Ray's start-up, which installs a SIGTERM handler of its own in this process. A
+        # signal during the deploy stops the fleet before it serves; once it serves, uvicorn's
+        # handlers take over, and re-raise the signal into these after the drain.
+        previous = {sig: signal.signal(sig, lambda sig, _: stopped.append(sig))
+                    for sig in (signal.SIGTERM, signal.SIGINT)}
+        running = deploy(fleet, args.model, options, config, args.host, args.port, args.log_level)
+        if not stopped:
+            print(f"inflight: serving {args.replicas} replicas on {running.url} (router: {args.router})",
+                  file=sys.stderr)
+            running.server.run()
+        print("inflight: stopping the fleet", file=sys.stderr)
     finally:
-        remaining = shutdown(running, config.shutdown_timeout_s)
-        for sig, handler in (previous or {}).items():
+        shutdown()
+        for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if remaining:
-        print(f"inflight: {remaining} requests were still running at the shutdown timeout", file=sys.stderr)
     return 0

@@ -6,9 +6,9 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import uvicorn
 
@@ -21,11 +21,20 @@ logger = logging.getLogger("uvicorn.error")  # shown with uvicorn's own lifecycl
 
 # After the drain, uvicorn waits this long for responses still being written before it
 # cancels them; the drain itself is bounded by ServerConfig.shutdown_timeout_s.
-_FLUSH_TIMEOUT_S = 5
+FLUSH_TIMEOUT_S = 5
+
+
+class Drainable(Protocol):
+    """What a server drains before it stops: the engine, or a fleet's ingress."""
+
+    @property
+    def num_active(self) -> int: ...
+
+    async def drain(self, timeout_s: float, give_up: Callable[[], bool] = ...) -> int: ...
 
 
 class GracefulServer(uvicorn.Server):
-    """A uvicorn server that drains the engine before it stops listening.
+    """A uvicorn server that drains (the engine, or a fleet's ingress) before it stops listening.
 
     uvicorn's own shutdown closes the listening sockets first, so a client arriving during
     the wait would be refused at the TCP level. Draining first keeps answering: new requests
@@ -33,16 +42,16 @@ class GracefulServer(uvicorn.Server):
     then the rest end with an error. A second Ctrl-C (force exit) cuts the wait short.
     """
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, drainable: Drainable, drain_timeout_s: float) -> None:
         super().__init__(config)
-        self.engine = engine
+        self.drainable = drainable
         self._drain_timeout_s = drain_timeout_s
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        if self.engine.num_active:
+        if self.drainable.num_active:
             logger.info("Draining: waiting up to %.0f s for %d running requests",
-                        self._drain_timeout_s, self.engine.num_active)
-        await self.engine.drain(self._drain_timeout_s, give_up=lambda: self.force_exit)
+                        self._drain_timeout_s, self.drainable.num_active)
+        await self.drainable.drain(self._drain_timeout_s, give_up=lambda: self.force_exit)
         await super().shutdown(sockets)
 
 
@@ -52,7 +61,7 @@ def make_server(engine: LLMEngine | AsyncEngine, config: ServerConfig, host: str
     async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
     app = build_app(async_engine, config)
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                               timeout_graceful_shutdown=_FLUSH_TIMEOUT_S)
+                               timeout_graceful_shutdown=FLUSH_TIMEOUT_S)
     return GracefulServer(uv_config, async_engine, config.shutdown_timeout_s)
 
 
@@ -71,7 +80,8 @@ def serve_in_thread(engine: LLMEngine | AsyncEngine, config: ServerConfig, host:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))
     port = sock.getsockname()[1]
-    server = make_server(engine, config, host, port, log_level)
+    async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
+    server = make_server(async_engine, config, host, port, log_level)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="inflight-server", daemon=True)
     thread.start()
     try:
@@ -80,8 +90,8 @@ def serve_in_thread(engine: LLMEngine | AsyncEngine, config: ServerConfig, host:
             if not thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the server thread did not start")
             time.sleep(0.01)
-        yield RunningServer(f"http://{host}:{port}", server, server.engine)
+        yield RunningServer(f"http://{host}:{port}", server, async_engine)
     finally:
         server.should_exit = True
-        thread.join(config.shutdown_timeout_s + _FLUSH_TIMEOUT_S + 10)
+        thread.join(config.shutdown_timeout_s + FLUSH_TIMEOUT_S + 10)
         sock.close()
