@@ -147,11 +147,11 @@ BUILTIN_ENGINES: dict[str, EngineProfile] = {
         "sglang", roofline="smooth", roofline_exponent=3.0, flops_efficiency=0.507, bandwidth_efficiency=0.634,
         attention_flops_efficiency=0.4, attention_bandwidth_efficiency=0.7, step_overhead_s=1.0e-3,
         request_overhead_s=10e-6, overlap_scheduling=True, layer_overhead_s=27.6e-6, cuda_graphs=True,
-        cuda_graph_max_batch=160, graph_layer_overhead_s=10e-6, allreduce_latency_s=18e-6,
+        cuda_graph_max_batch=160, graph_layer_overhead_s=10e-6, allreduce_latency_s=59e-6,
         allreduce_peer_latency_s=2e-6, allreduce_bandwidth_efficiency=0.388,
         source="SGLang 0.3.0: efficiencies and per-layer overhead fitted to its offline throughput and TPOT "
-               "for Llama-3.1-8B on one A100, its all-reduce to the TPOT of Llama-3.1-70B on 4 H100s, in "
-               "sgl-project/sglang benchmark/benchmark_vllm_060 (120affb)"),
+               "for Llama-3.1-8B on one A100, its all-reduce latency to the TPOT of Llama-3.1-70B on 4 H100s "
+               "(vLLM's link terms), in sgl-project/sglang benchmark/benchmark_vllm_060 (120affb)"),
     "trtllm": EngineProfile(
         "trtllm", roofline="smooth", roofline_exponent=3.0, flops_efficiency=0.67, eight_bit_flops_efficiency=0.493,
         bandwidth_efficiency=0.571,
