@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
+from serving import replicas_reporting, start_serve, stop
 
 from inflight.bench.client import parse_prometheus
 
@@ -35,28 +33,15 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--target-ongoing-requests", type=float, default=4)
     parser.add_argument("--downscale-delay", type=float, default=15)
-    parser.add_argument("--port", type=int, default=8011)
+    parser.add_argument("--port", type=int, default=None, help="default: a free one")
     args = parser.parse_args()
-    url = f"http://127.0.0.1:{args.port}"
     log = Path(os.environ.get("TMPDIR", "/tmp")) / "fleet-autoscale.log"
-    cmd = [sys.executable, "-m", "inflight.cli", "serve", "--replicas", "1", "--min-replicas", "1",
-           "--max-replicas", str(args.max_replicas), "--replica-cpus", str(args.replica_cpus),
-           "--target-ongoing-requests", str(args.target_ongoing_requests), "--upscale-delay", "2",
-           "--downscale-delay", str(args.downscale_delay), "--port", str(args.port), "--num-kv-blocks", "512",
-           "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc, url = start_serve(["--replicas", "1", "--min-replicas", "1", "--max-replicas", str(args.max_replicas),
+                             "--replica-cpus", str(args.replica_cpus),
+                             "--target-ongoing-requests", str(args.target_ongoing_requests), "--upscale-delay", "2",
+                             "--downscale-delay", str(args.downscale_delay), "--num-kv-blocks", "512",
+                             "--log-level", "warning"], log, ready=replicas_reporting(1), port=args.port)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if parse_prometheus(httpx.get(url + "/metrics", timeout=2).text).get(REPORTING, 0) >= 1:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise SystemExit(f"the fleet did not come up; see {log}")
-            time.sleep(0.5)
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         done = [0]
 
@@ -87,11 +72,7 @@ def main() -> None:
             time.sleep(1)
         print(f"peak {peak} replicas; back to 1 at {back_at if back_at is None else round(back_at)} s")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 if __name__ == "__main__":

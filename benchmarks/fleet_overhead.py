@@ -15,15 +15,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import psutil
+from serving import healthy, replicas_reporting, start_serve, stop
 
 from inflight.bench.client import run_http
 from inflight.bench.corpus import Corpus
@@ -32,40 +28,17 @@ from inflight.bench.workload import generate_requests, load_workload
 from inflight.model.loader import resolve_model
 from inflight.model.tokenizer import Tokenizer
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 SERVERS = {"one": "one process", "fleet": "fleet of 1", "fleet-direct": "fleet of 1, per-chunk"}
 
 
 def _serve(server: str, num_kv_blocks: int, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "inflight.cli", "serve", "--port", str(port), "--num-kv-blocks", str(num_kv_blocks),
-           "--log-level", "warning"]
+    args = ["--num-kv-blocks", str(num_kv_blocks), "--log-level", "warning"]
     if server != "one":
-        cmd += ["--replicas", "1", "--min-replicas", "1", "--max-replicas", "1",
-                "--replica-cpus", str(os.cpu_count() or 1)]
+        args += ["--replicas", "1", "--min-replicas", "1", "--max-replicas", "1",
+                 "--replica-cpus", str(os.cpu_count() or 1)]
     if server == "fleet-direct":
-        cmd += ["--router", "ray"]
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited during startup; see {log}")
-        try:
-            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"the server did not come up; see {log}")
+        args += ["--router", "ray"]
+    return start_serve(args, log, ready=replicas_reporting(1) if server != "one" else healthy)
 
 
 def _cpu_seconds() -> dict[str, float]:
@@ -105,8 +78,7 @@ def main() -> None:
                 capture, _ = run_http(url, requests, progress=False)
                 spent = {name: t - before.get(name, 0.0) for name, t in _cpu_seconds().items()}
             finally:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(120)
+                stop(proc)
             m = BenchRun.measure(SERVERS[server], {}, capture).metrics
             total = sum(t for t in spent.values() if t > 0)
             engine = spent.get("engine", 0.0)

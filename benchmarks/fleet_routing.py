@@ -18,16 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import httpx
+from serving import replicas_reporting, start_serve, stop
 
 from inflight.bench.client import parse_prometheus, run_http
 from inflight.bench.corpus import Corpus
@@ -39,43 +37,12 @@ from inflight.model.tokenizer import Tokenizer
 HITS, QUERIES = "inflight:prefix_cache_hits_total", "inflight:prefix_cache_queries_total"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(router: str, args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "inflight.cli", "serve", "--replicas", str(args.replicas), "--router", router,
-           "--port", str(port), "--num-kv-blocks", str(args.num_kv_blocks), "--log-level", "warning"]
+    serve_args = ["--replicas", str(args.replicas), "--router", router, "--num-kv-blocks", str(args.num_kv_blocks),
+                  "--log-level", "warning"]
     if args.replica_cpus:
-        cmd += ["--replica-cpus", str(args.replica_cpus)]
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the fleet exited during startup; see {log}")
-        try:
-            text = httpx.get(url + "/metrics", timeout=2).text
-            if parse_prometheus(text).get("inflight:fleet_replicas_reporting", 0) >= args.replicas:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"the fleet did not come up in 300 s; see {log}")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        serve_args += ["--replica-cpus", str(args.replica_cpus)]
+    return start_serve(serve_args, log, ready=replicas_reporting(args.replicas))
 
 
 def _one(router: str, requests: list[Any], args: argparse.Namespace, log: Path) -> dict[str, Any]:
@@ -87,7 +54,7 @@ def _one(router: str, requests: list[Any], args: argparse.Namespace, log: Path) 
         text = httpx.get(url + "/metrics", timeout=10).text  # also: how requests split over the replicas
         after = parse_prometheus(text)
     finally:
-        _stop(proc)
+        stop(proc)
     run = BenchRun.measure(router, {}, capture)
     split = Counter[str]()
     for line in text.splitlines():

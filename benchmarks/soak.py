@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +28,7 @@ from typing import Any
 import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
+from serving import start_serve, stop
 
 KINDS = ("complete", "stream", "chat", "disconnect", "invalid")
 ADMITTED_OUTCOMES = ("success", "error", "aborted", "shutdown")  # the server's count of admitted requests
@@ -50,28 +49,11 @@ class Outcome:
 
 
 def start_server(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "inflight.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--max-batch-size", str(args.max_batch_size), "--max-waiting-requests", str(args.max_waiting_requests),
-           "--num-kv-blocks", str(args.num_kv_blocks), "--max-model-len", str(args.max_model_len),
-           "--max-body-bytes", str(args.max_body_bytes), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=log_path.open("wb"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"the server exited during startup; see {log_path}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    sys.exit("the server did not become healthy within 180 s")
+    return start_serve(["--max-batch-size", str(args.max_batch_size),
+                        "--max-waiting-requests", str(args.max_waiting_requests),
+                        "--num-kv-blocks", str(args.num_kv_blocks), "--max-model-len", str(args.max_model_len),
+                        "--max-body-bytes", str(args.max_body_bytes), "--log-level", "warning"],
+                       log_path, timeout_s=180)
 
 
 def rss_bytes(pid: int | None) -> int | None:
@@ -336,8 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             after_ok and httpx.get(url + "/health", timeout=10).status_code == 200
     finally:
         if proc is not None:
-            proc.terminate()
-            proc.wait(60)
+            stop(proc, 60)
     if proc is not None:
         checks["server exited 0 on SIGTERM, no traceback in its log"] = \
             proc.returncode == 0 and "Traceback" not in log_path.read_text()

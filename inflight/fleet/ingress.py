@@ -235,6 +235,9 @@ class FleetIngress:
             if not isinstance(first, ResponseStart):
                 self.inbox.forget(key)
                 return APIError(500, "the engine replica sent no response").response()
+        except ReplicaGone:  # nothing to stop there
+            self.inbox.forget(key)
+            raise
         except BaseException:
             self.inbox.forget(key)
             if relayed is not None:
