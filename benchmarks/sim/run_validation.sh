@@ -5,8 +5,8 @@
 #   bash benchmarks/sim/run_validation.sh calibrate cpu   # only the named parts
 #
 # Parts: calibrate (about a minute), measured (the real engine on burst, mixed and long-prefill:
-# about 8 minutes on 2 cores), cpu (simulate those runs and compare), gpu (Orca and Sarathi-Serve
-# reproductions in simulation, a few minutes). Parts that time the real engine first wait until
+# about 8 minutes on 2 cores), cpu (simulate those runs and compare), gpu (Orca, Sarathi-Serve and TP
+# reproductions in simulation, about 10 minutes). Parts that time the real engine first wait until
 # the 1-minute load average is under $MAX_LOAD (default 1.5): the machine is shared.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -50,9 +50,11 @@ if want cpu; then
 fi
 
 if want gpu; then
-    # The figures in docs/simulator.md were made with the factors assumed before engine profiles
-    # existed; that profile reproduces them. Drop --engine-profile for the fitted vllm profile.
-    GPU=(--model llama-3-8b --hardware h100 --engine-profile benchmarks/sim/engine-assumed-pre21.json)
+    # The fitted vllm profile (the default on a GPU). ENGINE_PROFILE=benchmarks/sim/engine-assumed-pre21.json
+    # gives the figures made before engine profiles existed (docs/simulator.md shows both).
+    GPU=(--model llama-3-8b --hardware h100)
+    ENGINE_PROFILE=${ENGINE_PROFILE:-}
+    [[ -n "$ENGINE_PROFILE" ]] && GPU+=(--engine-profile "$ENGINE_PROFILE")
     say "Orca: static vs continuous batching"
     "$INFLIGHT" sim --workload benchmarks/sim/orca.yaml "${GPU[@]}" --compare static,continuous,chunked \
         --max-batch-size 64 --plot "$OUT/orca" | tee "$OUT/orca.txt"
@@ -73,4 +75,10 @@ if want gpu; then
     "$INFLIGHT" tune --workload benchmarks/sim/sarathi.yaml --sla benchmarks/sim/sarathi-sla.yaml "${GPU[@]}" \
         --max-model-len 8192 --max-num-tokens-grid 256,512,1024,2048,8192 --max-batch-size-grid 128 \
         --request-rate 2 --max-rate --top 6 | tee "$OUT/sarathi-capacity.txt"
+    say "Tensor parallelism: Llama-3-70B on 2, 4 and 8 H100s"
+    for tp in 2 4 8; do
+        "$INFLIGHT" sim --workload benchmarks/sim/orca.yaml --model llama-3-70b --hardware h100 --tp "$tp" \
+            ${ENGINE_PROFILE:+--engine-profile "$ENGINE_PROFILE"} --num-requests 1000 --max-batch-size 256 \
+            --max-num-tokens 2048
+    done | tee "$OUT/tp.txt"
 fi
