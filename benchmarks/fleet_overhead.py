@@ -9,6 +9,7 @@ alternated. The CPU time of every process is measured over each run.
 
     .venv/bin/python benchmarks/fleet_overhead.py                     # burst workload, 2 rounds, ~12 min
     .venv/bin/python benchmarks/fleet_overhead.py --workload mixed --rounds 1 --servers one,fleet
+    .venv/bin/python benchmarks/fleet_overhead.py --rounds 1 --idle-s 30      # also: what each costs idle
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import psutil
@@ -41,16 +43,19 @@ def _serve(server: str, num_kv_blocks: int, log: Path) -> tuple[subprocess.Popen
     return start_serve(args, log, ready=replicas_reporting(1) if server != "one" else healthy)
 
 
-def _cpu_seconds() -> dict[str, float]:
-    """CPU seconds so far of every process but this one, keyed by pid and name; the process
-    that runs the model (the plain server, or the replica) is "engine"."""
+def _cpu_seconds(server: subprocess.Popen[bytes]) -> dict[str, float]:
+    """CPU seconds so far of the server and every process it started (Ray's included), keyed
+    by pid and name; the process that runs the model (the plain server, or the replica) is
+    "engine"."""
     out: dict[str, float] = {}
-    for p in psutil.process_iter(["cmdline", "cpu_times"]):
-        if p.pid == os.getpid() or p.info["cpu_times"] is None:
+    root = psutil.Process(server.pid)
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            cmd, times = " ".join(p.cmdline()), p.cpu_times()
+        except psutil.Error:  # it has just exited
             continue
-        cmd = " ".join(p.info["cmdline"] or [])
         engine = "EngineReplica" in cmd or ("inflight.cli serve" in cmd and "--replicas" not in cmd)
-        out["engine" if engine else f"{p.pid} {cmd[:40]}"] = p.info["cpu_times"].user + p.info["cpu_times"].system
+        out["engine" if engine else f"{p.pid} {cmd[:40]}"] = times.user + times.system
     return out
 
 
@@ -60,6 +65,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--num-kv-blocks", type=int, default=2048)
     parser.add_argument("--servers", default="one,fleet,fleet-direct", help=f"some of {', '.join(SERVERS)}")
+    parser.add_argument("--idle-s", type=float, default=0.0,
+                        help="first measure each server idle for this long: the CPU its processes take doing nothing")
     args = parser.parse_args()
     servers = args.servers.split(",")
     if unknown := set(servers) - set(SERVERS):
@@ -74,9 +81,16 @@ def main() -> None:
         for server in servers:
             proc, url = _serve(server, args.num_kv_blocks, logs / f"overhead-{server}.log")
             try:
-                before = _cpu_seconds()
+                if args.idle_s:
+                    before = _cpu_seconds(proc)
+                    time.sleep(args.idle_s)
+                    idle = {name: t - before.get(name, 0.0) for name, t in _cpu_seconds(proc).items()}
+                    outside = sum(t for name, t in idle.items() if t > 0 and name != "engine")
+                    print(f"{SERVERS[server]:22s} idle: {outside / args.idle_s:.3f} cores outside the engine, "
+                          f"{idle.get('engine', 0.0) / args.idle_s:.3f} in it", flush=True)
+                before = _cpu_seconds(proc)
                 capture, _ = run_http(url, requests, progress=False)
-                spent = {name: t - before.get(name, 0.0) for name, t in _cpu_seconds().items()}
+                spent = {name: t - before.get(name, 0.0) for name, t in _cpu_seconds(proc).items()}
             finally:
                 stop(proc)
             m = BenchRun.measure(SERVERS[server], {}, capture).metrics
