@@ -43,7 +43,7 @@ class _Live:
     num_tokens: int = 0
 
 
-class _Driver:
+class RequestDriver:
     """Adds requests as they arrive (under an optional concurrency cap) and collects their
     tokens as steps return; what a server's loop and its clients would do together."""
 
@@ -102,7 +102,7 @@ class _Driver:
 
 
 # Consecutive steps that schedule nothing while requests wait: the configuration cannot serve them.
-_MAX_IDLE_STEPS = 10_000
+MAX_IDLE_STEPS = 10_000
 
 
 def run_engine(engine: LLMEngine, requests: Sequence[BenchRequest], max_concurrency: int | None = None,
@@ -120,7 +120,7 @@ def run_engine(engine: LLMEngine, requests: Sequence[BenchRequest], max_concurre
     engine.step_observers.append(recorder)
     bar = tqdm(total=len(requests), desc=label or "bench", unit="req", file=sys.stderr,
                disable=not progress, leave=False)
-    driver = _Driver(engine, requests, t0, max_concurrency, bar)
+    driver = RequestDriver(engine, requests, t0, max_concurrency, bar)
     idle_steps = 0
     try:
         while driver.pending or driver.live:
@@ -128,8 +128,8 @@ def run_engine(engine: LLMEngine, requests: Sequence[BenchRequest], max_concurre
             if driver.live:
                 outputs = engine.step()
                 idle_steps = 0 if engine.step_records[-1].num_requests else idle_steps + 1
-                if idle_steps > _MAX_IDLE_STEPS:
-                    raise InflightError(f"the scheduler made no progress for {_MAX_IDLE_STEPS} steps "
+                if idle_steps > MAX_IDLE_STEPS:
+                    raise InflightError(f"the scheduler made no progress for {MAX_IDLE_STEPS} steps "
                                         "with requests waiting")
                 driver.collect(outputs, clock())
             elif (arrival := driver.next_arrival()) is not None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from inflight.bench.local import _MAX_IDLE_STEPS, _Driver
+from inflight.bench.local import MAX_IDLE_STEPS, RequestDriver
 from inflight.bench.metrics import EngineCounters
 from inflight.bench.results import Capture
 from inflight.bench.workload import BenchRequest
@@ -46,7 +46,7 @@ def run_fleet(engines: Sequence[LLMEngine], requests: Sequence[BenchRequest], co
     block_size = engines[0].block_manager.block_size
     before = [e.stats() for e in engines]
     bar = tqdm(total=len(requests), disable=True, file=sys.stderr)
-    drivers = [_Driver(e, [], 0.0, None, bar) for e in engines]
+    drivers = [RequestDriver(e, [], 0.0, None, bar) for e in engines]
     pending = sorted(requests, key=lambda r: (r.arrival_s, r.index))
     replica_of: dict[str, int] = {}
     routed = [0] * len(engines)
@@ -61,8 +61,8 @@ def run_fleet(engines: Sequence[LLMEngine], requests: Sequence[BenchRequest], co
             fleet_clock.advance_to(clocks[k]())
             outputs = engines[k].step()
             idle[k] = 0 if engines[k].step_records[-1].num_requests else idle[k] + 1
-            if idle[k] > _MAX_IDLE_STEPS:
-                raise InflightError(f"replica {k} made no progress for {_MAX_IDLE_STEPS} steps")
+            if idle[k] > MAX_IDLE_STEPS:
+                raise InflightError(f"replica {k} made no progress for {MAX_IDLE_STEPS} steps")
             before_live = set(drivers[k].live)
             drivers[k].collect(outputs, clocks[k]())
             for request_id in before_live - set(drivers[k].live):

@@ -86,7 +86,7 @@ def simulate(target: SimTarget, options: dict[str, Any], requests: Sequence[Benc
     if max_concurrency is not None:
         raise ConfigError("--max-concurrency is for one engine; a simulated fleet takes the whole workload")
     try:
-        router = RouterConfig(options.get("router", "prefix"))
+        router = RouterConfig(options.get("router", "prefix"), seed=0)  # pow2's draws too: reproducible
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     engines = [sim_engine(config, cost_model, target.gpu_memory_utilization) for _ in range(replicas)]
