@@ -12,12 +12,10 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import uvicorn
-
 from inflight.errors import ConfigError, FleetError
 from inflight.fleet.routing import POLICIES, RouterConfig
 from inflight.server.config import ServerConfig
-from inflight.server.launcher import FLUSH_TIMEOUT_S, GracefulServer
+from inflight.server.launcher import GracefulServer, graceful_server
 
 logger = logging.getLogger(__name__)
 
@@ -163,9 +161,8 @@ def deploy(fleet: FleetConfig, model: str | None, engine_options: dict[str, Any]
     except RuntimeError as exc:  # Serve's word for a deployment that failed; the replicas' logs say why
         raise FleetError(f"the fleet did not start: {exc}") from None
     ingress = FleetIngress(handle, model, block_size, server, board, relay=fleet.router is not None)
-    uv_config = uvicorn.Config(ingress_app(ingress), host=host, port=port, log_level=log_level, lifespan="off",
-                               timeout_graceful_shutdown=FLUSH_TIMEOUT_S)
-    return RunningFleet(f"http://{host}:{port}", GracefulServer(uv_config, ingress, server.shutdown_timeout_s), fleet)
+    http = graceful_server(ingress_app(ingress), ingress, server, host, port, log_level, lifespan="off")
+    return RunningFleet(f"http://{host}:{port}", http, fleet)
 
 
 def shutdown() -> None:

@@ -8,9 +8,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import NamedTuple, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from inflight.engine.engine import LLMEngine
 from inflight.server.app import build_app
@@ -21,7 +22,7 @@ logger = logging.getLogger("uvicorn.error")  # shown with uvicorn's own lifecycl
 
 # After the drain, uvicorn waits this long for responses still being written before it
 # cancels them; the drain itself is bounded by ServerConfig.shutdown_timeout_s.
-FLUSH_TIMEOUT_S = 5
+_FLUSH_TIMEOUT_S = 5
 
 
 class Drainable(Protocol):
@@ -59,10 +60,16 @@ def make_server(engine: LLMEngine | AsyncEngine, config: ServerConfig, host: str
                 port: int = 8000, log_level: str = "info") -> GracefulServer:
     """A ready-to-run server; call `.run()` (or `.run(sockets=[sock])` with a bound socket)."""
     async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
-    app = build_app(async_engine, config)
-    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                               timeout_graceful_shutdown=FLUSH_TIMEOUT_S)
-    return GracefulServer(uv_config, async_engine, config.shutdown_timeout_s)
+    return graceful_server(build_app(async_engine, config), async_engine, config, host, port, log_level)
+
+
+def graceful_server(app: ASGIApp, drainable: Drainable, config: ServerConfig, host: str, port: int,
+                    log_level: str, lifespan: Literal["on", "off"] = "on") -> GracefulServer:
+    """`app` under uvicorn, draining `drainable` (up to the config's shutdown timeout) before
+    it stops listening: one process's server, or a fleet's ingress (`lifespan="off"`)."""
+    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan=lifespan,
+                               timeout_graceful_shutdown=_FLUSH_TIMEOUT_S)
+    return GracefulServer(uv_config, drainable, config.shutdown_timeout_s)
 
 
 class RunningServer(NamedTuple):
@@ -93,5 +100,5 @@ def serve_in_thread(engine: LLMEngine | AsyncEngine, config: ServerConfig, host:
         yield RunningServer(f"http://{host}:{port}", server, async_engine)
     finally:
         server.should_exit = True
-        thread.join(config.shutdown_timeout_s + FLUSH_TIMEOUT_S + 10)
+        thread.join(config.shutdown_timeout_s + _FLUSH_TIMEOUT_S + 10)
         sock.close()
