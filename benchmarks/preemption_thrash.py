@@ -1,4 +1,5 @@
-"""Preemption under KV exhaustion, with and without the thrash guard, on the production
+"""Preemption under KV exhaustion, with and without the thrash guard (and with admission that
+reserves every request's whole length, `guaranteed_no_evict`), on the production
 scheduler and block manager driven by a stand-in model (each token a function of the request
 and its position, so recompute after a preemption must reproduce it exactly).
 
@@ -20,9 +21,9 @@ def fake_token(request: Request) -> int:
     return hash((request.request_id, request.num_tokens)) % 1000 + 10
 
 
-def run(cooldown_steps: int, args: argparse.Namespace) -> dict[str, float]:
+def run(cooldown_steps: int, args: argparse.Namespace, guaranteed: bool = False) -> dict[str, float]:
     config = SchedulerConfig(max_batch_size=16, max_num_tokens=256, max_model_len=1024,
-                             preemption_cooldown_steps=cooldown_steps)
+                             preemption_cooldown_steps=cooldown_steps, guaranteed_no_evict=guaranteed)
     bm = BlockManager(args.num_blocks, args.block_size, enable_prefix_caching=False)
     scheduler = Scheduler(config, bm)
     requests = [Request(f"r{i}", [(i * 7919 + j) % 5000 + 10 for j in range(args.prompt_len)],
@@ -57,9 +58,10 @@ def main() -> int:
           f"{args.num_blocks} KV blocks of {args.block_size} tokens")
     print(f"{'preemption_cooldown_steps':<28}{'preemptions':>12}{'worst per request':>19}"
           f"{'recomputed tokens':>19}{'steps':>7}")
-    for cooldown in (0, 8, 32, 128):
-        f = run(cooldown, args)
-        print(f"{cooldown:<28}{f['preemptions']:>12}{f['worst']:>19}{f['recomputed']:>19}{f['steps']:>7}")
+    for label, cooldown, guaranteed in ((0, 0, False), (8, 8, False), (32, 32, False), (128, 128, False),
+                                        ("guaranteed_no_evict", 32, True)):
+        f = run(cooldown, args, guaranteed)
+        print(f"{label:<28}{f['preemptions']:>12}{f['worst']:>19}{f['recomputed']:>19}{f['steps']:>7}")
     return 0
 
 

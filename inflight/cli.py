@@ -43,6 +43,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                    help="slo policy: hardware profile (name or JSON) that predicts step times; refitted online")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=_SCHED.enable_chunked_prefill)
+    g.add_argument("--guaranteed-no-evict", action="store_true",
+                   help="admit a request only if the KV cache holds it to its max_tokens beside every running "
+                        "request's maximum (TensorRT-LLM's GUARANTEED_NO_EVICT): no KV preemption, fewer at once")
     g.add_argument("--block-size", type=int, default=_CACHE.block_size)
     g.add_argument("--kv-cache-memory-fraction", type=float, default=_CACHE.kv_cache_memory_fraction,
                    help="KV pool size as a fraction of the memory available at start")
@@ -61,8 +64,9 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
              "enable_chunked_prefill", "block_size", "kv_cache_memory_fraction", "kv_cache_memory_bytes",
              "num_kv_blocks", "enable_prefix_caching", "seed"]
     options = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
-    if getattr(args, "reject_late", False):
-        options["reject_late"] = True
+    for flag in ("reject_late", "guaranteed_no_evict"):
+        if getattr(args, flag, False):
+            options[flag] = True
     if getattr(args, "slo_from", None) is not None:
         options.update({k: v for k, v in slo_targets(args.slo_from).items() if options.get(k) is None})
     return options

@@ -85,6 +85,10 @@ class SchedulerConfig:
     # if it can run to its maximum length beside the running requests' worst-case growth, so
     # the pool is not overcommitted straight into the next preemption (0: no throttle).
     preemption_cooldown_steps: int = 32
+    # Always admit as in that cooldown: a request starts only if the pool holds it to its
+    # maximum length beside every running request's, so none is ever preempted for KV blocks
+    # (TensorRT-LLM's GUARANTEED_NO_EVICT), at the price of fewer requests at once.
+    guaranteed_no_evict: bool = False
     # The priority policy's aging: a waiting request overtaken this many times by later, more
     # urgent ones is served as the most urgent from then on.
     priority_max_bypass: int = 64

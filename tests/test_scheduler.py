@@ -341,9 +341,9 @@ def test_invalid_scheduler_config(bad):
         SchedulerConfig(**bad)
 
 
-def _thrash_run(cooldown_steps: int) -> Driver:
+def _thrash_run(cooldown_steps: int, guaranteed_no_evict: bool = False) -> Driver:
     config = SchedulerConfig(max_batch_size=16, max_num_tokens=256, max_model_len=512,
-                             preemption_cooldown_steps=cooldown_steps)
+                             preemption_cooldown_steps=cooldown_steps, guaranteed_no_evict=guaranteed_no_evict)
     d = Driver(config, num_blocks=64, block_size=4, prefix_caching=False)
     for i in range(24):
         d.add(make_request(i, 8, 100))
@@ -364,6 +364,17 @@ def test_preemption_thrash_guard_cuts_recompute():
     for d in (unguarded, guarded):
         for r in d.finished:
             assert r.output_token_ids == expected_tokens(r)
+
+
+def test_guaranteed_no_evict_never_preempts_and_holds_each_request_to_its_maximum():
+    # 24 requests of 8 + 100 tokens (27 blocks of 4 each at the end) over a pool of 64 blocks:
+    # optimistic admission overcommits and preempts; reserving each whole length holds 2 at once.
+    d = _thrash_run(32, guaranteed_no_evict=True)
+    assert d.scheduler.num_preemptions == 0 and len(d.finished) == 24
+    assert max(len(s.scheduled) for s in d.steps) == 64 // 27
+    for r in d.finished:
+        assert r.output_token_ids == expected_tokens(r)
+    assert _thrash_run(32).scheduler.num_preemptions > 0  # the same load, admitted optimistically
 
 
 def test_readmitted_request_is_not_the_automatic_next_victim():

@@ -120,6 +120,19 @@ def test_preemption_under_a_small_pool() -> None:
     assert run.metrics.num_failed == 0 and run.metrics.kv_peak_perc == pytest.approx(100.0)
 
 
+def test_guaranteed_no_evict_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    workload = tmp_path / "small.yaml"
+    workload.write_text(yaml.safe_dump({**SMALL, "num_requests": 60}))
+    out = tmp_path / "run.json"
+    # The pool of test_preemption_under_a_small_pool, which preempts when admission is optimistic.
+    assert main(["sim", "--workload", str(workload), "--model", "llama-3-8b", "--hardware", "h100",
+                 "--num-kv-blocks", "60", "--max-batch-size", "64", "--guaranteed-no-evict", "-o", str(out)]) == 0
+    capsys.readouterr()
+    _, (run,) = read_run_file(out)
+    assert run.options["guaranteed_no_evict"] is True
+    assert run.metrics.num_preemptions == 0 and run.metrics.num_completed == 60
+
+
 def test_bench_and_sim_count_the_same_events(loaded: LoadedModel) -> None:
     """A burst through the real engine (`inflight bench` in-process) and through the simulator:
     the scheduler decides alike when every request is there from the start, and the two report
@@ -330,6 +343,34 @@ def test_overlapped_scheduling_hides_the_cpu_overhead() -> None:
     assert overlapped.step_time(large) == pytest.approx(overlapped.cost(overlapped.work(large)).device_s)
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_overlapped_scheduling_takes_a_request_a_step_later(replicas: int) -> None:
+    """An engine that forms step k+1's batch while step k runs cannot give a request that arrives
+    during step k a place before step k+2; an idle engine takes one at once. A fleet's replicas
+    schedule the same way."""
+    from inflight.bench.workload import BenchRequest
+
+    # Steps of 10 ms (the CPU side; the device adds under 0.1 ms without overlap) from t = 0.
+    engine = dataclasses.replace(FLAT, step_overhead_s=10e-3)
+    target = SimTarget("toy", TOY, BARE, engine=engine)
+    requests = [BenchRequest(0, list(range(8)), "", 40, 0.0),
+                BenchRequest(1, list(range(50, 58)), "", 40, 0.001),
+                BenchRequest(2, list(range(100, 108)), "", 4, 0.025)]  # during the step of [20, 30] ms
+    ttft = {}
+    for overlap in (False, True):
+        profile = dataclasses.replace(engine, overlap_scheduling=overlap)
+        # Round-robin: the first and the last to one replica, the second to the other.
+        run = simulate(dataclasses.replace(target, engine=profile),
+                       {"num_kv_blocks": 64, "replicas": replicas, "router": "round-robin"}, requests)
+        assert run.metrics.num_completed == 3
+        ttft[overlap] = [r.ttft_s for r in run.capture.results]
+    # Serial: the last joins the step of [30, 40]. Overlapped: that batch was formed at 20 ms.
+    assert ttft[False][2] == pytest.approx(0.015, abs=1e-3)
+    assert ttft[True][2] == pytest.approx(0.025, abs=1e-3)
+    # The first finds its engine idle and is taken at once either way.
+    assert ttft[True][0] == pytest.approx(ttft[False][0], abs=1e-3) == pytest.approx(0.010, abs=1e-3)
+
+
 def test_eight_bit_weights_and_kv_cache() -> None:
     llama = BUILTIN_MODELS["llama-3-8b"]
     h100, a100 = load_hardware("h100"), load_hardware("a100-80gb")
@@ -339,7 +380,7 @@ def test_eight_bit_weights_and_kv_cache() -> None:
     assert fp8.weight_bytes_per_device == linear + (num_params(llama) - linear) * 2
     assert fp8.kv_bytes_per_token == bf16.kv_bytes_per_token // 2 == 2 * 32 * 8 * 128
     blocks = fp8.num_kv_blocks(16, 0.9)
-    assert blocks == int((80e9 * 0.9 - fp8.weight_bytes_per_device) // (16 * 2 * 32 * 8 * 128))
+    assert blocks == int((79.2 * 2**30 * 0.9 - fp8.weight_bytes_per_device) // (16 * 2 * 32 * 8 * 128))
     assert blocks > 2 * bf16.num_kv_blocks(16, 0.9)  # half the bytes per token, and more memory left
     # FP8 matmuls on H100's FP8 tensor cores; A100 has none, so its fp8 weights are only smaller.
     assert fp8.linear_peak_flops == h100.peak_flops_fp8 == pytest.approx(2 * h100.peak_flops, rel=1e-3)
@@ -366,7 +407,7 @@ def test_kv_capacity_from_memory_left_after_weights() -> None:
     cm = CostModel(BUILTIN_MODELS["llama-3-8b"], h100)
     per_block = 16 * 2 * 32 * 8 * 128 * 2  # 16 tokens, K and V, 32 layers, 8 KV heads, bf16
     assert cm.kv_bytes_per_block(16) == per_block
-    expected = int((80e9 * 0.9 - num_params(BUILTIN_MODELS["llama-3-8b"]) * 2) // per_block)
+    expected = int((79.2 * 2**30 * 0.9 - num_params(BUILTIN_MODELS["llama-3-8b"]) * 2) // per_block)
     assert cm.num_kv_blocks(16, 0.9) == expected
     seventy = BUILTIN_MODELS["llama-3-70b"]
     with pytest.raises(ConfigError, match="raise --tp"):

@@ -7,7 +7,15 @@ its output.
     .venv/bin/python benchmarks/sim/fit_engine_profiles.py --engine trtllm --scale 0.1 \
         --output benchmarks/sim/results/engine-trtllm.json
 
-A run predicts the fit points some dozens of times: about 10-20 minutes at --scale 0.1.
+A run predicts the fit points some dozens of times: about 10-20 minutes at --scale 0.1. The
+built-in trtllm profile's 8-bit share, roofline exponent and KV bandwidth share came from one
+round over every fit point whole (about 50 minutes on one core), from the profile before it:
+
+    .venv/bin/python benchmarks/sim/fit_engine_profiles.py --engine trtllm --scale 1 --rounds 1 \
+        --start benchmarks/sim/results/engine-trtllm-start.json \
+        --factors eight_bit_flops_efficiency,roofline_exponent,attention_bandwidth_efficiency,request_overhead_s \
+        --steps 1.12,1.3,1.06,2 \
+        --output benchmarks/sim/results/engine-trtllm.json
 """
 
 from __future__ import annotations
@@ -29,13 +37,14 @@ from inflight.bench.workload import load_workload  # noqa: E402
 from inflight.sim.engine_profile import BUILTIN_ENGINES, EngineProfile  # noqa: E402
 from inflight.sim.workload import synthetic_requests  # noqa: E402
 
-FACTORS = ("flops_efficiency", "bandwidth_efficiency", "attention_bandwidth_efficiency", "step_overhead_s",
-           "layer_overhead_s", "roofline_exponent", "allreduce_latency_s", "allreduce_bandwidth_efficiency")
+FACTORS = ("flops_efficiency", "eight_bit_flops_efficiency", "bandwidth_efficiency", "attention_bandwidth_efficiency",
+           "step_overhead_s", "request_overhead_s", "layer_overhead_s", "roofline_exponent", "allreduce_latency_s",
+           "allreduce_bandwidth_efficiency")
 
 
 # What no engine's kernels reach: a fit that wants more is making up for something else.
-CAPS = {"flops_efficiency": 0.8, "bandwidth_efficiency": 0.92, "attention_bandwidth_efficiency": 0.9,
-        "allreduce_bandwidth_efficiency": 0.9}
+CAPS = {"flops_efficiency": 0.8, "eight_bit_flops_efficiency": 0.8, "bandwidth_efficiency": 0.92,
+        "attention_bandwidth_efficiency": 0.9, "allreduce_bandwidth_efficiency": 0.9}
 
 
 def point_scale(point: dict[str, Any], scale: float, budget: float) -> float:
@@ -64,6 +73,9 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=1.5e6, help="output tokens a point may run whole")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--factors", default=",".join(FACTORS))
+    parser.add_argument("--steps", default="", metavar="X,...",
+                        help="each factor's first step, in --factors order (default 1.4 each; each round takes "
+                             "the square root)")
     parser.add_argument("--start", default=None, metavar="FILE", help="start from this engine profile JSON")
     parser.add_argument("--output", "-o", required=True)
     args = parser.parse_args()
@@ -79,9 +91,15 @@ def main() -> int:
     print("scales: " + ", ".join(f"{p['id']} {s:g}" for p, s in zip(points, scales, strict=True)), flush=True)
     best_loss = loss(best, points, data["defaults"], scales)
     print(f"start: loss {best_loss:.4f}", flush=True)
-    step = 1.4
+    given = [float(x) for x in args.steps.split(",") if x]
+    if given and len(given) != len(factors):
+        parser.error(f"--steps gives {len(given)} steps for {len(factors)} factors")
+    steps = dict(zip(factors, given or [1.4] * len(factors), strict=True))
     for round_ in range(args.rounds):
         for name in factors:
+            if getattr(best, name) == 0 and not name.endswith("_s"):
+                continue  # an 8-bit share of 0 means the 16-bit one: nothing to fit
+            step = steps[name]
             for direction in (step, 1 / step):
                 value = getattr(best, name) * direction
                 if name in CAPS:
@@ -96,7 +114,7 @@ def main() -> int:
                     best, best_loss = trial, trial_loss
                     print(f"round {round_}: {name} = {value:.4g}, loss {best_loss:.4f}", flush=True)
                     break
-        step = math.sqrt(step)
+        steps = {name: math.sqrt(step) for name, step in steps.items()}
     Path(args.output).write_text(json.dumps(best.to_dict(), indent=2) + "\n")
     print(json.dumps({f: getattr(best, f) for f in factors}, indent=1))
     return 0

@@ -3,7 +3,7 @@
 setup, beside the figure its source prints, with the ratio and the `inflight sim` command that
 reproduces the prediction.
 
-    .venv/bin/python benchmarks/sim/published.py                    # every point (~20 min on 2 cores)
+    .venv/bin/python benchmarks/sim/published.py                    # every point (~28 min on 2 cores)
     .venv/bin/python benchmarks/sim/published.py --only trt-8b       # ids starting with trt-8b
     .venv/bin/python benchmarks/sim/published.py --scale 0.25 --engine-profile FILE   # quick, for fitting
 
@@ -27,9 +27,11 @@ import yaml
 
 from inflight.bench.results import BenchRun
 from inflight.bench.workload import load_workload, with_request_rate
+from inflight.config import ModelConfig
 from inflight.sim.engine_profile import EngineProfile, load_profiles
+from inflight.sim.hardware import HardwareProfile
 from inflight.sim.runs import SimTarget, simulate
-from inflight.sim.shapes import resolve_shapes
+from inflight.sim.shapes import num_params, resolve_shapes
 from inflight.sim.workload import synthetic_requests
 
 HERE = Path(__file__).resolve().parent / "published"
@@ -68,6 +70,8 @@ def predict(point: dict[str, Any], defaults: dict[str, dict[str, Any]], scale: f
     options.setdefault("max_model_len", point.get("max_model_len", max(4096, longest)))
     name, shapes = resolve_shapes(point["model"])
     hardware, engine = load_profiles(point["hardware"], point["engine"])
+    if options.get("max_batch_size") == TRTLLM_BENCH:
+        options["max_batch_size"], options["max_num_tokens"] = trtllm_bench_limits(point, shapes, hardware, requests)
     engine = engines.get(point["engine"], engine)
     target = SimTarget(name, shapes, hardware, point.get("tp", 1), utilization, engine,
                        point.get("weights", "auto"), point.get("kv", "auto"))
@@ -76,6 +80,43 @@ def predict(point: dict[str, Any], defaults: dict[str, dict[str, Any]], scale: f
     if value is not None and point.get("per_gpu"):
         value /= target.tp
     return value, command(point, options, num_requests, rate, utilization)
+
+
+# `max_batch_size: trtllm-bench` in points.yaml: the limits trtllm-bench's engine build picks.
+TRTLLM_BENCH = "trtllm-bench"
+
+
+def trtllm_bench_limits(point: dict[str, Any], shapes: ModelConfig, hardware: HardwareProfile,
+                        requests: list[Any]) -> tuple[int, int]:
+    """The max batch size and token budget `trtllm-bench build` gives an engine for a dataset of
+    one ISL/OSL (tensorrt_llm/bench/build/tuning.py, `calc_engine_setting`): as many requests as
+    0.95 of the memory the weights leave holds at their full ISL + OSL (the weights counted at 1
+    byte per parameter for FP8, else 2; at least one KV head per GPU), capped at 4096 and rounded
+    up, to a multiple of 32 (at least 64) below 256, of 128 below 1024, else of 256; the token
+    budget is that many requests times 1 + ISL/OSL, capped at 32768 and rounded up, at least 2048."""
+    lengths = {(r.prompt_len, r.output_len) for r in requests}
+    if len(lengths) != 1:
+        raise SystemExit(f"{point['id']}: trtllm-bench's limits need one ISL/OSL, the workload has {len(lengths)}")
+    ((isl, osl),) = lengths
+    tp = point.get("tp", 1)
+    weight_bytes = 1 if point.get("weights") == "fp8" else 2
+    kv_bytes = 1 if point.get("kv") == "fp8" else 2
+    gib = 1024 ** 3
+    per_token = 2 * shapes.num_layers * max(tp, shapes.num_kv_heads) * shapes.head_dim * kv_bytes / gib
+    engine = num_params(shapes) / 1e9 * weight_bytes  # as tuning.py counts it: GB of parameters
+    available = hardware.memory_bytes / gib * tp - engine
+    max_requests = available * 0.95 / per_token / (isl + osl)
+    raw_batch = min(max_requests, 4096)
+    raw_tokens = min(raw_batch * (1 + isl / osl), 32768)
+    if raw_batch < 256:
+        batch = max(64, 32 * math.ceil(raw_batch / 32))
+    else:
+        batch = (128 if raw_batch < 1024 else 256) * math.ceil(raw_batch / (128 if raw_batch < 1024 else 256))
+    if raw_tokens < 4096:
+        tokens = max(2048, 256 * math.ceil(raw_tokens / 256))
+    else:
+        tokens = (512 if raw_tokens < 8192 else 1024) * math.ceil(raw_tokens / (512 if raw_tokens < 8192 else 1024))
+    return batch, tokens
 
 
 def command(point: dict[str, Any], options: dict[str, Any], num_requests: int, rate: float,

@@ -48,11 +48,15 @@ class RequestDriver:
     tokens as steps return; what a server's loop and its clients would do together."""
 
     def __init__(self, engine: LLMEngine, requests: Sequence[BenchRequest], t0: float,
-                 max_concurrency: int | None, bar: tqdm) -> None:
+                 max_concurrency: int | None, bar: tqdm, schedules_ahead: bool = False) -> None:
         self.engine = engine
         self.t0 = t0
         self.cap = max_concurrency
         self.bar = bar
+        # An engine that overlaps its scheduling forms step k+1's batch while step k runs, so a
+        # request that arrives during step k joins step k+2 (the simulator's overlap profiles).
+        self.schedules_ahead = schedules_ahead
+        self.last_step_start: float | None = None
         self.pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.index)))
         # Times at which a concurrency slot became free, earliest first (a FIFO semaphore).
         self.free_slots: deque[float] = deque([t0] * max_concurrency) if max_concurrency else deque()
@@ -76,6 +80,22 @@ class RequestDriver:
                 self._finish(state, now, None, str(exc))
                 continue
             self.live[f"bench-{request.index}"] = state
+
+    def admission_cutoff(self, now: float) -> float:
+        """The latest arrival the next step can take: now, or, for an engine that schedules a
+        step ahead and is busy, the start of the step that just ran (when the batch was formed)."""
+        if self.schedules_ahead and self.live and self.last_step_start is not None:
+            return self.last_step_start
+        return now
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step, its tokens collected."""
+        clock = self.engine.clock
+        started = clock()
+        outputs = self.engine.step()
+        self.last_step_start = started
+        self.collect(outputs, clock())
+        return outputs
 
     def collect(self, outputs: list[RequestOutput], now: float) -> None:
         for out in outputs:
@@ -106,11 +126,13 @@ MAX_IDLE_STEPS = 10_000
 
 
 def run_engine(engine: LLMEngine, requests: Sequence[BenchRequest], max_concurrency: int | None = None,
-               progress: bool = True, label: str = "") -> Capture:
+               progress: bool = True, label: str = "", schedules_ahead: bool = False) -> Capture:
     """Runs the workload on `engine` and returns what was measured, on the engine's clock: wall
     time for `inflight bench`, virtual time for `inflight sim` (which calls this too). With
     `max_concurrency`, at most that many requests are in the engine at once; a request that
-    waits for a slot is sent (and its latency counted from) when one frees up."""
+    waits for a slot is sent (and its latency counted from) when one frees up. With
+    `schedules_ahead` (a simulated engine that overlaps scheduling), a request that arrives
+    while a step runs misses the next one, whose batch was formed when that step began."""
     clock = engine.clock
     engine.reset_kv_peak()
     before = engine.stats()
@@ -120,18 +142,17 @@ def run_engine(engine: LLMEngine, requests: Sequence[BenchRequest], max_concurre
     engine.step_observers.append(recorder)
     bar = tqdm(total=len(requests), desc=label or "bench", unit="req", file=sys.stderr,
                disable=not progress, leave=False)
-    driver = RequestDriver(engine, requests, t0, max_concurrency, bar)
+    driver = RequestDriver(engine, requests, t0, max_concurrency, bar, schedules_ahead)
     idle_steps = 0
     try:
         while driver.pending or driver.live:
-            driver.admit_arrived(clock())
+            driver.admit_arrived(driver.admission_cutoff(clock()))
             if driver.live:
-                outputs = engine.step()
+                driver.step()
                 idle_steps = 0 if engine.step_records[-1].num_requests else idle_steps + 1
                 if idle_steps > MAX_IDLE_STEPS:
                     raise InflightError(f"the scheduler made no progress for {MAX_IDLE_STEPS} steps "
                                         "with requests waiting")
-                driver.collect(outputs, clock())
             elif (arrival := driver.next_arrival()) is not None:
                 clock.wait_until(arrival)
     finally:

@@ -240,7 +240,10 @@ class Scheduler:
         return self.config.max_batch_size - sum(batch_slots(r) for r in self.running)
 
     def _under_pressure(self) -> bool:
-        return self._step_id - self._last_preemption_step <= self.config.preemption_cooldown_steps
+        """Whether admission leaves room for the running requests to reach their maximum length:
+        shortly after a preemption, or always under guaranteed_no_evict."""
+        return (self.config.guaranteed_no_evict
+                or self._step_id - self._last_preemption_step <= self.config.preemption_cooldown_steps)
 
     def _outstanding_growth(self) -> int:
         """Blocks the running requests still need to reach their maximum length."""

@@ -145,25 +145,27 @@ BUILTIN_ENGINES: dict[str, EngineProfile] = {
                "sgl-project/sglang benchmark/benchmark_vllm_060 (120affb)"),
     "sglang": EngineProfile(
         "sglang", roofline="smooth", roofline_exponent=3.0, flops_efficiency=0.507, bandwidth_efficiency=0.634,
-        attention_flops_efficiency=0.4, attention_bandwidth_efficiency=0.7, step_overhead_s=1.0e-3,
-        request_overhead_s=10e-6, overlap_scheduling=True, layer_overhead_s=27.6e-6, cuda_graphs=True,
+        attention_flops_efficiency=0.4, attention_bandwidth_efficiency=0.7, step_overhead_s=0.2e-3,
+        request_overhead_s=3e-6, layer_overhead_s=27.6e-6, cuda_graphs=True,
         cuda_graph_max_batch=160, graph_layer_overhead_s=10e-6, allreduce_latency_s=59e-6,
         allreduce_peer_latency_s=2e-6, allreduce_bandwidth_efficiency=0.388,
-        source="SGLang 0.3.0: efficiencies and per-layer overhead fitted to its offline throughput and TPOT "
-               "for Llama-3.1-8B on one A100, its all-reduce latency to the TPOT of Llama-3.1-70B on 4 H100s "
-               "(vLLM's link terms), in sgl-project/sglang benchmark/benchmark_vllm_060 (120affb)"),
+        source="SGLang 0.3.0 (no overlapped scheduling before 0.4): efficiencies and per-layer overhead fitted "
+               "to its offline throughput and TPOT for Llama-3.1-8B on one A100, its all-reduce latency to the "
+               "TPOT of Llama-3.1-70B on 4 H100s (vLLM's link terms), its CPU costs per step and per request to "
+               "all three, in sgl-project/sglang benchmark/benchmark_vllm_060 (120affb)"),
     "trtllm": EngineProfile(
-        "trtllm", roofline="smooth", roofline_exponent=3.0, flops_efficiency=0.67, eight_bit_flops_efficiency=0.493,
+        "trtllm", roofline="smooth", roofline_exponent=2.308, flops_efficiency=0.67, eight_bit_flops_efficiency=0.552,
         bandwidth_efficiency=0.571,
-        attention_flops_efficiency=0.45, attention_bandwidth_efficiency=0.887, step_overhead_s=1.0e-3,
-        request_overhead_s=5e-6, overlap_scheduling=True, layer_overhead_s=33.8e-6, cuda_graphs=True,
+        attention_flops_efficiency=0.45, attention_bandwidth_efficiency=0.9, step_overhead_s=0.25e-3,
+        request_overhead_s=5e-6, layer_overhead_s=33.8e-6, cuda_graphs=True,
         cuda_graph_max_batch=0, graph_layer_overhead_s=8e-6, allreduce_latency_s=23.9e-6,
         allreduce_peer_latency_s=1e-6, allreduce_bandwidth_efficiency=0.592,
-        source="TensorRT-LLM 0.14 and 0.17: fitted to five points of NVIDIA/TensorRT-LLM "
-               "docs/source/performance/perf-overview.md (258c754): Llama-3.1-8B and 70B FP8 offline "
-               "throughput on H100 (128/2048, 2048/128, 70B TP4 128/2048) and bf16 mean ITL at 8 QPS; its "
-               "16-bit matmuls to the first-token latency of a 2048-token prompt, Llama-2-7B fp16 on A100, in "
-               "docs/source/performance.md (77d24b5)"),
+        source="TensorRT-LLM 0.14 and 0.17, its C++ executor (scheduling between steps, not overlapped), "
+               "admitting with GUARANTEED_NO_EVICT within trtllm-bench's engine limits: fitted to five points "
+               "of NVIDIA/TensorRT-LLM docs/source/performance/perf-overview.md (258c754): Llama-3.1-8B and 70B "
+               "FP8 offline throughput on H100 (128/2048, 2048/128, 70B TP4 128/2048) and bf16 mean ITL at 8 "
+               "QPS; its 16-bit matmuls to the first-token latency of a 2048-token prompt, Llama-2-7B fp16 on "
+               "A100, in docs/source/performance.md (77d24b5)"),
     # inflight's CUDA path is eager PyTorch: no CUDA graphs, one launch per op, Python between
     # them. Assumed, not measured (issue #22 runs it on a GPU).
     "inflight": EngineProfile(

@@ -26,6 +26,7 @@ from inflight.engine.engine import LLMEngine
 from inflight.errors import ConfigError, InflightError
 from inflight.fleet.routing import ReplicaLoad, RouteHint, Router, RouterConfig
 from inflight.sim.runner import VirtualClock
+from inflight.sim.simulator import schedules_ahead
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +47,7 @@ def run_fleet(engines: Sequence[LLMEngine], requests: Sequence[BenchRequest], co
     block_size = engines[0].block_manager.block_size
     before = [e.stats() for e in engines]
     bar = tqdm(total=len(requests), disable=True, file=sys.stderr)
-    drivers = [RequestDriver(e, [], 0.0, None, bar) for e in engines]
+    drivers = [RequestDriver(e, [], 0.0, None, bar, schedules_ahead(e)) for e in engines]
     pending = sorted(requests, key=lambda r: (r.arrival_s, r.index))
     replica_of: dict[str, int] = {}
     routed = [0] * len(engines)
@@ -54,18 +55,20 @@ def run_fleet(engines: Sequence[LLMEngine], requests: Sequence[BenchRequest], co
     idle = [0] * len(engines)
     i = 0
     while i < len(pending) or any(d.live for d in drivers):
-        busy = [k for k, d in enumerate(drivers) if d.live]
+        # A replica with routed requests it has not taken yet (it schedules a step ahead) steps too.
+        busy = [k for k, d in enumerate(drivers) if d.live or d.pending]
         k = min(busy, key=lambda j: clocks[j]()) if busy else None
         arrival = pending[i].arrival_s if i < len(pending) else None
         if k is not None and (arrival is None or clocks[k]() < arrival):
             fleet_clock.advance_to(clocks[k]())
-            outputs = engines[k].step()
+            driver = drivers[k]
+            driver.admit_arrived(driver.admission_cutoff(clocks[k]()))
+            before_live = set(driver.live)
+            driver.step()
             idle[k] = 0 if engines[k].step_records[-1].num_requests else idle[k] + 1
             if idle[k] > MAX_IDLE_STEPS:
                 raise InflightError(f"replica {k} made no progress for {MAX_IDLE_STEPS} steps")
-            before_live = set(drivers[k].live)
-            drivers[k].collect(outputs, clocks[k]())
-            for request_id in before_live - set(drivers[k].live):
+            for request_id in before_live - set(driver.live):
                 router.on_finished(replica_of.pop(request_id), request_id)
             continue
         assert arrival is not None
@@ -84,7 +87,7 @@ def run_fleet(engines: Sequence[LLMEngine], requests: Sequence[BenchRequest], co
         routed[j] += 1
         replica_of[f"bench-{request.index}"] = j
         drivers[j].pending.append(request)
-        drivers[j].admit_arrived(max(arrival, clocks[j]()))
+        drivers[j].admit_arrived(drivers[j].admission_cutoff(max(arrival, clocks[j]())))
     results = {index: r for d in drivers for index, r in d.results.items()}
     duration = max((r.arrival_s + (r.e2e_s or 0.0) for r in results.values()), default=0.0)
     counters = [EngineCounters.between(b, e.stats()) for b, e in zip(before, engines, strict=True)]

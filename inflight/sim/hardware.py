@@ -79,19 +79,22 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
-def _gpu(name: str, tflops: float, fp8_tflops: float, int8_tops: float, tb_s: float, mem_gb: float,
+def _gpu(name: str, tflops: float, fp8_tflops: float, int8_tops: float, tb_s: float, mem_gib: float,
          link_gb_s: float, source: str) -> HardwareProfile:
-    return HardwareProfile(name, "gpu", tflops * _T, tb_s * _T, mem_gb * _GB, link_gb_s * _GB,
+    return HardwareProfile(name, "gpu", tflops * _T, tb_s * _T, mem_gib * _GIB, link_gb_s * _GB,
                            peak_flops_fp8=fp8_tflops * _T, peak_flops_int8=int8_tops * _T, source=source)
 
 
 # Dense (not 2:4 sparse) tensor-core peaks and HBM bandwidth from NVIDIA's datasheets, SXM parts;
-# the link is NVLink (PCIe for L4), per direction: half the datasheet's bidirectional figure.
+# the link is NVLink (PCIe for L4), per direction: half the datasheet's bidirectional figure. The
+# memory is the total the CUDA driver reports (`torch.cuda.mem_get_info`, what vLLM's
+# gpu_memory_utilization and TensorRT-LLM's KV fraction take their share of): an "80GB" part
+# shows 79.2 GiB (85.0e9 bytes), not 80e9.
 BUILTIN_HARDWARE: dict[str, HardwareProfile] = {
-    "h100": _gpu("h100", 989.4, 1978.9, 1978.9, 3.35, 80, 450, "H100 SXM5 80GB datasheet"),
-    "h200": _gpu("h200", 989.4, 1978.9, 1978.9, 4.8, 141, 450, "H200 SXM 141GB datasheet"),
-    "a100-80gb": _gpu("a100-80gb", 312, 0, 624, 2.039, 80, 300, "A100 SXM4 80GB datasheet (no FP8 tensor cores)"),
-    "l4": _gpu("l4", 121, 242.5, 242.5, 0.3, 24, 32, "L4 datasheet (PCIe Gen4 x16, no NVLink)"),
+    "h100": _gpu("h100", 989.4, 1978.9, 1978.9, 3.35, 79.2, 450, "H100 SXM5 80GB datasheet"),
+    "h200": _gpu("h200", 989.4, 1978.9, 1978.9, 4.8, 139.8, 450, "H200 SXM 141GB datasheet"),
+    "a100-80gb": _gpu("a100-80gb", 312, 0, 624, 2.039, 79.2, 300, "A100 SXM4 80GB datasheet (no FP8 tensor cores)"),
+    "l4": _gpu("l4", 121, 242.5, 242.5, 0.3, 22.0, 32, "L4 datasheet (PCIe Gen4 x16, no NVLink)"),
     # 2 vCPUs of an AMD EPYC (Zen 5): 2 cores x 2 AVX-512 FMA x 16 fp32 lanes x 2 FLOP x 2.6 GHz.
     # The bandwidth is a nominal share of the host's. inflight's factors fitted on it are the
     # built-in `cpu-local` engine profile (inflight/sim/engine_profile.py).

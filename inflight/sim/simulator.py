@@ -31,11 +31,19 @@ def sim_engine(config: EngineConfig, cost_model: CostModel, gpu_memory_utilizati
     return LLMEngine(config, parts=parts)
 
 
+def schedules_ahead(engine: LLMEngine) -> bool:
+    """Whether the simulated engine's profile overlaps scheduling with the device's work, and so
+    forms each step's batch while the step before it runs."""
+    runner = engine.runner
+    return isinstance(runner, SimRunner) and runner.cost_model.engine.overlap_scheduling
+
+
 def run_simulation(engine: LLMEngine, requests: Sequence[BenchRequest],
                    max_concurrency: int | None = None) -> Capture:
     """Runs the workload through `inflight bench`'s own in-process driver (each request added
     when its arrival time comes, between steps; at most `max_concurrency` in the engine), in
-    virtual time, and returns the same measurements."""
+    virtual time, and returns the same measurements. An engine profile that overlaps scheduling
+    takes a request one step later: the next batch was formed while the current step ran."""
     if not isinstance(engine.clock, VirtualClock):
         raise ConfigError("run_simulation needs an engine on a virtual clock (sim_engine)")
-    return run_engine(engine, requests, max_concurrency, progress=False)
+    return run_engine(engine, requests, max_concurrency, progress=False, schedules_ahead=schedules_ahead(engine))
