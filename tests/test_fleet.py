@@ -124,9 +124,11 @@ def test_prefix_affinity_and_the_overload_fallback(fleet: Fleet) -> None:
     served = {_chat(fleet, f"Question {i}: can I ship a phone?")[1] for i in range(4)}
     assert len(served) == 1
     home = served.pop()
-    before = fleet.metrics()
-    hits = before[("inflight:prefix_cache_hits_total", home)]
-    assert hits > 0
+    # The board has a replica's counters as of its last report (about once a second): wait for one.
+    deadline = time.monotonic() + 15
+    while fleet.metrics().get(("inflight:prefix_cache_hits_total", home), 0.0) <= 0:
+        assert time.monotonic() < deadline, f"{home} reported no prefix-cache hits for the shared prompt"
+        time.sleep(0.5)
     # A burst with that prefix, each request with ~150 tokens of its own to prefill, overloads its
     # home (more than MAX_WAITING_TOKENS waiting): the rest of the burst goes elsewhere.
     results: list[str] = []
