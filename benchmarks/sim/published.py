@@ -108,15 +108,13 @@ def trtllm_bench_limits(point: dict[str, Any], shapes: ModelConfig, hardware: Ha
     max_requests = available * 0.95 / per_token / (isl + osl)
     raw_batch = min(max_requests, 4096)
     raw_tokens = min(raw_batch * (1 + isl / osl), 32768)
-    if raw_batch < 256:
-        batch = max(64, 32 * math.ceil(raw_batch / 32))
-    else:
-        batch = (128 if raw_batch < 1024 else 256) * math.ceil(raw_batch / (128 if raw_batch < 1024 else 256))
-    if raw_tokens < 4096:
-        tokens = max(2048, 256 * math.ceil(raw_tokens / 256))
-    else:
-        tokens = (512 if raw_tokens < 8192 else 1024) * math.ceil(raw_tokens / (512 if raw_tokens < 8192 else 1024))
+    batch = max(64, _round_up(raw_batch, 32 if raw_batch < 256 else 128 if raw_batch < 1024 else 256))
+    tokens = max(2048, _round_up(raw_tokens, 256 if raw_tokens < 4096 else 512 if raw_tokens < 8192 else 1024))
     return batch, tokens
+
+
+def _round_up(x: float, step: int) -> int:
+    return step * math.ceil(x / step)
 
 
 def command(point: dict[str, Any], options: dict[str, Any], num_requests: int, rate: float,

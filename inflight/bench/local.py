@@ -67,7 +67,9 @@ class RequestDriver:
         return self.t0 + self.pending[0].arrival_s if self.pending else None
 
     def admit_arrived(self, now: float) -> None:
-        while self.pending and self.t0 + self.pending[0].arrival_s <= now and (not self.cap or self.free_slots):
+        """Adds the requests that the next step can take (`admission_cutoff`)."""
+        cutoff = self.admission_cutoff(now)
+        while self.pending and self.t0 + self.pending[0].arrival_s <= cutoff and (not self.cap or self.free_slots):
             request = self.pending.popleft()
             # Stamped at its scheduled time (or when a slot freed): waiting for a step counts.
             sent = max(self.t0 + request.arrival_s, self.free_slots.popleft() if self.cap else self.t0)
@@ -146,7 +148,7 @@ def run_engine(engine: LLMEngine, requests: Sequence[BenchRequest], max_concurre
     idle_steps = 0
     try:
         while driver.pending or driver.live:
-            driver.admit_arrived(driver.admission_cutoff(clock()))
+            driver.admit_arrived(clock())
             if driver.live:
                 driver.step()
                 idle_steps = 0 if engine.step_records[-1].num_requests else idle_steps + 1

@@ -62,7 +62,7 @@ def run_fleet(engines: Sequence[LLMEngine], requests: Sequence[BenchRequest], co
         if k is not None and (arrival is None or clocks[k]() < arrival):
             fleet_clock.advance_to(clocks[k]())
             driver = drivers[k]
-            driver.admit_arrived(driver.admission_cutoff(clocks[k]()))
+            driver.admit_arrived(clocks[k]())
             before_live = set(driver.live)
             driver.step()
             idle[k] = 0 if engines[k].step_records[-1].num_requests else idle[k] + 1
@@ -87,7 +87,7 @@ def run_fleet(engines: Sequence[LLMEngine], requests: Sequence[BenchRequest], co
         routed[j] += 1
         replica_of[f"bench-{request.index}"] = j
         drivers[j].pending.append(request)
-        drivers[j].admit_arrived(drivers[j].admission_cutoff(max(arrival, clocks[j]())))
+        drivers[j].admit_arrived(max(arrival, clocks[j]()))
     results = {index: r for d in drivers for index, r in d.results.items()}
     duration = max((r.arrival_s + (r.e2e_s or 0.0) for r in results.values()), default=0.0)
     counters = [EngineCounters.between(b, e.stats()) for b, e in zip(before, engines, strict=True)]
