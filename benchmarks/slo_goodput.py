@@ -40,7 +40,7 @@ SLO_CEILINGS = {"max_num_tokens": 8192, "max_batch_size": 256}
 def _runner(args: argparse.Namespace) -> Any:
     """A function (options, spec) -> BenchRun on the chosen target."""
     if args.target == "sim":
-        from inflight.sim.engine_profile import load_profiles
+        from inflight.perf.profiles import load_profiles
         from inflight.sim.runs import SimTarget, simulate
         from inflight.sim.shapes import resolve_shapes
         from inflight.sim.workload import synthetic_requests
@@ -75,7 +75,7 @@ def _runner(args: argparse.Namespace) -> Any:
 def _tuned(args: argparse.Namespace, spec: Any) -> dict[str, Any]:
     """The fixed budget and batch size with the most goodput, searched in the simulator (on the
     target's own profile; for the local target, `--tune-hardware`)."""
-    from inflight.sim.engine_profile import load_profiles
+    from inflight.perf.profiles import load_profiles
     from inflight.sim.runs import SimTarget, simulate
     from inflight.sim.shapes import resolve_shapes
     from inflight.sim.workload import synthetic_requests

@@ -238,7 +238,8 @@ def summarize(outcomes: list[Outcome], before: dict[tuple[str, str], float], aft
         "rss_end_mib": None if rss_end is None else round(rss_end / 2**20, 1),
         "rss_growth_pct": None if growth is None else round(growth, 2),
         "ttft_p50_ms": percentile_ms(ttfts, 50), "ttft_p99_ms": percentile_ms(ttfts, 99),
-        "oom": moved(before, after, "oom_total"), "failed_steps": moved(before, after, "num_failed_steps_total"),
+        "oom": moved(before, after, "num_oom_errors_total"),
+        "failed_steps": moved(before, after, "num_failed_steps_total"),
         "preemptions": moved(before, after, "num_preemptions_total"),
     }
 

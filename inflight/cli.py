@@ -6,70 +6,9 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Any
 
-from inflight.config import CacheConfig, SchedulerConfig, SchedulingPolicy
 from inflight.errors import InflightError
-
-_CACHE = CacheConfig()
-_SCHED = SchedulerConfig()
-
-
-def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="GGUF file or Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    g.add_argument("--max-batch-size", type=int, default=_SCHED.max_batch_size)
-    g.add_argument("--max-num-tokens", type=int, default=_SCHED.max_num_tokens,
-                   help="token budget of one step, prefill and decode together")
-    g.add_argument("--max-model-len", type=int, default=_SCHED.max_model_len)
-    g.add_argument("--scheduling-policy", default=_SCHED.scheduling_policy.value,
-                   choices=[p.value for p in SchedulingPolicy])
-    g.add_argument("--priority-max-bypass", type=int, default=_SCHED.priority_max_bypass,
-                   help="priority policy: a waiting request overtaken this many times by more urgent ones is "
-                        "served next (aging)")
-    g.add_argument("--ttft-slo-ms", type=float, default=None,
-                   help="slo policy: the TTFT target (orders waiting requests by deadline)")
-    g.add_argument("--tbt-slo-ms", type=float, default=None,
-                   help="slo policy: the TBT target (sets each step's token budget)")
-    g.add_argument("--slo-from", default=None, metavar="SLA_FILE",
-                   help="slo policy: take the targets from an `inflight check` SLA file (its goodput: "
-                        "max_ttft_ms and max_tpot_ms, else max_ttft_p99_ms and max_tbt_p99_ms)")
-    g.add_argument("--reject-late", action="store_true",
-                   help="slo policy: refuse (429) a request that would miss its TTFT target on arrival")
-    g.add_argument("--slo-cost-profile", default=_SCHED.slo_cost_profile,
-                   help="slo policy: hardware profile (name or JSON) that predicts step times; refitted online")
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                   default=_SCHED.enable_chunked_prefill)
-    g.add_argument("--guaranteed-no-evict", action="store_true",
-                   help="admit a request only if the KV cache holds it to its max_tokens beside every running "
-                        "request's maximum (TensorRT-LLM's GUARANTEED_NO_EVICT): no KV preemption, fewer at once")
-    g.add_argument("--block-size", type=int, default=_CACHE.block_size)
-    g.add_argument("--kv-cache-memory-fraction", type=float, default=_CACHE.kv_cache_memory_fraction,
-                   help="KV pool size as a fraction of the memory available at start")
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="KV pool size in bytes (overrides --kv-cache-memory-fraction)")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides both)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=_CACHE.enable_prefix_caching)
-    g.add_argument("--seed", type=int, default=0)
-
-
-def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine's keyword options (as `LLM(**options)` takes them) from parsed arguments."""
-    names = ["dtype", "device", "max_batch_size", "max_num_tokens", "max_model_len", "scheduling_policy",
-             "priority_max_bypass", "ttft_slo_ms", "tbt_slo_ms", "slo_cost_profile",
-             "enable_chunked_prefill", "block_size", "kv_cache_memory_fraction", "kv_cache_memory_bytes",
-             "num_kv_blocks", "enable_prefix_caching", "seed"]
-    options = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
-    for flag in ("reject_late", "guaranteed_no_evict"):
-        if getattr(args, flag, False):
-            options[flag] = True
-    if getattr(args, "slo_from", None) is not None:
-        options.update({k: v for k, v in slo_targets(args.slo_from).items() if options.get(k) is None})
-    return options
+from inflight.options import add_engine_options, engine_options
 
 
 def slo_targets(path: str) -> dict[str, float]:
@@ -137,18 +76,35 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_options(gen)
     gen.set_defaults(func=_cmd_generate)
 
-    for register in _extra_commands():
-        register(sub)
-    return parser
-
-
-def _extra_commands() -> list[Any]:
     # Imported when the parser is built, so that importing this module stays cheap.
     from inflight.bench.cli import register as register_bench
+    from inflight.fleet.cli import add_fleet_options
     from inflight.server.cli import register as register_server
     from inflight.sim.cli import register as register_sim
 
-    return [register_server, register_bench, register_sim]
+    serve = register_server(sub)
+    add_fleet_options(serve)
+    serve.set_defaults(func=_cmd_serve)
+    register_bench(sub)
+    register_sim(sub)
+    return parser
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    """`serve`: one process, or with `--replicas` (or autoscaling bounds) a fleet on Ray Serve."""
+    from inflight.fleet.cli import cmd_serve_fleet, wants_fleet
+    from inflight.server.cli import cmd_serve
+
+    return cmd_serve_fleet(args) if wants_fleet(args) else cmd_serve(args)
+
+
+def _read_slo_from(args: argparse.Namespace) -> None:
+    """`--slo-from SLA_FILE`: its targets, where `--ttft-slo-ms` / `--tbt-slo-ms` set none."""
+    if getattr(args, "slo_from", None) is None:
+        return
+    for name, value in slo_targets(args.slo_from).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -157,6 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        _read_slo_from(args)
         return int(args.func(args) or 0)
     except InflightError as exc:
         print(f"inflight: error: {exc}", file=sys.stderr)

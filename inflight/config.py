@@ -10,6 +10,12 @@ from typing import Any
 from inflight.errors import ConfigError
 
 
+def option(default: Any, help: str, **argparse_options: Any) -> Any:
+    """A config field that is also a command-line option (`--kebab-case`) of every CLI that runs
+    an engine, with this help text (`inflight.options` builds the flags from the fields)."""
+    return field(default=default, metadata={"help": help, **argparse_options})
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
@@ -48,11 +54,11 @@ class CacheConfig:
     `kv_cache_memory_bytes` (as vLLM's option of that name), then `kv_cache_memory_fraction` of
     the device's available memory when the engine starts."""
 
-    block_size: int = 16
-    kv_cache_memory_fraction: float = 0.1
-    kv_cache_memory_bytes: int | None = None
-    num_kv_blocks: int | None = None
-    enable_prefix_caching: bool = True
+    block_size: int = option(16, "tokens per KV block")
+    kv_cache_memory_fraction: float = option(0.1, "KV pool size as a fraction of the memory available at start")
+    kv_cache_memory_bytes: int | None = option(None, "KV pool size in bytes (overrides --kv-cache-memory-fraction)")
+    num_kv_blocks: int | None = option(None, "KV pool size in blocks (overrides both)")
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompt prefixes computed before")
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
@@ -75,29 +81,31 @@ class SchedulingPolicy(StrEnum):
 class SchedulerConfig:
     """Limits of one step. `max_model_len` bounds prompt + output of any request."""
 
-    max_batch_size: int = 64
-    max_num_tokens: int = 512
-    max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
-    scheduling_policy: SchedulingPolicy = SchedulingPolicy.CONTINUOUS
-    max_waiting_requests: int | None = None
+    max_batch_size: int = option(64, "most requests in one step")
+    max_num_tokens: int = option(512, "token budget of one step, prefill and decode together")
+    max_model_len: int = option(2048, "most tokens of one request, prompt and output")
+    enable_chunked_prefill: bool = option(True, "split a prompt that does not fit the step's budget across steps")
+    scheduling_policy: SchedulingPolicy = option(
+        SchedulingPolicy.CONTINUOUS, "continuous (first come, first served), priority, slo or static")
+    max_waiting_requests: int | None = option(None, "requests beyond this many waiting are refused (429 over "
+                                                    "HTTP; default: unbounded)")
     # Thrash guard: for this many steps after a preemption, a waiting request is admitted only
     # if it can run to its maximum length beside the running requests' worst-case growth, so
     # the pool is not overcommitted straight into the next preemption (0: no throttle).
-    preemption_cooldown_steps: int = 32
-    # Always admit as in that cooldown: a request starts only if the pool holds it to its
-    # maximum length beside every running request's, so none is ever preempted for KV blocks
-    # (TensorRT-LLM's GUARANTEED_NO_EVICT), at the price of fewer requests at once.
-    guaranteed_no_evict: bool = False
-    # The priority policy's aging: a waiting request overtaken this many times by later, more
-    # urgent ones is served as the most urgent from then on.
-    priority_max_bypass: int = 64
-    # The SLO policy's targets (and what it predicts step times with: a hardware profile's name
-    # or file, "auto" for cpu-local on a CPU and h100 on a GPU; refitted online either way).
-    ttft_slo_ms: float | None = None
-    tbt_slo_ms: float | None = None
-    reject_late: bool = False  # refuse, on arrival, a request that would miss its TTFT target
-    slo_cost_profile: str = "auto"
+    preemption_cooldown_steps: int = option(32, "after a preemption, steps during which a request is admitted "
+                                                "only with room for its whole length (0: none)")
+    # Always admit as in that cooldown: TensorRT-LLM's GUARANTEED_NO_EVICT.
+    guaranteed_no_evict: bool = option(
+        False, "admit a request only if the KV cache holds it to its max_tokens beside every running "
+               "request's maximum (TensorRT-LLM's GUARANTEED_NO_EVICT): no KV preemption, fewer at once")
+    priority_max_bypass: int = option(64, "priority policy: a waiting request overtaken this many times by more "
+                                          "urgent ones is served next (aging)")
+    ttft_slo_ms: float | None = option(None, "slo policy: the TTFT target (orders waiting requests by deadline)")
+    tbt_slo_ms: float | None = option(None, "slo policy: the TBT target (sets each step's token budget)")
+    reject_late: bool = option(False, "slo policy: refuse (429) a request that would miss its TTFT target on "
+                                      "arrival")
+    slo_cost_profile: str = option("auto", "slo policy: hardware profile (name or JSON) that predicts step times, "
+                                           "refitted online (auto: cpu-local on a CPU, h100 on a GPU)")
 
     def __post_init__(self) -> None:
         _require(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")
@@ -127,21 +135,25 @@ class SchedulerConfig:
                  "reject_late needs scheduling_policy slo and a ttft_slo_ms")
 
 
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything needed to build an engine; the model's own shapes come from its file."""
 
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
+    model: str | None = option(None, "GGUF file or Hugging Face model directory (default: the embedded "
+                                     "SmolLM2-135M-Instruct)")
+    dtype: str = option("auto", "activations' type (auto: float32 on a CPU, bfloat16 on a GPU)",
+                        choices=DTYPES)
+    device: str = option("auto", "auto, cpu or cuda[:N]")
+    seed: int = option(0, "seed of the engine's sampling")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     step_history: int = 4096
 
     def __post_init__(self) -> None:
-        _require(self.dtype in ("auto", "float32", "float16", "bfloat16"),
-                 f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        _require(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _require(self.step_history >= 1, "step_history must be >= 1")
 
     @classmethod

@@ -16,7 +16,12 @@ class ConfigError(InflightError, ValueError):
 
 
 class InvalidRequestError(InflightError, ValueError):
-    """A request can never be served as asked (too long, bad parameters)."""
+    """A request can never be served as asked (too long, bad parameters). `param`: the
+    `SamplingParams` field (or other request field) at fault, where one is."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class EngineOverloadedError(InflightError):

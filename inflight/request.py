@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from inflight.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from inflight.engine.structured import Grammar
+    import llguidance
 
 MAX_LOGPROBS = 20
 
@@ -64,6 +64,51 @@ class StructuredOutputs:
         return "json_object"
 
 
+class Limit(NamedTuple):
+    """The values a numeric request field admits: a lower bound (inclusive `ge` or exclusive
+    `gt`) and an upper one (`le`); `integer`: whole numbers only."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    integer: bool = False
+
+    def admits(self, value: Any) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
+            return False
+        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le))
+
+    def describe(self) -> str:
+        kind = "an integer" if self.integer else "a number"
+        low = f"[{self.ge:g}" if self.ge is not None else f"({self.gt:g}" if self.gt is not None else None
+        if low is not None and self.le is not None:
+            return f"must be {kind} in {low}, {self.le:g}]"
+        if low is not None:
+            return f"must be {kind} {'>=' if self.ge is not None else '>'} {low[1:]}"
+        return f"must be {kind}" + (f" <= {self.le:g}" if self.le is not None else "")
+
+
+# A request's limits, in one place: `SamplingParams` checks them, and the server's OpenAPI schema
+# states them (`inflight.server.openapi`). `logit_bias`: each bias value.
+LIMITS: dict[str, Limit] = {
+    "max_tokens": Limit(ge=1, integer=True),
+    "temperature": Limit(ge=0),
+    "top_p": Limit(gt=0, le=1),
+    "top_k": Limit(ge=0, integer=True),  # 0 disables it
+    "min_p": Limit(ge=0, le=1),
+    "repetition_penalty": Limit(gt=0),
+    "presence_penalty": Limit(ge=-2, le=2),
+    "frequency_penalty": Limit(ge=-2, le=2),
+    "min_tokens": Limit(ge=0, integer=True),
+    "logit_bias": Limit(ge=-100, le=100),
+    "n": Limit(ge=1, integer=True),
+    "logprobs": Limit(ge=0, le=MAX_LOGPROBS, integer=True),
+    "prompt_logprobs": Limit(ge=0, le=MAX_LOGPROBS, integer=True),
+}
+_OPTIONAL = {"logprobs", "prompt_logprobs"}  # None: not asked for
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. Checked on construction (`InvalidRequestError`)."""
@@ -96,35 +141,41 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
-        def check(ok: bool, message: str) -> None:
-            if not ok:
-                raise InvalidRequestError(message)
-
+        """Every limit of a request's own values is checked here and nowhere else (`LIMITS`);
+        each failure names its field (`InvalidRequestError.param`), which the HTTP layer reports
+        as OpenAI's."""
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-              f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
-        check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        check(self.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        check(-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        check(-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
-        check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
-              f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
-        check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         bias = dict(self.logit_bias)  # pairs, or a {token id: bias} mapping
         object.__setattr__(self, "logit_bias", tuple(sorted(bias.items())))
-        check(all(isinstance(t, int) and t >= 0 for t in bias), "logit_bias keys must be token ids >= 0")
-        check(all(-100 <= b <= 100 for b in bias.values()), "logit_bias values must be in [-100, 100]")
-        check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            check(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS),
-                  f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        for name, limit in LIMITS.items():
+            values = bias.values() if name == "logit_bias" else [getattr(self, name)]
+            for value in values:
+                if not (value is None and name in _OPTIONAL or limit.admits(value)):
+                    raise InvalidRequestError(f"{name} {limit.describe()}, got {value!r}", name)
+
+        def check(ok: bool, param: str, message: str) -> None:
+            if not ok:
+                raise InvalidRequestError(f"{param} {message}", param)
+
+        check(self.min_tokens <= self.max_tokens, "min_tokens",
+              f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", "strings must be non-empty strings")
+        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+              "must be token ids >= 0")
+        check(all(isinstance(t, int) and t >= 0 for t in bias), "logit_bias", "keys must be token ids >= 0")
+
+    def check_limits(self, *, vocab_size: int, max_batch_size: int) -> None:
+        """The limits that depend on the engine: biased token ids within its vocabulary, and `n`
+        samples within one step's batch. Raises InvalidRequestError naming the field."""
+        if self.n > max_batch_size:
+            raise InvalidRequestError(f"n ({self.n}) exceeds max_batch_size ({max_batch_size}), the most requests "
+                                      "in one step", "n")
+        if self.logit_bias and self.logit_bias[-1][0] >= vocab_size:  # sorted by token id
+            raise InvalidRequestError(f"logit_bias: token id {self.logit_bias[-1][0]} is outside the vocabulary "
+                                      f"[0, {vocab_size})", "logit_bias")
 
     @property
     def is_greedy(self) -> bool:
@@ -139,6 +190,34 @@ class SamplingParams:
         """Whether the sampler changes this request's logits before choosing (bias, penalties,
         or blocking the end while min_tokens is unmet)."""
         return bool(self.logit_bias) or self.has_penalties or self.min_tokens > 0
+
+
+class Grammar:
+    """One request's position in its grammar."""
+
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+
+    def fresh(self) -> Grammar:
+        """The same grammar from its start (for another request, or another of n samples)."""
+        matcher = self.matcher.deep_copy()
+        matcher.reset()
+        return Grammar(matcher)
+
+    def accept(self, token_id: int) -> bool:
+        """Advances by an output token; False if the grammar does not allow it."""
+        return self.matcher.consume_token(token_id)
+
+    @property
+    def is_complete(self) -> bool:
+        """The output matches the whole grammar and nothing may follow (but EOS)."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error()
 
 
 class RequestStatus(Enum):

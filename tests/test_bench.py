@@ -250,7 +250,8 @@ def test_goodput_and_throughput() -> None:
     slo = RequestSLO(max_ttft_ms=500, max_tpot_ms=100)
     assert [slo.is_met(r) for r in results] == [True, False, False, False]
     samples = [KvSample(0, 10, 1, 0), KvSample(1, 50, 2, 1), KvSample(3, 0, 0, 0)]
-    m = compute_metrics(results, 2.0, samples, EngineCounters(kv_peak_perc=55.0, num_preemptions=2, num_oom=0), slo)
+    counters = EngineCounters(kv_peak_perc=55.0, num_preemptions=2, num_oom_errors=0)
+    m = compute_metrics(results, 2.0, samples, counters, slo)
     assert (m.num_completed, m.num_failed, m.num_good) == (3, 1, 1)
     assert m.goodput == pytest.approx(0.5)
     assert m.request_throughput == pytest.approx(1.5)
@@ -339,7 +340,7 @@ def test_in_process_bench_writes_runs_config_and_plots(bench_run: dict[str, Path
     for run in data["runs"]:
         assert run["metrics"]["num_failed"] == 0 and run["metrics"]["num_completed"] == 4
         assert [r["num_output_tokens"] for r in run["requests"]] == [r["output_len"] for r in run["requests"]]
-        assert run["metrics"]["num_oom"] == 0 and run["metrics"]["kv_peak_perc"] > 0
+        assert run["metrics"]["num_oom_errors"] == 0 and run["metrics"]["kv_peak_perc"] > 0
         assert run["options"]["num_kv_blocks_allocated"] == 64
         steps = run["timeline"]["steps"]
         assert steps and sum(s[3] for s in steps) == sum(r["output_len"] - 1 for r in run["requests"])
@@ -392,12 +393,12 @@ def test_http_bench_against_the_real_server(loaded: LoadedModel, tmp_path: Path,
     assert code == 0
     document, (run,) = read_run_file(tmp_path / "server.json")
     assert document["target"]["kind"] == "http" and run.metrics.num_failed == 0
-    assert run.metrics.kv_peak_perc is not None and run.metrics.num_oom == 0
+    assert run.metrics.kv_peak_perc is not None and run.metrics.num_oom_errors == 0
     assert info["metrics_available"] and info["served_model_name"]
     assert [r.error for r in capture.results] == [None] * 4
     assert [r.num_output_tokens for r in capture.results] == [r.output_len for r in requests]
     assert all(len(r.token_gaps_s) == r.num_output_tokens - 1 for r in capture.results)
-    assert capture.counters.num_oom == 0 and capture.counters.num_preemptions == 0
+    assert capture.counters.num_oom_errors == 0 and capture.counters.num_preemptions == 0
     assert capture.counters.kv_peak_perc is not None and capture.counters.kv_peak_perc > 0
 
 

@@ -1,5 +1,6 @@
 """The code as the project holds it: ruff clean (E501 on, at the line length pyproject.toml
-sets) and type-checked by mypy over inflight/, as part of the one test command."""
+sets), type-checked by mypy over inflight/, and within the import contracts of pyproject.toml,
+as part of the one test command."""
 
 from __future__ import annotations
 
@@ -23,3 +24,11 @@ def test_mypy_finds_nothing() -> None:
     run = _run("mypy")  # files and options from pyproject.toml
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     assert "Success" in run.stdout
+
+
+def test_imports_keep_the_layers_contract() -> None:
+    """The layers, independence and torch-free contracts of pyproject.toml (docs/architecture.md)."""
+    lint = Path(sys.executable).with_name("lint-imports")
+    run = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    assert "0 broken" in run.stdout

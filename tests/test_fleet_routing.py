@@ -211,7 +211,7 @@ def test_asgi_bridge_carries_requests_and_streams() -> None:
 
 def test_simulated_fleet_runs_the_same_rule() -> None:
     from inflight.bench.workload import load_workload
-    from inflight.sim.hardware import load_hardware
+    from inflight.perf.profiles import load_hardware
     from inflight.sim.runs import SimTarget, simulate
     from inflight.sim.shapes import resolve_shapes
     from inflight.sim.tune import SearchSpace

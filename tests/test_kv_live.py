@@ -8,9 +8,9 @@ from __future__ import annotations
 from inflight import EngineConfig
 from inflight.bench.workload import BenchRequest
 from inflight.engine.block_manager import BlockManager
+from inflight.perf.cost_model import CostModel
+from inflight.perf.profiles import BUILTIN_HARDWARE
 from inflight.request import Request, SamplingParams
-from inflight.sim.cost_model import CostModel
-from inflight.sim.hardware import BUILTIN_HARDWARE
 from inflight.sim.shapes import BUILTIN_MODELS
 from inflight.sim.simulator import run_simulation, sim_engine
 

@@ -105,7 +105,7 @@ def test_a_failed_step_fails_only_its_requests(loaded: LoadedModel, fault: Any, 
     engine.runner.before_forward = before_forward  # set before the loop starts; only it calls this
     with serve_in_thread(engine, ServerConfig(shutdown_timeout_s=5)) as running:
         url = running.url
-        before = {name: metric(url, name) for name in ("oom_total", "num_failed_steps_total")}
+        before = {name: metric(url, name) for name in ("num_oom_errors_total", "num_failed_steps_total")}
         errors_before = metric(url, "request_failure_total", reason="error")
         body = {"model": engine.model_name, "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}}
@@ -132,7 +132,7 @@ def test_a_failed_step_fails_only_its_requests(loaded: LoadedModel, fault: Any, 
                 assert result.error is None and result.num_output_tokens == MAX_TOKENS
 
         wait_idle(url)  # the failed requests' KV blocks came back
-        assert metric(url, "oom_total") - before["oom_total"] == (1 if is_oom else 0)
+        assert metric(url, "num_oom_errors_total") - before["num_oom_errors_total"] == (1 if is_oom else 0)
         assert metric(url, "num_failed_steps_total") - before["num_failed_steps_total"] == 1
         assert metric(url, "request_failure_total", reason="error") - errors_before == MAX_BATCH_SIZE
         assert httpx.get(url + "/health").status_code == 200

@@ -255,7 +255,7 @@ def test_prefix_cache_shares_blocks_and_skips_compute():
     assert second.num_cached_tokens == 32 and mine.start == 32
     d.run()
     assert second.output_token_ids == expected_tokens(second)
-    assert d.scheduler.num_prefix_hit_tokens == 32
+    assert d.scheduler.prefix_cache_hits == 32
 
 
 def test_shared_blocks_counted_by_reference():

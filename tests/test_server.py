@@ -536,7 +536,8 @@ def test_metrics_parse_and_move_with_requests(server: RunningServer, client: ope
     text = httpx.get(server.url + "/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     expected = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "kv_cache_usage_peak_perc",
-                "kv_cache_blocks_used", "kv_cache_blocks_total", "num_preemptions", "oom", "kv_allocation_failures",
+                "kv_cache_blocks_used", "kv_cache_blocks_total", "num_preemptions", "num_oom_errors",
+                "num_kv_allocation_failures",
                 "num_failed_steps", "prompt_tokens", "generation_tokens", "time_to_first_token_seconds",
                 "inter_token_latency_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
                 "iteration_tokens"]

@@ -23,13 +23,22 @@ from inflight.engine.scheduler import Scheduler
 from inflight.engine.static import StaticScheduler
 from inflight.errors import ConfigError
 from inflight.model.loaded import LoadedModel
+from inflight.perf.cost_model import CostModel, SeqWork
+from inflight.perf.profiles import (
+    BUILTIN_ENGINES,
+    BUILTIN_HARDWARE,
+    INFLIGHT_CPU,
+    EngineProfile,
+    HardwareProfile,
+    load_hardware,
+    load_profiles,
+    save_profile,
+)
+from inflight.perf.shapes import num_linear_params, num_params
 from inflight.sim.calibrate import StepCase, measure
-from inflight.sim.cost_model import CostModel, SeqWork
-from inflight.sim.engine_profile import BUILTIN_ENGINES, INFLIGHT_CPU, EngineProfile, load_profiles, save_profile
 from inflight.sim.fit import Sample, fit_profile, predict
-from inflight.sim.hardware import BUILTIN_HARDWARE, HardwareProfile, load_hardware
 from inflight.sim.runs import SimTarget, simulate
-from inflight.sim.shapes import BUILTIN_MODELS, num_linear_params, num_params, resolve_shapes
+from inflight.sim.shapes import BUILTIN_MODELS, resolve_shapes
 from inflight.sim.simulator import run_simulation, sim_engine
 from inflight.sim.tune import SearchSpace, Tuner, tune
 from inflight.sim.workload import synthetic_requests
@@ -116,7 +125,7 @@ def test_preemption_under_a_small_pool() -> None:
     run = simulate(h100_llama(), {"num_kv_blocks": 60, "max_batch_size": 64}, small_requests(num_requests=60))
     # KV pressure preempts; nothing runs out of memory.
     assert run.metrics.num_preemptions > 0 and run.metrics.num_kv_allocation_failures > 0
-    assert run.metrics.num_oom == 0
+    assert run.metrics.num_oom_errors == 0
     assert run.metrics.num_failed == 0 and run.metrics.kv_peak_perc == pytest.approx(100.0)
 
 
@@ -151,7 +160,7 @@ def test_bench_and_sim_count_the_same_events(loaded: LoadedModel) -> None:
     sim_counters = run_simulation(sim, requests).counters
     assert real_counters == sim_counters
     assert real_counters.num_preemptions and real_counters.num_kv_allocation_failures
-    assert real_counters.num_oom == 0
+    assert real_counters.num_oom_errors == 0
     assert real.stats().num_kv_blocks_used == sim.stats().num_kv_blocks_used == 0
 
 
@@ -164,7 +173,7 @@ def test_shared_prefix_requests_hit_the_real_prefix_cache() -> None:
         engine = sim_engine(EngineConfig.from_kwargs(None, num_kv_blocks=2000, enable_prefix_caching=caching),
                             CostModel(TOY, BARE, engine=FLAT))
         run_simulation(engine, requests)
-        hits[caching] = engine.stats().num_prefix_hit_tokens
+        hits[caching] = engine.stats().prefix_cache_hits
     shared = sum(r.has_shared_prefix for r in requests)
     assert hits[True] >= 256 * (shared - 1) and hits[False] == 0
 
@@ -316,7 +325,7 @@ def test_step_time_is_monotone_in_batch_context_and_tp(name: str) -> None:
 
 
 def test_smooth_roofline_lies_between_max_and_sum() -> None:
-    from inflight.sim.cost_model import combine
+    from inflight.perf.cost_model import combine
 
     for k in (1.5, 2.0, 4.0):
         engine = dataclasses.replace(FLAT, roofline="smooth", roofline_exponent=k)

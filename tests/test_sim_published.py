@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from inflight.sim.engine_profile import BUILTIN_ENGINES
+from inflight.perf.profiles import BUILTIN_ENGINES
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks" / "sim"))

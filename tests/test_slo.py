@@ -17,9 +17,8 @@ from inflight.bench.workload import BenchRequest
 from inflight.config import SchedulerConfig
 from inflight.engine.slo import MIN_PREFILL_CHUNK, LateRequestError, StepTimePredictor
 from inflight.errors import ConfigError
-from inflight.sim.cost_model import CostModel, SeqWork
-from inflight.sim.engine_profile import BUILTIN_ENGINES
-from inflight.sim.hardware import BUILTIN_HARDWARE
+from inflight.perf.cost_model import CostModel, SeqWork
+from inflight.perf.profiles import BUILTIN_ENGINES, BUILTIN_HARDWARE
 from inflight.sim.shapes import BUILTIN_MODELS
 from inflight.sim.simulator import run_simulation, sim_engine
 

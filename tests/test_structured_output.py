@@ -195,3 +195,34 @@ def test_bad_constraints_get_a_400_naming_the_field(server: RunningServer, body:
     error = resp.json()["error"]
     assert error["param"] == param and error["message"], error
     assert server.engine.num_active == 0
+
+
+# Found by the schema fuzzer: a schema of unknown keywords (so: any JSON value) after this prompt,
+# whose output soon reaches a lexer state llguidance gives up on (ParserTooComplex); the token
+# drawn from that step's mask is one the grammar then refuses.
+FUZZED_PROMPT = [3726, 515, 329, 1256, 76, 413, 0, 796, 24687, 178, 623, 2696, 4096, 11028, 500, 418]
+TOO_COMPLEX = json.loads(
+    r"""{"": {"\u00c6$H\u00b5\u00e0": {"\u00f9\u0092W\u00a7": null, "\ufc7f": true, "\r\u00d2": 13208325},"""
+    r""" "\u0098+\u0084\u00f3P\u0019": null,"""
+    r""" "y\u00d4": {"\uda62\udd55\u00f7\u00cc\u00d2;#-\ub7c3\ud876\udd9f~": null}},"""
+    r""" "\u023a": {"\u00a9\ud96a\ude4c\u00d4!5\u000e": null, "\ud8de\ude3a\uda33\udd19": false, "\u00c6\f": null}}""")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_the_output_cannot_follow_is_the_clients_error(server: RunningServer, stream: bool) -> None:
+    # A flat distribution over what the mask allows: the draw reaches the lexer states it gives up on.
+    body = {"model": server.engine.model_name, "prompt": FUZZED_PROMPT, "max_tokens": 16, "temperature": 1e300,
+            "seed": 0, "guided_json": TOO_COMPLEX, "stream": stream}
+    resp = httpx.post(server.url + "/v1/completions", timeout=30, json=body)
+    if stream:
+        assert resp.status_code == 200
+        events = [json.loads(line[6:]) for line in resp.text.splitlines()
+                  if line.startswith("data: {") and '"error"' in line]
+        assert events, resp.text
+        error = events[-1]["error"]
+    else:
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["message"].startswith("structured output failed: ") and "\n" not in error["message"], error
+    assert server.engine.num_active == 0

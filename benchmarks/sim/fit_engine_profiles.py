@@ -1,7 +1,7 @@
 """Chooses an engine profile's factors so that its `role: fit` points in
 `benchmarks/sim/published/points.yaml` come out as published: coordinate search over the
 logarithm of each factor, minimising the mean squared log ratio of predicted to published.
-Writes the profile JSON; the built-in profiles in inflight/sim/engine_profile.py were set from
+Writes the profile JSON; the built-in profiles in inflight/perf/profiles.py were set from
 its output.
 
     .venv/bin/python benchmarks/sim/fit_engine_profiles.py --engine trtllm --scale 0.1 \
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from published import HERE, predict  # noqa: E402
 
 from inflight.bench.workload import load_workload  # noqa: E402
-from inflight.sim.engine_profile import BUILTIN_ENGINES, EngineProfile  # noqa: E402
+from inflight.perf.profiles import BUILTIN_ENGINES, EngineProfile  # noqa: E402
 from inflight.sim.workload import synthetic_requests  # noqa: E402
 
 FACTORS = ("flops_efficiency", "eight_bit_flops_efficiency", "bandwidth_efficiency", "attention_bandwidth_efficiency",

@@ -28,10 +28,10 @@ import yaml
 from inflight.bench.results import BenchRun
 from inflight.bench.workload import load_workload, with_request_rate
 from inflight.config import ModelConfig
-from inflight.sim.engine_profile import EngineProfile, load_profiles
-from inflight.sim.hardware import HardwareProfile
+from inflight.perf.profiles import EngineProfile, HardwareProfile, load_profiles
+from inflight.perf.shapes import num_params
 from inflight.sim.runs import SimTarget, simulate
-from inflight.sim.shapes import num_params, resolve_shapes
+from inflight.sim.shapes import resolve_shapes
 from inflight.sim.workload import synthetic_requests
 
 HERE = Path(__file__).resolve().parent / "published"

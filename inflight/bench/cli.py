@@ -31,7 +31,7 @@ from inflight.errors import ConfigError
 
 
 def register(subparsers: Any) -> None:
-    from inflight.cli import add_engine_options
+    from inflight.options import add_engine_options
 
     bench = subparsers.add_parser(
         "bench", help="measure throughput, latency and KV use on a fixed workload",
@@ -76,7 +76,7 @@ def register(subparsers: Any) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from inflight.cli import engine_options
+    from inflight.options import engine_options
 
     spec, spec_path = load_workload(args.workload, seed=args.workload_seed, num_requests=args.num_requests)
     if args.request_rate is not None:

@@ -22,16 +22,13 @@ from tqdm import tqdm
 from inflight.bench.metrics import EngineCounters, KvSample, RequestResult
 from inflight.bench.results import Capture
 from inflight.bench.workload import BenchRequest
+from inflight.engine.stats import METRICS
 from inflight.errors import InflightError
 
-KV_USAGE = "inflight:kv_cache_usage_perc"
-KV_LIVE = "inflight:kv_cache_live_token_perc"
-KV_PEAK = "inflight:kv_cache_usage_peak_perc"
-PREEMPTIONS = "inflight:num_preemptions_total"
-OOMS = "inflight:oom_total"
-KV_ALLOCATION_FAILURES = "inflight:kv_allocation_failures_total"
-RUNNING = "inflight:num_requests_running"
-WAITING = "inflight:num_requests_waiting"
+KV_USAGE, KV_LIVE, KV_PEAK, PREEMPTIONS, OOM_ERRORS, KV_ALLOCATION_FAILURES, RUNNING, WAITING = (
+    METRICS[name].scraped_name for name in (
+        "kv_cache_usage_perc", "kv_cache_live_token_perc", "kv_cache_usage_peak_perc", "num_preemptions",
+        "num_oom_errors", "num_kv_allocation_failures", "num_requests_running", "num_requests_waiting"))
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{.*\})?\s+(\S+)")
@@ -123,7 +120,7 @@ class _MetricsSampler:
         peak = None
         if KV_PEAK in last and last[KV_PEAK] > first.get(KV_PEAK, 0.0):
             peak = 100.0 * last[KV_PEAK]
-        return EngineCounters(kv_peak_perc=peak, num_preemptions=delta(PREEMPTIONS), num_oom=delta(OOMS),
+        return EngineCounters(kv_peak_perc=peak, num_preemptions=delta(PREEMPTIONS), num_oom_errors=delta(OOM_ERRORS),
                               num_kv_allocation_failures=delta(KV_ALLOCATION_FAILURES))
 
 

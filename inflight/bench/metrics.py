@@ -109,12 +109,12 @@ class KvSample:
 @dataclass(frozen=True, slots=True)
 class EngineCounters:
     """What the engine itself reports over a run; None where the target could not tell. An OOM
-    is an out-of-memory error that failed a model step (`EngineStats.num_oom_events`); KV
+    is an out-of-memory error that failed a model step (`EngineStats.num_oom_errors`); KV
     pressure fails nothing, it preempts, and shows in the preemptions and allocation failures."""
 
     kv_peak_perc: float | None = None
     num_preemptions: int | None = None
-    num_oom: int | None = None
+    num_oom_errors: int | None = None
     num_kv_allocation_failures: int | None = None
 
     @classmethod
@@ -123,7 +123,7 @@ class EngineCounters:
         return cls(
             kv_peak_perc=100.0 * after.kv_cache_peak_usage,
             num_preemptions=after.num_preemptions - before.num_preemptions,
-            num_oom=after.num_oom_events - before.num_oom_events,
+            num_oom_errors=after.num_oom_errors - before.num_oom_errors,
             num_kv_allocation_failures=after.num_kv_allocation_failures - before.num_kv_allocation_failures,
         )
 
@@ -148,7 +148,7 @@ class BenchMetrics:
     kv_peak_perc: float | None
     kv_mean_perc: float | None
     num_preemptions: int | None
-    num_oom: int | None
+    num_oom_errors: int | None
     num_kv_allocation_failures: int | None = None
     # Of the allocated KV slots, the share (%) holding live tokens: time-weighted over the run's
     # samples with any block in use, and at the sample of peak usage.
@@ -187,7 +187,7 @@ def compute_metrics(results: Sequence[RequestResult], duration_s: float,
         kv_peak_perc=peak,
         kv_mean_perc=time_weighted_mean([(s.t_s, s.kv_usage_perc) for s in samples]),
         num_preemptions=counters.num_preemptions,
-        num_oom=counters.num_oom,
+        num_oom_errors=counters.num_oom_errors,
         num_kv_allocation_failures=counters.num_kv_allocation_failures,
         kv_live_mean_perc=time_weighted_mean(live) if (live := _live_points(samples)) else None,
         kv_live_at_peak_perc=max(with_live, key=lambda s: s.kv_usage_perc).kv_live_perc

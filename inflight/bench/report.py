@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import gzip
+import importlib.metadata
 import json
 import os
 import platform
@@ -31,11 +32,9 @@ def environment() -> dict[str, Any]:
     import numpy
     import torch
 
-    import inflight
-
     device = "cuda: " + torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     return {
-        "inflight": inflight.__version__,
+        "inflight": importlib.metadata.version("inflight"),
         "torch": torch.__version__,
         "numpy": numpy.__version__,
         "python": platform.python_version(),
@@ -116,7 +115,7 @@ _ROWS: list[Row | str] = [
     ("KV slots live, at peak (%)", lambda m: m.kv_live_at_peak_perc, ".1f"),
     ("Preemptions", lambda m: m.num_preemptions, "d"),
     ("KV allocation failures", lambda m: m.num_kv_allocation_failures, "d"),
-    ("OOM events", lambda m: m.num_oom, "d"),
+    ("OOM events", lambda m: m.num_oom_errors, "d"),
 ]
 
 # Ratios to the first run printed under a comparison: (name, metric, higher is better).

@@ -64,13 +64,21 @@ class BenchRun:
             results=[RequestResult(**r) for r in data["requests"]],
             duration_s=float(data["duration_s"]),
             samples=[KvSample(*row) for row in data["samples"]["rows"]],
-            counters=EngineCounters(**data["counters"]),
+            counters=EngineCounters(**_renamed(data["counters"])),
             timeline=Timeline.from_dict(data["timeline"]) if data.get("timeline") else None,
         )
-        m = dict(data["metrics"])
+        m = _renamed(data["metrics"])
         for key in ("ttft_ms", "tbt_ms", "tpot_ms", "e2e_ms"):
             m[key] = LatencyStats(**m[key])
         return cls(data["label"], data["options"], capture, BenchMetrics(**m))
+
+
+# Fields that run files written before a rename still carry under their old names.
+_OLD_NAMES = {"num_oom": "num_oom_errors"}
+
+
+def _renamed(fields: dict[str, Any]) -> dict[str, Any]:
+    return {_OLD_NAMES.get(k, k): v for k, v in fields.items()}
 
 
 def _rounded(value: Any) -> Any:

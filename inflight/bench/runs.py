@@ -13,10 +13,11 @@ from inflight.bench.local import run_engine, warm_up
 from inflight.bench.metrics import RequestSLO
 from inflight.bench.results import BenchRun
 from inflight.bench.workload import BenchRequest
-from inflight.config import CacheConfig, EngineConfig, SchedulerConfig
+from inflight.config import EngineConfig, SchedulerConfig
 from inflight.engine.engine import LLMEngine, select_device, select_dtype
 from inflight.errors import ConfigError
 from inflight.model.loaded import LoadedModel
+from inflight.options import engine_option_names
 
 # Named engine configurations for --compare, as overrides of the base options.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -61,7 +62,7 @@ def parse_sweep(text: str, extra: Sequence[str] = ()) -> tuple[str, list[Any]]:
     items = [v for v in values.split(",") if v.strip()]
     if not sep or not key or not items:
         raise ConfigError(f"--sweep wants OPTION=V1,V2,..., got {text!r}")
-    if key not in _engine_option_names() and key not in extra:
+    if key not in engine_option_names() - {"model"} and key not in extra:
         raise ConfigError(f"--sweep: unknown engine option {key!r}")
     return key, [parse_value(v) for v in items]
 
@@ -127,11 +128,6 @@ def run_in_process(model: str | None, base_options: dict[str, Any], plans: Seque
         del engine, capture
         gc.collect()
     return runs
-
-
-def _engine_option_names() -> set[str]:
-    names = set(CacheConfig.__dataclass_fields__) | set(SchedulerConfig.__dataclass_fields__)
-    return names | {"dtype", "device", "seed"}
 
 
 def _fmt(value: Any) -> str:

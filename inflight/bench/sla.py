@@ -104,7 +104,7 @@ _LIMITS: list[tuple[str, str, str, Callable[[BenchMetrics], Any], Callable[[Any,
     ("max_tbt_p99_ms", "TBT p99", "ms", lambda m: m.tbt_ms.p99, operator.le, "<="),
     ("max_tpot_p99_ms", "TPOT p99", "ms", lambda m: m.tpot_ms.p99, operator.le, "<="),
     ("max_kv_peak_perc", "KV cache peak", "%", lambda m: m.kv_peak_perc, operator.le, "<="),
-    ("max_oom", "OOM events", "", lambda m: m.num_oom, operator.le, "<="),
+    ("max_oom", "OOM events", "", lambda m: m.num_oom_errors, operator.le, "<="),
     ("max_preemptions", "preemptions", "", lambda m: m.num_preemptions, operator.le, "<="),
     ("max_failed_requests", "failed requests", "", lambda m: m.num_failed, operator.le, "<="),
 ]

@@ -23,14 +23,22 @@ from inflight.engine.scheduler import Scheduler, SchedulerOutput
 from inflight.engine.slo import SLOScheduler, StepTimePredictor
 from inflight.engine.static import StaticScheduler
 from inflight.engine.stats import EngineStats, scheduler_stats
-from inflight.engine.structured import Grammar, GrammarCompiler
+from inflight.engine.structured import GrammarCompiler
 from inflight.errors import ConfigError, EngineOverloadedError, InvalidRequestError
 from inflight.model.llama import LlamaModel
 from inflight.model.loaded import LoadedModel
 from inflight.model.tokenizer import ChatMessage, Tokenizer
-from inflight.request import FinishReason, Request, SamplingParams, StructuredOutputs, TokenLogprobs, sample_request_id
-from inflight.sim.cost_model import CostModel
-from inflight.sim.engine_profile import load_profiles
+from inflight.perf.cost_model import CostModel, StepTimeModel
+from inflight.perf.profiles import load_profiles
+from inflight.request import (
+    FinishReason,
+    Grammar,
+    Request,
+    SamplingParams,
+    StructuredOutputs,
+    TokenLogprobs,
+    sample_request_id,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -158,9 +166,9 @@ class EngineParts:
     device: torch.device | None = None
     # False where prompt ids are synthetic (the simulator's stand for positions, not tokens).
     check_token_ids: bool = True
-    # What the SLO policy predicts step times with (the simulator passes its own); None: built
-    # from the scheduler config's `slo_cost_profile`.
-    step_cost_model: CostModel | None = None
+    # What the SLO policy predicts step times with (the simulator passes its own cost model);
+    # None: the roofline cost model on the scheduler config's `slo_cost_profile`.
+    step_time_model: StepTimeModel | None = None
 
 
 class LLMEngine:
@@ -188,7 +196,7 @@ class LLMEngine:
         num_blocks = parts.num_kv_blocks
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         if sched_cfg.scheduling_policy is SchedulingPolicy.SLO:
-            predictor = StepTimePredictor(parts.step_cost_model or _slo_cost_model(sched_cfg, model_config, parts))
+            predictor = StepTimePredictor(parts.step_time_model or _slo_cost_model(sched_cfg, model_config, parts))
             self.scheduler: Scheduler = SLOScheduler(sched_cfg, self.block_manager, predictor, clock=self.clock)
         else:
             policy = _POLICIES[sched_cfg.scheduling_policy]
@@ -203,7 +211,7 @@ class LLMEngine:
         self.step_records: deque[StepRecord] = deque(maxlen=config.step_history)
         self.step_observers: list[StepObserver] = []
         self.num_failed_steps = 0
-        self.num_oom_events = 0
+        self.num_oom_errors = 0
         logger.info("engine ready: %s on %s, %d KV blocks of %d tokens",
                     self.model_name, self.device or type(self.runner).__name__, num_blocks, cache.block_size)
 
@@ -292,6 +300,11 @@ class LLMEngine:
                                                      self.model_config.vocab_size)
         return self._grammar_compiler.compile(spec)
 
+    def check_params(self, params: SamplingParams) -> None:
+        """Raises InvalidRequestError (naming the field) for params beyond this engine's limits."""
+        params.check_limits(vocab_size=self.model_config.vocab_size,
+                            max_batch_size=self.scheduler_config.max_batch_size)
+
     def check_priority(self, priority: int) -> None:
         """Raises InvalidRequestError for a priority this engine's policy would ignore."""
         policy = self.scheduler_config.scheduling_policy
@@ -311,12 +324,7 @@ class LLMEngine:
         n = request.sampling_params.n
         if n > 1 and self.scheduler_config.scheduling_policy is SchedulingPolicy.STATIC:
             raise InvalidRequestError("n > 1 needs the continuous or priority policy (static reserves per request)")
-        if n > self.scheduler_config.max_batch_size:
-            raise InvalidRequestError(f"n ({n}) exceeds max_batch_size ({self.scheduler_config.max_batch_size})")
-        bias = request.sampling_params.logit_bias
-        if bias and bias[-1][0] >= self.model_config.vocab_size:  # sorted by token id
-            raise InvalidRequestError(f"logit_bias: token id {bias[-1][0]} is outside the vocabulary "
-                                      f"[0, {self.model_config.vocab_size})")
+        self.check_params(request.sampling_params)
         structured = request.sampling_params.structured_outputs
         if structured is not None and request.grammar is None:
             request.grammar = self.compile_grammar(structured)
@@ -338,7 +346,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """A snapshot of the engine's gauges and counters (see `EngineStats`)."""
-        return scheduler_stats(self.scheduler, self.num_oom_events, self.num_failed_steps)
+        return scheduler_stats(self.scheduler, self.num_oom_errors, self.num_failed_steps)
 
     def reset_kv_peak(self) -> None:
         """Starts the KV peak afresh from the blocks in use now (a benchmark's run, say)."""
@@ -378,7 +386,7 @@ class LLMEngine:
         except Exception as exc:  # a failed step fails its own requests, never the engine
             self.num_failed_steps += 1
             if is_out_of_memory(exc):
-                self.num_oom_events += 1
+                self.num_oom_errors += 1
             logger.exception("step %d failed; failing its %d requests", out.step_id, len(out.scheduled))
             return ModelStepResult({}, exc)
 
@@ -406,8 +414,12 @@ class LLMEngine:
                 continue
             request.timings.add_token(now)
             if request.grammar is not None and not request.grammar.accept(token):
-                # The mask allows only what the grammar accepts; this is a grammar stuck in an error.
-                outputs.append(self._fail(request, f"structured output failed: {request.grammar.error}"))
+                # The mask allows only what the grammar accepts; a grammar stuck in an error (one
+                # too complex for the parser, say) fails its own request. Its first line says why;
+                # the parser's state dump that follows goes to the log.
+                logger.info("request %s: structured output failed: %s", request.request_id, request.grammar.error)
+                reason = request.grammar.error.splitlines()[0] if request.grammar.error else "no token allowed"
+                outputs.append(self._fail(request, f"structured output failed: {reason}", from_request=True))
                 continue
             token_logprobs = logprobs.get(request.request_id)
             if token_logprobs is not None:
@@ -440,10 +452,11 @@ class LLMEngine:
         self._requests.pop(request.request_id, None)
         self.output_processor.remove(request.request_id)
 
-    def _fail(self, request: Request, message: str) -> RequestOutput:
+    def _fail(self, request: Request, message: str, from_request: bool = False) -> RequestOutput:
         request.error = message
         self._end(request, FinishReason.ERROR)
-        return RequestOutput(request.request_id, [], "", True, FinishReason.ERROR, request, error=message)
+        return RequestOutput(request.request_id, [], "", True, FinishReason.ERROR, request, error=message,
+                             error_from_request=from_request)
 
     def _record(self, out: SchedulerOutput, outputs: list[RequestOutput], start: float,
                 schedule_s: float, process_s: float) -> None:

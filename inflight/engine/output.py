@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from inflight.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from inflight.perf.cost_model import SeqWork
 from inflight.request import FinishReason, Request, TokenLogprobs
 
 
@@ -27,6 +28,9 @@ class RequestOutput:
     logprobs: TokenLogprobs | None = None  # of the new token, if the request asks
     # With the first token of a request that asks: one per prompt token after the first.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # The error lies with the request's own input (a grammar its output cannot follow), not
+    # with the engine: a server answers it as the client's error (400), not its own (500).
+    error_from_request: bool = False
 
 
 @dataclass(slots=True)
@@ -45,7 +49,7 @@ class StepRecord:
     num_waiting: int
     num_preempted: int
     request_ids: tuple[str, ...] = field(default=())
-    work: tuple[tuple[int, int, bool], ...] = ()  # per request, as `SchedulerOutput.work()` gives
+    work: tuple[SeqWork, ...] = ()  # per request, as `SchedulerOutput.work()` gives
     # Where the step's time went: scheduling, building tensors, the forward pass, sampling,
     # and output processing (detokenization, stop rules, bookkeeping).
     schedule_s: float = 0.0

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 
 import torch
 
-from inflight.engine.structured import Grammar, TokenMasks
+from inflight.engine.structured import TokenMasks
 from inflight.model.kernels import cpu_kernels
-from inflight.request import Request, TokenLogprobs
+from inflight.request import Grammar, Request, TokenLogprobs
 
 _SEED_STRIDE = 1_000_003
 _NUCLEUS_CANDIDATES = 256

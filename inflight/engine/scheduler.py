@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from inflight.config import SchedulerConfig
 from inflight.engine.block_manager import BlockManager
 from inflight.errors import InvalidRequestError
+from inflight.perf.cost_model import SeqWork
 from inflight.request import FinishReason, Request, RequestStatus
 
 # Free blocks kept back when admitting, so that running requests can grow for a while before
@@ -85,10 +86,9 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
-    def work(self) -> tuple[tuple[int, int, bool], ...]:
-        """Per scheduled request, in order: (new tokens, tokens in its KV after the step, whether
-        it yields a token), what a cost model needs of the step."""
-        return tuple((s.num_new_tokens, s.end, s.samples_next_token) for s in self.scheduled)
+    def work(self) -> tuple[SeqWork, ...]:
+        """Per scheduled request, in order, what a cost model needs of the step."""
+        return tuple(SeqWork(s.num_new_tokens, s.end, s.samples_next_token) for s in self.scheduled)
 
 
 class Scheduler:
@@ -108,8 +108,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self.num_prefix_query_tokens = 0  # prompt tokens of admitted requests
-        self.num_prefix_hit_tokens = 0  # of which found in the prefix cache
+        self.prefix_cache_queries = 0  # prompt tokens of admitted requests
+        self.prefix_cache_hits = 0  # of which found in the prefix cache
         self._step_id = 0
         self._watermark_blocks = int(_ADMISSION_WATERMARK * block_manager.num_blocks)
         self._last_preemption_step = -(10**9)
@@ -173,7 +173,7 @@ class Scheduler:
         TBT target)."""
         return self.config.max_num_tokens
 
-    def observe_step(self, work: tuple[tuple[int, int, bool], ...], duration_s: float) -> None:
+    def observe_step(self, work: tuple[SeqWork, ...], duration_s: float) -> None:
         """Hook: a step just ran, `work` as `SchedulerOutput.work()` gives it, in `duration_s`."""
 
     def schedule(self) -> SchedulerOutput:
@@ -301,8 +301,8 @@ class Scheduler:
             bm.allocate_slots(request, num_cached + num_new, hits)
             self.take_waiting(request)
             self.start_running(request, num_cached)
-            self.num_prefix_query_tokens += request.num_tokens
-            self.num_prefix_hit_tokens += num_cached
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_cached
             out.scheduled.append(ScheduledRequest(request, num_cached, num_new, bm.block_table(request.request_id)))
             budget -= num_new
 

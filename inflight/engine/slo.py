@@ -5,7 +5,7 @@ waiting requests ordered by their TTFT deadlines.
   step time stays under `tbt_slo_ms`: the running decodes are counted first, and a prefill chunk
   takes what they leave (at least `MIN_PREFILL_CHUNK` tokens, so that a prompt always advances).
   Likewise the batch admits no more requests than decode together within the target.
-  The prediction is the simulator's cost model (`inflight.sim`) on a hardware profile, times a
+  The prediction is the roofline cost model (`inflight.perf`) on a hardware profile, times a
   correction refitted after every step from the engine's own step times (the mean of
   measured / predicted over the last steps), so that it follows the machine it runs on.
 - **Order.** Waiting requests go by urgency (priority, with the priority policy's aging), then
@@ -26,14 +26,14 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from inflight.config import SchedulerConfig
 from inflight.engine.block_manager import BlockManager
 from inflight.engine.priority import PriorityScheduler
 from inflight.errors import EngineOverloadedError
+from inflight.perf.cost_model import SeqWork, StepTimeModel
 from inflight.request import FinishReason, Request
-from inflight.sim.cost_model import CostModel, SeqWork
 
 MIN_PREFILL_CHUNK = 16
 _HISTORY = 32  # steps the correction is averaged over
@@ -51,7 +51,7 @@ class StepTimePredictor:
     """Seconds of a step, from its composition: a cost model, scaled by how the engine's recent
     steps compared with it."""
 
-    def __init__(self, cost_model: CostModel) -> None:
+    def __init__(self, cost_model: StepTimeModel) -> None:
         self.cost_model = cost_model
         self._ratios: deque[float] = deque(maxlen=_HISTORY)
 
@@ -59,10 +59,10 @@ class StepTimePredictor:
     def correction(self) -> float:
         return math.fsum(self._ratios) / len(self._ratios) if self._ratios else 1.0
 
-    def __call__(self, batch: list[SeqWork]) -> float:
+    def __call__(self, batch: Sequence[SeqWork]) -> float:
         return self.cost_model.step_time(batch) * self.correction
 
-    def observe(self, batch: list[SeqWork], measured_s: float) -> None:
+    def observe(self, batch: Sequence[SeqWork], measured_s: float) -> None:
         predicted = self.cost_model.step_time(batch)
         if predicted > 0 and measured_s > 0:
             self._ratios.append(min(10.0, max(0.1, measured_s / predicted)))
@@ -145,9 +145,9 @@ class SLOScheduler(PriorityScheduler):
                 high = mid - 1
         return low
 
-    def observe_step(self, work: tuple[tuple[int, int, bool], ...], duration_s: float) -> None:
+    def observe_step(self, work: tuple[SeqWork, ...], duration_s: float) -> None:
         if work:
-            self.predictor.observe([SeqWork(*w) for w in work], duration_s)
+            self.predictor.observe(work, duration_s)
 
     # --- the order ------------------------------------------------------------------------------
 

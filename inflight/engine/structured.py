@@ -26,41 +26,13 @@ import torch
 
 from inflight.errors import InvalidRequestError
 from inflight.model.tokenizer import Tokenizer
-from inflight.request import StructuredOutputs
+from inflight.request import Grammar, StructuredOutputs
 
 if TYPE_CHECKING:
     import llguidance
 
 # llguidance is imported where a constraint is first compiled, so that an engine that never
 # sees one does not load it.
-
-
-class Grammar:
-    """One request's position in its grammar."""
-
-    __slots__ = ("matcher",)
-
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
-        self.matcher = matcher
-
-    def fresh(self) -> Grammar:
-        """The same grammar from its start (for another request, or another of n samples)."""
-        matcher = self.matcher.deep_copy()
-        matcher.reset()
-        return Grammar(matcher)
-
-    def accept(self, token_id: int) -> bool:
-        """Advances by an output token; False if the grammar does not allow it."""
-        return self.matcher.consume_token(token_id)
-
-    @property
-    def is_complete(self) -> bool:
-        """The output matches the whole grammar and nothing may follow (but EOS)."""
-        return self.matcher.is_stopped()
-
-    @property
-    def error(self) -> str:
-        return self.matcher.get_error()
 
 
 def _grammar_text(spec: StructuredOutputs) -> str:

@@ -14,7 +14,7 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-PREFIX = "inflight:"
+from inflight.engine.stats import METRIC_PREFIX as PREFIX
 
 
 class MetricsBoard:

@@ -152,14 +152,18 @@ class GGUFIndex:
 _INDEX_VERSION = 1
 
 
+def cache_dir() -> Path:
+    """inflight's cache of derived files (GGUF indexes, converted tokenizers): $INFLIGHT_CACHE,
+    by default ~/.cache/inflight."""
+    return Path(os.environ.get("INFLIGHT_CACHE", Path.home() / ".cache" / "inflight"))
+
+
 def _index_cache_path(path: Path, mtime_ns: int, size: int) -> Path:
     import gguf
 
-    from inflight.model.tokenizer import tokenizer_cache_dir
-
     version = getattr(gguf, "__version__", "")
     key = f"{path.resolve()}:{size}:{mtime_ns}:{version}:{_INDEX_VERSION}"
-    return tokenizer_cache_dir().parent / "gguf" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+    return cache_dir() / "gguf" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
 
 
 def _open_gguf(path: Path) -> GGUFIndex:

@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from inflight.errors import InvalidRequestError, ModelLoadError
-from inflight.model.loader import ModelSource
+from inflight.model.loader import ModelSource, cache_dir
 
 ChatMessage = dict[str, Any]
 
 
 def tokenizer_cache_dir() -> Path:
-    return Path(os.environ.get("INFLIGHT_CACHE", Path.home() / ".cache" / "inflight")) / "tokenizers"
+    return cache_dir() / "tokenizers"
 
 
 def _load_gguf_tokenizer(path: Path) -> Any:

@@ -24,10 +24,9 @@ from typing import NamedTuple
 from inflight.engine.engine import LLMEngine, StepObserver
 from inflight.engine.output import RequestOutput
 from inflight.engine.stats import EngineStats
-from inflight.engine.structured import Grammar
 from inflight.errors import EngineOverloadedError, InflightError, InvalidRequestError
 from inflight.model.tokenizer import ChatMessage, Tokenizer
-from inflight.request import FinishReason, SamplingParams, StructuredOutputs, sample_request_id
+from inflight.request import FinishReason, Grammar, SamplingParams, StructuredOutputs, sample_request_id
 from inflight.server.stream import ADMITTED, Delta, RequestStream
 
 logger = logging.getLogger(__name__)
@@ -115,6 +114,10 @@ class AsyncEngine:
     def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raises InvalidRequestError for a request the engine could never serve."""
         self._engine.scheduler.check_admissible(num_prompt_tokens, max_tokens)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Raises InvalidRequestError (naming the field) for params beyond the engine's limits."""
+        self._engine.check_params(params)
 
     def check_priority(self, priority: int) -> None:
         """Raises InvalidRequestError for a priority the engine's policy would ignore."""
@@ -319,7 +322,7 @@ class AsyncEngine:
             return
         stream.put(Delta(out.text, len(out.new_token_ids), out.finish_reason,
                          request.num_prompt_tokens, request.num_output_tokens, out.error, out.logprobs,
-                         out.prompt_logprobs))
+                         out.prompt_logprobs, out.error_from_request))
 
     def _fail_all(self, error: Exception, in_engine_only: bool = False) -> None:
         """Ends every request with `error`; with `in_engine_only`, spares those whose add

@@ -56,12 +56,6 @@ def invalid(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
 
 
-def param_of(message: str, known: set[str]) -> str | None:
-    """The request field an engine message is about ("temperature must be >= 0" -> temperature)."""
-    head = message.split(" ", 1)[0].rstrip(":")
-    return head if head in known else None
-
-
 def from_validation_error(errors: list[Any]) -> APIError:
     """A 400 naming the first bad field of a pydantic (or FastAPI) validation failure."""
     if not errors:

@@ -16,12 +16,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from inflight.engine.output import RequestOutput, StepRecord
-from inflight.engine.stats import EngineStats
+from inflight.engine.stats import METRIC_PREFIX, METRICS, EngineStats
 from inflight.request import FinishReason, Request
 
 logger = logging.getLogger(__name__)
 
-PREFIX = "inflight:"
+PREFIX = METRIC_PREFIX
 
 # Buckets as vLLM's, so dashboards built for it read these the same way.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -45,33 +45,9 @@ class _EngineCollector:
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
-        gauges = [
-            ("num_requests_running", "Requests in the running batch.", s.num_running),
-            ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
-            ("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", s.kv_cache_usage),
-            ("kv_cache_usage_peak_perc", "Peak fraction of KV blocks in use (0..1).", s.kv_cache_peak_usage),
-            ("kv_cache_live_token_perc", "Of the KV slots in use, the fraction holding a token of an unfinished "
-             "request (0..1): what paging does not waste.", s.kv_live_token_share),
-            ("kv_cache_blocks_used", "KV blocks in use.", s.num_kv_blocks_used),
-            ("kv_cache_blocks_total", "KV blocks in the pool.", s.num_kv_blocks_total),
-        ]
-        for name, doc, value in gauges:
-            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
-        counters = [
-            ("num_preemptions", "Requests preempted (their KV freed, to be recomputed).", s.num_preemptions),
-            # A running request that cannot grow its KV is preempted, not failed: that is counted
-            # here and in num_preemptions, while oom counts only real out-of-memory failures.
-            ("kv_allocation_failures", "Times a running request found no free KV block.",
-             s.num_kv_allocation_failures),
-            ("oom", "Out-of-memory errors that failed a model step (KV pressure preempts instead).",
-             s.num_oom_events),
-            ("num_failed_steps", "Engine steps that raised and failed their requests.", s.num_failed_steps),
-            ("prefix_cache_queries", "Prompt tokens of admitted requests looked up in the prefix cache.",
-             s.num_prefix_query_tokens),
-            ("prefix_cache_hits", "Of those, tokens found in the prefix cache.", s.num_prefix_hit_tokens),
-        ]
-        for name, doc, value in counters:
-            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        for m in METRICS.values():
+            family = GaugeMetricFamily if m.kind == "gauge" else CounterMetricFamily
+            yield family(PREFIX + m.name, m.doc, value=m.value(s))
 
 
 class ServerMetrics:

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from inflight.request import LIMITS, Limit
 from inflight.server.protocol import ErrorResponse
 
 _REF = "#/components/schemas/{model}"
@@ -28,6 +29,11 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (503, "shutting down"),
     ]
 }
+
+
+# Body fields that carry a SamplingParams field under another name. top_k: -1 is vLLM's "off".
+_SAMPLING_FIELD = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
+_HTTP_LIMITS = {"top_k": Limit(ge=-1, integer=True)}
 
 
 class ServedLimits(NamedTuple):
@@ -62,8 +68,25 @@ def build_openapi(app: FastAPI, bodies: Sequence[type[BaseModel]], limits: Serve
     return schema
 
 
+def _with_request_limits(props: dict[str, Any]) -> None:
+    """Each numeric field's range, as `SamplingParams` checks it (`inflight.request.LIMITS`)."""
+    for name, prop in props.items():
+        limit = _HTTP_LIMITS.get(name) or LIMITS.get(_SAMPLING_FIELD.get(name, name))
+        if limit is None:
+            continue
+        if name == "logit_bias":
+            prop = prop["anyOf"][0]["additionalProperties"]
+        else:
+            prop = prop["anyOf"][0] if "anyOf" in prop else prop
+        if prop.get("type") not in ("integer", "number"):
+            continue  # chat's boolean `logprobs`
+        bounds = {"minimum": limit.ge, "exclusiveMinimum": limit.gt, "maximum": limit.le}
+        prop.update({k: v for k, v in bounds.items() if v is not None and k not in prop})
+
+
 def _with_limits(body: dict[str, Any], limits: ServedLimits) -> dict[str, Any]:
     props = body["properties"]
+    _with_request_limits(props)
     model = props["model"]  # any other name gets 404 (optional for the token utilities)
     (model["anyOf"][0] if "anyOf" in model else model)["enum"] = [limits.model_name]
     for name in ("max_tokens", "max_completion_tokens"):

@@ -26,7 +26,7 @@ from pydantic import (
 )
 
 from inflight.errors import InvalidRequestError
-from inflight.request import MAX_LOGPROBS, StructuredOutputs
+from inflight.request import StructuredOutputs
 
 MAX_N = 16  # samples per prompt
 
@@ -44,7 +44,6 @@ def _integral(value: Any) -> Any:
 # (constraints go before the validator, so that the schema shows them).
 _AsInt = BeforeValidator(_integral)
 Int = Annotated[int, _AsInt]
-PositiveInt = Annotated[int, Field(ge=1), _AsInt]
 Text = Annotated[str, Field(min_length=1)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0), _AsInt]], Field(min_length=1)]
 # A list of prompts: each its own engine request, so that they batch.
@@ -86,9 +85,8 @@ Stop = Annotated[
     Discriminator(_stop_kind, custom_error_type="stop_type",
                   custom_error_message="must be a string or a list of strings"),
 ]
-Penalty = Annotated[float, Field(ge=-2, le=2)]
 MAX_STOP_TOKEN_IDS = 64
-StopTokenIds = Annotated[list[Annotated[int, Field(ge=0), _AsInt]], Field(max_length=MAX_STOP_TOKEN_IDS)]
+StopTokenIds = Annotated[list[Annotated[int, _AsInt]], Field(max_length=MAX_STOP_TOKEN_IDS)]
 
 
 def _only(*values: Any) -> Any:
@@ -149,28 +147,28 @@ class GenerationRequest(_Strict):
     """Fields shared by completions and chat completions."""
 
     model: str
-    max_tokens: PositiveInt | None = None
-    temperature: Annotated[float, Field(ge=0)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N), _AsInt] = 1
+    max_tokens: Int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: Annotated[int, Field(le=MAX_N), _AsInt] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Stop | None = None
     seed: Int | None = None
-    frequency_penalty: Penalty | None = None
-    presence_penalty: Penalty | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
     user: str | None = None
     # Extensions (vLLM's names). top_k -1 and 0 both mean off.
-    top_k: Annotated[int, Field(ge=-1), _AsInt] | None = None
+    top_k: Int | None = None
     ignore_eos: bool = False
-    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    repetition_penalty: float | None = None
     stop_token_ids: StopTokenIds | None = None
     # Lower is more urgent; other than 0 only where the server runs --scheduling-policy priority.
     priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1), _AsInt] = 0
     # Token id (as a string, as OpenAI's clients send it) -> bias added to its logit.
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
-    min_tokens: Annotated[int, Field(ge=0), _AsInt] = 0
-    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: Int = 0
+    min_p: float | None = None
     # Structured output: OpenAI's response_format, vLLM's structured_outputs, or vLLM's older
     # guided_* fields; at most one of them.
     response_format: ResponseFormat | None = None
@@ -245,7 +243,7 @@ class CompletionRequest(GenerationRequest):
 
     prompt: Prompt
     echo: bool = False  # the prompt's text (and, with logprobs, its tokens' logprobs) before the output
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _AsInt] | None = None
+    logprobs: Int | None = None
     suffix: str | None = _only(None, "")
     best_of: Int | None = _only(None, 1)
 
@@ -370,13 +368,24 @@ class NamedToolChoice(_Strict):
     function: FunctionName
 
 
+def required_schema(tools: list[Tool], parallel: bool) -> dict[str, Any]:
+    """The JSON schema of `"required"`'s output: an array of calls, each to one of `tools`."""
+    calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                               "parameters": t.function.parameter_schema},
+              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
 class ChatCompletionRequest(GenerationRequest):
     """`POST /v1/chat/completions`."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: PositiveInt | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _AsInt] | None = None
+    top_logprobs: Int | None = None
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     # Default: "auto" when there are tools, else "none" (OpenAI's).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -425,8 +434,6 @@ class ChatCompletionRequest(GenerationRequest):
         return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
 
     def _tool_schema(self) -> dict[str, Any]:
-        from inflight.server.tools import required_schema
-
         tools = self.tools or []
         if self.named_function is not None:
             return next(t.function.parameter_schema for t in tools if t.function.name == self.named_function)

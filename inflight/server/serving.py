@@ -21,10 +21,9 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from inflight.engine.slo import LateRequestError
-from inflight.engine.structured import Grammar
 from inflight.errors import EngineOverloadedError, InvalidRequestError
 from inflight.model.tokenizer import Tokenizer
-from inflight.request import FinishReason, SamplingParams, TokenLogprobs
+from inflight.request import FinishReason, Grammar, SamplingParams, TokenLogprobs
 from inflight.server.async_engine import (
     AsyncEngine,
     EngineFailedError,
@@ -32,7 +31,7 @@ from inflight.server.async_engine import (
     EngineUnavailableError,
 )
 from inflight.server.config import ServerConfig
-from inflight.server.errors import APIError, error_event, invalid, param_of
+from inflight.server.errors import APIError, error_event, invalid
 from inflight.server.metrics import ServerMetrics
 from inflight.server.protocol import (
     ChatChoice,
@@ -62,10 +61,6 @@ from inflight.server.protocol import (
 )
 from inflight.server.stream import Delta, RequestStream
 from inflight.server.tools import ToolCallReader, ToolMode, tool_call_format
-
-_PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "presence_penalty",
-           "frequency_penalty", "stop", "min_tokens", "min_p", "logit_bias"}
-
 
 Logprobs = list[TokenLogprobs]
 
@@ -383,40 +378,50 @@ class OpenAIServing:
                 raise invalid(f"the prompt ({num_prompt_tokens} tokens) leaves no room for output within "
                               f"max_model_len ({self.engine.max_model_len})", prompt_param)
             max_tokens = min(self.config.default_max_tokens, room)
+        # OpenAI's fields onto SamplingParams, whose own defaults stand for those not sent and
+        # which checks every value (each error names its field).
+        given: dict[str, Any] = {"temperature": req.temperature, "top_p": req.top_p, "seed": req.seed,
+                 "top_k": 0 if req.top_k == -1 else req.top_k,  # -1: vLLM's "off"
+                 "repetition_penalty": req.repetition_penalty, "presence_penalty": req.presence_penalty,
+                 "frequency_penalty": req.frequency_penalty, "min_p": req.min_p}
         try:
             params = SamplingParams(
                 max_tokens=max_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=0 if req.top_k is None or req.top_k == -1 else req.top_k,  # -1: vLLM's "off"
-                seed=req.seed,
                 stop=req.stop_strings,
                 stop_token_ids=tuple(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                presence_penalty=req.presence_penalty or 0.0,
-                frequency_penalty=req.frequency_penalty or 0.0,
                 min_tokens=req.min_tokens,
-                min_p=req.min_p or 0.0,
                 logit_bias=tuple(req.logit_bias_ids.items()),
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 n=req.n,
                 structured_outputs=req.constraint,
+                **{name: value for name, value in given.items() if value is not None},
             )
+            self.engine.check_params(params)
         except InvalidRequestError as exc:
-            raise invalid(str(exc), param_of(str(exc), _PARAMS)) from None
-        if req.n > self.engine.max_batch_size:
-            raise invalid(f"n ({req.n}) exceeds this server's --max-batch-size ({self.engine.max_batch_size})", "n")
-        vocab = self.engine.vocab_size
-        if params.logit_bias and params.logit_bias[-1][0] >= vocab:  # sorted by token id
-            raise invalid(f"logit_bias: token id {params.logit_bias[-1][0]} is outside the vocabulary [0, {vocab})",
-                          "logit_bias")
+            raise invalid(str(exc), self._field_of(req, exc.param)) from None
         try:
             self.engine.check_admissible(num_prompt_tokens, max_tokens)
         except InvalidRequestError as exc:
             raise invalid(str(exc), blamed) from None
         return params
+
+    @staticmethod
+    def _field_of(req: GenerationRequest, param: str | None) -> str | None:
+        """The request's field for a SamplingParams field: the same name, but for the structured
+        output (whichever field carried it), the prompt's logprobs (`echo` with `logprobs`) and
+        chat's own names."""
+        if param == "structured_outputs":
+            return req.constraint_field
+        if param == "prompt_logprobs":
+            return "logprobs"
+        if isinstance(req, ChatCompletionRequest):
+            if param == "logprobs":
+                return "top_logprobs"
+            if param == "max_tokens" and req.max_completion_tokens is not None:
+                return "max_completion_tokens"
+        return param
 
     async def _grammar(self, req: GenerationRequest) -> Grammar | None:
         """The request's structured output compiled (off the event loop), or a 400 with the
@@ -503,7 +508,7 @@ class OpenAIServing:
                 if delta.error is not None or delta.finish_reason is FinishReason.ERROR:
                     self.metrics.count_failure("error")
                     self._abort_all(streams)
-                    yield error_event(APIError(500, delta.error or "internal error"))
+                    yield error_event(APIError(delta.error_status, delta.error or "internal error"))
                     yield _DONE
                     return
                 piece = fmt.chunk(index, delta)
@@ -539,7 +544,8 @@ class OpenAIServing:
                                                                                      FinishReason.LENGTH):
                 self.metrics.count_failure("error")
                 self._abort_all(streams)
-                return APIError(500, (last and last.error) or "internal error").response()
+                status = last.error_status if last is not None else 500
+                return APIError(status, (last and last.error) or "internal error").response()
             self.metrics.count_success(last.finish_reason)
             ends.append(last)
         return JSONResponse(fmt.response(outs, _usage(ends, n)).model_dump())

@@ -24,6 +24,11 @@ class Delta(NamedTuple):
     error: str | None = None
     logprobs: TokenLogprobs | None = None  # of the step's token, if the request asks
     prompt_logprobs: list[TokenLogprobs] | None = None  # with the first token, if the request asks
+    error_from_request: bool = False  # the request's own input failed it (a 400, not a 500)
+
+    @property
+    def error_status(self) -> int:
+        return 400 if self.error_from_request else 500
 
     @property
     def finished(self) -> bool:

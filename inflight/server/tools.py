@@ -18,7 +18,7 @@ import json
 import uuid
 from typing import Any, Literal
 
-from inflight.server.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, Tool, ToolCall
+from inflight.server.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 
 ToolMode = Literal["named", "required", "hermes"]
 
@@ -30,17 +30,6 @@ def tool_call_format(chat_template: str | None) -> Literal["hermes"] | None:
     if chat_template and "tools" in chat_template and HERMES_OPEN in chat_template:
         return "hermes"
     return None
-
-
-def required_schema(tools: list[Tool], parallel: bool) -> dict[str, Any]:
-    """The JSON schema of `"required"`'s output: an array of calls, each to one of `tools`."""
-    calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                               "parameters": t.function.parameter_schema},
-              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
-    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
-    if not parallel:
-        schema["maxItems"] = 1
-    return schema
 
 
 def _call(name: str, arguments: Any) -> ToolCall:

@@ -22,10 +22,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from inflight.sim.cost_model import SeqWork
-from inflight.sim.engine_profile import EngineProfile
+from inflight.perf.profiles import EngineProfile, HardwareProfile
 from inflight.sim.fit import FitResult, Sample, fit_profile
-from inflight.sim.hardware import HardwareProfile
 
 
 class StepCase(NamedTuple):
@@ -102,7 +100,7 @@ def measure(engine: Any, cases: Sequence[StepCase], seed: int = 0,
 
     def keep(record: StepRecord, outputs: list[RequestOutput]) -> None:
         if record.work:
-            samples.append(Sample(tuple(SeqWork(*w) for w in record.work), record.duration_s, record.forward_s))
+            samples.append(Sample(record.work, record.duration_s, record.forward_s))
 
     def drain() -> None:
         while engine.has_unfinished():

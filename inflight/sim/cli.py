@@ -8,13 +8,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from inflight.bench.runs import PRESETS
 from inflight.errors import ConfigError
+from inflight.perf.profiles import BUILTIN_HARDWARE
+from inflight.sim.shapes import BUILTIN_MODELS
 
-_MODEL_HELP = ("model shapes: a built-in name (llama-3-8b, llama-3-70b, llama-3.1-8b, llama-3.1-70b, "
-               "llama-2-7b, llama-2-70b, mistral-7b, qwen2.5-7b, smollm2-135m), a Hugging Face config.json "
-               "or its folder, or a GGUF file "
-               "(default: the embedded SmolLM2-135M)")
-_HARDWARE_HELP = "h100, h200, a100-80gb, l4, cpu-local, or a profile JSON from `inflight sim calibrate`"
+_MODEL_HELP = (f"model shapes: a built-in name ({', '.join(BUILTIN_MODELS)}), a Hugging Face config.json or its "
+               "folder, or a GGUF file (default: the embedded SmolLM2-135M)")
+_HARDWARE_HELP = f"{', '.join(BUILTIN_HARDWARE)}, or a profile JSON from `inflight sim calibrate`"
 
 
 def register(subparsers: Any) -> None:
@@ -28,8 +29,7 @@ def register(subparsers: Any) -> None:
     _add_workload_options(sim)
     r = sim.add_argument_group("runs")
     r.add_argument("--compare", default=None, metavar="A,B,...",
-                   help="simulate each configuration in turn: static, continuous, chunked, prefix-caching, "
-                        "no-prefix-caching")
+                   help=f"simulate each configuration in turn: {', '.join(PRESETS)}")
     r.add_argument("--sweep", action="append", default=[], metavar="OPTION=V1,V2,...",
                    help="simulate each value of an engine option (repeatable)")
     o = sim.add_argument_group("output")
@@ -114,7 +114,7 @@ def _add_workload_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
-    from inflight.cli import add_engine_options
+    from inflight.options import add_engine_options
 
     add_engine_options(parser)
     for action in parser._actions:  # the same engine options as bench; only --model means shapes here
@@ -123,8 +123,8 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _target(args: argparse.Namespace) -> Any:
-    from inflight.sim.cost_model import normalize_dtype
-    from inflight.sim.engine_profile import load_profiles
+    from inflight.perf.cost_model import normalize_dtype
+    from inflight.perf.profiles import load_profiles
     from inflight.sim.runs import SimTarget
     from inflight.sim.shapes import resolve_shapes
 
@@ -152,7 +152,7 @@ def _workload(args: argparse.Namespace) -> tuple[Any, Path]:
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine's options, and the fleet's (replicas, router) where there is more than one."""
-    from inflight.cli import engine_options
+    from inflight.options import engine_options
 
     options = engine_options(args)
     options.pop("device", None)
@@ -232,8 +232,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
+    from inflight.perf.profiles import load_profiles, save_profile
     from inflight.sim.calibrate import calibrate
-    from inflight.sim.engine_profile import load_profiles, save_profile
     from inflight.sim.fit import format_fit
 
     hardware, base = load_profiles(args.base)

@@ -11,9 +11,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from inflight.config import ModelConfig
-from inflight.sim.cost_model import CostModel, SeqWork, combine
-from inflight.sim.engine_profile import EngineProfile
-from inflight.sim.hardware import HardwareProfile
+from inflight.perf.cost_model import CostModel, SeqWork, combine
+from inflight.perf.profiles import EngineProfile, HardwareProfile
 
 
 class Sample(NamedTuple):

@@ -94,10 +94,10 @@ def run_fleet(engines: Sequence[LLMEngine], requests: Sequence[BenchRequest], co
     total = EngineCounters(
         kv_peak_perc=max((c.kv_peak_perc for c in counters if c.kv_peak_perc is not None), default=None),
         num_preemptions=sum(c.num_preemptions or 0 for c in counters),
-        num_oom=sum(c.num_oom or 0 for c in counters),
+        num_oom_errors=sum(c.num_oom_errors or 0 for c in counters),
         num_kv_allocation_failures=sum(c.num_kv_allocation_failures or 0 for c in counters))
     ordered = [results[r.index] for r in sorted(requests, key=lambda r: r.index)]
     after = [e.stats() for e in engines]
-    queries = sum(a.num_prefix_query_tokens - b.num_prefix_query_tokens for a, b in zip(after, before, strict=True))
-    hits = sum(a.num_prefix_hit_tokens - b.num_prefix_hit_tokens for a, b in zip(after, before, strict=True))
+    queries = sum(a.prefix_cache_queries - b.prefix_cache_queries for a, b in zip(after, before, strict=True))
+    hits = sum(a.prefix_cache_hits - b.prefix_cache_hits for a, b in zip(after, before, strict=True))
     return FleetResult(Capture(ordered, duration, [], total, None), routed, hits / queries if queries else 0.0)

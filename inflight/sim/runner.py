@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from inflight.engine.runner import RunnerTimings
 from inflight.engine.scheduler import SchedulerOutput
+from inflight.perf.cost_model import CostModel
 from inflight.request import TokenLogprobs
-from inflight.sim.cost_model import CostModel, SeqWork
 
 # Any id will do: output tokens only feed the prefix cache's chained block hashes, which start
 # from each request's own prompt.
@@ -43,7 +43,7 @@ class SimRunner:
         self.last_prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
 
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        batch = [SeqWork(*work) for work in out.work()]
+        batch = out.work()
         step_s = self.cost_model.step_time(batch)
         self.clock.advance(step_s)
         self.last_timings = RunnerTimings(forward_s=step_s)

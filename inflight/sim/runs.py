@@ -14,10 +14,9 @@ from inflight.bench.workload import BenchRequest
 from inflight.config import EngineConfig, ModelConfig
 from inflight.errors import ConfigError
 from inflight.fleet.routing import RouterConfig
-from inflight.sim.cost_model import CostModel
-from inflight.sim.engine_profile import EngineProfile, default_engine
+from inflight.perf.cost_model import CostModel
+from inflight.perf.profiles import EngineProfile, HardwareProfile, default_engine
 from inflight.sim.fleet import run_fleet
-from inflight.sim.hardware import HardwareProfile
 from inflight.sim.simulator import run_simulation, sim_engine
 
 

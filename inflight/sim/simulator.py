@@ -15,7 +15,7 @@ from inflight.bench.workload import BenchRequest
 from inflight.config import EngineConfig
 from inflight.engine.engine import EngineParts, LLMEngine
 from inflight.errors import ConfigError
-from inflight.sim.cost_model import CostModel
+from inflight.perf.cost_model import CostModel
 from inflight.sim.runner import SimRunner, VirtualClock
 
 
@@ -27,7 +27,7 @@ def sim_engine(config: EngineConfig, cost_model: CostModel, gpu_memory_utilizati
         cache.block_size, gpu_memory_utilization, cache.kv_cache_memory_fraction, cache.kv_cache_memory_bytes)
     clock = VirtualClock()
     parts = EngineParts(SimRunner(cost_model, clock), num_blocks, cost_model.model.architecture,
-                        cost_model.model, clock=clock, check_token_ids=False, step_cost_model=cost_model)
+                        cost_model.model, clock=clock, check_token_ids=False, step_time_model=cost_model)
     return LLMEngine(config, parts=parts)
 
 

@@ -13,7 +13,7 @@ from inflight.bench.results import BenchRun
 from inflight.bench.timeline import Timeline
 from inflight.bench.workload import BenchRequest, parse_workload
 from inflight.config import CacheConfig, SchedulerConfig
-from inflight.sim.cost_model import CostModel, SeqWork
+from inflight.perf.cost_model import CostModel, SeqWork
 from inflight.sim.runs import SimTarget, simulate
 from inflight.sim.workload import synthetic_requests
 

@@ -24,13 +24,12 @@ Peaks come from the hardware profile; efficiencies and overheads from the engine
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from inflight.config import ModelConfig
 from inflight.errors import ConfigError
-from inflight.sim.engine_profile import EngineProfile, default_engine
-from inflight.sim.hardware import HardwareProfile
-from inflight.sim.shapes import num_linear_params, num_params
+from inflight.perf.profiles import EngineProfile, HardwareProfile, default_engine
+from inflight.perf.shapes import num_linear_params, num_params
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
 COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
@@ -54,6 +53,12 @@ class SeqWork(NamedTuple):
     num_new_tokens: int
     context_len: int  # tokens in its KV after the step, new ones included
     samples: bool  # whether the step yields its next token (an LM-head row)
+
+
+class StepTimeModel(Protocol):
+    """Seconds of one step from its composition: `CostModel`, or a stand-in."""
+
+    def step_time(self, batch: Sequence[SeqWork]) -> float: ...
 
 
 class StepWork(NamedTuple):
