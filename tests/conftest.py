@@ -13,7 +13,6 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 from inflight import LLM  # noqa: E402
 from inflight.model.loaded import LoadedModel  # noqa: E402
-from inflight.model.loader import default_model_path  # noqa: E402
 
 # Varied prompts: short, long, code, non-English, list, math. Chat ones are added in tests.
 PROMPTS = [
@@ -49,11 +48,10 @@ def make_llm(loaded: LoadedModel) -> Callable[..., LLM]:
 
 @pytest.fixture(scope="session")
 def hf_model() -> Any:
-    from transformers import AutoModelForCausalLM
+    """transformers' model of the same weights, read from its fp32 snapshot (tests/hf_reference.py)."""
+    from hf_reference import reference_model
 
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
+    return reference_model()
 
 
 def stream_in_background(url: str, body: dict[str, Any]) -> tuple[threading.Thread, list[str]]:

@@ -27,22 +27,30 @@ def all_prompts():
 
 
 @pytest.fixture(scope="module")
-def reference(loaded, hf_model):
-    """For each prompt: (prompt ids, HF greedy continuation, HF logits at every step)."""
-    results = []
-    with torch.inference_mode():
-        for prompt in all_prompts():
-            ids = prompt_ids(loaded, prompt)
-            out = hf_model(input_ids=torch.tensor([ids]), use_cache=True)
-            past, step_logits, tokens = out.past_key_values, [out.logits[0, -1]], []
-            for _ in range(NUM_TOKENS):
-                token = int(step_logits[-1].argmax())
-                tokens.append(token)
-                out = hf_model(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
-                past = out.past_key_values
-                step_logits.append(out.logits[0, -1])
-            results.append((ids, tokens, torch.stack(step_logits[:NUM_TOKENS])))
-    return results
+def reference(loaded, request):
+    """For each prompt: (prompt ids, HF greedy continuation, HF logits at every step), computed by
+    transformers once for these prompts and weights (tests/hf_reference.py keeps it)."""
+    from hf_reference import cached
+
+    prompts = [prompt_ids(loaded, prompt) for prompt in all_prompts()]
+
+    def compute():
+        hf_model = request.getfixturevalue("hf_model")
+        results = []
+        with torch.inference_mode():
+            for ids in prompts:
+                out = hf_model(input_ids=torch.tensor([ids]), use_cache=True)
+                past, step_logits, tokens = out.past_key_values, [out.logits[0, -1]], []
+                for _ in range(NUM_TOKENS):
+                    token = int(step_logits[-1].argmax())
+                    tokens.append(token)
+                    out = hf_model(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
+                    past = out.past_key_values
+                    step_logits.append(out.logits[0, -1])
+                results.append((ids, tokens, torch.stack(step_logits[:NUM_TOKENS]).clone()))
+        return results
+
+    return cached("greedy", [prompts, NUM_TOKENS], compute)
 
 
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)

@@ -38,13 +38,7 @@ def register(subparsers: Any) -> None:
         description="Runs a seeded workload against a server (--url) or an engine in-process, "
                     "prints a table and optionally writes JSON (--output) and plots (--plot).",
     )
-    w = bench.add_argument_group("workload")
-    w.add_argument("--workload", required=True,
-                   help=f"a canonical workload ({', '.join(sorted(canonical_specs()))}) or a YAML spec path")
-    w.add_argument("--workload-seed", type=int, default=None, help="override the spec's seed")
-    w.add_argument("--num-requests", type=int, default=None, help="override the spec's number of requests")
-    w.add_argument("--request-rate", type=float, default=None,
-                   help="override the arrival rate in requests/s (inf: all at once)")
+    add_workload_options(bench, required=True)
     t = bench.add_argument_group("target")
     t.add_argument("--url", default=None,
                    help="an OpenAI-compatible server (http://127.0.0.1:8000); default: an engine in-process")
@@ -53,15 +47,8 @@ def register(subparsers: Any) -> None:
     t.add_argument("--timeout", type=float, default=600.0, help="per-request HTTP timeout in seconds")
     t.add_argument("--torch-threads", type=int, default=None,
                    help="intra-op threads of the in-process engine (default: torch's choice)")
-    r = bench.add_argument_group("runs")
-    r.add_argument("--compare", default=None, metavar="A,B,...",
-                   help=f"run each configuration in turn: {', '.join(PRESETS)} (in-process only)")
-    r.add_argument("--sweep", action="append", default=[], metavar="OPTION=V1,V2,...",
-                   help="run each value of an engine option, e.g. max_num_tokens=64,128,256 (repeatable)")
-    o = bench.add_argument_group("output")
-    o.add_argument("--output", "-o", default=None, help="write the runs to this JSON file")
-    o.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots to this folder")
-    o.add_argument("--sla", default=None, help="SLA YAML: goodput limits, and a check after the run")
+    add_runs_options(bench, "run each configuration in turn", "(in-process only)")
+    o = add_output_options(bench)
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_engine_options(bench)
     bench.set_defaults(func=cmd_bench)
@@ -73,6 +60,35 @@ def register(subparsers: Any) -> None:
     check.add_argument("--sla", required=True, help="SLA YAML file")
     check.add_argument("run", help="a JSON file written by `inflight bench --output`")
     check.set_defaults(func=cmd_check)
+
+
+def add_workload_options(parser: argparse.ArgumentParser, required: bool) -> None:
+    """The workload and its overrides, as `bench`, `sim` and `tune` take them."""
+    w = parser.add_argument_group("workload")
+    w.add_argument("--workload", required=required, default=None,
+                   help=f"a canonical workload ({', '.join(sorted(canonical_specs()))}) or a YAML spec path")
+    w.add_argument("--workload-seed", type=int, default=None, help="override the spec's seed")
+    w.add_argument("--num-requests", type=int, default=None, help="override the spec's number of requests")
+    w.add_argument("--request-rate", type=float, default=None,
+                   help="override the arrival rate in requests/s (inf: all at once)")
+
+
+def add_runs_options(parser: argparse.ArgumentParser, compare: str, where: str = "") -> None:
+    """--compare (the presets of `PRESETS`) and --sweep, as `bench` and `sim` take them."""
+    r = parser.add_argument_group("runs")
+    r.add_argument("--compare", default=None, metavar="A,B,...",
+                   help=f"{compare}: {', '.join(PRESETS)} {where}".rstrip())
+    r.add_argument("--sweep", action="append", default=[], metavar="OPTION=V1,V2,...",
+                   help="each value of an engine option, e.g. max_num_tokens=64,128,256 (repeatable)")
+
+
+def add_output_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The run file, plots and SLA of a run, as `bench` and `sim` take them."""
+    o = parser.add_argument_group("output")
+    o.add_argument("--output", "-o", default=None, help="write the runs to this JSON file")
+    o.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots to this folder")
+    o.add_argument("--sla", default=None, help="SLA YAML: goodput limits, and a check after the run")
+    return o
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

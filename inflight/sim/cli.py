@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from inflight.bench.runs import PRESETS
+from inflight.bench.cli import add_output_options, add_runs_options, add_workload_options
 from inflight.errors import ConfigError
 from inflight.perf.profiles import BUILTIN_HARDWARE
 from inflight.sim.shapes import BUILTIN_MODELS
@@ -26,16 +26,9 @@ def register(subparsers: Any) -> None:
                     "--output, --plot and --sla work as for `inflight bench`.",
     )
     _add_target_options(sim)
-    _add_workload_options(sim)
-    r = sim.add_argument_group("runs")
-    r.add_argument("--compare", default=None, metavar="A,B,...",
-                   help=f"simulate each configuration in turn: {', '.join(PRESETS)}")
-    r.add_argument("--sweep", action="append", default=[], metavar="OPTION=V1,V2,...",
-                   help="simulate each value of an engine option (repeatable)")
-    o = sim.add_argument_group("output")
-    o.add_argument("--output", "-o", default=None, help="write the runs to this JSON file (the bench's format)")
-    o.add_argument("--plot", default=None, metavar="DIR", help="write the bench's PNG plots to this folder")
-    o.add_argument("--sla", default=None, help="SLA YAML: goodput limits, and a check after the run")
+    add_workload_options(sim, required=False)
+    add_runs_options(sim, "simulate each configuration in turn")
+    o = add_output_options(sim)
     o.add_argument("--against", default=None, metavar="RUN.json",
                    help="instead of --workload: re-simulate the runs of an `inflight bench` run file (its "
                         "workload, engine options and KV pool) and print measured, simulated and the error")
@@ -68,7 +61,7 @@ def register(subparsers: Any) -> None:
                     "highest output throughput first.",
     )
     _add_target_options(tune)
-    _add_workload_options(tune)
+    add_workload_options(tune, required=False)
     tune.add_argument("--sla", required=True, help="SLA YAML file (as for `inflight check`)")
     g = tune.add_argument_group("search")
     g.add_argument("--max-num-tokens-grid", default="256,512,1024,2048,4096,8192", metavar="N,N,...")
@@ -103,14 +96,6 @@ def _add_target_options(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of each GPU's memory for weights and KV, as vLLM's option (default 0.9)")
     t.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
-
-
-def _add_workload_options(parser: argparse.ArgumentParser) -> None:
-    w = parser.add_argument_group("workload")
-    w.add_argument("--workload", default=None, help="a canonical workload name or a YAML spec path")
-    w.add_argument("--workload-seed", type=int, default=None, help="override the spec's seed")
-    w.add_argument("--num-requests", type=int, default=None, help="override the spec's number of requests")
-    w.add_argument("--request-rate", type=float, default=None, help="override the arrival rate (inf: burst)")
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
