@@ -1,5 +1,5 @@
 """benchmarks/gpu_check.py, the CUDA path's one-run check, on CPU with the tiny shape: the same
-flow the GPU runs, so that the script cannot rot between the sessions that are lent a GPU."""
+flow the GPU runs, so that the script cannot rot while no GPU is at hand."""
 
 from __future__ import annotations
 

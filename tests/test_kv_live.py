@@ -10,8 +10,8 @@ from inflight.bench.workload import BenchRequest
 from inflight.engine.block_manager import BlockManager
 from inflight.perf.cost_model import CostModel
 from inflight.perf.profiles import BUILTIN_HARDWARE
+from inflight.perf.shapes import BUILTIN_MODELS
 from inflight.request import Request, SamplingParams
-from inflight.sim.shapes import BUILTIN_MODELS
 from inflight.sim.simulator import run_simulation, sim_engine
 
 

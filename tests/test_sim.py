@@ -34,11 +34,11 @@ from inflight.perf.profiles import (
     load_profiles,
     save_profile,
 )
-from inflight.perf.shapes import num_linear_params, num_params
+from inflight.perf.shapes import BUILTIN_MODELS, num_linear_params, num_params
 from inflight.sim.calibrate import StepCase, measure
 from inflight.sim.fit import Sample, fit_profile, predict
 from inflight.sim.runs import SimTarget, simulate
-from inflight.sim.shapes import BUILTIN_MODELS, resolve_shapes
+from inflight.sim.shapes import resolve_shapes
 from inflight.sim.simulator import run_simulation, sim_engine
 from inflight.sim.tune import SearchSpace, Tuner, tune
 from inflight.sim.workload import synthetic_requests

@@ -19,7 +19,7 @@ from inflight.engine.slo import MIN_PREFILL_CHUNK, LateRequestError, StepTimePre
 from inflight.errors import ConfigError
 from inflight.perf.cost_model import CostModel, SeqWork
 from inflight.perf.profiles import BUILTIN_ENGINES, BUILTIN_HARDWARE
-from inflight.sim.shapes import BUILTIN_MODELS
+from inflight.perf.shapes import BUILTIN_MODELS
 from inflight.sim.simulator import run_simulation, sim_engine
 
 # Without CUDA graphs every step launches its layers alike. With them, a decode batch sized to the

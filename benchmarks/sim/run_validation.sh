@@ -50,8 +50,7 @@ if want cpu; then
 fi
 
 if want gpu; then
-    # The fitted vllm profile (the default on a GPU). ENGINE_PROFILE=benchmarks/sim/engine-assumed-pre21.json
-    # gives the figures made before engine profiles existed (docs/simulator.md shows both).
+    # The fitted vllm profile (the default on a GPU); ENGINE_PROFILE=FILE simulates another engine profile.
     GPU=(--model llama-3-8b --hardware h100)
     ENGINE_PROFILE=${ENGINE_PROFILE:-}
     [[ -n "$ENGINE_PROFILE" ]] && GPU+=(--engine-profile "$ENGINE_PROFILE")

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from inflight.errors import InvalidRequestError
 from inflight.server.protocol import ErrorInfo, ErrorResponse
 
 # OpenAI's error types, by HTTP status.
@@ -66,13 +67,11 @@ def from_validation_error(errors: list[Any]) -> APIError:
         return invalid(f"the request body is not valid JSON: {err.get('ctx', {}).get('error', 'cannot parse it')}")
     if err.get("type") == "model_type" and not loc:
         return invalid("the request body must be a JSON object")
-    if err.get("type") == "value_error" and "error" in err.get("ctx", {}):
-        # Our own model validators raise "field: message".
-        text = str(err["ctx"]["error"])
-        field, sep, rest = text.partition(": ")
-        if sep and " " not in field:
-            return invalid(rest, field)
-        return invalid(text, loc[0] if loc else None)
+    cause = err.get("ctx", {}).get("error")
+    if isinstance(cause, InvalidRequestError):  # our own validators name the field they refuse
+        return invalid(str(cause), cause.param or (loc[0] if loc else None))
+    if err.get("type") == "value_error" and cause is not None:
+        return invalid(str(cause), loc[0] if loc else None)
     # A union reports each alternative's location ("prompt", "str"); name the field only.
     where = ".".join(p for p in loc if not _is_type_name(p))
     message = f"{where}: {err.get('msg', 'invalid value')}" if where else str(err.get("msg", "invalid value"))

@@ -120,7 +120,7 @@ class ResponseFormat(_Strict):
     @model_validator(mode="after")
     def _check_schema(self) -> ResponseFormat:
         if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
-            raise ValueError('response_format: type "json_schema" needs json_schema.schema')
+            raise InvalidRequestError('type "json_schema" needs json_schema.schema', "response_format")
         return self
 
 
@@ -140,7 +140,7 @@ def _structured(field: str, json_schema: Any = None, json_object: bool = False, 
         return StructuredOutputs(json=json_schema, json_object=json_object, regex=regex,
                                  choice=tuple(choice) if choice is not None else None, grammar=grammar)
     except InvalidRequestError as exc:
-        raise ValueError(f"{field}: {exc}") from None
+        raise InvalidRequestError(str(exc), field) from None
 
 
 class GenerationRequest(_Strict):
@@ -184,13 +184,13 @@ class GenerationRequest(_Strict):
     def _check_supported(self) -> GenerationRequest:
         for key in self.logit_bias or {}:
             if not (key.isascii() and key.isdigit()):
-                raise ValueError(f"logit_bias: keys must be token ids, got {key!r}")
+                raise InvalidRequestError(f"keys must be token ids, got {key!r}", "logit_bias")
         given = [name for name in ("response_format", "structured_outputs", "guided_json", "guided_regex",
                                    "guided_choice", "guided_grammar") if getattr(self, name) is not None]
         if self.response_format is not None and self.response_format.type == "text":
             given.remove("response_format")
         if len(given) > 1:
-            raise ValueError(f"{given[1]}: give one structured output constraint, not {' and '.join(given)}")
+            raise InvalidRequestError(f"give one structured output constraint, not {' and '.join(given)}", given[1])
         self._constraint = self._parse_constraint()
         self._constraint_field = given[0] if given else None
         return self
@@ -250,9 +250,9 @@ class CompletionRequest(GenerationRequest):
     @model_validator(mode="after")
     def _check_prompt(self) -> CompletionRequest:
         if self.suffix:
-            raise ValueError("suffix: suffix is not supported")
+            raise InvalidRequestError("suffix is not supported", "suffix")
         if self.best_of not in (None, 1):
-            raise ValueError("best_of: only best_of=1 is supported")
+            raise InvalidRequestError("only best_of=1 is supported", "best_of")
         return self
 
     @property
@@ -396,24 +396,24 @@ class ChatCompletionRequest(GenerationRequest):
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.echo:
-            raise ValueError("echo: echo is for /v1/completions; chat completions do not take it")
+            raise InvalidRequestError("echo is for /v1/completions; chat completions do not take it", "echo")
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs: needs logprobs: true")
+            raise InvalidRequestError("needs logprobs: true", "top_logprobs")
         if self.functions:
-            raise ValueError("functions: the deprecated functions field is not supported; send tools")
+            raise InvalidRequestError("the deprecated functions field is not supported; send tools", "functions")
         tools = self.tools or []
         names = [t.function.name for t in tools]
         if len(set(names)) < len(names):
-            raise ValueError("tools: function names must be distinct")
+            raise InvalidRequestError("function names must be distinct", "tools")
         mode = self.tool_mode
         if mode in ("required", "named") and not tools:
-            raise ValueError("tool_choice: a required or named tool choice needs tools")
+            raise InvalidRequestError("a required or named tool choice needs tools", "tool_choice")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
-            raise ValueError(f"tool_choice: no tool is named {self.tool_choice.function.name!r}")
+            raise InvalidRequestError(f"no tool is named {self.tool_choice.function.name!r}", "tool_choice")
         if mode in ("required", "named"):
             if self._constraint is not None:
-                raise ValueError(f"{self.constraint_field}: a structured output constraint cannot go with "
-                                 f"tool_choice {mode!r}, which constrains the output itself")
+                raise InvalidRequestError(f"a structured output constraint cannot go with tool_choice {mode!r}, "
+                                          "which constrains the output itself", self.constraint_field)
             self._constraint = _structured("tool_choice", json_schema=self._tool_schema())
             self._constraint_field = "tool_choice"
         return self
@@ -593,7 +593,7 @@ class TokenizeRequest(_Strict):
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("prompt: give exactly one of prompt and messages")
+            raise InvalidRequestError("give exactly one of prompt and messages", "prompt")
         return self
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from inflight.bench.cli import add_output_options, add_runs_options, add_workload_options
 from inflight.errors import ConfigError
 from inflight.perf.profiles import BUILTIN_HARDWARE
-from inflight.sim.shapes import BUILTIN_MODELS
+from inflight.perf.shapes import BUILTIN_MODELS
 
 _MODEL_HELP = (f"model shapes: a built-in name ({', '.join(BUILTIN_MODELS)}), a Hugging Face config.json or its "
                "folder, or a GGUF file (default: the embedded SmolLM2-135M)")
