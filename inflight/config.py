@@ -41,6 +41,9 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Attention over the last `sliding_window` positions only (Mistral's, Qwen2's with
+    # use_sliding_window): not computed yet, so an engine refuses contexts longer than it.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.num_heads % self.num_kv_heads == 0,

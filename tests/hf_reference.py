@@ -4,13 +4,14 @@ are held to, made once per machine.
 transformers reads the GGUF itself (dequantizing every tensor in numpy: seconds on one machine,
 minutes on another), so its fp32 weights are written once as a safetensors snapshot under
 $INFLIGHT_CACHE/reference and read from there (a fraction of a second). The snapshot is keyed by
-the GGUF file and the transformers version, so another file or another transformers makes a new
-one. What the reference computes from those weights (`cached`) is kept beside it, keyed as well
-by torch's version and by everything the computation is given.
+the GGUF file's contents and the transformers version, so another file or another transformers
+makes a new one. What the reference computes from those weights (`cached`) is kept beside it,
+keyed as well by torch's version and by everything the computation is given.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -30,11 +31,15 @@ def _key(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+@functools.cache
 def snapshot_dir() -> Path:
-    gguf = default_model_path()
-    stat = gguf.stat()
-    return cache_dir() / "reference" / _key(str(gguf.resolve()), stat.st_size, stat.st_mtime_ns,
-                                             transformers.__version__)
+    """Keyed by the GGUF's contents (not its path: each new virtual environment installs the
+    same file anew) and transformers' version."""
+    digest = hashlib.sha256()
+    with default_model_path().open("rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return cache_dir() / "reference" / _key(digest.hexdigest(), transformers.__version__)
 
 
 def _write_snapshot(target: Path) -> None:

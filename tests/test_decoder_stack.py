@@ -114,18 +114,18 @@ def test_another_plan_runs_the_same_in_both_interpreters(make_llm, model):
 
 
 def test_a_plan_with_an_op_the_kernels_lack_runs_in_python(model):
-    unknown = (Step("qk_norm", Reg.QKV, Reg.QKV), *LLAMA_LAYER)
+    unknown = (Step("soft_cap", Reg.QKV, Reg.QKV), *LLAMA_LAYER)  # an op no interpreter has
     undo = _with_plan(model, unknown)
     try:
         assert model.decoder_stack is None
         hidden = torch.zeros(1, model.config.hidden_size)
-        with pytest.raises(ValueError, match="qk_norm"):
+        with pytest.raises(ValueError, match="soft_cap"):
             model._layers(hidden, torch.zeros(1, dtype=torch.long), [(None, None)] * len(model.layers), None)
     finally:
         undo()
     kernels = model.attention.kernels
-    with pytest.raises(RuntimeError, match="no kernel for the plan's op qk_norm"):
-        kernels.DecoderStack([("qk_norm", 1, 1, -1, [])], int(Reg.DELTA), 1, [], [], [], [], [], 4, 4, 16, 1e-5, 5)
+    with pytest.raises(RuntimeError, match="no kernel for the plan's op soft_cap"):
+        kernels.DecoderStack([("soft_cap", 1, 1, -1, [])], int(Reg.DELTA), 1, [], [], [], [], [], 4, 4, 16, 1e-5, 5)
 
 
 class _Watched:

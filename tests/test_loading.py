@@ -77,6 +77,100 @@ def test_safetensors_model_matches_transformers(tmp_path, loaded, arch):
     torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
 
 
+def test_a_sliding_window_is_refused_past_it_and_exact_within(tmp_path, loaded):
+    """Sliding-window attention is not computed yet: an engine whose requests could outgrow the
+    window is refused, naming the key; within the window full attention is the model's."""
+    import transformers
+
+    from inflight import LLM, ConfigError
+
+    torch.manual_seed(0)
+    window = 24
+    config = transformers.MistralConfig(
+        vocab_size=TINY["vocab"], hidden_size=TINY["hidden"], intermediate_size=TINY["intermediate"],
+        num_hidden_layers=TINY["layers"], num_attention_heads=TINY["heads"], num_key_value_heads=TINY["kv_heads"],
+        max_position_embeddings=256, rms_norm_eps=1e-5, sliding_window=window)
+    model = transformers.MistralForCausalLM(config).eval()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    loaded.tokenizer.hf.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=f"sliding window of {window} tokens \\(sliding_window\\).*--max-model-len"):
+        LLM(model=str(tmp_path), num_kv_blocks=16)
+    llm = LLM(model=str(tmp_path), num_kv_blocks=16, max_model_len=window)
+    ids = list(range(5, 5 + window - 4))
+    [out] = llm.generate([ids], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False)[0, len(ids):].tolist()
+    assert out.token_ids == expected
+
+
+def write_gguf_from_hf(path: Path, arch: str, model) -> None:
+    """`model`'s config and fp32 weights as llama.cpp writes an architecture stored in Hugging
+    Face's row order (NeoX rotary: Qwen2, Qwen3), under llama.cpp's tensor names."""
+    import gguf
+
+    from inflight.model.architectures import GGUF_LAYER_NAMES
+
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(cfg.rope_theta if hasattr(cfg, "rope_theta") else cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    to_gguf = {hf: g for g, hf in GGUF_LAYER_NAMES.items()}
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    for name, tensor in model.state_dict().items():
+        if name.startswith("model.layers."):
+            _, _, index, rest = name.split(".", 3)
+            gguf_name = f"blk.{index}.{to_gguf[rest]}"
+        else:
+            gguf_name = top[name]
+        w.add_tensor(gguf_name, tensor.detach().float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_neox_order_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arch):
+    """Qwen3 (q and k RMS-normalized per head before rotary, head_dim beyond hidden / heads) and
+    Qwen2 (q/k/v biases), each from a Hugging Face directory and from a GGUF file in llama.cpp's
+    layout, against transformers reading the same files."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=TINY["vocab"], hidden_size=128, intermediate_size=TINY["intermediate"],
+                  num_hidden_layers=TINY["layers"], num_attention_heads=2, num_key_value_heads=1,
+                  max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    if arch == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=128))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    with torch.no_grad():  # norm scales and biases away from their initial 1 and 0, so a dropped one shows
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    model.eval().save_pretrained(tmp_path / "hf", safe_serialization=True)
+    write_gguf_from_hf(tmp_path / "tiny.gguf", arch, model)
+    ids = list(range(5, 5 + 90))
+    for source, reference in [(tmp_path / "hf", model), (tmp_path / "tiny.gguf", AutoModelForCausalLM.from_pretrained(
+            tmp_path, gguf_file="tiny.gguf", dtype=torch.float32).eval())]:
+        config, weights = load_checkpoint(resolve_model(str(source)), torch.float32)
+        assert (config.architecture, config.head_dim) == (arch, 128 if arch == "qwen3" else 64)
+        ours = LlamaModel(config, weights, torch.device("cpu"))
+        torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(reference, ids), atol=1e-4, rtol=1e-4)
+
+
 # --- GGUF files of every supported tensor type ------------------------------------------------
 
 def _k_quant_bytes(rng: np.random.Generator, rows: int, cols: int, kind: str) -> np.ndarray:

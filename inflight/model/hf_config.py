@@ -46,6 +46,7 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
     rope_theta = raw.get("rope_theta") or (rope_scaling or {}).get("rope_theta") or 10000.0
     if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
         rope_scaling = None
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
     eos = raw.get("eos_token_id")
     eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
     return ModelConfig(
@@ -65,4 +66,5 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         rope_scaling=rope_scaling,
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
+        sliding_window=int(window) if window is not None else None,
     )

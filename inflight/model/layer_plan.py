@@ -54,6 +54,9 @@ class Op:
     ATTENTION = "attention"
     # dst = silu(first half of src) * second half
     SILU_AND_MUL = "silu_and_mul"
+    # each q head and each k head of src RMS-normalized on its own, by the rows of `param`
+    # ([2, head_dim]: q's scale, k's), in place (dst is src)
+    QK_NORM = "qk_norm"
 
 
 class Step(NamedTuple):
@@ -73,6 +76,13 @@ LLAMA_LAYER: tuple[Step, ...] = (
     Step(Op.MATMUL, Reg.NORMED, Reg.GATE_UP, "gate_up"),
     Step(Op.SILU_AND_MUL, Reg.GATE_UP, Reg.ACT),
     Step(Op.MATMUL, Reg.ACT, Reg.DELTA, "down"),
+)
+
+# Qwen3's: q and k normalized per head before the rotary embedding.
+QK_NORM_LAYER: tuple[Step, ...] = (
+    *LLAMA_LAYER[:2],
+    Step(Op.QK_NORM, Reg.QKV, Reg.QKV, "qk_norm"),
+    *LLAMA_LAYER[2:],
 )
 
 OUTPUT = Reg.DELTA

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2) on packed tokens.
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3) on packed tokens.
 
 Every token-wise operation runs on one flattened `[num_tokens, hidden]` tensor holding the new
 tokens of all requests in the step; only attention looks at request boundaries, through the
@@ -15,9 +15,10 @@ import torch
 
 from inflight.config import ModelConfig
 from inflight.errors import ModelLoadError
+from inflight.model.architectures import architecture
 from inflight.model.attention import AttentionMetadata, PagedAttention
 from inflight.model.kernels import cpu_kernels
-from inflight.model.layer_plan import LLAMA_LAYER, OUTPUT, Op, Reg, Step, compiled_ops, released_after
+from inflight.model.layer_plan import OUTPUT, Op, Reg, Step, compiled_ops, released_after
 from inflight.model.linear import GGUF_BLOCKS_MAX_ROWS, Linear, linear_backend
 from inflight.model.token_ops import CpuKernelTokenOps, KVStore, TorchTokenOps
 
@@ -55,6 +56,7 @@ class DecoderLayer(NamedTuple):
     post_norm: torch.Tensor
     gate_up: Linear
     down: Linear
+    qk_norm: torch.Tensor | None = None  # [2, head_dim]: q's and k's per-head RMSNorm scales (Qwen3)
 
 
 NORMS = ("input_norm", "post_norm")
@@ -92,6 +94,7 @@ class LlamaModel:
                 quantized = (parts[0][0], torch.cat([raw for _, raw in parts]))
             return Linear(weight, b, backend, gguf_blocks=quantized)
 
+        arch = architecture(config.architecture)
         self.final_norm = take("model.norm.weight")
         self.lm_head = linear("lm_head.weight")
         self.layers: list[DecoderLayer] = []
@@ -107,6 +110,7 @@ class LlamaModel:
                 post_norm=take(p + "post_attention_layernorm.weight"),
                 gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
                 down=linear(p + "mlp.down_proj.weight"),
+                **{name: torch.stack([take(p + n) for n in names]) for name, names in arch.extra_weights.items()},
             ))
         kernels = cpu_kernels() if device.type == "cpu" and self.dtype == torch.float32 else None
         self.attention = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim, kernels)
@@ -114,7 +118,7 @@ class LlamaModel:
         self.ops = CpuKernelTokenOps(*shape, kernels) if kernels is not None else TorchTokenOps(*shape)
         self._rope_inv_freq = rope_inv_freq(config).to(device)
         self._rope_cos, self._rope_sin = self._rope_table(config.max_position_embeddings)
-        self.plan: tuple[Step, ...] = LLAMA_LAYER
+        self.plan: tuple[Step, ...] = arch.plan
         self.decoder_stack = self._decoder_stack(kernels)
 
     def _decoder_stack(self, kernels: ModuleType | None) -> Any:
@@ -186,6 +190,8 @@ class LlamaModel:
                     reg[dst] = attention.forward(q, k, v, k_cache, v_cache, attn_meta, kv_stored=True)
                 elif op == Op.SILU_AND_MUL:
                     reg[dst] = ops.silu_and_mul(x)
+                elif op == Op.QK_NORM:
+                    reg[dst] = ops.qk_norm_(x, weight)
                 else:
                     raise ValueError(f"no implementation of the plan's op {op!r}")
                 for r in release:

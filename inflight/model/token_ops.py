@@ -63,6 +63,16 @@ class TorchTokenOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def qk_norm_(self, qkv: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Each q and k head of the fused projection `[N, (H + 2 KV) * D]` RMS-normalized over its
+        own D values, by `weight[0]` (q) and `weight[1]` (k), in place; returns `qkv`."""
+        n, d = qkv.shape[0], self.head_dim
+        heads = qkv.view(n, -1, d)
+        for first, count, scale in ((0, self.num_heads, weight[0]), (self.num_heads, self.num_kv_heads, weight[1])):
+            part = heads[:, first:first + count]
+            part.copy_(self.rms_norm(part.reshape(-1, d), scale).view(n, count, d))
+        return qkv
+
 
 def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
