@@ -103,6 +103,37 @@ def test_a_sliding_window_is_refused_past_it_and_exact_within(tmp_path, loaded):
     assert out.token_ids == expected
 
 
+def test_every_bias_the_checkpoint_has_is_applied_and_no_weight_is_left_out(tmp_path):
+    """Llama with attention_bias (q, k, v and o) and mlp_bias: each bias read, as transformers
+    applies it; a weight no step of the plan reads (here a q_norm on a Llama) is refused by name."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=TINY["vocab"], hidden_size=TINY["hidden"], intermediate_size=TINY["intermediate"],
+        num_hidden_layers=TINY["layers"], num_attention_heads=TINY["heads"], num_key_value_heads=TINY["kv_heads"],
+        max_position_embeddings=256, rms_norm_eps=1e-5, attention_bias=True, mlp_bias=True)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    config_, weights = load_checkpoint(resolve_model(str(tmp_path)), torch.float32)
+    ours = LlamaModel(config_, weights, torch.device("cpu"))
+    ids = list(range(5, 5 + 40))
+    torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+
+    [file] = tmp_path.glob("*.safetensors")
+    tensors = load_file(file)
+    tensors["model.layers.1.self_attn.q_norm.weight"] = torch.ones(TINY["hidden"] // TINY["heads"])
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    config_, weights = load_checkpoint(resolve_model(str(tmp_path)), torch.float32)
+    with pytest.raises(ModelLoadError, match="does not use: model.layers.1.self_attn.q_norm.weight"):
+        LlamaModel(config_, weights, torch.device("cpu"))
+
+
 def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     """`model`'s config and fp32 weights as llama.cpp writes an architecture stored in Hugging
     Face's row order (NeoX rotary: Qwen2, Qwen3), under llama.cpp's tensor names."""
@@ -187,7 +218,7 @@ def _k_quant_bytes(rng: np.random.Generator, rows: int, cols: int, kind: str) ->
     return blocks.reshape(rows, nblocks * blocks.shape[-1])
 
 
-def write_tiny_gguf(path: Path, types: dict[str, str], seed: int = 0) -> None:
+def write_tiny_gguf(path: Path, types: dict[str, str], seed: int = 0, extra: tuple[str, ...] = ()) -> None:
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -230,6 +261,8 @@ def write_tiny_gguf(path: Path, types: dict[str, str], seed: int = 0) -> None:
         add(f"blk.{i}.ffn_gate.weight", (f, h), types.get("gate", "F32"))
         add(f"blk.{i}.ffn_up.weight", (f, h), types.get("up", "F32"))
         add(f"blk.{i}.ffn_down.weight", (h, f), types.get("down", "F32"))
+    for name in extra:
+        add(name, (h,))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -251,6 +284,13 @@ def test_gguf_tensor_types_match_transformers(tmp_path, types):
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
     ids = list(range(3, 60))
     torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(reference, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_a_gguf_tensor_inflight_does_not_know_is_refused(tmp_path):
+    path = tmp_path / "extra.gguf"
+    write_tiny_gguf(path, {}, extra=("blk.0.ssm_norm.weight",))
+    with pytest.raises(ModelLoadError, match="tensor inflight does not know: blk.0.ssm_norm.weight"):
+        load_checkpoint(resolve_model(str(path)), torch.float32)
 
 
 def test_other_dtypes_load(loaded):

@@ -46,11 +46,15 @@ GGUF_LAYER_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate.bias": "mlp.gate_proj.bias",
+    "ffn_up.bias": "mlp.up_proj.bias",
+    "ffn_down.bias": "mlp.down_proj.bias",
 }
 
 

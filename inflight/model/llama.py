@@ -73,11 +73,20 @@ class LlamaModel:
         self.config = config
         self.device = device
 
+        taken: set[str] = set()
+
         def take(name: str) -> torch.Tensor:
             try:
-                return weights[name].to(device)
+                tensor = weights[name].to(device)
             except KeyError:
                 raise ModelLoadError(f"checkpoint lacks weight {name}") from None
+            taken.add(name)
+            return tensor
+
+        def biases(*names: str) -> tuple[str, ...] | None:
+            """The bias names of these matmuls' weights, where the checkpoint has them."""
+            found = tuple(n.removesuffix(".weight") + ".bias" for n in names)
+            return found if all(b in weights for b in found) else None
 
         self.embed_tokens = take("model.embed_tokens.weight")
         self.dtype = self.embed_tokens.dtype
@@ -106,12 +115,17 @@ class LlamaModel:
             self.layers.append(DecoderLayer(
                 input_norm=take(p + "input_layernorm.weight"),
                 qkv=linear(*qkv, bias=qkv_bias),
-                o=linear(attn + "o_proj.weight"),
+                o=linear(attn + "o_proj.weight", bias=biases(attn + "o_proj.weight")),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                down=linear(p + "mlp.down_proj.weight"),
+                gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
+                               bias=biases(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
+                down=linear(p + "mlp.down_proj.weight", bias=biases(p + "mlp.down_proj.weight")),
                 **{name: torch.stack([take(p + n) for n in names]) for name, names in arch.extra_weights.items()},
             ))
+        unused = sorted(set(weights) - taken)
+        if unused:  # a weight the plan does not read is a feature it would silently leave out
+            shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
+            raise ModelLoadError(f"the checkpoint has weights the {config.architecture} plan does not use: {shown}")
         kernels = cpu_kernels() if device.type == "cpu" and self.dtype == torch.float32 else None
         self.attention = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim, kernels)
         shape = (config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps)

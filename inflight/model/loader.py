@@ -301,8 +301,6 @@ def _gguf_weights(tensors: list[GGUFTensor], config: ModelConfig) -> dict[str, t
     weights: dict[str, torch.Tensor] = {}
     for tensor in tensors:
         name = _gguf_to_hf_name(tensor.name)
-        if name is None:
-            continue
         array = _dequantize(tensor)
         # The reader gives numpy's row-major shape for unquantized data; quantized data comes
         # back as rows of elements. Either way the logical shape is GGUF's shape reversed.
@@ -338,7 +336,7 @@ def load_gguf_blocks(source: ModelSource, config: ModelConfig) -> dict[str, tupl
     blocks: dict[str, tuple[str, torch.Tensor]] = {}
     for tensor in _open_gguf(source.path).tensors:
         name = _gguf_to_hf_name(tensor.name)
-        if name is None or tensor.tensor_type.name not in BLOCK_TYPES or len(tensor.shape) != 2:
+        if tensor.tensor_type.name not in BLOCK_TYPES or len(tensor.shape) != 2:
             continue
         rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8)).reshape(int(tensor.shape[1]), -1)
         blocks[name] = (tensor.tensor_type.name, _hf_row_order(name, rows, config))
@@ -347,7 +345,7 @@ def load_gguf_blocks(source: ModelSource, config: ModelConfig) -> dict[str, tupl
     return blocks
 
 
-def _gguf_to_hf_name(name: str) -> str | None:
+def _gguf_to_hf_name(name: str) -> str:
     if name in _GGUF_TOP_NAMES:
         return _GGUF_TOP_NAMES[name]
     if name.startswith("blk."):
@@ -356,7 +354,8 @@ def _gguf_to_hf_name(name: str) -> str | None:
             return f"model.layers.{index}.{GGUF_LAYER_NAMES[rest]}"
     if name == "rope_freqs.weight":
         raise ModelLoadError("GGUF files with rope_freqs (Llama 3.1 rope scaling) are not supported yet")
-    return None
+    # A tensor the model would not read is a feature it would silently leave out.
+    raise ModelLoadError(f"the GGUF file has a tensor inflight does not know: {name}")
 
 
 # --- Hugging Face directory ---------------------------------------------------------------
