@@ -156,6 +156,9 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     to_gguf = {hf: g for g, hf in GGUF_LAYER_NAMES.items()}
+    # Hugging Face's post_attention_layernorm is llama.cpp's ffn_norm where it comes before the
+    # MLP (Qwen) and its post_attention_norm where it normalizes attention's output (OLMo 2).
+    to_gguf["post_attention_layernorm.weight"] = "post_attention_norm.weight" if arch == "olmo2" else "ffn_norm.weight"
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
     for name, tensor in model.state_dict().items():
@@ -171,11 +174,13 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     w.close()
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2"])
 def test_neox_order_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arch):
-    """Qwen3 (q and k RMS-normalized per head before rotary, head_dim beyond hidden / heads) and
-    Qwen2 (q/k/v biases), each from a Hugging Face directory and from a GGUF file in llama.cpp's
-    layout, against transformers reading the same files."""
+    """Qwen3 (q and k RMS-normalized per head before rotary, head_dim beyond hidden / heads),
+    Qwen2 (q/k/v biases) and OLMo 2 (attention's and the MLP's outputs normalized instead of their
+    inputs, q and k over the whole projection), each from a Hugging Face directory and from a
+    GGUF file in llama.cpp's layout, against transformers: reading the same GGUF where it can
+    (not OLMo 2), else the model the file was written from."""
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -185,6 +190,8 @@ def test_neox_order_architectures_from_hf_and_gguf_match_transformers(tmp_path, 
                   max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
     if arch == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=128))
+    elif arch == "olmo2":
+        model = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**common))
     else:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     with torch.no_grad():  # norm scales and biases away from their initial 1 and 0, so a dropped one shows
@@ -194,8 +201,9 @@ def test_neox_order_architectures_from_hf_and_gguf_match_transformers(tmp_path, 
     model.eval().save_pretrained(tmp_path / "hf", safe_serialization=True)
     write_gguf_from_hf(tmp_path / "tiny.gguf", arch, model)
     ids = list(range(5, 5 + 90))
-    for source, reference in [(tmp_path / "hf", model), (tmp_path / "tiny.gguf", AutoModelForCausalLM.from_pretrained(
-            tmp_path, gguf_file="tiny.gguf", dtype=torch.float32).eval())]:
+    from_gguf = model if arch == "olmo2" else AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file="tiny.gguf", dtype=torch.float32).eval()
+    for source, reference in [(tmp_path / "hf", model), (tmp_path / "tiny.gguf", from_gguf)]:
         config, weights = load_checkpoint(resolve_model(str(source)), torch.float32)
         assert (config.architecture, config.head_dim) == (arch, 128 if arch == "qwen3" else 64)
         ours = LlamaModel(config, weights, torch.device("cpu"))

@@ -10,15 +10,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from inflight.errors import ModelLoadError
-from inflight.model.layer_plan import LLAMA_LAYER, QK_NORM_LAYER, Step
+from inflight.model.layer_plan import LLAMA_LAYER, POST_NORM_LAYER, QK_NORM_LAYER, Step
+
+_LLAMA_NORMS: dict[str, str] = {"input_norm": "input_layernorm.weight",
+                                "post_norm": "post_attention_layernorm.weight"}
 
 
 @dataclass(frozen=True)
 class Architecture:
     name: str
     plan: tuple[Step, ...] = LLAMA_LAYER
-    # DecoderLayer field -> the Hugging Face names (under `model.layers.N.`) of the per-head
-    # weights stacked into it, for the plan's steps beyond Llama's.
+    # DecoderLayer norm field -> its Hugging Face name under `model.layers.N.`.
+    norms: dict[str, str] = field(default_factory=lambda: dict(_LLAMA_NORMS))
+    # DecoderLayer field -> the Hugging Face names of the weights it holds together (as a tuple),
+    # for the plan's steps beyond Llama's.
     extra_weights: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # llama.cpp's converter interleaves each head's rotary halves in the q and k rows of the
     # Llama-style architectures it rotates as "normal" rope; those in NeoX order are stored as
@@ -26,6 +31,7 @@ class Architecture:
     gguf_interleaved_qk: bool = True
 
 
+_POST_NORMS = {"attn_out_norm": "post_attention_layernorm.weight", "mlp_out_norm": "post_feedforward_layernorm.weight"}
 _QK_NORM: dict[str, tuple[str, ...]] = {"qk_norm": ("self_attn.q_norm.weight", "self_attn.k_norm.weight")}
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
@@ -33,12 +39,15 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     Architecture("mistral"),
     Architecture("qwen2", gguf_interleaved_qk=False),
     Architecture("qwen3", plan=QK_NORM_LAYER, extra_weights=_QK_NORM, gguf_interleaved_qk=False),
+    Architecture("olmo2", plan=POST_NORM_LAYER, norms=_POST_NORMS, extra_weights=_QK_NORM, gguf_interleaved_qk=False),
 ]}
 
 # llama.cpp's tensor names (`blk.N.` + these) -> Hugging Face's (`model.layers.N.` + these).
 GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",  # of attention's output (OLMo 2)
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",

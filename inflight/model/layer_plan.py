@@ -54,9 +54,13 @@ class Op:
     ATTENTION = "attention"
     # dst = silu(first half of src) * second half
     SILU_AND_MUL = "silu_and_mul"
-    # each q head and each k head of src RMS-normalized on its own, by the rows of `param`
-    # ([2, head_dim]: q's scale, k's), in place (dst is src)
+    # src's q and k RMS-normalized in place (dst is src) by `param`, a (q scale, k scale) pair, in
+    # groups of each scale's length: one head (Qwen3) or the whole projection (OLMo 2)
     QK_NORM = "qk_norm"
+    # residual += src (skipped while src is empty); dst = the residual stream itself, unnormalized
+    ADD_RESIDUAL = "add_residual"
+    # dst = rms_norm(src) * `param`
+    RMS_NORM = "rms_norm"
 
 
 class Step(NamedTuple):
@@ -83,6 +87,23 @@ QK_NORM_LAYER: tuple[Step, ...] = (
     *LLAMA_LAYER[:2],
     Step(Op.QK_NORM, Reg.QKV, Reg.QKV, "qk_norm"),
     *LLAMA_LAYER[2:],
+)
+
+# OLMo 2's: no norm before attention or the MLP, their outputs normalized instead (and q and k
+# over the whole projection) before they join the residual stream.
+POST_NORM_LAYER: tuple[Step, ...] = (
+    Step(Op.ADD_RESIDUAL, Reg.DELTA, Reg.NORMED),
+    Step(Op.MATMUL, Reg.NORMED, Reg.QKV, "qkv"),
+    Step(Op.QK_NORM, Reg.QKV, Reg.QKV, "qk_norm"),
+    Step(Op.ROTARY_STORE_KV, Reg.QKV, Reg.QKV),
+    Step(Op.ATTENTION, Reg.QKV, Reg.ATTN),
+    Step(Op.MATMUL, Reg.ATTN, Reg.DELTA, "o"),
+    Step(Op.RMS_NORM, Reg.DELTA, Reg.DELTA, "attn_out_norm"),
+    Step(Op.ADD_RESIDUAL, Reg.DELTA, Reg.NORMED),
+    Step(Op.MATMUL, Reg.NORMED, Reg.GATE_UP, "gate_up"),
+    Step(Op.SILU_AND_MUL, Reg.GATE_UP, Reg.ACT),
+    Step(Op.MATMUL, Reg.ACT, Reg.DELTA, "down"),
+    Step(Op.RMS_NORM, Reg.DELTA, Reg.DELTA, "mlp_out_norm"),
 )
 
 OUTPUT = Reg.DELTA

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3) on packed tokens.
+"""The decoder of every architecture in `architectures.py` (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3,
+OLMo 2) on packed tokens: each runs its own layer plan.
 
 Every token-wise operation runs on one flattened `[num_tokens, hidden]` tensor holding the new
 tokens of all requests in the step; only attention looks at request boundaries, through the
@@ -8,6 +9,7 @@ tokens of all requests in the step; only attention looks at request boundaries, 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any, NamedTuple
 
@@ -15,7 +17,7 @@ import torch
 
 from inflight.config import ModelConfig
 from inflight.errors import ModelLoadError
-from inflight.model.architectures import architecture
+from inflight.model.architectures import Architecture, architecture
 from inflight.model.attention import AttentionMetadata, PagedAttention
 from inflight.model.kernels import cpu_kernels
 from inflight.model.layer_plan import OUTPUT, Op, Reg, Step, compiled_ops, released_after
@@ -47,16 +49,18 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class DecoderLayer(NamedTuple):
-    """One decoder layer's weights, which `LLAMA_LAYER`'s steps name: the norms' scales and the
-    fused matmuls."""
+    """One decoder layer's weights, which the plan's steps name: the fused matmuls and the scales
+    of the norms the architecture has."""
 
-    input_norm: torch.Tensor
     qkv: Linear
     o: Linear
-    post_norm: torch.Tensor
     gate_up: Linear
     down: Linear
-    qk_norm: torch.Tensor | None = None  # [2, head_dim]: q's and k's per-head RMSNorm scales (Qwen3)
+    input_norm: torch.Tensor | None = None  # before attention (Llama)
+    post_norm: torch.Tensor | None = None  # before the MLP (Llama's post_attention_layernorm)
+    attn_out_norm: torch.Tensor | None = None  # of attention's output (OLMo 2)
+    mlp_out_norm: torch.Tensor | None = None  # of the MLP's output (OLMo 2)
+    qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None  # q's and k's RMSNorm scales (Qwen3, OLMo 2)
 
 
 NORMS = ("input_norm", "post_norm")
@@ -113,14 +117,12 @@ class LlamaModel:
             qkv = [f"{attn}{n}_proj.weight" for n in "qkv"]
             qkv_bias = tuple(f"{attn}{n}_proj.bias" for n in "qkv") if config.attention_bias else None
             self.layers.append(DecoderLayer(
-                input_norm=take(p + "input_layernorm.weight"),
                 qkv=linear(*qkv, bias=qkv_bias),
                 o=linear(attn + "o_proj.weight", bias=biases(attn + "o_proj.weight")),
-                post_norm=take(p + "post_attention_layernorm.weight"),
                 gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
                                bias=biases(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
                 down=linear(p + "mlp.down_proj.weight", bias=biases(p + "mlp.down_proj.weight")),
-                **{name: torch.stack([take(p + n) for n in names]) for name, names in arch.extra_weights.items()},
+                **self._layer_extras(arch, take, p),
             ))
         unused = sorted(set(weights) - taken)
         if unused:  # a weight the plan does not read is a feature it would silently leave out
@@ -134,6 +136,13 @@ class LlamaModel:
         self._rope_cos, self._rope_sin = self._rope_table(config.max_position_embeddings)
         self.plan: tuple[Step, ...] = arch.plan
         self.decoder_stack = self._decoder_stack(kernels)
+
+    @staticmethod
+    def _layer_extras(arch: Architecture, take: Callable[[str], torch.Tensor], prefix: str) -> dict[str, Any]:
+        """The layer's norms and other weights as the architecture names them (`DecoderLayer` fields)."""
+        extras: dict[str, Any] = {name: take(prefix + suffix) for name, suffix in arch.norms.items()}
+        extras.update({name: tuple(take(prefix + n) for n in names) for name, names in arch.extra_weights.items()})
+        return extras
 
     def _decoder_stack(self, kernels: ModuleType | None) -> Any:
         """The compiled interpreter of `self.plan` (`DecoderStack` in `csrc/cpu_kernels.cpp`), where
@@ -206,6 +215,12 @@ class LlamaModel:
                     reg[dst] = ops.silu_and_mul(x)
                 elif op == Op.QK_NORM:
                     reg[dst] = ops.qk_norm_(x, weight)
+                elif op == Op.ADD_RESIDUAL:
+                    if x is not None:
+                        hidden.add_(x)
+                    reg[dst] = hidden
+                elif op == Op.RMS_NORM:
+                    reg[dst] = ops.rms_norm(x, weight)
                 else:
                     raise ValueError(f"no implementation of the plan's op {op!r}")
                 for r in release:

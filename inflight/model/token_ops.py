@@ -63,14 +63,17 @@ class TorchTokenOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def qk_norm_(self, qkv: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Each q and k head of the fused projection `[N, (H + 2 KV) * D]` RMS-normalized over its
-        own D values, by `weight[0]` (q) and `weight[1]` (k), in place; returns `qkv`."""
-        n, d = qkv.shape[0], self.head_dim
-        heads = qkv.view(n, -1, d)
-        for first, count, scale in ((0, self.num_heads, weight[0]), (self.num_heads, self.num_kv_heads, weight[1])):
-            part = heads[:, first:first + count]
-            part.copy_(self.rms_norm(part.reshape(-1, d), scale).view(n, count, d))
+    def qk_norm_(self, qkv: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """q and k of the fused projection `[N, (H + 2 KV) * D]` RMS-normalized in place, by
+        `scales` (q's, k's), in groups of each scale's length: a head (D) or the whole
+        projection (H * D, KV * D). Returns `qkv`."""
+        n = qkv.shape[0]
+        start = 0
+        for size, scale in ((self.q_size, scales[0]), (self.kv_size, scales[1])):
+            part = qkv[:, start:start + size]
+            group = scale.shape[0]
+            part.copy_(self.rms_norm(part.reshape(-1, group), scale).view(n, size))
+            start += size
         return qkv
 
 
