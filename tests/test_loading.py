@@ -134,6 +134,25 @@ def test_every_bias_the_checkpoint_has_is_applied_and_no_weight_is_left_out(tmp_
         LlamaModel(config_, weights, torch.device("cpu"))
 
 
+@pytest.mark.parametrize(("key", "value"), [("hidden_act", "gelu_pytorch_tanh"), ("final_logit_softcapping", 30.0),
+                                            ("partial_rotary_factor", 0.75), ("residual_multiplier", 0.22),
+                                            ("layer_types", ["full_attention", "chunked_attention"])])
+def test_a_config_key_that_changes_the_arithmetic_is_refused_by_name(tmp_path, key, value):
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=TINY["vocab"], hidden_size=TINY["hidden"], intermediate_size=TINY["intermediate"],
+        num_hidden_layers=TINY["layers"], num_attention_heads=TINY["heads"], num_key_value_heads=TINY["kv_heads"],
+        max_position_embeddings=256)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
+    load_checkpoint(resolve_model(str(tmp_path)), torch.float32)  # as saved: loads
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match=key):
+        load_checkpoint(resolve_model(str(tmp_path)), torch.float32)
+
+
 def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     """`model`'s config and fp32 weights as llama.cpp writes an architecture stored in Hugging
     Face's row order (NeoX rotary: Qwen2, Qwen3), under llama.cpp's tensor names."""
@@ -226,7 +245,8 @@ def _k_quant_bytes(rng: np.random.Generator, rows: int, cols: int, kind: str) ->
     return blocks.reshape(rows, nblocks * blocks.shape[-1])
 
 
-def write_tiny_gguf(path: Path, types: dict[str, str], seed: int = 0, extra: tuple[str, ...] = ()) -> None:
+def write_tiny_gguf(path: Path, types: dict[str, str], seed: int = 0, extra: tuple[str, ...] = (),
+                    rope_dims: int | None = None) -> None:
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -242,7 +262,7 @@ def write_tiny_gguf(path: Path, types: dict[str, str], seed: int = 0, extra: tup
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(TINY["vocab"])
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(rope_dims or head_dim)
 
     def add(name: str, shape: tuple[int, ...], kind: str = "F32", scale: float = 0.05) -> None:
         qtype = gguf.GGMLQuantizationType[kind]
@@ -298,6 +318,13 @@ def test_a_gguf_tensor_inflight_does_not_know_is_refused(tmp_path):
     path = tmp_path / "extra.gguf"
     write_tiny_gguf(path, {}, extra=("blk.0.ssm_norm.weight",))
     with pytest.raises(ModelLoadError, match="tensor inflight does not know: blk.0.ssm_norm.weight"):
+        load_checkpoint(resolve_model(str(path)), torch.float32)
+
+
+def test_gguf_metadata_that_changes_the_arithmetic_is_refused_by_name(tmp_path):
+    path = tmp_path / "partial.gguf"
+    write_tiny_gguf(path, {}, rope_dims=TINY["hidden"] // TINY["heads"] // 2)
+    with pytest.raises(ModelLoadError, match="llama.rope.dimension_count = 32 rotates part of each 64-wide head"):
         load_checkpoint(resolve_model(str(path)), torch.float32)
 
 

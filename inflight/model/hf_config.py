@@ -28,10 +28,41 @@ def read_hf_config(path: Path, architectures: Sequence[str] | None = None) -> Mo
     arch = (raw.get("text_config") or raw).get("model_type", "llama")
     if architectures is not None and arch not in architectures:
         raise ModelLoadError(f"unsupported architecture {arch!r}; supported: {', '.join(architectures)}")
+    if architectures is not None:
+        refuse_unsupported(raw.get("text_config") or raw, path)
     try:
         return parse_hf_config(raw)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ModelLoadError(f"incomplete or invalid {path}: {type(exc).__name__}: {exc}") from None
+
+
+# Config keys that change the arithmetic, and the values under which it is what inflight computes.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "hidden_act": ("silu", "swish"),
+    "hidden_activation": (None, "silu", "swish"),
+    "partial_rotary_factor": (None, 1, 1.0),
+    "attn_logit_softcapping": (None,),
+    "final_logit_softcapping": (None,),
+    "logit_softcapping": (None,),
+    "embedding_multiplier": (None, 1, 1.0),
+    "residual_multiplier": (None, 1, 1.0),
+    "attention_multiplier": (None,),
+    "logits_scaling": (None, 1, 1.0),
+    "query_pre_attn_scalar": (None,),
+}
+
+
+def refuse_unsupported(raw: dict[str, Any], path: Path) -> None:
+    """Raises ModelLoadError naming the first config key whose value changes the arithmetic in a
+    way inflight does not compute: silence would serve a different model."""
+    for key, neutral in _NEUTRAL.items():
+        if key in raw and raw[key] not in neutral:
+            raise ModelLoadError(f"{path}: {key} = {raw[key]!r} changes the model's arithmetic in a way "
+                                 "inflight does not compute yet")
+    layer_types = set(raw.get("layer_types") or ())
+    if layer_types - {"full_attention", "sliding_attention"}:
+        raise ModelLoadError(f"{path}: layer_types {sorted(layer_types)}: inflight computes full and "
+                             "sliding-window attention layers only")
 
 
 def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:

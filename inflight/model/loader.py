@@ -136,7 +136,7 @@ class GGUFIndex:
     tensors: list[GGUFTensor]
 
 
-_INDEX_VERSION = 1
+_INDEX_VERSION = 2  # 2: sliding_window in the config; the metadata refusals run before an index is kept
 
 
 def cache_dir() -> Path:
@@ -243,6 +243,15 @@ def _gguf_config(reader: Any) -> ModelConfig:
 
     num_heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
+    head_dim = int(gguf_field(reader, f"{arch}.attention.key_length", hidden // num_heads))
+    # Metadata that changes the arithmetic in a way inflight does not compute: refused by name.
+    rotary_dims = gguf_field(reader, f"{arch}.rope.dimension_count")
+    if rotary_dims is not None and int(rotary_dims) != head_dim:
+        raise ModelLoadError(f"{arch}.rope.dimension_count = {rotary_dims} rotates part of each {head_dim}-wide "
+                             "head, which inflight does not compute yet")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping", "expert_count"):
+        if gguf_field(reader, f"{arch}.{key}"):
+            raise ModelLoadError(f"{arch}.{key} changes the model's arithmetic in a way inflight does not compute yet")
     tensor_names = {t.name for t in reader.tensors}
     vocab = gguf_field(reader, f"{arch}.vocab_size")
     if vocab is None:
@@ -264,7 +273,7 @@ def _gguf_config(reader: Any) -> ModelConfig:
         num_layers=int(get("block_count")),
         num_heads=num_heads,
         num_kv_heads=int(get("attention.head_count_kv", num_heads)),
-        head_dim=int(gguf_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
+        head_dim=head_dim,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         max_position_embeddings=int(get("context_length", 4096)),
