@@ -44,6 +44,14 @@ class ModelConfig:
     # Attention over the last `sliding_window` positions only (Mistral's, Qwen2's with
     # use_sliding_window): not computed yet, so an engine refuses contexts longer than it.
     sliding_window: int | None = None
+    # Granite's multipliers (llama.cpp's attention.scale, embedding_scale, residual_scale,
+    # logit_scale): the attention's softmax scale (None: head_dim ** -0.5), the embeddings'
+    # factor, the factor of each attention and MLP output joining the residual stream, and the
+    # divisor of the logits.
+    attention_scale: float | None = None
+    embedding_scale: float = 1.0
+    residual_scale: float = 1.0
+    logit_scale: float = 1.0
 
     def __post_init__(self) -> None:
         _require(self.num_heads % self.num_kv_heads == 0,

@@ -135,7 +135,7 @@ def test_every_bias_the_checkpoint_has_is_applied_and_no_weight_is_left_out(tmp_
 
 
 @pytest.mark.parametrize(("key", "value"), [("hidden_act", "gelu_pytorch_tanh"), ("final_logit_softcapping", 30.0),
-                                            ("partial_rotary_factor", 0.75), ("residual_multiplier", 0.22),
+                                            ("partial_rotary_factor", 0.75), ("query_pre_attn_scalar", 256),
                                             ("layer_types", ["full_attention", "chunked_attention"])])
 def test_a_config_key_that_changes_the_arithmetic_is_refused_by_name(tmp_path, key, value):
     import transformers
@@ -154,8 +154,10 @@ def test_a_config_key_that_changes_the_arithmetic_is_refused_by_name(tmp_path, k
 
 
 def write_gguf_from_hf(path: Path, arch: str, model) -> None:
-    """`model`'s config and fp32 weights as llama.cpp writes an architecture stored in Hugging
-    Face's row order (NeoX rotary: Qwen2, Qwen3), under llama.cpp's tensor names."""
+    """`model`'s config and fp32 weights as llama.cpp's converter writes them, under its tensor
+    names: q and k rows in Hugging Face's order for NeoX-rotary architectures (Qwen2, Qwen3,
+    OLMo 2), each head's rotary halves interleaved for the Llama-style ones (Granite); Granite's
+    multipliers as its scales."""
     import gguf
 
     from inflight.model.architectures import GGUF_LAYER_NAMES
@@ -174,6 +176,14 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     w.add_rope_freq_base(cfg.rope_theta if hasattr(cfg, "rope_theta") else cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
+    for key, scale in [("attention_multiplier", w.add_attention_scale), ("embedding_multiplier", w.add_embedding_scale),
+                       ("residual_multiplier", w.add_residual_scale), ("logits_scaling", w.add_logit_scale)]:
+        if getattr(cfg, key, None) is not None:
+            scale(getattr(cfg, key))
+
+    def interleaved(rows: torch.Tensor, heads: int) -> torch.Tensor:  # llama.cpp's LlamaModel.permute
+        return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
     to_gguf = {hf: g for g, hf in GGUF_LAYER_NAMES.items()}
     # Hugging Face's post_attention_layernorm is llama.cpp's ffn_norm where it comes before the
     # MLP (Qwen) and its post_attention_norm where it normalizes attention's output (OLMo 2).
@@ -186,6 +196,8 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
             gguf_name = f"blk.{index}.{to_gguf[rest]}"
         else:
             gguf_name = top[name]
+        if arch == "granite" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            tensor = interleaved(tensor, cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
         w.add_tensor(gguf_name, tensor.detach().float().numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -193,13 +205,14 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     w.close()
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2"])
-def test_neox_order_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arch):
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "granite"])
+def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arch):
     """Qwen3 (q and k RMS-normalized per head before rotary, head_dim beyond hidden / heads),
-    Qwen2 (q/k/v biases) and OLMo 2 (attention's and the MLP's outputs normalized instead of their
-    inputs, q and k over the whole projection), each from a Hugging Face directory and from a
-    GGUF file in llama.cpp's layout, against transformers: reading the same GGUF where it can
-    (not OLMo 2), else the model the file was written from."""
+    Qwen2 (q/k/v biases), OLMo 2 (attention's and the MLP's outputs normalized instead of their
+    inputs, q and k over the whole projection) and Granite (embedding, residual and attention
+    multipliers, logits scaling), each from a Hugging Face directory and from a GGUF file in
+    llama.cpp's layout, against transformers: reading the same GGUF where it can (not OLMo 2 or
+    Granite), else the model the file was written from."""
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -211,6 +224,10 @@ def test_neox_order_architectures_from_hf_and_gguf_match_transformers(tmp_path, 
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=128))
     elif arch == "olmo2":
         model = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**common))
+    elif arch == "granite":
+        model = transformers.GraniteForCausalLM(transformers.GraniteConfig(
+            **common, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=1.0,
+            logits_scaling=8.0))
     else:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     with torch.no_grad():  # norm scales and biases away from their initial 1 and 0, so a dropped one shows
@@ -220,7 +237,7 @@ def test_neox_order_architectures_from_hf_and_gguf_match_transformers(tmp_path, 
     model.eval().save_pretrained(tmp_path / "hf", safe_serialization=True)
     write_gguf_from_hf(tmp_path / "tiny.gguf", arch, model)
     ids = list(range(5, 5 + 90))
-    from_gguf = model if arch == "olmo2" else AutoModelForCausalLM.from_pretrained(
+    from_gguf = model if arch in ("olmo2", "granite") else AutoModelForCausalLM.from_pretrained(
         tmp_path, gguf_file="tiny.gguf", dtype=torch.float32).eval()
     for source, reference in [(tmp_path / "hf", model), (tmp_path / "tiny.gguf", from_gguf)]:
         config, weights = load_checkpoint(resolve_model(str(source)), torch.float32)

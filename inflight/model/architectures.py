@@ -37,6 +37,7 @@ _QK_NORM: dict[str, tuple[str, ...]] = {"qk_norm": ("self_attn.q_norm.weight", "
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     Architecture("llama"),
     Architecture("mistral"),
+    Architecture("granite"),  # Llama's layer; its multipliers are the config's scales (ModelConfig)
     Architecture("qwen2", gguf_interleaved_qk=False),
     Architecture("qwen3", plan=QK_NORM_LAYER, extra_weights=_QK_NORM, gguf_interleaved_qk=False),
     Architecture("olmo2", plan=POST_NORM_LAYER, norms=_POST_NORMS, extra_weights=_QK_NORM, gguf_interleaved_qk=False),

@@ -86,10 +86,14 @@ class PagedAttention:
     kernels of `kernels.py`), fp32 decodes and prefills read the pool in place instead: one
     call per layer for all decodes and one for all prefill segments."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kernels: object = None) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kernels: object = None,
+                 scale: float | None = None) -> None:
+        """`scale`: the softmax scale of q.k (None: head_dim ** -0.5)."""
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.scale = scale if scale is not None else head_dim ** -0.5
+        self._sdpa_scale = scale  # None: SDPA's own 1 / sqrt(head_dim)
         self.group_size = num_heads // num_kv_heads
         self.kernels = kernels
 
@@ -179,7 +183,7 @@ class PagedAttention:
         if tables is not None and self.reads_pool_in_place(q.dtype):
             out[num_decodes:] = self.kernels.paged_prefill_attention(  # type: ignore[attr-defined]
                 q[num_decodes:].contiguous(), k_cache, v_cache, tables.block_tables, tables.query_starts,
-                tables.query_lens, tables.context_starts, meta.block_size, self.head_dim ** -0.5,
+                tables.query_lens, tables.context_starts, meta.block_size, self.scale,
             )
         else:
             for seg in meta.prefills:
@@ -200,7 +204,7 @@ class PagedAttention:
         if self.reads_pool_in_place(q.dtype):
             return self.kernels.paged_decode_attention(  # type: ignore[attr-defined]
                 q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                meta.block_size, self.head_dim ** -0.5,
+                meta.block_size, self.scale,
             )
         batch = meta.decode_block_tables.shape[0]
         keys = self._gather(k_cache, meta.decode_block_tables, meta.block_size)
@@ -209,7 +213,7 @@ class PagedAttention:
         # dimension of their group, so GQA needs no repeated K/V.
         grouped_q = q.view(batch, self.num_kv_heads, self.group_size, self.head_dim)
         out = F.scaled_dot_product_attention(
-            grouped_q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=meta.decode_mask
+            grouped_q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=meta.decode_mask, scale=self._sdpa_scale
         )
         return out.reshape(batch, self.num_heads, self.head_dim)
 
@@ -237,6 +241,7 @@ class PagedAttention:
             attn_mask=seg.mask,
             is_causal=causal,
             enable_gqa=True,
+            scale=self._sdpa_scale,
         )
         return out[0].transpose(0, 1)
 

@@ -44,10 +44,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "attn_logit_softcapping": (None,),
     "final_logit_softcapping": (None,),
     "logit_softcapping": (None,),
-    "embedding_multiplier": (None, 1, 1.0),
-    "residual_multiplier": (None, 1, 1.0),
-    "attention_multiplier": (None,),
-    "logits_scaling": (None, 1, 1.0),
     "query_pre_attn_scalar": (None,),
 }
 
@@ -98,4 +94,8 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
         sliding_window=int(window) if window is not None else None,
+        attention_scale=float(raw["attention_multiplier"]) if raw.get("attention_multiplier") is not None else None,
+        embedding_scale=float(raw.get("embedding_multiplier") or 1.0),
+        residual_scale=float(raw.get("residual_multiplier") or 1.0),
+        logit_scale=float(raw.get("logits_scaling") or 1.0),
     )

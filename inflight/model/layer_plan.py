@@ -61,6 +61,8 @@ class Op:
     ADD_RESIDUAL = "add_residual"
     # dst = rms_norm(src) * `param`
     RMS_NORM = "rms_norm"
+    # dst = src * `param`, a number (Granite's residual multiplier)
+    SCALE = "scale"
 
 
 class Step(NamedTuple):
@@ -105,6 +107,25 @@ POST_NORM_LAYER: tuple[Step, ...] = (
     Step(Op.MATMUL, Reg.ACT, Reg.DELTA, "down"),
     Step(Op.RMS_NORM, Reg.DELTA, Reg.DELTA, "mlp_out_norm"),
 )
+
+def with_scaled_residual(plan: Sequence[Step]) -> tuple[Step, ...]:
+    """`plan` with each contribution to the residual stream multiplied by the layer's
+    `residual_scale` as it is complete: after the last step that writes `DELTA` before a step
+    adds it to the residual stream (the plan repeating layer after layer, so the layer's last
+    contribution is scaled before the model adds it after the last layer)."""
+    adds = (Op.ADD_RMS_NORM, Op.ADD_RESIDUAL)
+    n = len(plan)
+    scaled: list[Step] = []
+    for j, step in enumerate(plan):
+        scaled.append(step)
+        if step.dst != Reg.DELTA:
+            continue
+        after = next(plan[(j + k) % n] for k in range(1, n + 1)
+                     if Reg.DELTA in (plan[(j + k) % n].src, plan[(j + k) % n].dst))
+        if after.op in adds and after.src == Reg.DELTA:
+            scaled.append(Step(Op.SCALE, Reg.DELTA, Reg.DELTA, "residual_scale"))
+    return tuple(scaled)
+
 
 OUTPUT = Reg.DELTA
 

@@ -1,5 +1,5 @@
 """The decoder of every architecture in `architectures.py` (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3,
-OLMo 2) on packed tokens: each runs its own layer plan.
+OLMo 2, Granite) on packed tokens: each runs its own layer plan.
 
 Every token-wise operation runs on one flattened `[num_tokens, hidden]` tensor holding the new
 tokens of all requests in the step; only attention looks at request boundaries, through the
@@ -20,7 +20,7 @@ from inflight.errors import ModelLoadError
 from inflight.model.architectures import Architecture, architecture
 from inflight.model.attention import AttentionMetadata, PagedAttention
 from inflight.model.kernels import cpu_kernels
-from inflight.model.layer_plan import OUTPUT, Op, Reg, Step, compiled_ops, released_after
+from inflight.model.layer_plan import OUTPUT, Op, Reg, Step, compiled_ops, released_after, with_scaled_residual
 from inflight.model.linear import GGUF_BLOCKS_MAX_ROWS, Linear, linear_backend
 from inflight.model.token_ops import CpuKernelTokenOps, KVStore, TorchTokenOps
 
@@ -61,6 +61,7 @@ class DecoderLayer(NamedTuple):
     attn_out_norm: torch.Tensor | None = None  # of attention's output (OLMo 2)
     mlp_out_norm: torch.Tensor | None = None  # of the MLP's output (OLMo 2)
     qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None  # q's and k's RMSNorm scales (Qwen3, OLMo 2)
+    residual_scale: float = 1.0  # what each contribution to the residual stream is multiplied by (Granite)
 
 
 NORMS = ("input_norm", "post_norm")
@@ -122,6 +123,7 @@ class LlamaModel:
                 gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
                                bias=biases(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
                 down=linear(p + "mlp.down_proj.weight", bias=biases(p + "mlp.down_proj.weight")),
+                residual_scale=config.residual_scale,
                 **self._layer_extras(arch, take, p),
             ))
         unused = sorted(set(weights) - taken)
@@ -129,12 +131,13 @@ class LlamaModel:
             shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
             raise ModelLoadError(f"the checkpoint has weights the {config.architecture} plan does not use: {shown}")
         kernels = cpu_kernels() if device.type == "cpu" and self.dtype == torch.float32 else None
-        self.attention = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim, kernels)
+        self.attention = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim, kernels,
+                                        scale=config.attention_scale)
         shape = (config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps)
         self.ops = CpuKernelTokenOps(*shape, kernels) if kernels is not None else TorchTokenOps(*shape)
         self._rope_inv_freq = rope_inv_freq(config).to(device)
         self._rope_cos, self._rope_sin = self._rope_table(config.max_position_embeddings)
-        self.plan: tuple[Step, ...] = arch.plan
+        self.plan: tuple[Step, ...] = arch.plan if config.residual_scale == 1 else with_scaled_residual(arch.plan)
         self.decoder_stack = self._decoder_stack(kernels)
 
     @staticmethod
@@ -150,6 +153,8 @@ class LlamaModel:
         `_layers` in the same order, without Python between them. None elsewhere."""
         layers = self.layers
         if kernels is None or not compiled_ops(self.plan, kernels.plan_ops()):
+            return None
+        if self.config.attention_scale is not None:  # the compiled attention scales by head_dim ** -0.5
             return None
         if any(getattr(layer, f).backend != "inflight" for layer in layers for f in MATMULS):
             return None
@@ -182,13 +187,16 @@ class LlamaModel:
         """Runs one step over packed tokens and returns fp32 logits `[len(logits_indices), vocab]`:
         the LM head runs only on the rows whose next token is wanted."""
         hidden = self.embed_tokens.index_select(0, input_ids)
+        if self.config.embedding_scale != 1:
+            hidden = hidden * self.config.embedding_scale
         if self.decoder_stack is not None:
             mlp = self._compiled_layers(hidden, positions, kv_caches, attn_meta)
         else:
             mlp = self._layers(hidden, positions, kv_caches, attn_meta)
         # After the last layer only the rows that sample a token matter.
         hidden = hidden.index_select(0, logits_indices) + mlp.index_select(0, logits_indices)
-        return self.lm_head(self.ops.rms_norm(hidden, self.final_norm)).float()
+        logits = self.lm_head(self.ops.rms_norm(hidden, self.final_norm)).float()
+        return logits / self.config.logit_scale if self.config.logit_scale != 1 else logits
 
     def _layers(self, hidden: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn_meta: AttentionMetadata) -> torch.Tensor:
@@ -221,6 +229,8 @@ class LlamaModel:
                     reg[dst] = hidden
                 elif op == Op.RMS_NORM:
                     reg[dst] = ops.rms_norm(x, weight)
+                elif op == Op.SCALE:
+                    reg[dst] = x * weight
                 else:
                     raise ValueError(f"no implementation of the plan's op {op!r}")
                 for r in release:

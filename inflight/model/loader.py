@@ -136,7 +136,7 @@ class GGUFIndex:
     tensors: list[GGUFTensor]
 
 
-_INDEX_VERSION = 2  # 2: sliding_window in the config; the metadata refusals run before an index is kept
+_INDEX_VERSION = 3  # 2: sliding_window, and refusals before an index is kept; 3: Granite's scales
 
 
 def cache_dir() -> Path:
@@ -283,6 +283,10 @@ def _gguf_config(reader: Any) -> ModelConfig:
         bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(int(t) for t in (eos, eot) if t is not None),
         sliding_window=int(window) if window else None,
+        attention_scale=float(scale) if (scale := gguf_field(reader, f"{arch}.attention.scale")) else None,
+        embedding_scale=float(gguf_field(reader, f"{arch}.embedding_scale") or 1.0),
+        residual_scale=float(gguf_field(reader, f"{arch}.residual_scale") or 1.0),
+        logit_scale=float(gguf_field(reader, f"{arch}.logit_scale") or 1.0),
     )
 
 
