@@ -49,6 +49,8 @@ class ModelConfig:
     # factor, the factor of each attention and MLP output joining the residual stream, and the
     # divisor of the logits.
     attention_scale: float | None = None
+    # Per layer, whether it rotates q and k (SmolLM3's NoPE layers do not); None: every layer.
+    rope_layers: tuple[bool, ...] | None = None
     embedding_scale: float = 1.0
     residual_scale: float = 1.0
     logit_scale: float = 1.0

@@ -156,8 +156,8 @@ def test_a_config_key_that_changes_the_arithmetic_is_refused_by_name(tmp_path, k
 def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     """`model`'s config and fp32 weights as llama.cpp's converter writes them, under its tensor
     names: q and k rows in Hugging Face's order for NeoX-rotary architectures (Qwen2, Qwen3,
-    OLMo 2), each head's rotary halves interleaved for the Llama-style ones (Granite); Granite's
-    multipliers as its scales."""
+    OLMo 2), each head's rotary halves interleaved for the Llama-style ones (Granite, SmolLM3);
+    Granite's multipliers as its scales."""
     import gguf
 
     from inflight.model.architectures import GGUF_LAYER_NAMES
@@ -196,7 +196,7 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
             gguf_name = f"blk.{index}.{to_gguf[rest]}"
         else:
             gguf_name = top[name]
-        if arch == "granite" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in ("granite", "smollm3") and name.endswith(("q_proj.weight", "k_proj.weight")):
             tensor = interleaved(tensor, cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
         w.add_tensor(gguf_name, tensor.detach().float().numpy())
     w.write_header_to_file()
@@ -205,14 +205,14 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     w.close()
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "granite"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "granite", "smollm3"])
 def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arch):
     """Qwen3 (q and k RMS-normalized per head before rotary, head_dim beyond hidden / heads),
     Qwen2 (q/k/v biases), OLMo 2 (attention's and the MLP's outputs normalized instead of their
-    inputs, q and k over the whole projection) and Granite (embedding, residual and attention
-    multipliers, logits scaling), each from a Hugging Face directory and from a GGUF file in
-    llama.cpp's layout, against transformers: reading the same GGUF where it can (not OLMo 2 or
-    Granite), else the model the file was written from."""
+    inputs, q and k over the whole projection), Granite (embedding, residual and attention
+    multipliers, logits scaling) and SmolLM3 (every fourth layer without rotary), each from a
+    Hugging Face directory and from a GGUF file in llama.cpp's layout, against transformers:
+    reading the same GGUF where it can (Qwen), else the model the file was written from."""
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -224,6 +224,9 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=128))
     elif arch == "olmo2":
         model = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**common))
+    elif arch == "smollm3":  # 4 layers: the fourth is NoPE, as llama.cpp fixes it for this architecture
+        model = transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(**{**common, "num_hidden_layers": 4},
+                                                                           pad_token_id=0))
     elif arch == "granite":
         model = transformers.GraniteForCausalLM(transformers.GraniteConfig(
             **common, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=1.0,
@@ -237,7 +240,7 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
     model.eval().save_pretrained(tmp_path / "hf", safe_serialization=True)
     write_gguf_from_hf(tmp_path / "tiny.gguf", arch, model)
     ids = list(range(5, 5 + 90))
-    from_gguf = model if arch in ("olmo2", "granite") else AutoModelForCausalLM.from_pretrained(
+    from_gguf = model if arch in ("olmo2", "granite", "smollm3") else AutoModelForCausalLM.from_pretrained(
         tmp_path, gguf_file="tiny.gguf", dtype=torch.float32).eval()
     for source, reference in [(tmp_path / "hf", model), (tmp_path / "tiny.gguf", from_gguf)]:
         config, weights = load_checkpoint(resolve_model(str(source)), torch.float32)

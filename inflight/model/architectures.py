@@ -25,6 +25,9 @@ class Architecture:
     # DecoderLayer field -> the Hugging Face names of the weights it holds together (as a tuple),
     # for the plan's steps beyond Llama's.
     extra_weights: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # llama.cpp's fixed NoPE pattern for the architecture's GGUF files: every n-th layer does not
+    # rotate (SmolLM3: 4); None: every layer rotates.
+    gguf_nope_interval: int | None = None
     # llama.cpp's converter interleaves each head's rotary halves in the q and k rows of the
     # Llama-style architectures it rotates as "normal" rope; those in NeoX order are stored as
     # Hugging Face has them.
@@ -38,6 +41,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     Architecture("llama"),
     Architecture("mistral"),
     Architecture("granite"),  # Llama's layer; its multipliers are the config's scales (ModelConfig)
+    Architecture("smollm3", gguf_nope_interval=4),  # Llama's layer; NoPE layers as the config's rope_layers
     Architecture("qwen2", gguf_interleaved_qk=False),
     Architecture("qwen3", plan=QK_NORM_LAYER, extra_weights=_QK_NORM, gguf_interleaved_qk=False),
     Architecture("olmo2", plan=POST_NORM_LAYER, norms=_POST_NORMS, extra_weights=_QK_NORM, gguf_interleaved_qk=False),

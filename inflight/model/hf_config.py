@@ -98,4 +98,21 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         embedding_scale=float(raw.get("embedding_multiplier") or 1.0),
         residual_scale=float(raw.get("residual_multiplier") or 1.0),
         logit_scale=float(raw.get("logits_scaling") or 1.0),
+        rope_layers=_rope_layers(raw),
     )
+
+
+def _rope_layers(raw: dict[str, Any]) -> tuple[bool, ...] | None:
+    """SmolLM3's `no_rope_layers` (1: the layer uses rotary, 0: it does not), or its default of a
+    NoPE layer every `no_rope_layer_interval` layers; None for a model whose layers all rotate."""
+    layers = int(raw["num_hidden_layers"])
+    if raw.get("no_rope_layers") is not None:
+        return tuple(bool(x) for x in raw["no_rope_layers"][:layers])
+    if raw.get("model_type") == "smollm3":
+        return nope_every(int(raw.get("no_rope_layer_interval", 4)), layers)
+    return None
+
+
+def nope_every(interval: int, num_layers: int) -> tuple[bool, ...]:
+    """Every `interval`-th layer without rotary, the others with it."""
+    return tuple((i + 1) % interval != 0 for i in range(num_layers))

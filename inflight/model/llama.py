@@ -1,5 +1,5 @@
 """The decoder of every architecture in `architectures.py` (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3,
-OLMo 2, Granite) on packed tokens: each runs its own layer plan.
+OLMo 2, Granite, SmolLM3) on packed tokens: each runs its own layer plan.
 
 Every token-wise operation runs on one flattened `[num_tokens, hidden]` tensor holding the new
 tokens of all requests in the step; only attention looks at request boundaries, through the
@@ -62,6 +62,7 @@ class DecoderLayer(NamedTuple):
     mlp_out_norm: torch.Tensor | None = None  # of the MLP's output (OLMo 2)
     qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None  # q's and k's RMSNorm scales (Qwen3, OLMo 2)
     residual_scale: float = 1.0  # what each contribution to the residual stream is multiplied by (Granite)
+    rotary: bool = True  # whether q and k are rotated (SmolLM3's NoPE layers: not)
 
 
 NORMS = ("input_norm", "post_norm")
@@ -124,6 +125,7 @@ class LlamaModel:
                                bias=biases(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
                 down=linear(p + "mlp.down_proj.weight", bias=biases(p + "mlp.down_proj.weight")),
                 residual_scale=config.residual_scale,
+                rotary=config.rope_layers[i] if config.rope_layers is not None else True,
                 **self._layer_extras(arch, take, p),
             ))
         unused = sorted(set(weights) - taken)
@@ -155,6 +157,8 @@ class LlamaModel:
         if kernels is None or not compiled_ops(self.plan, kernels.plan_ops()):
             return None
         if self.config.attention_scale is not None:  # the compiled attention scales by head_dim ** -0.5
+            return None
+        if not all(layer.rotary for layer in layers):  # the compiled stack rotates every layer
             return None
         if any(getattr(layer, f).backend != "inflight" for layer in layers for f in MATMULS):
             return None
@@ -203,10 +207,14 @@ class LlamaModel:
         """Every decoder layer over the step's tokens, `self.plan` interpreted step by step: updates
         the residual stream `hidden` in place and returns the plan's output register."""
         ops, attention = self.ops, self.attention
-        cos, sin = self._rope_cos, self._rope_sin
+        rotary = self._rope_cos, self._rope_sin
+        # A NoPE layer "rotates" by angle 0: the same op, with cos 1 and sin 0.
+        identity = (torch.ones_like(self._rope_cos), torch.zeros_like(self._rope_sin)) if not all(
+            layer.rotary for layer in self.layers) else rotary
         reg: list[Any] = [None] * len(Reg)
         steps = list(zip(self.plan, released_after(self.plan), strict=True))
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            cos, sin = rotary if layer.rotary else identity
             for (op, src, dst, param), release in steps:
                 x = reg[src]
                 weight: Any = getattr(layer, param) if param is not None else None

