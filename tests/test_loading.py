@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -205,19 +206,13 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     w.close()
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "granite", "smollm3"])
-def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arch):
-    """Qwen3 (q and k RMS-normalized per head before rotary, head_dim beyond hidden / heads),
-    Qwen2 (q/k/v biases), OLMo 2 (attention's and the MLP's outputs normalized instead of their
-    inputs, q and k over the whole projection), Granite (embedding, residual and attention
-    multipliers, logits scaling) and SmolLM3 (every fourth layer without rotary), each from a
-    Hugging Face directory and from a GGUF file in llama.cpp's layout, against transformers:
-    reading the same GGUF where it can (Qwen), else the model the file was written from."""
+def tiny_hf_model(arch: str, vocab: int = TINY["vocab"]) -> Any:
+    """A small transformers model of `arch` with seeded random weights, its norm scales and
+    biases moved away from 1 and 0 so that a dropped one shows."""
     import transformers
-    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    common = dict(vocab_size=TINY["vocab"], hidden_size=128, intermediate_size=TINY["intermediate"],
+    common = dict(vocab_size=vocab, hidden_size=128, intermediate_size=TINY["intermediate"],
                   num_hidden_layers=TINY["layers"], num_attention_heads=2, num_key_value_heads=1,
                   max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
     if arch == "qwen3":
@@ -237,6 +232,20 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.3)
+    return model.eval()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "granite", "smollm3"])
+def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arch):
+    """Qwen3 (q and k RMS-normalized per head before rotary, head_dim beyond hidden / heads),
+    Qwen2 (q/k/v biases), OLMo 2 (attention's and the MLP's outputs normalized instead of their
+    inputs, q and k over the whole projection), Granite (embedding, residual and attention
+    multipliers, logits scaling) and SmolLM3 (every fourth layer without rotary), each from a
+    Hugging Face directory and from a GGUF file in llama.cpp's layout, against transformers:
+    reading the same GGUF where it can (Qwen), else the model the file was written from."""
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_hf_model(arch)
     model.eval().save_pretrained(tmp_path / "hf", safe_serialization=True)
     write_gguf_from_hf(tmp_path / "tiny.gguf", arch, model)
     ids = list(range(5, 5 + 90))
@@ -247,6 +256,50 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
         assert (config.architecture, config.head_dim) == (arch, 128 if arch == "qwen3" else 64)
         ours = LlamaModel(config, weights, torch.device("cpu"))
         torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(reference, ids), atol=1e-4, rtol=1e-4)
+
+
+def save_word_tokenizer(path: Path, vocab_size: int) -> None:
+    """A word-level tokenizer over `vocab_size` ids (words w0, w1, ..., the chat roles and ChatML's
+    markers) with a ChatML chat template, saved as transformers saves one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<|im_start|>", "<|im_end|>"]
+    words = ["system", "user", "assistant", *special]
+    vocab = {f"w{i}": i for i in range(vocab_size - len(words))}
+    vocab.update({w: vocab_size - len(words) + i for i, w in enumerate(words)})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", unk_token="w0",
+                                 additional_special_tokens=special[:1])
+    hf.chat_template = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
+                        "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+    hf.save_pretrained(path)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "olmo2", "smollm3"])
+def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arch):
+    """Through the engine as a user runs it: the directory's own tokenizer and chat template, a
+    batch of chats in small prefill chunks, the prefix cache shared by their system prompt, then
+    decodes: each greedy output is transformers' `generate` on the same ids."""
+    from inflight import LLM
+
+    model = tiny_hf_model(arch)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    save_word_tokenizer(tmp_path, TINY["vocab"])
+    system = {"role": "system", "content": " ".join(f"w{i}" for i in range(40, 72))}
+    chats = [[system, {"role": "user", "content": f"w{3 * i + 5} w{i + 100} w{7 * i + 11}"}] for i in range(3)]
+    llm = LLM(model=str(tmp_path), num_kv_blocks=64, block_size=16, max_num_tokens=24, enable_prefix_caching=True)
+    outs = llm.generate(chats, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    assert max(r.num_prefill_tokens for r in llm.engine.step_records) <= 24  # chunked
+    assert sum(o.num_cached_tokens for o in outs) > 0  # the system prompt's full blocks reused
+    model.generation_config.eos_token_id = None
+    for chat, out in zip(chats, outs, strict=True):
+        ids = llm.engine.tokenize(messages=chat)
+        assert ids[:2] == [TINY["vocab"] - 2, TINY["vocab"] - 5]  # <|im_start|> system: the template's
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False)[0, len(ids):]
+        assert out.token_ids == expected.tolist()
 
 
 # --- GGUF files of every supported tensor type ------------------------------------------------
