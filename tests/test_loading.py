@@ -161,7 +161,7 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     Granite's multipliers as its scales."""
     import gguf
 
-    from inflight.model.architectures import GGUF_LAYER_NAMES
+    from inflight.model.architectures import GGUF_LAYER_NAMES, architecture
 
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -177,6 +177,7 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     w.add_rope_freq_base(cfg.rope_theta if hasattr(cfg, "rope_theta") else cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
+    w.add_pad_token_id(0)  # inside the tiny vocabulary (transformers' Phi-3 default is not)
     for key, scale in [("attention_multiplier", w.add_attention_scale), ("embedding_multiplier", w.add_embedding_scale),
                        ("residual_multiplier", w.add_residual_scale), ("logits_scaling", w.add_logit_scale)]:
         if getattr(cfg, key, None) is not None:
@@ -186,6 +187,7 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
         return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
     to_gguf = {hf: g for g, hf in GGUF_LAYER_NAMES.items()}
+    to_gguf.update({hf: g for g, hf in architecture(arch).gguf_names.items()})
     # Hugging Face's post_attention_layernorm is llama.cpp's ffn_norm where it comes before the
     # MLP (Qwen) and its post_attention_norm where it normalizes attention's output (OLMo 2).
     to_gguf["post_attention_layernorm.weight"] = "post_attention_norm.weight" if arch == "olmo2" else "ffn_norm.weight"
@@ -222,6 +224,8 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"]) -> Any:
     elif arch == "smollm3":  # 4 layers: the fourth is NoPE, as llama.cpp fixes it for this architecture
         model = transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(**{**common, "num_hidden_layers": 4},
                                                                            pad_token_id=0))
+    elif arch == "phi3":
+        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**common, sliding_window=None, pad_token_id=0))
     elif arch == "granite":
         model = transformers.GraniteForCausalLM(transformers.GraniteConfig(
             **common, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=1.0,
@@ -235,14 +239,15 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"]) -> Any:
     return model.eval()
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "granite", "smollm3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3"])
 def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arch):
     """Qwen3 (q and k RMS-normalized per head before rotary, head_dim beyond hidden / heads),
     Qwen2 (q/k/v biases), OLMo 2 (attention's and the MLP's outputs normalized instead of their
     inputs, q and k over the whole projection), Granite (embedding, residual and attention
-    multipliers, logits scaling) and SmolLM3 (every fourth layer without rotary), each from a
-    Hugging Face directory and from a GGUF file in llama.cpp's layout, against transformers:
-    reading the same GGUF where it can (Qwen), else the model the file was written from."""
+    multipliers, logits scaling), SmolLM3 (every fourth layer without rotary) and Phi-3 (q, k, v
+    and gate, up stored fused), each from a Hugging Face directory and from a GGUF file in
+    llama.cpp's layout, against transformers: reading the same GGUF where it can (Qwen, Phi-3),
+    else the model the file was written from."""
     from transformers import AutoModelForCausalLM
 
     model = tiny_hf_model(arch)

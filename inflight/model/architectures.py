@@ -12,6 +12,12 @@ from dataclasses import dataclass, field
 from inflight.errors import ModelLoadError
 from inflight.model.layer_plan import LLAMA_LAYER, POST_NORM_LAYER, QK_NORM_LAYER, Step
 
+_LLAMA_MATMULS: dict[str, tuple[str, ...]] = {
+    "qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "o": ("self_attn.o_proj.weight",),
+    "gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "down": ("mlp.down_proj.weight",),
+}
 _LLAMA_NORMS: dict[str, str] = {"input_norm": "input_layernorm.weight",
                                 "post_norm": "post_attention_layernorm.weight"}
 
@@ -20,6 +26,9 @@ _LLAMA_NORMS: dict[str, str] = {"input_norm": "input_layernorm.weight",
 class Architecture:
     name: str
     plan: tuple[Step, ...] = LLAMA_LAYER
+    # DecoderLayer matmul field -> the Hugging Face names (under `model.layers.N.`) of the weights
+    # fused into it, in order (a checkpoint that stores them fused names one).
+    matmuls: dict[str, tuple[str, ...]] = field(default_factory=lambda: dict(_LLAMA_MATMULS))
     # DecoderLayer norm field -> its Hugging Face name under `model.layers.N.`.
     norms: dict[str, str] = field(default_factory=lambda: dict(_LLAMA_NORMS))
     # DecoderLayer field -> the Hugging Face names of the weights it holds together (as a tuple),
@@ -32,6 +41,8 @@ class Architecture:
     # Llama-style architectures it rotates as "normal" rope; those in NeoX order are stored as
     # Hugging Face has them.
     gguf_interleaved_qk: bool = True
+    # llama.cpp tensor names this architecture uses for other weights than `GGUF_LAYER_NAMES` says.
+    gguf_names: dict[str, str] = field(default_factory=dict)
 
 
 _POST_NORMS = {"attn_out_norm": "post_attention_layernorm.weight", "mlp_out_norm": "post_feedforward_layernorm.weight"}
@@ -43,6 +54,12 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     Architecture("granite"),  # Llama's layer; its multipliers are the config's scales (ModelConfig)
     Architecture("smollm3", gguf_nope_interval=4),  # Llama's layer; NoPE layers as the config's rope_layers
     Architecture("qwen2", gguf_interleaved_qk=False),
+    # Phi-3: q, k and v, and gate and up, stored fused, in Hugging Face's order (NeoX rotary).
+    Architecture("phi3", matmuls={**_LLAMA_MATMULS, "qkv": ("self_attn.qkv_proj.weight",),
+                                  "gate_up": ("mlp.gate_up_proj.weight",)},
+                 gguf_interleaved_qk=False,
+                 gguf_names={"attn_qkv.weight": "self_attn.qkv_proj.weight",
+                             "ffn_up.weight": "mlp.gate_up_proj.weight"}),
     Architecture("qwen3", plan=QK_NORM_LAYER, extra_weights=_QK_NORM, gguf_interleaved_qk=False),
     Architecture("olmo2", plan=POST_NORM_LAYER, norms=_POST_NORMS, extra_weights=_QK_NORM, gguf_interleaved_qk=False),
 ]}

@@ -1,5 +1,5 @@
 """The decoder of every architecture in `architectures.py` (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3,
-OLMo 2, Granite, SmolLM3) on packed tokens: each runs its own layer plan.
+OLMo 2, Granite, SmolLM3, Phi-3) on packed tokens: each runs its own layer plan.
 
 Every token-wise operation runs on one flattened `[num_tokens, hidden]` tensor holding the new
 tokens of all requests in the step; only attention looks at request boundaries, through the
@@ -115,15 +115,10 @@ class LlamaModel:
         self.layers: list[DecoderLayer] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            attn = p + "self_attn."
-            qkv = [f"{attn}{n}_proj.weight" for n in "qkv"]
-            qkv_bias = tuple(f"{attn}{n}_proj.bias" for n in "qkv") if config.attention_bias else None
+            matmuls: dict[str, Any] = {field: linear(*fused, bias=biases(*fused)) for field, fused in (
+                (field, [p + n for n in suffixes]) for field, suffixes in arch.matmuls.items())}
             self.layers.append(DecoderLayer(
-                qkv=linear(*qkv, bias=qkv_bias),
-                o=linear(attn + "o_proj.weight", bias=biases(attn + "o_proj.weight")),
-                gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
-                               bias=biases(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
-                down=linear(p + "mlp.down_proj.weight", bias=biases(p + "mlp.down_proj.weight")),
+                **matmuls,
                 residual_scale=config.residual_scale,
                 rotary=config.rope_layers[i] if config.rope_layers is not None else True,
                 **self._layer_extras(arch, take, p),

@@ -315,7 +315,7 @@ def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 def _gguf_weights(tensors: list[GGUFTensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     for tensor in tensors:
-        name = _gguf_to_hf_name(tensor.name)
+        name = _gguf_to_hf_name(tensor.name, config.architecture)
         array = _dequantize(tensor)
         # The reader gives numpy's row-major shape for unquantized data; quantized data comes
         # back as rows of elements. Either way the logical shape is GGUF's shape reversed.
@@ -350,7 +350,7 @@ def load_gguf_blocks(source: ModelSource, config: ModelConfig) -> dict[str, tupl
         return {}
     blocks: dict[str, tuple[str, torch.Tensor]] = {}
     for tensor in _open_gguf(source.path).tensors:
-        name = _gguf_to_hf_name(tensor.name)
+        name = _gguf_to_hf_name(tensor.name, config.architecture)
         if tensor.tensor_type.name not in BLOCK_TYPES or len(tensor.shape) != 2:
             continue
         rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8)).reshape(int(tensor.shape[1]), -1)
@@ -360,13 +360,14 @@ def load_gguf_blocks(source: ModelSource, config: ModelConfig) -> dict[str, tupl
     return blocks
 
 
-def _gguf_to_hf_name(name: str) -> str:
+def _gguf_to_hf_name(name: str, arch: str) -> str:
     if name in _GGUF_TOP_NAMES:
         return _GGUF_TOP_NAMES[name]
     if name.startswith("blk."):
         _, index, rest = name.split(".", 2)
-        if rest in GGUF_LAYER_NAMES:
-            return f"model.layers.{index}.{GGUF_LAYER_NAMES[rest]}"
+        layer_names = {**GGUF_LAYER_NAMES, **architecture(arch).gguf_names}
+        if rest in layer_names:
+            return f"model.layers.{index}.{layer_names[rest]}"
     if name == "rope_freqs.weight":
         raise ModelLoadError("GGUF files with rope_freqs (Llama 3.1 rope scaling) are not supported yet")
     # A tensor the model would not read is a feature it would silently leave out.
