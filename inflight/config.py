@@ -42,8 +42,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Attention over the last `sliding_window` positions only (Mistral's, Qwen2's with
-    # use_sliding_window): not computed yet, so an engine refuses contexts longer than it.
+    # use_sliding_window), in the layers `sliding_window_layers` marks (None: every layer).
     sliding_window: int | None = None
+    sliding_window_layers: tuple[bool, ...] | None = None
     # Granite's multipliers (llama.cpp's attention.scale, embedding_scale, residual_scale,
     # logit_scale): the attention's softmax scale (None: head_dim ** -0.5), the embeddings'
     # factor, the factor of each attention and MLP output joining the residual stream, and the

@@ -78,30 +78,51 @@ def test_safetensors_model_matches_transformers(tmp_path, loaded, arch):
     torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
 
 
-def test_a_sliding_window_is_refused_past_it_and_exact_within(tmp_path, loaded):
-    """Sliding-window attention is not computed yet: an engine whose requests could outgrow the
-    window is refused, naming the key; within the window full attention is the model's."""
+@pytest.mark.parametrize("chunk", [256, 7])
+def test_a_sliding_window_is_computed_across_chunks_and_cached_prefixes(tmp_path, loaded, chunk):
+    """Mistral's window of 24 positions over prompts of 40-70 tokens: each query attends to the
+    last 24 positions only, whether its prompt is prefilled whole or in chunks of 7, reads a
+    cached prefix, or decodes past the window; the greedy tokens are transformers'."""
+    import transformers
+
+    from inflight import LLM
+
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(
+        vocab_size=TINY["vocab"], hidden_size=TINY["hidden"], intermediate_size=TINY["intermediate"],
+        num_hidden_layers=TINY["layers"], num_attention_heads=TINY["heads"], num_key_value_heads=TINY["kv_heads"],
+        max_position_embeddings=256, rms_norm_eps=1e-5, sliding_window=24)
+    model = transformers.MistralForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    loaded.tokenizer.hf.save_pretrained(tmp_path)
+    shared = list(range(5, 5 + 32))  # two full blocks, cached after the first request
+    prompts = [shared + list(range(100, 100 + n)) for n in (8, 38)] + [list(range(50, 50 + 45))]
+    llm = LLM(model=str(tmp_path), num_kv_blocks=64, max_num_tokens=chunk, enable_chunked_prefill=True)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = [llm.generate([prompt], params)[0] for prompt in prompts]
+    assert outs[1].num_cached_tokens == 32
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
+        assert out.token_ids == expected.tolist()
+
+
+def test_a_window_in_some_layers_only_is_refused_past_it(tmp_path, loaded):
+    """Qwen2's window from max_window_layers on: not computed yet, so served only within it."""
     import transformers
 
     from inflight import LLM, ConfigError
 
-    torch.manual_seed(0)
-    window = 24
-    config = transformers.MistralConfig(
+    config = transformers.Qwen2Config(
         vocab_size=TINY["vocab"], hidden_size=TINY["hidden"], intermediate_size=TINY["intermediate"],
         num_hidden_layers=TINY["layers"], num_attention_heads=TINY["heads"], num_key_value_heads=TINY["kv_heads"],
-        max_position_embeddings=256, rms_norm_eps=1e-5, sliding_window=window)
-    model = transformers.MistralForCausalLM(config).eval()
-    model.save_pretrained(tmp_path, safe_serialization=True)
+        max_position_embeddings=256, use_sliding_window=True, sliding_window=24, max_window_layers=1)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
     loaded.tokenizer.hf.save_pretrained(tmp_path)
-    with pytest.raises(ConfigError, match=f"sliding window of {window} tokens \\(sliding_window\\).*--max-model-len"):
+    with pytest.raises(ConfigError, match="sliding window of 24 tokens \\(sliding_window\\) in some of its layers"):
         LLM(model=str(tmp_path), num_kv_blocks=16)
-    llm = LLM(model=str(tmp_path), num_kv_blocks=16, max_model_len=window)
-    ids = list(range(5, 5 + window - 4))
-    [out] = llm.generate([ids], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-    with torch.no_grad():
-        expected = model.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False)[0, len(ids):].tolist()
-    assert out.token_ids == expected
+    LLM(model=str(tmp_path), num_kv_blocks=16, max_model_len=24)
 
 
 def test_every_bias_the_checkpoint_has_is_applied_and_no_weight_is_left_out(tmp_path):

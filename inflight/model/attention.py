@@ -22,8 +22,9 @@ class PrefillSegment:
     """A request that computes several new tokens this step (a prompt or a chunk of one).
 
     `block_table` is None when the request has no cached context: its new K/V are all it
-    attends to, with a plain causal mask. Otherwise it lists the blocks of the whole context
-    (cached tokens, then the new ones) and `mask` is `[num_new, num_blocks * block_size]`.
+    attends to, with a plain causal mask (or, longer than a sliding window, `mask` `[num_new,
+    num_new]`). Otherwise it lists the blocks of the whole context (cached tokens, then the new
+    ones) and `mask` is `[num_new, num_blocks * block_size]`.
     """
 
     start: int
@@ -87,20 +88,24 @@ class PagedAttention:
     call per layer for all decodes and one for all prefill segments."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kernels: object = None,
-                 scale: float | None = None) -> None:
-        """`scale`: the softmax scale of q.k (None: head_dim ** -0.5)."""
+                 scale: float | None = None, window: int | None = None) -> None:
+        """`scale`: the softmax scale of q.k (None: head_dim ** -0.5). `window`: each query
+        attends to the last `window` positions only, itself included (sliding-window attention;
+        None: all before it)."""
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale if scale is not None else head_dim ** -0.5
         self._sdpa_scale = scale  # None: SDPA's own 1 / sqrt(head_dim)
+        self.window = window
         self.group_size = num_heads // num_kv_heads
         self.kernels = kernels
 
     def reads_pool_in_place(self, dtype: torch.dtype) -> bool:
         """Whether the compiled kernels serve this dtype: they read the pool through block tables
         and lengths, so no masks or per-segment gathers are needed."""
-        return self.kernels is not None and dtype == torch.float32
+        # The compiled kernels attend to the whole context: a window takes the gathered path.
+        return self.kernels is not None and dtype == torch.float32 and self.window is None
 
     def build_metadata(self, seqs: Sequence[SeqSlice], num_decodes: int, slot_mapping: torch.Tensor,
                        block_size: int, dtype: torch.dtype, device: torch.device) -> AttentionMetadata:
@@ -119,22 +124,32 @@ class PagedAttention:
             num_table = _num_blocks(max(s.end for s in decodes), block_size)
             decode_tables = torch.tensor([_padded(s.block_table, num_table) for s in decodes], device=device)
             if not in_place:  # the gathered path masks the padding; the kernel reads the lengths
-                pos = torch.arange(num_table * block_size, device=device)
-                decode_mask = (pos.unsqueeze(0) < context_lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
+                pos = torch.arange(num_table * block_size, device=device).unsqueeze(0)
+                visible = pos < context_lens.unsqueeze(1)
+                if self.window is not None:
+                    visible &= pos >= context_lens.unsqueeze(1) - self.window
+                decode_mask = visible.view(len(decodes), 1, 1, -1)
 
         segments: list[PrefillSegment] = []
         offset = num_decodes
         for s in prefills:
             start, end = offset, offset + s.num_new_tokens
             offset = end
-            if s.start == 0 or in_place:  # the kernel takes every segment from `prefill_tables`
+            if in_place or (s.start == 0 and (self.window is None or s.num_new_tokens <= self.window)):
+                # The kernel takes every segment from `prefill_tables`; a whole prompt within the
+                # window attends causally to its own new K/V.
                 segments.append(PrefillSegment(start, end, None, None))
                 continue
-            num_table = _num_blocks(s.end, block_size)
-            blocks = torch.tensor(s.block_table[:num_table], device=device)
-            context = torch.arange(num_table * block_size, device=device)
-            query_pos = torch.arange(s.start, s.end, device=device)
-            mask = context.unsqueeze(0) <= query_pos.unsqueeze(1)
+            if s.start == 0:  # a prompt longer than the window: its own K/V, windowed
+                blocks, context = None, torch.arange(s.start, s.end, device=device)
+            else:
+                num_table = _num_blocks(s.end, block_size)
+                blocks = torch.tensor(s.block_table[:num_table], device=device)
+                context = torch.arange(num_table * block_size, device=device)
+            query_pos = torch.arange(s.start, s.end, device=device).unsqueeze(1)
+            mask = context.unsqueeze(0) <= query_pos
+            if self.window is not None:
+                mask &= context.unsqueeze(0) > query_pos - self.window
             segments.append(PrefillSegment(start, end, blocks, mask))
 
         prefill_tables = None
@@ -228,8 +243,8 @@ class PagedAttention:
         block_size: int,
     ) -> torch.Tensor:
         query = q[seg.start:seg.end].transpose(0, 1).unsqueeze(0)
-        if seg.block_table is None:
-            keys, values, causal = k[seg.start:seg.end], v[seg.start:seg.end], True
+        if seg.block_table is None:  # its own new K/V: causal, or windowed by its mask
+            keys, values, causal = k[seg.start:seg.end], v[seg.start:seg.end], seg.mask is None
         else:
             keys = self._gather(k_cache, seg.block_table, block_size)
             values = self._gather(v_cache, seg.block_table, block_size)

@@ -94,12 +94,25 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
         sliding_window=int(window) if window is not None else None,
+        sliding_window_layers=_window_layers(raw) if window is not None else None,
         attention_scale=float(raw["attention_multiplier"]) if raw.get("attention_multiplier") is not None else None,
         embedding_scale=float(raw.get("embedding_multiplier") or 1.0),
         residual_scale=float(raw.get("residual_multiplier") or 1.0),
         logit_scale=float(raw.get("logits_scaling") or 1.0),
         rope_layers=_rope_layers(raw),
     )
+
+
+def _window_layers(raw: dict[str, Any]) -> tuple[bool, ...] | None:
+    """Which layers slide, from `layer_types` (Qwen2's from its `max_window_layers`); None:
+    every layer does (Mistral)."""
+    types = raw.get("layer_types")
+    if types is None and raw.get("max_window_layers") is not None:
+        types = ["sliding_attention" if i >= int(raw["max_window_layers"]) else "full_attention"
+                 for i in range(int(raw["num_hidden_layers"]))]
+    if types is None or all(t == "sliding_attention" for t in types):
+        return None
+    return tuple(t == "sliding_attention" for t in types)
 
 
 def _rope_layers(raw: dict[str, Any]) -> tuple[bool, ...] | None:

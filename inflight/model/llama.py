@@ -128,8 +128,11 @@ class LlamaModel:
             shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
             raise ModelLoadError(f"the checkpoint has weights the {config.architecture} plan does not use: {shown}")
         kernels = cpu_kernels() if device.type == "cpu" and self.dtype == torch.float32 else None
+        # A window in every layer is computed (in the gathered attention path); a window in some
+        # layers only is not yet, and the engine keeps requests within it (LLMEngine).
+        window = config.sliding_window if config.sliding_window_layers is None else None
         self.attention = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim, kernels,
-                                        scale=config.attention_scale)
+                                        scale=config.attention_scale, window=window)
         shape = (config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps)
         self.ops = CpuKernelTokenOps(*shape, kernels) if kernels is not None else TorchTokenOps(*shape)
         self._rope_inv_freq = rope_inv_freq(config).to(device)
@@ -152,6 +155,8 @@ class LlamaModel:
         if kernels is None or not compiled_ops(self.plan, kernels.plan_ops()):
             return None
         if self.config.attention_scale is not None:  # the compiled attention scales by head_dim ** -0.5
+            return None
+        if not self.attention.reads_pool_in_place(self.dtype):  # a window: the gathered attention path
             return None
         if not all(layer.rotary for layer in layers):  # the compiled stack rotates every layer
             return None

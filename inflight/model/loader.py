@@ -136,7 +136,7 @@ class GGUFIndex:
     tensors: list[GGUFTensor]
 
 
-_INDEX_VERSION = 4  # 2: sliding_window, refusals before an index is kept; 3: Granite's scales; 4: NoPE
+_INDEX_VERSION = 5  # 2: sliding_window, refusals before an index is kept; 3: Granite's scales; 4: NoPE; 5: windows
 
 
 def cache_dir() -> Path:
