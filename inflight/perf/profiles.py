@@ -22,7 +22,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Self
 
 from inflight.errors import ConfigError
 
@@ -33,12 +33,32 @@ _GIB = 1024**3
 _T = 1e12
 
 
+class _Record:
+    """A profile dataclass as a JSON record under its `SCHEMA`, read back only under it."""
+
+    SCHEMA: ClassVar[str]
+    WHAT: ClassVar[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": self.SCHEMA, **dataclasses.asdict(self)}  # type: ignore[call-overload]  # a dataclass
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Self:
+        return cls(**_fields_of(cls, data, cls.SCHEMA, cls.WHAT))
+
+    def save(self, path: Path) -> None:
+        write_json(path, self.to_dict())
+
+
 @dataclass(frozen=True)
-class HardwareProfile:
+class HardwareProfile(_Record):
     """One device (a GPU, or a CPU socket). Peaks are per device: `peak_flops` for `dtype` (the
     type an engine computes in by default: bf16 on a GPU, fp32 on a CPU), and the dense 8-bit
     tensor-core peaks where the device has them (0: it has none, and 8-bit weights are then
     dequantized to `dtype` in the matmul). `--tp N` uses N devices linked by the interconnect."""
+
+    SCHEMA: ClassVar[str] = HARDWARE_SCHEMA
+    WHAT: ClassVar[str] = "hardware profile"
 
     name: str
     kind: str  # "gpu" or "cpu"
@@ -61,15 +81,6 @@ class HardwareProfile:
             if getattr(self, name) < 0:
                 raise ConfigError(f"hardware {self.name}: {name} must be >= 0")
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"schema": HARDWARE_SCHEMA, **dataclasses.asdict(self)}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> HardwareProfile:
-        return cls(**_fields_of(cls, data, HARDWARE_SCHEMA, "hardware profile"))
-
-    def save(self, path: Path) -> None:
-        write_json(path, self.to_dict())
 
 
 def _fields_of(cls: type, data: dict[str, Any], schema: str, what: str) -> dict[str, Any]:
@@ -138,7 +149,7 @@ ROOFLINES = ("max", "sum", "smooth")
 
 
 @dataclass(frozen=True)
-class EngineProfile:
+class EngineProfile(_Record):
     """One engine's kernels and step loop, on the `kind` of device it was fitted for.
 
     - Linear layers and attention reach `*_efficiency` of the device's peaks; 8-bit matmuls on
@@ -158,6 +169,9 @@ class EngineProfile:
       each row after the first costing `small_batch_row_s` more; more rows run as a GEMM that
       packs the weights first, `gemm_step_s` per step. GPUs: 1 and zeros.
     """
+
+    SCHEMA: ClassVar[str] = ENGINE_SCHEMA
+    WHAT: ClassVar[str] = "engine profile"
 
     name: str
     kind: str = "gpu"
@@ -210,15 +224,6 @@ class EngineProfile:
         return (self.cuda_graphs and decode_only and num_requests > 0
                 and (self.cuda_graph_max_batch == 0 or num_requests <= self.cuda_graph_max_batch))
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"schema": ENGINE_SCHEMA, **dataclasses.asdict(self)}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> EngineProfile:
-        return cls(**_fields_of(cls, data, ENGINE_SCHEMA, "engine profile"))
-
-    def save(self, path: Path) -> None:
-        write_json(path, self.to_dict())
 
 
 def save_profile(path: Path, hardware: HardwareProfile, engine: EngineProfile) -> None:
