@@ -115,8 +115,8 @@ class LlamaModel:
         self.layers: list[DecoderLayer] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            matmuls: dict[str, Any] = {field: linear(*fused, bias=biases(*fused)) for field, fused in (
-                (field, [p + n for n in suffixes]) for field, suffixes in arch.matmuls.items())}
+            fused = {field: [p + n for n in suffixes] for field, suffixes in arch.matmuls.items()}
+            matmuls: dict[str, Any] = {field: linear(*names, bias=biases(*names)) for field, names in fused.items()}
             self.layers.append(DecoderLayer(
                 **matmuls,
                 residual_scale=config.residual_scale,
