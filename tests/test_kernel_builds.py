@@ -109,3 +109,17 @@ def test_the_avx512_branch_compiles() -> None:
     assert run.returncode == 0, run.stderr[-6000:]
     stamp.parent.mkdir(parents=True, exist_ok=True)
     stamp.touch()
+
+
+def test_a_build_killed_while_compiling_does_not_hang_the_next_load() -> None:
+    """torch's builder leaves its `lock` file behind when killed mid-compile; the next load
+    (here of the cached native build) must not wait on it for ever."""
+    if kernels.cpu_kernels() is None:
+        pytest.skip("no C++ compiler for the CPU kernels")
+    build_dir = Path(kernels.cpu_kernels().__file__).parent
+    (build_dir / "lock").touch()
+    code = "from inflight.model.kernels import load_kernels; print(load_kernels('native').isa())"
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split()[-1] == kernels.cpu_kernels().isa()
+    assert not (build_dir / "lock").exists()

@@ -1,6 +1,6 @@
 """Optional C++ kernels for CPU, compiled on first use with torch's extension builder and
-cached (in $TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). Where no compiler is at
-hand, or INFLIGHT_CPU_KERNELS=0, callers fall back to the plain-PyTorch path.
+cached (under $INFLIGHT_CACHE, default ~/.cache/inflight: `kernel-builds/`). Where no compiler
+is at hand, or INFLIGHT_CPU_KERNELS=0, callers fall back to the plain-PyTorch path.
 
 The source has three instruction-set branches (AVX-512, AVX2 with FMA, and portable C++ that
 the compiler vectorises as it can); `-march=native` picks the widest this CPU runs. The other
@@ -10,6 +10,7 @@ tests/test_kernel_builds.py)."""
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -57,19 +58,48 @@ def kernel_target() -> str:
     return target
 
 
+def _cache_root() -> Path:
+    return Path(os.environ.get("INFLIGHT_CACHE", Path.home() / ".cache" / "inflight"))
+
+
+def _stable_source() -> Path:
+    """The source copied to a path named by its contents ($INFLIGHT_CACHE/kernel-sources): the
+    build rules name the source's path, so two checkouts of the same code (a clone beside the
+    working tree, CI's fresh one) would otherwise each rebuild the cached module in turn."""
+    text = SOURCE.read_bytes()
+    stable = _cache_root() / "kernel-sources" / hashlib.sha256(text).hexdigest()[:16] / SOURCE.name
+    if not stable.is_file():
+        stable.parent.mkdir(parents=True, exist_ok=True)
+        tmp = stable.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(text)
+        os.replace(tmp, stable)
+    return stable
+
+
 def load_kernels(target: str = "native") -> ModuleType:
     """Builds (or finds in the cache) the kernels for `target` and loads them; raises if the
     compiler fails. Builds of different targets load side by side."""
     from torch.utils.cpp_extension import load
 
     suffix = "" if target == "native" else f"_{target}"
-    return load(
-        name=f"inflight_cpu_kernels_{_cpu_tag()}{suffix}",
-        sources=[str(SOURCE)],
-        extra_cflags=CFLAGS + TARGETS[target],
-        extra_ldflags=LDFLAGS,
-        verbose=False,
-    )
+    name = f"inflight_cpu_kernels_{_cpu_tag()}{suffix}"
+    build_dir = _cache_root() / "kernel-builds" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # torch's builder marks a build in progress with a `lock` file that a process killed while
+    # compiling leaves behind, and every later load then waits on it for ever. Builds of one
+    # name take this lock first, which the system drops with its holder: whoever holds it is
+    # the only builder, so a `lock` file found then is stale.
+    with open(build_dir.with_suffix(".lock"), "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        return load(
+            name=name,
+            build_directory=str(build_dir),
+            sources=[str(_stable_source())],
+            extra_cflags=CFLAGS + TARGETS[target],
+            extra_ldflags=LDFLAGS,
+            verbose=False,
+        )
 
 
 @functools.cache
