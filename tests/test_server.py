@@ -415,6 +415,9 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("missing prompt", "/completions", {"model": "M"}, 400, "prompt"),
     ("missing model", "/completions", {"prompt": "hi"}, 400, "model"),
     ("missing messages", "/chat/completions", {"model": "M"}, 400, "messages"),
+    ("top_logprobs out of range", "/chat/completions",
+     {"model": "M", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50}, 400,
+     "top_logprobs"),
     ("empty messages", "/chat/completions", {"model": "M", "messages": []}, 400, "messages"),
     ("bad role", "/chat/completions",
      {"model": "M", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
@@ -494,6 +497,13 @@ def _assert_error_body(resp: httpx.Response, status: int, param: str | None = No
 def test_bad_request_gets_an_openai_error(server: RunningServer, model: str, name: str, path: str, body: Any,
                                           status: int, param: str | None) -> None:
     _assert_error_body(_send(server.url, path, body, model, timeout=30), status, param)
+
+
+def test_a_limit_is_reported_under_the_clients_own_field_name(server: RunningServer, model: str) -> None:
+    """SamplingParams' logprobs limit, hit through chat's top_logprobs, names top_logprobs."""
+    body = {"model": model, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}
+    error = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30).json()["error"]
+    assert error["param"] == "top_logprobs" and error["message"].startswith("top_logprobs must be"), error
 
 
 def test_oversized_chunked_body_is_refused_without_content_length(server: RunningServer) -> None:

@@ -400,7 +400,10 @@ class OpenAIServing:
             )
             self.engine.check_params(params)
         except InvalidRequestError as exc:
-            raise invalid(str(exc), self._field_of(req, exc.param)) from None
+            field, message = self._field_of(req, exc.param), str(exc)
+            if exc.param and field and field != exc.param and message.startswith(exc.param + " "):
+                message = field + message[len(exc.param):]  # the client's name for it
+            raise invalid(message, field) from None
         try:
             self.engine.check_admissible(num_prompt_tokens, max_tokens)
         except InvalidRequestError as exc:
