@@ -55,11 +55,28 @@ class ModelConfig:
     embedding_scale: float = 1.0
     residual_scale: float = 1.0
     logit_scale: float = 1.0
+    # The rotary base of the sliding-window layers, without rope scaling (Gemma 3's
+    # rope_local_base_freq); None: the same rotary as the other layers.
+    local_rope_theta: float | None = None
+    # Gemma 2's soft-capping: attention scores and final logits become cap * tanh(x / cap).
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    # Routed experts (Mixtral, Qwen3-MoE): each token's MLP is the weighted sum of the
+    # `num_experts_per_tok` experts (of `num_experts`, each `moe_intermediate_size` wide) its
+    # router scores highest, their weights renormalized to sum to 1 where `norm_topk_prob`; in the
+    # layers `moe_layers` marks (None: every layer), the others a dense MLP. 0 experts: dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+    moe_layers: tuple[bool, ...] | None = None
 
     def __post_init__(self) -> None:
         _require(self.num_heads % self.num_kv_heads == 0,
                  f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         _require(self.head_dim % 2 == 0, "head_dim must be even for rotary embeddings")
+        _require(self.num_experts == 0 or 0 < self.num_experts_per_tok <= self.num_experts,
+                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts ({self.num_experts})")
 
 
 @dataclass(frozen=True)

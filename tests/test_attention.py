@@ -8,18 +8,31 @@ import torch
 import torch.nn.functional as F
 
 from inflight.engine.memory import huge_page_zeros
-from inflight.model.attention import AttentionMetadata, PagedAttention, PrefillSegment
+from inflight.model.attention import PagedAttention, SeqSlice
 from inflight.model.kernels import cpu_kernels
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 
 
-def dense_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """One query [H, D] against a contiguous context [L, KV, D]."""
+def dense_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
+    """One query [H, D] against a contiguous context [L, KV, D] (its last `window` positions;
+    scores soft-capped by `softcap`, as transformers' Gemma 2 computes them)."""
+    if window is not None:
+        keys, values = keys[-window:], values[-window:]
     group = q.shape[0] // keys.shape[1]
     k = keys.repeat_interleave(group, dim=1).transpose(0, 1)
     v = values.repeat_interleave(group, dim=1).transpose(0, 1)
-    return F.scaled_dot_product_attention(q.unsqueeze(1), k, v).squeeze(1)
+    if softcap is None:
+        return F.scaled_dot_product_attention(q.unsqueeze(1), k, v).squeeze(1)
+    scores = (q.unsqueeze(1) @ k.transpose(1, 2)) * q.shape[-1] ** -0.5
+    scores = torch.tanh(scores / softcap) * softcap
+    return (torch.softmax(scores, dim=-1) @ v).squeeze(1)
+
+
+# (window, softcap): full attention, a sliding window that starts inside a block, and Gemma 2's
+# soft-capping (scores are ~N(0, 8) here, so a cap of 5 changes them).
+ATTENDS = [(None, None), (21, None), (None, 5.0), (9, 5.0)]
 
 
 # (heads, kv heads, head dim): the model's shape, multi-head, a wide group, the kernel's
@@ -27,7 +40,8 @@ def dense_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -
 HEAD_SHAPES = [(HEADS, KV_HEADS, DIM), (4, 4, 64), (8, 1, 64), (4, 2, 128), (6, 3, 40)]
 
 
-def check_decode(kernel, heads: int, kv_heads: int, dim: int, lens: list[int]) -> None:
+def check_decode(kernel, heads: int, kv_heads: int, dim: int, lens: list[int], window: int | None = None,
+                 softcap: float | None = None) -> None:
     """The decode path against the dense reference, for requests of these context lengths
     whose blocks are scattered through the pool."""
     torch.manual_seed(0)
@@ -41,30 +55,30 @@ def check_decode(kernel, heads: int, kv_heads: int, dim: int, lens: list[int]) -
         tables.append(blocks)
         slots = torch.tensor([blocks[t // BLOCK] * BLOCK + t % BLOCK for t in range(n)], dtype=torch.long)
         contexts.append((k_cache[slots], v_cache[slots]))
-    width = max(len(t) for t in tables)
-    table_tensor = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    lens_tensor = torch.tensor(lens)
-    mask = (torch.arange(width * BLOCK)[None] < lens_tensor[:, None]).view(len(lens), 1, 1, -1)
-    q = torch.randn(len(lens), heads, dim)
-    meta = AttentionMetadata(BLOCK, torch.zeros(0, dtype=torch.long), len(lens), table_tensor, lens_tensor, mask, [])
-    attention = PagedAttention(heads, kv_heads, dim, kernel)
-    out = attention._decode(q, k_cache, v_cache, meta)
+    q = torch.randn(len(lens), heads, dim) * 2
+    attention = PagedAttention(heads, kv_heads, dim, kernel, windows=[window], softcap=softcap)
+    meta = attention.build_metadata([SeqSlice(n - 1, 1, t) for n, t in zip(lens, tables, strict=True)], len(lens),
+                                    torch.zeros(0, dtype=torch.long), BLOCK, torch.float32, torch.device("cpu"))
+    out = attention._decode(q, k_cache, v_cache, meta, window)
     for i, (keys, values) in enumerate(contexts):
-        torch.testing.assert_close(out[i], dense_reference(q[i], keys, values), atol=1e-5, rtol=1e-5)
+        expected = dense_reference(q[i], keys, values, window, softcap)
+        torch.testing.assert_close(out[i], expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window,softcap", ATTENDS)
 @pytest.mark.parametrize("heads,kv_heads,dim", HEAD_SHAPES)
 @pytest.mark.parametrize("use_kernel", [False, True])
-def test_decode_paths_match_dense_reference(use_kernel, heads, kv_heads, dim):
+def test_decode_paths_match_dense_reference(use_kernel, heads, kv_heads, dim, window, softcap):
     kernel = cpu_kernels() if use_kernel else None
     if use_kernel and kernel is None:
         pytest.skip("no C++ compiler for the CPU kernel")
-    check_decode(kernel, heads, kv_heads, dim, [1, 15, 16, 17, 130])
+    check_decode(kernel, heads, kv_heads, dim, [1, 15, 16, 17, 130], window, softcap)
 
 
+@pytest.mark.parametrize("window", [None, 70])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(HEADS, KV_HEADS, DIM), (6, 3, 40)])
 @pytest.mark.parametrize("lens", [[300], [1, 200], [64, 17, 90]], ids=["one", "two", "three"])
-def test_decode_kernel_splits_the_contexts_of_few_requests(lens, heads, kv_heads, dim):
+def test_decode_kernel_splits_the_contexts_of_few_requests(lens, heads, kv_heads, dim, window):
     """Fewer requests than twice the threads: the kernel splits each context into parts on
     different threads and merges them; the result is the unsplit attention."""
     kernel = cpu_kernels()
@@ -73,7 +87,7 @@ def test_decode_kernel_splits_the_contexts_of_few_requests(lens, heads, kv_heads
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        check_decode(kernel, heads, kv_heads, dim, lens)
+        check_decode(kernel, heads, kv_heads, dim, lens, window)
     finally:
         torch.set_num_threads(threads)
 
@@ -94,29 +108,33 @@ def test_decode_kernel_gives_zeros_for_an_empty_context():
     torch.testing.assert_close(out[1], dense_reference(q[1], k_cache[slots], v_cache[slots]), atol=1e-5, rtol=1e-5)
 
 
-def test_prefill_with_cached_context_matches_dense_reference():
+@pytest.mark.parametrize("window,softcap", ATTENDS)
+@pytest.mark.parametrize("cached,new", [(20, 7), (0, 30)], ids=["cached-prefix", "whole-prompt"])
+def test_gathered_prefill_matches_dense_reference(cached, new, window, softcap):
+    """The PyTorch path: a chunk after cached tokens (their blocks gathered) and a whole prompt
+    (its own new K/V), each with every window the layers have."""
     torch.manual_seed(1)
-    attention = PagedAttention(HEADS, KV_HEADS, DIM)
+    attention = PagedAttention(HEADS, KV_HEADS, DIM, windows=[None, window], softcap=softcap)
     k_cache = torch.zeros(8 * BLOCK, KV_HEADS, DIM)
     v_cache = torch.zeros(8 * BLOCK, KV_HEADS, DIM)
-    cached, new = 20, 7
     blocks = [5, 2]
     keys, values = torch.randn(cached + new, KV_HEADS, DIM), torch.randn(cached + new, KV_HEADS, DIM)
     slots = torch.tensor([blocks[t // BLOCK] * BLOCK + t % BLOCK for t in range(cached + new)])
     k_cache[slots[:cached]], v_cache[slots[:cached]] = keys[:cached], values[:cached]
-    q = torch.randn(new, HEADS, DIM)
-    context = torch.arange(len(blocks) * BLOCK)
-    mask = context[None] <= torch.arange(cached, cached + new)[:, None]
-    meta = AttentionMetadata(BLOCK, slots[cached:], 0, None, None, None,
-                             [PrefillSegment(0, new, torch.tensor(blocks), mask)])
-    out = attention.forward(q, keys[cached:], values[cached:], k_cache, v_cache, meta).view(new, HEADS, DIM)
-    for i in range(new):
-        n = cached + i + 1
-        torch.testing.assert_close(out[i], dense_reference(q[i], keys[:n], values[:n]), atol=1e-5, rtol=1e-5)
+    q = torch.randn(new, HEADS, DIM) * 2
+    meta = attention.build_metadata([SeqSlice(cached, new, blocks)], 0, slots[cached:], BLOCK, torch.float32,
+                                    torch.device("cpu"))
+    for w in (None, window):
+        out = attention.forward(q, keys[cached:], values[cached:], k_cache, v_cache, meta, window=w)
+        for i in range(new):
+            n = cached + i + 1
+            expected = dense_reference(q[i], keys[:n], values[:n], w, softcap)
+            torch.testing.assert_close(out.view(new, HEADS, DIM)[i], expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window,softcap", ATTENDS)
 @pytest.mark.parametrize("heads,kv_heads,dim", HEAD_SHAPES)
-def test_prefill_kernel_matches_dense_reference(heads, kv_heads, dim):
+def test_prefill_kernel_matches_dense_reference(heads, kv_heads, dim, window, softcap):
     """Several segments in one call: whole prompts and chunks after cached tokens, lengths
     around the kernel's 16-token tiles, blocks scattered over the pool."""
     kernels = cpu_kernels()
@@ -136,14 +154,14 @@ def test_prefill_kernel_matches_dense_reference(heads, kv_heads, dim):
     width = max(len(t) for t in tables)
     lens = [new for _, new in segments]
     starts = torch.tensor([0, *lens[:-1]]).cumsum(0)
-    q = torch.randn(sum(lens), heads, dim)
+    q = torch.randn(sum(lens), heads, dim) * 2
     out = kernels.paged_prefill_attention(
         q, k_cache, v_cache, torch.tensor([t + [0] * (width - len(t)) for t in tables]), starts,
-        torch.tensor(lens), torch.tensor([c for c, _ in segments]), BLOCK, dim ** -0.5)
+        torch.tensor(lens), torch.tensor([c for c, _ in segments]), BLOCK, dim ** -0.5, window or 0, softcap or 0.0)
     for (cached, new), start, slots in zip(segments, starts.tolist(), slots_of, strict=True):
         for i in range(new):
             visible = slots[: cached + i + 1]
-            expected = dense_reference(q[start + i], k_cache[visible], v_cache[visible])
+            expected = dense_reference(q[start + i], k_cache[visible], v_cache[visible], window, softcap)
             torch.testing.assert_close(out[start + i], expected, atol=1e-5, rtol=1e-5)
 
 

@@ -26,7 +26,8 @@ def model(loaded) -> Iterator[object]:
     yield model
 
 
-def step_logits(make_llm, model, compiled: bool, **options) -> tuple[list[torch.Tensor], list]:
+def step_logits(make_llm, model, compiled: bool, prompts: list | None = None,
+                **options) -> tuple[list[torch.Tensor], list]:
     """Every step's logits for the prompts below, through the compiled layers or the Python
     loop, and the engine's step records."""
     stack = model.decoder_stack
@@ -43,8 +44,9 @@ def step_logits(make_llm, model, compiled: bool, **options) -> tuple[list[torch.
         model.decoder_stack = None
     try:
         llm = make_llm(**options)
-        prompts = PROMPTS + [list(range(100, 400))]
+        prompts = prompts or PROMPTS + [list(range(100, 400))]
         params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 9, 5, 12, 4, 7, 6, 10)]
+        params = params[:len(prompts)]
         llm.generate(prompts, params)
     finally:
         model.forward = forward
@@ -70,11 +72,44 @@ def test_compiled_layers_equal_python_loop(make_llm, model, options):
     assert min(s.num_requests for s in steps) == 1
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3_text", "olmo2", "granite", "smollm3", "qwen3"])
+def test_every_dense_architecture_runs_compiled_as_the_python_loop(tmp_path, arch):
+    """Each architecture's plan (sandwich and post norms, q/k norm, GeGLU, scaled residuals,
+    NoPE layers, sliding windows with their own rotary base, soft-capping) through the compiled
+    stack: the Python loop's logits bit for bit, in chunked steps mixing prefills past the window
+    with decodes."""
+    from test_loading import save_word_tokenizer, tiny_hf_model
+
+    from inflight import LLM
+    from inflight.model.kernels import cpu_kernels
+    from inflight.model.loaded import LoadedModel
+
+    if cpu_kernels() is None:
+        pytest.skip("no compiled CPU kernels here")
+    tiny_hf_model(arch).save_pretrained(tmp_path, safe_serialization=True)
+    save_word_tokenizer(tmp_path, 320)
+    loaded = LoadedModel.load(str(tmp_path), torch.float32, torch.device("cpu"))
+    model = loaded.model
+    assert model.decoder_stack is not None
+    prompts = [list(range(5, 5 + n)) for n in (3, 40, 77, 9)]
+
+    def make(**options: Any):
+        return LLM(loaded=loaded, num_kv_blocks=64, **options)
+
+    options = {"max_num_tokens": 32, "enable_chunked_prefill": True}
+    compiled, steps = step_logits(make, model, True, prompts, **options)
+    python, _ = step_logits(make, model, False, prompts, **options)
+    assert len(compiled) == len(python) == len(steps)
+    for a, b in zip(compiled, python, strict=True):
+        assert torch.equal(a, b)
+    assert {(s.num_decode_tokens > 0, s.num_prefill_tokens > 0) for s in steps} >= {(True, True), (True, False)}
+
+
 def test_the_plan_names_the_layers_weights():
     for step in LLAMA_LAYER:
         assert step.param is None or step.param in DecoderLayer._fields
         assert (step.op == Op.MATMUL) == (step.param in MATMULS)
-        assert (step.op == Op.ADD_RMS_NORM) == (step.param in NORMS)
+        assert (step.op in (Op.ADD_RMS_NORM, Op.RMS_NORM)) == (step.param in NORMS)
 
 
 def _with_plan(model, plan: tuple[Step, ...]):
@@ -125,7 +160,8 @@ def test_a_plan_with_an_op_the_kernels_lack_runs_in_python(model):
         undo()
     kernels = model.attention.kernels
     with pytest.raises(RuntimeError, match="no kernel for the plan's op soft_cap"):
-        kernels.DecoderStack([("soft_cap", 1, 1, -1, [])], int(Reg.DELTA), 1, [], [], [], [], [], 4, 4, 16, 1e-5, 5)
+        kernels.DecoderStack([("soft_cap", 1, 1, -1, [])], int(Reg.DELTA), 1, [], [], [], [], [], [], [0], [0], [1.0],
+                             4, 4, 16, 1e-5, 0.25, 0.0, 5)
 
 
 class _Watched:

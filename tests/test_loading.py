@@ -18,6 +18,7 @@ from inflight.engine.block_manager import BlockManager
 from inflight.engine.runner import ModelRunner
 from inflight.engine.sampler import Sampler
 from inflight.engine.scheduler import ScheduledRequest
+from inflight.model.architectures import ARCHITECTURES
 from inflight.model.llama import LlamaModel
 from inflight.model.loader import load_checkpoint, resolve_model
 from inflight.model.tokenizer import IncrementalDetokenizer
@@ -79,26 +80,33 @@ def test_safetensors_model_matches_transformers(tmp_path, loaded, arch):
 
 
 @pytest.mark.parametrize("chunk", [256, 7])
-def test_a_sliding_window_is_computed_across_chunks_and_cached_prefixes(tmp_path, loaded, chunk):
-    """Mistral's window of 24 positions over prompts of 40-70 tokens: each query attends to the
-    last 24 positions only, whether its prompt is prefilled whole or in chunks of 7, reads a
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_a_sliding_window_is_computed_across_chunks_and_cached_prefixes(tmp_path, loaded, arch, chunk):
+    """A window of 24 positions over prompts of 40-70 tokens, in every layer (Mistral) or from
+    the second layer on (Qwen2's max_window_layers): each query of a sliding layer attends to
+    the last 24 positions only, whether its prompt is prefilled whole or in chunks of 7, reads a
     cached prefix, or decodes past the window; the greedy tokens are transformers'."""
     import transformers
 
     from inflight import LLM
 
     torch.manual_seed(0)
-    config = transformers.MistralConfig(
+    common = dict(
         vocab_size=TINY["vocab"], hidden_size=TINY["hidden"], intermediate_size=TINY["intermediate"],
         num_hidden_layers=TINY["layers"], num_attention_heads=TINY["heads"], num_key_value_heads=TINY["kv_heads"],
         max_position_embeddings=256, rms_norm_eps=1e-5, sliding_window=24)
-    model = transformers.MistralForCausalLM(config).eval()
-    model.generation_config.eos_token_id = None
+    if arch == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            **common, use_sliding_window=True, max_window_layers=1))
+    model.eval().generation_config.eos_token_id = None
     model.save_pretrained(tmp_path, safe_serialization=True)
     loaded.tokenizer.hf.save_pretrained(tmp_path)
     shared = list(range(5, 5 + 32))  # two full blocks, cached after the first request
     prompts = [shared + list(range(100, 100 + n)) for n in (8, 38)] + [list(range(50, 50 + 45))]
     llm = LLM(model=str(tmp_path), num_kv_blocks=64, max_num_tokens=chunk, enable_chunked_prefill=True)
+    assert llm.engine.model_config.sliding_window_layers == (None if arch == "mistral" else (False, True))
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     outs = [llm.generate([prompt], params)[0] for prompt in prompts]
     assert outs[1].num_cached_tokens == 32
@@ -106,23 +114,6 @@ def test_a_sliding_window_is_computed_across_chunks_and_cached_prefixes(tmp_path
         with torch.no_grad():
             expected = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
         assert out.token_ids == expected.tolist()
-
-
-def test_a_window_in_some_layers_only_is_refused_past_it(tmp_path, loaded):
-    """Qwen2's window from max_window_layers on: not computed yet, so served only within it."""
-    import transformers
-
-    from inflight import LLM, ConfigError
-
-    config = transformers.Qwen2Config(
-        vocab_size=TINY["vocab"], hidden_size=TINY["hidden"], intermediate_size=TINY["intermediate"],
-        num_hidden_layers=TINY["layers"], num_attention_heads=TINY["heads"], num_key_value_heads=TINY["kv_heads"],
-        max_position_embeddings=256, use_sliding_window=True, sliding_window=24, max_window_layers=1)
-    transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
-    loaded.tokenizer.hf.save_pretrained(tmp_path)
-    with pytest.raises(ConfigError, match="sliding window of 24 tokens \\(sliding_window\\) in some of its layers"):
-        LLM(model=str(tmp_path), num_kv_blocks=16)
-    LLM(model=str(tmp_path), num_kv_blocks=16, max_model_len=24)
 
 
 def test_every_bias_the_checkpoint_has_is_applied_and_no_weight_is_left_out(tmp_path):
@@ -156,9 +147,10 @@ def test_every_bias_the_checkpoint_has_is_applied_and_no_weight_is_left_out(tmp_
         LlamaModel(config_, weights, torch.device("cpu"))
 
 
-@pytest.mark.parametrize(("key", "value"), [("hidden_act", "gelu_pytorch_tanh"), ("final_logit_softcapping", 30.0),
-                                            ("partial_rotary_factor", 0.75), ("query_pre_attn_scalar", 256),
-                                            ("layer_types", ["full_attention", "chunked_attention"])])
+@pytest.mark.parametrize(("key", "value"), [
+    ("hidden_act", "gelu_pytorch_tanh"), ("partial_rotary_factor", 0.75), ("use_bidirectional_attention", True),
+    ("layer_types", ["full_attention", "chunked_attention"]), ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}),
+    ("quantization_config", {"quant_method": "gptq", "bits": 4})])
 def test_a_config_key_that_changes_the_arithmetic_is_refused_by_name(tmp_path, key, value):
     import transformers
 
@@ -171,8 +163,26 @@ def test_a_config_key_that_changes_the_arithmetic_is_refused_by_name(tmp_path, k
     raw = json.loads((tmp_path / "config.json").read_text())
     raw[key] = value
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ModelLoadError, match=key):
+    with pytest.raises(ModelLoadError, match="rope_type 'yarn'" if key == "rope_scaling" else key):
         load_checkpoint(resolve_model(str(tmp_path)), torch.float32)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_every_config_key_of_each_architecture_is_read_or_known_to_change_nothing(arch):
+    """transformers' config class of each architecture, field by field: inflight reads the field,
+    knows it has no effect on a forward pass, or refuses values other than the neutral ones. A
+    field a new transformers adds fails here until it is decided, instead of being ignored."""
+    from transformers import AutoConfig
+
+    from inflight.model import hf_config
+
+    config = AutoConfig.for_model(arch).to_dict()
+    known = hf_config.READ_KEYS | hf_config.NO_EFFECT_KEYS | set(hf_config._NEUTRAL)
+    assert set(config) - known == set()
+    for key in ("rope_parameters", "rope_scaling"):
+        params = config.get(key) or {}
+        for entry in params.values() if {"full_attention", "sliding_attention"} & set(params) else [params]:
+            assert set(entry) <= hf_config.ROPE_KEYS
 
 
 def write_gguf_from_hf(path: Path, arch: str, model) -> None:
@@ -186,7 +196,15 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
 
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w = gguf.GGUFWriter(str(path), arch)
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
+    gemma = arch.startswith("gemma")
+    gguf_arch = {"gemma3_text": "gemma3", "mixtral": "llama", "qwen3_moe": "qwen3moe"}.get(arch, arch)
+    w = gguf.GGUFWriter(str(path), gguf_arch)
+    if getattr(cfg, "num_experts_per_tok", None):
+        w.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if getattr(cfg, "moe_intermediate_size", None):
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -195,7 +213,18 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_freq_base(cfg.rope_theta if hasattr(cfg, "rope_theta") else cfg.rope_parameters["rope_theta"])
+    w.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    if (local := cfg.rope_parameters.get("sliding_attention")) is not None:
+        w.add_rope_freq_base_swa(local["rope_theta"])
+    if getattr(cfg, "sliding_window", None):
+        w.add_sliding_window(cfg.sliding_window)
+    for key, add in [("attn_logit_softcapping", w.add_attn_logit_softcapping),
+                     ("final_logit_softcapping", w.add_final_logit_softcapping)]:
+        if getattr(cfg, key, None):
+            add(getattr(cfg, key))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_pad_token_id(0)  # inside the tiny vocabulary (transformers' Phi-3 default is not)
@@ -211,16 +240,32 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     to_gguf.update({hf: g for g, hf in architecture(arch).gguf_names.items()})
     # Hugging Face's post_attention_layernorm is llama.cpp's ffn_norm where it comes before the
     # MLP (Qwen) and its post_attention_norm where it normalizes attention's output (OLMo 2).
-    to_gguf["post_attention_layernorm.weight"] = "post_attention_norm.weight" if arch == "olmo2" else "ffn_norm.weight"
+    to_gguf["post_attention_layernorm.weight"] = "post_attention_norm.weight" if arch == "olmo2" or gemma else (
+        "ffn_norm.weight")
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
     for name, tensor in model.state_dict().items():
+        if gemma and name.endswith("norm.weight"):  # as llama.cpp's Gemma converters store them
+            tensor = tensor + 1
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if name.endswith("mlp.experts.gate_up_proj"):  # [experts, 2 * width, hidden]: stacked as llama.cpp's
+            prefix = name.removesuffix("mlp.experts.gate_up_proj").replace("model.layers.", "blk.")
+            gate, up = tensor.chunk(2, dim=1)
+            w.add_tensor(prefix + "ffn_gate_exps.weight", gate.contiguous().float().numpy())
+            w.add_tensor(prefix + "ffn_up_exps.weight", up.contiguous().float().numpy())
+            continue
+        if name.endswith(("mlp.experts.down_proj", "mlp.gate.weight")):  # stacked experts, the router
+            prefix = name.replace("model.layers.", "blk.").rsplit("mlp.", 1)[0]
+            kind = "ffn_down_exps.weight" if name.endswith("down_proj") else "ffn_gate_inp.weight"
+            w.add_tensor(prefix + kind, tensor.detach().float().numpy())
+            continue
         if name.startswith("model.layers."):
             _, _, index, rest = name.split(".", 3)
             gguf_name = f"blk.{index}.{to_gguf[rest]}"
         else:
             gguf_name = top[name]
-        if arch in ("granite", "smollm3") and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in ("granite", "smollm3", "mixtral") and name.endswith(("q_proj.weight", "k_proj.weight")):
             tensor = interleaved(tensor, cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
         w.add_tensor(gguf_name, tensor.detach().float().numpy())
     w.write_header_to_file()
@@ -251,6 +296,24 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"]) -> Any:
         model = transformers.GraniteForCausalLM(transformers.GraniteConfig(
             **common, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=1.0,
             logits_scaling=8.0))
+    elif arch == "gemma2":  # local and global layers alternating, the window shorter than the prompts
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            **{**common, "tie_word_embeddings": True}, head_dim=64, query_pre_attn_scalar=64, sliding_window=24,
+            attn_logit_softcapping=0.5, final_logit_softcapping=3.0, attn_implementation="eager"))
+    elif arch == "gemma3_text":  # five local layers to one global, each kind with its own rotary
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            **{**common, "tie_word_embeddings": True, "num_hidden_layers": 6}, head_dim=64, query_pre_attn_scalar=64,
+            sliding_window=24, rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+            attn_implementation="eager"))
+    elif arch == "mixtral":  # 4 experts, 2 per token
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2, sliding_window=None))
+    elif arch == "qwen3_moe":  # 6 experts, 3 per token; the second layer dense
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **common, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=96, norm_topk_prob=True,
+            mlp_only_layers=[1]))
     else:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     with torch.no_grad():  # norm scales and biases away from their initial 1 and 0, so a dropped one shows
@@ -260,28 +323,78 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"]) -> Any:
     return model.eval()
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3", "gemma2", "gemma3_text",
+                                  "mixtral", "qwen3_moe"])
 def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arch):
     """Qwen3 (q and k RMS-normalized per head before rotary, head_dim beyond hidden / heads),
     Qwen2 (q/k/v biases), OLMo 2 (attention's and the MLP's outputs normalized instead of their
     inputs, q and k over the whole projection), Granite (embedding, residual and attention
-    multipliers, logits scaling), SmolLM3 (every fourth layer without rotary) and Phi-3 (q, k, v
-    and gate, up stored fused), each from a Hugging Face directory and from a GGUF file in
-    llama.cpp's layout, against transformers: reading the same GGUF where it can (Qwen, Phi-3),
-    else the model the file was written from."""
+    multipliers, logits scaling), SmolLM3 (every fourth layer without rotary), Phi-3 (q, k, v
+    and gate, up stored fused), Gemma 2 (sandwich norms, GeGLU, soft-capping, local and global
+    layers), Gemma 3 (q/k norm, the local layers' own rotary base), Mixtral and Qwen3-MoE (routed
+    experts; a dense layer among them), each from a Hugging Face directory and from a GGUF file
+    in llama.cpp's layout, against transformers: reading the same GGUF where it can (Qwen,
+    Phi-3), else the model the file was written from."""
     from transformers import AutoModelForCausalLM
 
     model = tiny_hf_model(arch)
     model.eval().save_pretrained(tmp_path / "hf", safe_serialization=True)
     write_gguf_from_hf(tmp_path / "tiny.gguf", arch, model)
     ids = list(range(5, 5 + 90))
-    from_gguf = model if arch in ("olmo2", "granite", "smollm3") else AutoModelForCausalLM.from_pretrained(
+    transformers_reads_gguf = arch in ("qwen2", "qwen3", "phi3")
+    from_gguf = model if not transformers_reads_gguf else AutoModelForCausalLM.from_pretrained(
         tmp_path, gguf_file="tiny.gguf", dtype=torch.float32).eval()
     for source, reference in [(tmp_path / "hf", model), (tmp_path / "tiny.gguf", from_gguf)]:
         config, weights = load_checkpoint(resolve_model(str(source)), torch.float32)
         assert (config.architecture, config.head_dim) == (arch, 128 if arch == "qwen3" else 64)
+        if arch.startswith("gemma"):  # the windows and rotary bases as transformers has them
+            assert config.sliding_window_layers == tuple(t == "sliding_attention" for t in model.config.layer_types)
+            assert config.local_rope_theta == (10_000.0 if arch == "gemma3_text" else None)
         ours = LlamaModel(config, weights, torch.device("cpu"))
         torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(reference, ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_routed_experts_run_each_chosen_expert_once_over_its_tokens(normalize):
+    """The step's tokens grouped by expert: each expert that any token chose runs one matmul
+    over all of its tokens (never one per token), and the result is the per-token definition:
+    the softmax over the router's scores, the top k kept (renormalized or not), each chosen
+    expert's SwiGLU MLP weighted by its score."""
+    from inflight.model.experts import RoutedExperts
+    from inflight.model.linear import Linear
+
+    torch.manual_seed(0)
+    hidden, width, num_experts, top_k, tokens = 32, 48, 6, 2, 40
+    calls: list[int] = []
+
+    class Counted(Linear):
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            calls.append(x.shape[0])
+            return super().__call__(x)
+
+    router = torch.randn(num_experts, hidden)
+    gate_up = [torch.randn(2 * width, hidden) * 0.2 for _ in range(num_experts)]
+    down = [torch.randn(hidden, width) * 0.2 for _ in range(num_experts)]
+    experts = RoutedExperts(Linear(router, None, "torch"), [Counted(w, None, "torch") for w in gate_up],
+                            [Linear(w, None, "torch") for w in down], top_k, normalize)
+    x = torch.randn(tokens, hidden)
+
+    def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
+        g, u = h.chunk(2, dim=-1)
+        return torch.nn.functional.silu(g) * u
+
+    got = experts(x, silu_and_mul)
+    probs = torch.softmax(x @ router.T, dim=-1)
+    expected = torch.zeros_like(x)
+    for t in range(tokens):
+        weights, chosen = probs[t].topk(top_k)
+        if normalize:
+            weights = weights / weights.sum()
+        for weight, e in zip(weights.tolist(), chosen.tolist(), strict=True):
+            expected[t] += weight * (silu_and_mul(x[t] @ gate_up[e].T) @ down[e].T)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    chosen_experts = probs.topk(top_k, dim=-1).indices.unique()
+    assert len(calls) == len(chosen_experts) and sum(calls) == tokens * top_k
 
 
 def save_word_tokenizer(path: Path, vocab_size: int) -> None:
@@ -303,11 +416,13 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
     hf.save_pretrained(path)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "olmo2", "smollm3"])
+@pytest.mark.parametrize("arch", ["qwen3", "olmo2", "smollm3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe"])
 def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arch):
     """Through the engine as a user runs it: the directory's own tokenizer and chat template, a
-    batch of chats in small prefill chunks, the prefix cache shared by their system prompt, then
-    decodes: each greedy output is transformers' `generate` on the same ids."""
+    batch of chats (longer than Gemma's 24-token window) in small prefill chunks, the prefix cache
+    shared by their system prompt, then decodes; and again in a pool too small for all three, so
+    that requests are preempted and recomputed: each greedy output is transformers' `generate` on
+    the same ids."""
     from inflight import LLM
 
     model = tiny_hf_model(arch)
@@ -315,17 +430,21 @@ def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arc
     save_word_tokenizer(tmp_path, TINY["vocab"])
     system = {"role": "system", "content": " ".join(f"w{i}" for i in range(40, 72))}
     chats = [[system, {"role": "user", "content": f"w{3 * i + 5} w{i + 100} w{7 * i + 11}"}] for i in range(3)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     llm = LLM(model=str(tmp_path), num_kv_blocks=64, block_size=16, max_num_tokens=24, enable_prefix_caching=True)
-    outs = llm.generate(chats, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    outs = llm.generate(chats, params)
     assert max(r.num_prefill_tokens for r in llm.engine.step_records) <= 24  # chunked
     assert sum(o.num_cached_tokens for o in outs) > 0  # the system prompt's full blocks reused
+    small = LLM(model=str(tmp_path), num_kv_blocks=9, block_size=16, enable_prefix_caching=False)
+    preempted = small.generate(chats, params)
+    assert small.engine.scheduler.num_preemptions > 0
     model.generation_config.eos_token_id = None
-    for chat, out in zip(chats, outs, strict=True):
+    for chat, out, again in zip(chats, outs, preempted, strict=True):
         ids = llm.engine.tokenize(messages=chat)
         assert ids[:2] == [TINY["vocab"] - 2, TINY["vocab"] - 5]  # <|im_start|> system: the template's
         with torch.no_grad():
-            expected = model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False)[0, len(ids):]
-        assert out.token_ids == expected.tolist()
+            expected = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):]
+        assert out.token_ids == again.token_ids == expected.tolist()
 
 
 # --- GGUF files of every supported tensor type ------------------------------------------------

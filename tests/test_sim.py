@@ -34,7 +34,13 @@ from inflight.perf.profiles import (
     load_profiles,
     save_profile,
 )
-from inflight.perf.shapes import BUILTIN_MODELS, num_linear_params, num_params
+from inflight.perf.shapes import (
+    BUILTIN_MODELS,
+    experts_touched,
+    num_active_linear_params,
+    num_linear_params,
+    num_params,
+)
 from inflight.sim.calibrate import StepCase, measure
 from inflight.sim.fit import Sample, fit_profile, predict
 from inflight.sim.runs import SimTarget, simulate
@@ -435,6 +441,24 @@ def test_published_shapes() -> None:
     assert billions["mistral-7b"] == pytest.approx(7.24, abs=0.01)
     assert billions["qwen2.5-7b"] == pytest.approx(7.61, abs=0.01)
     assert billions["smollm2-135m"] == pytest.approx(0.1345, abs=0.001)
+    assert billions["mixtral-8x7b"] == pytest.approx(46.70, abs=0.01)
+    assert billions["qwen3-30b-a3b"] == pytest.approx(30.53, abs=0.01)
+
+
+def test_routed_experts_cost_their_active_parameters_and_the_experts_a_step_touches() -> None:
+    """Qwen3-30B-A3B (128 experts, 8 per token, published as 3.3B active): a token computes with
+    its 8 experts only; a step reads the weights of the experts its tokens chose, a few at one
+    token, nearly all at 64."""
+    cfg = BUILTIN_MODELS["qwen3-30b-a3b"]
+    embeddings = 2 * cfg.vocab_size * cfg.hidden_size
+    assert (num_active_linear_params(cfg) + embeddings) / 1e9 == pytest.approx(3.35, abs=0.01)
+    assert num_linear_params(cfg) > 9 * num_active_linear_params(cfg)
+    assert experts_touched(cfg, 1) == 8 and 125 < experts_touched(cfg, 64) < 128
+    h100 = load_hardware("h100")
+    moe, dense = CostModel(cfg, h100), CostModel(BUILTIN_MODELS["llama-3-8b"], h100)
+    one, many = moe.work([SeqWork(1, 100, 1)]), moe.work([SeqWork(1, 100, 1)] * 64)
+    assert many.linear_bytes > 8 * one.linear_bytes  # 8 experts a layer read at one token, ~126 at 64
+    assert one.linear_compute_s < dense.work([SeqWork(1, 100, 1)]).linear_compute_s / 2
 
 
 def test_shapes_from_a_config_json(tmp_path: Path) -> None:

@@ -191,13 +191,6 @@ class LLMEngine:
         sched_cfg = config.scheduler
         if sched_cfg.max_model_len > model_config.max_position_embeddings:
             sched_cfg = dataclasses.replace(sched_cfg, max_model_len=model_config.max_position_embeddings)
-        window = model_config.sliding_window
-        if (parts.loaded is not None and window is not None and model_config.sliding_window_layers is not None
-                and sched_cfg.max_model_len > window):
-            # Within the window, full attention is windowed attention; past it the results differ.
-            raise ConfigError(f"the model attends over a sliding window of {window} tokens (sliding_window) in "
-                              "some of its layers, which inflight does not compute yet; serve it with "
-                              f"--max-model-len {window} or less, where the window changes nothing")
         self.scheduler_config = sched_cfg
         cache = config.cache
         num_blocks = parts.num_kv_blocks

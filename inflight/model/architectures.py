@@ -7,10 +7,20 @@ model and the loaders read only these rows, never the architecture's name.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from inflight.errors import ModelLoadError
-from inflight.model.layer_plan import LLAMA_LAYER, POST_NORM_LAYER, QK_NORM_LAYER, Step
+from inflight.model.layer_plan import (
+    LLAMA_LAYER,
+    POST_NORM_LAYER,
+    QK_NORM_LAYER,
+    SANDWICH_NORM_LAYER,
+    SANDWICH_QK_NORM_LAYER,
+    Op,
+    Step,
+    with_routed_experts,
+)
 
 _LLAMA_MATMULS: dict[str, tuple[str, ...]] = {
     "qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
@@ -20,6 +30,20 @@ _LLAMA_MATMULS: dict[str, tuple[str, ...]] = {
 }
 _LLAMA_NORMS: dict[str, str] = {"input_norm": "input_layernorm.weight",
                                 "post_norm": "post_attention_layernorm.weight"}
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """Where a checkpoint keeps a routed-experts layer's weights, under `model.layers.N.`: the
+    router, and expert e's gate, up and down projections (`{e}` in their names)."""
+
+    router: str
+    gate: str
+    up: str
+    down: str
+
+    def of(self, expert: int) -> tuple[str, str, str]:
+        return self.gate.format(e=expert), self.up.format(e=expert), self.down.format(e=expert)
 
 
 @dataclass(frozen=True)
@@ -43,10 +67,41 @@ class Architecture:
     gguf_interleaved_qk: bool = True
     # llama.cpp tensor names this architecture uses for other weights than `GGUF_LAYER_NAMES` says.
     gguf_names: dict[str, str] = field(default_factory=dict)
+    # Gemma's: the embeddings multiplied by sqrt(hidden_size); its Hugging Face checkpoints store
+    # each RMSNorm scale as (scale - 1), which llama.cpp's converter adds back.
+    scaled_embedding: bool = False
+    hf_norm_offset: float = 0.0
+    # Which layers slide where a config does not list them (`layer_types`): every n-th layer is
+    # global, the others local (Gemma 2: 2, Gemma 3: 6); llama.cpp's default for its GGUF files.
+    window_pattern: int | None = None
+    # llama.cpp's fixed rules for GGUF files, which do not store these: the local layers' rotary
+    # base where `rope.freq_base_swa` is absent (None: the global one), and the layer counts of
+    # the models whose queries are scaled by (hidden / heads) ** -0.5 instead of head_dim ** -0.5
+    # (Gemma's 27B).
+    gguf_local_rope_theta: float | None = None
+    gguf_wide_query_scale_layers: tuple[int, ...] = ()
+    # The checkpoint names of a routed-experts MLP (the plan's `experts` step); its dense layers,
+    # if any, read `matmuls`' gate_up and down.
+    experts: ExpertNames | None = None
+
+    @property
+    def activation(self) -> str:
+        """The MLP's activation, as Hugging Face configs name it."""
+        return "gelu_pytorch_tanh" if any(step.op == Op.GELU_TANH_AND_MUL for step in self.plan) else "silu"
 
 
 _POST_NORMS = {"attn_out_norm": "post_attention_layernorm.weight", "mlp_out_norm": "post_feedforward_layernorm.weight"}
 _QK_NORM: dict[str, tuple[str, ...]] = {"qk_norm": ("self_attn.q_norm.weight", "self_attn.k_norm.weight")}
+_SANDWICH_NORMS = {"input_norm": "input_layernorm.weight", "attn_out_norm": "post_attention_layernorm.weight",
+                   "post_norm": "pre_feedforward_layernorm.weight", "mlp_out_norm": "post_feedforward_layernorm.weight"}
+_GEMMA2 = Architecture("gemma2", plan=SANDWICH_NORM_LAYER, norms=_SANDWICH_NORMS, gguf_interleaved_qk=False,
+                       scaled_embedding=True, hf_norm_offset=1.0, window_pattern=2, gguf_wide_query_scale_layers=(46,),
+                       gguf_names={"ffn_norm.weight": "pre_feedforward_layernorm.weight"})
+
+_MIXTRAL_EXPERTS = ExpertNames("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
+                                "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight")
+_QWEN3_MOE_EXPERTS = ExpertNames("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight",
+                                 "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight")
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     Architecture("llama"),
@@ -62,7 +117,23 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                              "ffn_up.weight": "mlp.gate_up_proj.weight"}),
     Architecture("qwen3", plan=QK_NORM_LAYER, extra_weights=_QK_NORM, gguf_interleaved_qk=False),
     Architecture("olmo2", plan=POST_NORM_LAYER, norms=_POST_NORMS, extra_weights=_QK_NORM, gguf_interleaved_qk=False),
+    _GEMMA2,
+    dataclasses.replace(_GEMMA2, name="gemma3_text", plan=SANDWICH_QK_NORM_LAYER, extra_weights=_QK_NORM,
+                        window_pattern=6, gguf_local_rope_theta=10000.0, gguf_wide_query_scale_layers=(62,)),
+    Architecture("mixtral", plan=with_routed_experts(LLAMA_LAYER), experts=_MIXTRAL_EXPERTS),
+    Architecture("qwen3_moe", plan=with_routed_experts(QK_NORM_LAYER), extra_weights=_QK_NORM,
+                 gguf_interleaved_qk=False, experts=_QWEN3_MOE_EXPERTS),
 ]}
+
+# llama.cpp's architecture names that differ from Hugging Face's model_type; and those it gives
+# to files with routed experts (`expert_count`), which Hugging Face names apart.
+GGUF_ARCHITECTURES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
+GGUF_EXPERT_ARCHITECTURES = {"llama": "mixtral", "mistral": "mixtral"}
+
+# llama.cpp's stacked expert tensors (`blk.N.` + these, [experts, rows, cols]) -> which of an
+# `ExpertNames`' weights each expert's slice is.
+GGUF_EXPERT_NAMES = {"ffn_gate_inp.weight": "router", "ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up",
+                     "ffn_down_exps.weight": "down"}
 
 # llama.cpp's tensor names (`blk.N.` + these) -> Hugging Face's (`model.layers.N.` + these).
 GGUF_LAYER_NAMES = {

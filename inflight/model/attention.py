@@ -22,15 +22,16 @@ class PrefillSegment:
     """A request that computes several new tokens this step (a prompt or a chunk of one).
 
     `block_table` is None when the request has no cached context: its new K/V are all it
-    attends to, with a plain causal mask (or, longer than a sliding window, `mask` `[num_new,
+    attends to, with a plain causal mask (or, longer than a sliding window, a mask `[num_new,
     num_new]`). Otherwise it lists the blocks of the whole context (cached tokens, then the new
-    ones) and `mask` is `[num_new, num_blocks * block_size]`.
+    ones) and each mask is `[num_new, num_blocks * block_size]`. `masks` holds one per attention
+    window of the model's layers (None: full attention), None where the plain causal mask is it.
     """
 
     start: int
     end: int
     block_table: torch.Tensor | None
-    mask: torch.Tensor | None
+    masks: dict[int | None, torch.Tensor | None]
 
 
 @dataclass(slots=True)
@@ -39,8 +40,9 @@ class AttentionMetadata:
 
     The first `num_decode_tokens` packed tokens are single-token decodes, one per request, whose
     contexts are read in one batched call: `decode_block_tables` is `[num_decodes, max_blocks]`
-    (padded with block 0) and `decode_mask` `[num_decodes, 1, 1, max_blocks * block_size]`
-    marks real positions. The remaining tokens belong to `prefills`.
+    (padded with block 0) and `decode_masks`, one per attention window of the model's layers
+    (None: full attention), `[num_decodes, 1, 1, max_blocks * block_size]` each, mark the
+    positions each query sees. The remaining tokens belong to `prefills`.
     """
 
     block_size: int
@@ -48,11 +50,11 @@ class AttentionMetadata:
     num_decode_tokens: int
     decode_block_tables: torch.Tensor | None
     decode_context_lens: torch.Tensor | None
-    decode_mask: torch.Tensor | None
+    decode_masks: dict[int | None, torch.Tensor]
     prefills: list[PrefillSegment]
     prefill_tables: PrefillTables | None = None
-    # `PagedAttention.build_metadata` fills either the gathered path's inputs (`decode_mask`,
-    # each segment's `block_table` and `mask`) or the compiled kernels' (`prefill_tables`).
+    # `PagedAttention.build_metadata` fills either the gathered path's inputs (`decode_masks`,
+    # each segment's `block_table` and `masks`) or the compiled kernels' (`prefill_tables`).
 
 
 @dataclass(slots=True)
@@ -88,24 +90,26 @@ class PagedAttention:
     call per layer for all decodes and one for all prefill segments."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kernels: object = None,
-                 scale: float | None = None, window: int | None = None) -> None:
-        """`scale`: the softmax scale of q.k (None: head_dim ** -0.5). `window`: each query
-        attends to the last `window` positions only, itself included (sliding-window attention;
-        None: all before it)."""
+                 scale: float | None = None, windows: Sequence[int | None] = (None,),
+                 softcap: float | None = None) -> None:
+        """`scale`: the softmax scale of q.k (None: head_dim ** -0.5). `windows`: the attention
+        windows of the model's layers, each layer's given to `forward`: a query attends to the
+        last `window` positions only, itself included (sliding-window attention; None: all
+        before it). `softcap`: scores become softcap * tanh(score / softcap) (Gemma 2)."""
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale if scale is not None else head_dim ** -0.5
         self._sdpa_scale = scale  # None: SDPA's own 1 / sqrt(head_dim)
-        self.window = window
+        self.windows = tuple(dict.fromkeys(windows))
+        self.softcap = softcap
         self.group_size = num_heads // num_kv_heads
         self.kernels = kernels
 
     def reads_pool_in_place(self, dtype: torch.dtype) -> bool:
         """Whether the compiled kernels serve this dtype: they read the pool through block tables
-        and lengths, so no masks or per-segment gathers are needed."""
-        # The compiled kernels attend to the whole context: a window takes the gathered path.
-        return self.kernels is not None and dtype == torch.float32 and self.window is None
+        and lengths (and windows), so no masks or per-segment gathers are needed."""
+        return self.kernels is not None and dtype == torch.float32
 
     def build_metadata(self, seqs: Sequence[SeqSlice], num_decodes: int, slot_mapping: torch.Tensor,
                        block_size: int, dtype: torch.dtype, device: torch.device) -> AttentionMetadata:
@@ -118,39 +122,45 @@ class PagedAttention:
         if any(s.num_new_tokens != 1 for s in decodes):
             raise ValueError("a decode computes exactly one token")
         in_place = self.reads_pool_in_place(dtype)
-        decode_tables = decode_mask = context_lens = None
+        decode_tables = context_lens = None
+        decode_masks: dict[int | None, torch.Tensor] = {}
         if decodes:
             context_lens = torch.tensor([s.end for s in decodes], device=device)
             num_table = _num_blocks(max(s.end for s in decodes), block_size)
             decode_tables = torch.tensor([_padded(s.block_table, num_table) for s in decodes], device=device)
             if not in_place:  # the gathered path masks the padding; the kernel reads the lengths
                 pos = torch.arange(num_table * block_size, device=device).unsqueeze(0)
-                visible = pos < context_lens.unsqueeze(1)
-                if self.window is not None:
-                    visible &= pos >= context_lens.unsqueeze(1) - self.window
-                decode_mask = visible.view(len(decodes), 1, 1, -1)
+                for window in self.windows:
+                    visible = pos < context_lens.unsqueeze(1)
+                    if window is not None:
+                        visible &= pos >= context_lens.unsqueeze(1) - window
+                    decode_masks[window] = visible.view(len(decodes), 1, 1, -1)
 
         segments: list[PrefillSegment] = []
         offset = num_decodes
         for s in prefills:
             start, end = offset, offset + s.num_new_tokens
             offset = end
-            if in_place or (s.start == 0 and (self.window is None or s.num_new_tokens <= self.window)):
-                # The kernel takes every segment from `prefill_tables`; a whole prompt within the
-                # window attends causally to its own new K/V.
-                segments.append(PrefillSegment(start, end, None, None))
+            if in_place:  # the kernel takes every segment from `prefill_tables`
+                segments.append(PrefillSegment(start, end, None, {}))
                 continue
-            if s.start == 0:  # a prompt longer than the window: its own K/V, windowed
-                blocks, context = None, torch.arange(s.start, s.end, device=device)
-            else:
+            blocks = None  # a whole prompt attends to its own new K/V
+            context = torch.arange(s.start, s.end, device=device)
+            if s.start > 0:
                 num_table = _num_blocks(s.end, block_size)
                 blocks = torch.tensor(s.block_table[:num_table], device=device)
                 context = torch.arange(num_table * block_size, device=device)
             query_pos = torch.arange(s.start, s.end, device=device).unsqueeze(1)
-            mask = context.unsqueeze(0) <= query_pos
-            if self.window is not None:
-                mask &= context.unsqueeze(0) > query_pos - self.window
-            segments.append(PrefillSegment(start, end, blocks, mask))
+            masks: dict[int | None, torch.Tensor | None] = {}
+            for window in self.windows:
+                if blocks is None and (window is None or s.num_new_tokens <= window):
+                    masks[window] = None  # plain causal
+                    continue
+                mask = context.unsqueeze(0) <= query_pos
+                if window is not None:
+                    mask &= context.unsqueeze(0) > query_pos - window
+                masks[window] = mask
+            segments.append(PrefillSegment(start, end, blocks, masks))
 
         prefill_tables = None
         if prefills and in_place:
@@ -167,7 +177,7 @@ class PagedAttention:
             num_decode_tokens=num_decodes,
             decode_block_tables=decode_tables,
             decode_context_lens=context_lens,
-            decode_mask=decode_mask,
+            decode_masks=decode_masks,
             prefills=segments,
             prefill_tables=prefill_tables,
         )
@@ -181,28 +191,31 @@ class PagedAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         kv_stored: bool = False,
+        window: int | None = None,
     ) -> torch.Tensor:
         """q: `[num_tokens, num_heads, head_dim]`, k/v: `[num_tokens, num_kv_heads, head_dim]`.
         Returns `[num_tokens, num_heads * head_dim]`. `kv_stored`: the caller has already
-        written k/v into their slots (fused with the rotary embedding)."""
+        written k/v into their slots (fused with the rotary embedding). `window`: the layer's,
+        one of `windows`."""
         if not kv_stored:
             k_cache.index_copy_(0, meta.slot_mapping, k)
             v_cache.index_copy_(0, meta.slot_mapping, v)
         num_decodes = meta.num_decode_tokens
         if num_decodes == q.shape[0]:  # a decode-only step: the decode path's result is the output
-            return self._decode(q, k_cache, v_cache, meta).view(q.shape[0], self.num_heads * self.head_dim)
+            return self._decode(q, k_cache, v_cache, meta, window).view(q.shape[0], self.num_heads * self.head_dim)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if num_decodes:
-            out[:num_decodes] = self._decode(q[:num_decodes], k_cache, v_cache, meta)
+            out[:num_decodes] = self._decode(q[:num_decodes], k_cache, v_cache, meta, window)
         tables = meta.prefill_tables
         if tables is not None and self.reads_pool_in_place(q.dtype):
             out[num_decodes:] = self.kernels.paged_prefill_attention(  # type: ignore[attr-defined]
                 q[num_decodes:].contiguous(), k_cache, v_cache, tables.block_tables, tables.query_starts,
-                tables.query_lens, tables.context_starts, meta.block_size, self.scale,
+                tables.query_lens, tables.context_starts, meta.block_size, self.scale, window or 0,
+                self.softcap or 0.0,
             )
         else:
             for seg in meta.prefills:
-                out[seg.start:seg.end] = self._prefill(q, k, v, k_cache, v_cache, seg, meta.block_size)
+                out[seg.start:seg.end] = self._prefill(q, k, v, k_cache, v_cache, seg, meta.block_size, window)
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
     def _gather(self, cache: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -212,14 +225,13 @@ class PagedAttention:
         gathered = blocks.index_select(0, block_table.reshape(-1))
         return gathered.view(*block_table.shape[:-1], -1, self.num_kv_heads, self.head_dim)
 
-    def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                window: int | None) -> torch.Tensor:
         assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
         if self.reads_pool_in_place(q.dtype):
             return self.kernels.paged_decode_attention(  # type: ignore[attr-defined]
                 q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                meta.block_size, self.scale,
+                meta.block_size, self.scale, window or 0, self.softcap or 0.0,
             )
         batch = meta.decode_block_tables.shape[0]
         keys = self._gather(k_cache, meta.decode_block_tables, meta.block_size)
@@ -227,9 +239,7 @@ class PagedAttention:
         # One query per request: the query heads sharing a KV head stand in the "query length"
         # dimension of their group, so GQA needs no repeated K/V.
         grouped_q = q.view(batch, self.num_kv_heads, self.group_size, self.head_dim)
-        out = F.scaled_dot_product_attention(
-            grouped_q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=meta.decode_mask, scale=self._sdpa_scale
-        )
+        out = self._attend(grouped_q, keys.transpose(1, 2), values.transpose(1, 2), meta.decode_masks[window], False)
         return out.reshape(batch, self.num_heads, self.head_dim)
 
     def _prefill(
@@ -241,24 +251,38 @@ class PagedAttention:
         v_cache: torch.Tensor,
         seg: PrefillSegment,
         block_size: int,
+        window: int | None,
     ) -> torch.Tensor:
         query = q[seg.start:seg.end].transpose(0, 1).unsqueeze(0)
+        mask = seg.masks[window]
         if seg.block_table is None:  # its own new K/V: causal, or windowed by its mask
-            keys, values, causal = k[seg.start:seg.end], v[seg.start:seg.end], seg.mask is None
+            keys, values = k[seg.start:seg.end], v[seg.start:seg.end]
         else:
             keys = self._gather(k_cache, seg.block_table, block_size)
             values = self._gather(v_cache, seg.block_table, block_size)
-            causal = False
-        out = F.scaled_dot_product_attention(
-            query,
-            keys.transpose(0, 1).unsqueeze(0),
-            values.transpose(0, 1).unsqueeze(0),
-            attn_mask=seg.mask,
-            is_causal=causal,
-            enable_gqa=True,
-            scale=self._sdpa_scale,
-        )
+        out = self._attend(query, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0), mask,
+                           mask is None)
         return out[0].transpose(0, 1)
+
+    def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                causal: bool) -> torch.Tensor:
+        """softmax(q.k * scale, masked) . v over `[..., heads, tokens, dim]` (keys and values with
+        one head per group of query heads); with `softcap`, the scores are capped first, which
+        SDPA cannot do."""
+        gqa = query.shape[-3] != keys.shape[-3]
+        if self.softcap is None:
+            return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal,
+                                                  scale=self._sdpa_scale, enable_gqa=gqa)
+        if gqa:
+            group = query.shape[-3] // keys.shape[-3]
+            keys, values = keys.repeat_interleave(group, -3), values.repeat_interleave(group, -3)
+        scores = query @ keys.transpose(-1, -2) * self.scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if causal:
+            mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.softmax(scores.float(), dim=-1).to(values.dtype) @ values
 
 
 def _num_blocks(num_tokens: int, block_size: int) -> int:

@@ -11,6 +11,7 @@ from typing import Any
 
 from inflight.config import ModelConfig
 from inflight.errors import ModelLoadError
+from inflight.model.architectures import ARCHITECTURES, Architecture
 
 # Architectures whose attention always has q, k and v biases, whatever the config says.
 _QKV_BIAS_ARCHITECTURES = ("qwen2",)
@@ -38,27 +39,80 @@ def read_hf_config(path: Path, architectures: Sequence[str] | None = None) -> Mo
 
 # Config keys that change the arithmetic, and the values under which it is what inflight computes.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "hidden_act": ("silu", "swish"),
-    "hidden_activation": (None, "silu", "swish"),
     "partial_rotary_factor": (None, 1, 1.0),
-    "attn_logit_softcapping": (None,),
-    "final_logit_softcapping": (None,),
     "logit_softcapping": (None,),
-    "query_pre_attn_scalar": (None,),
+    "use_bidirectional_attention": (None, False),
+    "quantization_config": (None,),
+    "pretraining_tp": (None, 1),
 }
+# The config keys `parse_hf_config` reads: each one's effect on the arithmetic is computed.
+READ_KEYS = frozenset({
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
+    "rope_local_base_freq", "max_position_embeddings", "tie_word_embeddings", "attention_bias", "bos_token_id",
+    "eos_token_id", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types",
+    "sliding_window_pattern", "_sliding_window_pattern", "attention_multiplier", "query_pre_attn_scalar",
+    "embedding_multiplier", "residual_multiplier", "logits_scaling", "no_rope_layers", "no_rope_layer_interval",
+    "attn_logit_softcapping", "final_logit_softcapping", "hidden_act", "hidden_activation", "num_local_experts",
+    "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers",
+    "decoder_sparse_step",
+})
+# Config keys without effect on a forward pass in inference: training settings, bookkeeping,
+# generation defaults; and `mlp_bias`, whose biases are read from the checkpoint where they are.
+NO_EFFECT_KEYS = frozenset({
+    "_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype", "id2label", "label2id",
+    "return_dict", "output_hidden_states", "output_attentions", "chunk_size_feed_forward", "is_encoder_decoder",
+    "problem_type", "initializer_range", "use_cache", "pad_token_id", "attention_dropout", "resid_pdrop",
+    "embd_pdrop", "original_max_position_embeddings", "mlp_bias", "output_router_logits", "router_aux_loss_coef",
+    "router_jitter_noise",
+})
+# Keys of `rope_scaling` / `rope_parameters`, and the rope types `rope_inv_freq` computes.
+ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+                       "original_max_position_embeddings", "partial_rotary_factor"})
+ROPE_TYPES = (None, "default", "linear", "llama3")
+# Each activation of a plan's MLP under the names configs give it.
+_ACTIVATION_NAMES = {"silu": (None, "silu", "swish"), "gelu_pytorch_tanh": (None, "gelu_pytorch_tanh", "gelu_tanh")}
 
 
 def refuse_unsupported(raw: dict[str, Any], path: Path) -> None:
     """Raises ModelLoadError naming the first config key whose value changes the arithmetic in a
     way inflight does not compute: silence would serve a different model."""
-    for key, neutral in _NEUTRAL.items():
-        if key in raw and raw[key] not in neutral:
+    arch = ARCHITECTURES[raw.get("model_type", "llama")]
+    neutral = {**_NEUTRAL, "hidden_act": _ACTIVATION_NAMES[arch.activation],
+               "hidden_activation": _ACTIVATION_NAMES[arch.activation]}
+    for key, values in neutral.items():
+        if key in raw and raw[key] not in values:
             raise ModelLoadError(f"{path}: {key} = {raw[key]!r} changes the model's arithmetic in a way "
                                  "inflight does not compute yet")
     layer_types = set(raw.get("layer_types") or ())
     if layer_types - {"full_attention", "sliding_attention"}:
         raise ModelLoadError(f"{path}: layer_types {sorted(layer_types)}: inflight computes full and "
                              "sliding-window attention layers only")
+    rope, local = _rope_parameters(raw)
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind not in ROPE_TYPES:
+        raise ModelLoadError(f"{path}: rope_type {kind!r}: inflight computes the rotary embedding of rope types "
+                             f"{', '.join(str(t) for t in ROPE_TYPES[1:])} only")
+    if rope.get("partial_rotary_factor") not in _NEUTRAL["partial_rotary_factor"]:
+        raise ModelLoadError(f"{path}: partial_rotary_factor = {rope['partial_rotary_factor']!r} rotates part of "
+                             "each head, which inflight does not compute yet")
+    if local is not None and local.get("rope_type", "default") != "default":
+        raise ModelLoadError(f"{path}: the sliding layers' rope_type {local['rope_type']!r}: inflight scales the "
+                             "rotary embedding of full-attention layers only")
+
+
+def _rope_parameters(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The rotary settings of the full-attention layers and, where they differ, of the
+    sliding-window ones: from `rope_scaling` or `rope_parameters` (newer configs, which also
+    carry `rope_theta`, and for Gemma 3 one entry per layer type) and `rope_local_base_freq`."""
+    params = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
+    local = None
+    if "full_attention" in params or "sliding_attention" in params:
+        local = params.get("sliding_attention")
+        params = dict(params.get("full_attention") or {})
+    if raw.get("rope_local_base_freq") is not None:
+        local = {"rope_type": "default", "rope_theta": raw["rope_local_base_freq"]}
+    return params, local
 
 
 def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
@@ -69,11 +123,17 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
     arch = str(raw.get("model_type", "llama"))
     num_heads = int(raw["num_attention_heads"])
     hidden = int(raw["hidden_size"])
-    rope_scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
-    rope_theta = raw.get("rope_theta") or (rope_scaling or {}).get("rope_theta") or 10000.0
-    if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
+    row = ARCHITECTURES.get(arch)
+    rope_scaling: dict[str, Any] | None
+    rope_scaling, local_rope = _rope_parameters(raw)
+    rope_theta = rope_scaling.get("rope_theta") or raw.get("rope_theta") or 10000.0
+    if rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
         rope_scaling = None
     window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+    attention_scale = raw.get("attention_multiplier")
+    if raw.get("query_pre_attn_scalar") is not None:
+        attention_scale = float(raw["query_pre_attn_scalar"]) ** -0.5
+    num_experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
     eos = raw.get("eos_token_id")
     eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
     return ModelConfig(
@@ -94,22 +154,48 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
         sliding_window=int(window) if window is not None else None,
-        sliding_window_layers=_window_layers(raw) if window is not None else None,
-        attention_scale=float(raw["attention_multiplier"]) if raw.get("attention_multiplier") is not None else None,
-        embedding_scale=float(raw.get("embedding_multiplier") or 1.0),
+        sliding_window_layers=_window_layers(raw, row) if window is not None else None,
+        attention_scale=float(attention_scale) if attention_scale is not None else None,
+        embedding_scale=hidden ** 0.5 if row is not None and row.scaled_embedding else float(
+            raw.get("embedding_multiplier") or 1.0),
         residual_scale=float(raw.get("residual_multiplier") or 1.0),
         logit_scale=float(raw.get("logits_scaling") or 1.0),
         rope_layers=_rope_layers(raw),
+        local_rope_theta=float(local_rope["rope_theta"]) if local_rope is not None and window is not None else None,
+        attn_logit_softcap=_positive(raw.get("attn_logit_softcapping")),
+        final_logit_softcap=_positive(raw.get("final_logit_softcapping")),
+        num_experts=num_experts,
+        num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0) if num_experts else 0,
+        moe_intermediate_size=int(raw["moe_intermediate_size"]) if raw.get("moe_intermediate_size") else None,
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),  # Mixtral's always renormalize
+        moe_layers=_moe_layers(raw) if num_experts else None,
     )
 
 
-def _window_layers(raw: dict[str, Any]) -> tuple[bool, ...] | None:
-    """Which layers slide, from `layer_types` (Qwen2's from its `max_window_layers`); None:
-    every layer does (Mistral)."""
+def _moe_layers(raw: dict[str, Any]) -> tuple[bool, ...] | None:
+    """Which layers route to experts: every `decoder_sparse_step`-th one not in `mlp_only_layers`
+    (Qwen3-MoE); None: every layer."""
+    step, dense = int(raw.get("decoder_sparse_step") or 1), set(raw.get("mlp_only_layers") or ())
+    layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(int(raw["num_hidden_layers"])))
+    return None if all(layers) else layers
+
+
+def _positive(value: Any) -> float | None:
+    return float(value) if value else None
+
+
+def _window_layers(raw: dict[str, Any], row: Architecture | None) -> tuple[bool, ...] | None:
+    """Which layers slide, from `layer_types` (Qwen2's from its `max_window_layers`; Gemma's
+    from its `sliding_window_pattern`, every n-th layer global); None: every layer does
+    (Mistral)."""
     types = raw.get("layer_types")
+    layers = int(raw["num_hidden_layers"])
     if types is None and raw.get("max_window_layers") is not None:
         types = ["sliding_attention" if i >= int(raw["max_window_layers"]) else "full_attention"
-                 for i in range(int(raw["num_hidden_layers"]))]
+                 for i in range(layers)]
+    pattern = raw.get("sliding_window_pattern") or (row.window_pattern if row is not None else None)
+    if types is None and pattern:
+        types = ["sliding_attention" if local else "full_attention" for local in window_pattern(int(pattern), layers)]
     if types is None or all(t == "sliding_attention" for t in types):
         return None
     return tuple(t == "sliding_attention" for t in types)
@@ -124,6 +210,11 @@ def _rope_layers(raw: dict[str, Any]) -> tuple[bool, ...] | None:
     if raw.get("model_type") == "smollm3":
         return nope_every(int(raw.get("no_rope_layer_interval", 4)), layers)
     return None
+
+
+def window_pattern(pattern: int, num_layers: int) -> tuple[bool, ...]:
+    """Every `pattern`-th layer global, the others sliding (llama.cpp's `set_swa_pattern`)."""
+    return tuple(i % pattern < pattern - 1 for i in range(num_layers))
 
 
 def nope_every(interval: int, num_layers: int) -> tuple[bool, ...]:

@@ -37,7 +37,7 @@ class Reg(IntEnum):
     ATTN = 2    # attention's output, [tokens, heads * head_dim]
     DELTA = 3   # what the next `add_rms_norm` adds to the residual stream
     GATE_UP = 4
-    ACT = 5     # silu(gate) * up
+    ACT = 5     # act(gate) * up
 
 
 class Op:
@@ -54,6 +54,8 @@ class Op:
     ATTENTION = "attention"
     # dst = silu(first half of src) * second half
     SILU_AND_MUL = "silu_and_mul"
+    # dst = gelu(first half of src), its tanh approximation, * second half (Gemma's GeGLU)
+    GELU_TANH_AND_MUL = "gelu_tanh_and_mul"
     # src's q and k RMS-normalized in place (dst is src) by `param`, a (q scale, k scale) pair, in
     # groups of each scale's length: one head (Qwen3) or the whole projection (OLMo 2)
     QK_NORM = "qk_norm"
@@ -63,6 +65,9 @@ class Op:
     RMS_NORM = "rms_norm"
     # dst = src * `param`, a number (Granite's residual multiplier)
     SCALE = "scale"
+    # dst = the MLP of `param`'s routed experts over src: each token through the few experts its
+    # router picks, their outputs weighted (Mixtral, Qwen3-MoE)
+    ROUTED_EXPERTS = "routed_experts"
 
 
 class Step(NamedTuple):
@@ -107,6 +112,35 @@ POST_NORM_LAYER: tuple[Step, ...] = (
     Step(Op.MATMUL, Reg.ACT, Reg.DELTA, "down"),
     Step(Op.RMS_NORM, Reg.DELTA, Reg.DELTA, "mlp_out_norm"),
 )
+
+# Gemma 2's: norms both before and after attention and the MLP ("sandwich" norms), the MLP a
+# GeGLU. Its attention's soft-capping and window are the layer's attention settings, not steps.
+SANDWICH_NORM_LAYER: tuple[Step, ...] = (
+    *LLAMA_LAYER[:5],
+    Step(Op.RMS_NORM, Reg.DELTA, Reg.DELTA, "attn_out_norm"),
+    Step(Op.ADD_RMS_NORM, Reg.DELTA, Reg.NORMED, "post_norm"),
+    Step(Op.MATMUL, Reg.NORMED, Reg.GATE_UP, "gate_up"),
+    Step(Op.GELU_TANH_AND_MUL, Reg.GATE_UP, Reg.ACT),
+    Step(Op.MATMUL, Reg.ACT, Reg.DELTA, "down"),
+    Step(Op.RMS_NORM, Reg.DELTA, Reg.DELTA, "mlp_out_norm"),
+)
+
+# Gemma 3's: Gemma 2's with q and k normalized per head before the rotary embedding.
+SANDWICH_QK_NORM_LAYER: tuple[Step, ...] = (
+    *SANDWICH_NORM_LAYER[:2],
+    Step(Op.QK_NORM, Reg.QKV, Reg.QKV, "qk_norm"),
+    *SANDWICH_NORM_LAYER[2:],
+)
+
+
+def with_routed_experts(plan: Sequence[Step]) -> tuple[Step, ...]:
+    """`plan` with its MLP (the steps from the gate/up matmul to the down matmul) replaced by one
+    routed-experts step over the same input and into the same output."""
+    first = next(j for j, step in enumerate(plan) if step.param == "gate_up")
+    last = next(j for j, step in enumerate(plan) if step.param == "down")
+    experts = Step(Op.ROUTED_EXPERTS, plan[first].src, plan[last].dst, "experts")
+    return (*plan[:first], experts, *plan[last + 1:])
+
 
 def with_scaled_residual(plan: Sequence[Step]) -> tuple[Step, ...]:
     """`plan` with each contribution to the residual stream multiplied by the layer's

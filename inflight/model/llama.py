@@ -1,5 +1,6 @@
 """The decoder of every architecture in `architectures.py` (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3,
-OLMo 2, Granite, SmolLM3, Phi-3) on packed tokens: each runs its own layer plan.
+OLMo 2, Granite, SmolLM3, Phi-3, Gemma 2 and 3) on packed tokens: each runs its own layer plan,
+each layer with its own attention window and rotary table.
 
 Every token-wise operation runs on one flattened `[num_tokens, hidden]` tensor holding the new
 tokens of all requests in the step; only attention looks at request boundaries, through the
@@ -8,6 +9,7 @@ tokens of all requests in the step; only attention looks at request boundaries, 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from types import ModuleType
@@ -17,8 +19,9 @@ import torch
 
 from inflight.config import ModelConfig
 from inflight.errors import ModelLoadError
-from inflight.model.architectures import Architecture, architecture
+from inflight.model.architectures import Architecture, ExpertNames, architecture
 from inflight.model.attention import AttentionMetadata, PagedAttention
+from inflight.model.experts import RoutedExperts
 from inflight.model.kernels import cpu_kernels
 from inflight.model.layer_plan import OUTPUT, Op, Reg, Step, compiled_ops, released_after, with_scaled_residual
 from inflight.model.linear import GGUF_BLOCKS_MAX_ROWS, Linear, linear_backend
@@ -54,19 +57,25 @@ class DecoderLayer(NamedTuple):
 
     qkv: Linear
     o: Linear
-    gate_up: Linear
-    down: Linear
+    gate_up: Linear | None = None  # (a routed-experts layer has its MLP in `experts`)
+    down: Linear | None = None
     input_norm: torch.Tensor | None = None  # before attention (Llama)
     post_norm: torch.Tensor | None = None  # before the MLP (Llama's post_attention_layernorm)
     attn_out_norm: torch.Tensor | None = None  # of attention's output (OLMo 2)
     mlp_out_norm: torch.Tensor | None = None  # of the MLP's output (OLMo 2)
     qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None  # q's and k's RMSNorm scales (Qwen3, OLMo 2)
     residual_scale: float = 1.0  # what each contribution to the residual stream is multiplied by (Granite)
-    rotary: bool = True  # whether q and k are rotated (SmolLM3's NoPE layers: not)
+    # Which of the model's rotary tables rotates q and k (`ROPE_*`; SmolLM3's NoPE layers: none).
+    rope: int = 0
+    window: int | None = None  # the layer's attention window (None: full attention)
+    experts: RoutedExperts | None = None  # the MLP of a routed-experts plan (Mixtral, Qwen3-MoE)
 
 
-NORMS = ("input_norm", "post_norm")
+NORMS = ("input_norm", "post_norm", "attn_out_norm", "mlp_out_norm")
 MATMULS = ("qkv", "o", "gate_up", "down")
+# The rotary tables a layer can read: the model's, the identity (a NoPE layer "rotates" by angle
+# 0: the same op, with cos 1 and sin 0) and the local layers' own base (Gemma 3).
+ROPE_GLOBAL, ROPE_NONE, ROPE_LOCAL = 0, 1, 2
 
 
 class LlamaModel:
@@ -116,11 +125,21 @@ class LlamaModel:
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             fused = {field: [p + n for n in suffixes] for field, suffixes in arch.matmuls.items()}
+            sparse = arch.experts is not None and (config.moe_layers is None or config.moe_layers[i])
+            if sparse:  # the MLP's weights are the experts'
+                fused = {field: names for field, names in fused.items() if field not in ("gate_up", "down")}
             matmuls: dict[str, Any] = {field: linear(*names, bias=biases(*names)) for field, names in fused.items()}
+            if arch.experts is not None:
+                matmuls["experts"] = self._experts(arch.experts, config, linear, p) if sparse else RoutedExperts(
+                    None, [matmuls.pop("gate_up")], [matmuls.pop("down")], 1, False)
+            local = config.sliding_window is not None and (
+                config.sliding_window_layers is None or config.sliding_window_layers[i])
+            rotates = config.rope_layers is None or config.rope_layers[i]
             self.layers.append(DecoderLayer(
                 **matmuls,
                 residual_scale=config.residual_scale,
-                rotary=config.rope_layers[i] if config.rope_layers is not None else True,
+                rope=ROPE_NONE if not rotates else ROPE_LOCAL if local and config.local_rope_theta else ROPE_GLOBAL,
+                window=config.sliding_window if local else None,
                 **self._layer_extras(arch, take, p),
             ))
         unused = sorted(set(weights) - taken)
@@ -128,17 +147,24 @@ class LlamaModel:
             shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
             raise ModelLoadError(f"the checkpoint has weights the {config.architecture} plan does not use: {shown}")
         kernels = cpu_kernels() if device.type == "cpu" and self.dtype == torch.float32 else None
-        # A window in every layer is computed (in the gathered attention path); a window in some
-        # layers only is not yet, and the engine keeps requests within it (LLMEngine).
-        window = config.sliding_window if config.sliding_window_layers is None else None
         self.attention = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim, kernels,
-                                        scale=config.attention_scale, window=window)
+                                        scale=config.attention_scale, windows=[layer.window for layer in self.layers],
+                                        softcap=config.attn_logit_softcap)
         shape = (config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps)
         self.ops = CpuKernelTokenOps(*shape, kernels) if kernels is not None else TorchTokenOps(*shape)
-        self._rope_inv_freq = rope_inv_freq(config).to(device)
-        self._rope_cos, self._rope_sin = self._rope_table(config.max_position_embeddings)
+        self.rope_tables = self._rope_tables(config)
         self.plan: tuple[Step, ...] = arch.plan if config.residual_scale == 1 else with_scaled_residual(arch.plan)
         self.decoder_stack = self._decoder_stack(kernels)
+
+    @staticmethod
+    def _experts(names: ExpertNames, config: ModelConfig, linear: Callable[..., Linear], prefix: str) -> RoutedExperts:
+        gate_up, down = [], []
+        for e in range(config.num_experts):
+            gate, up, down_name = names.of(e)
+            gate_up.append(linear(prefix + gate, prefix + up))
+            down.append(linear(prefix + down_name))
+        return RoutedExperts(linear(prefix + names.router), gate_up, down, config.num_experts_per_tok,
+                             config.norm_topk_prob)
 
     @staticmethod
     def _layer_extras(arch: Architecture, take: Callable[[str], torch.Tensor], prefix: str) -> dict[str, Any]:
@@ -154,28 +180,43 @@ class LlamaModel:
         layers = self.layers
         if kernels is None or not compiled_ops(self.plan, kernels.plan_ops()):
             return None
-        if self.config.attention_scale is not None:  # the compiled attention scales by head_dim ** -0.5
-            return None
-        if not self.attention.reads_pool_in_place(self.dtype):  # a window: the gathered attention path
-            return None
-        if not all(layer.rotary for layer in layers):  # the compiled stack rotates every layer
+        if not self.attention.reads_pool_in_place(self.dtype):
             return None
         if any(getattr(layer, f).backend != "inflight" for layer in layers for f in MATMULS):
             return None
-        plan = [(step.op, int(step.src), int(step.dst), _param_index(step), [int(r) for r in release])
+        norms = _norm_fields(self.plan)
+        plan = [(step.op, int(step.src), int(step.dst), _param_index(step, norms), [int(r) for r in release])
                 for step, release in zip(self.plan, released_after(self.plan), strict=True)]
         matmuls = [getattr(layer, f) for layer in layers for f in MATMULS]
+        qk_norms = [scale for layer in layers for scale in layer.qk_norm or ()] if Op.QK_NORM in {
+            step.op for step in self.plan} else []
         cfg = self.config
         return kernels.DecoderStack(
-            plan, int(OUTPUT), len(layers), [getattr(layer, f) for layer in layers for f in NORMS],
+            plan, int(OUTPUT), len(layers), [getattr(layer, f) for layer in layers for f in norms], qk_norms,
             [m.weight for m in matmuls], [m.blocks for m in matmuls], [m.bias for m in matmuls],
-            [m.out_features for m in matmuls], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+            [m.out_features for m in matmuls], [layer.window or 0 for layer in layers],
+            [layer.rope for layer in layers], [layer.residual_scale for layer in layers], cfg.num_heads,
+            cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, self.attention.scale, self.attention.softcap or 0.0,
             GGUF_BLOCKS_MAX_ROWS,
         )
 
-    def _rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope_tables(self, config: ModelConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """cos and sin `[max_positions, head_dim]` of each rotary the layers read (`ROPE_*`):
+        tables of every position, built once (the local one only where a layer reads it)."""
+        length = config.max_position_embeddings
+        table = self._rope_table(rope_inv_freq(config), length)
+        identity = (torch.ones_like(table[0]), torch.zeros_like(table[1])) if any(
+            layer.rope == ROPE_NONE for layer in self.layers) else table
+        local = table
+        if any(layer.rope == ROPE_LOCAL for layer in self.layers):
+            assert config.local_rope_theta is not None
+            unscaled = dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
+            local = self._rope_table(rope_inv_freq(unscaled), length)
+        return [table, identity, local]
+
+    def _rope_table(self, inv_freq: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(length, device=self.device, dtype=torch.float32)
-        freqs = torch.outer(positions, self._rope_inv_freq)
+        freqs = torch.outer(positions, inv_freq.to(self.device))
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(self.dtype).contiguous(), emb.sin().to(self.dtype).contiguous()
 
@@ -200,21 +241,21 @@ class LlamaModel:
         # After the last layer only the rows that sample a token matter.
         hidden = hidden.index_select(0, logits_indices) + mlp.index_select(0, logits_indices)
         logits = self.lm_head(self.ops.rms_norm(hidden, self.final_norm)).float()
-        return logits / self.config.logit_scale if self.config.logit_scale != 1 else logits
+        if self.config.logit_scale != 1:
+            logits = logits / self.config.logit_scale
+        if (cap := self.config.final_logit_softcap) is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def _layers(self, hidden: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn_meta: AttentionMetadata) -> torch.Tensor:
         """Every decoder layer over the step's tokens, `self.plan` interpreted step by step: updates
         the residual stream `hidden` in place and returns the plan's output register."""
         ops, attention = self.ops, self.attention
-        rotary = self._rope_cos, self._rope_sin
-        # A NoPE layer "rotates" by angle 0: the same op, with cos 1 and sin 0.
-        identity = (torch.ones_like(self._rope_cos), torch.zeros_like(self._rope_sin)) if not all(
-            layer.rotary for layer in self.layers) else rotary
         reg: list[Any] = [None] * len(Reg)
         steps = list(zip(self.plan, released_after(self.plan), strict=True))
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            cos, sin = rotary if layer.rotary else identity
+            cos, sin = self.rope_tables[layer.rope]
             for (op, src, dst, param), release in steps:
                 x = reg[src]
                 weight: Any = getattr(layer, param) if param is not None else None
@@ -226,9 +267,12 @@ class LlamaModel:
                     reg[dst] = ops.rotary(x, positions, cos, sin, KVStore(k_cache, v_cache, attn_meta.slot_mapping))
                 elif op == Op.ATTENTION:
                     q, k, v = x
-                    reg[dst] = attention.forward(q, k, v, k_cache, v_cache, attn_meta, kv_stored=True)
+                    reg[dst] = attention.forward(q, k, v, k_cache, v_cache, attn_meta, kv_stored=True,
+                                                 window=layer.window)
                 elif op == Op.SILU_AND_MUL:
                     reg[dst] = ops.silu_and_mul(x)
+                elif op == Op.GELU_TANH_AND_MUL:
+                    reg[dst] = ops.gelu_tanh_and_mul(x)
                 elif op == Op.QK_NORM:
                     reg[dst] = ops.qk_norm_(x, weight)
                 elif op == Op.ADD_RESIDUAL:
@@ -239,6 +283,8 @@ class LlamaModel:
                     reg[dst] = ops.rms_norm(x, weight)
                 elif op == Op.SCALE:
                     reg[dst] = x * weight
+                elif op == Op.ROUTED_EXPERTS:
+                    reg[dst] = weight(x, ops.silu_and_mul)
                 else:
                     raise ValueError(f"no implementation of the plan's op {op!r}")
                 for r in release:
@@ -251,7 +297,8 @@ class LlamaModel:
         """`self.plan` through the compiled `DecoderStack`: the same kernels in the same order."""
         tables = attn_meta.prefill_tables
         return self.decoder_stack.forward(
-            hidden, positions, self._rope_cos, self._rope_sin, [k for k, _ in kv_caches], [v for _, v in kv_caches],
+            hidden, positions, [cos for cos, _ in self.rope_tables], [sin for _, sin in self.rope_tables],
+            [k for k, _ in kv_caches], [v for _, v in kv_caches],
             attn_meta.slot_mapping, attn_meta.num_decode_tokens, attn_meta.decode_block_tables,
             attn_meta.decode_context_lens, *(
                 (tables.block_tables, tables.query_starts, tables.query_lens, tables.context_starts)
@@ -260,9 +307,16 @@ class LlamaModel:
         )
 
 
-def _param_index(step: Step) -> int:
+def _norm_fields(plan: tuple[Step, ...]) -> tuple[str, ...]:
+    """The `DecoderLayer` norm fields `plan` reads, in the order `DecoderStack` is given them."""
+    return tuple(dict.fromkeys(step.param for step in plan if step.param in NORMS))
+
+
+def _param_index(step: Step, norms: tuple[str, ...]) -> int:
     """The index `DecoderStack` knows a step's weight by: its place among the layer's norms or
-    its matmuls (-1: the step has none)."""
-    if step.param is None:
-        return -1
-    return (NORMS if step.param in NORMS else MATMULS).index(step.param)
+    its matmuls (-1: the step has none, or it is not a tensor the stack holds by index)."""
+    if step.param in norms:
+        return norms.index(step.param)
+    if step.param in MATMULS:
+        return MATMULS.index(step.param)
+    return -1

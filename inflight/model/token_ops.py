@@ -1,5 +1,5 @@
-"""The token-wise operations of a decoder layer: RMSNorm (with the residual add folded in),
-rotary embedding and SwiGLU's gate.
+"""The token-wise operations of a decoder layer: RMSNorm (with the residual add folded in, and
+over q and k), rotary embedding and the MLP's gate (SwiGLU's, GeGLU's).
 
 `TorchTokenOps` is plain PyTorch and runs on any device and dtype. `CpuKernelTokenOps` does the
 same arithmetic in fp32 with the compiled CPU kernels (`kernels.py`), one call where PyTorch
@@ -63,6 +63,10 @@ class TorchTokenOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
     def qk_norm_(self, qkv: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """q and k of the fused projection `[N, (H + 2 KV) * D]` RMS-normalized in place, by
         `scales` (q's, k's), in groups of each scale's length: a head (D) or the whole
@@ -113,3 +117,10 @@ class CpuKernelTokenOps(TorchTokenOps):
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.kernels.silu_and_mul(gate_up.contiguous())
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.kernels.gelu_tanh_and_mul(gate_up.contiguous())
+
+    def qk_norm_(self, qkv: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        self.kernels.qk_norm_(qkv, scales[0], scales[1], self.num_heads, self.num_kv_heads, self.head_dim, self.eps)
+        return qkv

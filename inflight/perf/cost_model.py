@@ -29,7 +29,15 @@ from typing import NamedTuple, Protocol
 from inflight.config import ModelConfig
 from inflight.errors import ConfigError
 from inflight.perf.profiles import EngineProfile, HardwareProfile, default_engine
-from inflight.perf.shapes import num_linear_params, num_params
+from inflight.perf.shapes import (
+    expert_params,
+    experts_touched,
+    num_active_linear_params,
+    num_dense_linear_params,
+    num_expert_layers,
+    num_linear_params,
+    num_params,
+)
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
 COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
@@ -139,9 +147,13 @@ class CostModel:
         linear = num_linear_params(model)
         head = model.vocab_size * model.hidden_size
         # The LM head and the embedding stay in the activations' type, as in quantized checkpoints.
-        self._linear_s_per_token = 2 * linear / tp / self.linear_peak_flops
+        # A token computes with its routed experts only; a step reads the weights of every expert
+        # one of its tokens chose (`experts_touched`) besides the dense ones.
+        self._linear_s_per_token = 2 * num_active_linear_params(model) / tp / self.linear_peak_flops
         self._head_s_per_row = 2 * head / tp / hardware.peak_flops
-        self._linear_weight_bytes = linear * w / tp
+        self._linear_weight_bytes = (num_dense_linear_params(model)
+                                     + num_expert_layers(model) * model.num_experts * model.hidden_size) * w / tp
+        self._expert_weight_bytes = num_expert_layers(model) * expert_params(model) * w / tp
         self._head_weight_bytes = head * a / tp
         self._attn_flops_per_pair = 4 * model.num_layers * (model.num_heads // tp) * model.head_dim
         # KV heads are split over the devices, replicated when there are fewer than devices.
@@ -167,6 +179,7 @@ class CostModel:
             attention.append((pairs * pair_flops, (context + n) * kv_bytes))
         compute_s = num_tokens * self._linear_s_per_token + num_rows * self._head_s_per_row
         weight_bytes = ((self._linear_weight_bytes if num_tokens else 0.0)
+                        + self._expert_weight_bytes * experts_touched(self.model, num_tokens)
                         + (self._head_weight_bytes if num_rows else 0.0))
         layers = self.model.num_layers if num_tokens else 0
         allreduces = 2 * layers if self.tp > 1 else 0

