@@ -85,7 +85,8 @@ def test_a_sliding_window_is_computed_across_chunks_and_cached_prefixes(tmp_path
     """A window of 24 positions over prompts of 40-70 tokens, in every layer (Mistral) or from
     the second layer on (Qwen2's max_window_layers): each query of a sliding layer attends to
     the last 24 positions only, whether its prompt is prefilled whole or in chunks of 7, reads a
-    cached prefix, or decodes past the window; the greedy tokens are transformers'."""
+    cached prefix, or decodes past the window; the greedy tokens are transformers'. Where every
+    layer slides, a request holds only the blocks its window covers."""
     import transformers
 
     from inflight import LLM
@@ -107,12 +108,19 @@ def test_a_sliding_window_is_computed_across_chunks_and_cached_prefixes(tmp_path
     prompts = [shared + list(range(100, 100 + n)) for n in (8, 38)] + [list(range(50, 50 + 45))]
     llm = LLM(model=str(tmp_path), num_kv_blocks=64, max_num_tokens=chunk, enable_chunked_prefill=True)
     assert llm.engine.model_config.sliding_window_layers == (None if arch == "mistral" else (False, True))
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    outs = [llm.generate([prompt], params)[0] for prompt in prompts]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    outs = []
+    for prompt in prompts:
+        bm = llm.engine.block_manager
+        bm.reset_peak()
+        outs.append(llm.generate([prompt], params)[0])
+        if arch == "mistral" and chunk == 7:  # blocks behind the window went back to the pool as it moved
+            assert bm.peak_used_blocks <= -(-(24 + 7) // 16) + 1 < -(-(len(prompt) + 40) // 16)
+        assert bm.num_used_blocks == 0
     assert outs[1].num_cached_tokens == 32
     for prompt, out in zip(prompts, outs, strict=True):
         with torch.no_grad():
-            expected = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
+            expected = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)[0, len(prompt):]
         assert out.token_ids == expected.tolist()
 
 

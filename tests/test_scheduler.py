@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from inflight.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SchedulingPolicy
-from inflight.engine.block_manager import BlockManager
+from inflight.engine.block_manager import NULL_BLOCK, BlockManager
 from inflight.engine.engine import EngineParts, LLMEngine
 from inflight.engine.runner import RunnerTimings
 from inflight.engine.scheduler import Scheduler, SchedulerOutput
@@ -48,11 +48,14 @@ class Driver:
     scheduler and block manager; checks invariants at every step."""
 
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
-                 prefix_caching: bool = True, static: bool = False, policy: SchedulingPolicy | None = None) -> None:
+                 prefix_caching: bool = True, static: bool = False, policy: SchedulingPolicy | None = None,
+                 sliding_window: int | None = None) -> None:
         policy = policy or (SchedulingPolicy.STATIC if static else SchedulingPolicy.CONTINUOUS)
         self.config = config = dataclasses.replace(config, scheduling_policy=policy)
+        self.window = sliding_window
         cache = CacheConfig(block_size=block_size, num_kv_blocks=num_blocks, enable_prefix_caching=prefix_caching)
-        parts = EngineParts(_FakeRunner(self), num_blocks, "fake", _FAKE_MODEL, check_token_ids=False)
+        model = dataclasses.replace(_FAKE_MODEL, sliding_window=sliding_window)
+        parts = EngineParts(_FakeRunner(self), num_blocks, "fake", model, check_token_ids=False)
         self.engine = LLMEngine(EngineConfig(cache=cache, scheduler=config), parts=parts)
         self.scheduler = self.engine.scheduler
         self.bm = self.engine.block_manager
@@ -92,6 +95,11 @@ class Driver:
             assert s.start == s.request.num_computed_tokens
             assert s.end <= s.request.num_tokens
             assert len(s.block_table) * self.bm.block_size >= s.end, "KV slots missing for scheduled tokens"
+            # Every position the step's tokens attend to is in a held block (a window lets go of
+            # the blocks before it, no others).
+            first = 0 if self.window is None else max(0, s.start - self.window + 1)
+            bs = self.bm.block_size
+            assert all(s.block_table[p // bs] != NULL_BLOCK for p in range(first, s.end)), "a visible block released"
 
     def run(self, max_steps: int = 10_000) -> None:
         for _ in range(max_steps):
@@ -134,16 +142,17 @@ workloads = st.lists(
     shared_prefix=st.integers(0, 40),
     policy=st.sampled_from(list(SchedulingPolicy)),
     max_bypass=st.integers(1, 4),
+    window=st.sampled_from([None, None, 5, 24]),
 )
 def test_scheduler_invariants(workload, max_batch_size, max_num_tokens, block_size, num_blocks,
-                              chunked, prefix_caching, shared_prefix, policy, max_bypass):
+                              chunked, prefix_caching, shared_prefix, policy, max_bypass, window):
     slo = policy is SchedulingPolicy.SLO
     chunked = chunked or slo  # the SLO policy cuts prompts by its budget
     # Targets are read by the SLO policy only (its order and budget then follow wall-clock steps).
     config = SchedulerConfig(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
                              max_model_len=4096, enable_chunked_prefill=chunked, priority_max_bypass=max_bypass,
                              ttft_slo_ms=50, tbt_slo_ms=5)
-    d = Driver(config, num_blocks, block_size, prefix_caching, policy=policy)
+    d = Driver(config, num_blocks, block_size, prefix_caching, policy=policy, sliding_window=window)
     prefix = [3] * shared_prefix
     pending = []
     for i, (prompt_len, out_len, arrival, priority, n) in enumerate(workload):

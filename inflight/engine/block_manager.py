@@ -8,6 +8,11 @@ a block nobody references goes to the back of the free queue but keeps its hash,
 request with the same prefix can take it back. Allocation takes from the front of the queue,
 evicting the least recently freed cached block.
 
+Sliding windows: in a model whose every layer attends to its last `sliding_window` positions
+only (Mistral v0.1), a block whose tokens no later query can see goes back to the pool as soon as
+the request moves past it (vLLM's sliding-window KV manager does the same); its place in the
+table becomes `NULL_BLOCK`, so positions keep their blocks' indices.
+
 Parallel sampling (`n` > 1): `fork` gives a new request the blocks of another's prompt, each
 referenced once more. The last of them may be partly filled; whichever request first writes
 into a block that others still hold gets a private copy (copy on write): `allocate_slots`
@@ -25,6 +30,8 @@ from inflight.request import Request
 # The parent of a prompt's first block. Not None: before Python 3.12, None hashes by its address,
 # which differs between processes.
 _ROOT = 0x9E3779B97F4A7C15
+# A table entry whose block left the sliding window and went back to the pool.
+NULL_BLOCK = -1
 
 
 def chain_hash(parent: int | None, block_tokens: Sequence[int]) -> int:
@@ -43,12 +50,18 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
+        """`sliding_window`: every layer of the model attends to that many last positions, so
+        blocks before them are released as requests advance (None: every block is kept)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self._ref_cnt = [0] * num_blocks
         self._block_hash: list[int | None] = [None] * num_blocks
         self._cached: dict[int, int] = {}  # prefix hash -> block id
@@ -56,6 +69,7 @@ class BlockManager:
         self._tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[int]] = {}  # request id -> chained hashes of its full blocks
         self._num_registered: dict[str, int] = {}  # request id -> blocks already in the cache
+        self._num_released: dict[str, int] = {}  # request id -> leading table entries out of the window
         self.peak_used_blocks = 0
         self.num_allocation_failures = 0
         self._copies: list[tuple[int, int]] = []  # (source, destination) blocks to copy before the next step
@@ -126,7 +140,7 @@ class BlockManager:
         hashes = self._full_block_hashes(request)
         for i in range(start, num_full):
             block, h = table[i], hashes[i]
-            if self._block_hash[block] is None and h not in self._cached:
+            if block != NULL_BLOCK and self._block_hash[block] is None and h not in self._cached:
                 self._block_hash[block] = h
                 self._cached[h] = block
         self._num_registered[rid] = num_full
@@ -158,7 +172,10 @@ class BlockManager:
 
     def allocate_slots(self, request: Request, num_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
         """Grows the request's block table (after `computed_blocks`, its prefix-cache hits) to
-        hold `num_tokens` tokens. Returns False, changing nothing, when the pool is short."""
+        hold `num_tokens` tokens. Returns False, changing nothing else, when the pool is short;
+        either way, with a sliding window, first releases the blocks the request's next tokens
+        can no longer see."""
+        self._release_out_of_window(request)
         need, revived = self._num_needed(request, num_tokens, computed_blocks)
         if need + revived > len(self._free):
             self.num_allocation_failures += 1
@@ -184,6 +201,29 @@ class BlockManager:
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
         return True
 
+    def _release_out_of_window(self, request: Request) -> None:
+        """Returns to the pool the request's blocks wholly before the window of its next token
+        (at position `num_computed_tokens`, which sees the last `sliding_window` positions)."""
+        if self.sliding_window is None:
+            return
+        rid = request.request_id
+        table = self._tables.get(rid)
+        if not table:
+            return
+        first_visible = request.num_computed_tokens - self.sliding_window + 1
+        end = min(max(0, first_visible) // self.block_size, len(table))
+        for i in range(self._num_released.get(rid, 0), end):
+            block = table[i]
+            if block != NULL_BLOCK:
+                table[i] = NULL_BLOCK
+                self._unref(block)
+        self._num_released[rid] = max(end, self._num_released.get(rid, 0))
+
+    def _unref(self, block: int) -> None:
+        self._ref_cnt[block] -= 1
+        if self._ref_cnt[block] == 0:
+            self._free[block] = None
+
     def _take_free(self) -> int:
         """The front of the free queue, its cached hash (if any) evicted, referenced once."""
         block, _ = self._free.popitem(last=False)
@@ -198,7 +238,8 @@ class BlockManager:
         """Gives `child` the parent's blocks that hold its first `num_tokens` tokens, shared."""
         blocks = self._tables[parent.request_id][:self.num_blocks_for(num_tokens)]
         for block in blocks:
-            self._ref_cnt[block] += 1
+            if block != NULL_BLOCK:
+                self._ref_cnt[block] += 1
         self._tables[child.request_id] = list(blocks)
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
 
@@ -213,10 +254,10 @@ class BlockManager:
         table = self._tables.pop(request_id, [])
         self._hashes.pop(request_id, None)
         self._num_registered.pop(request_id, None)
+        self._num_released.pop(request_id, None)
         for block in reversed(table):
-            self._ref_cnt[block] -= 1
-            if self._ref_cnt[block] == 0:
-                self._free[block] = None
+            if block != NULL_BLOCK:
+                self._unref(block)
 
     def num_live_tokens(self, requests: Sequence[Request]) -> int:
         """Allocated KV slots that hold a token of one of `requests` (the unfinished ones): each
@@ -224,9 +265,14 @@ class BlockManager:
         hits and forks, full blocks) counted once. Blocks held for requests not in `requests`
         (the static policy's finished members) hold none."""
         bs = self.block_size
-        mine = sum(min(r.num_computed_tokens, len(self._tables.get(r.request_id, ())) * bs) for r in requests)
-        extra_refs = sum(len(t) for t in self._tables.values()) - self.num_used_blocks
-        return max(0, mine - extra_refs * bs)
+        mine = 0
+        for r in requests:
+            table = self._tables.get(r.request_id, ())
+            released = table.count(NULL_BLOCK) if self.sliding_window is not None else 0
+            mine += max(0, min(r.num_computed_tokens, len(table) * bs) - released * bs)
+        held = sum(len(t) - (t.count(NULL_BLOCK) if self.sliding_window is not None else 0)
+                   for t in self._tables.values())
+        return max(0, mine - (held - self.num_used_blocks) * bs)
 
     def reset_peak(self) -> None:
         self.peak_used_blocks = self.num_used_blocks
@@ -234,9 +280,13 @@ class BlockManager:
     def check_invariants(self) -> None:
         """Raises AssertionError if the bookkeeping is inconsistent (used by tests)."""
         owners = [0] * self.num_blocks
-        for table in self._tables.values():
-            assert len(set(table)) == len(table), "a block appears twice in one table"
-            for block in table:
+        for rid, table in self._tables.items():
+            held = [b for b in table if b != NULL_BLOCK]
+            assert len(set(held)) == len(held), "a block appears twice in one table"
+            assert self.sliding_window is not None or len(held) == len(table), "a released block without a window"
+            assert table[:len(table) - len(held)] == [NULL_BLOCK] * (len(table) - len(held)), (
+                f"{rid}: a released block after a held one")
+            for block in held:
                 owners[block] += 1
         for block in range(self.num_blocks):
             assert owners[block] == self._ref_cnt[block], (

@@ -194,7 +194,10 @@ class LLMEngine:
         self.scheduler_config = sched_cfg
         cache = config.cache
         num_blocks = parts.num_kv_blocks
-        self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        # A window in every layer releases the blocks behind it; one in some layers only keeps
+        # them all for the global layers.
+        window = model_config.sliding_window if model_config.sliding_window_layers is None else None
+        self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching, window)
         if sched_cfg.scheduling_policy is SchedulingPolicy.SLO:
             predictor = StepTimePredictor(parts.step_time_model or _slo_cost_model(sched_cfg, model_config, parts))
             self.scheduler: Scheduler = SLOScheduler(sched_cfg, self.block_manager, predictor, clock=self.clock)

@@ -148,7 +148,7 @@ class PagedAttention:
             context = torch.arange(s.start, s.end, device=device)
             if s.start > 0:
                 num_table = _num_blocks(s.end, block_size)
-                blocks = torch.tensor(s.block_table[:num_table], device=device)
+                blocks = torch.tensor(_padded(s.block_table, num_table), device=device)
                 context = torch.arange(num_table * block_size, device=device)
             query_pos = torch.arange(s.start, s.end, device=device).unsqueeze(1)
             masks: dict[int | None, torch.Tensor | None] = {}
@@ -290,4 +290,7 @@ def _num_blocks(num_tokens: int, block_size: int) -> int:
 
 
 def _padded(table: list[int], length: int) -> list[int]:
-    return table[:length] + [0] * (length - len(table))
+    """`table` cut or padded to `length` blocks, with block 0 standing in for those that left a
+    sliding window (`NULL_BLOCK`, negative): the kernels never read them, the gathered path masks
+    them."""
+    return [max(b, 0) for b in table[:length]] + [0] * (length - len(table))
