@@ -55,6 +55,9 @@ class ModelConfig:
     embedding_scale: float = 1.0
     residual_scale: float = 1.0
     logit_scale: float = 1.0
+    # How many leading dims of each head the rotary embedding turns (Phi-4-mini's
+    # partial_rotary_factor, llama.cpp's rope.dimension_count); None: all of them.
+    rotary_dim: int | None = None
     # The rotary base of the sliding-window layers, without rope scaling (Gemma 3's
     # rope_local_base_freq); None: the same rotary as the other layers.
     local_rope_theta: float | None = None

@@ -156,7 +156,7 @@ def test_every_bias_the_checkpoint_has_is_applied_and_no_weight_is_left_out(tmp_
 
 
 @pytest.mark.parametrize(("key", "value"), [
-    ("hidden_act", "gelu_pytorch_tanh"), ("partial_rotary_factor", 0.75), ("use_bidirectional_attention", True),
+    ("hidden_act", "gelu_pytorch_tanh"), ("use_bidirectional_attention", True),
     ("layer_types", ["full_attention", "chunked_attention"]), ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}),
     ("quantization_config", {"quant_method": "gptq", "bits": 4})])
 def test_a_config_key_that_changes_the_arithmetic_is_refused_by_name(tmp_path, key, value):
@@ -360,6 +360,44 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
             assert config.local_rope_theta == (10_000.0 if arch == "gemma3_text" else None)
         ours = LlamaModel(config, weights, torch.device("cpu"))
         torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(reference, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_phi_longrope_and_partial_rotary_match_transformers(tmp_path, loaded):
+    """Phi-4-mini's shape of Phi-3: a rotary over the first 3/4 of each head only, and longrope
+    (short factors within the original 32 positions, long ones past it, cos and sin scaled). An
+    engine serving up to the original context rotates with the short factors, as transformers
+    does for sequences within it; one serving longer contexts with the long ones, as
+    transformers does for a sequence past it (llama.cpp picks them by its context size too)."""
+    import transformers
+
+    from inflight import LLM
+
+    torch.manual_seed(0)
+    rot = 48
+    factors = {"short_factor": [1.0 + 0.1 * i for i in range(rot // 2)],
+               "long_factor": [2.0 + 0.5 * i for i in range(rot // 2)]}
+    config = transformers.Phi3Config(
+        vocab_size=TINY["vocab"], hidden_size=128, intermediate_size=TINY["intermediate"], num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+        original_max_position_embeddings=32, sliding_window=None, pad_token_id=0, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75, **factors})
+    model = transformers.Phi3ForCausalLM(config).eval()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    loaded.tokenizer.hf.save_pretrained(tmp_path)
+    source = resolve_model(str(tmp_path))
+    cfg, weights = load_checkpoint(source, torch.float32)
+    assert cfg.rotary_dim == rot and cfg.rope_scaling["rope_type"] == "longrope"
+    ours = LlamaModel(cfg, weights, torch.device("cpu"))
+    for served, ids in [(32, list(range(5, 5 + 30))), (256, list(range(5, 5 + 90)))]:
+        ours.use_context(served)
+        torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+    llm = LLM(model=str(tmp_path), num_kv_blocks=32, max_model_len=256)  # the engine sets the factors
+    prompt = list(range(5, 5 + 60))
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):]
+    assert out.token_ids == expected.tolist()
 
 
 @pytest.mark.parametrize("normalize", [True, False])

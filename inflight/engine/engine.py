@@ -191,6 +191,8 @@ class LLMEngine:
         sched_cfg = config.scheduler
         if sched_cfg.max_model_len > model_config.max_position_embeddings:
             sched_cfg = dataclasses.replace(sched_cfg, max_model_len=model_config.max_position_embeddings)
+        if parts.loaded is not None:  # a longrope model's factors follow the context it serves
+            parts.loaded.model.use_context(sched_cfg.max_model_len)
         self.scheduler_config = sched_cfg
         cache = config.cache
         num_blocks = parts.num_kv_blocks

@@ -39,7 +39,6 @@ def read_hf_config(path: Path, architectures: Sequence[str] | None = None) -> Mo
 
 # Config keys that change the arithmetic, and the values under which it is what inflight computes.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "partial_rotary_factor": (None, 1, 1.0),
     "logit_softcapping": (None,),
     "use_bidirectional_attention": (None, False),
     "quantization_config": (None,),
@@ -54,6 +53,7 @@ READ_KEYS = frozenset({
     "sliding_window_pattern", "_sliding_window_pattern", "attention_multiplier", "query_pre_attn_scalar",
     "embedding_multiplier", "residual_multiplier", "logits_scaling", "no_rope_layers", "no_rope_layer_interval",
     "attn_logit_softcapping", "final_logit_softcapping", "hidden_act", "hidden_activation", "num_local_experts",
+    "partial_rotary_factor", "original_max_position_embeddings",
     "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers",
     "decoder_sparse_step",
 })
@@ -63,13 +63,14 @@ NO_EFFECT_KEYS = frozenset({
     "_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype", "id2label", "label2id",
     "return_dict", "output_hidden_states", "output_attentions", "chunk_size_feed_forward", "is_encoder_decoder",
     "problem_type", "initializer_range", "use_cache", "pad_token_id", "attention_dropout", "resid_pdrop",
-    "embd_pdrop", "original_max_position_embeddings", "mlp_bias", "output_router_logits", "router_aux_loss_coef",
+    "embd_pdrop", "mlp_bias", "output_router_logits", "router_aux_loss_coef",
     "router_jitter_noise",
 })
 # Keys of `rope_scaling` / `rope_parameters`, and the rope types `rope_inv_freq` computes.
 ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
-                       "original_max_position_embeddings", "partial_rotary_factor"})
-ROPE_TYPES = (None, "default", "linear", "llama3")
+                       "original_max_position_embeddings", "partial_rotary_factor", "short_factor", "long_factor",
+                       "attention_factor"})
+ROPE_TYPES = (None, "default", "linear", "llama3", "longrope", "su")
 # Each activation of a plan's MLP under the names configs give it.
 _ACTIVATION_NAMES = {"silu": (None, "silu", "swish"), "gelu_pytorch_tanh": (None, "gelu_pytorch_tanh", "gelu_tanh")}
 
@@ -93,9 +94,6 @@ def refuse_unsupported(raw: dict[str, Any], path: Path) -> None:
     if kind not in ROPE_TYPES:
         raise ModelLoadError(f"{path}: rope_type {kind!r}: inflight computes the rotary embedding of rope types "
                              f"{', '.join(str(t) for t in ROPE_TYPES[1:])} only")
-    if rope.get("partial_rotary_factor") not in _NEUTRAL["partial_rotary_factor"]:
-        raise ModelLoadError(f"{path}: partial_rotary_factor = {rope['partial_rotary_factor']!r} rotates part of "
-                             "each head, which inflight does not compute yet")
     if local is not None and local.get("rope_type", "default") != "default":
         raise ModelLoadError(f"{path}: the sliding layers' rope_type {local['rope_type']!r}: inflight scales the "
                              "rotary embedding of full-attention layers only")
@@ -127,8 +125,14 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
     rope_scaling: dict[str, Any] | None
     rope_scaling, local_rope = _rope_parameters(raw)
     rope_theta = rope_scaling.get("rope_theta") or raw.get("rope_theta") or 10000.0
-    if rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if kind in (None, "default"):
         rope_scaling = None
+    elif kind in ("su", "longrope"):  # Phi-3's: the original context may sit beside the factors
+        rope_scaling = {"original_max_position_embeddings": raw.get("original_max_position_embeddings"),
+                        **rope_scaling, "rope_type": "longrope"}
+    head_dim = int(raw.get("head_dim") or hidden // num_heads)
+    partial = raw.get("partial_rotary_factor") or (rope_scaling or {}).get("partial_rotary_factor") or 1.0
     window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
     attention_scale = raw.get("attention_multiplier")
     if raw.get("query_pre_attn_scalar") is not None:
@@ -144,7 +148,8 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         num_layers=int(raw["num_hidden_layers"]),
         num_heads=num_heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-        head_dim=int(raw.get("head_dim") or hidden // num_heads),
+        head_dim=head_dim,
+        rotary_dim=int(head_dim * float(partial)) if float(partial) != 1 else None,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta),
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),

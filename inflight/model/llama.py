@@ -28,17 +28,20 @@ from inflight.model.linear import GGUF_BLOCKS_MAX_ROWS, Linear, linear_backend
 from inflight.model.token_ops import CpuKernelTokenOps, KVStore, TorchTokenOps
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies of the rotary embedding, with the model's rope scaling applied."""
-    dim = config.head_dim
+def rope_inv_freq(config: ModelConfig, long_context: bool = False) -> torch.Tensor:
+    """Inverse frequencies of the rotary embedding, `[head_dim / 2]`, with the model's rope
+    scaling applied (`long_context`: longrope's long factors). A partial rotary (`rotary_dim`)
+    rotates pairs (i, i + rotary_dim / 2) of each head; the loader moved those dims to pairs
+    (i, i + head_dim / 2) (`pair_rotary_dims`), so the others get frequency 0: cos 1, sin 0."""
+    dim = config.rotary_dim or config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
     if scaling is None:
-        return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind == "linear":
-        return inv_freq / float(scaling["factor"])
-    if kind == "llama3":
+        pass
+    elif kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
         old_len = float(scaling["original_max_position_embeddings"])
@@ -47,8 +50,50 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         smooth = (old_len / wavelen - low) / (high - low)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(is_medium, smoothed, scaled)
-    raise ModelLoadError(f"unsupported rope scaling type {kind!r}")
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    elif kind == "longrope":
+        factors = scaling["long_factor"] if long_context else scaling["short_factor"]
+        inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * config.rope_theta ** (
+            torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    else:
+        raise ModelLoadError(f"unsupported rope scaling type {kind!r}")
+    return torch.cat([inv_freq, torch.zeros(config.head_dim // 2 - dim // 2)])
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """What longrope multiplies cos and sin by: its `attention_factor`, else sqrt(1 + ln(s) /
+    ln(original length)) for the context's stretch s (1 for every other rotary)."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or config.max_position_embeddings / original)
+    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def uses_long_factors(config: ModelConfig, max_model_len: int) -> bool:
+    """Whether a longrope model serving contexts of `max_model_len` rotates with its long
+    factors: where that goes past the original context, as llama.cpp chooses by its context size
+    (transformers switches per forward pass, at the pass's longest sequence)."""
+    scaling = config.rope_scaling or {}
+    return (scaling.get("rope_type", scaling.get("type")) == "longrope"
+            and max_model_len > int(scaling["original_max_position_embeddings"]))
+
+
+def pair_rotary_dims(rows: torch.Tensor, num_heads: int, head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The q or k rows `[heads * head_dim, ...]` of a partial rotary (the first `rotary_dim` dims
+    of each head rotated as pairs (i, i + rotary_dim / 2)) reordered within each head so that
+    those pairs sit at (i, i + head_dim / 2), the pass-through dims in the rest: the same order
+    for q and k, so their dot products are unchanged, and one rotary kernel serves both."""
+    half, rot = head_dim // 2, rotary_dim // 2
+    rest = (head_dim - rotary_dim) // 2
+    order = [*range(rot), *range(rotary_dim, rotary_dim + rest), *range(rot, rotary_dim),
+             *range(rotary_dim + rest, head_dim)]
+    assert len(order) == head_dim and half == rot + rest
+    index = torch.tensor([h * head_dim + i for h in range(num_heads) for i in order])
+    return rows.index_select(0, index)
 
 
 class DecoderLayer(NamedTuple):
@@ -103,6 +148,8 @@ class LlamaModel:
             found = tuple(n.removesuffix(".weight") + ".bias" for n in names)
             return found if all(b in weights for b in found) else None
 
+        if config.rotary_dim is not None and config.rotary_dim < config.head_dim:
+            weights = self._pair_rotary_dims(config, architecture(config.architecture), weights)
         self.embed_tokens = take("model.embed_tokens.weight")
         self.dtype = self.embed_tokens.dtype
         backend = linear_backend(device, self.dtype)
@@ -152,9 +199,33 @@ class LlamaModel:
                                         softcap=config.attn_logit_softcap)
         shape = (config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps)
         self.ops = CpuKernelTokenOps(*shape, kernels) if kernels is not None else TorchTokenOps(*shape)
+        self._long_context = False
         self.rope_tables = self._rope_tables(config)
         self.plan: tuple[Step, ...] = arch.plan if config.residual_scale == 1 else with_scaled_residual(arch.plan)
         self.decoder_stack = self._decoder_stack(kernels)
+
+    @staticmethod
+    def _pair_rotary_dims(config: ModelConfig, arch: Architecture,
+                          weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The checkpoint with every layer's q and k rows (and biases) in `pair_rotary_dims`'
+        order, in separate or fused q/k/v projections."""
+        heads, kv_heads, dim, rot = config.num_heads, config.num_kv_heads, config.head_dim, config.rotary_dim
+        assert rot is not None
+        out = dict(weights)
+        for i in range(config.num_layers):
+            for name in arch.matmuls["qkv"]:
+                for suffix in (".weight", ".bias"):
+                    full = f"model.layers.{i}.{name.removesuffix('.weight')}{suffix}"
+                    if full not in weights:
+                        continue
+                    t = weights[full]
+                    if len(arch.matmuls["qkv"]) == 1:  # fused: q, k, v rows one after another
+                        q, k, v = t.split([heads * dim, kv_heads * dim, kv_heads * dim])
+                        out[full] = torch.cat([pair_rotary_dims(q, heads, dim, rot),
+                                               pair_rotary_dims(k, kv_heads, dim, rot), v])
+                    elif "q_proj" in name or "k_proj" in name:
+                        out[full] = pair_rotary_dims(t, heads if "q_proj" in name else kv_heads, dim, rot)
+        return out
 
     @staticmethod
     def _experts(names: ExpertNames, config: ModelConfig, linear: Callable[..., Linear], prefix: str) -> RoutedExperts:
@@ -204,7 +275,7 @@ class LlamaModel:
         """cos and sin `[max_positions, head_dim]` of each rotary the layers read (`ROPE_*`):
         tables of every position, built once (the local one only where a layer reads it)."""
         length = config.max_position_embeddings
-        table = self._rope_table(rope_inv_freq(config), length)
+        table = self._rope_table(rope_inv_freq(config, self._long_context), length, rope_attention_factor(config))
         identity = (torch.ones_like(table[0]), torch.zeros_like(table[1])) if any(
             layer.rope == ROPE_NONE for layer in self.layers) else table
         local = table
@@ -214,11 +285,24 @@ class LlamaModel:
             local = self._rope_table(rope_inv_freq(unscaled), length)
         return [table, identity, local]
 
-    def _rope_table(self, inv_freq: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope_table(self, inv_freq: torch.Tensor, length: int,
+                    factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(length, device=self.device, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq.to(self.device))
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(self.dtype).contiguous(), emb.sin().to(self.dtype).contiguous()
+        cos, sin = emb.cos(), emb.sin()
+        if factor != 1:  # on the rotated dims only: a partial rotary's others (frequency 0) pass through
+            scale = torch.where(torch.cat([inv_freq, inv_freq]).to(self.device) != 0, factor, 1.0)
+            cos, sin = cos * scale, sin * scale
+        return cos.to(self.dtype).contiguous(), sin.to(self.dtype).contiguous()
+
+    def use_context(self, max_model_len: int) -> None:
+        """Sets the rotary for an engine serving contexts of up to `max_model_len` tokens: a
+        longrope model's long or short factors (`uses_long_factors`); nothing for others."""
+        long_context = uses_long_factors(self.config, max_model_len)
+        if long_context != self._long_context:
+            self._long_context = long_context
+            self.rope_tables = self._rope_tables(self.config)
 
     @torch.inference_mode()
     def forward(

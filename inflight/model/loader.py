@@ -146,7 +146,7 @@ class GGUFIndex:
     tensors: list[GGUFTensor]
 
 
-_INDEX_VERSION = 7  # 2: sliding_window, refusals; 3: Granite's scales; 4: NoPE; 5: windows; 6: Gemma; 7: MoE
+_INDEX_VERSION = 8  # 2: windows, refusals; 3: Granite's scales; 4: NoPE; 5: windows; 6: Gemma; 7: MoE; 8: rotary_dim
 
 
 def cache_dir() -> Path:
@@ -262,9 +262,11 @@ def _gguf_config(reader: Any) -> ModelConfig:
     num_layers = int(get("block_count"))
     # Metadata that changes the arithmetic in a way inflight does not compute: refused by name.
     rotary_dims = gguf_field(reader, f"{arch}.rope.dimension_count")
-    if rotary_dims is not None and int(rotary_dims) != head_dim:
+    partial = rotary_dims is not None and int(rotary_dims) != head_dim
+    if partial and (row.gguf_interleaved_qk or int(rotary_dims) > head_dim or int(rotary_dims) % 2):
+        # llama.cpp's converter interleaves the rotated halves of these architectures' full heads
         raise ModelLoadError(f"{arch}.rope.dimension_count = {rotary_dims} rotates part of each {head_dim}-wide "
-                             "head, which inflight does not compute yet")
+                             f"head, which inflight does not compute for {arch} files")
     for key in ("expert_shared_count", "expert_shared_feed_forward_length"):
         if gguf_field(reader, f"{arch}.{key}"):
             raise ModelLoadError(f"{arch}.{key} changes the model's arithmetic in a way inflight does not compute yet")
@@ -323,6 +325,7 @@ def _gguf_config(reader: Any) -> ModelConfig:
         local_rope_theta=float(local_theta) if window and local_theta else None,
         attn_logit_softcap=float(cap) if (cap := gguf_field(reader, f"{arch}.attn_logit_softcapping")) else None,
         final_logit_softcap=float(cap) if (cap := gguf_field(reader, f"{arch}.final_logit_softcapping")) else None,
+        rotary_dim=int(rotary_dims) if partial else None,
         num_experts=num_experts,
         num_experts_per_tok=int(get("expert_used_count")) if num_experts else 0,
         moe_intermediate_size=int(w) if (w := gguf_field(reader, f"{arch}.expert_feed_forward_length")) else None,
