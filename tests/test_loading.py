@@ -623,6 +623,87 @@ def test_tokenizer_matches_transformers(loaded):
     assert loaded.tokenizer.apply_chat_template(messages) == list(expected)
 
 
+VOCABS = Path(__file__).parent / "fixtures" / "gguf-vocab"
+
+
+def vocab_gguf(tmp_path: Path, name: str, architecture: str | None = None) -> Path:
+    """llama.cpp's vocabulary-only GGUF `name` (tests/fixtures/gguf-vocab), unpacked; with
+    `architecture`, its tokenizer metadata written again under that `general.architecture`."""
+    import gzip
+
+    import gguf
+
+    path = tmp_path / f"{name}.gguf"
+    path.write_bytes(gzip.decompress((VOCABS / f"{name}.gguf.gz").read_bytes()))
+    if architecture is None:
+        return path
+    reader = gguf.GGUFReader(path)
+    renamed = tmp_path / f"{name}-{architecture}.gguf"
+    writer = gguf.GGUFWriter(str(renamed), architecture)
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            array = field.types[0] == gguf.GGUFValueType.ARRAY
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return renamed
+
+
+@pytest.mark.parametrize(("name", "architecture"), [
+    ("qwen2", None), ("qwen2", "olmo2"),  # byte-level BPE, under an architecture transformers cannot read
+    ("phi-3", None), ("phi-3", "llama"),  # SentencePiece, as Phi-3's and as Llama 2's or Mistral's files say
+])
+def test_gguf_vocabularies_give_their_hugging_face_tokenizers_ids(tmp_path, monkeypatch, name, architecture):
+    """The tokenizer rebuilt from a GGUF file's vocabulary gives the ids the model's own Hugging
+    Face tokenizer gives, on llama.cpp's multilingual test texts (whitespace runs, code, emoji,
+    Cyrillic, Chinese, ...), special tokens whole, and decodes them back."""
+    from inflight.model.loader import ModelSource
+    from inflight.model.tokenizer import Tokenizer
+
+    monkeypatch.setenv("INFLIGHT_CACHE", str(tmp_path / "cache"))  # the conversions of files that go away
+    texts = (VOCABS / f"{name}.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    expected = (VOCABS / f"{name}.out").read_text(encoding="utf-8").split("\n")
+    tokenizer = Tokenizer.load(ModelSource(vocab_gguf(tmp_path, name, architecture), "gguf"))
+    assert len(texts) == 47
+    for text, ids in zip(texts, expected, strict=False):
+        assert tokenizer.encode(text, add_special_tokens=False) == [int(i) for i in ids.split()], text
+        if name == "qwen2":  # byte-level: every text comes back as it was
+            assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+    if name == "qwen2":
+        assert tokenizer.encode("<|im_start|>user\nhi<|im_end|>") == [151644, 872, 198, 6023, 151645]
+    else:  # a BOS first; <|end|> one token between words
+        ids = tokenizer.encode("hi<|end|>there")
+        assert ids[0] == 1 and ids.count(32007) == 1 and len(ids) == 4
+
+
+def test_a_llama3_vocabulary_takes_a_word_it_holds_whole(tmp_path, monkeypatch):
+    """Llama 3's tokenizer takes a word its vocabulary holds as one token before any merge (its
+    BPE's `ignore_merges`; llama.cpp's too, for the `llama-bpe` pre-tokenizer): a byte-level
+    vocabulary holding "abc" with no merge that makes it."""
+    import gguf
+
+    from inflight.model.loader import ModelSource
+    from inflight.model.tokenizer import Tokenizer
+
+    monkeypatch.setenv("INFLIGHT_CACHE", str(tmp_path / "cache"))
+    for pre, whole in [("llama-bpe", True), ("qwen2", False)]:
+        path = tmp_path / f"{pre}.gguf"
+        writer = gguf.GGUFWriter(str(path), "llama")
+        tokens = ["a", "b", "c", "bc", "abc", "<|end_of_text|>"]
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(pre)
+        writer.add_token_list(tokens)
+        writer.add_token_types([1, 1, 1, 1, 1, 3])
+        writer.add_token_merges(["b c"])
+        writer.add_eos_token_id(5)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.close()
+        tokenizer = Tokenizer.load(ModelSource(path, "gguf"))
+        assert tokenizer.encode("abc", add_special_tokens=False) == ([4] if whole else [0, 3])
+
+
 @pytest.mark.parametrize("text", TEXTS)
 def test_incremental_detokenization_equals_full_decode(loaded, text):
     tok = loaded.tokenizer

@@ -22,20 +22,55 @@ def tokenizer_cache_dir() -> Path:
     return cache_dir() / "tokenizers"
 
 
+# The `tokenizer.ggml.pre` types whose tokenizers take a word the vocabulary holds whole as one
+# token before any merge (the BPE model's `ignore_merges`, as Llama 3's tokenizer.json sets it;
+# llama.cpp's list, `llama-vocab.cpp`).
+_IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                            "jina-v5-nano", "minicpm5", "youtu", "glm4", "glm5", "tekken", "granite-embed-multi-97m"})
+_INDEX_VERSION = 2  # of the cached conversion: 2, inflight's own rebuild (`gguf_tokenizer`)
+
+
+def gguf_tokenizer(path: Path) -> Any:
+    """The tokenizer a GGUF file's metadata describes, rebuilt with transformers' converters from
+    the vocabulary, merges and special tokens llama.cpp's converter wrote, whatever the model's
+    architecture (transformers' `AutoTokenizer` reads only the architectures whose configs it
+    knows), with what those converters leave out:
+
+    - a SentencePiece vocabulary (`tokenizer.ggml.model` llama) that adds a space prefix is split
+      as Llama 2's and Mistral's tokenizer.json split it: the prefix and every space become "▁"
+      before the model sees the text, so leading and repeated spaces keep their own tokens;
+    - a byte-level BPE of a pre-tokenizer in `_IGNORE_MERGES` (Llama 3's) takes a word it holds
+      whole as one token."""
+    from tokenizers import normalizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_SENTENCEPIECE_BUILDERS
+
+    architecture, vocabulary, config = get_gguf_tokenizer(str(path))
+    backend, _ = convert_gguf_tokenizer(architecture, vocabulary)
+    kind = vocabulary.get("tokenizer_type")
+    if kind == "llama" and vocabulary.get("add_prefix_space", True) and architecture not in GGUF_SENTENCEPIECE_BUILDERS:
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+        backend.pre_tokenizer = None
+    if kind == "gpt2" and vocabulary.get("pre_tokenizer_type") in _IGNORE_MERGES:
+        backend.model.ignore_merges = True
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **{k: v for k, v in config.items() if v is not None})
+
+
 def _load_gguf_tokenizer(path: Path) -> Any:
-    """The tokenizer transformers rebuilds from a GGUF file's metadata (several seconds: the
-    vocabulary and merges are converted in Python), saved once in its own format under
-    `tokenizer_cache_dir()`, keyed by the file and the transformers version, and read from there
-    afterwards (a fraction of a second). An unwritable cache only costs the rebuild."""
+    """`gguf_tokenizer(path)` (several seconds: the vocabulary and merges are converted in
+    Python), saved once in transformers' format under `tokenizer_cache_dir()`, keyed by the file
+    and the transformers version, and read from there afterwards (a fraction of a second). An
+    unwritable cache only costs the rebuild."""
     import transformers
     from transformers import AutoTokenizer
 
     stat = path.stat()
-    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}"
+    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}:{_INDEX_VERSION}"
     cached = tokenizer_cache_dir() / hashlib.sha256(key.encode()).hexdigest()[:16]
     if (cached / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(cached)
-    hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    hf = gguf_tokenizer(path)
     tmp = None
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
