@@ -3,6 +3,7 @@ the tokenizer and incremental detokenizer, and clear errors for bad models."""
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -340,9 +341,9 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
     multipliers, logits scaling), SmolLM3 (every fourth layer without rotary), Phi-3 (q, k, v
     and gate, up stored fused), Gemma 2 (sandwich norms, GeGLU, soft-capping, local and global
     layers), Gemma 3 (q/k norm, the local layers' own rotary base), Mixtral and Qwen3-MoE (routed
-    experts; a dense layer among them), each from a Hugging Face directory and from a GGUF file
-    in llama.cpp's layout, against transformers: reading the same GGUF where it can (Qwen,
-    Phi-3), else the model the file was written from."""
+    experts; a dense layer among them), each from a Hugging Face directory (fp32, and bf16 or
+    fp16) and from a GGUF file in llama.cpp's layout, against transformers: reading the same GGUF
+    where it can (Qwen, Phi-3), else the model the file was written from."""
     from transformers import AutoModelForCausalLM
 
     model = tiny_hf_model(arch)
@@ -352,7 +353,12 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
     transformers_reads_gguf = arch in ("qwen2", "qwen3", "phi3")
     from_gguf = model if not transformers_reads_gguf else AutoModelForCausalLM.from_pretrained(
         tmp_path, gguf_file="tiny.gguf", dtype=torch.float32).eval()
-    for source, reference in [(tmp_path / "hf", model), (tmp_path / "tiny.gguf", from_gguf)]:
+    # As checkpoints are published: 16-bit, widened to fp32 at load (transformers' reading alike).
+    half = torch.float16 if arch in ("qwen3", "olmo2", "phi3", "gemma2", "mixtral") else torch.bfloat16
+    copy.deepcopy(model).to(half).save_pretrained(tmp_path / "half", safe_serialization=True)
+    rounded = AutoModelForCausalLM.from_pretrained(tmp_path / "half", dtype=torch.float32).eval()
+    for source, reference in [(tmp_path / "hf", model), (tmp_path / "tiny.gguf", from_gguf),
+                              (tmp_path / "half", rounded)]:
         config, weights = load_checkpoint(resolve_model(str(source)), torch.float32)
         assert (config.architecture, config.head_dim) == (arch, 128 if arch == "qwen3" else 64)
         if arch.startswith("gemma"):  # the windows and rotary bases as transformers has them
