@@ -4,6 +4,7 @@ the tokenizer and incremental detokenizer, and clear errors for bad models."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import subprocess
 import sys
@@ -451,12 +452,21 @@ def test_routed_experts_run_each_chosen_expert_once_over_its_tokens(normalize):
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3", "gemma2",
                                   "gemma3_text", "mixtral", "qwen3_moe"])
-def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(arch):
+def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_path, monkeypatch, arch):
     """The GGUF file llama.cpp's `convert_hf_to_gguf.py` made of a tiny checkpoint of each
     architecture (tests/converter_fixtures.py; its names, row orders, norm offsets, stacked
     experts and metadata, not the suite's imitation of them) gives transformers' logits on that
-    checkpoint, over a prompt past the Gemma models' 8-token windows."""
+    checkpoint, over a prompt past the Gemma models' 8-token windows; its SentencePiece
+    vocabulary makes a tokenizer that gives text back as it was."""
     from converter_fixtures import FIXTURES, tiny_model
+
+    from inflight.model.loader import ModelSource
+    from inflight.model.tokenizer import Tokenizer
+
+    monkeypatch.setattr("inflight.model.tokenizer.tokenizer_cache_dir", lambda: tmp_path)  # not the user's cache
+    tokenizer = Tokenizer.load(ModelSource(FIXTURES / f"{arch}.gguf", "gguf"))
+    text = "It is a truth universally acknowledged, that a single man"
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
 
     model = tiny_model(arch)
     config, weights = load_checkpoint(resolve_model(str(FIXTURES / f"{arch}.gguf")), torch.float32)
@@ -492,8 +502,8 @@ def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arc
     """Through the engine as a user runs it: the directory's own tokenizer and chat template, a
     batch of chats (longer than Gemma's 24-token window) in small prefill chunks, the prefix cache
     shared by their system prompt, then decodes; and again in a pool too small for all three, so
-    that requests are preempted and recomputed: each greedy output is transformers' `generate` on
-    the same ids."""
+    that requests are preempted and recomputed, with prompt logprobs: each greedy output is
+    transformers' `generate` on the same ids, each prompt logprob its log_softmax within 1e-4."""
     from inflight import LLM
 
     model = tiny_hf_model(arch)
@@ -507,7 +517,7 @@ def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arc
     assert max(r.num_prefill_tokens for r in llm.engine.step_records) <= 24  # chunked
     assert sum(o.num_cached_tokens for o in outs) > 0  # the system prompt's full blocks reused
     small = LLM(model=str(tmp_path), num_kv_blocks=9, block_size=16, enable_prefix_caching=False)
-    preempted = small.generate(chats, params)
+    preempted = small.generate(chats, dataclasses.replace(params, prompt_logprobs=0))  # lm-eval's loglikelihood
     assert small.engine.scheduler.num_preemptions > 0
     model.generation_config.eos_token_id = None
     for chat, out, again in zip(chats, outs, preempted, strict=True):
@@ -515,7 +525,11 @@ def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arc
         assert ids[:2] == [TINY["vocab"] - 2, TINY["vocab"] - 5]  # <|im_start|> system: the template's
         with torch.no_grad():
             expected = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):]
+            reference = model(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(dim=-1)
         assert out.token_ids == again.token_ids == expected.tolist()
+        assert [lp.token_id for lp in again.prompt_logprobs] == ids[1:]
+        got = torch.tensor([lp.logprob for lp in again.prompt_logprobs])
+        torch.testing.assert_close(got, reference[torch.arange(len(ids) - 1), ids[1:]], atol=1e-4, rtol=0)
 
 
 # --- GGUF files of every supported tensor type ------------------------------------------------
@@ -676,7 +690,7 @@ def vocab_gguf(tmp_path: Path, name: str, architecture: str | None = None) -> Pa
 
 
 @pytest.mark.parametrize(("name", "architecture"), [
-    ("qwen2", None), ("qwen2", "olmo2"),  # byte-level BPE, under an architecture transformers cannot read
+    ("qwen2", None),  # byte-level BPE
     ("phi-3", None), ("phi-3", "llama"),  # SentencePiece, as Phi-3's and as Llama 2's or Mistral's files say
 ])
 def test_gguf_vocabularies_give_their_hugging_face_tokenizers_ids(tmp_path, monkeypatch, name, architecture):
@@ -686,7 +700,8 @@ def test_gguf_vocabularies_give_their_hugging_face_tokenizers_ids(tmp_path, monk
     from inflight.model.loader import ModelSource
     from inflight.model.tokenizer import Tokenizer
 
-    monkeypatch.setenv("INFLIGHT_CACHE", str(tmp_path / "cache"))  # the conversions of files that go away
+    # The conversions of files that go away stay out of the user's cache.
+    monkeypatch.setattr("inflight.model.tokenizer.tokenizer_cache_dir", lambda: tmp_path / "cache")
     texts = (VOCABS / f"{name}.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
     expected = (VOCABS / f"{name}.out").read_text(encoding="utf-8").split("\n")
     tokenizer = Tokenizer.load(ModelSource(vocab_gguf(tmp_path, name, architecture), "gguf"))
@@ -705,16 +720,17 @@ def test_gguf_vocabularies_give_their_hugging_face_tokenizers_ids(tmp_path, monk
 def test_a_llama3_vocabulary_takes_a_word_it_holds_whole(tmp_path, monkeypatch):
     """Llama 3's tokenizer takes a word its vocabulary holds as one token before any merge (its
     BPE's `ignore_merges`; llama.cpp's too, for the `llama-bpe` pre-tokenizer): a byte-level
-    vocabulary holding "abc" with no merge that makes it."""
+    vocabulary holding "abc" with no merge that makes it, in a file of an architecture whose
+    config transformers cannot read (OLMo 2)."""
     import gguf
 
     from inflight.model.loader import ModelSource
     from inflight.model.tokenizer import Tokenizer
 
-    monkeypatch.setenv("INFLIGHT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("inflight.model.tokenizer.tokenizer_cache_dir", lambda: tmp_path / "cache")
     for pre, whole in [("llama-bpe", True), ("qwen2", False)]:
         path = tmp_path / f"{pre}.gguf"
-        writer = gguf.GGUFWriter(str(path), "llama")
+        writer = gguf.GGUFWriter(str(path), "olmo2")
         tokens = ["a", "b", "c", "bc", "abc", "<|end_of_text|>"]
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre(pre)
