@@ -131,6 +131,8 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
     elif kind in ("su", "longrope"):  # Phi-3's: the original context may sit beside the factors
         rope_scaling = {"original_max_position_embeddings": raw.get("original_max_position_embeddings"),
                         **rope_scaling, "rope_type": "longrope"}
+        if rope_scaling["original_max_position_embeddings"] is None:
+            raise ValueError("longrope needs original_max_position_embeddings")
     head_dim = int(raw.get("head_dim") or hidden // num_heads)
     partial = raw.get("partial_rotary_factor") or (rope_scaling or {}).get("partial_rotary_factor") or 1.0
     window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
