@@ -64,6 +64,14 @@ def test_silu_and_mul_matches(ops):
     torch.testing.assert_close(compiled.silu_and_mul(gate_up), reference.silu_and_mul(gate_up))
 
 
+def test_gelu_tanh_and_mul_matches(ops):
+    """Gemma's GeGLU gate against PyTorch's tanh-approximated GELU."""
+    reference, compiled = ops
+    torch.manual_seed(0)
+    gate_up = torch.randn(33, 2 * 80) * 5
+    torch.testing.assert_close(compiled.gelu_tanh_and_mul(gate_up), reference.gelu_tanh_and_mul(gate_up))
+
+
 @pytest.mark.parametrize("vocab", [1, 7, 8, 9, 100, 49152])
 def test_argmax_rows_picks_what_torch_argmax_picks(vocab):
     """Greedy sampling's argmax: the first index of the largest value, or of the first NaN."""

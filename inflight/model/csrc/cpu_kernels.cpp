@@ -812,8 +812,11 @@ void rotary_qk_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, t
   });
 }
 
-// SwiGLU's gate: gate_up [N, 2I] (gate, then up) -> silu(gate) * up [N, I].
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+namespace {
+
+// A gated MLP's activation: gate_up [N, 2I] (gate, then up) -> act(gate) * up [N, I].
+template <typename Act>
+torch::Tensor act_and_mul(const torch::Tensor& gate_up, Act act) {
   TORCH_CHECK(gate_up.dtype() == torch::kFloat32 && gate_up.dim() == 2 && gate_up.is_contiguous() &&
               gate_up.size(1) % 2 == 0, "float32 [N, 2I] contiguous only");
   const int64_t inter = gate_up.size(1) / 2;
@@ -826,34 +829,23 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
       const float* u = g + inter;
       float* o = op + r * inter;
 #pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + std::exp(std::min(-g[i], 80.f))) * u[i];  // no inf under fast-math
+      for (int64_t i = 0; i < inter; ++i) o[i] = act(g[i]) * u[i];
     }
   });
   return out;
 }
 
-// GeGLU's gate (Gemma): gate_up [N, 2I] -> gelu_tanh(gate) * up [N, I], GELU in its tanh form.
+}  // namespace
+
+// SwiGLU's gate: silu(gate) * up.
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  return act_and_mul(gate_up, [](float x) { return x / (1.f + std::exp(std::min(-x, 80.f))); });  // no inf under fast-math
+}
+
+// GeGLU's gate (Gemma): gelu(gate) * up, GELU in its tanh form.
 torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up) {
-  TORCH_CHECK(gate_up.dtype() == torch::kFloat32 && gate_up.dim() == 2 && gate_up.is_contiguous() &&
-              gate_up.size(1) % 2 == 0, "float32 [N, 2I] contiguous only");
-  const int64_t inter = gate_up.size(1) / 2;
-  auto out = torch::empty({gate_up.size(0), inter}, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2 / pi)
-  at::parallel_for(0, gate_up.size(0), row_grain(2 * inter), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* g = gp + r * 2 * inter;
-      const float* u = g + inter;
-      float* o = op + r * inter;
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) {
-        const float x = g[i];
-        o[i] = 0.5f * x * (1.f + std::tanh(k0 * (x + k1 * x * x * x))) * u[i];
-      }
-    }
-  });
-  return out;
+  constexpr float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2 / pi)
+  return act_and_mul(gate_up, [](float x) { return 0.5f * x * (1.f + std::tanh(k0 * (x + k1 * x * x * x))); });
 }
 
 // q and k of the fused projection qkv [N, (H + 2 KV) * D] RMS-normalized in place (Qwen3,
