@@ -12,7 +12,7 @@ and committed under `tests/fixtures/converted/`:
         sentencepiece safetensors numpy
     pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d /tmp/lcp
     tar xzf /tmp/lcp/*.tar.gz -C /tmp/lcp
-    /tmp/conv/bin/python tests/converter_fixtures.py /tmp/lcp/llama_cpp_python-0.3.36/vendor/llama.cpp
+    /tmp/conv/bin/python tests/converter_fixtures.py /tmp/lcp/llama_cpp_python-0.3.36/vendor/llama.cpp [ARCH...]
 
 OLMo 2's and Qwen3-MoE's converters ask for a byte-level BPE tokenizer they recognize by hash;
 here they take the SentencePiece vocabulary instead (`main` patches that one method), which
@@ -43,6 +43,13 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
                             "logits_scaling": 8.0}),
     "smollm3": ("SmolLM3", {"num_hidden_layers": 4, "pad_token_id": 0}),
     "phi3": ("Phi3", {"sliding_window": None, "pad_token_id": 0}),
+    # Phi-3.5 / Phi-4-mini: longrope past an original 16 positions, a rotary over half of each head
+    "phi3_longrope": ("Phi3", {"sliding_window": None, "pad_token_id": 0, "original_max_position_embeddings": 16,
+                               "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                                   "partial_rotary_factor": 0.5,
+                                                   "original_max_position_embeddings": 16,
+                                                   "short_factor": [1.0, 1.1, 1.3, 1.6],
+                                                   "long_factor": [2.0, 3.0, 5.0, 8.0]}}),
     "gemma2": ("Gemma2", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8, "tie_word_embeddings": True,
                           "attn_logit_softcapping": 0.5, "final_logit_softcapping": 3.0,
                           "attn_implementation": "eager"}),
@@ -87,7 +94,7 @@ def _train_vocab(path: Path) -> None:
                                    character_coverage=1.0, byte_fallback=False)
 
 
-def main(llama_cpp: Path) -> int:
+def main(llama_cpp: Path, only: list[str]) -> int:
     import subprocess
     import tempfile
 
@@ -96,7 +103,7 @@ def main(llama_cpp: Path) -> int:
         vocab = Path(tmp) / "vocab"
         vocab.mkdir()
         _train_vocab(vocab)
-        for arch in ARCHITECTURES:
+        for arch in only or ARCHITECTURES:
             hf = Path(tmp) / arch
             tiny_model(arch).save_pretrained(hf, safe_serialization=True)
             (hf / "tokenizer.model").write_bytes((vocab / "tokenizer.model").read_bytes())
@@ -112,4 +119,4 @@ def main(llama_cpp: Path) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(Path(sys.argv[1])))
+    raise SystemExit(main(Path(sys.argv[1]), sys.argv[2:]))

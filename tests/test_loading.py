@@ -450,14 +450,15 @@ def test_routed_experts_run_each_chosen_expert_once_over_its_tokens(normalize):
     assert len(calls) == len(chosen_experts) and sum(calls) == tokens * top_k
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3", "gemma2",
-                                  "gemma3_text", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3",
+                                  "phi3_longrope", "gemma2", "gemma3_text", "mixtral", "qwen3_moe"])
 def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_path, monkeypatch, arch):
     """The GGUF file llama.cpp's `convert_hf_to_gguf.py` made of a tiny checkpoint of each
     architecture (tests/converter_fixtures.py; its names, row orders, norm offsets, stacked
-    experts and metadata, not the suite's imitation of them) gives transformers' logits on that
-    checkpoint, over a prompt past the Gemma models' 8-token windows; its SentencePiece
-    vocabulary makes a tokenizer that gives text back as it was."""
+    experts, longrope factor tensors and metadata, not the suite's imitation of them) gives
+    transformers' logits on that checkpoint, over a prompt past the Gemma models' 8-token windows
+    and longrope's 16 original positions; its SentencePiece vocabulary makes a tokenizer that
+    gives text back as it was."""
     from converter_fixtures import FIXTURES, tiny_model
 
     from inflight.model.loader import ModelSource
@@ -470,11 +471,17 @@ def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_pat
 
     model = tiny_model(arch)
     config, weights = load_checkpoint(resolve_model(str(FIXTURES / f"{arch}.gguf")), torch.float32)
-    assert config.architecture == {"mistral": "llama"}.get(arch, arch)  # llama.cpp's converter calls Mistral llama
+    # llama.cpp's converter calls Mistral llama
+    assert config.architecture == {"mistral": "llama", "phi3_longrope": "phi3"}.get(arch, arch)
     # The fixture holds this very checkpoint (else it was made from another initialization).
     assert torch.equal(weights["model.embed_tokens.weight"], model.model.embed_tokens.weight.detach())
     ids = list(range(3, 3 + 40))
     ours = LlamaModel(config, weights, torch.device("cpu"))
+    if arch == "phi3_longrope":  # short factors serving the original 16 positions, long ones past them
+        assert config.rope_scaling["rope_type"] == "longrope" and config.rotary_dim == 8
+        ours.use_context(16)
+        torch.testing.assert_close(inflight_logits(ours, ids[:14]), hf_logits(model, ids[:14]), atol=1e-4, rtol=1e-4)
+        ours.use_context(config.max_position_embeddings)
     torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
 
 

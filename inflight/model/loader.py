@@ -39,6 +39,9 @@ SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 # llama.cpp's per-frequency divisors of the rotary (Llama 3.1's scaling): read into the config.
 ROPE_FREQS = "rope_freqs.weight"
+# Phi-3's longrope as llama.cpp's converter stores it: the short and long factors as tensors
+ROPE_FACTORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rope_factors_long.weight"}
+ROPE_TENSORS = frozenset({ROPE_FREQS, *ROPE_FACTORS.values()})
 _GGUF_TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -148,7 +151,8 @@ class GGUFIndex:
     tensors: list[GGUFTensor]
 
 
-_INDEX_VERSION = 9  # 2: refusals; 3: Granite; 4: NoPE; 5: windows; 6: Gemma; 7: MoE; 8: rotary_dim; 9: rope_freqs
+_INDEX_VERSION = 10  # 2: refusals; 3: Granite; 4: NoPE; 5: windows; 6: Gemma; 7: MoE; 8: rotary_dim; 9: rope_freqs;
+# 10: longrope factors
 
 
 def cache_dir() -> Path:
@@ -290,6 +294,18 @@ def _gguf_config(reader: Any) -> ModelConfig:
             raise ModelLoadError(f"{arch}.rope.scaling.type {scaling_type!r} beside {ROPE_FREQS}")
         rope_scaling = {"rope_type": "frequency_divisors",
                         "divisors": [float(x) for x in np.asarray(_dequantize(freqs), dtype=np.float32).ravel()]}
+    factors = {key: t for t in reader.tensors for key, name in ROPE_FACTORS.items() if t.name == name}
+    if factors:  # longrope: chosen by the context served, as llama.cpp chooses (`uses_long_factors`)
+        if rope_scaling is not None or len(factors) != len(ROPE_FACTORS):
+            raise ModelLoadError(f"{sorted(t.name for t in factors.values())} beside "
+                                 f"{arch}.rope.scaling.type {scaling_type!r} or {ROPE_FREQS}")
+        attention_factor = gguf_field(reader, f"{arch}.rope.scaling.attn_factor")
+        rope_scaling = {
+            "rope_type": "longrope",
+            "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+            "attention_factor": float(attention_factor) if attention_factor is not None else None,
+            **{key: [float(x) for x in np.asarray(_dequantize(t), dtype=np.float32).ravel()]
+               for key, t in factors.items()}}
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
     window = gguf_field(reader, f"{arch}.attention.sliding_window")
@@ -371,7 +387,7 @@ def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 def _gguf_weights(tensors: list[GGUFTensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     for tensor in tensors:
-        if tensor.name == ROPE_FREQS:  # the config's rope_scaling
+        if tensor.name in ROPE_TENSORS:  # the config's rope_scaling
             continue
         array = _dequantize(tensor)
         # The reader gives numpy's row-major shape for unquantized data; quantized data comes
