@@ -698,6 +698,7 @@ def vocab_gguf(tmp_path: Path, name: str, architecture: str | None = None) -> Pa
 
 @pytest.mark.parametrize(("name", "architecture"), [
     ("qwen2", None),  # byte-level BPE
+    ("llama-bpe", None), ("llama-bpe", "smollm3"),  # Llama 3's byte-level BPE (SmolLM3's too): ignore_merges
     ("phi-3", None), ("phi-3", "llama"),  # SentencePiece, as Phi-3's and as Llama 2's or Mistral's files say
 ])
 def test_gguf_vocabularies_give_their_hugging_face_tokenizers_ids(tmp_path, monkeypatch, name, architecture):
@@ -715,10 +716,13 @@ def test_gguf_vocabularies_give_their_hugging_face_tokenizers_ids(tmp_path, monk
     assert len(texts) == 47
     for text, ids in zip(texts, expected, strict=False):
         assert tokenizer.encode(text, add_special_tokens=False) == [int(i) for i in ids.split()], text
-        if name == "qwen2":  # byte-level: every text comes back as it was
+        if name != "phi-3":  # byte-level: every text comes back as it was
             assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
     if name == "qwen2":
         assert tokenizer.encode("<|im_start|>user\nhi<|im_end|>") == [151644, 872, 198, 6023, 151645]
+    elif name == "llama-bpe":  # <|begin_of_text|> first; <|eot_id|> one token between words
+        ids = tokenizer.encode("hi<|eot_id|>there")
+        assert ids[0] == 128000 and ids.count(128009) == 1 and len(ids) == 4
     else:  # a BOS first; <|end|> one token between words
         ids = tokenizer.encode("hi<|end|>there")
         assert ids[0] == 1 and ids.count(32007) == 1 and len(ids) == 4

@@ -27,7 +27,11 @@ def tokenizer_cache_dir() -> Path:
 # llama.cpp's list, `llama-vocab.cpp`).
 _IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
                             "jina-v5-nano", "minicpm5", "youtu", "glm4", "glm5", "tekken", "granite-embed-multi-97m"})
-_INDEX_VERSION = 2  # of the cached conversion: 2, inflight's own rebuild (`gguf_tokenizer`)
+# The pre-tokenizer types whose files, when they do not say, add a BOS (llama.cpp's defaults,
+# `llama-vocab.cpp`: Llama 3's family; files of older converters carry no `add_bos_token`).
+_ADDS_BOS = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                       "jina-v5-nano", "tekken", "chameleon"})
+_INDEX_VERSION = 3  # of the cached conversion: 2, inflight's own rebuild (`gguf_tokenizer`); 3, _ADDS_BOS
 
 
 def gguf_tokenizer(path: Path) -> Any:
@@ -40,7 +44,8 @@ def gguf_tokenizer(path: Path) -> Any:
       as Llama 2's and Mistral's tokenizer.json split it: the prefix and every space become "▁"
       before the model sees the text, so leading and repeated spaces keep their own tokens;
     - a byte-level BPE of a pre-tokenizer in `_IGNORE_MERGES` (Llama 3's) takes a word it holds
-      whole as one token."""
+      whole as one token;
+    - one of a pre-tokenizer in `_ADDS_BOS` adds a BOS unless the file says otherwise."""
     from tokenizers import normalizers
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
@@ -54,6 +59,8 @@ def gguf_tokenizer(path: Path) -> Any:
         backend.pre_tokenizer = None
     if kind == "gpt2" and vocabulary.get("pre_tokenizer_type") in _IGNORE_MERGES:
         backend.model.ignore_merges = True
+    if kind == "gpt2" and config.get("add_bos_token") is None and vocabulary.get("pre_tokenizer_type") in _ADDS_BOS:
+        config["add_bos_token"] = True
     return PreTrainedTokenizerFast(tokenizer_object=backend, **{k: v for k, v in config.items() if v is not None})
 
 
