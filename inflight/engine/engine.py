@@ -15,6 +15,7 @@ import torch
 
 from inflight.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SchedulingPolicy
 from inflight.engine.block_manager import BlockManager
+from inflight.engine.memory import available_memory_bytes, check_memory
 from inflight.engine.output import LengthOutputProcessor, OutputProcessor, RequestOutput, StepRecord
 from inflight.engine.priority import PriorityScheduler
 from inflight.engine.runner import ModelRunner, RunnerTimings
@@ -25,8 +26,10 @@ from inflight.engine.static import StaticScheduler
 from inflight.engine.stats import EngineStats, scheduler_stats
 from inflight.engine.structured import GrammarCompiler
 from inflight.errors import ConfigError, EngineOverloadedError, InvalidRequestError
+from inflight.model.linear import linear_backend
 from inflight.model.llama import LlamaModel
 from inflight.model.loaded import LoadedModel
+from inflight.model.loader import resolve_model
 from inflight.model.tokenizer import ChatMessage, Tokenizer
 from inflight.perf.cost_model import CostModel, StepTimeModel
 from inflight.perf.profiles import load_profiles
@@ -79,14 +82,14 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
 
 
-def available_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise ConfigError("cannot read available memory; set num_kv_blocks or kv_cache_memory_bytes")
+def check_engine_fits(config: EngineConfig, copies: int = 1) -> None:
+    """Refuses, with one line and before anything is allocated, an engine of `config` (or
+    `copies` of it, each in its own process) that would not fit in this machine's memory
+    (`engine.memory.check_memory`)."""
+    device = select_device(config.device)
+    dtype = select_dtype(config.dtype, device)
+    check_memory(config, resolve_model(config.model), dtype, device, packed=linear_backend(device, dtype) != "torch",
+                 copies=copies)
 
 
 def _blocks_for_budget(cache: CacheConfig, model: LlamaModel, device: torch.device) -> int:
@@ -225,6 +228,7 @@ class LLMEngine:
         device = select_device(config.device)
         torch.manual_seed(config.seed)
         if loaded is None:
+            check_engine_fits(config)
             loaded = LoadedModel.load(config.model, select_dtype(config.dtype, device), device)
         cache = config.cache
         num_blocks = cache.num_kv_blocks or _blocks_for_budget(cache, loaded.model, device)

@@ -1,4 +1,5 @@
-"""Process-wide allocator settings and page-backed buffers for CPU inference."""
+"""Process-wide allocator settings, page-backed buffers for CPU inference, and the check that
+a model fits in memory before it is loaded."""
 
 from __future__ import annotations
 
@@ -8,8 +9,14 @@ import functools
 import logging
 import math
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+from inflight.config import EngineConfig, ModelConfig, SchedulerConfig
+from inflight.errors import ConfigError
+from inflight.model.loader import ModelSource, WeightFootprint, load_model_config, weight_footprint
 
 logger = logging.getLogger(__name__)
 
@@ -80,3 +87,114 @@ def _libc() -> ctypes.CDLL | None:
         return libc
     except (OSError, AttributeError):
         return None
+
+
+# --- does the model fit -----------------------------------------------------------------------
+
+_GIB = 1024 ** 3
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Memory this process can still take: CUDA's free memory on a GPU; on CPU the kernel's
+    MemAvailable, or less where a cgroup (a container's limit) allows less."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if available is None:
+        raise ConfigError("cannot read available memory; set num_kv_blocks or kv_cache_memory_bytes")
+    limited = _cgroup_available()
+    return available if limited is None else min(available, limited)
+
+
+def _cgroup_available() -> int | None:
+    """cgroup v2's limit less what the group uses (its reclaimable page cache not counted)."""
+    root = Path("/sys/fs/cgroup")
+    try:
+        limit = (root / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        used = int((root / "memory.current").read_text())
+        stat = dict(line.split() for line in (root / "memory.stat").read_text().splitlines())
+        return max(0, int(limit) - used + int(stat.get("inactive_file", 0)))
+    except (OSError, ValueError):
+        return None
+
+
+def activation_bytes(model: ModelConfig, scheduler: SchedulerConfig, dtype: torch.dtype) -> int:
+    """The largest step's working memory: `max_num_tokens` tokens through a layer (hidden states,
+    q/k/v, the MLP's widest activations) and their logits twice over (logits and log-softmax:
+    prompt logprobs ask for every token's). The PyTorch attention path's score matrices are not
+    counted (the compiled kernels keep none)."""
+    tokens = scheduler.max_num_tokens
+    mlp = max(model.intermediate_size, (model.moe_intermediate_size or 0) * max(model.num_experts_per_tok, 1))
+    width = 4 * model.hidden_size + (model.num_heads + 2 * model.num_kv_heads) * model.head_dim + 3 * mlp
+    return tokens * width * dtype.itemsize + 2 * tokens * model.vocab_size * 4
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What one engine of `config` will take, estimated before anything is allocated."""
+
+    weights: WeightFootprint
+    kv_pool: int
+    activations: int
+    available: int
+    kv_bytes_per_block: int
+    kv_option: str  # how the pool is sized ("" where it is a share of what is left)
+
+    @property
+    def total(self) -> int:
+        return self.weights.peak + self.kv_pool + self.activations
+
+
+def plan_memory(config: EngineConfig, source: ModelSource, dtype: torch.dtype, device: torch.device,
+                packed: bool) -> MemoryPlan:
+    model = load_model_config(source)
+    weights = weight_footprint(source, dtype, packed=packed,
+                               blocks=device.type == "cpu" and dtype == torch.float32 and packed)
+    cache = config.cache
+    per_block = 2 * model.num_layers * model.num_kv_heads * model.head_dim * cache.block_size * dtype.itemsize
+    available = available_memory_bytes(device)
+    if cache.num_kv_blocks is not None:
+        kv, option = cache.num_kv_blocks * per_block, f"num_kv_blocks={cache.num_kv_blocks}"
+    elif cache.kv_cache_memory_bytes is not None:
+        kv, option = cache.kv_cache_memory_bytes, f"kv_cache_memory_bytes={cache.kv_cache_memory_bytes}"
+    else:  # a share of what the loaded model leaves (`engine._blocks_for_budget`)
+        kv, option = int(cache.kv_cache_memory_fraction * max(0, available - weights.peak)), ""
+    return MemoryPlan(weights, kv, activation_bytes(model, config.scheduler, dtype), available, per_block, option)
+
+
+def check_memory(config: EngineConfig, source: ModelSource, dtype: torch.dtype, device: torch.device,
+                 packed: bool, copies: int = 1) -> MemoryPlan:
+    """Refuses, before anything is allocated, an engine (or `copies` of it, each its own
+    process: nothing but a GGUF file's page cache is shared between them) that would not fit in
+    the memory available, with one line: what it needs, what is free, and which option would
+    fit. On CPU only (a GPU's weights and pool are sized by other rules)."""
+    plan = plan_memory(config, source, dtype, device, packed)
+    need = copies * plan.total
+    if device.type != "cpu" or need <= plan.available:
+        return plan
+    each = "" if copies == 1 else f" each of {copies} replicas"
+    said = (f"{source.name} needs about {need / _GIB:.1f} GiB (weights {plan.weights.peak / _GIB:.1f} as inflight "
+            f"loads them, KV pool {plan.kv_pool / _GIB:.1f}, activations {plan.activations / _GIB:.1f}{each}) "
+            f"and {plan.available / _GIB:.1f} GiB is available")
+    share = plan.available // copies
+    room = share - plan.weights.peak - plan.activations  # for the pool
+    if plan.kv_option and room >= plan.kv_bytes_per_block:
+        blocks = room // plan.kv_bytes_per_block
+        raise ConfigError(f"{said}: {plan.kv_option} is too large; num_kv_blocks={blocks} "
+                          f"({blocks * config.cache.block_size} tokens) would fit")
+    per_token = plan.activations / config.scheduler.max_num_tokens
+    pool = plan.kv_pool if plan.kv_option else plan.kv_bytes_per_block
+    tokens = int((share - plan.weights.peak - pool) // per_token)
+    if tokens >= 1:
+        raise ConfigError(f"{said}: max_num_tokens={tokens} (now {config.scheduler.max_num_tokens}) would fit")
+    fewer = "" if copies == 1 else " or fewer replicas"
+    raise ConfigError(f"{said}: the weights alone do not fit; a smaller model{fewer} would")

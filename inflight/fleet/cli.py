@@ -56,6 +56,7 @@ def cmd_serve_fleet(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("ray") is None:
         raise ConfigError("--replicas needs Ray Serve: pip install 'inflight[fleet]'")
     from inflight.config import EngineConfig
+    from inflight.engine.engine import check_engine_fits
     from inflight.fleet.launch import FleetConfig, deploy, shutdown, start_ray
 
     config, options = server_config(args), engine_options(args)
@@ -69,7 +70,11 @@ def cmd_serve_fleet(args: argparse.Namespace) -> int:
                         min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                         target_ongoing_requests=args.target_ongoing_requests, upscale_delay_s=args.upscale_delay,
                         downscale_delay_s=args.downscale_delay, ray_address=args.ray_address, router=router)
-    EngineConfig.from_kwargs(args.model, **options)  # a bad option is one CLI line before Ray starts
+    # A bad option, or replicas that would not fit in this machine's memory, is one CLI line
+    # before Ray starts (replicas on a cluster are its machines' business).
+    engine_config = EngineConfig.from_kwargs(args.model, **options)
+    if args.ray_address is None:
+        check_engine_fits(engine_config, copies=max(args.replicas, args.max_replicas or 0))
     stopped: list[int] = []
     previous: dict[int, Any] = {}
     try:

@@ -122,6 +122,76 @@ def load_checkpoint(source: ModelSource, dtype: torch.dtype) -> tuple[ModelConfi
     return config, {name: t.to(dtype) for name, t in weights.items()}
 
 
+@dataclass(frozen=True, slots=True)
+class WeightFootprint:
+    """What loading a checkpoint takes in memory, in bytes, read from its tensor table alone
+    (no weight is read): `peak` while `LoadedModel.load` runs, which is when a process too small
+    for the model dies."""
+
+    num_parameters: int
+    peak: int
+    parts: tuple[tuple[str, int], ...]  # (what, bytes), the terms of `peak`
+
+
+_SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+                      "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def weight_footprint(source: ModelSource, dtype: torch.dtype, packed: bool, blocks: bool) -> WeightFootprint:
+    """The memory `load_checkpoint` and the model's construction take, as they work today: every
+    weight widened to fp32 (and converted to `dtype`), a Hugging Face directory's stored tensors
+    held until then, the matmul weights laid out again for the kernel (`packed`: a prepacked
+    backend, `linear.Linear`), the tied LM head as its own matrix, and the Q4_1 / Q8_0 blocks
+    kept beside them (`blocks`, `load_gguf_blocks`). A GGUF file itself is mapped: page cache,
+    not counted. The freed fp32 forms stay with the process after load (glibc keeps them for
+    reuse, `engine.memory.keep_freed_memory`), so this is close to its resident size too."""
+    config = load_model_config(source)
+    table = _tensor_table(source)
+    numel = sum(n for n, _, _ in table.values())
+    matrices = sum(n for name, (n, _, ndim) in table.items() if ndim >= 2 and not _is_embedding(name))
+    embedding = config.vocab_size * config.hidden_size
+    if config.tie_word_embeddings:
+        matrices += embedding  # the LM head: a matrix of its own once laid out for the kernel
+    parts = [("weights widened to fp32", 4 * numel)]
+    if dtype != torch.float32:
+        parts.append((f"converted to {str(dtype).removeprefix('torch.')}", dtype.itemsize * numel))
+    if source.kind == "hf":
+        parts.append(("the checkpoint's tensors as read", sum(b for _, b, _ in table.values())))
+    if packed:
+        parts.append(("matmul weights laid out for the kernel", dtype.itemsize * matrices))
+    if blocks and source.kind == "gguf":
+        kept = sum(t.data.nbytes for t in _open_gguf(source.path).tensors
+                   if t.tensor_type.name in BLOCK_TYPES and len(t.shape) == 2)
+        parts.append(("GGUF blocks read, and repacked for small steps", 2 * kept))
+    parts.append(("allocator and layout slack (10%)", sum(b for _, b in parts) // 10))
+    return WeightFootprint(numel, sum(b for _, b in parts), tuple(parts))
+
+
+def _is_embedding(name: str) -> bool:
+    return name in ("token_embd.weight", "model.embed_tokens.weight")
+
+
+def _tensor_table(source: ModelSource) -> dict[str, tuple[int, int, int]]:
+    """name -> (elements, stored bytes, dimensions) of every tensor, from the file's header."""
+    if source.kind == "gguf":
+        return {t.name: (int(np.prod(t.shape, dtype=np.int64)), int(t.data.nbytes), len(t.shape))
+                for t in _open_gguf(source.path).tensors if t.name not in ROPE_TENSORS}
+    from safetensors import SafetensorError, safe_open
+
+    table: dict[str, tuple[int, int, int]] = {}
+    for file in sorted(source.path.glob("*.safetensors")):
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    piece = f.get_slice(name)
+                    shape = piece.get_shape()
+                    n = int(np.prod(shape, dtype=np.int64))
+                    table[name] = (n, n * _SAFETENSORS_BYTES.get(piece.get_dtype(), 4), len(shape))
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"cannot read {file}: {exc}") from None
+    return {name: entry for name, entry in table.items() if "rotary_emb" not in name}
+
+
 # --- GGUF ---------------------------------------------------------------------------------
 
 

@@ -1,0 +1,69 @@
+"""What loading a model takes: the load time, the resident peak and the anonymous memory a
+fresh process grows by as `LoadedModel.load` builds it (weights, their kernel layout, kept GGUF blocks, the tokenizer),
+beside the estimate the memory guard refuses on (`engine.memory.check_memory`), term by term.
+Each model loads twice in its own process: the first load builds the GGUF index and tokenizer
+caches, the second is the one a user restarting a server sees.
+
+    .venv/bin/python benchmarks/load_memory.py [--model PATH ...]   (default: the embedded model)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import torch
+
+from inflight.model.linear import linear_backend
+from inflight.model.loader import resolve_model, weight_footprint
+
+_LOAD = """
+import json, sys, time, torch
+from inflight.engine.memory import keep_freed_memory
+from inflight.model.loaded import LoadedModel
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+keep_freed_memory()
+before, anon, start = status("VmRSS"), status("RssAnon"), time.perf_counter()
+LoadedModel.load(sys.argv[1] if len(sys.argv) > 1 else None, torch.float32, torch.device("cpu"))
+print(json.dumps({"seconds": time.perf_counter() - start, "grown": status("RssAnon") - anon,
+                  "peak": status("VmHWM") - before}))
+"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", action="append", default=None, help="a GGUF file or HF directory (repeatable)")
+    args = parser.parse_args()
+    packed = linear_backend(torch.device("cpu"), torch.float32) != "torch"
+    for model in args.model or [None]:
+        source = resolve_model(model)
+        footprint = weight_footprint(source, torch.float32, packed=packed, blocks=packed)
+        runs = []
+        for _ in range(2):
+            done = subprocess.run([sys.executable, "-c", _LOAD, *([model] if model else [])], capture_output=True,
+                                  text=True, check=True)
+            runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        print(f"{source.name} ({source.kind}, {footprint.num_parameters / 1e6:.0f}M parameters, "
+              f"file(s) {sum(p.stat().st_size for p in _files(source)) / 1e6:.0f} MB)")
+        peak, grown = runs[1]["peak"], runs[1]["grown"]
+        print(f"  load: {runs[0]['seconds']:.1f} s first, {runs[1]['seconds']:.1f} s cached; resident peak +{peak / 1e6:.0f} MB "
+              f"(the mapped file's pages included), anonymous memory after +{grown / 1e6:.0f} MB "
+              f"({grown / footprint.num_parameters:.1f} bytes a weight)")
+        print(f"  the guard's estimate: {footprint.peak / 1e6:.0f} MB ({footprint.peak / peak:.2f}x the peak)")
+        for what, size in footprint.parts:
+            print(f"    {size / 1e6:8.0f} MB  {what}")
+    return 0
+
+
+def _files(source):
+    return [source.path] if source.kind == "gguf" else sorted(source.path.glob("*.safetensors"))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,127 @@
+"""The memory guard: an engine that would not fit in the memory available is refused before
+anything is allocated, with one line that says what would fit; the weights' estimate is held
+against what a load really takes."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from inflight import LLM
+from inflight.errors import ConfigError
+from inflight.model.loaded import LoadedModel
+from inflight.model.loader import resolve_model, weight_footprint
+
+GIB = 1024 ** 3
+
+
+@pytest.fixture
+def never_loaded(monkeypatch):
+    """Fails a test that gets as far as loading the model."""
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(LoadedModel, "load", load)
+
+
+def refusal(monkeypatch, available: int, **options) -> str:
+    monkeypatch.setattr("inflight.engine.memory.available_memory_bytes", lambda device: available)
+    with pytest.raises(ConfigError) as info:
+        LLM(**options)
+    message = str(info.value)
+    assert "\n" not in message and "needs about" in message and "GiB is available" in message
+    return message
+
+
+def test_a_pool_too_large_is_refused_with_the_pool_that_would_fit(monkeypatch, never_loaded):
+    weights = weight_footprint(resolve_model(None), torch.float32, packed=True, blocks=True).peak
+    available = weights + 1 * GIB
+    message = refusal(monkeypatch, available, num_kv_blocks=100_000)
+    blocks = int(re.search(r"num_kv_blocks=(\d+) \(\d+ tokens\) would fit", message).group(1))
+    assert 0 < blocks < 100_000
+    # The pool it names fits (the check passes and the model would be loaded), one block more does not.
+    with pytest.raises(AssertionError, match="was loaded"):
+        LLM(num_kv_blocks=blocks)
+    with pytest.raises(ConfigError):
+        LLM(num_kv_blocks=blocks + 1)
+    # A pool in bytes the same way.
+    assert "kv_cache_memory_bytes" in refusal(monkeypatch, available, kv_cache_memory_bytes=4 * GIB)
+
+
+def test_a_step_too_large_is_refused_with_the_token_budget_that_would_fit(monkeypatch, never_loaded):
+    weights = weight_footprint(resolve_model(None), torch.float32, packed=True, blocks=True).peak
+    message = refusal(monkeypatch, weights + GIB // 2, num_kv_blocks=16, max_num_tokens=65536)
+    tokens = int(re.search(r"max_num_tokens=(\d+) \(now 65536\) would fit", message).group(1))
+    assert 0 < tokens < 65536
+    with pytest.raises(AssertionError, match="was loaded"):
+        LLM(num_kv_blocks=16, max_num_tokens=tokens, max_batch_size=min(64, tokens))
+
+
+def test_weights_that_cannot_fit_are_refused_whatever_the_options(monkeypatch, never_loaded):
+    message = refusal(monkeypatch, 200 * 1024 ** 2, num_kv_blocks=1)
+    assert "the weights alone do not fit" in message
+
+
+def test_the_command_line_refuses_in_one_line_before_loading_and_before_ray_starts():
+    """Real memory, no stand-in: a pool of 10^8 blocks is tens of terabytes for any model."""
+    for argv in (["generate", "--num-kv-blocks", "100000000", "hi"],
+                 ["serve", "--replicas", "2", "--num-kv-blocks", "100000000", "--port", "1"]):
+        done = subprocess.run([sys.executable, "-m", "inflight.cli", *argv], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 2, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and "needs about" in lines[0] and "would fit" in lines[0], done.stderr
+        if argv[0] == "serve":
+            assert "each of 2 replicas" in lines[0]
+
+
+_MEASURE = textwrap.dedent("""
+    import json, sys, torch
+    from inflight.engine.memory import keep_freed_memory
+    from inflight.model.llama import LlamaModel
+    from inflight.model.loader import load_checkpoint, load_gguf_blocks, resolve_model
+
+    def anonymous():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+    keep_freed_memory()  # as the engine runs
+    source = resolve_model(sys.argv[1] if len(sys.argv) > 1 else None)
+    before = anonymous()
+    config, weights = load_checkpoint(source, torch.float32)
+    model = LlamaModel(config, weights, torch.device("cpu"), gguf_blocks=load_gguf_blocks(source, config))
+    print(json.dumps({"grown": anonymous() - before}))
+""")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's /proc")
+@pytest.mark.parametrize("kind", ["gguf", "hf-bf16"])
+def test_the_weights_estimate_bounds_what_a_load_takes(tmp_path, kind):
+    """In a fresh process, as `LoadedModel.load` builds the model: the anonymous memory it grows
+    by is at most the estimate, and not far below it (the estimate is what is refused on)."""
+    import transformers
+
+    from inflight.model.linear import linear_backend
+
+    argv = []
+    if kind == "hf-bf16":  # about 40M parameters, stored in bf16
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
+            num_key_value_heads=4, tie_word_embeddings=False)).to(torch.bfloat16)
+        model.save_pretrained(tmp_path, safe_serialization=True)
+        argv = [str(tmp_path)]
+    done = subprocess.run([sys.executable, "-c", _MEASURE, *argv], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    grown = json.loads(done.stdout.strip().splitlines()[-1])["grown"]
+    packed = linear_backend(torch.device("cpu"), torch.float32) != "torch"
+    estimate = weight_footprint(resolve_model(argv[0] if argv else None), torch.float32, packed=packed,
+                                blocks=packed).peak
+    assert grown <= estimate <= 1.6 * grown, (grown, estimate)
