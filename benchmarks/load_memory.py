@@ -52,7 +52,8 @@ def main() -> int:
         print(f"{source.name} ({source.kind}, {footprint.num_parameters / 1e6:.0f}M parameters, "
               f"file(s) {sum(p.stat().st_size for p in _files(source)) / 1e6:.0f} MB)")
         peak, grown = runs[1]["peak"], runs[1]["grown"]
-        print(f"  load: {runs[0]['seconds']:.1f} s first, {runs[1]['seconds']:.1f} s cached; resident peak +{peak / 1e6:.0f} MB "
+        print(f"  load: {runs[0]['seconds']:.1f} s first, {runs[1]['seconds']:.1f} s cached; "
+              f"resident peak +{peak / 1e6:.0f} MB "
               f"(the mapped file's pages included), anonymous memory after +{grown / 1e6:.0f} MB "
               f"({grown / footprint.num_parameters:.1f} bytes a weight)")
         print(f"  the guard's estimate: {footprint.peak / 1e6:.0f} MB ({footprint.peak / peak:.2f}x the peak)")
