@@ -698,7 +698,7 @@ def vocab_gguf(tmp_path: Path, name: str, architecture: str | None = None) -> Pa
 
 @pytest.mark.parametrize(("name", "architecture"), [
     ("qwen2", None),  # byte-level BPE
-    ("llama-bpe", None), ("llama-bpe", "smollm3"),  # Llama 3's byte-level BPE (SmolLM3's too): ignore_merges
+    ("llama-bpe", None),  # Llama 3's byte-level BPE (SmolLM3's too): ignore_merges, a BOS by default
     ("phi-3", None), ("phi-3", "llama"),  # SentencePiece, as Phi-3's and as Llama 2's or Mistral's files say
 ])
 def test_gguf_vocabularies_give_their_hugging_face_tokenizers_ids(tmp_path, monkeypatch, name, architecture):
