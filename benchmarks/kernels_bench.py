@@ -134,8 +134,9 @@ def _random_blocks(kind: str, rows: int, cols: int, rng: object) -> tuple[torch.
 
 
 def gguf_block_matmuls() -> None:
-    """Every weight matmul once at 1-6 rows, from the GGUF blocks (Q4_1 body, Q8_0 LM head, as in
-    the embedded model) and from the fp32 panels: where the one beats the other."""
+    """Every weight matmul once at 1 to 512 rows, from the GGUF blocks (Q4_1 body, Q8_0 LM head,
+    as in the embedded model; dequantized in registers up to GGUF_BLOCKS_MAX_ROWS rows, a panel
+    at a time past it, as `Linear` runs them) and from fp32 panels of the same values."""
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -149,20 +150,17 @@ def gguf_block_matmuls() -> None:
     layers.append(Linear(weight, None, "inflight", gguf_blocks=("Q8_0", raw)))
     fp32.append(Linear(weight, None, "inflight"))
 
-    def run(linears: list[Linear], x: dict[int, torch.Tensor], blocks: bool) -> None:
+    def run(linears: list[Linear], x: dict[int, torch.Tensor]) -> None:
         for linear in linears:
-            if blocks:
-                kernels.gguf_blocks_linear(x[linear.in_features], linear.blocks, linear.out_features)  # type: ignore[attr-defined]
-            else:
-                kernels.packed_linear(x[linear.in_features], linear.weight, None, linear.out_features)  # type: ignore[attr-defined]
+            linear(x[linear.in_features])
 
-    kernels = cpu_kernels()
-    for rows in (1, 2, 3, 4, 5, 6):
+    for rows in (1, 2, 3, 4, 5, 6, 8, 16, 64, 256, 512):
         x = {576: torch.randn(rows, 576), 1536: torch.randn(rows, 1536)}
-        blocks_s = best_of(functools.partial(run, layers, x, True), reps=5)
-        fp32_s = best_of(functools.partial(run, fp32, x, False), reps=5)
-        print(f"every weight matmul once, {rows} rows: from GGUF blocks {1000 * blocks_s:5.1f} ms, "
-              f"fp32 panels {1000 * fp32_s:5.1f} ms")
+        times = _alternated({"blocks": functools.partial(run, layers, x), "fp32": functools.partial(run, fp32, x)},
+                            rounds=3)
+        blocks_s, fp32_s = min(times["blocks"]), min(times["fp32"])
+        print(f"every weight matmul once, {rows:3d} rows: from GGUF blocks {1000 * blocks_s:6.1f} ms, "
+              f"fp32 panels {1000 * fp32_s:6.1f} ms ({fp32_s / blocks_s:.2f}x)")
 
 
 def _layers_beyond_cache(batch: int, context: int) -> int:

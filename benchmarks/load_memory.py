@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from inflight.model.linear import linear_backend
+from inflight.model.linear import blocks_usable, linear_backend
 from inflight.model.loader import resolve_model, weight_footprint
 
 _LOAD = """
@@ -43,7 +43,7 @@ def main() -> int:
     packed = linear_backend(torch.device("cpu"), torch.float32) != "torch"
     for model in args.model or [None]:
         source = resolve_model(model)
-        footprint = weight_footprint(source, torch.float32, packed=packed, blocks=packed)
+        footprint = weight_footprint(source, torch.float32, packed=packed, blocks=blocks_usable())
         runs = []
         for _ in range(2):
             done = subprocess.run([sys.executable, "-c", _LOAD, *([model] if model else [])], capture_output=True,

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from inflight.errors import ModelLoadError
 from inflight.model.kernels import cpu_kernels
-from inflight.model.linear import Linear, linear_backend
+from inflight.model.linear import Linear, blocks_usable, linear_backend
 
 
 def available(backend: str) -> bool:
@@ -89,30 +89,44 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int) -> tuple[torch.Ten
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-@pytest.mark.parametrize("out_features,with_bias", [(96, False), (37, True)])
-def test_gguf_block_matmul_equals_the_fp32_one_bit_for_bit(kind, out_features, with_bias):
-    """Small steps read the GGUF blocks; their results are exactly those of the fp32 weights."""
+@pytest.mark.parametrize("out_features,in_features,with_bias", [(96, 96, False), (37, 256, True), (64, 64, False)])
+def test_gguf_block_matmul_equals_the_fp32_one_bit_for_bit(kind, out_features, in_features, with_bias):
+    """A weight kept as GGUF blocks keeps no fp32 form; every step reads the blocks (in registers
+    up to GGUF_BLOCKS_MAX_ROWS rows, a panel at a time past it), and its results are exactly
+    those of the fp32 panels of gguf-py's dequantization, at every row count, whether the
+    model's fp32 weight or only its shape (meta) was given."""
     kernels = cpu_kernels()
     if not available("inflight"):
         pytest.skip("inflight kernel not available here")
-    blocks, weight = random_blocks(kind, out_features, 96, seed=out_features)
+    blocks, weight = random_blocks(kind, out_features, in_features, seed=out_features)
     bias = torch.randn(out_features) if with_bias else None
     fp32_only = Linear(weight, bias, "inflight")
-    both = Linear(weight, bias, "inflight", gguf_blocks=(kind, blocks))
     if not kernels.gguf_blocks_available():  # the portable build: every step reads the fp32 panels
-        assert both.blocks is None
+        assert not blocks_usable()
+        assert Linear(weight, bias, "inflight", gguf_blocks=(kind, blocks)).blocks is None
         with pytest.raises(RuntimeError, match="needs AVX2"):
-            kernels.pack_gguf_blocks(blocks, 96, kind)
+            kernels.pack_gguf_blocks(blocks, in_features, kind)
+        with pytest.raises(ModelLoadError, match="cannot read them"):
+            Linear(weight.to("meta"), bias, "inflight", gguf_blocks=(kind, blocks))
         return
-    assert both.blocks is not None
-    x = torch.randn(8, 96)
+    both = Linear(weight, bias, "inflight", gguf_blocks=(kind, blocks))
+    shape_only = Linear(weight.to("meta"), bias, "inflight", gguf_blocks=(kind, blocks))
+    assert both.blocks is not None and both.weight.numel() == 0  # no fp32 panels kept
+    x = torch.randn(300, in_features)
     with torch.inference_mode():
-        for rows in range(1, 9):  # up to GGUF_BLOCKS_MAX_ROWS from the blocks, then the fp32 panels
-            assert torch.equal(both(x[:rows]), fp32_only(x[:rows]))
-        # More rows than one pass of the block kernel takes: passes of 5 and 3.
-        assert torch.equal(kernels.gguf_blocks_linear(x, both.blocks, out_features),
-                           kernels.packed_linear(x, fp32_only.weight, None, out_features))
+        for rows in (1, 2, 4, 5, 6, 7, 16, 64, 300):
+            expected = fp32_only(x[:rows])
+            assert torch.equal(both(x[:rows]), expected), rows
+            assert torch.equal(shape_only(x[:rows]), expected), rows
+        # Each kernel over any number of rows: the register one in passes of 5, the panel one whole.
+        for rows in (3, 8, 23):
+            expected = kernels.packed_linear(x[:rows], fp32_only.weight, None, out_features)
+            assert torch.equal(kernels.gguf_blocks_linear(x[:rows], both.blocks, out_features), expected)
+            assert torch.equal(kernels.gguf_blocks_gemm(x[:rows], both.blocks, out_features), expected)
         torch.testing.assert_close(both(x[:1]), F.linear(x[:1], weight, bias), atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(both(x[:64]), F.linear(x[:64], weight, bias), atol=1e-4, rtol=1e-5)
+    with pytest.raises(ModelLoadError, match="cannot read them"):  # a path without the block kernels
+        Linear(weight.to("meta"), bias, "torch", gguf_blocks=(kind, blocks))
 
 
 def test_backend_choice(monkeypatch):

@@ -85,6 +85,7 @@ def test_the_command_line_refuses_in_one_line_before_loading_and_before_ray_star
 _MEASURE = textwrap.dedent("""
     import json, sys, torch
     from inflight.engine.memory import keep_freed_memory
+    from inflight.model.linear import blocks_usable
     from inflight.model.llama import LlamaModel
     from inflight.model.loader import load_checkpoint, load_gguf_blocks, resolve_model
 
@@ -95,8 +96,10 @@ _MEASURE = textwrap.dedent("""
     keep_freed_memory()  # as the engine runs
     source = resolve_model(sys.argv[1] if len(sys.argv) > 1 else None)
     before = anonymous()
-    config, weights = load_checkpoint(source, torch.float32)
-    model = LlamaModel(config, weights, torch.device("cpu"), gguf_blocks=load_gguf_blocks(source, config))
+    keep = blocks_usable()
+    config, weights = load_checkpoint(source, torch.float32, keep_blocks=keep)
+    blocks = load_gguf_blocks(source, config) if keep else {}
+    model = LlamaModel(config, weights, torch.device("cpu"), gguf_blocks=blocks)
     print(json.dumps({"grown": anonymous() - before}))
 """)
 
@@ -108,7 +111,7 @@ def test_the_weights_estimate_bounds_what_a_load_takes(tmp_path, kind):
     by is at most the estimate, and not far below it (the estimate is what is refused on)."""
     import transformers
 
-    from inflight.model.linear import linear_backend
+    from inflight.model.linear import blocks_usable, linear_backend
 
     argv = []
     if kind == "hf-bf16":  # about 40M parameters, stored in bf16
@@ -123,5 +126,5 @@ def test_the_weights_estimate_bounds_what_a_load_takes(tmp_path, kind):
     grown = json.loads(done.stdout.strip().splitlines()[-1])["grown"]
     packed = linear_backend(torch.device("cpu"), torch.float32) != "torch"
     estimate = weight_footprint(resolve_model(argv[0] if argv else None), torch.float32, packed=packed,
-                                blocks=packed).peak
+                                blocks=blocks_usable()).peak
     assert grown <= estimate <= 1.6 * grown, (grown, estimate)

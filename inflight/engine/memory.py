@@ -16,6 +16,7 @@ import torch
 
 from inflight.config import EngineConfig, ModelConfig, SchedulerConfig
 from inflight.errors import ConfigError
+from inflight.model.linear import blocks_usable
 from inflight.model.loader import ModelSource, WeightFootprint, load_model_config, weight_footprint
 
 logger = logging.getLogger(__name__)
@@ -158,7 +159,7 @@ def plan_memory(config: EngineConfig, source: ModelSource, dtype: torch.dtype, d
                 packed: bool) -> MemoryPlan:
     model = load_model_config(source)
     weights = weight_footprint(source, dtype, packed=packed,
-                               blocks=device.type == "cpu" and dtype == torch.float32 and packed)
+                               blocks=device.type == "cpu" and dtype == torch.float32 and blocks_usable())
     cache = config.cache
     per_block = 2 * model.num_layers * model.num_kv_heads * model.head_dim * cache.block_size * dtype.itemsize
     available = available_memory_bytes(device)

@@ -18,8 +18,10 @@ order). Other devices and dtypes always take `F.linear`.
 
 A decode step of a few requests is memory-bound: it streams every weight from DRAM once.
 Where the checkpoint is a GGUF file whose weights are stored as Q4_1 or Q8_0 blocks, `inflight`
-keeps those blocks beside the fp32 panels and such steps read them instead (`Linear`): 0.75 or
-1.125 bytes a weight instead of 4, dequantized in registers to exactly the fp32 values.
+keeps only those blocks (`Linear`): 0.75 or 1.125 bytes a weight instead of 4. Steps of a few
+rows dequantize them in registers; larger ones one panel at a time into cache, for the fp32
+microkernel. Both give exactly the fp32 values the loader would have made of them, and the same
+sums: bit for bit the result of the fp32 panels.
 """
 
 from __future__ import annotations
@@ -55,9 +57,16 @@ def linear_backend(device: torch.device, dtype: torch.dtype) -> str:
     return choice
 
 
-# Up to this many rows the matmul from GGUF blocks, which streams a fifth (Q4_1) or a third
-# (Q8_0) of fp32's bytes but dequantizes again for each group of 5 rows, beats the fp32 one
-# (`benchmarks/kernels_bench.py`: 2.2-2.8x at one row, about 1.5x at four and five, even at six).
+def blocks_usable() -> bool:
+    """Whether fp32 matmuls on CPU read GGUF blocks (the `inflight` backend, built with AVX2):
+    then the loader leaves the weights stored as Q4_1 or Q8_0 in their blocks."""
+    kernels = cpu_kernels()
+    return (linear_backend(torch.device("cpu"), torch.float32) == "inflight" and kernels is not None
+            and kernels.gguf_blocks_available())
+
+
+# Up to this many rows a weight kept as GGUF blocks is dequantized in registers, again for each
+# group of 5 rows; past it, once per panel into cache (`csrc`: gguf_blocks_linear, gguf_blocks_gemm).
 GGUF_BLOCKS_MAX_ROWS = 5
 
 
@@ -65,9 +74,9 @@ class Linear:
     """One weight matmul; with a prepacked backend the weight is kept only in its packed form.
 
     With `gguf_blocks` (the weight's raw GGUF blocks and their type, Q4_1 or Q8_0, of which
-    `weight` is the dequantized form) and the `inflight` backend, steps of at most
-    `GGUF_BLOCKS_MAX_ROWS` rows read those blocks instead: the same values and the same sums, bit
-    for bit, from far fewer bytes."""
+    `weight` is the dequantized form, or only its shape: a meta tensor) and the `inflight`
+    backend, every step reads those blocks and no fp32 form is kept: the same values and the
+    same sums as the fp32 panels, bit for bit, from far fewer bytes."""
 
     __slots__ = ("backend", "bias", "in_features", "out_features", "weight", "blocks", "_kernels")
 
@@ -78,13 +87,17 @@ class Linear:
         self.backend = backend
         self._kernels: ModuleType | None = None
         self.blocks: torch.Tensor | None = None
+        if weight.is_meta and not (backend == "inflight" and gguf_blocks is not None and blocks_usable()):
+            raise ModelLoadError("a weight was left in its GGUF blocks on a path that cannot read them")
         if backend == "inflight":
             self._kernels = cpu_kernels()
             assert self._kernels is not None
-            self.weight = self._kernels.pack_linear_weight(weight.contiguous())
             if gguf_blocks is not None and self._kernels.gguf_blocks_available():
                 kind, raw = gguf_blocks
                 self.blocks = self._kernels.pack_gguf_blocks(raw.contiguous(), self.in_features, kind)
+                self.weight = torch.empty(0)  # every step reads the blocks
+            else:
+                self.weight = self._kernels.pack_linear_weight(weight.contiguous())
         elif backend == "onednn":
             # The reorder's batch-size hint only tunes the layout; any number of rows works.
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)

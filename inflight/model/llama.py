@@ -135,24 +135,26 @@ class LlamaModel:
 
         def take(name: str) -> torch.Tensor:
             try:
-                tensor = weights[name].to(device)
+                tensor = weights[name]
             except KeyError:
                 raise ModelLoadError(f"checkpoint lacks weight {name}") from None
             taken.add(name)
-            return tensor
+            return tensor if tensor.is_meta else tensor.to(device)  # meta: kept as its GGUF blocks
 
         def biases(*names: str) -> tuple[str, ...] | None:
             """The bias names of these matmuls' weights, where the checkpoint has them."""
             found = tuple(n.removesuffix(".weight") + ".bias" for n in names)
             return found if all(b in weights for b in found) else None
 
+        blocks = gguf_blocks or {}
         if config.rotary_dim is not None and config.rotary_dim < config.head_dim:
-            weights = self._pair_rotary_dims(config, architecture(config.architecture), weights)
+            arch = architecture(config.architecture)
+            weights = self._pair_rotary_dims(config, arch, weights)
+            paired = self._pair_rotary_dims(config, arch, {name: raw for name, (_, raw) in blocks.items()})
+            blocks = {name: (kind, paired[name]) for name, (kind, _) in blocks.items()}  # rows alike
         self.embed_tokens = take("model.embed_tokens.weight")
         self.dtype = self.embed_tokens.dtype
         backend = linear_backend(device, self.dtype)
-
-        blocks = gguf_blocks or {}
 
         def linear(*names: str, bias: tuple[str, ...] | None = None) -> Linear:
             weight = torch.cat([take(n) for n in names]) if len(names) > 1 else take(names[0])

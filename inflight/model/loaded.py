@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inflight.model.linear import blocks_usable
 from inflight.model.llama import LlamaModel
 from inflight.model.loader import load_checkpoint, load_gguf_blocks, resolve_model
 from inflight.model.tokenizer import Tokenizer
@@ -21,7 +22,9 @@ class LoadedModel:
     @classmethod
     def load(cls, model: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
         source = resolve_model(model)
-        config, weights = load_checkpoint(source, dtype)
-        blocks = load_gguf_blocks(source, config) if dtype == torch.float32 and device.type == "cpu" else {}
+        keep_blocks = dtype == torch.float32 and device.type == "cpu" and blocks_usable()
+        config, weights = load_checkpoint(source, dtype, keep_blocks=keep_blocks)
+        blocks = load_gguf_blocks(source, config) if keep_blocks else {}
         llama = LlamaModel(config, weights, device, gguf_blocks=blocks)
+        del weights, blocks  # the model holds what it reads; the rest goes before the tokenizer loads
         return cls(source.name, llama, Tokenizer.load(source, config.eos_token_ids))

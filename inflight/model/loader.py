@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,12 +106,15 @@ def load_model_config(source: ModelSource) -> ModelConfig:
     return _hf_config(source.path)
 
 
-def load_checkpoint(source: ModelSource, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Reads the shapes and every weight (dequantized, converted to `dtype`, under HF names)."""
+def load_checkpoint(source: ModelSource, dtype: torch.dtype,
+                    keep_blocks: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Reads the shapes and every weight (dequantized, converted to `dtype`, under HF names).
+    `keep_blocks`: a GGUF file's weights that `load_gguf_blocks` keeps as blocks are not
+    dequantized, only their shapes given (meta tensors)."""
     if source.kind == "gguf":
         index = _open_gguf(source.path)
         config = index.config
-        weights = _gguf_weights(index.tensors, config)
+        weights = _gguf_weights(index.tensors, config, keep_blocks)
     else:
         config = _hf_config(source.path)
         weights = _hf_weights(source.path)
@@ -138,31 +142,36 @@ _SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4
 
 
 def weight_footprint(source: ModelSource, dtype: torch.dtype, packed: bool, blocks: bool) -> WeightFootprint:
-    """The memory `load_checkpoint` and the model's construction take, as they work today: every
-    weight widened to fp32 (and converted to `dtype`), a Hugging Face directory's stored tensors
+    """The memory `load_checkpoint` and the model's construction take, as they work today: the
+    weights widened to fp32 (and converted to `dtype`), a Hugging Face directory's stored tensors
     held until then, the matmul weights laid out again for the kernel (`packed`: a prepacked
-    backend, `linear.Linear`), the tied LM head as its own matrix, and the Q4_1 / Q8_0 blocks
-    kept beside them (`blocks`, `load_gguf_blocks`). A GGUF file itself is mapped: page cache,
-    not counted. The freed fp32 forms stay with the process after load (glibc keeps them for
-    reuse, `engine.memory.keep_freed_memory`), so this is close to its resident size too."""
+    backend, `linear.Linear`), the tied LM head as its own matrix; with `blocks`, a GGUF file's
+    Q4_1 / Q8_0 matrices instead as their blocks, read in place and repacked (`load_gguf_blocks`),
+    never widened. A GGUF file itself is mapped: page cache, not counted. The freed forms stay with the
+    process after load (glibc keeps them for reuse, `engine.memory.keep_freed_memory`), so this
+    is close to its resident size too."""
     config = load_model_config(source)
     table = _tensor_table(source)
+    kept = {} if not blocks or source.kind != "gguf" else {
+        t.name: (int(t.data.nbytes), t.tensor_type.name) for t in _open_gguf(source.path).tensors
+        if _kept_in_blocks(t, config)}
     numel = sum(n for n, _, _ in table.values())
-    matrices = sum(n for name, (n, _, ndim) in table.items() if ndim >= 2 and not _is_embedding(name))
-    embedding = config.vocab_size * config.hidden_size
-    if config.tie_word_embeddings:
-        matrices += embedding  # the LM head: a matrix of its own once laid out for the kernel
-    parts = [("weights widened to fp32", 4 * numel)]
+    widened = sum(n for name, (n, _, _) in table.items() if name not in kept or _is_embedding(name))
+    matrices = sum(n for name, (n, _, ndim) in table.items()
+                   if ndim >= 2 and not _is_embedding(name) and name not in kept)
+    if config.tie_word_embeddings and not any(_is_embedding(name) for name in kept):
+        matrices += config.vocab_size * config.hidden_size  # the LM head, laid out for the kernel
+    parts = [("weights widened to fp32", 4 * widened)]
     if dtype != torch.float32:
-        parts.append((f"converted to {str(dtype).removeprefix('torch.')}", dtype.itemsize * numel))
+        parts.append((f"converted to {str(dtype).removeprefix('torch.')}", dtype.itemsize * widened))
     if source.kind == "hf":
         parts.append(("the checkpoint's tensors as read", sum(b for _, b, _ in table.values())))
     if packed:
         parts.append(("matmul weights laid out for the kernel", dtype.itemsize * matrices))
-    if blocks and source.kind == "gguf":
-        kept = sum(t.data.nbytes for t in _open_gguf(source.path).tensors
-                   if t.tensor_type.name in BLOCK_TYPES and len(t.shape) == 2)
-        parts.append(("GGUF blocks read, and repacked for small steps", 2 * kept))
+    if kept:  # read in place from the mapped file; repacked with fp32 scales (Q4_1 24 bytes a block, Q8_0 36)
+        repacked = sum(b * 24 // 20 if kind == "Q4_1" else b * 36 // 34 for b, kind in kept.values())
+        parts.append(("GGUF blocks repacked for the matmuls", repacked))
+        parts.append(("a fused matmul's blocks, joined before repacking", 3 * max(b for b, _ in kept.values())))
     parts.append(("allocator and layout slack (10%)", sum(b for _, b in parts) // 10))
     return WeightFootprint(numel, sum(b for _, b in parts), tuple(parts))
 
@@ -454,15 +463,19 @@ def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.transpose(1, 2).reshape(weight.shape)
 
 
-def _gguf_weights(tensors: list[GGUFTensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+def _gguf_weights(tensors: list[GGUFTensor], config: ModelConfig, keep_blocks: bool) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     for tensor in tensors:
         if tensor.name in ROPE_TENSORS:  # the config's rope_scaling
             continue
-        array = _dequantize(tensor)
         # The reader gives numpy's row-major shape for unquantized data; quantized data comes
         # back as rows of elements. Either way the logical shape is GGUF's shape reversed.
         shape = tuple(reversed(tensor.shape))
+        if keep_blocks and _kept_in_blocks(tensor, config) and tensor.name != "token_embd.weight":
+            name = _gguf_to_hf_name(tensor.name, config.architecture)  # the embedding is read by row, in fp32
+            weights[name] = torch.empty(shape, device="meta")
+            continue
+        array = _dequantize(tensor)
         array = np.asarray(array, dtype=np.float32)
         if not array.flags.writeable:  # memory-mapped F32 tensors: copy out of the file
             array = array.copy()
@@ -503,25 +516,32 @@ def _hf_row_order(name: str, value: torch.Tensor, config: ModelConfig) -> torch.
     return value
 
 
-# GGUF block types whose raw blocks a matmul over few rows reads instead of fp32.
+# GGUF block types whose raw blocks the weight matmuls read instead of fp32.
 BLOCK_TYPES = ("Q4_1", "Q8_0")
+
+
+def _kept_in_blocks(tensor: GGUFTensor, config: ModelConfig) -> bool:
+    """Whether the matmuls read this tensor as its blocks (`load_gguf_blocks`): a matrix of a
+    type in `BLOCK_TYPES`, not an expert's (experts run on fp32 weights)."""
+    return (tensor.tensor_type.name in BLOCK_TYPES and len(tensor.shape) == 2
+            and _gguf_expert_names(tensor.name, config) is None)
 
 
 def load_gguf_blocks(source: ModelSource, config: ModelConfig) -> dict[str, tuple[str, torch.Tensor]]:
     """The weights a GGUF file stores as Q4_1 or Q8_0, as (type, raw blocks): uint8
     `[rows, K / 32 * block bytes]`, rows in the order of the dequantized weight under the same HF
-    name (a tied LM head under both names). A matmul over few rows reads these instead of fp32
-    and computes the same values (`csrc`, `gguf_blocks_linear`)."""
+    name (a tied LM head under both names). The matmuls read these instead of fp32 and compute
+    the same values (`csrc`, `gguf_blocks_linear`, `gguf_blocks_gemm`)."""
     if source.kind != "gguf":
         return {}
     blocks: dict[str, tuple[str, torch.Tensor]] = {}
     for tensor in _open_gguf(source.path).tensors:
-        if tensor.tensor_type.name not in BLOCK_TYPES or len(tensor.shape) != 2:
-            continue
-        if _gguf_expert_names(tensor.name, config) is not None:  # experts run on fp32 weights
+        if not _kept_in_blocks(tensor, config):
             continue
         name = _gguf_to_hf_name(tensor.name, config.architecture)
-        rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8)).reshape(int(tensor.shape[1]), -1)
+        with warnings.catch_warnings():  # read-only: the file's pages, never written, copied by the packing
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            rows = torch.from_numpy(np.asarray(tensor.data, dtype=np.uint8)).reshape(int(tensor.shape[1]), -1)
         blocks[name] = (tensor.tensor_type.name, _hf_row_order(name, rows, config))
     if config.tie_word_embeddings and "model.embed_tokens.weight" in blocks:
         blocks["lm_head.weight"] = blocks["model.embed_tokens.weight"]

@@ -1178,34 +1178,50 @@ BlockKind block_kind(const std::string& name) {
   return BlockKind::kQ8_0;
 }
 
+// One block's scales (d; Q4_1 also m) for the 16 columns of a panel.
+template <BlockKind kKind>
+struct BlockScales {
+  __m256 d0, d1, m0, m1;
+  explicit BlockScales(const uint8_t* blk) {
+    const float* scales = reinterpret_cast<const float*>(blk);
+    d0 = _mm256_loadu_ps(scales), d1 = _mm256_loadu_ps(scales + 8);
+    m0 = m1 = _mm256_setzero_ps();
+    if constexpr (kKind == BlockKind::kQ4_1) m0 = _mm256_loadu_ps(scales + 16), m1 = _mm256_loadu_ps(scales + 24);
+  }
+};
+
+// The 16 weights of k-row kk of a block (q: the block's quants), dequantized: the one place
+// both block matmuls compute them, so both give the loader's fp32 values.
+template <BlockKind kKind>
+inline void block_row(const uint8_t* q, int64_t kk, const BlockScales<kKind>& s, __m256& w0, __m256& w1) {
+  if constexpr (kKind == BlockKind::kQ4_1) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kk * 8));
+    const __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+    w0 = _mm256_fmadd_ps(s.d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), s.m0);
+    w1 = _mm256_fmadd_ps(s.d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), s.m1);
+  } else {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kk * 16));
+    w0 = _mm256_mul_ps(s.d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+    w1 = _mm256_mul_ps(s.d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))));
+  }
+}
+
 template <int MR, BlockKind kKind>
 inline void quant_micro(const float* __restrict x, int64_t ldx, const uint8_t* __restrict panel, int64_t K,
                         float* __restrict y, int64_t ldy) {
   constexpr int64_t kBytes = packed_block_bytes(kKind);
   __m256 a0[MR], a1[MR];
   for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
-  const __m128i low = _mm_set1_epi8(0x0F);
   for (int64_t b = 0; b < K / kQBlock; ++b) {
     const uint8_t* blk = panel + b * kBytes;
     for (int64_t line = 0; line < kBytes; line += 64) __builtin_prefetch(blk + 4 * kBytes + line);
-    const float* scales = reinterpret_cast<const float*>(blk);
-    const __m256 d0 = _mm256_loadu_ps(scales), d1 = _mm256_loadu_ps(scales + 8);
-    __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
-    if constexpr (kKind == BlockKind::kQ4_1) m0 = _mm256_loadu_ps(scales + 16), m1 = _mm256_loadu_ps(scales + 24);
+    const BlockScales<kKind> scales(blk);
     const uint8_t* q = blk + scale_bytes(kKind);
     const float* xb = x + b * kQBlock;
     for (int64_t kk = 0; kk < kQBlock; ++kk) {
       __m256 w0, w1;
-      if constexpr (kKind == BlockKind::kQ4_1) {
-        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kk * 8));
-        const __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
-        w0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m0);
-        w1 = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m1);
-      } else {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kk * 16));
-        w0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
-        w1 = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))));
-      }
+      block_row<kKind>(q, kk, scales, w0, w1);
       for (int r = 0; r < MR; ++r) {
         const __m256 xv = _mm256_set1_ps(xb[r * ldx + kk]);
         a0[r] = _mm256_fmadd_ps(xv, w0, a0[r]);
@@ -1227,6 +1243,25 @@ void quant_rows(int rows, const float* x, int64_t K, const uint8_t* w, float* y,
     case 3: return quant_micro<3, kKind>(x, K, w, K, y, ldy);
     case 2: return quant_micro<2, kKind>(x, K, w, K, y, ldy);
     default: return quant_micro<1, kKind>(x, K, w, K, y, ldy);
+  }
+}
+
+// A block panel (16 columns, all K) dequantized into columns [0, 16) of an fp32 panel whose
+// k-rows are `ld` floats apart (packed_linear's layout).
+template <BlockKind kKind>
+void dequantize_panel(const uint8_t* panel, int64_t K, float* w, int64_t ld) {
+  constexpr int64_t kBytes = packed_block_bytes(kKind);
+  for (int64_t b = 0; b < K / kQBlock; ++b) {
+    const uint8_t* blk = panel + b * kBytes;
+    const BlockScales<kKind> scales(blk);
+    const uint8_t* q = blk + scale_bytes(kKind);
+    for (int64_t kk = 0; kk < kQBlock; ++kk) {
+      __m256 w0, w1;
+      block_row<kKind>(q, kk, scales, w0, w1);
+      float* row = w + (b * kQBlock + kk) * ld;
+      _mm256_storeu_ps(row, w0);
+      _mm256_storeu_ps(row + 8, w1);
+    }
   }
 }
 
@@ -1303,8 +1338,66 @@ torch::Tensor gguf_blocks_linear(torch::Tensor x, torch::Tensor packed, int64_t 
   });
   return out_features == n_pad ? y : y.narrow(1, 0, out_features).contiguous();
 }
+
+// x [M, K] through a weight packed by pack_gguf_blocks, for steps of many rows: each panel of
+// kNR columns is dequantized once into an fp32 panel (in cache) that packed_linear's
+// microkernel then runs over all M rows. The weights are the loader's fp32 values and each
+// output the same in-order sum as packed_linear's: bit for bit its result on the dequantized
+// weight, from a fifth (Q4_1) or a third (Q8_0) of its memory.
+torch::Tensor gguf_blocks_gemm(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "float32 [M, K] contiguous only");
+  const int64_t block_bytes = packed.dim() == 3 ? packed.size(2) : 0;
+  TORCH_CHECK((block_bytes == packed_block_bytes(BlockKind::kQ4_1) ||
+               block_bytes == packed_block_bytes(BlockKind::kQ8_0)) && packed.size(1) * kQBlock == x.size(1),
+              "weight was not packed by pack_gguf_blocks or does not match x");
+  static_assert(kNR % kQCols == 0, "an fp32 panel holds whole block panels");
+  constexpr int64_t kSub = kNR / kQCols;  // block panels per fp32 panel
+  const bool q4 = block_bytes == packed_block_bytes(BlockKind::kQ4_1);
+  const int64_t M = x.size(0), K = x.size(1), qpanels = packed.size(0);
+  const int64_t panels = (qpanels + kSub - 1) / kSub, n_pad = panels * kNR;
+  TORCH_CHECK(out_features <= qpanels * kQCols && out_features > qpanels * kQCols - kQCols,
+              "out_features does not match the packing");
+  auto y = torch::empty({M, n_pad}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t panel_bytes = packed.size(1) * block_bytes;
+  constexpr int64_t kRowBlock = 128;  // rows whose activations stay in L2 while the panels pass, as packed_linear
+  for_panels(panels, [&](int64_t begin, int64_t end) {
+    // torch's CPU allocator aligns to 64 bytes, as the microkernel's panel loads need
+    auto scratch = torch::empty({K * kNR}, x.options());
+    float* w = scratch.data_ptr<float>();
+    for (int64_t m_block = 0; m_block < M; m_block += kRowBlock) {
+      const int64_t rows = std::min(kRowBlock, M - m_block);
+      const int64_t chunks = (rows + kMaxRows - 1) / kMaxRows;
+      for (int64_t p = begin; p < end; ++p) {
+        // Dequantized again for each block of rows: K x kNR values against rows x K x kNR FMAs.
+        for (int64_t s = 0; s < kSub; ++s) {
+          const int64_t qp = p * kSub + s;
+          if (qp >= qpanels) {  // past the last block panel: zero columns, as pack_linear_weight pads
+            for (int64_t k = 0; k < K; ++k) std::fill_n(w + k * kNR + s * kQCols, kQCols, 0.0f);
+          } else if (q4) {
+            dequantize_panel<BlockKind::kQ4_1>(wp + qp * panel_bytes, K, w + s * kQCols, kNR);
+          } else {
+            dequantize_panel<BlockKind::kQ8_0>(wp + qp * panel_bytes, K, w + s * kQCols, kNR);
+          }
+        }
+        int64_t m = m_block;
+        for (int64_t c = 0; c < chunks; ++c) {
+          const int mr = static_cast<int>((m_block + rows - m) / (chunks - c));  // even split, as packed_linear
+          gemm_rows<Prefetch::kNone>(mr, xp + m * K, K, w, K, nullptr, yp + m * n_pad + p * kNR, n_pad, nullptr, 0);
+          m += mr;
+        }
+      }
+    }
+  });
+  return out_features == n_pad ? y : y.narrow(1, 0, out_features).contiguous();
+}
 #else
 bool gguf_blocks_available() { return false; }
+torch::Tensor gguf_blocks_gemm(torch::Tensor, torch::Tensor, int64_t) {
+  TORCH_CHECK(false, "the GGUF block matmul needs AVX2");
+}
 torch::Tensor pack_gguf_blocks(torch::Tensor, int64_t, const std::string&) {
   TORCH_CHECK(false, "the GGUF block matmul needs AVX2");
 }
@@ -1313,14 +1406,16 @@ torch::Tensor gguf_blocks_linear(torch::Tensor, torch::Tensor, int64_t) {
 }
 #endif
 
-// One weight matmul as `Linear` and `DecoderStack` both run it: from the GGUF blocks for steps of
-// at most `blocks_max_rows` rows where the weight has them (the bias added after), else from the
-// fp32 panels. The one place that choice is made.
+// One weight matmul as `Linear` and `DecoderStack` both run it: a weight kept as GGUF blocks
+// (it has no fp32 panels) from its blocks, dequantized in registers for steps of at most
+// `blocks_max_rows` rows, into one fp32 panel at a time for larger ones (the bias added after);
+// any other from its fp32 panels. The one place that choice is made.
 torch::Tensor linear_forward(const torch::Tensor& x, const torch::Tensor& packed,
                              const c10::optional<torch::Tensor>& blocks, const c10::optional<torch::Tensor>& bias,
                              int64_t out_features, int64_t blocks_max_rows) {
-  if (blocks.has_value() && x.size(0) <= blocks_max_rows) {
-    torch::Tensor y = gguf_blocks_linear(x, *blocks, out_features);
+  if (blocks.has_value()) {
+    torch::Tensor y = x.size(0) <= blocks_max_rows ? gguf_blocks_linear(x, *blocks, out_features)
+                                                   : gguf_blocks_gemm(x, *blocks, out_features);
     return bias.has_value() ? y.add_(*bias) : y;
   }
   return packed_linear(x, packed, bias, out_features);
@@ -1596,6 +1691,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_blocks_available", &gguf_blocks_available, "Whether this build has the GGUF block matmul (AVX2)");
   m.def("pack_gguf_blocks", &pack_gguf_blocks, "Pack GGUF Q4_1 or Q8_0 rows for gguf_blocks_linear");
   m.def("gguf_blocks_linear", &gguf_blocks_linear, "x @ W.T with W as packed GGUF blocks (CPU, fp32)");
+  m.def("gguf_blocks_gemm", &gguf_blocks_gemm,
+        "x @ W.T with W as packed GGUF blocks, dequantized a panel at a time (steps of many rows)");
   // module_local: another build of this file in the same process (kernels_bench.py --against)
   // registers its own DecoderStack.
   py::class_<DecoderStack>(m, "DecoderStack", py::module_local(), "A step's decoder layers in one call (CPU, fp32)")
