@@ -624,6 +624,71 @@ def test_gguf_tensor_types_match_transformers(tmp_path, types):
     torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(reference, ids), atol=1e-4, rtol=1e-4)
 
 
+def requantized(source: Path, path: Path, kind: str) -> Path:
+    """`source` (a GGUF file of f32 tensors) written again with every matrix whose rows divide
+    into 32-weight blocks quantized by gguf-py to `kind`."""
+    import gguf
+
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(str(path), reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        array = field.types[0] == gguf.GGUFValueType.ARRAY
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
+    qtype = gguf.GGMLQuantizationType[kind]
+    for t in reader.tensors:
+        data = np.asarray(t.data, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist())))
+        if data.ndim == 2 and data.shape[1] % 32 == 0 and not t.name.startswith("rope_"):
+            writer.add_tensor(t.name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(t.name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("name", ["mix-a", "mix-b", "phi3_longrope-Q8_0", "qwen3-Q4_1", "gemma2-Q8_0", "mixtral-Q4_1"])
+def test_matrices_kept_in_gguf_blocks_compute_the_fp32_logits_bit_for_bit(tmp_path, name):
+    """Loaded as the engine loads it on CPU, a GGUF file's Q4_1 / Q8_0 matrices stay in their
+    blocks (no fp32 form made or kept: the loader gives only their shapes), fused q/k/v or
+    gate/up only where every part has one such type; the logits of a step of a few rows and of
+    many are exactly those of the fully dequantized model. Phi-3's partial rotary reorders the
+    blocks' rows as it does the weights'."""
+    from converter_fixtures import FIXTURES
+
+    from inflight.model.linear import blocks_usable
+    from inflight.model.loader import load_gguf_blocks
+
+    if not blocks_usable():
+        pytest.skip("these kernels read no GGUF blocks (built without AVX2)")
+    if name.startswith("mix-"):
+        path = tmp_path / "tiny.gguf"
+        write_tiny_gguf(path, {"mix-a": {"embd": "F16", "q": "BF16", "k": "Q8_0", "v": "Q4_0", "o": "Q4_1",
+                                         "gate": "Q4_1", "up": "Q4_1", "down": "Q8_0"},
+                               "mix-b": {"embd": "Q8_0", "q": "Q8_0", "k": "Q8_0", "v": "Q8_0", "o": "F32",
+                                         "gate": "Q4_0", "up": "Q4_1", "down": "Q8_0"}}[name])
+    else:
+        arch, kind = name.rsplit("-", 1)
+        path = requantized(FIXTURES / f"{arch}.gguf", tmp_path / f"{name}.gguf", kind)
+    source = resolve_model(str(path))
+    config, weights = load_checkpoint(source, torch.float32)
+    _, shapes = load_checkpoint(source, torch.float32, keep_blocks=True)
+    blocks = load_gguf_blocks(source, config)
+    assert blocks and any(t.is_meta for t in shapes.values()) and not shapes["model.embed_tokens.weight"].is_meta
+    dense = LlamaModel(config, weights, torch.device("cpu"))
+    kept = LlamaModel(config, shapes, torch.device("cpu"), gguf_blocks=blocks)
+    linears = [getattr(layer, f) for layer in kept.layers for f in ("qkv", "o", "gate_up", "down")] + [kept.lm_head]
+    assert any(linear.blocks is not None for linear in linears)
+    assert all(linear.weight.numel() == 0 for linear in linears if linear.blocks is not None)
+    for model in (dense, kept):
+        model.use_context(config.max_position_embeddings)
+    for ids in (list(range(3, 6)), list(range(3, 43))):  # in registers, and a panel at a time
+        assert torch.equal(inflight_logits(kept, ids), inflight_logits(dense, ids))
+
+
 def test_a_gguf_tensor_inflight_does_not_know_is_refused(tmp_path):
     path = tmp_path / "extra.gguf"
     write_tiny_gguf(path, {}, extra=("blk.0.ssm_norm.weight",))

@@ -152,9 +152,11 @@ def weight_footprint(source: ModelSource, dtype: torch.dtype, packed: bool, bloc
     is close to its resident size too."""
     config = load_model_config(source)
     table = _tensor_table(source)
-    kept = {} if not blocks or source.kind != "gguf" else {
-        t.name: (int(t.data.nbytes), t.tensor_type.name) for t in _open_gguf(source.path).tensors
-        if _kept_in_blocks(t, config)}
+    kept = {}
+    if blocks and source.kind == "gguf":
+        tensors = _open_gguf(source.path).tensors
+        names = _blocks_kept(tensors, config)
+        kept = {t.name: (int(t.data.nbytes), t.tensor_type.name) for t in tensors if t.name in names}
     numel = sum(n for n, _, _ in table.values())
     widened = sum(n for name, (n, _, _) in table.items() if name not in kept or _is_embedding(name))
     matrices = sum(n for name, (n, _, ndim) in table.items()
@@ -465,13 +467,14 @@ def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def _gguf_weights(tensors: list[GGUFTensor], config: ModelConfig, keep_blocks: bool) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
+    kept = _blocks_kept(tensors, config) if keep_blocks else frozenset()
     for tensor in tensors:
         if tensor.name in ROPE_TENSORS:  # the config's rope_scaling
             continue
         # The reader gives numpy's row-major shape for unquantized data; quantized data comes
         # back as rows of elements. Either way the logical shape is GGUF's shape reversed.
         shape = tuple(reversed(tensor.shape))
-        if keep_blocks and _kept_in_blocks(tensor, config) and tensor.name != "token_embd.weight":
+        if tensor.name in kept and tensor.name != "token_embd.weight":
             name = _gguf_to_hf_name(tensor.name, config.architecture)  # the embedding is read by row, in fp32
             weights[name] = torch.empty(shape, device="meta")
             continue
@@ -520,11 +523,24 @@ def _hf_row_order(name: str, value: torch.Tensor, config: ModelConfig) -> torch.
 BLOCK_TYPES = ("Q4_1", "Q8_0")
 
 
-def _kept_in_blocks(tensor: GGUFTensor, config: ModelConfig) -> bool:
-    """Whether the matmuls read this tensor as its blocks (`load_gguf_blocks`): a matrix of a
-    type in `BLOCK_TYPES`, not an expert's (experts run on fp32 weights)."""
-    return (tensor.tensor_type.name in BLOCK_TYPES and len(tensor.shape) == 2
-            and _gguf_expert_names(tensor.name, config) is None)
+def _blocks_kept(tensors: list[GGUFTensor], config: ModelConfig) -> frozenset[str]:
+    """The GGUF tensors the matmuls read as their blocks (`load_gguf_blocks`): the LM head and
+    token embedding (for a tied head) and each layer's matmuls (`Architecture.matmuls`: q/k/v
+    and gate/up fused) whose parts are all matrices of one type in `BLOCK_TYPES`. Experts and
+    routers run on fp32 weights."""
+    arch = config.architecture
+    candidates = {t.name: t.tensor_type.name for t in tensors
+                  if t.tensor_type.name in BLOCK_TYPES and len(t.shape) == 2
+                  and _gguf_expert_names(t.name, config) is None}
+    by_hf = {_gguf_to_hf_name(name, arch): name for name in candidates}
+    head = "output.weight" if "output.weight" in {t.name for t in tensors} else "token_embd.weight"  # tied
+    kept = {head} & candidates.keys()
+    for i in range(config.num_layers):
+        for names in architecture(arch).matmuls.values():
+            parts = [by_hf.get(f"model.layers.{i}.{n}") for n in names]
+            if all(parts) and len({candidates[p] for p in parts if p}) == 1:
+                kept.update(p for p in parts if p)
+    return frozenset(kept)
 
 
 def load_gguf_blocks(source: ModelSource, config: ModelConfig) -> dict[str, tuple[str, torch.Tensor]]:
@@ -535,8 +551,10 @@ def load_gguf_blocks(source: ModelSource, config: ModelConfig) -> dict[str, tupl
     if source.kind != "gguf":
         return {}
     blocks: dict[str, tuple[str, torch.Tensor]] = {}
-    for tensor in _open_gguf(source.path).tensors:
-        if not _kept_in_blocks(tensor, config):
+    tensors = _open_gguf(source.path).tensors
+    kept = _blocks_kept(tensors, config)
+    for tensor in tensors:
+        if tensor.name not in kept:
             continue
         name = _gguf_to_hf_name(tensor.name, config.architecture)
         with warnings.catch_warnings():  # read-only: the file's pages, never written, copied by the packing
