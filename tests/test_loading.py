@@ -928,8 +928,8 @@ def test_gguf_index_cache_gives_the_same_weights(tmp_path, monkeypatch):
 
     monkeypatch.setenv("INFLIGHT_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "tiny.gguf"
-    write_tiny_gguf(path, {"embd": "F16", "q": "BF16", "k": "Q8_0", "v": "Q4_0", "o": "Q4_1", "gate": "Q4_K",
-                           "up": "Q6_K", "down": "F16"})
+    write_tiny_gguf(path, {"embd": "F16", "q": "BF16", "k": "Q4_0", "v": "Q4_K", "o": "Q4_1", "gate": "Q6_K",
+                           "up": "F16", "down": "Q8_0"})
     source = resolve_model(str(path))
     loader._read_gguf.cache_clear()
     config, weights = load_checkpoint(source, torch.float32)
