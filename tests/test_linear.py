@@ -105,13 +105,15 @@ def test_gguf_block_matmul_equals_the_fp32_one_bit_for_bit(kind, out_features, i
         assert not blocks_usable()
         assert Linear(weight, bias, "inflight", gguf_blocks=(kind, blocks)).blocks is None
         with pytest.raises(RuntimeError, match="needs AVX2"):
-            kernels.pack_gguf_blocks(blocks, in_features, kind)
+            kernels.pack_gguf_blocks([blocks], in_features, kind)
         with pytest.raises(ModelLoadError, match="cannot read them"):
             Linear(weight.to("meta"), bias, "inflight", gguf_blocks=(kind, blocks))
         return
     both = Linear(weight, bias, "inflight", gguf_blocks=(kind, blocks))
     shape_only = Linear(weight.to("meta"), bias, "inflight", gguf_blocks=(kind, blocks))
     assert both.blocks is not None and both.weight.numel() == 0  # no fp32 panels kept
+    # A fused matrix packed from its parts where they lie: the packing of their rows joined.
+    assert torch.equal(kernels.pack_gguf_blocks([blocks[:10], blocks[10:]], in_features, kind), both.blocks)
     x = torch.randn(300, in_features)
     with torch.inference_mode():
         for rows in (1, 2, 4, 5, 6, 7, 16, 64, 300):

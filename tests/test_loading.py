@@ -654,13 +654,13 @@ def requantized(source: Path, path: Path, kind: str) -> Path:
 def test_matrices_kept_in_gguf_blocks_compute_the_fp32_logits_bit_for_bit(tmp_path, name):
     """Loaded as the engine loads it on CPU, a GGUF file's Q4_1 / Q8_0 matrices stay in their
     blocks (no fp32 form made or kept: the loader gives only their shapes), fused q/k/v or
-    gate/up only where every part has one such type; the logits of a step of a few rows and of
-    many are exactly those of the fully dequantized model. Phi-3's partial rotary reorders the
-    blocks' rows as it does the weights'."""
+    gate/up only where every part has one such type, and the token embedding is read by row from
+    the file; the logits of a step of a few rows and of many are exactly those of the fully
+    dequantized model. Phi-3's partial rotary reorders the blocks' rows as it does the weights'."""
     from converter_fixtures import FIXTURES
 
     from inflight.model.linear import blocks_usable
-    from inflight.model.loader import load_gguf_blocks
+    from inflight.model.loader import GGUFRows, load_gguf_blocks, load_gguf_embedding
 
     if not blocks_usable():
         pytest.skip("these kernels read no GGUF blocks (built without AVX2)")
@@ -677,9 +677,13 @@ def test_matrices_kept_in_gguf_blocks_compute_the_fp32_logits_bit_for_bit(tmp_pa
     config, weights = load_checkpoint(source, torch.float32)
     _, shapes = load_checkpoint(source, torch.float32, keep_blocks=True)
     blocks = load_gguf_blocks(source, config)
-    assert blocks and any(t.is_meta for t in shapes.values()) and not shapes["model.embed_tokens.weight"].is_meta
+    embedding = load_gguf_embedding(source, config)
+    assert blocks and any(t.is_meta for t in shapes.values())
+    # The embedding read by row from the file unless a tied head needs it whole in fp32.
+    assert shapes["model.embed_tokens.weight"].is_meta == isinstance(embedding, GGUFRows)
+    assert embedding is not None or (config.tie_word_embeddings and "lm_head.weight" not in blocks)
     dense = LlamaModel(config, weights, torch.device("cpu"))
-    kept = LlamaModel(config, shapes, torch.device("cpu"), gguf_blocks=blocks)
+    kept = LlamaModel(config, shapes, torch.device("cpu"), gguf_blocks=blocks, embedding=embedding)
     linears = [m for layer in kept.layers for f in ("qkv", "o", "gate_up", "down") if (m := getattr(layer, f))]
     linears.append(kept.lm_head)
     assert any(linear.blocks is not None for linear in linears)

@@ -73,15 +73,16 @@ GGUF_BLOCKS_MAX_ROWS = 5
 class Linear:
     """One weight matmul; with a prepacked backend the weight is kept only in its packed form.
 
-    With `gguf_blocks` (the weight's raw GGUF blocks and their type, Q4_1 or Q8_0, of which
-    `weight` is the dequantized form, or only its shape: a meta tensor) and the `inflight`
-    backend, every step reads those blocks and no fp32 form is kept: the same values and the
-    same sums as the fp32 panels, bit for bit, from far fewer bytes."""
+    With `gguf_blocks` (the weight's raw GGUF blocks and their type, Q4_1 or Q8_0, one tensor of
+    rows or the parts of a fused matrix, of which `weight` is the dequantized form, or only its
+    shape: a meta tensor) and the `inflight` backend, every step reads those blocks and no fp32
+    form is kept: the same values and the same sums as the fp32 panels, bit for bit, from far
+    fewer bytes."""
 
     __slots__ = ("backend", "bias", "in_features", "out_features", "weight", "blocks", "_kernels")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, backend: str = "torch",
-                 gguf_blocks: tuple[str, torch.Tensor] | None = None) -> None:
+                 gguf_blocks: tuple[str, torch.Tensor | list[torch.Tensor]] | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.backend = backend
@@ -93,8 +94,9 @@ class Linear:
             self._kernels = cpu_kernels()
             assert self._kernels is not None
             if gguf_blocks is not None and self._kernels.gguf_blocks_available():
-                kind, raw = gguf_blocks
-                self.blocks = self._kernels.pack_gguf_blocks(raw.contiguous(), self.in_features, kind)
+                kind, raw = gguf_blocks  # one tensor of rows, or the parts of a fused matrix
+                parts = [raw] if isinstance(raw, torch.Tensor) else raw
+                self.blocks = self._kernels.pack_gguf_blocks([p.contiguous() for p in parts], self.in_features, kind)
                 self.weight = torch.empty(0)  # every step reads the blocks
             else:
                 self.weight = self._kernels.pack_linear_weight(weight.contiguous())

@@ -13,7 +13,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -26,6 +26,9 @@ from inflight.model.kernels import cpu_kernels
 from inflight.model.layer_plan import OUTPUT, Op, Reg, Step, compiled_ops, released_after, with_scaled_residual
 from inflight.model.linear import GGUF_BLOCKS_MAX_ROWS, Linear, linear_backend
 from inflight.model.token_ops import CpuKernelTokenOps, KVStore, TorchTokenOps
+
+if TYPE_CHECKING:
+    from inflight.model.loader import GGUFRows
 
 
 def rope_inv_freq(config: ModelConfig, long_context: bool = False) -> torch.Tensor:
@@ -125,9 +128,12 @@ class LlamaModel:
     """Holds the weights (QKV and gate/up fused) and runs one packed forward step."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
-                 gguf_blocks: dict[str, tuple[str, torch.Tensor]] | None = None) -> None:
+                 gguf_blocks: dict[str, tuple[str, torch.Tensor]] | None = None,
+                 embedding: GGUFRows | None = None) -> None:
         """`gguf_blocks`: the raw GGUF blocks of weights stored as Q4_1 or Q8_0 (`load_gguf_blocks`),
-        which the weight matmuls of small steps read instead of fp32 where the CPU kernels can."""
+        which the weight matmuls read instead of fp32 where the CPU kernels can; `embedding`:
+        the token embedding read by row from a GGUF file (`load_gguf_embedding`), in place of
+        the checkpoint's (then only its shape)."""
         self.config = config
         self.device = device
 
@@ -152,7 +158,9 @@ class LlamaModel:
             weights = self._pair_rotary_dims(config, arch, weights)
             paired = self._pair_rotary_dims(config, arch, {name: raw for name, (_, raw) in blocks.items()})
             blocks = {name: (kind, paired[name]) for name, (kind, _) in blocks.items()}  # rows alike
-        self.embed_tokens = take("model.embed_tokens.weight")
+        self.embed_tokens: torch.Tensor | GGUFRows = take("model.embed_tokens.weight")
+        if embedding is not None:
+            self.embed_tokens = embedding
         self.dtype = self.embed_tokens.dtype
         backend = linear_backend(device, self.dtype)
 
@@ -162,7 +170,7 @@ class LlamaModel:
             parts = [part for n in names if (part := blocks.get(n)) is not None]
             quantized = None
             if len(parts) == len(names) and len({kind for kind, _ in parts}) == 1:  # fused rows need one block type
-                quantized = (parts[0][0], torch.cat([raw for _, raw in parts]))
+                quantized = (parts[0][0], [raw for _, raw in parts])  # packed from where they lie
             return Linear(weight, b, backend, gguf_blocks=quantized)
 
         arch = architecture(config.architecture)

@@ -9,7 +9,7 @@ import torch
 
 from inflight.model.linear import blocks_usable
 from inflight.model.llama import LlamaModel
-from inflight.model.loader import load_checkpoint, load_gguf_blocks, resolve_model
+from inflight.model.loader import load_checkpoint, load_gguf_blocks, load_gguf_embedding, resolve_model
 from inflight.model.tokenizer import Tokenizer
 
 
@@ -25,6 +25,7 @@ class LoadedModel:
         keep_blocks = dtype == torch.float32 and device.type == "cpu" and blocks_usable()
         config, weights = load_checkpoint(source, dtype, keep_blocks=keep_blocks)
         blocks = load_gguf_blocks(source, config) if keep_blocks else {}
-        llama = LlamaModel(config, weights, device, gguf_blocks=blocks)
+        embedding = load_gguf_embedding(source, config) if keep_blocks else None
+        llama = LlamaModel(config, weights, device, gguf_blocks=blocks, embedding=embedding)
         del weights, blocks  # the model holds what it reads; the rest goes before the tokenizer loads
         return cls(source.name, llama, Tokenizer.load(source, config.eos_token_ids))

@@ -158,7 +158,9 @@ def weight_footprint(source: ModelSource, dtype: torch.dtype, packed: bool, bloc
         names = _blocks_kept(tensors, config)
         kept = {t.name: (int(t.data.nbytes), t.tensor_type.name) for t in tensors if t.name in names}
     numel = sum(n for n, _, _ in table.values())
-    widened = sum(n for name, (n, _, _) in table.items() if name not in kept or _is_embedding(name))
+    by_row = blocks and source.kind == "gguf" and _embedding_by_row(_open_gguf(source.path).tensors, config)
+    widened = sum(n for name, (n, _, _) in table.items()
+                  if name not in kept and not (by_row and _is_embedding(name)))
     matrices = sum(n for name, (n, _, ndim) in table.items()
                    if ndim >= 2 and not _is_embedding(name) and name not in kept)
     if config.tie_word_embeddings and not any(_is_embedding(name) for name in kept):
@@ -173,8 +175,14 @@ def weight_footprint(source: ModelSource, dtype: torch.dtype, packed: bool, bloc
     if kept:  # read in place from the mapped file; repacked with fp32 scales (Q4_1 24 bytes a block, Q8_0 36)
         repacked = sum(b * 24 // 20 if kind == "Q4_1" else b * 36 // 34 for b, kind in kept.values())
         parts.append(("GGUF blocks repacked for the matmuls", repacked))
-        parts.append(("a fused matmul's blocks, joined before repacking", 3 * max(b for b, _ in kept.values())))
+    tables = 2 if config.local_rope_theta else 1  # cos and sin of every position, per rotary
+    parts.append(("rotary tables", tables * 2 * config.max_position_embeddings * config.head_dim * 4))
     parts.append(("allocator and layout slack (10%)", sum(b for _, b in parts) // 10))
+    # What the first model's construction adds to a process whatever its size (kernel and
+    # thread buffers; 67-75 MB on 2 Ice Lake cores, benchmarks/load_memory.py)
+    parts.append(("the kernels' and runtime's own buffers", 96 * 1024 ** 2))
+    # the tokenizer: 63 MB for the embedded model's 49,152 entries, about 1.3 KB each
+    parts.append(("the tokenizer", 1300 * config.vocab_size))
     return WeightFootprint(numel, sum(b for _, b in parts), tuple(parts))
 
 
@@ -457,6 +465,46 @@ def _dequantize(tensor: Any) -> np.ndarray:
         raise ModelLoadError(f"unsupported GGUF tensor type {kind.name} in {tensor.name}") from None
 
 
+class GGUFRows:
+    """A GGUF matrix left in the mapped file and read by row (a token embedding): the rows
+    `index_select(0, ids)` asks for, dequantized as the loader dequantizes a whole tensor
+    (gguf-py's arithmetic, row by row, so the same values), for any tensor type, at the cost of
+    the file's pages alone."""
+
+    dtype = torch.float32
+    is_meta = False
+
+    def __init__(self, tensor: GGUFTensor) -> None:
+        self._tensor = tensor
+        self.shape = tuple(reversed(tensor.shape))
+
+    def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
+        assert dim == 0
+        import gguf
+
+        rows = np.asarray(self._tensor.data)[index.cpu().numpy()]
+        kind = self._tensor.tensor_type
+        if kind not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            rows = gguf.quants.dequantize(rows, kind)
+        return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32).reshape(len(index), self.shape[1]))
+
+
+def load_gguf_embedding(source: ModelSource, config: ModelConfig) -> GGUFRows | None:
+    """The token embedding, read from the file by row (`GGUFRows`), where the weights are kept
+    as stored (`load_checkpoint(keep_blocks=True)`) and no fp32 form of it is needed: the LM head
+    is a tensor of its own, or reads the embedding's blocks. None elsewhere."""
+    if source.kind != "gguf":
+        return None
+    tensors = _open_gguf(source.path).tensors
+    if not _embedding_by_row(tensors, config):
+        return None
+    return GGUFRows(next(t for t in tensors if t.name == "token_embd.weight"))
+
+
+def _embedding_by_row(tensors: list[GGUFTensor], config: ModelConfig) -> bool:
+    return not config.tie_word_embeddings or "token_embd.weight" in _blocks_kept(tensors, config)
+
+
 def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """llama.cpp stores Q/K rows with each head's rotary halves interleaved; HF keeps them as
     two contiguous halves. Undo the interleave so one rotary implementation serves both."""
@@ -468,15 +516,16 @@ def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 def _gguf_weights(tensors: list[GGUFTensor], config: ModelConfig, keep_blocks: bool) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     kept = _blocks_kept(tensors, config) if keep_blocks else frozenset()
+    if keep_blocks and _embedding_by_row(tensors, config):  # `load_gguf_embedding`
+        kept |= {"token_embd.weight"}
     for tensor in tensors:
         if tensor.name in ROPE_TENSORS:  # the config's rope_scaling
             continue
         # The reader gives numpy's row-major shape for unquantized data; quantized data comes
         # back as rows of elements. Either way the logical shape is GGUF's shape reversed.
         shape = tuple(reversed(tensor.shape))
-        if tensor.name in kept and tensor.name != "token_embd.weight":
-            name = _gguf_to_hf_name(tensor.name, config.architecture)  # the embedding is read by row, in fp32
-            weights[name] = torch.empty(shape, device="meta")
+        if tensor.name in kept:  # only its shape: the model reads the blocks, or the rows from the file
+            weights[_gguf_to_hf_name(tensor.name, config.architecture)] = torch.empty(shape, device="meta")
             continue
         array = _dequantize(tensor)
         array = np.asarray(array, dtype=np.float32)

@@ -1275,23 +1275,29 @@ float half_at(const uint8_t* p) {
 
 bool gguf_blocks_available() { return true; }
 
-// blocks: GGUF rows of `kind` ("Q4_1": per block d, m as fp16 then 16 bytes of nibbles; "Q8_0":
-// d as fp16 then 32 int8), uint8 [N, K / 32 * block bytes] -> panels for gguf_blocks_linear.
-torch::Tensor pack_gguf_blocks(torch::Tensor blocks, int64_t k, const std::string& kind_name) {
+// parts: GGUF rows of `kind` ("Q4_1": per block d, m as fp16 then 16 bytes of nibbles; "Q8_0":
+// d as fp16 then 32 int8), uint8 [N_i, K / 32 * block bytes] each, one matrix of their rows one
+// after another (a fused q/k/v or gate/up, read where they lie) -> panels for the block matmuls.
+torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor> parts, int64_t k, const std::string& kind_name) {
   const BlockKind kind = block_kind(kind_name);
   const bool q4 = kind == BlockKind::kQ4_1;
-  TORCH_CHECK(blocks.dtype() == torch::kUInt8 && blocks.dim() == 2 && blocks.is_contiguous(), "uint8 [N, bytes] only");
-  TORCH_CHECK(k % kQBlock == 0 && blocks.size(1) == k / kQBlock * gguf_block_bytes(kind),
-              "rows are not ", kind_name, " blocks of ", k, " weights");
-  const int64_t n = blocks.size(0), nb = k / kQBlock, panels = (n + kQCols - 1) / kQCols;
+  TORCH_CHECK(!parts.empty(), "no rows to pack");
+  std::vector<const uint8_t*> row_at;  // each row's first byte
+  for (const auto& blocks : parts) {
+    TORCH_CHECK(blocks.dtype() == torch::kUInt8 && blocks.dim() == 2 && blocks.is_contiguous(),
+                "uint8 [N, bytes] only");
+    TORCH_CHECK(k % kQBlock == 0 && blocks.size(1) == k / kQBlock * gguf_block_bytes(kind),
+                "rows are not ", kind_name, " blocks of ", k, " weights");
+    for (int64_t r = 0; r < blocks.size(0); ++r) row_at.push_back(blocks.data_ptr<uint8_t>() + r * blocks.size(1));
+  }
+  const int64_t n = static_cast<int64_t>(row_at.size()), nb = k / kQBlock, panels = (n + kQCols - 1) / kQCols;
   const int64_t out_bytes = packed_block_bytes(kind), in_bytes = gguf_block_bytes(kind);
-  auto packed = torch::zeros({panels, nb, out_bytes}, blocks.options());
-  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  auto packed = torch::zeros({panels, nb, out_bytes}, parts[0].options());
   uint8_t* dst = packed.data_ptr<uint8_t>();
   for (int64_t row = 0; row < n; ++row) {
     const int64_t p = row / kQCols, j = row % kQCols;
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* in = src + (row * nb + b) * in_bytes;
+      const uint8_t* in = row_at[row] + b * in_bytes;
       uint8_t* out = dst + (p * nb + b) * out_bytes;
       float* scales = reinterpret_cast<float*>(out);
       scales[j] = half_at(in);
@@ -1398,7 +1404,7 @@ bool gguf_blocks_available() { return false; }
 torch::Tensor gguf_blocks_gemm(torch::Tensor, torch::Tensor, int64_t) {
   TORCH_CHECK(false, "the GGUF block matmul needs AVX2");
 }
-torch::Tensor pack_gguf_blocks(torch::Tensor, int64_t, const std::string&) {
+torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor>, int64_t, const std::string&) {
   TORCH_CHECK(false, "the GGUF block matmul needs AVX2");
 }
 torch::Tensor gguf_blocks_linear(torch::Tensor, torch::Tensor, int64_t) {
@@ -1689,7 +1695,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T (+ b): from the GGUF blocks up to blocks_max_rows rows where given, else the packed W");
   m.def("plan_ops", &plan_ops, "The layer-plan ops DecoderStack runs (inflight/model/layer_plan.py's Op)");
   m.def("gguf_blocks_available", &gguf_blocks_available, "Whether this build has the GGUF block matmul (AVX2)");
-  m.def("pack_gguf_blocks", &pack_gguf_blocks, "Pack GGUF Q4_1 or Q8_0 rows for gguf_blocks_linear");
+  m.def("pack_gguf_blocks", &pack_gguf_blocks, "Pack GGUF Q4_1 or Q8_0 rows (one or more parts) for the block matmuls");
   m.def("gguf_blocks_linear", &gguf_blocks_linear, "x @ W.T with W as packed GGUF blocks (CPU, fp32)");
   m.def("gguf_blocks_gemm", &gguf_blocks_gemm,
         "x @ W.T with W as packed GGUF blocks, dequantized a panel at a time (steps of many rows)");
