@@ -78,7 +78,7 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int) -> tuple[torch.Ten
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    block_bytes = {"Q4_1": 20, "Q8_0": 34}[kind]
+    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
     blocks = rng.integers(0, 256, size=(rows, cols // 32, block_bytes), dtype=np.uint8)
     blocks[..., 0:2] = rng.uniform(0.001, 0.1, size=(rows, cols // 32)).astype(np.float16)[..., None].view(np.uint8)
     if kind == "Q4_1":  # the minimum
@@ -88,7 +88,7 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int) -> tuple[torch.Ten
     return torch.from_numpy(raw.copy()), torch.from_numpy(weight.reshape(rows, cols))
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("out_features,in_features,with_bias", [(96, 96, False), (37, 256, True), (64, 64, False)])
 def test_gguf_block_matmul_equals_the_fp32_one_bit_for_bit(kind, out_features, in_features, with_bias):
     """A weight kept as GGUF blocks keeps no fp32 form; every step reads the blocks (in registers

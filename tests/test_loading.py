@@ -650,9 +650,10 @@ def requantized(source: Path, path: Path, kind: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name", ["mix-a", "mix-b", "phi3_longrope-Q8_0", "qwen3-Q4_1", "gemma2-Q8_0", "mixtral-Q4_1"])
+@pytest.mark.parametrize("name", ["mix-a", "mix-b", "phi3_longrope-Q8_0", "qwen3-Q4_1", "gemma2-Q8_0", "mixtral-Q4_1",
+                                  "olmo2-Q4_0"])
 def test_matrices_kept_in_gguf_blocks_compute_the_fp32_logits_bit_for_bit(tmp_path, name):
-    """Loaded as the engine loads it on CPU, a GGUF file's Q4_1 / Q8_0 matrices stay in their
+    """Loaded as the engine loads it on CPU, a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices stay in their
     blocks (no fp32 form made or kept: the loader gives only their shapes), fused q/k/v or
     gate/up only where every part has one such type, and the token embedding is read by row from
     the file; the logits of a step of a few rows and of many are exactly those of the fully

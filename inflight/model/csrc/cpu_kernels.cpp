@@ -1144,12 +1144,12 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
   return out_features == n_pad ? y : y.narrow(1, 0, out_features).contiguous();
 }
 
-// ---- Weight matmul straight from GGUF's quantized blocks, for the few rows of a decode step.
+// ---- Weight matmul straight from GGUF's quantized blocks, at any number of rows.
 //
 // With a handful of rows a matmul only streams its weights from DRAM. GGUF stores them in
 // blocks of 32 consecutive weights of one row: Q4_1 as 4-bit q with a scale d and a minimum m
-// (w = d * q + m, 0.75 bytes a weight as packed here), Q8_0 as 8-bit q with a scale (w = d * q,
-// 1.125 bytes), against fp32's 4. Packed per panel of 16 output columns and per block: the 16 d
+// (w = d * q + m, 0.75 bytes a weight as packed here; Q4_0 the same with m = -8 d), Q8_0 as
+// 8-bit q with a scale (w = d * q, 1.125 bytes), against fp32's 4. Packed per panel of 16 output columns and per block: the 16 d
 // (and for Q4_1 the 16 m) in fp32, then for each of the 32 k the 16 q (Q4_1: column j in the
 // low nibble of byte j, column j + 8 in the high one; Q8_0: one byte each). d * q is exact in
 // fp32 (an 11-bit mantissa times an integer of at most 8 bits), so each weight rounds once, as
@@ -1170,12 +1170,21 @@ constexpr int64_t scale_bytes(BlockKind kind) { return (kind == BlockKind::kQ4_1
 constexpr int64_t packed_block_bytes(BlockKind kind) {
   return scale_bytes(kind) + kQBlock * kQCols / (kind == BlockKind::kQ4_1 ? 2 : 1);
 }
-constexpr int64_t gguf_block_bytes(BlockKind kind) { return kind == BlockKind::kQ4_1 ? 20 : 34; }
+// A GGUF block type as stored, and the layout it is packed into: Q4_0 (d, then 16 bytes of
+// nibbles q; w = d * (q - 8)) takes Q4_1's with m = -8 d, where d * q + m is d * (q - 8) exactly
+// (an 11-bit mantissa times a 4-bit integer), the value gguf's dequantization computes.
+struct FileBlocks {
+  BlockKind layout;
+  int64_t bytes;         // of one block of 32 weights in the file
+  bool has_min;          // Q4_1's m after d
+  int64_t quants_at;     // the quants' offset in the block
+};
 
-BlockKind block_kind(const std::string& name) {
-  if (name == "Q4_1") return BlockKind::kQ4_1;
-  TORCH_CHECK(name == "Q8_0", "unsupported block type ", name, " (Q4_1 or Q8_0)");
-  return BlockKind::kQ8_0;
+FileBlocks file_blocks(const std::string& name) {
+  if (name == "Q4_0") return {BlockKind::kQ4_1, 18, false, 2};
+  if (name == "Q4_1") return {BlockKind::kQ4_1, 20, true, 4};
+  TORCH_CHECK(name == "Q8_0", "unsupported block type ", name, " (Q4_0, Q4_1 or Q8_0)");
+  return {BlockKind::kQ8_0, 34, false, 2};
 }
 
 // One block's scales (d; Q4_1 also m) for the 16 columns of a panel.
@@ -1275,23 +1284,25 @@ float half_at(const uint8_t* p) {
 
 bool gguf_blocks_available() { return true; }
 
-// parts: GGUF rows of `kind` ("Q4_1": per block d, m as fp16 then 16 bytes of nibbles; "Q8_0":
-// d as fp16 then 32 int8), uint8 [N_i, K / 32 * block bytes] each, one matrix of their rows one
-// after another (a fused q/k/v or gate/up, read where they lie) -> panels for the block matmuls.
+// parts: GGUF rows of `kind` ("Q4_0": per block d as fp16 then 16 bytes of nibbles; "Q4_1": d, m
+// as fp16 then the nibbles; "Q8_0": d as fp16 then 32 int8), uint8 [N_i, K / 32 * block bytes]
+// each, one matrix of their rows one after another (a fused q/k/v or gate/up, read where they
+// lie) -> panels for the block matmuls.
 torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor> parts, int64_t k, const std::string& kind_name) {
-  const BlockKind kind = block_kind(kind_name);
+  const FileBlocks file = file_blocks(kind_name);
+  const BlockKind kind = file.layout;
   const bool q4 = kind == BlockKind::kQ4_1;
   TORCH_CHECK(!parts.empty(), "no rows to pack");
   std::vector<const uint8_t*> row_at;  // each row's first byte
   for (const auto& blocks : parts) {
     TORCH_CHECK(blocks.dtype() == torch::kUInt8 && blocks.dim() == 2 && blocks.is_contiguous(),
                 "uint8 [N, bytes] only");
-    TORCH_CHECK(k % kQBlock == 0 && blocks.size(1) == k / kQBlock * gguf_block_bytes(kind),
+    TORCH_CHECK(k % kQBlock == 0 && blocks.size(1) == k / kQBlock * file.bytes,
                 "rows are not ", kind_name, " blocks of ", k, " weights");
     for (int64_t r = 0; r < blocks.size(0); ++r) row_at.push_back(blocks.data_ptr<uint8_t>() + r * blocks.size(1));
   }
   const int64_t n = static_cast<int64_t>(row_at.size()), nb = k / kQBlock, panels = (n + kQCols - 1) / kQCols;
-  const int64_t out_bytes = packed_block_bytes(kind), in_bytes = gguf_block_bytes(kind);
+  const int64_t out_bytes = packed_block_bytes(kind), in_bytes = file.bytes;
   auto packed = torch::zeros({panels, nb, out_bytes}, parts[0].options());
   uint8_t* dst = packed.data_ptr<uint8_t>();
   for (int64_t row = 0; row < n; ++row) {
@@ -1303,13 +1314,14 @@ torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor> parts, int64_t k, cons
       scales[j] = half_at(in);
       uint8_t* q = out + scale_bytes(kind);
       if (q4) {
-        scales[kQCols + j] = half_at(in + 2);
+        scales[kQCols + j] = file.has_min ? half_at(in + 2) : -8.0f * scales[j];
+        const uint8_t* nibbles = in + file.quants_at;
         for (int64_t e = 0; e < kQBlock; ++e) {
-          const uint8_t v = e < 16 ? in[4 + e] & 0x0F : in[4 + e - 16] >> 4;
+          const uint8_t v = e < 16 ? nibbles[e] & 0x0F : nibbles[e - 16] >> 4;
           q[e * 8 + j % 8] |= j < 8 ? v : static_cast<uint8_t>(v << 4);
         }
       } else {
-        for (int64_t e = 0; e < kQBlock; ++e) q[e * kQCols + j] = in[2 + e];
+        for (int64_t e = 0; e < kQBlock; ++e) q[e * kQCols + j] = in[file.quants_at + e];
       }
     }
   }
@@ -1695,7 +1707,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T (+ b): from the GGUF blocks up to blocks_max_rows rows where given, else the packed W");
   m.def("plan_ops", &plan_ops, "The layer-plan ops DecoderStack runs (inflight/model/layer_plan.py's Op)");
   m.def("gguf_blocks_available", &gguf_blocks_available, "Whether this build has the GGUF block matmul (AVX2)");
-  m.def("pack_gguf_blocks", &pack_gguf_blocks, "Pack GGUF Q4_1 or Q8_0 rows (one or more parts) for the block matmuls");
+  m.def("pack_gguf_blocks", &pack_gguf_blocks, "Pack GGUF Q4_0, Q4_1 or Q8_0 rows (one or more parts) for the block matmuls");
   m.def("gguf_blocks_linear", &gguf_blocks_linear, "x @ W.T with W as packed GGUF blocks (CPU, fp32)");
   m.def("gguf_blocks_gemm", &gguf_blocks_gemm,
         "x @ W.T with W as packed GGUF blocks, dequantized a panel at a time (steps of many rows)");
