@@ -78,18 +78,22 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int) -> tuple[torch.Ten
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
-    blocks = rng.integers(0, 256, size=(rows, cols // 32, block_bytes), dtype=np.uint8)
-    blocks[..., 0:2] = rng.uniform(0.001, 0.1, size=(rows, cols // 32)).astype(np.float16)[..., None].view(np.uint8)
+    block_weights, block_bytes = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144)}[kind]
+    shape = (rows, cols // block_weights)
+    blocks = rng.integers(0, 256, size=(*shape, block_bytes), dtype=np.uint8)  # quants and Q4_K's 6-bit scales
+    low, high = (0.0001, 0.005) if kind == "Q4_K" else (0.001, 0.1)  # Q4_K's d and dmin are multiplied by <= 63
+    blocks[..., 0:2] = rng.uniform(low, high, size=shape).astype(np.float16)[..., None].view(np.uint8)
     if kind == "Q4_1":  # the minimum
-        blocks[..., 2:4] = rng.uniform(-0.5, 0.1, size=(rows, cols // 32)).astype(np.float16)[..., None].view(np.uint8)
+        blocks[..., 2:4] = rng.uniform(-0.5, 0.1, size=shape).astype(np.float16)[..., None].view(np.uint8)
+    if kind == "Q4_K":  # dmin
+        blocks[..., 2:4] = rng.uniform(low, high, size=shape).astype(np.float16)[..., None].view(np.uint8)
     raw = blocks.reshape(rows, -1)
     weight = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).astype(np.float32)
     return torch.from_numpy(raw.copy()), torch.from_numpy(weight.reshape(rows, cols))
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("out_features,in_features,with_bias", [(96, 96, False), (37, 256, True), (64, 64, False)])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("out_features,in_features,with_bias", [(96, 96, False), (37, 256, True), (64, 512, False)])
 def test_gguf_block_matmul_equals_the_fp32_one_bit_for_bit(kind, out_features, in_features, with_bias):
     """A weight kept as GGUF blocks keeps no fp32 form; every step reads the blocks (in registers
     up to GGUF_BLOCKS_MAX_ROWS rows, a panel at a time past it), and its results are exactly
@@ -98,6 +102,8 @@ def test_gguf_block_matmul_equals_the_fp32_one_bit_for_bit(kind, out_features, i
     kernels = cpu_kernels()
     if not available("inflight"):
         pytest.skip("inflight kernel not available here")
+    if kind == "Q4_K" and in_features % 256:
+        pytest.skip("K-quant rows are made of 256-weight super-blocks")
     blocks, weight = random_blocks(kind, out_features, in_features, seed=out_features)
     bias = torch.randn(out_features) if with_bias else None
     fp32_only = Linear(weight, bias, "inflight")

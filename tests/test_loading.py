@@ -650,10 +650,10 @@ def requantized(source: Path, path: Path, kind: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name", ["mix-a", "mix-b", "phi3_longrope-Q8_0", "qwen3-Q4_1", "gemma2-Q8_0", "mixtral-Q4_1",
-                                  "olmo2-Q4_0"])
+@pytest.mark.parametrize("name", ["mix-a", "mix-b", "mix-c", "phi3_longrope-Q8_0", "qwen3-Q4_1", "gemma2-Q8_0",
+                                  "mixtral-Q4_1", "olmo2-Q4_0"])
 def test_matrices_kept_in_gguf_blocks_compute_the_fp32_logits_bit_for_bit(tmp_path, name):
-    """Loaded as the engine loads it on CPU, a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices stay in their
+    """Loaded as the engine loads it on CPU, a GGUF file's Q4_0 / Q4_1 / Q4_K / Q8_0 matrices stay in their
     blocks (no fp32 form made or kept: the loader gives only their shapes), fused q/k/v or
     gate/up only where every part has one such type, and the token embedding is read by row from
     the file; the logits of a step of a few rows and of many are exactly those of the fully
@@ -670,7 +670,9 @@ def test_matrices_kept_in_gguf_blocks_compute_the_fp32_logits_bit_for_bit(tmp_pa
         write_tiny_gguf(path, {"mix-a": {"embd": "F16", "q": "BF16", "k": "Q8_0", "v": "Q4_0", "o": "Q4_1",
                                          "gate": "Q4_1", "up": "Q4_1", "down": "Q8_0"},
                                "mix-b": {"embd": "Q8_0", "q": "Q8_0", "k": "Q8_0", "v": "Q8_0", "o": "F32",
-                                         "gate": "Q4_0", "up": "Q4_1", "down": "Q8_0"}}[name])
+                                         "gate": "Q4_0", "up": "Q4_1", "down": "Q8_0"},
+                               "mix-c": {"embd": "Q6_K", "q": "Q4_K", "k": "Q4_K", "v": "Q4_K", "o": "Q4_0",
+                                         "gate": "Q4_K", "up": "Q4_K", "down": "Q8_0"}}[name])
     else:
         arch, kind = name.rsplit("-", 1)
         path = requantized(FIXTURES / f"{arch}.gguf", tmp_path / f"{name}.gguf", kind)

@@ -130,7 +130,7 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
                  gguf_blocks: dict[str, tuple[str, torch.Tensor]] | None = None,
                  embedding: GGUFRows | None = None) -> None:
-        """`gguf_blocks`: the raw GGUF blocks of weights stored as Q4_0, Q4_1 or Q8_0 (`load_gguf_blocks`),
+        """`gguf_blocks`: the raw GGUF blocks of weights stored in `loader.BLOCK_TYPES` (`load_gguf_blocks`),
         which the weight matmuls read instead of fp32 where the CPU kernels can; `embedding`:
         the token embedding read by row from a GGUF file (`load_gguf_embedding`), in place of
         the checkpoint's (then only its shape)."""

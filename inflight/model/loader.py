@@ -146,7 +146,7 @@ def weight_footprint(source: ModelSource, dtype: torch.dtype, packed: bool, bloc
     weights widened to fp32 (and converted to `dtype`), a Hugging Face directory's stored tensors
     held until then, the matmul weights laid out again for the kernel (`packed`: a prepacked
     backend, `linear.Linear`), the tied LM head as its own matrix; with `blocks`, a GGUF file's
-    Q4_0 / Q4_1 / Q8_0 matrices instead as their blocks, read in place and repacked (`load_gguf_blocks`),
+    matrices of `BLOCK_TYPES` instead as their blocks, read in place and repacked (`load_gguf_blocks`),
     never widened. A GGUF file itself is mapped: page cache, not counted. The freed forms stay with the
     process after load (glibc keeps them for reuse, `engine.memory.keep_freed_memory`), so this
     is close to its resident size too."""
@@ -173,7 +173,7 @@ def weight_footprint(source: ModelSource, dtype: torch.dtype, packed: bool, bloc
     if packed:
         parts.append(("matmul weights laid out for the kernel", dtype.itemsize * matrices))
     if kept:  # read in place from the mapped file; repacked with fp32 scales (Q4_0/Q4_1 24 bytes a block, Q8_0 36)
-        stored = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+        stored = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 18, "Q8_0": 34}  # bytes a 32-weight block (Q4_K: 144 / 8)
         repacked = sum(b * (36 if kind == "Q8_0" else 24) // stored[kind] for b, kind in kept.values())
         parts.append(("GGUF blocks repacked for the matmuls", repacked))
     tables = 2 if config.local_rope_theta else 1  # cos and sin of every position, per rotary
@@ -570,7 +570,7 @@ def _hf_row_order(name: str, value: torch.Tensor, config: ModelConfig) -> torch.
 
 
 # GGUF block types whose raw blocks the weight matmuls read instead of fp32.
-BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
 
 
 def _blocks_kept(tensors: list[GGUFTensor], config: ModelConfig) -> frozenset[str]:
@@ -594,7 +594,7 @@ def _blocks_kept(tensors: list[GGUFTensor], config: ModelConfig) -> frozenset[st
 
 
 def load_gguf_blocks(source: ModelSource, config: ModelConfig) -> dict[str, tuple[str, torch.Tensor]]:
-    """The weights a GGUF file stores as Q4_0, Q4_1 or Q8_0, as (type, raw blocks): uint8
+    """The weights a GGUF file stores as a type of `BLOCK_TYPES`, as (type, raw blocks): uint8
     `[rows, K / 32 * block bytes]`, rows in the order of the dequantized weight under the same HF
     name (a tied LM head under both names). The matmuls read these instead of fp32 and compute
     the same values (`csrc`, `gguf_blocks_linear`, `gguf_blocks_gemm`)."""

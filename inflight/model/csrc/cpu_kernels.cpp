@@ -1170,21 +1170,54 @@ constexpr int64_t scale_bytes(BlockKind kind) { return (kind == BlockKind::kQ4_1
 constexpr int64_t packed_block_bytes(BlockKind kind) {
   return scale_bytes(kind) + kQBlock * kQCols / (kind == BlockKind::kQ4_1 ? 2 : 1);
 }
-// A GGUF block type as stored, and the layout it is packed into: Q4_0 (d, then 16 bytes of
-// nibbles q; w = d * (q - 8)) takes Q4_1's with m = -8 d, where d * q + m is d * (q - 8) exactly
-// (an 11-bit mantissa times a 4-bit integer), the value gguf's dequantization computes.
+// A GGUF block type as stored, and the layout it is packed into. Every type is read as blocks
+// of 32 weights w = d * q + m with q an integer, d * q exact in fp32 and one rounding for + m,
+// which is how gguf's dequantization computes them:
+// - Q4_0 (d, 16 bytes of nibbles; w = d * (q - 8)) takes Q4_1's layout with m = -8 d: d * q - 8 d
+//   is d * (q - 8) exactly (an 11-bit mantissa times a 4-bit integer);
+// - Q4_K (256 weights: d, dmin, 12 bytes of 6-bit scales sc and mins mn for its 8 sub-blocks of
+//   32, 128 bytes of nibbles; w = (d sc) q - (dmin mn)) takes Q4_1's layout with the sub-block's
+//   d sc and -(dmin mn), both exact in fp32 (11 + 6 bits), as is (d sc) q (+ 4 bits).
 struct FileBlocks {
   BlockKind layout;
-  int64_t bytes;         // of one block of 32 weights in the file
-  bool has_min;          // Q4_1's m after d
-  int64_t quants_at;     // the quants' offset in the block
+  int64_t bytes;      // of one block as stored (a super-block of 256 weights for Q4_K)
+  int64_t weights;    // in it
+  bool has_min;       // Q4_1's m after d
+  int64_t quants_at;  // the quants' offset in a Q4_0, Q4_1 or Q8_0 block
+  bool k_quant;
 };
 
 FileBlocks file_blocks(const std::string& name) {
-  if (name == "Q4_0") return {BlockKind::kQ4_1, 18, false, 2};
-  if (name == "Q4_1") return {BlockKind::kQ4_1, 20, true, 4};
-  TORCH_CHECK(name == "Q8_0", "unsupported block type ", name, " (Q4_0, Q4_1 or Q8_0)");
-  return {BlockKind::kQ8_0, 34, false, 2};
+  if (name == "Q4_0") return {BlockKind::kQ4_1, 18, 32, false, 2, false};
+  if (name == "Q4_1") return {BlockKind::kQ4_1, 20, 32, true, 4, false};
+  if (name == "Q4_K") return {BlockKind::kQ4_1, 144, 256, true, 0, true};
+  TORCH_CHECK(name == "Q8_0", "unsupported block type ", name, " (Q4_0, Q4_1, Q4_K or Q8_0)");
+  return {BlockKind::kQ8_0, 34, 32, false, 2, false};
+}
+
+float half_at(const uint8_t* p);
+
+// Block b (of 32 weights) of a stored row: its d, m (Q4_1's layout) and the 32 quants (Q4 layouts:
+// 0..15; Q8_0: the int8 bytes as stored).
+void read_block(const FileBlocks& file, const uint8_t* row, int64_t b, float& d, float& m, uint8_t* q) {
+  if (!file.k_quant) {
+    const uint8_t* in = row + b * file.bytes;
+    d = half_at(in);
+    m = file.has_min ? half_at(in + 2) : -8.0f * d;
+    const uint8_t* quants = in + file.quants_at;
+    for (int64_t e = 0; e < kQBlock; ++e)
+      q[e] = file.layout == BlockKind::kQ8_0 ? quants[e] : e < 16 ? quants[e] & 0x0F : quants[e - 16] >> 4;
+    return;
+  }
+  const uint8_t* in = row + (b / 8) * file.bytes;
+  const int64_t sub = b % 8;
+  const uint8_t* scales = in + 4;  // 0-3: sc low 6 bits (and high bits of 4-7); 4-7: mn; 8-11: low nibbles of 4-7
+  const int sc = sub < 4 ? scales[sub] & 0x3F : (scales[sub + 4] & 0x0F) | ((scales[sub - 4] >> 2) & 0x30);
+  const int mn = sub < 4 ? scales[sub + 4] & 0x3F : (scales[sub + 4] >> 4) | ((scales[sub] >> 2) & 0x30);
+  d = half_at(in) * static_cast<float>(sc);
+  m = -(half_at(in + 2) * static_cast<float>(mn));
+  const uint8_t* quants = in + 16 + (sub / 2) * 32;  // pairs of sub-blocks share 32 bytes: low, high nibbles
+  for (int64_t e = 0; e < kQBlock; ++e) q[e] = (quants[e] >> (4 * (sub % 2))) & 0x0F;
 }
 
 // One block's scales (d; Q4_1 also m) for the 16 columns of a panel.
@@ -1297,31 +1330,27 @@ torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor> parts, int64_t k, cons
   for (const auto& blocks : parts) {
     TORCH_CHECK(blocks.dtype() == torch::kUInt8 && blocks.dim() == 2 && blocks.is_contiguous(),
                 "uint8 [N, bytes] only");
-    TORCH_CHECK(k % kQBlock == 0 && blocks.size(1) == k / kQBlock * file.bytes,
+    TORCH_CHECK(k % file.weights == 0 && blocks.size(1) == k / file.weights * file.bytes,
                 "rows are not ", kind_name, " blocks of ", k, " weights");
     for (int64_t r = 0; r < blocks.size(0); ++r) row_at.push_back(blocks.data_ptr<uint8_t>() + r * blocks.size(1));
   }
   const int64_t n = static_cast<int64_t>(row_at.size()), nb = k / kQBlock, panels = (n + kQCols - 1) / kQCols;
-  const int64_t out_bytes = packed_block_bytes(kind), in_bytes = file.bytes;
+  const int64_t out_bytes = packed_block_bytes(kind);
   auto packed = torch::zeros({panels, nb, out_bytes}, parts[0].options());
   uint8_t* dst = packed.data_ptr<uint8_t>();
+  uint8_t values[kQBlock];
   for (int64_t row = 0; row < n; ++row) {
     const int64_t p = row / kQCols, j = row % kQCols;
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* in = row_at[row] + b * in_bytes;
       uint8_t* out = dst + (p * nb + b) * out_bytes;
       float* scales = reinterpret_cast<float*>(out);
-      scales[j] = half_at(in);
+      float no_min;  // Q8_0's layout has none
+      read_block(file, row_at[row], b, scales[j], q4 ? scales[kQCols + j] : no_min, values);
       uint8_t* q = out + scale_bytes(kind);
       if (q4) {
-        scales[kQCols + j] = file.has_min ? half_at(in + 2) : -8.0f * scales[j];
-        const uint8_t* nibbles = in + file.quants_at;
-        for (int64_t e = 0; e < kQBlock; ++e) {
-          const uint8_t v = e < 16 ? nibbles[e] & 0x0F : nibbles[e - 16] >> 4;
-          q[e * 8 + j % 8] |= j < 8 ? v : static_cast<uint8_t>(v << 4);
-        }
+        for (int64_t e = 0; e < kQBlock; ++e) q[e * 8 + j % 8] |= j < 8 ? values[e] : static_cast<uint8_t>(values[e] << 4);
       } else {
-        for (int64_t e = 0; e < kQBlock; ++e) q[e * kQCols + j] = in[file.quants_at + e];
+        for (int64_t e = 0; e < kQBlock; ++e) q[e * kQCols + j] = values[e];
       }
     }
   }
@@ -1707,7 +1736,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T (+ b): from the GGUF blocks up to blocks_max_rows rows where given, else the packed W");
   m.def("plan_ops", &plan_ops, "The layer-plan ops DecoderStack runs (inflight/model/layer_plan.py's Op)");
   m.def("gguf_blocks_available", &gguf_blocks_available, "Whether this build has the GGUF block matmul (AVX2)");
-  m.def("pack_gguf_blocks", &pack_gguf_blocks, "Pack GGUF Q4_0, Q4_1 or Q8_0 rows (one or more parts) for the block matmuls");
+  m.def("pack_gguf_blocks", &pack_gguf_blocks, "Pack GGUF Q4_0, Q4_1, Q4_K or Q8_0 rows (one or more parts) for the block matmuls");
   m.def("gguf_blocks_linear", &gguf_blocks_linear, "x @ W.T with W as packed GGUF blocks (CPU, fp32)");
   m.def("gguf_blocks_gemm", &gguf_blocks_gemm,
         "x @ W.T with W as packed GGUF blocks, dequantized a panel at a time (steps of many rows)");
