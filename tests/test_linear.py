@@ -78,7 +78,8 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int) -> tuple[torch.Ten
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    block_weights, block_bytes = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144)}[kind]
+    block_weights, block_bytes = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q8_0": (32, 34),
+                                  "Q4_K": (256, 144)}[kind]
     shape = (rows, cols // block_weights)
     blocks = rng.integers(0, 256, size=(*shape, block_bytes), dtype=np.uint8)  # quants and Q4_K's 6-bit scales
     low, high = (0.0001, 0.005) if kind == "Q4_K" else (0.001, 0.1)  # Q4_K's d and dmin are multiplied by <= 63
@@ -92,7 +93,7 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int) -> tuple[torch.Ten
     return torch.from_numpy(raw.copy()), torch.from_numpy(weight.reshape(rows, cols))
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K"])
 @pytest.mark.parametrize("out_features,in_features,with_bias", [(96, 96, False), (37, 256, True), (64, 512, False)])
 def test_gguf_block_matmul_equals_the_fp32_one_bit_for_bit(kind, out_features, in_features, with_bias):
     """A weight kept as GGUF blocks keeps no fp32 form; every step reads the blocks (in registers

@@ -17,8 +17,8 @@ a decode step reads them): 64 rows take 38 ms with `inflight`, 45 ms with `onedn
 order). Other devices and dtypes always take `F.linear`.
 
 A decode step of a few requests is memory-bound: it streams every weight from DRAM once.
-Where the checkpoint is a GGUF file whose weights are stored as Q4_0, Q4_1, Q4_K or Q8_0 blocks,
-`inflight` keeps only those blocks (`Linear`): 0.75 (the 4-bit types alike, as packed) or 1.125
+Where the checkpoint is a GGUF file whose weights are stored as Q4_0, Q4_1, Q4_K, Q5_0 or Q8_0
+blocks, `inflight` keeps only those blocks (`Linear`): 0.75 (the 4-bit types, as packed) or 1.125
 bytes a weight instead of 4. Steps of a few
 rows dequantize them in registers; larger ones one panel at a time into cache, for the fp32
 microkernel. Both give exactly the fp32 values the loader would have made of them, and the same
@@ -60,7 +60,7 @@ def linear_backend(device: torch.device, dtype: torch.dtype) -> str:
 
 def blocks_usable() -> bool:
     """Whether fp32 matmuls on CPU read GGUF blocks (the `inflight` backend, built with AVX2):
-    then the loader leaves the weights stored as Q4_0, Q4_1, Q4_K or Q8_0 in their blocks."""
+    then the loader leaves the weights stored in `loader.BLOCK_TYPES` in their blocks."""
     kernels = cpu_kernels()
     return (linear_backend(torch.device("cpu"), torch.float32) == "inflight" and kernels is not None
             and kernels.gguf_blocks_available())

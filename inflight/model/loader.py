@@ -173,8 +173,8 @@ def weight_footprint(source: ModelSource, dtype: torch.dtype, packed: bool, bloc
     if packed:
         parts.append(("matmul weights laid out for the kernel", dtype.itemsize * matrices))
     if kept:  # read in place from the mapped file; repacked with fp32 scales (Q4_0/Q4_1 24 bytes a block, Q8_0 36)
-        stored = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 18, "Q8_0": 34}  # bytes a 32-weight block (Q4_K: 144 / 8)
-        repacked = sum(b * (36 if kind == "Q8_0" else 24) // stored[kind] for b, kind in kept.values())
+        stored = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 18, "Q5_0": 22, "Q8_0": 34}  # bytes a 32-weight block
+        repacked = sum(b * (36 if kind in ("Q5_0", "Q8_0") else 24) // stored[kind] for b, kind in kept.values())
         parts.append(("GGUF blocks repacked for the matmuls", repacked))
     tables = 2 if config.local_rope_theta else 1  # cos and sin of every position, per rotary
     parts.append(("rotary tables", tables * 2 * config.max_position_embeddings * config.head_dim * 4))
@@ -570,7 +570,7 @@ def _hf_row_order(name: str, value: torch.Tensor, config: ModelConfig) -> torch.
 
 
 # GGUF block types whose raw blocks the weight matmuls read instead of fp32.
-BLOCK_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0")
 
 
 def _blocks_kept(tensors: list[GGUFTensor], config: ModelConfig) -> frozenset[str]:

@@ -1178,21 +1178,25 @@ constexpr int64_t packed_block_bytes(BlockKind kind) {
 // - Q4_K (256 weights: d, dmin, 12 bytes of 6-bit scales sc and mins mn for its 8 sub-blocks of
 //   32, 128 bytes of nibbles; w = (d sc) q - (dmin mn)) takes Q4_1's layout with the sub-block's
 //   d sc and -(dmin mn), both exact in fp32 (11 + 6 bits), as is (d sc) q (+ 4 bits).
+// - Q5_0 (d, 4 bytes of fifth bits, 16 bytes of nibbles; w = d * (q - 16)) takes Q8_0's layout
+//   with the int8 q - 16.
 struct FileBlocks {
   BlockKind layout;
-  int64_t bytes;      // of one block as stored (a super-block of 256 weights for Q4_K)
-  int64_t weights;    // in it
-  bool has_min;       // Q4_1's m after d
-  int64_t quants_at;  // the quants' offset in a Q4_0, Q4_1 or Q8_0 block
+  int64_t bytes;         // of one block as stored (a super-block of 256 weights for Q4_K)
+  int64_t weights;       // in it
+  bool has_min;          // Q4_1's m after d
+  int64_t quants_at;     // the quants' offset in a Q4_0, Q4_1, Q5_0 or Q8_0 block
   bool k_quant;
+  int64_t fifth_bits_at; // Q5_0's: the offset of its 32 fifth bits; -1 elsewhere
 };
 
 FileBlocks file_blocks(const std::string& name) {
-  if (name == "Q4_0") return {BlockKind::kQ4_1, 18, 32, false, 2, false};
-  if (name == "Q4_1") return {BlockKind::kQ4_1, 20, 32, true, 4, false};
-  if (name == "Q4_K") return {BlockKind::kQ4_1, 144, 256, true, 0, true};
-  TORCH_CHECK(name == "Q8_0", "unsupported block type ", name, " (Q4_0, Q4_1, Q4_K or Q8_0)");
-  return {BlockKind::kQ8_0, 34, 32, false, 2, false};
+  if (name == "Q4_0") return {BlockKind::kQ4_1, 18, 32, false, 2, false, -1};
+  if (name == "Q4_1") return {BlockKind::kQ4_1, 20, 32, true, 4, false, -1};
+  if (name == "Q4_K") return {BlockKind::kQ4_1, 144, 256, true, 0, true, -1};
+  if (name == "Q5_0") return {BlockKind::kQ8_0, 22, 32, false, 6, false, 2};
+  TORCH_CHECK(name == "Q8_0", "unsupported block type ", name, " (Q4_0, Q4_1, Q4_K, Q5_0 or Q8_0)");
+  return {BlockKind::kQ8_0, 34, 32, false, 2, false, -1};
 }
 
 float half_at(const uint8_t* p);
@@ -1205,6 +1209,15 @@ void read_block(const FileBlocks& file, const uint8_t* row, int64_t b, float& d,
     d = half_at(in);
     m = file.has_min ? half_at(in + 2) : -8.0f * d;
     const uint8_t* quants = in + file.quants_at;
+    if (file.fifth_bits_at >= 0) {  // Q5_0
+      uint32_t fifth;
+      std::memcpy(&fifth, in + file.fifth_bits_at, 4);
+      for (int64_t e = 0; e < kQBlock; ++e) {
+        const int v = ((e < 16 ? quants[e] & 0x0F : quants[e - 16] >> 4) | (((fifth >> e) & 1) << 4)) - 16;
+        q[e] = static_cast<uint8_t>(static_cast<int8_t>(v));
+      }
+      return;
+    }
     for (int64_t e = 0; e < kQBlock; ++e)
       q[e] = file.layout == BlockKind::kQ8_0 ? quants[e] : e < 16 ? quants[e] & 0x0F : quants[e - 16] >> 4;
     return;
@@ -1736,7 +1749,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T (+ b): from the GGUF blocks up to blocks_max_rows rows where given, else the packed W");
   m.def("plan_ops", &plan_ops, "The layer-plan ops DecoderStack runs (inflight/model/layer_plan.py's Op)");
   m.def("gguf_blocks_available", &gguf_blocks_available, "Whether this build has the GGUF block matmul (AVX2)");
-  m.def("pack_gguf_blocks", &pack_gguf_blocks, "Pack GGUF Q4_0, Q4_1, Q4_K or Q8_0 rows (one or more parts) for the block matmuls");
+  m.def("pack_gguf_blocks", &pack_gguf_blocks, "Pack GGUF Q4_0, Q4_1, Q4_K, Q5_0 or Q8_0 rows (one or more parts) for the block matmuls");
   m.def("gguf_blocks_linear", &gguf_blocks_linear, "x @ W.T with W as packed GGUF blocks (CPU, fp32)");
   m.def("gguf_blocks_gemm", &gguf_blocks_gemm,
         "x @ W.T with W as packed GGUF blocks, dequantized a panel at a time (steps of many rows)");
