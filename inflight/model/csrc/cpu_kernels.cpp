@@ -1370,21 +1370,31 @@ torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor> parts, int64_t k, cons
   return packed;
 }
 
-// x [M, K] through a weight packed by pack_gguf_blocks (out_features N) -> [M, N] (fp32).
-torch::Tensor gguf_blocks_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+namespace {
+
+// Checks x and a weight packed by pack_gguf_blocks against each other; whether it is in Q4_1's
+// layout (else Q8_0's).
+bool packed_is_q4(const torch::Tensor& x, const torch::Tensor& packed) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "float32 [M, K] contiguous only");
   const int64_t block_bytes = packed.dim() == 3 ? packed.size(2) : 0;
   TORCH_CHECK((block_bytes == packed_block_bytes(BlockKind::kQ4_1) ||
                block_bytes == packed_block_bytes(BlockKind::kQ8_0)) && packed.size(1) * kQBlock == x.size(1),
               "weight was not packed by pack_gguf_blocks or does not match x");
-  const bool q4 = block_bytes == packed_block_bytes(BlockKind::kQ4_1);
+  return block_bytes == packed_block_bytes(BlockKind::kQ4_1);
+}
+
+}  // namespace
+
+// x [M, K] through a weight packed by pack_gguf_blocks (out_features N) -> [M, N] (fp32).
+torch::Tensor gguf_blocks_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+  const bool q4 = packed_is_q4(x, packed);
   const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0), n_pad = panels * kQCols;
   TORCH_CHECK(out_features <= n_pad && out_features > n_pad - kQCols, "out_features does not match the packing");
   auto y = torch::empty({M, n_pad}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t panel_bytes = packed.size(1) * block_bytes;
+  const int64_t panel_bytes = packed.size(1) * packed.size(2);
   for_panels(panels, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
       for (int64_t m = 0; m < M; m += kQMaxRows) {
@@ -1405,14 +1415,9 @@ torch::Tensor gguf_blocks_linear(torch::Tensor x, torch::Tensor packed, int64_t 
 // output the same in-order sum as packed_linear's: bit for bit its result on the dequantized
 // weight, from a fifth (Q4_1) or a third (Q8_0) of its memory.
 torch::Tensor gguf_blocks_gemm(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "float32 [M, K] contiguous only");
-  const int64_t block_bytes = packed.dim() == 3 ? packed.size(2) : 0;
-  TORCH_CHECK((block_bytes == packed_block_bytes(BlockKind::kQ4_1) ||
-               block_bytes == packed_block_bytes(BlockKind::kQ8_0)) && packed.size(1) * kQBlock == x.size(1),
-              "weight was not packed by pack_gguf_blocks or does not match x");
   static_assert(kNR % kQCols == 0, "an fp32 panel holds whole block panels");
   constexpr int64_t kSub = kNR / kQCols;  // block panels per fp32 panel
-  const bool q4 = block_bytes == packed_block_bytes(BlockKind::kQ4_1);
+  const bool q4 = packed_is_q4(x, packed);
   const int64_t M = x.size(0), K = x.size(1), qpanels = packed.size(0);
   const int64_t panels = (qpanels + kSub - 1) / kSub, n_pad = panels * kNR;
   TORCH_CHECK(out_features <= qpanels * kQCols && out_features > qpanels * kQCols - kQCols,
@@ -1421,7 +1426,7 @@ torch::Tensor gguf_blocks_gemm(torch::Tensor x, torch::Tensor packed, int64_t ou
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t panel_bytes = packed.size(1) * block_bytes;
+  const int64_t panel_bytes = packed.size(1) * packed.size(2);
   constexpr int64_t kRowBlock = 128;  // rows whose activations stay in L2 while the panels pass, as packed_linear
   for_panels(panels, [&](int64_t begin, int64_t end) {
     // torch's CPU allocator aligns to 64 bytes, as the microkernel's panel loads need
