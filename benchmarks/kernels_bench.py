@@ -12,13 +12,17 @@
 - the memory read rate: a sum over 540 MB of fp32 (the model's weights once), the bound of a
   single-stream decode step.
 
+With `--types`, instead: each GGUF type the matmuls read as stored (`loader.BLOCK_TYPES`), its packed
+bytes a weight and the time of two Llama-3.2-1B-shaped layers' matmuls (hidden 2048, FFN 8192,
+8 KV heads of 64) at 1 to 256 rows beside fp32 panels of the same shapes, alternated.
+
 With `--against REV`, instead: the kernels of this checkout beside those of git revision REV
 (built from its `cpu_kernels.cpp` under another name), alternated in one process, several rounds:
 the model's body matmuls chained at 8, 16, 32, 64 and 512 rows, decode attention of 64 requests of
 100-400 tokens, and prefill attention of one step's 8 prompts of 17-300 tokens. On a host whose
 speed drifts, that is how a change to a kernel is measured.
 
-    .venv/bin/python benchmarks/kernels_bench.py [--against REV]
+    .venv/bin/python benchmarks/kernels_bench.py [--types | --against REV]
 """
 
 from __future__ import annotations
@@ -161,6 +165,62 @@ def gguf_block_matmuls() -> None:
         blocks_s, fp32_s = min(times["blocks"]), min(times["fp32"])
         print(f"every weight matmul once, {rows:3d} rows: from GGUF blocks {1000 * blocks_s:6.1f} ms, "
               f"fp32 panels {1000 * fp32_s:6.1f} ms ({fp32_s / blocks_s:.2f}x)")
+
+
+# Where each type keeps its fp16 scales in a block (bytes), and a magnitude that keeps the weights
+# near 0.1 once a K-quant's sub-block scales multiply in.
+_SCALES_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],
+              "Q5_K": [0, 2], "Q6_K": [208], "Q3_K": [108], "Q2_K": [80, 82]}
+
+
+def _stored_rows(kind: str, rows: int, cols: int, rng: object) -> torch.Tensor:
+    """Random GGUF rows of `kind` (any of `loader.BLOCK_TYPES`) with sane fp16 scales."""
+    import gguf
+    import numpy as np
+
+    if kind in ("F16", "BF16"):
+        return (torch.randn(rows, cols) * 0.02).to(torch.float16 if kind == "F16" else torch.bfloat16).view(torch.uint8)
+    weights, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    blocks = rng.integers(0, 256, size=(rows, cols // weights, block_bytes), dtype=np.uint8)  # type: ignore[attr-defined]
+    scale = np.frombuffer(np.float16(0.002 if kind.endswith("_K") else 0.01).tobytes(), np.uint8)
+    for at in _SCALES_AT[kind]:
+        blocks[..., at:at + 2] = scale
+    return torch.from_numpy(blocks.reshape(rows, -1))
+
+
+def block_types() -> None:
+    """Each stored type's packed size, and its matmuls' time against fp32 panels (`--types`)."""
+    import numpy as np
+
+    from inflight.model.loader import BLOCK_TYPES
+
+    hidden, ffn, kv = 2048, 8192, 512
+    shapes = [(hidden, hidden + 2 * kv), (hidden, hidden), (hidden, 2 * ffn), (ffn, hidden)]  # (K, N)
+    rng = np.random.default_rng(0)
+    fp32 = [Linear(torch.randn(n, k) * 0.02, None, "inflight") for _ in range(2) for k, n in shapes]
+    numel = sum(linear.in_features * linear.out_features for linear in fp32)
+    print(f"two Llama-3.2-1B-shaped layers' matmuls ({numel / 1e6:.0f}M weights), ms at each row count:")
+    row_counts = (1, 4, 16, 64, 256)
+    print("type   bytes/weight " + " ".join(f"{r:>16d}" for r in row_counts))
+
+    def run(linears: list[Linear], x: dict[int, torch.Tensor]) -> None:
+        for linear in linears:
+            linear(x[linear.in_features])
+
+    for kind in BLOCK_TYPES:
+        stored = [Linear(torch.empty(n, k, device="meta"), None, "inflight",
+                         gguf_blocks=(kind, _stored_rows(kind, n, k, rng))) for _ in range(2) for k, n in shapes]
+        packed = sum(linear.blocks.numel() for linear in stored if linear.blocks is not None)
+        cells = []
+        for rows in row_counts:
+            x = {hidden: torch.randn(rows, hidden), ffn: torch.randn(rows, ffn)}
+            times = _alternated({"stored": functools.partial(run, stored, x), "fp32": functools.partial(run, fp32, x)},
+                                rounds=2)
+            ours, theirs = min(times["stored"]), min(times["fp32"])
+            cells.append(f"{1000 * ours:6.1f} ({theirs / ours:4.2f}x)")
+        print(f"{kind:6s} {packed / numel:12.3f} " + " ".join(f"{c:>16s}" for c in cells))
+        del stored
+    print("(x: fp32 panels' time / this type's, in the same rounds)")
 
 
 def _layers_beyond_cache(batch: int, context: int) -> int:
@@ -331,6 +391,7 @@ def compare(rev: str, rounds: int = 4) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--against", metavar="REV", help="compare with the kernels of this git revision")
+    parser.add_argument("--types", action="store_true", help="each stored GGUF type against fp32 panels")
     args = parser.parse_args()
     kernels = cpu_kernels()
     if kernels is None:
@@ -340,6 +401,10 @@ def main() -> int:
     if args.against:
         with torch.inference_mode():
             compare(args.against)
+        return 0
+    if args.types:
+        with torch.inference_mode():
+            block_types()
         return 0
     with torch.inference_mode():
         matmuls()

@@ -14,8 +14,19 @@ and committed under `tests/fixtures/converted/`:
     tar xzf /tmp/lcp/*.tar.gz -C /tmp/lcp
     /tmp/conv/bin/python tests/converter_fixtures.py /tmp/lcp/llama_cpp_python-0.3.36/vendor/llama.cpp [ARCH...]
 
+`--quantized` in place of the architectures makes instead, under `tests/fixtures/quantized/`, the
+files llama.cpp's own quantizer writes, in the K-quants gguf-py cannot produce: a Llama-shaped
+checkpoint ("llama256") whose matrices have rows of 256 weights, the K-quants' block, converted to
+f32 (not kept) and quantized by `llama-quantize` to each of `QUANT_TYPES`. That tool is built from
+the same sources first (low priority: the build takes a while):
+
+    cd /tmp/lcp/llama_cpp_python-0.3.36/vendor/llama.cpp && nice -n 19 cmake -B build -DLLAMA_CURL=OFF \\
+        -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
+    nice -n 19 cmake --build build --target llama-quantize -j2 && cd -
+    /tmp/conv/bin/python tests/converter_fixtures.py /tmp/lcp/llama_cpp_python-0.3.36/vendor/llama.cpp --quantized
+
 OLMo 2's and Qwen3-MoE's converters ask for a byte-level BPE tokenizer they recognize by hash;
-here they take the SentencePiece vocabulary instead (`main` patches that one method), which
+here they take the SentencePiece vocabulary instead (`_convert` patches that one method), which
 changes no weight or setting.
 """
 
@@ -28,7 +39,12 @@ from typing import Any
 import torch
 
 FIXTURES = Path(__file__).parent / "fixtures" / "converted"
+QUANTIZED = Path(__file__).parent / "fixtures" / "quantized"
 VOCAB = 320
+
+# the types `llama-quantize` makes of the llama256 checkpoint, by its own names: each keeps output.weight
+# in Q6_K, and the _M mixes and Q2_K widen some more tensors
+QUANT_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K")
 
 # architecture -> (transformers class prefix, the config's settings beyond the shared ones)
 ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -62,6 +78,12 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
                                "norm_topk_prob": True}),
 }
 
+# the quantized fixtures' checkpoint: every row 256 weights long (head_dim 64), as the K-quants' blocks need
+QUANTIZED_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama256": ("Llama", {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+                           "num_key_value_heads": 2}),
+}
+
 
 def tiny_model(arch: str) -> Any:
     """The checkpoint the fixture of `arch` was converted from, rebuilt: every parameter drawn
@@ -69,7 +91,7 @@ def tiny_model(arch: str) -> Any:
     initializing does not enter (norm scales about 1, biases and weights about 0)."""
     import transformers
 
-    prefix, extra = ARCHITECTURES[arch]
+    prefix, extra = (ARCHITECTURES | QUANTIZED_ARCHITECTURES)[arch]
     settings = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                     num_key_value_heads=1, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
                     bos_token_id=1, eos_token_id=2)
@@ -94,27 +116,44 @@ def _train_vocab(path: Path) -> None:
                                    character_coverage=1.0, byte_fallback=False)
 
 
+def _convert(llama_cpp: Path, arch: str, vocab: Path, work: Path, out: Path) -> None:
+    """Save `tiny_model(arch)` with the vocabulary in `vocab` under `work`, and convert it to the f32
+    GGUF `out` with llama.cpp's converter."""
+    import subprocess
+
+    hf = work / arch
+    tiny_model(arch).save_pretrained(hf, safe_serialization=True)
+    (hf / "tokenizer.model").write_bytes((vocab / "tokenizer.model").read_bytes())
+    runner = ("import runpy, sys; sys.argv = sys.argv[1:]; sys.path.insert(0, sys.argv[0].rsplit('/', 1)[0]);"
+              "from conversion.base import TextModel; "
+              "TextModel._set_vocab_gpt2 = lambda self: self._set_vocab_sentencepiece(); "
+              "runpy.run_path(sys.argv[0], run_name='__main__')")
+    subprocess.run([sys.executable, "-c", runner, str(llama_cpp / "convert_hf_to_gguf.py"), str(hf),
+                    "--outfile", str(out), "--outtype", "f32"], check=True)
+    print(f"{arch}: {out} ({out.stat().st_size} bytes)")
+
+
 def main(llama_cpp: Path, only: list[str]) -> int:
     import subprocess
     import tempfile
 
-    FIXTURES.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         vocab = Path(tmp) / "vocab"
         vocab.mkdir()
         _train_vocab(vocab)
+        if only == ["--quantized"]:
+            QUANTIZED.mkdir(parents=True, exist_ok=True)
+            f32 = Path(tmp) / "llama256-F32.gguf"
+            _convert(llama_cpp, "llama256", vocab, Path(tmp), f32)
+            for kind in QUANT_TYPES:
+                out = QUANTIZED / f"llama256-{kind}.gguf"
+                subprocess.run([str(llama_cpp / "build" / "bin" / "llama-quantize"), str(f32), str(out), kind],
+                               check=True)
+                print(f"llama256 {kind}: {out} ({out.stat().st_size} bytes)")
+            return 0
+        FIXTURES.mkdir(parents=True, exist_ok=True)
         for arch in only or ARCHITECTURES:
-            hf = Path(tmp) / arch
-            tiny_model(arch).save_pretrained(hf, safe_serialization=True)
-            (hf / "tokenizer.model").write_bytes((vocab / "tokenizer.model").read_bytes())
-            out = FIXTURES / f"{arch}.gguf"
-            runner = ("import runpy, sys; sys.argv = sys.argv[1:]; sys.path.insert(0, sys.argv[0].rsplit('/', 1)[0]);"
-                      "from conversion.base import TextModel; "
-                      "TextModel._set_vocab_gpt2 = lambda self: self._set_vocab_sentencepiece(); "
-                      "runpy.run_path(sys.argv[0], run_name='__main__')")
-            subprocess.run([sys.executable, "-c", runner, str(llama_cpp / "convert_hf_to_gguf.py"), str(hf),
-                            "--outfile", str(out), "--outtype", "f32"], check=True)
-            print(f"{arch}: {out} ({out.stat().st_size} bytes)")
+            _convert(llama_cpp, arch, vocab, Path(tmp), FIXTURES / f"{arch}.gguf")
     return 0
 
 

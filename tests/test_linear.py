@@ -71,29 +71,44 @@ def test_inflight_kernel_results_do_not_depend_on_the_threads(out_features):
     torch.testing.assert_close(alone, F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
 
 
+# Where each type keeps its fp16 scales in a block (bytes), and the magnitude that keeps the
+# weights near 0.1 once a K-quant's sub-block scales (up to 63, 127, 32 or 15) multiply in.
+SCALE_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],
+            "Q5_K": [0, 2], "Q6_K": [208], "Q3_K": [108], "Q2_K": [80, 82]}
+BLOCK_KINDS = [*SCALE_AT, "F16", "BF16"]
+
+
 def random_blocks(kind: str, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random GGUF rows of `kind` (uint8 [rows, cols / 32 * block bytes]) and their dequantized
-    weight, as gguf computes it."""
+    """Random GGUF rows of `kind` (uint8 [rows, cols / block weights * block bytes]) and their
+    dequantized weight, as gguf computes it."""
     import gguf
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    block_weights, block_bytes = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q8_0": (32, 34),
-                                  "Q4_K": (256, 144)}[kind]
+    if kind in ("F16", "BF16"):
+        values = rng.standard_normal((rows, cols)).astype(np.float32) * 0.1
+        if kind == "F16":
+            raw = values.astype(np.float16).view(np.uint8)
+        else:  # bf16: the top half of each fp32
+            raw = (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+        weight = raw.view(np.float16).astype(np.float32) if kind == "F16" else \
+            (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        return torch.from_numpy(raw.copy()), torch.from_numpy(weight.copy())
+    qtype = gguf.GGMLQuantizationType[kind]
+    block_weights, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     shape = (rows, cols // block_weights)
-    blocks = rng.integers(0, 256, size=(*shape, block_bytes), dtype=np.uint8)  # quants and Q4_K's 6-bit scales
-    low, high = (0.0001, 0.005) if kind == "Q4_K" else (0.001, 0.1)  # Q4_K's d and dmin are multiplied by <= 63
-    blocks[..., 0:2] = rng.uniform(low, high, size=shape).astype(np.float16)[..., None].view(np.uint8)
-    if kind == "Q4_1":  # the minimum
-        blocks[..., 2:4] = rng.uniform(-0.5, 0.1, size=shape).astype(np.float16)[..., None].view(np.uint8)
-    if kind == "Q4_K":  # dmin
-        blocks[..., 2:4] = rng.uniform(low, high, size=shape).astype(np.float16)[..., None].view(np.uint8)
+    blocks = rng.integers(0, 256, size=(*shape, block_bytes), dtype=np.uint8)  # quants and sub-block scales
+    low, high = (0.0001, 0.005) if kind.endswith("_K") else (0.001, 0.1)
+    for at in SCALE_AT[kind]:  # d, and the minimum or dmin
+        sign = -1 if at == 2 and kind in ("Q4_1", "Q5_1") else 1  # a minimum below zero
+        scale = (sign * rng.uniform(low, high, size=shape)).astype(np.float16)
+        blocks[..., at:at + 2] = scale[..., None].view(np.uint8)
     raw = blocks.reshape(rows, -1)
-    weight = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).astype(np.float32)
+    weight = gguf.quants.dequantize(raw, qtype).astype(np.float32)
     return torch.from_numpy(raw.copy()), torch.from_numpy(weight.reshape(rows, cols))
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("kind", BLOCK_KINDS)
 @pytest.mark.parametrize("out_features,in_features,with_bias", [(96, 96, False), (37, 256, True), (64, 512, False)])
 def test_gguf_block_matmul_equals_the_fp32_one_bit_for_bit(kind, out_features, in_features, with_bias):
     """A weight kept as GGUF blocks keeps no fp32 form; every step reads the blocks (in registers
@@ -103,7 +118,7 @@ def test_gguf_block_matmul_equals_the_fp32_one_bit_for_bit(kind, out_features, i
     kernels = cpu_kernels()
     if not available("inflight"):
         pytest.skip("inflight kernel not available here")
-    if kind == "Q4_K" and in_features % 256:
+    if kind.endswith("_K") and in_features % 256:
         pytest.skip("K-quant rows are made of 256-weight super-blocks")
     blocks, weight = random_blocks(kind, out_features, in_features, seed=out_features)
     bias = torch.randn(out_features) if with_bias else None
@@ -112,7 +127,7 @@ def test_gguf_block_matmul_equals_the_fp32_one_bit_for_bit(kind, out_features, i
         assert not blocks_usable()
         assert Linear(weight, bias, "inflight", gguf_blocks=(kind, blocks)).blocks is None
         with pytest.raises(RuntimeError, match="needs AVX2"):
-            kernels.pack_gguf_blocks([blocks], in_features, kind)
+            kernels.pack_gguf_blocks([blocks], [kind], in_features)
         with pytest.raises(ModelLoadError, match="cannot read them"):
             Linear(weight.to("meta"), bias, "inflight", gguf_blocks=(kind, blocks))
         return
@@ -120,7 +135,7 @@ def test_gguf_block_matmul_equals_the_fp32_one_bit_for_bit(kind, out_features, i
     shape_only = Linear(weight.to("meta"), bias, "inflight", gguf_blocks=(kind, blocks))
     assert both.blocks is not None and both.weight.numel() == 0  # no fp32 panels kept
     # A fused matrix packed from its parts where they lie: the packing of their rows joined.
-    assert torch.equal(kernels.pack_gguf_blocks([blocks[:10], blocks[10:]], in_features, kind), both.blocks)
+    assert torch.equal(kernels.pack_gguf_blocks([blocks[:10], blocks[10:]], [kind] * 2, in_features), both.blocks)
     x = torch.randn(300, in_features)
     with torch.inference_mode():
         for rows in (1, 2, 4, 5, 6, 7, 16, 64, 300):
@@ -136,6 +151,30 @@ def test_gguf_block_matmul_equals_the_fp32_one_bit_for_bit(kind, out_features, i
         torch.testing.assert_close(both(x[:64]), F.linear(x[:64], weight, bias), atol=1e-4, rtol=1e-5)
     with pytest.raises(ModelLoadError, match="cannot read them"):  # a path without the block kernels
         Linear(weight.to("meta"), bias, "torch", gguf_blocks=(kind, blocks))
+
+
+def test_a_fused_matrix_of_mixed_block_types_reads_each_part_in_its_own_layout():
+    """A Q4_K_M file's fused q/k/v (Q4_K q and k beside a Q6_K v), or any mix whose parts meet at
+    whole panels of 16 rows, is packed one run of columns per layout, and computes the fp32
+    result of the parts' dequantized rows joined, bit for bit; parts of different layouts that
+    do not meet at a panel's edge are refused, as is a weight the packing did not make."""
+    kernels = cpu_kernels()
+    if not available("inflight") or not kernels.gguf_blocks_available():
+        pytest.skip("the GGUF block kernels are not built here")
+    kinds = ["Q4_0", "Q4_1", "Q4_K", "Q6_K", "BF16", "Q5_K"]  # Q4_0 and Q4_1 share a layout: one run of 32 rows
+    rows_of = [24, 8, 16, 16, 16, 21]
+    made = [random_blocks(kind, rows, 256, seed=i) for i, (kind, rows) in enumerate(zip(kinds, rows_of, strict=True))]
+    weight = torch.cat([w for _, w in made])
+    fused = Linear(weight.to("meta"), None, "inflight", gguf_blocks=(kinds, [b for b, _ in made]))
+    fp32 = Linear(weight, None, "inflight")
+    x = torch.randn(300, 256)
+    with torch.inference_mode():
+        for rows in (1, 4, 5, 6, 16, 64, 300):
+            assert torch.equal(fused(x[:rows]), fp32(x[:rows])), rows
+    with pytest.raises(RuntimeError, match="multiple of 16 rows"):  # 21 rows, then another layout
+        kernels.pack_gguf_blocks([made[5][0], made[3][0]], ["Q5_K", "Q6_K"], 256)
+    with pytest.raises(RuntimeError, match="not packed by pack_gguf_blocks"):
+        kernels.gguf_blocks_linear(x[:1], torch.zeros(640, dtype=torch.uint8), 16)
 
 
 def test_backend_choice(monkeypatch):

@@ -624,6 +624,67 @@ def test_gguf_tensor_types_match_transformers(tmp_path, types):
     torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(reference, ids), atol=1e-4, rtol=1e-4)
 
 
+# llama.cpp's own quantizer's files (tests/fixtures/quantized)
+QUANTIZED_FIXTURES = ["llama256-Q4_K_M", "llama256-Q5_K_M", "llama256-Q6_K", "llama256-Q3_K_M", "llama256-Q2_K"]
+
+
+@pytest.mark.parametrize("name", QUANTIZED_FIXTURES)
+def test_llama_cpp_k_quant_files_match_transformers(name):
+    """llama.cpp's own quantizer's files (K-quant mixes), loaded as the engine loads them, their
+    matrices kept in their blocks: the logits transformers computes from the same file."""
+    from converter_fixtures import QUANTIZED
+    from transformers import AutoModelForCausalLM
+
+    from inflight.model.loaded import LoadedModel
+
+    path = QUANTIZED / f"{name}.gguf"
+    ours = LoadedModel.load(str(path), torch.float32, torch.device("cpu")).model
+    ours.use_context(ours.config.max_position_embeddings)
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    ids = list(range(3, 60))
+    # logits of up to 14 (std 3.4) from 256-wide rows: fp32 summation order reaches 1e-4
+    torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(reference, ids), atol=3e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch,dtype", [("llama256", torch.bfloat16), ("llama256", torch.float16),
+                                        ("gemma2", torch.bfloat16)])
+def test_a_16_bit_checkpoint_stays_16_bit_and_computes_its_fp32_logits_bit_for_bit(tmp_path, arch, dtype):
+    """A checkpoint stored in bf16 or fp16 (as models are published), loaded as the engine loads it
+    on CPU in fp32: its matmuls' weights stay in 16 bits (2 bytes a weight, no fp32 form; a tied
+    head reads the embedding's), widened in registers, and the embedding stays as stored, its
+    rows widened as read. Widening is exact, so the logits equal bit for bit those of the same
+    values held in fp32, and transformers' on that checkpoint within fp32 summation noise."""
+    from converter_fixtures import tiny_model
+    from transformers import AutoModelForCausalLM
+
+    from inflight.model.linear import blocks_usable
+    from inflight.model.loader import WidenedRows, load_blocks, load_embedding
+
+    if not blocks_usable():
+        pytest.skip("these kernels read no stored blocks (built without AVX2)")
+    tiny_model(arch).to(dtype).save_pretrained(tmp_path, safe_serialization=True)
+    source = resolve_model(str(tmp_path))
+    config, weights = load_checkpoint(source, torch.float32)
+    _, shapes = load_checkpoint(source, torch.float32, keep_blocks=True)
+    blocks = load_blocks(source, config)
+    embedding = load_embedding(source, config)
+    kind = {torch.bfloat16: "BF16", torch.float16: "F16"}[dtype]
+    assert {k for k, _ in blocks.values()} == {kind} and isinstance(embedding, WidenedRows)
+    assert all(shapes[name].is_meta for name in blocks) and shapes["model.embed_tokens.weight"].is_meta
+    dense = LlamaModel(config, weights, torch.device("cpu"))
+    kept = LlamaModel(config, shapes, torch.device("cpu"), gguf_blocks=blocks, embedding=embedding)
+    linears = [m for layer in kept.layers for f in ("qkv", "o", "gate_up", "down") if (m := getattr(layer, f))]
+    linears.append(kept.lm_head)
+    assert all(linear.blocks is not None and linear.weight.numel() == 0 for linear in linears)
+    for model in (dense, kept):
+        model.use_context(config.max_position_embeddings)
+    for ids in (list(range(3, 6)), list(range(3, 43))):  # in registers, and a panel at a time
+        assert torch.equal(inflight_logits(kept, ids), inflight_logits(dense, ids))
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = list(range(3, 60))
+    torch.testing.assert_close(inflight_logits(kept, ids), hf_logits(reference, ids), atol=3e-4, rtol=1e-4)
+
+
 def requantized(source: Path, path: Path, kind: str) -> Path:
     """`source` (a GGUF file of f32 tensors) written again with every matrix whose rows divide
     into 32-weight blocks quantized by gguf-py to `kind`."""
@@ -651,17 +712,19 @@ def requantized(source: Path, path: Path, kind: str) -> Path:
 
 
 @pytest.mark.parametrize("name", ["mix-a", "mix-b", "mix-c", "phi3_longrope-Q8_0", "qwen3-Q4_1", "gemma2-Q8_0",
-                                  "mixtral-Q4_1", "olmo2-Q4_0"])
+                                  "mixtral-Q4_1", "olmo2-Q4_0", "qwen2-Q5_1", *QUANTIZED_FIXTURES])
 def test_matrices_kept_in_gguf_blocks_compute_the_fp32_logits_bit_for_bit(tmp_path, name):
-    """Loaded as the engine loads it on CPU, a GGUF file's Q4_0 / Q4_1 / Q4_K / Q8_0 matrices stay in their
-    blocks (no fp32 form made or kept: the loader gives only their shapes), fused q/k/v or
-    gate/up only where every part has one such type, and the token embedding is read by row from
-    the file; the logits of a step of a few rows and of many are exactly those of the fully
-    dequantized model. Phi-3's partial rotary reorders the blocks' rows as it does the weights'."""
-    from converter_fixtures import FIXTURES
+    """Loaded as the engine loads it on CPU, a GGUF file's matrices of `loader.BLOCK_TYPES` stay in
+    their blocks (no fp32 form made or kept: the loader gives only their shapes), fused q/k/v or
+    gate/up where their parts' types meet at whole panels (llama.cpp's Q4_K_M puts a Q6_K v beside
+    Q4_K q and k), and the token embedding is read by row from the file; the logits of a step of a
+    few rows and of many are exactly those of the fully dequantized model. Phi-3's partial rotary
+    reorders the blocks' rows as it does the weights'. The llama256 files are llama.cpp's own
+    quantizer's K-quant mixes: every matrix stays in its blocks."""
+    from converter_fixtures import FIXTURES, QUANTIZED
 
     from inflight.model.linear import blocks_usable
-    from inflight.model.loader import GGUFRows, load_gguf_blocks, load_gguf_embedding
+    from inflight.model.loader import GGUFRows, load_blocks, load_embedding
 
     if not blocks_usable():
         pytest.skip("these kernels read no GGUF blocks (built without AVX2)")
@@ -673,14 +736,16 @@ def test_matrices_kept_in_gguf_blocks_compute_the_fp32_logits_bit_for_bit(tmp_pa
                                          "gate": "Q4_0", "up": "Q4_1", "down": "Q8_0"},
                                "mix-c": {"embd": "Q6_K", "q": "Q4_K", "k": "Q4_K", "v": "Q4_K", "o": "Q4_0",
                                          "gate": "Q4_K", "up": "Q4_K", "down": "Q5_0"}}[name])
+    elif name in QUANTIZED_FIXTURES:
+        path = QUANTIZED / f"{name}.gguf"
     else:
         arch, kind = name.rsplit("-", 1)
         path = requantized(FIXTURES / f"{arch}.gguf", tmp_path / f"{name}.gguf", kind)
     source = resolve_model(str(path))
     config, weights = load_checkpoint(source, torch.float32)
     _, shapes = load_checkpoint(source, torch.float32, keep_blocks=True)
-    blocks = load_gguf_blocks(source, config)
-    embedding = load_gguf_embedding(source, config)
+    blocks = load_blocks(source, config)
+    embedding = load_embedding(source, config)
     assert blocks and any(t.is_meta for t in shapes.values())
     # The embedding read by row from the file unless a tied head needs it whole in fp32.
     assert shapes["model.embed_tokens.weight"].is_meta == isinstance(embedding, GGUFRows)
@@ -691,6 +756,8 @@ def test_matrices_kept_in_gguf_blocks_compute_the_fp32_logits_bit_for_bit(tmp_pa
     linears.append(kept.lm_head)
     assert any(linear.blocks is not None for linear in linears)
     assert all(linear.weight.numel() == 0 for linear in linears if linear.blocks is not None)
+    if name in QUANTIZED_FIXTURES:
+        assert all(linear.blocks is not None for linear in linears)
     for model in (dense, kept):
         model.use_context(config.max_position_embeddings)
     for ids in (list(range(3, 6)), list(range(3, 43))):  # in registers, and a panel at a time
@@ -940,8 +1007,8 @@ def test_gguf_index_cache_gives_the_same_weights(tmp_path, monkeypatch):
     source = resolve_model(str(path))
     loader._read_gguf.cache_clear()
     config, weights = load_checkpoint(source, torch.float32)
-    blocks = loader.load_gguf_blocks(source, config)
-    assert {kind for kind, _ in blocks.values()} == {"Q8_0", "Q4_1"}
+    blocks = loader.load_blocks(source, config)
+    assert {kind for kind, _ in blocks.values()} == {"F16", "BF16", "Q4_0", "Q4_K", "Q4_1", "Q6_K", "Q8_0"}
     (table,) = (tmp_path / "cache" / "gguf").glob("*.json")
     loader._read_gguf.cache_clear()
     real_reader = gguf.GGUFReader
@@ -949,7 +1016,7 @@ def test_gguf_index_cache_gives_the_same_weights(tmp_path, monkeypatch):
     config2, weights2 = load_checkpoint(source, torch.float32)
     assert config2 == config and weights2.keys() == weights.keys()
     assert all(torch.equal(weights[k], weights2[k]) for k in weights)
-    blocks2 = loader.load_gguf_blocks(source, config2)
+    blocks2 = loader.load_blocks(source, config2)
     assert blocks2.keys() == blocks.keys() and all(torch.equal(blocks[k][1], blocks2[k][1]) for k in blocks)
     monkeypatch.setattr(gguf, "GGUFReader", real_reader)
     table.write_text("{not json")

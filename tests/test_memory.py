@@ -87,7 +87,7 @@ _MEASURE = textwrap.dedent("""
     from inflight.engine.memory import keep_freed_memory
     from inflight.model.linear import blocks_usable
     from inflight.model.llama import LlamaModel
-    from inflight.model.loader import load_checkpoint, load_gguf_blocks, load_gguf_embedding, resolve_model
+    from inflight.model.loader import load_blocks, load_checkpoint, load_embedding, resolve_model
 
     def anonymous():
         with open("/proc/self/status") as f:
@@ -98,8 +98,8 @@ _MEASURE = textwrap.dedent("""
     before = anonymous()
     keep = blocks_usable()
     config, weights = load_checkpoint(source, torch.float32, keep_blocks=keep)
-    blocks = load_gguf_blocks(source, config) if keep else {}
-    embedding = load_gguf_embedding(source, config) if keep else None
+    blocks = load_blocks(source, config) if keep else {}
+    embedding = load_embedding(source, config) if keep else None
     model = LlamaModel(config, weights, torch.device("cpu"), gguf_blocks=blocks, embedding=embedding)
     print(json.dumps({"grown": anonymous() - before}))
 """)

@@ -83,7 +83,7 @@ class Linear:
     __slots__ = ("backend", "bias", "in_features", "out_features", "weight", "blocks", "_kernels")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, backend: str = "torch",
-                 gguf_blocks: tuple[str, torch.Tensor | list[torch.Tensor]] | None = None) -> None:
+                 gguf_blocks: tuple[str | list[str], torch.Tensor | list[torch.Tensor]] | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.backend = backend
@@ -95,9 +95,10 @@ class Linear:
             self._kernels = cpu_kernels()
             assert self._kernels is not None
             if gguf_blocks is not None and self._kernels.gguf_blocks_available():
-                kind, raw = gguf_blocks  # one tensor of rows, or the parts of a fused matrix
+                kinds, raw = gguf_blocks  # one tensor of rows, or the parts of a fused matrix (a type each)
                 parts = [raw] if isinstance(raw, torch.Tensor) else raw
-                self.blocks = self._kernels.pack_gguf_blocks([p.contiguous() for p in parts], self.in_features, kind)
+                kinds = [kinds] * len(parts) if isinstance(kinds, str) else list(kinds)
+                self.blocks = self._kernels.pack_gguf_blocks([p.contiguous() for p in parts], kinds, self.in_features)
                 self.weight = torch.empty(0)  # every step reads the blocks
             else:
                 self.weight = self._kernels.pack_linear_weight(weight.contiguous())

@@ -28,7 +28,7 @@ from inflight.model.linear import GGUF_BLOCKS_MAX_ROWS, Linear, linear_backend
 from inflight.model.token_ops import CpuKernelTokenOps, KVStore, TorchTokenOps
 
 if TYPE_CHECKING:
-    from inflight.model.loader import GGUFRows
+    from inflight.model.loader import GGUFRows, WidenedRows
 
 
 def rope_inv_freq(config: ModelConfig, long_context: bool = False) -> torch.Tensor:
@@ -129,11 +129,11 @@ class LlamaModel:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
                  gguf_blocks: dict[str, tuple[str, torch.Tensor]] | None = None,
-                 embedding: GGUFRows | None = None) -> None:
-        """`gguf_blocks`: the raw GGUF blocks of weights stored in `loader.BLOCK_TYPES` (`load_gguf_blocks`),
-        which the weight matmuls read instead of fp32 where the CPU kernels can; `embedding`:
-        the token embedding read by row from a GGUF file (`load_gguf_embedding`), in place of
-        the checkpoint's (then only its shape)."""
+                 embedding: GGUFRows | WidenedRows | None = None) -> None:
+        """`gguf_blocks`: weights as stored, in `loader.BLOCK_TYPES` (a GGUF file's blocks, a
+        checkpoint's 16-bit matrices: `load_blocks`), which the weight matmuls read instead of
+        fp32 where the CPU kernels can; `embedding`: the token embedding read by row
+        (`load_embedding`), in place of the checkpoint's (then only its shape)."""
         self.config = config
         self.device = device
 
@@ -158,7 +158,7 @@ class LlamaModel:
             weights = self._pair_rotary_dims(config, arch, weights)
             paired = self._pair_rotary_dims(config, arch, {name: raw for name, (_, raw) in blocks.items()})
             blocks = {name: (kind, paired[name]) for name, (kind, _) in blocks.items()}  # rows alike
-        self.embed_tokens: torch.Tensor | GGUFRows = take("model.embed_tokens.weight")
+        self.embed_tokens: torch.Tensor | GGUFRows | WidenedRows = take("model.embed_tokens.weight")
         if embedding is not None:
             self.embed_tokens = embedding
         self.dtype = self.embed_tokens.dtype
@@ -169,8 +169,8 @@ class LlamaModel:
             b = torch.cat([take(n) for n in bias]) if bias else None
             parts = [part for n in names if (part := blocks.get(n)) is not None]
             quantized = None
-            if len(parts) == len(names) and len({kind for kind, _ in parts}) == 1:  # fused rows need one block type
-                quantized = (parts[0][0], [raw for _, raw in parts])  # packed from where they lie
+            if len(parts) == len(names):  # packed from where they lie (`loader._blocks_kept` says which fuse)
+                quantized = ([kind for kind, _ in parts], [raw for _, raw in parts])
             return Linear(weight, b, backend, gguf_blocks=quantized)
 
         arch = architecture(config.architecture)

@@ -12,6 +12,7 @@ import functools
 import hashlib
 import json
 import logging
+import mmap
 import os
 import tempfile
 import warnings
@@ -109,15 +110,16 @@ def load_model_config(source: ModelSource) -> ModelConfig:
 def load_checkpoint(source: ModelSource, dtype: torch.dtype,
                     keep_blocks: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Reads the shapes and every weight (dequantized, converted to `dtype`, under HF names).
-    `keep_blocks`: a GGUF file's weights that `load_gguf_blocks` keeps as blocks are not
-    dequantized, only their shapes given (meta tensors)."""
+    `keep_blocks`: the weights that `load_blocks` keeps as stored (a GGUF file's blocks, a
+    checkpoint's 16-bit matrices) and the embedding `load_embedding` reads by row are not
+    read, only their shapes given (meta tensors)."""
     if source.kind == "gguf":
         index = _open_gguf(source.path)
         config = index.config
         weights = _gguf_weights(index.tensors, config, keep_blocks)
     else:
         config = _hf_config(source.path)
-        weights = _hf_weights(source.path)
+        weights = _hf_weights(source.path, _hf_left_stored(source.path, config) if keep_blocks else frozenset())
         offset = architecture(config.architecture).hf_norm_offset
         if offset:  # Gemma's RMSNorm scales by (1 + weight): stored as llama.cpp stores them
             weights = {name: t + offset if name.endswith("norm.weight") else t for name, t in weights.items()}
@@ -143,22 +145,26 @@ _SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4
 
 def weight_footprint(source: ModelSource, dtype: torch.dtype, packed: bool, blocks: bool) -> WeightFootprint:
     """The memory `load_checkpoint` and the model's construction take, as they work today: the
-    weights widened to fp32 (and converted to `dtype`), a Hugging Face directory's stored tensors
-    held until then, the matmul weights laid out again for the kernel (`packed`: a prepacked
-    backend, `linear.Linear`), the tied LM head as its own matrix; with `blocks`, a GGUF file's
-    matrices of `BLOCK_TYPES` instead as their blocks, read in place and repacked (`load_gguf_blocks`),
-    never widened. A GGUF file itself is mapped: page cache, not counted. The freed forms stay with the
-    process after load (glibc keeps them for reuse, `engine.memory.keep_freed_memory`), so this
-    is close to its resident size too."""
+    weights widened to fp32 (and converted to `dtype`), the matmul weights laid out again for
+    the kernel (`packed`: a prepacked backend, `linear.Linear`), the tied LM head as its own
+    matrix; with `blocks`, a GGUF file's matrices of `BLOCK_TYPES` (a checkpoint's BF16 and F16
+    ones) instead as stored, repacked (`load_blocks`), never widened. The files themselves (GGUF
+    and safetensors alike) are mapped: page cache, which the system can drop, not counted. The
+    freed forms stay with the process after load (glibc keeps them for reuse,
+    `engine.memory.keep_freed_memory`), so this is close to its resident size too."""
     config = load_model_config(source)
     table = _tensor_table(source)
-    kept = {}
+    kept: dict[str, tuple[int, str]] = {}  # name -> (elements, type) of the matrices read as stored
+    by_row = False  # the embedding read by row (`load_embedding`)
     if blocks and source.kind == "gguf":
         tensors = _open_gguf(source.path).tensors
         names = _blocks_kept(tensors, config)
-        kept = {t.name: (int(t.data.nbytes), t.tensor_type.name) for t in tensors if t.name in names}
+        kept = {t.name: (int(np.prod(t.shape, dtype=np.int64)), t.tensor_type.name) for t in tensors if t.name in names}
+        by_row = _embedding_by_row(tensors, config)
+    elif blocks:
+        kept = {name: (table[name][0], kind) for name, kind in _hf_kept(source.path, config).items()}
+        by_row = _hf_embedding_16bit(source.path) is not None
     numel = sum(n for n, _, _ in table.values())
-    by_row = blocks and source.kind == "gguf" and _embedding_by_row(_open_gguf(source.path).tensors, config)
     widened = sum(n for name, (n, _, _) in table.items()
                   if name not in kept and not (by_row and _is_embedding(name)))
     matrices = sum(n for name, (n, _, ndim) in table.items()
@@ -168,14 +174,11 @@ def weight_footprint(source: ModelSource, dtype: torch.dtype, packed: bool, bloc
     parts = [("weights widened to fp32", 4 * widened)]
     if dtype != torch.float32:
         parts.append((f"converted to {str(dtype).removeprefix('torch.')}", dtype.itemsize * widened))
-    if source.kind == "hf":
-        parts.append(("the checkpoint's tensors as read", sum(b for _, b, _ in table.values())))
     if packed:
         parts.append(("matmul weights laid out for the kernel", dtype.itemsize * matrices))
-    if kept:  # read in place from the mapped file; repacked with fp32 scales (Q4_0/Q4_1 24 bytes a block, Q8_0 36)
-        stored = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 18, "Q5_0": 22, "Q8_0": 34}  # bytes a 32-weight block
-        repacked = sum(b * (36 if kind in ("Q5_0", "Q8_0") else 24) // stored[kind] for b, kind in kept.values())
-        parts.append(("GGUF blocks repacked for the matmuls", repacked))
+    if kept:  # read in place from the mapped file and repacked, with fp32 scales
+        repacked = sum(n * PACKED_BYTES[kind] for n, kind in kept.values())
+        parts.append(("matrices as stored, repacked for the matmuls", int(repacked)))
     tables = 2 if config.local_rope_theta else 1  # cos and sin of every position, per rotary
     parts.append(("rotary tables", tables * 2 * config.max_position_embeddings * config.head_dim * 4))
     parts.append(("allocator and layout slack (10%)", sum(b for _, b in parts) // 10))
@@ -196,20 +199,11 @@ def _tensor_table(source: ModelSource) -> dict[str, tuple[int, int, int]]:
     if source.kind == "gguf":
         return {t.name: (int(np.prod(t.shape, dtype=np.int64)), int(t.data.nbytes), len(t.shape))
                 for t in _open_gguf(source.path).tensors if t.name not in ROPE_TENSORS}
-    from safetensors import SafetensorError, safe_open
-
     table: dict[str, tuple[int, int, int]] = {}
-    for file in sorted(source.path.glob("*.safetensors")):
-        try:
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    piece = f.get_slice(name)
-                    shape = piece.get_shape()
-                    n = int(np.prod(shape, dtype=np.int64))
-                    table[name] = (n, n * _SAFETENSORS_BYTES.get(piece.get_dtype(), 4), len(shape))
-        except (SafetensorError, OSError) as exc:
-            raise ModelLoadError(f"cannot read {file}: {exc}") from None
-    return {name: entry for name, entry in table.items() if "rotary_emb" not in name}
+    for name, (_, dtype, shape) in _hf_header(source.path).items():
+        n = int(np.prod(shape, dtype=np.int64))
+        table[name] = (n, n * _SAFETENSORS_BYTES.get(dtype, 4), len(shape))
+    return table
 
 
 # --- GGUF ---------------------------------------------------------------------------------
@@ -239,6 +233,7 @@ class GGUFIndex:
 
     config: ModelConfig
     tensors: list[GGUFTensor]
+    mapping: np.memmap | None = None  # the whole file, which every tensor's data views
 
 
 _INDEX_VERSION = 10  # 2: refusals; 3: Granite; 4: NoPE; 5: windows; 6: Gemma; 7: MoE; 8: rotary_dim; 9: rope_freqs;
@@ -287,7 +282,7 @@ def _read_gguf(path: Path, mtime_ns: int, size: int) -> GGUFIndex:
         raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from None
     tensors = [GGUFTensor(t.name, t.tensor_type, tuple(int(d) for d in t.shape.tolist()), t.data)
                for t in reader.tensors]
-    index = GGUFIndex(_gguf_config(reader), tensors)
+    index = GGUFIndex(_gguf_config(reader), tensors, reader.data)
     table = [{"name": t.name, "type": int(t.tensor_type), "shape": [int(d) for d in t.shape.tolist()],
               "offset": int(t.data_offset), "dtype": t.data.dtype.str, "array_shape": list(t.data.shape)}
              for t in reader.tensors]
@@ -308,7 +303,20 @@ def _index_from_saved(path: Path, saved: dict[str, Any]) -> GGUFIndex:
         start = int(t["offset"])
         data = mapped[start:start + count * dtype.itemsize].view(dtype).reshape(t["array_shape"])
         tensors.append(GGUFTensor(t["name"], gguf.GGMLQuantizationType(t["type"]), tuple(t["shape"]), data))
-    return GGUFIndex(ModelConfig(**config), tensors)
+    return GGUFIndex(ModelConfig(**config), tensors, mapped)
+
+
+def release_file_pages(source: ModelSource) -> None:
+    """Unmaps a GGUF file's pages from this process (`madvise(MADV_DONTNEED)`) once the model
+    holds what it reads: the kept matrices repacked, the rest widened. The pages stay in the
+    page cache, and those the embedding's rows are read from later map back in; without this a
+    process would keep every page of the file it touched while loading resident beside the
+    repacked weights."""
+    if source.kind != "gguf":
+        return
+    mapping = _open_gguf(source.path).mapping
+    if mapping is not None and isinstance(mapping.base, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
+        mapping.base.madvise(mmap.MADV_DONTNEED)
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -490,12 +498,29 @@ class GGUFRows:
         return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32).reshape(len(index), self.shape[1]))
 
 
-def load_gguf_embedding(source: ModelSource, config: ModelConfig) -> GGUFRows | None:
-    """The token embedding, read from the file by row (`GGUFRows`), where the weights are kept
-    as stored (`load_checkpoint(keep_blocks=True)`) and no fp32 form of it is needed: the LM head
-    is a tensor of its own, or reads the embedding's blocks. None elsewhere."""
-    if source.kind != "gguf":
-        return None
+class WidenedRows:
+    """A checkpoint's 16-bit token embedding kept as stored: the rows `index_select(0, ids)` asks
+    for, widened to fp32 (exactly)."""
+
+    dtype = torch.float32
+    is_meta = False
+
+    def __init__(self, stored: torch.Tensor) -> None:
+        self._stored = stored
+        self.shape = tuple(stored.shape)
+
+    def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
+        return self._stored.index_select(dim, index).float()
+
+
+def load_embedding(source: ModelSource, config: ModelConfig) -> GGUFRows | WidenedRows | None:
+    """The token embedding read by row, where the weights are kept as stored
+    (`load_checkpoint(keep_blocks=True)`): from a GGUF file (`GGUFRows`) where no fp32 form of it
+    is needed (the LM head is a tensor of its own, or reads the embedding's blocks); a 16-bit
+    checkpoint's as stored (`WidenedRows`). None elsewhere."""
+    if source.kind == "hf":
+        name = _hf_embedding_16bit(source.path)
+        return None if name is None else WidenedRows(_hf_read(source.path, [name])[name])
     tensors = _open_gguf(source.path).tensors
     if not _embedding_by_row(tensors, config):
         return None
@@ -517,7 +542,7 @@ def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 def _gguf_weights(tensors: list[GGUFTensor], config: ModelConfig, keep_blocks: bool) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     kept = _blocks_kept(tensors, config) if keep_blocks else frozenset()
-    if keep_blocks and _embedding_by_row(tensors, config):  # `load_gguf_embedding`
+    if keep_blocks and _embedding_by_row(tensors, config):  # `load_embedding`
         kept |= {"token_embd.weight"}
     for tensor in tensors:
         if tensor.name in ROPE_TENSORS:  # the config's rope_scaling
@@ -569,38 +594,54 @@ def _hf_row_order(name: str, value: torch.Tensor, config: ModelConfig) -> torch.
     return value
 
 
-# GGUF block types whose raw blocks the weight matmuls read instead of fp32.
-BLOCK_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0")
+# GGUF tensor types whose raw blocks the weight matmuls read instead of fp32, and the bytes a
+# weight takes once packed for them (`csrc`: pack_gguf_blocks and its table of layouts).
+PACKED_BYTES = {"Q4_0": 0.75, "Q4_1": 0.75, "Q4_K": 0.59375, "Q5_0": 1.125, "Q8_0": 1.125, "Q5_1": 1.25,
+                "Q5_K": 1.09375, "Q6_K": 1.078125, "Q3_K": 1.078125, "Q2_K": 0.625, "F16": 2.0, "BF16": 2.0}
+BLOCK_TYPES = tuple(PACKED_BYTES)
+# Parts of a fused matrix whose types differ are packed one run of columns each: every part
+# but the last must hold whole panels of this many rows.
+PANEL_ROWS = 16
 
 
 def _blocks_kept(tensors: list[GGUFTensor], config: ModelConfig) -> frozenset[str]:
-    """The GGUF tensors the matmuls read as their blocks (`load_gguf_blocks`): the LM head and
+    """The GGUF tensors the matmuls read as their blocks (`load_blocks`): the LM head and
     token embedding (for a tied head) and each layer's matmuls (`Architecture.matmuls`: q/k/v
-    and gate/up fused) whose parts are all matrices of one type in `BLOCK_TYPES`. Experts and
+    and gate/up fused) whose parts are all matrices of types in `BLOCK_TYPES`, of one type or
+    (as a Q4_K_M file's Q4_K q and k beside a Q6_K v) meeting at whole panels. Experts and
     routers run on fp32 weights."""
     arch = config.architecture
     candidates = {t.name: t.tensor_type.name for t in tensors
                   if t.tensor_type.name in BLOCK_TYPES and len(t.shape) == 2
                   and _gguf_expert_names(t.name, config) is None}
+    rows = {t.name: int(t.shape[1]) for t in tensors if t.name in candidates}
     by_hf = {_gguf_to_hf_name(name, arch): name for name in candidates}
     head = "output.weight" if "output.weight" in {t.name for t in tensors} else "token_embd.weight"  # tied
     kept = {head} & candidates.keys()
     for i in range(config.num_layers):
         for names in architecture(arch).matmuls.values():
             parts = [by_hf.get(f"model.layers.{i}.{n}") for n in names]
-            if all(parts) and len({candidates[p] for p in parts if p}) == 1:
-                kept.update(p for p in parts if p)
+            found = [p for p in parts if p]
+            if len(found) == len(parts) and (len({candidates[p] for p in found}) == 1
+                                             or all(rows[p] % PANEL_ROWS == 0 for p in found[:-1])):
+                kept.update(found)
     return frozenset(kept)
 
 
-def load_gguf_blocks(source: ModelSource, config: ModelConfig) -> dict[str, tuple[str, torch.Tensor]]:
-    """The weights a GGUF file stores as a type of `BLOCK_TYPES`, as (type, raw blocks): uint8
-    `[rows, K / 32 * block bytes]`, rows in the order of the dequantized weight under the same HF
-    name (a tied LM head under both names). The matmuls read these instead of fp32 and compute
-    the same values (`csrc`, `gguf_blocks_linear`, `gguf_blocks_gemm`)."""
-    if source.kind != "gguf":
-        return {}
+def load_blocks(source: ModelSource, config: ModelConfig) -> dict[str, tuple[str, torch.Tensor]]:
+    """The matrices the matmuls read as stored, as (type, raw rows): uint8 `[rows, K / block
+    weights * block bytes]` under their HF names (a tied LM head under both names), the same
+    values as the fp32 weights (`csrc`, `gguf_blocks_linear`, `gguf_blocks_gemm`). From a GGUF
+    file, those of a type in `BLOCK_TYPES`, read in place, rows in the order of the dequantized
+    weight; from a checkpoint, its BF16 and F16 matrices (`_hf_kept`), as GGUF's 16-bit types."""
     blocks: dict[str, tuple[str, torch.Tensor]] = {}
+    if source.kind != "gguf":
+        stored = _hf_kept(source.path, config)
+        read = _hf_read(source.path, list(stored))
+        blocks.update((name, (kind, read[name].view(torch.uint8))) for name, kind in stored.items())
+        if "lm_head.weight" not in _hf_dtypes(source.path) and "model.embed_tokens.weight" in blocks:
+            blocks["lm_head.weight"] = blocks["model.embed_tokens.weight"]
+        return blocks
     tensors = _open_gguf(source.path).tensors
     kept = _blocks_kept(tensors, config)
     for tensor in tensors:
@@ -609,7 +650,7 @@ def load_gguf_blocks(source: ModelSource, config: ModelConfig) -> dict[str, tupl
         name = _gguf_to_hf_name(tensor.name, config.architecture)
         with warnings.catch_warnings():  # read-only: the file's pages, never written, copied by the packing
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            rows = torch.from_numpy(np.asarray(tensor.data, dtype=np.uint8)).reshape(int(tensor.shape[1]), -1)
+            rows = torch.from_numpy(np.ascontiguousarray(tensor.data).view(np.uint8)).reshape(int(tensor.shape[1]), -1)
         blocks[name] = (tensor.tensor_type.name, _hf_row_order(name, rows, config))
     if config.tie_word_embeddings and "model.embed_tokens.weight" in blocks:
         blocks["lm_head.weight"] = blocks["model.embed_tokens.weight"]
@@ -635,14 +676,81 @@ def _hf_config(path: Path) -> ModelConfig:
     return read_hf_config(path / "config.json", SUPPORTED_ARCHITECTURES)
 
 
-def _hf_weights(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def _hf_weights(path: Path, left_stored: frozenset[str]) -> dict[str, torch.Tensor]:
+    """Every weight in fp32; those in `left_stored` only as their shape (meta)."""
+    shapes = {name: torch.empty(shape, device="meta")
+              for name, shape in _hf_shapes(path).items() if name in left_stored}
+    read = _hf_read(path, [name for name in _hf_dtypes(path) if name not in left_stored])
+    return {**{name: t.float() for name, t in read.items()}, **shapes}
 
-    weights: dict[str, torch.Tensor] = {}
+
+def _hf_header(path: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
+    """name -> (its safetensors file, dtype, shape) of every tensor but the rotary tables, from
+    the files' headers."""
+    from safetensors import SafetensorError, safe_open
+
+    header: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
     for file in sorted(path.glob("*.safetensors")):
         try:
-            weights.update(load_file(file))
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    if "rotary_emb" not in name:
+                        piece = f.get_slice(name)
+                        header[name] = (file, piece.get_dtype(), tuple(piece.get_shape()))
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"cannot read {file}: {exc}") from None
-    return {name: t.float() for name, t in weights.items() if "rotary_emb" not in name}
+    return header
+
+
+def _hf_read(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """These tensors, as stored."""
+    from safetensors import SafetensorError, safe_open
+
+    files = {name: file for name, (file, _, _) in _hf_header(path).items()}
+    read: dict[str, torch.Tensor] = {}
+    for file in sorted({files[name] for name in names}):
+        try:
+            with safe_open(file, framework="pt") as f:
+                read.update((name, f.get_tensor(name)) for name in names if files[name] == file)
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"cannot read {file}: {exc}") from None
+    return read
+
+
+def _hf_dtypes(path: Path) -> dict[str, str]:
+    return {name: dtype for name, (_, dtype, _) in _hf_header(path).items()}
+
+
+def _hf_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    return {name: shape for name, (_, _, shape) in _hf_header(path).items()}
+
+
+SIXTEEN_BITS = ("BF16", "F16")  # safetensors' names, which are GGUF's too
+
+
+def _hf_kept(path: Path, config: ModelConfig) -> dict[str, str]:
+    """A checkpoint's matrices that the matmuls read in 16 bits as stored (`load_blocks`), name ->
+    type: the LM head (the embedding, where tied) and each layer's matmuls (q/k/v and gate/up
+    fused) whose parts are all BF16 or all F16. Experts and routers run on fp32 weights."""
+    dtypes = _hf_dtypes(path)
+    head = "lm_head.weight" if "lm_head.weight" in dtypes else "model.embed_tokens.weight"
+    kept = {head: dtypes[head]} if dtypes.get(head) in SIXTEEN_BITS else {}
+    for i in range(config.num_layers):
+        for names in architecture(config.architecture).matmuls.values():
+            parts = [f"model.layers.{i}.{n}" for n in names]
+            if all(dtypes.get(p) in SIXTEEN_BITS for p in parts) and len({dtypes[p] for p in parts}) == 1:
+                kept.update((p, dtypes[p]) for p in parts)
+    return kept
+
+
+def _hf_embedding_16bit(path: Path) -> str | None:
+    """The token embedding's name where a checkpoint stores it in 16 bits (`load_embedding`)."""
+    name = "model.embed_tokens.weight"
+    return name if _hf_dtypes(path).get(name) in SIXTEEN_BITS else None
+
+
+def _hf_left_stored(path: Path, config: ModelConfig) -> frozenset[str]:
+    """What `load_checkpoint(keep_blocks=True)` gives only the shape of: what `load_blocks` and
+    `load_embedding` read."""
+    embedding = _hf_embedding_16bit(path)
+    return frozenset(_hf_kept(path, config)) | ({embedding} if embedding else set())

@@ -1144,143 +1144,353 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
   return out_features == n_pad ? y : y.narrow(1, 0, out_features).contiguous();
 }
 
-// ---- Weight matmul straight from GGUF's quantized blocks, at any number of rows.
+// ---- Weight matmuls straight from GGUF's blocks (and 16-bit weights), at any number of rows.
 //
-// With a handful of rows a matmul only streams its weights from DRAM. GGUF stores them in
-// blocks of 32 consecutive weights of one row: Q4_1 as 4-bit q with a scale d and a minimum m
-// (w = d * q + m, 0.75 bytes a weight as packed here; Q4_0 the same with m = -8 d), Q8_0 as
-// 8-bit q with a scale (w = d * q, 1.125 bytes), against fp32's 4. Packed per panel of 16 output columns and per block: the 16 d
-// (and for Q4_1 the 16 m) in fp32, then for each of the 32 k the 16 q (Q4_1: column j in the
-// low nibble of byte j, column j + 8 in the high one; Q8_0: one byte each). d * q is exact in
-// fp32 (an 11-bit mantissa times an integer of at most 8 bits), so each weight rounds once, as
-// the loader's dequantization does: every weight equals the fp32 value the model holds, and
-// each output is the same in-order sum as packed_linear's, bit for bit.
+// With a handful of rows a matmul only streams its weights from DRAM. GGUF stores a row as
+// blocks of consecutive weights w = d * q + m: q a small integer, d and m from fp16 scales.
+// pack_gguf_blocks repacks them once, per panel of 16 output columns and per block of kK
+// consecutive k, into one of a few layouts: the 16 columns' d (and m, in a layout with minima)
+// in fp32, then the kK x 16 values, 4-bit q (column j in the low nibble of byte j, column j + 8
+// in the high one), int8 q, or the stored fp16 / bf16 weights (no scales). The K-quants keep
+// their super-blocks of 256: the 16 columns' D (and Dmin) in fp32, then each sub-block's 16
+// integer scales (and minima) as bytes, then the values; a sub-block's d = D * scale and
+// m = -(Dmin * minimum) are made as the kernels read them. Every type is read so that d is exact
+// in fp32 (an 11-bit mantissa times an integer of at most 8 bits), as is d * q, and + m rounds
+// once, as gguf's dequantization computes them: each weight is the fp32 value the loader would
+// make, and each output the same in-order sum as packed_linear's, bit for bit.
+//
+//   layout    kK   sub-block  minima  values  bytes a weight  GGUF types (bytes a weight as stored)
+//   Q4x32m    32   -          yes     4-bit   0.75            Q4_0 (0.5625), Q4_1 (0.625)
+//   Q8x32     32   -          no      int8    1.125           Q8_0 (1.0625), Q5_0 (0.6875)
+//   Q8x32m    32   -          yes     int8    1.25            Q5_1 (0.75)
+//   Q4K       256  32         yes     4-bit   0.594           Q4_K (0.5625)
+//   Q8K       256  32         yes     int8    1.094           Q5_K (0.6875)
+//   Q8K16     256  16         no      int8    1.078           Q6_K (0.8203), Q3_K (0.4297)
+//   Q4K16m    256  16         yes     4-bit   0.625           Q2_K (0.3281)
+//   F16x32    32   -          -       fp16    2               F16
+//   BF16x32   32   -          -       bf16    2               BF16
 
 #if defined(__AVX2__)
 namespace {
 
-enum class BlockKind { kQ4_1, kQ8_0 };
-constexpr int64_t kQCols = 16, kQBlock = 32;
+constexpr int64_t kQCols = 16;
 // Rows per pass: 2 x 5 accumulators, the scales and the weights need a register or two more than
 // AVX2's 16, and the spill costs less than dequantizing the blocks again for a second pass
 // (every weight matmul at 4 and 5 rows: 1.4x faster than in passes of 3 and 1 or 3 and 2).
 constexpr int kQMaxRows = 5;
 
-constexpr int64_t scale_bytes(BlockKind kind) { return (kind == BlockKind::kQ4_1 ? 2 : 1) * kQCols * 4; }
-constexpr int64_t packed_block_bytes(BlockKind kind) {
-  return scale_bytes(kind) + kQBlock * kQCols / (kind == BlockKind::kQ4_1 ? 2 : 1);
+enum class Values { kNibble, kInt8, kHalf, kBFloat16 };
+
+// K weights a block, in sub-blocks of Sub (Sub < K: a K-quant's super-block, with integer
+// scales per sub-block, signed where SignedScales).
+template <int64_t K, int64_t Sub, bool Min, Values V, bool SignedScales = false>
+struct Layout {
+  static constexpr int64_t kK = K, kSub = Sub, kSubBlocks = K / Sub;
+  static constexpr bool kMin = Min, kSuper = Sub < K, kSignedScales = SignedScales;
+  static constexpr Values kValues = V;
+  static constexpr bool kScaled = V == Values::kNibble || V == Values::kInt8;
+  static constexpr int64_t kFloatScaleBytes = kScaled ? (Min ? 2 : 1) * kQCols * 4 : 0;  // d (m) or D (Dmin)
+  static constexpr int64_t kScaleBytes = kFloatScaleBytes + (kSuper ? (Min ? 2 : 1) * kSubBlocks * kQCols : 0);
+  static constexpr int64_t kSubValueBytes = Sub * kQCols * (V == Values::kNibble ? 1 : V == Values::kInt8 ? 2 : 4) / 2;
+  static constexpr int64_t kBlockBytes = kScaleBytes + kSubBlocks * kSubValueBytes;
+};
+using Q4x32m = Layout<32, 32, true, Values::kNibble>;
+using Q8x32 = Layout<32, 32, false, Values::kInt8>;
+using Q8x32m = Layout<32, 32, true, Values::kInt8>;
+using Q4K = Layout<256, 32, true, Values::kNibble>;
+using Q8K = Layout<256, 32, true, Values::kInt8>;
+using Q8K16 = Layout<256, 16, false, Values::kInt8, true>;
+using Q4K16m = Layout<256, 16, true, Values::kNibble>;
+using F16x32 = Layout<32, 32, false, Values::kHalf>;
+using BF16x32 = Layout<32, 32, false, Values::kBFloat16>;
+
+enum class LayoutId : int64_t { kQ4x32m, kQ8x32, kQ8x32m, kQ4K, kQ8K, kQ8K16, kQ4K16m, kF16x32, kBF16x32, kCount };
+
+// fn(layout), called with a value of the layout's type.
+template <class F>
+void with_layout(LayoutId id, F&& fn) {
+  switch (id) {
+    case LayoutId::kQ4x32m: return fn(Q4x32m{});
+    case LayoutId::kQ8x32: return fn(Q8x32{});
+    case LayoutId::kQ8x32m: return fn(Q8x32m{});
+    case LayoutId::kQ4K: return fn(Q4K{});
+    case LayoutId::kQ8K: return fn(Q8K{});
+    case LayoutId::kQ8K16: return fn(Q8K16{});
+    case LayoutId::kQ4K16m: return fn(Q4K16m{});
+    case LayoutId::kF16x32: return fn(F16x32{});
+    case LayoutId::kBF16x32: return fn(BF16x32{});
+    default: TORCH_CHECK(false, "unknown block layout");
+  }
 }
-// A GGUF block type as stored, and the layout it is packed into. Every type is read as blocks
-// of 32 weights w = d * q + m with q an integer, d * q exact in fp32 and one rounding for + m,
-// which is how gguf's dequantization computes them:
-// - Q4_0 (d, 16 bytes of nibbles; w = d * (q - 8)) takes Q4_1's layout with m = -8 d: d * q - 8 d
-//   is d * (q - 8) exactly (an 11-bit mantissa times a 4-bit integer);
-// - Q4_K (256 weights: d, dmin, 12 bytes of 6-bit scales sc and mins mn for its 8 sub-blocks of
-//   32, 128 bytes of nibbles; w = (d sc) q - (dmin mn)) takes Q4_1's layout with the sub-block's
-//   d sc and -(dmin mn), both exact in fp32 (11 + 6 bits), as is (d sc) q (+ 4 bits).
-// - Q5_0 (d, 4 bytes of fifth bits, 16 bytes of nibbles; w = d * (q - 16)) takes Q8_0's layout
-//   with the int8 q - 16.
-struct FileBlocks {
-  BlockKind layout;
-  int64_t bytes;         // of one block as stored (a super-block of 256 weights for Q4_K)
-  int64_t weights;       // in it
-  bool has_min;          // Q4_1's m after d
-  int64_t quants_at;     // the quants' offset in a Q4_0, Q4_1, Q5_0 or Q8_0 block
-  bool k_quant;
-  int64_t fifth_bits_at; // Q5_0's: the offset of its 32 fifth bits; -1 elsewhere
+
+// Bytes of one panel (16 columns, all K) in a layout.
+int64_t panel_bytes(LayoutId id, int64_t K) {
+  int64_t bytes = 0;
+  with_layout(id, [&](auto layout) { bytes = K / decltype(layout)::kK * decltype(layout)::kBlockBytes; });
+  return bytes;
+}
+
+enum class GgufType { kQ4_0, kQ4_1, kQ4_K, kQ5_0, kQ8_0, kQ5_1, kQ5_K, kQ6_K, kQ3_K, kQ2_K, kF16, kBF16 };
+
+// A GGUF type as stored: the bytes and weights of one of its blocks (a super-block of 256 for
+// the K-quants), and the layout it is packed into.
+struct FileType {
+  GgufType type;
+  LayoutId layout;
+  int64_t bytes, weights;
 };
 
-FileBlocks file_blocks(const std::string& name) {
-  if (name == "Q4_0") return {BlockKind::kQ4_1, 18, 32, false, 2, false, -1};
-  if (name == "Q4_1") return {BlockKind::kQ4_1, 20, 32, true, 4, false, -1};
-  if (name == "Q4_K") return {BlockKind::kQ4_1, 144, 256, true, 0, true, -1};
-  if (name == "Q5_0") return {BlockKind::kQ8_0, 22, 32, false, 6, false, 2};
-  TORCH_CHECK(name == "Q8_0", "unsupported block type ", name, " (Q4_0, Q4_1, Q4_K, Q5_0 or Q8_0)");
-  return {BlockKind::kQ8_0, 34, 32, false, 2, false, -1};
+FileType file_type(const std::string& name) {
+  static const std::vector<std::pair<std::string, FileType>> types = {
+      {"Q4_0", {GgufType::kQ4_0, LayoutId::kQ4x32m, 18, 32}},   {"Q4_1", {GgufType::kQ4_1, LayoutId::kQ4x32m, 20, 32}},
+      {"Q4_K", {GgufType::kQ4_K, LayoutId::kQ4K, 144, 256}}, {"Q5_0", {GgufType::kQ5_0, LayoutId::kQ8x32, 22, 32}},
+      {"Q8_0", {GgufType::kQ8_0, LayoutId::kQ8x32, 34, 32}},    {"Q5_1", {GgufType::kQ5_1, LayoutId::kQ8x32m, 24, 32}},
+      {"Q5_K", {GgufType::kQ5_K, LayoutId::kQ8K, 176, 256}},   {"Q6_K", {GgufType::kQ6_K, LayoutId::kQ8K16, 210, 256}},
+      {"Q3_K", {GgufType::kQ3_K, LayoutId::kQ8K16, 110, 256}},  {"Q2_K", {GgufType::kQ2_K, LayoutId::kQ4K16m, 84, 256}},
+      {"F16", {GgufType::kF16, LayoutId::kF16x32, 64, 32}},     {"BF16", {GgufType::kBF16, LayoutId::kBF16x32, 64, 32}}};
+  for (const auto& [known, type] : types)
+    if (known == name) return type;
+  TORCH_CHECK(false, "unsupported block type ", name, " (Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, F16, BF16)");
 }
 
 float half_at(const uint8_t* p);
 
-// Block b (of 32 weights) of a stored row: its d, m (Q4_1's layout) and the 32 quants (Q4 layouts:
-// 0..15; Q8_0: the int8 bytes as stored).
-void read_block(const FileBlocks& file, const uint8_t* row, int64_t b, float& d, float& m, uint8_t* q) {
-  if (!file.k_quant) {
-    const uint8_t* in = row + b * file.bytes;
-    d = half_at(in);
-    m = file.has_min ? half_at(in + 2) : -8.0f * d;
-    const uint8_t* quants = in + file.quants_at;
-    if (file.fifth_bits_at >= 0) {  // Q5_0
+// A K-quant's 6-bit scale and minimum of sub-block `sub` (of 8), as Q4_K and Q5_K pack them in 12 bytes.
+void scale_min_k4(const uint8_t* scales, int64_t sub, int& sc, int& mn) {
+  sc = sub < 4 ? scales[sub] & 0x3F : (scales[sub + 4] & 0x0F) | ((scales[sub - 4] >> 2) & 0x30);
+  mn = sub < 4 ? scales[sub + 4] & 0x3F : (scales[sub + 4] >> 4) | ((scales[sub] >> 2) & 0x30);
+}
+
+// Block b (of the layout's kK weights) of a stored row: d and m (w = d * q + m; m unused where
+// the layout has no minima) and the kK quants q (4-bit layouts: 0..15; int8 layouts: int8
+// bytes), or for F16 and BF16 the kK stored values (2 bytes each) as they are.
+void read_block(const FileType& file, const uint8_t* row, int64_t b, float& d, float& m, uint8_t* q) {
+  auto int8 = [](int v) { return static_cast<uint8_t>(static_cast<int8_t>(v)); };
+  switch (file.type) {
+    case GgufType::kF16:
+    case GgufType::kBF16:
+      std::memcpy(q, row + b * 64, 64);
+      d = m = 0.0f;
+      return;
+    case GgufType::kQ4_0:
+    case GgufType::kQ4_1:
+    case GgufType::kQ8_0: {
+      const uint8_t* in = row + b * file.bytes;
+      d = half_at(in);
+      if (file.type == GgufType::kQ8_0) {
+        std::memcpy(q, in + 2, 32);
+        return;
+      }
+      // Q4_0: w = d (q - 8) = d q - 8 d exactly (an 11-bit mantissa times a 4-bit integer)
+      m = file.type == GgufType::kQ4_1 ? half_at(in + 2) : -8.0f * d;
+      const uint8_t* quants = in + (file.type == GgufType::kQ4_1 ? 4 : 2);
+      for (int e = 0; e < 32; ++e) q[e] = e < 16 ? quants[e] & 0x0F : quants[e - 16] >> 4;
+      return;
+    }
+    case GgufType::kQ5_0:
+    case GgufType::kQ5_1: {  // d, (Q5_1: m,) 32 fifth bits, 16 bytes of nibbles; Q5_0: w = d (q - 16)
+      const uint8_t* in = row + b * file.bytes;
+      const bool has_min = file.type == GgufType::kQ5_1;
+      d = half_at(in);
+      if (has_min) m = half_at(in + 2);
       uint32_t fifth;
-      std::memcpy(&fifth, in + file.fifth_bits_at, 4);
-      for (int64_t e = 0; e < kQBlock; ++e) {
-        const int v = ((e < 16 ? quants[e] & 0x0F : quants[e - 16] >> 4) | (((fifth >> e) & 1) << 4)) - 16;
-        q[e] = static_cast<uint8_t>(static_cast<int8_t>(v));
+      std::memcpy(&fifth, in + (has_min ? 4 : 2), 4);
+      const uint8_t* quants = in + (has_min ? 8 : 6);
+      for (int e = 0; e < 32; ++e) {
+        const int v = (e < 16 ? quants[e] & 0x0F : quants[e - 16] >> 4) | (((fifth >> e) & 1) << 4);
+        q[e] = has_min ? static_cast<uint8_t>(v) : int8(v - 16);
       }
       return;
     }
-    for (int64_t e = 0; e < kQBlock; ++e)
-      q[e] = file.layout == BlockKind::kQ8_0 ? quants[e] : e < 16 ? quants[e] & 0x0F : quants[e - 16] >> 4;
-    return;
+    case GgufType::kQ4_K:
+    case GgufType::kQ5_K: {
+      // d, dmin, 12 bytes of 6-bit scales sc and minima mn of 8 sub-blocks of 32, (Q5_K: 32 bytes
+      // of fifth bits,) 128 bytes of nibbles: w = (d sc) q - (dmin mn), d sc and dmin mn exact
+      const uint8_t* in = row + (b / 8) * file.bytes;
+      const int64_t sub = b % 8;
+      int sc, mn;
+      scale_min_k4(in + 4, sub, sc, mn);
+      d = half_at(in) * static_cast<float>(sc);
+      m = -(half_at(in + 2) * static_cast<float>(mn));
+      const bool fifth = file.type == GgufType::kQ5_K;
+      const uint8_t* high = in + 16;
+      const uint8_t* quants = in + (fifth ? 48 : 16) + (sub / 2) * 32;  // sub-block pairs: low, high nibbles
+      for (int e = 0; e < 32; ++e) {
+        const int low = (quants[e] >> (4 * (sub % 2))) & 0x0F;
+        q[e] = static_cast<uint8_t>(fifth ? low | (((high[e] >> sub) & 1) << 4) : low);
+      }
+      return;
+    }
+    case GgufType::kQ6_K: {
+      // 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d: 16 sub-blocks of 16,
+      // w = (d sc) (q - 32) with q of 6 bits
+      const uint8_t* in = row + (b / 16) * file.bytes;
+      d = half_at(in + 208) * static_cast<float>(static_cast<int8_t>(in[192 + b % 16]));
+      for (int e = 0; e < 16; ++e) {
+        const int64_t i = (b % 16) * 16 + e, half = i / 128, quarter = (i % 128) / 32, l = i % 32;
+        const int low = (in[half * 64 + (quarter % 2) * 32 + l] >> (quarter < 2 ? 0 : 4)) & 0x0F;
+        const int high = (in[128 + half * 32 + l] >> (2 * quarter)) & 3;
+        q[e] = int8((low | (high << 4)) - 32);
+      }
+      return;
+    }
+    case GgufType::kQ3_K:
+    case GgufType::kQ2_K: {
+      // 16 sub-blocks of 16 weights of 2 bits (Q3_K: and a third from its 32-byte mask).
+      // Q3_K: 32 bytes of mask, 64 of quants, 12 of 6-bit scales, d: w = (d (sc - 32)) q, q in -4..3.
+      // Q2_K: 16 bytes of 4-bit scale and minimum, 64 of quants, d, dmin: w = (d sc) q - (dmin mn).
+      const bool q3 = file.type == GgufType::kQ3_K;
+      const uint8_t* in = row + (b / 16) * file.bytes;
+      const int64_t s = b % 16;
+      const uint8_t* quants = in + (q3 ? 32 : 16) + (s / 8) * 32 + (s % 2) * 16;
+      const int shift = 2 * static_cast<int>((s % 8) / 2);
+      if (q3) {
+        const uint8_t* scales = in + 96;
+        const int low = s < 8 ? scales[s] & 0x0F : scales[s - 8] >> 4;
+        const int high = (scales[8 + s % 4] >> (2 * (s / 4))) & 3;
+        d = half_at(in + 108) * static_cast<float>((low | (high << 4)) - 32);
+        for (int e = 0; e < 16; ++e) {
+          const int set = (in[(s % 2) * 16 + e] >> (s / 2)) & 1;  // a set mask bit: no offset
+          q[e] = int8(((quants[e] >> shift) & 3) - (set ? 0 : 4));
+        }
+      } else {
+        d = half_at(in + 80) * static_cast<float>(in[s] & 0x0F);
+        m = -(half_at(in + 82) * static_cast<float>(in[s] >> 4));
+        for (int e = 0; e < 16; ++e) q[e] = (quants[e] >> shift) & 3;
+      }
+      return;
+    }
   }
-  const uint8_t* in = row + (b / 8) * file.bytes;
-  const int64_t sub = b % 8;
-  const uint8_t* scales = in + 4;  // 0-3: sc low 6 bits (and high bits of 4-7); 4-7: mn; 8-11: low nibbles of 4-7
-  const int sc = sub < 4 ? scales[sub] & 0x3F : (scales[sub + 4] & 0x0F) | ((scales[sub - 4] >> 2) & 0x30);
-  const int mn = sub < 4 ? scales[sub + 4] & 0x3F : (scales[sub + 4] >> 4) | ((scales[sub] >> 2) & 0x30);
-  d = half_at(in) * static_cast<float>(sc);
-  m = -(half_at(in + 2) * static_cast<float>(mn));
-  const uint8_t* quants = in + 16 + (sub / 2) * 32;  // pairs of sub-blocks share 32 bytes: low, high nibbles
-  for (int64_t e = 0; e < kQBlock; ++e) q[e] = (quants[e] >> (4 * (sub % 2))) & 0x0F;
 }
 
-// One block's scales (d; Q4_1 also m) for the 16 columns of a panel.
-template <BlockKind kKind>
+// A K-quant super-block (number `b`, of 256 weights) of a stored row: its D and Dmin and each
+// sub-block's integer scale and minimum, of which read_block's d and m are made: d = D * scale,
+// m = -(Dmin * minimum).
+void read_super_block(const FileType& file, const uint8_t* row, int64_t b, float& D, float& Dmin, int* scale,
+                      int* minimum) {
+  const uint8_t* in = row + b * file.bytes;
+  switch (file.type) {
+    case GgufType::kQ4_K:
+    case GgufType::kQ5_K:
+      D = half_at(in), Dmin = half_at(in + 2);
+      for (int s = 0; s < 8; ++s) scale_min_k4(in + 4, s, scale[s], minimum[s]);
+      return;
+    case GgufType::kQ6_K:
+      D = half_at(in + 208);
+      for (int s = 0; s < 16; ++s) scale[s] = static_cast<int8_t>(in[192 + s]);
+      return;
+    case GgufType::kQ3_K:
+      D = half_at(in + 108);
+      for (int s = 0; s < 16; ++s) {
+        const uint8_t* scales = in + 96;
+        const int low = s < 8 ? scales[s] & 0x0F : scales[s - 8] >> 4;
+        scale[s] = (low | (((scales[8 + s % 4] >> (2 * (s / 4))) & 3) << 4)) - 32;
+      }
+      return;
+    case GgufType::kQ2_K:
+      D = half_at(in + 80), Dmin = half_at(in + 82);
+      for (int s = 0; s < 16; ++s) scale[s] = in[s] & 0x0F, minimum[s] = in[s] >> 4;
+      return;
+    default:
+      TORCH_CHECK(false, "not a K-quant");
+  }
+}
+
+inline __m256 bytes_as_floats(const uint8_t* p, bool is_signed) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
+}
+
+// One (sub-)block's scales (d; also m in a layout with minima) for the 16 columns of a panel;
+// in a super-block layout, sub-block `sub`'s, made from D (Dmin) and its integer scales
+// (minima) as read_block makes them: D * scale and -(Dmin * minimum), exact.
+template <class L>
 struct BlockScales {
-  __m256 d0, d1, m0, m1;
-  explicit BlockScales(const uint8_t* blk) {
-    const float* scales = reinterpret_cast<const float*>(blk);
-    d0 = _mm256_loadu_ps(scales), d1 = _mm256_loadu_ps(scales + 8);
-    m0 = m1 = _mm256_setzero_ps();
-    if constexpr (kKind == BlockKind::kQ4_1) m0 = _mm256_loadu_ps(scales + 16), m1 = _mm256_loadu_ps(scales + 24);
+  __m256 d0 = _mm256_setzero_ps(), d1 = _mm256_setzero_ps(), m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
+  BlockScales(const uint8_t* blk, int64_t sub) {
+    if constexpr (L::kScaled) {
+      const float* scales = reinterpret_cast<const float*>(blk);
+      d0 = _mm256_loadu_ps(scales), d1 = _mm256_loadu_ps(scales + 8);
+      if constexpr (L::kMin) m0 = _mm256_loadu_ps(scales + 16), m1 = _mm256_loadu_ps(scales + 24);
+      if constexpr (L::kSuper) {
+        const uint8_t* integers = blk + L::kFloatScaleBytes + sub * kQCols;
+        d0 = _mm256_mul_ps(d0, bytes_as_floats(integers, L::kSignedScales));
+        d1 = _mm256_mul_ps(d1, bytes_as_floats(integers + 8, L::kSignedScales));
+        if constexpr (L::kMin) {
+          const uint8_t* minima = integers + L::kSubBlocks * kQCols;
+          const __m256 negate = _mm256_set1_ps(-0.0f);
+          m0 = _mm256_xor_ps(_mm256_mul_ps(m0, bytes_as_floats(minima, false)), negate);
+          m1 = _mm256_xor_ps(_mm256_mul_ps(m1, bytes_as_floats(minima + 8, false)), negate);
+        }
+      }
+    }
   }
 };
 
-// The 16 weights of k-row kk of a block (q: the block's quants), dequantized: the one place
-// both block matmuls compute them, so both give the loader's fp32 values.
-template <BlockKind kKind>
-inline void block_row(const uint8_t* q, int64_t kk, const BlockScales<kKind>& s, __m256& w0, __m256& w1) {
-  if constexpr (kKind == BlockKind::kQ4_1) {
+inline __m256 halves(const uint8_t* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = half_at(p + 2 * i);
+  return _mm256_load_ps(f);
+#endif
+}
+
+inline __m256 bfloat16s(const uint8_t* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// The 16 weights of k-row kk of a block (q: the block's values), as fp32: the one place both
+// block matmuls compute them, so both give the loader's fp32 values.
+template <class L>
+inline void block_row(const uint8_t* q, int64_t kk, const BlockScales<L>& s, __m256& w0, __m256& w1) {
+  __m256 q0, q1;
+  if constexpr (L::kValues == Values::kNibble) {
     const __m128i low = _mm_set1_epi8(0x0F);
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kk * 8));
-    const __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
-    w0 = _mm256_fmadd_ps(s.d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), s.m0);
-    w1 = _mm256_fmadd_ps(s.d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), s.m1);
-  } else {
+    q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(bytes, low)));
+    q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low)));
+  } else if constexpr (L::kValues == Values::kInt8) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kk * 16));
-    w0 = _mm256_mul_ps(s.d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
-    w1 = _mm256_mul_ps(s.d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))));
+    q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+    q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
+  } else if constexpr (L::kValues == Values::kHalf) {
+    w0 = halves(q + kk * 32), w1 = halves(q + kk * 32 + 16);
+    return;
+  } else {
+    w0 = bfloat16s(q + kk * 32), w1 = bfloat16s(q + kk * 32 + 16);
+    return;
+  }
+  if constexpr (L::kMin) {
+    w0 = _mm256_fmadd_ps(s.d0, q0, s.m0), w1 = _mm256_fmadd_ps(s.d1, q1, s.m1);
+  } else {
+    w0 = _mm256_mul_ps(s.d0, q0), w1 = _mm256_mul_ps(s.d1, q1);
   }
 }
 
-template <int MR, BlockKind kKind>
+template <int MR, class L>
 inline void quant_micro(const float* __restrict x, int64_t ldx, const uint8_t* __restrict panel, int64_t K,
                         float* __restrict y, int64_t ldy) {
-  constexpr int64_t kBytes = packed_block_bytes(kKind);
   __m256 a0[MR], a1[MR];
   for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < K / kQBlock; ++b) {
-    const uint8_t* blk = panel + b * kBytes;
-    for (int64_t line = 0; line < kBytes; line += 64) __builtin_prefetch(blk + 4 * kBytes + line);
-    const BlockScales<kKind> scales(blk);
-    const uint8_t* q = blk + scale_bytes(kKind);
-    const float* xb = x + b * kQBlock;
-    for (int64_t kk = 0; kk < kQBlock; ++kk) {
-      __m256 w0, w1;
-      block_row<kKind>(q, kk, scales, w0, w1);
-      for (int r = 0; r < MR; ++r) {
-        const __m256 xv = _mm256_set1_ps(xb[r * ldx + kk]);
-        a0[r] = _mm256_fmadd_ps(xv, w0, a0[r]);
-        a1[r] = _mm256_fmadd_ps(xv, w1, a1[r]);
+  constexpr int64_t kAhead = L::kSuper ? 1 : 4;  // blocks to prefetch ahead (a super-block is 2-4 KB)
+  for (int64_t b = 0; b < K / L::kK; ++b) {
+    const uint8_t* blk = panel + b * L::kBlockBytes;
+    for (int64_t line = 0; line < L::kBlockBytes; line += 64) __builtin_prefetch(blk + kAhead * L::kBlockBytes + line);
+    for (int64_t sub = 0; sub < L::kSubBlocks; ++sub) {
+      const BlockScales<L> scales(blk, sub);
+      const uint8_t* q = blk + L::kScaleBytes + sub * L::kSubValueBytes;
+      const float* xb = x + b * L::kK + sub * L::kSub;
+      for (int64_t kk = 0; kk < L::kSub; ++kk) {
+        __m256 w0, w1;
+        block_row<L>(q, kk, scales, w0, w1);
+        for (int r = 0; r < MR; ++r) {
+          const __m256 xv = _mm256_set1_ps(xb[r * ldx + kk]);
+          a0[r] = _mm256_fmadd_ps(xv, w0, a0[r]);
+          a1[r] = _mm256_fmadd_ps(xv, w1, a1[r]);
+        }
       }
     }
   }
@@ -1290,32 +1500,33 @@ inline void quant_micro(const float* __restrict x, int64_t ldx, const uint8_t* _
   }
 }
 
-template <BlockKind kKind>
+template <class L>
 void quant_rows(int rows, const float* x, int64_t K, const uint8_t* w, float* y, int64_t ldy) {
   switch (rows) {
-    case 5: return quant_micro<5, kKind>(x, K, w, K, y, ldy);
-    case 4: return quant_micro<4, kKind>(x, K, w, K, y, ldy);
-    case 3: return quant_micro<3, kKind>(x, K, w, K, y, ldy);
-    case 2: return quant_micro<2, kKind>(x, K, w, K, y, ldy);
-    default: return quant_micro<1, kKind>(x, K, w, K, y, ldy);
+    case 5: return quant_micro<5, L>(x, K, w, K, y, ldy);
+    case 4: return quant_micro<4, L>(x, K, w, K, y, ldy);
+    case 3: return quant_micro<3, L>(x, K, w, K, y, ldy);
+    case 2: return quant_micro<2, L>(x, K, w, K, y, ldy);
+    default: return quant_micro<1, L>(x, K, w, K, y, ldy);
   }
 }
 
 // A block panel (16 columns, all K) dequantized into columns [0, 16) of an fp32 panel whose
 // k-rows are `ld` floats apart (packed_linear's layout).
-template <BlockKind kKind>
+template <class L>
 void dequantize_panel(const uint8_t* panel, int64_t K, float* w, int64_t ld) {
-  constexpr int64_t kBytes = packed_block_bytes(kKind);
-  for (int64_t b = 0; b < K / kQBlock; ++b) {
-    const uint8_t* blk = panel + b * kBytes;
-    const BlockScales<kKind> scales(blk);
-    const uint8_t* q = blk + scale_bytes(kKind);
-    for (int64_t kk = 0; kk < kQBlock; ++kk) {
-      __m256 w0, w1;
-      block_row<kKind>(q, kk, scales, w0, w1);
-      float* row = w + (b * kQBlock + kk) * ld;
-      _mm256_storeu_ps(row, w0);
-      _mm256_storeu_ps(row + 8, w1);
+  for (int64_t b = 0; b < K / L::kK; ++b) {
+    const uint8_t* blk = panel + b * L::kBlockBytes;
+    for (int64_t sub = 0; sub < L::kSubBlocks; ++sub) {
+      const BlockScales<L> scales(blk, sub);
+      const uint8_t* q = blk + L::kScaleBytes + sub * L::kSubValueBytes;
+      for (int64_t kk = 0; kk < L::kSub; ++kk) {
+        __m256 w0, w1;
+        block_row<L>(q, kk, scales, w0, w1);
+        float* row = w + (b * L::kK + sub * L::kSub + kk) * ld;
+        _mm256_storeu_ps(row, w0);
+        _mm256_storeu_ps(row + 8, w1);
+      }
     }
   }
 }
@@ -1326,85 +1537,180 @@ float half_at(const uint8_t* p) {
   return static_cast<float>(h);
 }
 
+// pack_gguf_blocks's result, a uint8 tensor: a header of int64 [kMagic, K, N, segments, then per
+// segment its layout, first panel, panels and byte offset], padded to 64 bytes, then each
+// segment's panels ([panels][K / kK blocks][block bytes]). A fused matrix whose parts differ in
+// layout (a Q4_K_M file's Q4_K q and k beside a Q6_K v) is one segment per run of parts that
+// share one; every segment but the last then holds whole panels.
+constexpr int64_t kPackedMagic = 0x31424647;  // "GFB1"
+struct Segment {
+  LayoutId layout;
+  int64_t first, panels, offset;
+};
+struct PackedBlocks {
+  int64_t K, N;
+  std::vector<Segment> segments;
+  const uint8_t* base;
+  int64_t panels() const { return segments.back().first + segments.back().panels; }
+  // Panel p's segment and first byte.
+  std::pair<LayoutId, const uint8_t*> panel(int64_t p) const {
+    for (const auto& s : segments)
+      if (p < s.first + s.panels) return {s.layout, base + s.offset + (p - s.first) * panel_bytes(s.layout, K)};
+    TORCH_CHECK(false, "panel out of range");
+  }
+};
+
+int64_t header_bytes(int64_t segments) { return ((4 + 4 * segments) * 8 + 63) / 64 * 64; }
+
+// Reads a packed weight's header and checks it against x.
+PackedBlocks read_packed(const torch::Tensor& x, const torch::Tensor& packed) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "float32 [M, K] contiguous only");
+  const bool shaped = packed.dtype() == torch::kUInt8 && packed.dim() == 1 && packed.is_contiguous() &&
+                      packed.numel() >= 64;
+  const int64_t* h = shaped ? reinterpret_cast<const int64_t*>(packed.data_ptr<uint8_t>()) : nullptr;
+  TORCH_CHECK(h != nullptr && h[0] == kPackedMagic && h[3] >= 1 && packed.numel() >= header_bytes(h[3]),
+              "weight was not packed by pack_gguf_blocks");
+  PackedBlocks view{h[1], h[2], {}, packed.data_ptr<uint8_t>()};
+  TORCH_CHECK(view.K == x.size(1), "x has ", x.size(1), " columns, the weight ", view.K);
+  for (int64_t s = 0; s < h[3]; ++s) {
+    const int64_t* e = h + 4 + 4 * s;
+    TORCH_CHECK(e[0] >= 0 && e[0] < static_cast<int64_t>(LayoutId::kCount), "unknown block layout");
+    view.segments.push_back({static_cast<LayoutId>(e[0]), e[1], e[2], e[3]});
+  }
+  const Segment& last = view.segments.back();
+  TORCH_CHECK(last.offset + last.panels * panel_bytes(last.layout, view.K) <= packed.numel(), "packed weight is truncated");
+  return view;
+}
+
 }  // namespace
 
 bool gguf_blocks_available() { return true; }
 
-// parts: GGUF rows of `kind` ("Q4_0": per block d as fp16 then 16 bytes of nibbles; "Q4_1": d, m
-// as fp16 then the nibbles; "Q8_0": d as fp16 then 32 int8), uint8 [N_i, K / 32 * block bytes]
-// each, one matrix of their rows one after another (a fused q/k/v or gate/up, read where they
-// lie) -> panels for the block matmuls.
-torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor> parts, int64_t k, const std::string& kind_name) {
-  const FileBlocks file = file_blocks(kind_name);
-  const BlockKind kind = file.layout;
-  const bool q4 = kind == BlockKind::kQ4_1;
-  TORCH_CHECK(!parts.empty(), "no rows to pack");
-  std::vector<const uint8_t*> row_at;  // each row's first byte
-  for (const auto& blocks : parts) {
-    TORCH_CHECK(blocks.dtype() == torch::kUInt8 && blocks.dim() == 2 && blocks.is_contiguous(),
-                "uint8 [N, bytes] only");
+// parts: GGUF rows, uint8 [N_i, K / weights a block * block bytes] each, of the types `kinds`
+// ("Q4_K", "Q6_K", "F16", ...: file_type's), the rows of one matrix one after another (a fused
+// q/k/v or gate/up, read where they lie) -> the packed weight the block matmuls read.
+torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor> parts, std::vector<std::string> kinds, int64_t k) {
+  TORCH_CHECK(!parts.empty() && kinds.size() == parts.size(), "one type for each part");
+  struct Rows {
+    FileType file;
+    const uint8_t* first;
+    int64_t count, stride;
+  };
+  std::vector<Rows> rows;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const auto& blocks = parts[i];
+    const FileType file = file_type(kinds[i]);
+    TORCH_CHECK(blocks.dtype() == torch::kUInt8 && blocks.dim() == 2 && blocks.is_contiguous(), "uint8 [N, bytes] only");
     TORCH_CHECK(k % file.weights == 0 && blocks.size(1) == k / file.weights * file.bytes,
-                "rows are not ", kind_name, " blocks of ", k, " weights");
-    for (int64_t r = 0; r < blocks.size(0); ++r) row_at.push_back(blocks.data_ptr<uint8_t>() + r * blocks.size(1));
+                "rows are not ", kinds[i], " blocks of ", k, " weights");
+    rows.push_back({file, blocks.data_ptr<uint8_t>(), blocks.size(0), blocks.size(1)});
   }
-  const int64_t n = static_cast<int64_t>(row_at.size()), nb = k / kQBlock, panels = (n + kQCols - 1) / kQCols;
-  const int64_t out_bytes = packed_block_bytes(kind);
-  auto packed = torch::zeros({panels, nb, out_bytes}, parts[0].options());
-  uint8_t* dst = packed.data_ptr<uint8_t>();
-  uint8_t values[kQBlock];
-  for (int64_t row = 0; row < n; ++row) {
-    const int64_t p = row / kQCols, j = row % kQCols;
-    for (int64_t b = 0; b < nb; ++b) {
-      uint8_t* out = dst + (p * nb + b) * out_bytes;
-      float* scales = reinterpret_cast<float*>(out);
-      float no_min;  // Q8_0's layout has none
-      read_block(file, row_at[row], b, scales[j], q4 ? scales[kQCols + j] : no_min, values);
-      uint8_t* q = out + scale_bytes(kind);
-      if (q4) {
-        for (int64_t e = 0; e < kQBlock; ++e) q[e * 8 + j % 8] |= j < 8 ? values[e] : static_cast<uint8_t>(values[e] << 4);
-      } else {
-        for (int64_t e = 0; e < kQBlock; ++e) q[e * kQCols + j] = values[e];
-      }
+  // Segments: runs of parts that share a layout.
+  std::vector<Segment> segments;
+  std::vector<std::pair<size_t, size_t>> part_range;  // [first, last) part of each segment
+  int64_t n = 0, panels = 0;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (segments.empty() || segments.back().layout != rows[i].file.layout) {
+      TORCH_CHECK(n % kQCols == 0, "parts of different block layouts must meet at a multiple of ", kQCols, " rows");
+      segments.push_back({rows[i].file.layout, panels, 0, 0});
+      part_range.push_back({i, i});
     }
+    n += rows[i].count;
+    part_range.back().second = i + 1;
+    const int64_t segment_rows = n - segments.back().first * kQCols;
+    segments.back().panels = (segment_rows + kQCols - 1) / kQCols;
+    panels = segments.back().first + segments.back().panels;
+  }
+  int64_t bytes = header_bytes(static_cast<int64_t>(segments.size()));
+  for (auto& s : segments) {
+    s.offset = bytes;
+    bytes += s.panels * panel_bytes(s.layout, k);
+  }
+  auto packed = torch::zeros({bytes}, parts[0].options());
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  int64_t* h = reinterpret_cast<int64_t*>(dst);
+  h[0] = kPackedMagic, h[1] = k, h[2] = n, h[3] = static_cast<int64_t>(segments.size());
+  for (size_t s = 0; s < segments.size(); ++s) {
+    int64_t* e = h + 4 + 4 * s;
+    e[0] = static_cast<int64_t>(segments[s].layout), e[1] = segments[s].first, e[2] = segments[s].panels;
+    e[3] = segments[s].offset;
+  }
+  for (size_t s = 0; s < segments.size(); ++s) {
+    // Each row's type and first byte; each panel (16 rows) is written by one thread.
+    std::vector<std::pair<const FileType*, const uint8_t*>> row_at;
+    for (size_t i = part_range[s].first; i < part_range[s].second; ++i)
+      for (int64_t r = 0; r < rows[i].count; ++r) row_at.push_back({&rows[i].file, rows[i].first + r * rows[i].stride});
+    with_layout(segments[s].layout, [&](auto layout) {
+      using L = decltype(layout);
+      const int64_t blocks = k / L::kK, bytes_per_panel = blocks * L::kBlockBytes;
+      uint8_t* panels_at = dst + segments[s].offset;
+      at::parallel_for(0, segments[s].panels, 1, [&](int64_t begin, int64_t end) {
+        uint8_t values[2 * 32];
+        const int64_t row_end = std::min<int64_t>(end * kQCols, static_cast<int64_t>(row_at.size()));
+        for (int64_t row = begin * kQCols; row < row_end; ++row) {
+          const FileType& file = *row_at[row].first;
+          const uint8_t* in = row_at[row].second;
+          const int64_t j = row % kQCols;
+          for (int64_t b = 0; b < blocks; ++b) {
+            uint8_t* out = panels_at + (row / kQCols) * bytes_per_panel + b * L::kBlockBytes;
+            float* scales = reinterpret_cast<float*>(out);
+            if constexpr (L::kSuper) {  // D, Dmin, then each sub-block's integer scale and minimum
+              float D, Dmin = 0.0f;
+              int scale[16], minimum[16] = {};
+              read_super_block(file, in, b, D, Dmin, scale, minimum);
+              scales[j] = D;
+              if constexpr (L::kMin) scales[kQCols + j] = Dmin;
+              uint8_t* integers = out + L::kFloatScaleBytes;
+              for (int64_t sub = 0; sub < L::kSubBlocks; ++sub) {
+                integers[sub * kQCols + j] = static_cast<uint8_t>(scale[sub]);  // int8 where signed
+                if constexpr (L::kMin) integers[(L::kSubBlocks + sub) * kQCols + j] = static_cast<uint8_t>(minimum[sub]);
+              }
+            }
+            for (int64_t sub = 0; sub < L::kSubBlocks; ++sub) {
+              float d, m = 0.0f;
+              read_block(file, in, b * L::kSubBlocks + sub, d, m, values);
+              if constexpr (L::kScaled && !L::kSuper) {
+                scales[j] = d;
+                if constexpr (L::kMin) scales[kQCols + j] = m;
+              }
+              uint8_t* q = out + L::kScaleBytes + sub * L::kSubValueBytes;
+              for (int64_t e = 0; e < L::kSub; ++e) {
+                if constexpr (L::kValues == Values::kNibble) {
+                  q[e * 8 + j % 8] |= j < 8 ? values[e] : static_cast<uint8_t>(values[e] << 4);
+                } else if constexpr (L::kValues == Values::kInt8) {
+                  q[e * kQCols + j] = values[e];
+                } else {
+                  std::memcpy(q + (e * kQCols + j) * 2, values + 2 * e, 2);
+                }
+              }
+            }
+          }
+        }
+      });
+    });
   }
   return packed;
 }
 
-namespace {
-
-// Checks x and a weight packed by pack_gguf_blocks against each other; whether it is in Q4_1's
-// layout (else Q8_0's).
-bool packed_is_q4(const torch::Tensor& x, const torch::Tensor& packed) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "float32 [M, K] contiguous only");
-  const int64_t block_bytes = packed.dim() == 3 ? packed.size(2) : 0;
-  TORCH_CHECK((block_bytes == packed_block_bytes(BlockKind::kQ4_1) ||
-               block_bytes == packed_block_bytes(BlockKind::kQ8_0)) && packed.size(1) * kQBlock == x.size(1),
-              "weight was not packed by pack_gguf_blocks or does not match x");
-  return block_bytes == packed_block_bytes(BlockKind::kQ4_1);
-}
-
-}  // namespace
-
 // x [M, K] through a weight packed by pack_gguf_blocks (out_features N) -> [M, N] (fp32).
 torch::Tensor gguf_blocks_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
-  const bool q4 = packed_is_q4(x, packed);
-  const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0), n_pad = panels * kQCols;
-  TORCH_CHECK(out_features <= n_pad && out_features > n_pad - kQCols, "out_features does not match the packing");
+  const PackedBlocks w = read_packed(x, packed);
+  TORCH_CHECK(out_features == w.N, "out_features ", out_features, " does not match the packing (", w.N, ")");
+  const int64_t M = x.size(0), K = x.size(1), panels = w.panels(), n_pad = panels * kQCols;
   auto y = torch::empty({M, n_pad}, x.options());
   const float* xp = x.data_ptr<float>();
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t panel_bytes = packed.size(1) * packed.size(2);
   for_panels(panels, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t m = 0; m < M; m += kQMaxRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kQMaxRows, M - m));
-        float* out = yp + m * n_pad + p * kQCols;
-        if (q4)
-          quant_rows<BlockKind::kQ4_1>(rows, xp + m * K, K, wp + p * panel_bytes, out, n_pad);
-        else
-          quant_rows<BlockKind::kQ8_0>(rows, xp + m * K, K, wp + p * panel_bytes, out, n_pad);
-      }
+    for (int64_t p = begin; p < end; ++p) {
+      const auto [layout, at] = w.panel(p);
+      const uint8_t* panel = at;  // a lambda cannot capture a structured binding before C++20
+      with_layout(layout, [&](auto l) {
+        for (int64_t m = 0; m < M; m += kQMaxRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kQMaxRows, M - m));
+          quant_rows<decltype(l)>(rows, xp + m * K, K, panel, yp + m * n_pad + p * kQCols, n_pad);
+        }
+      });
+    }
   });
   return out_features == n_pad ? y : y.narrow(1, 0, out_features).contiguous();
 }
@@ -1413,25 +1719,22 @@ torch::Tensor gguf_blocks_linear(torch::Tensor x, torch::Tensor packed, int64_t 
 // kNR columns is dequantized once into an fp32 panel (in cache) that packed_linear's
 // microkernel then runs over all M rows. The weights are the loader's fp32 values and each
 // output the same in-order sum as packed_linear's: bit for bit its result on the dequantized
-// weight, from a fifth (Q4_1) or a third (Q8_0) of its memory.
+// weight, from a fraction of its memory.
 torch::Tensor gguf_blocks_gemm(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
   static_assert(kNR % kQCols == 0, "an fp32 panel holds whole block panels");
   constexpr int64_t kSub = kNR / kQCols;  // block panels per fp32 panel
-  const bool q4 = packed_is_q4(x, packed);
-  const int64_t M = x.size(0), K = x.size(1), qpanels = packed.size(0);
+  const PackedBlocks w = read_packed(x, packed);
+  TORCH_CHECK(out_features == w.N, "out_features ", out_features, " does not match the packing (", w.N, ")");
+  const int64_t M = x.size(0), K = x.size(1), qpanels = w.panels();
   const int64_t panels = (qpanels + kSub - 1) / kSub, n_pad = panels * kNR;
-  TORCH_CHECK(out_features <= qpanels * kQCols && out_features > qpanels * kQCols - kQCols,
-              "out_features does not match the packing");
   auto y = torch::empty({M, n_pad}, x.options());
   const float* xp = x.data_ptr<float>();
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t panel_bytes = packed.size(1) * packed.size(2);
   constexpr int64_t kRowBlock = 128;  // rows whose activations stay in L2 while the panels pass, as packed_linear
   for_panels(panels, [&](int64_t begin, int64_t end) {
     // torch's CPU allocator aligns to 64 bytes, as the microkernel's panel loads need
     auto scratch = torch::empty({K * kNR}, x.options());
-    float* w = scratch.data_ptr<float>();
+    float* wf = scratch.data_ptr<float>();
     for (int64_t m_block = 0; m_block < M; m_block += kRowBlock) {
       const int64_t rows = std::min(kRowBlock, M - m_block);
       const int64_t chunks = (rows + kMaxRows - 1) / kMaxRows;
@@ -1440,17 +1743,17 @@ torch::Tensor gguf_blocks_gemm(torch::Tensor x, torch::Tensor packed, int64_t ou
         for (int64_t s = 0; s < kSub; ++s) {
           const int64_t qp = p * kSub + s;
           if (qp >= qpanels) {  // past the last block panel: zero columns, as pack_linear_weight pads
-            for (int64_t k = 0; k < K; ++k) std::fill_n(w + k * kNR + s * kQCols, kQCols, 0.0f);
-          } else if (q4) {
-            dequantize_panel<BlockKind::kQ4_1>(wp + qp * panel_bytes, K, w + s * kQCols, kNR);
-          } else {
-            dequantize_panel<BlockKind::kQ8_0>(wp + qp * panel_bytes, K, w + s * kQCols, kNR);
+            for (int64_t k = 0; k < K; ++k) std::fill_n(wf + k * kNR + s * kQCols, kQCols, 0.0f);
+            continue;
           }
+          const auto [layout, at] = w.panel(qp);
+          const uint8_t* panel = at;  // a lambda cannot capture a structured binding before C++20
+          with_layout(layout, [&](auto l) { dequantize_panel<decltype(l)>(panel, K, wf + s * kQCols, kNR); });
         }
         int64_t m = m_block;
         for (int64_t c = 0; c < chunks; ++c) {
           const int mr = static_cast<int>((m_block + rows - m) / (chunks - c));  // even split, as packed_linear
-          gemm_rows<Prefetch::kNone>(mr, xp + m * K, K, w, K, nullptr, yp + m * n_pad + p * kNR, n_pad, nullptr, 0);
+          gemm_rows<Prefetch::kNone>(mr, xp + m * K, K, wf, K, nullptr, yp + m * n_pad + p * kNR, n_pad, nullptr, 0);
           m += mr;
         }
       }
@@ -1463,7 +1766,7 @@ bool gguf_blocks_available() { return false; }
 torch::Tensor gguf_blocks_gemm(torch::Tensor, torch::Tensor, int64_t) {
   TORCH_CHECK(false, "the GGUF block matmul needs AVX2");
 }
-torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor>, int64_t, const std::string&) {
+torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor>, std::vector<std::string>, int64_t) {
   TORCH_CHECK(false, "the GGUF block matmul needs AVX2");
 }
 torch::Tensor gguf_blocks_linear(torch::Tensor, torch::Tensor, int64_t) {
@@ -1754,7 +2057,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T (+ b): from the GGUF blocks up to blocks_max_rows rows where given, else the packed W");
   m.def("plan_ops", &plan_ops, "The layer-plan ops DecoderStack runs (inflight/model/layer_plan.py's Op)");
   m.def("gguf_blocks_available", &gguf_blocks_available, "Whether this build has the GGUF block matmul (AVX2)");
-  m.def("pack_gguf_blocks", &pack_gguf_blocks, "Pack GGUF Q4_0, Q4_1, Q4_K, Q5_0 or Q8_0 rows (one or more parts) for the block matmuls");
+  m.def("pack_gguf_blocks", &pack_gguf_blocks,
+        "Pack GGUF rows (Q2_K..Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, BF16; one or more parts) for the block matmuls");
   m.def("gguf_blocks_linear", &gguf_blocks_linear, "x @ W.T with W as packed GGUF blocks (CPU, fp32)");
   m.def("gguf_blocks_gemm", &gguf_blocks_gemm,
         "x @ W.T with W as packed GGUF blocks, dequantized a panel at a time (steps of many rows)");
