@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from inflight.errors import ModelLoadError
 from inflight.model.kernels import cpu_kernels
 from inflight.model.linear import Linear, blocks_usable, linear_backend
+from inflight.model.loader import PACKED_BYTES
 
 
 def available(backend: str) -> bool:
@@ -134,6 +135,8 @@ def test_gguf_block_matmul_equals_the_fp32_one_bit_for_bit(kind, out_features, i
     both = Linear(weight, bias, "inflight", gguf_blocks=(kind, blocks))
     shape_only = Linear(weight.to("meta"), bias, "inflight", gguf_blocks=(kind, blocks))
     assert both.blocks is not None and both.weight.numel() == 0  # no fp32 panels kept
+    # the size the memory estimate counts: a 64-byte header, then whole panels of 16 rows
+    assert both.blocks.numel() == 64 + -(-out_features // 16) * 16 * in_features * PACKED_BYTES[kind]
     # A fused matrix packed from its parts where they lie: the packing of their rows joined.
     assert torch.equal(kernels.pack_gguf_blocks([blocks[:10], blocks[10:]], [kind] * 2, in_features), both.blocks)
     x = torch.randn(300, in_features)

@@ -1166,7 +1166,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
 //   Q4K       256  32         yes     4-bit   0.594           Q4_K (0.5625)
 //   Q8K       256  32         yes     int8    1.094           Q5_K (0.6875)
 //   Q8K16     256  16         no      int8    1.078           Q6_K (0.8203), Q3_K (0.4297)
-//   Q4K16m    256  16         yes     4-bit   0.625           Q2_K (0.3281)
+//   Q4K16m    256  16         yes     4-bit   0.656           Q2_K (0.3281)
 //   F16x32    32   -          -       fp16    2               F16
 //   BF16x32   32   -          -       bf16    2               BF16
 
