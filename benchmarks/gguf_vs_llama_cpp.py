@@ -1,0 +1,566 @@
+"""inflight beside llama.cpp on llama.cpp's own ground: the same GGUF file, computed from its
+quantized blocks by both, the same thread count, each engine loaded once in its own fresh
+subprocess. For each file and engine:
+
+  load        seconds from the engine's constructor call to a model ready to step (llama.cpp: the
+              model and its context; inflight: `LLM(model=...)`, model, tokenizer and KV pool)
+  memory      /proc/self/status after the load: VmRSS, split into RssAnon (heap: repacked or
+              widened weights, KV cache, buffers) and RssFile (pages of the mapped GGUF file), and
+              VmHWM, the resident peak of the whole run
+  single      one request, a 32-token prompt, greedy, a fixed number of tokens (EOS ignored):
+              decode tok/s = (tokens - 1) / (last token's time - first token's time)
+  burst-64    64 requests submitted at once, prompts of 32..128 tokens, a fixed number of output
+              tokens each: generated tokens / wall time (submission to the last token)
+
+Equal work: the same prompt token ids (seeded, random ids, no BOS added by either engine), the same
+output lengths, greedy by argmax, the same threads (torch intra-op and llama.cpp's n_threads and
+n_threads_batch), the same step budget (512 tokens a step, decodes first, then prompt chunks) and
+the same KV capacity in tokens (64 sequences x a per-sequence context rounded up to 256 tokens;
+llama.cpp stores it in f16, inflight in fp32). llama.cpp runs through llama-cpp-python's
+low-level batch API with the loop of `peers/llama_cpp_runner.py` (row (f) of peers.py), its
+file mapped (mmap, its default) and its CPU "extra" buffer types as they come (it may repack
+weights to interleaved layouts, in anonymous memory); inflight through `LLMEngine.add_request` /
+`step` as `peers/inflight_runners.py` drives it. Before each engine's process the file is read
+once (untimed) so that both load from the page cache, and inflight's per-file caches (GGUF
+index, converted tokenizer) and its C++ kernels are built by an untimed process first, so that
+the load timed is the one a restarted server sees. Each child warms up with two short requests
+before the single-stream and burst runs. The weights may be random: this measures speed and
+memory, and how often the two engines' greedy tokens agree is reported only as a sanity check
+(they do not compute bit-identical logits: llama.cpp quantizes activations to 8 bits for its
+dot products, inflight multiplies fp32 activations by the dequantized weights).
+
+Making the models (random N(0, 0.02) weights, norms 1.0 in F32, Llama 3's tokenizer from
+tests/fixtures/gguf-vocab/llama-bpe.gguf.gz; Q8_0 written by gguf-py, Q4_K_M by llama.cpp's own
+`llama-quantize --allow-requantize` from the Q8_0 file):
+
+    .venv/bin/python benchmarks/gguf_vs_llama_cpp.py --make-models /tmp/ggufs --sizes 1b,8b \\
+        --llama-quantize /tmp/lcp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-quantize
+
+  1b: Llama-3.2-1B-shaped (hidden 2048, 16 layers, 32 heads, 8 KV heads, FFN 8192, vocab 128256,
+      tied embeddings, rope theta 500000, no llama3 rope scaling), 1.3 GB in Q8_0
+  8b: Llama-3.1-8B-shaped (hidden 4096, 32 layers, 32/8 heads, FFN 14336, untied output), 8.5 GB
+
+llama-cpp-python in its own environment (compiles llama.cpp for this CPU; ~10+ min on 2 cores):
+
+    python3.11 -m venv /tmp/llama-env && /tmp/llama-env/bin/pip install numpy
+    CMAKE_ARGS="-DGGML_NATIVE=ON" /tmp/llama-env/bin/pip install --no-binary llama-cpp-python \\
+        llama-cpp-python==0.3.36
+
+Running (the 1B files; the 8B ones with `--single-tokens 32 --burst-tokens 16`):
+
+    .venv/bin/python benchmarks/gguf_vs_llama_cpp.py --llama-cpp-python /tmp/llama-env/bin/python \\
+        --model /tmp/ggufs/llama-3.2-1b-shaped-Q4_K_M.gguf --model /tmp/ggufs/llama-3.2-1b-shaped-Q8_0.gguf \\
+        --output benchmarks/results/gguf-vs-llama-cpp-1b.json
+
+The script runs itself as each child (`--child inflight|llama.cpp JOB RESULT`), under the Python
+of that engine: standard library only at the top, each engine's imports inside its child.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+PEERS = HERE / "peers"
+VOCAB_FIXTURE = REPO / "tests" / "fixtures" / "gguf-vocab" / "llama-bpe.gguf.gz"
+ENGINES = ("inflight", "llama.cpp")
+FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8")
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "1b": {"name": "llama-3.2-1b-shaped", "hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 8,
+           "ffn": 8192, "vocab": 128256, "tied": True},
+    "8b": {"name": "llama-3.1-8b-shaped", "hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8,
+           "ffn": 14336, "vocab": 128256, "tied": False},
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The models
+
+
+def make_models(out_dir: Path, sizes: list[str], llama_quantize: str | None, threads: int, seed: int,
+                pool_blocks: int) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for size in sizes:
+        shape = SHAPES[size]
+        q8 = out_dir / f"{shape['name']}-Q8_0.gguf"
+        if q8.is_file():
+            print(f"{q8} exists; kept", file=sys.stderr)
+        else:
+            t = time.perf_counter()
+            write_q8_model(q8, shape, seed, pool_blocks)
+            print(f"wrote {q8} ({q8.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+        q4 = out_dir / f"{shape['name']}-Q4_K_M.gguf"
+        if q4.is_file():
+            print(f"{q4} exists; kept", file=sys.stderr)
+        elif llama_quantize is None:
+            print(f"no --llama-quantize: {q4} not made", file=sys.stderr)
+        else:
+            t = time.perf_counter()
+            tmp = q4.with_suffix(".tmp")
+            with open(q4.with_suffix(".quantize.log"), "w") as log:
+                subprocess.run([llama_quantize, "--allow-requantize", str(q8), str(tmp), "Q4_K_M", str(threads)],
+                               check=True, stdout=log, stderr=subprocess.STDOUT)
+            os.replace(tmp, q4)
+            print(f"wrote {q4} ({q4.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+
+
+def write_q8_model(path: Path, shape: dict[str, Any], seed: int, pool_blocks: int = 0) -> None:
+    """A Llama-shaped GGUF file of Q8_0 matrices (gguf-py's quantizer) and F32 norms, written one
+    slab of rows at a time (the 8B embedding alone is 2 GB in fp32), with the tokenizer.* keys of
+    llama.cpp's ggml-vocab-llama-bpe.gguf. With `pool_blocks`, gguf-py quantizes that many 32-weight
+    blocks of N(0, 0.02) once and every matrix is made of blocks drawn from them at random (with
+    replacement): the same distribution, minutes instead of an hour for the 8B on 2 cores."""
+    import gzip
+    import shutil
+
+    import gguf
+    import numpy as np
+
+    vocab_file = Path(tempfile.gettempdir()) / "ggml-vocab-llama-bpe.gguf"
+    if not vocab_file.is_file():
+        with gzip.open(VOCAB_FIXTURE) as src, open(vocab_file, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    vocab = gguf.GGUFReader(vocab_file)
+
+    h, n_layers, heads, kv_heads = shape["hidden"], shape["layers"], shape["heads"], shape["kv_heads"]
+    head_dim = h // heads
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    block, block_bytes = gguf.GGML_QUANT_SIZES[q8]
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(shape["name"] + " (random weights)")
+    w.add_block_count(n_layers)
+    w.add_context_length(8192)
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(shape["ffn"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(500000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(shape["vocab"])
+    w.add_rope_dimension_count(head_dim)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for key, field in vocab.fields.items():
+        if key.startswith("tokenizer."):
+            array = field.types[0] == gguf.GGUFValueType.ARRAY
+            w.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
+
+    tensors: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (shape["vocab"], h))]
+    for i in range(n_layers):
+        tensors += [
+            (f"blk.{i}.attn_norm.weight", (h,)),
+            (f"blk.{i}.attn_q.weight", (h, h)),
+            (f"blk.{i}.attn_k.weight", (kv_heads * head_dim, h)),
+            (f"blk.{i}.attn_v.weight", (kv_heads * head_dim, h)),
+            (f"blk.{i}.attn_output.weight", (h, h)),
+            (f"blk.{i}.ffn_norm.weight", (h,)),
+            (f"blk.{i}.ffn_gate.weight", (shape["ffn"], h)),
+            (f"blk.{i}.ffn_up.weight", (shape["ffn"], h)),
+            (f"blk.{i}.ffn_down.weight", (h, shape["ffn"])),
+        ]
+    tensors.append(("output_norm.weight", (h,)))
+    if not shape["tied"]:
+        tensors.append(("output.weight", (shape["vocab"], h)))
+    for name, dims in tensors:
+        if len(dims) == 1:
+            w.add_tensor_info(name, dims, np.dtype(np.float32), 4 * dims[0])
+        else:
+            row_bytes = dims[1] // block * block_bytes
+            w.add_tensor_info(name, (dims[0], row_bytes), np.dtype(np.uint8), dims[0] * row_bytes, raw_dtype=q8)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    fout = w.fout[0]
+    rng = np.random.default_rng(seed)
+    pool = None
+    if pool_blocks:
+        pool = np.concatenate([gguf.quants.quantize(rng.standard_normal((1 << 15, block), dtype=np.float32) * 0.02, q8)
+                               for _ in range(0, pool_blocks, 1 << 15)])
+    for _, dims in tensors:
+        w.write_padding(fout, fout.tell())
+        if len(dims) == 1:
+            data = np.ones(dims, dtype=np.float32)
+            data.tofile(fout)
+            w.write_padding(fout, data.nbytes)
+            continue
+        rows_at_once = max(1, (16 << 20) // dims[1])
+        for start in range(0, dims[0], rows_at_once):
+            rows = min(rows_at_once, dims[0] - start)
+            if pool is not None:
+                pool[rng.integers(0, len(pool), rows * dims[1] // block)].tofile(fout)
+                continue
+            slab = rng.standard_normal((rows, dims[1]), dtype=np.float32)
+            slab *= 0.02
+            gguf.quants.quantize(slab, q8).tofile(fout)
+        w.write_padding(fout, dims[0] * (dims[1] // block * block_bytes))
+    w.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The workload
+
+
+def workload(seed: int, single_prompt: int, single_tokens: int, burst_requests: int, burst_prompt: tuple[int, int],
+             burst_tokens: int, vocab: int = 128000) -> dict[str, Any]:
+    """Token ids below the special tokens of Llama 3's vocabulary (128000+)."""
+    rng = random.Random(seed)
+    ids = lambda n: [rng.randrange(1000, vocab) for _ in range(n)]  # noqa: E731
+    single = {"prompt_token_ids": ids(single_prompt), "max_tokens": single_tokens, "arrival_s": 0.0}
+    burst = [{"prompt_token_ids": ids(rng.randint(*burst_prompt)), "max_tokens": burst_tokens, "arrival_s": 0.0}
+             for _ in range(burst_requests)]
+    return {"single": single, "burst": burst}
+
+
+# ---------------------------------------------------------------------------------------------
+# The children (each engine's own process and Python)
+
+
+def proc_status() -> dict[str, int]:
+    keys = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key = line.split(":", 1)[0]
+            if key in keys:
+                out[key] = int(line.split()[1]) * 1024
+    return out
+
+
+def child(engine: str, job_path: str, result_path: str) -> None:
+    job = json.loads(Path(job_path).read_text())
+    sys.path.insert(0, str(PEERS))
+    from peer_protocol import Clock, PeerRequest, warmup_requests
+
+    single = [PeerRequest(**job["single"])]
+    burst = [PeerRequest(**r) for r in job["burst"]]
+    threads, n_ctx_per_seq, n_seq = job["threads"], job["n_ctx_per_seq"], job["n_seq_max"]
+    info: dict[str, Any] = {}
+    t_import = time.perf_counter()
+    if engine == "inflight":
+        import torch
+
+        torch.set_num_threads(threads)
+        from inflight_runners import _drive
+
+        from inflight import LLM
+        from inflight.model.kernels import cpu_kernels
+        from inflight.model.linear import linear_backend
+
+        kernels = cpu_kernels()  # built by the untimed prepare step; loaded here, before the clock
+        info.update(torch=torch.__version__, torch_threads=torch.get_num_threads(),
+                    kernels=kernels.isa() if kernels is not None else None,
+                    linear=linear_backend(torch.device("cpu"), torch.float32))
+        import_s = time.perf_counter() - t_import
+        before = proc_status()
+        t0 = time.perf_counter()
+        options = {"dtype": "float32", "device": "cpu", "max_batch_size": n_seq, "max_num_tokens": job["n_batch"],
+                   "enable_chunked_prefill": True, "num_kv_blocks": n_seq * n_ctx_per_seq // 16,
+                   "block_size": 16, "max_model_len": n_ctx_per_seq}
+        engine_obj = LLM(job["model"], **options).engine
+        load_s = time.perf_counter() - t0
+        info["options"] = options
+
+        def run(requests):
+            clock = Clock(requests)
+            return _drive(engine_obj, requests, clock), clock
+
+        def close() -> None:
+            pass
+    else:
+        import llama_cpp
+        from llama_cpp_runner import LlamaCppRunner
+
+        info.update(version=llama_cpp.__version__, system_info=_system_info(llama_cpp))
+        import_s = time.perf_counter() - t_import
+        before = proc_status()
+        t0 = time.perf_counter()
+        runner = LlamaCppRunner(job["model"], n_seq, n_ctx_per_seq, job["n_batch"], threads)
+        load_s = time.perf_counter() - t0
+        info.update(n_seq_max=n_seq, n_ctx=n_seq * n_ctx_per_seq, n_batch=job["n_batch"], n_threads=threads,
+                    use_mmap=True)
+
+        def run(requests):
+            clock = Clock(requests)
+            return runner.run(requests, clock), clock
+
+        close = runner.close
+    after_load = proc_status()
+    run(warmup_requests())
+    records, _ = run(single)
+    times = records[0].token_times_s
+    single_out = {"tokens": records[0].token_ids, "ttft_s": times[0],
+                  "decode_tok_s": (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else None}
+    records, clock = run(burst)
+    wall = clock.wall_s(records)
+    generated = sum(len(r.token_ids) for r in records)
+    burst_out = {"tokens": [r.token_ids for r in records], "wall_s": wall, "generated": generated,
+                 "tok_s": generated / wall}
+    end = proc_status()
+    close()
+    result = {"engine": engine, "import_s": import_s, "load_s": load_s, "before_load": before,
+              "after_load": after_load, "end": end, "single": single_out, "burst": burst_out, "info": info}
+    Path(result_path).write_text(json.dumps(result))
+
+
+def _system_info(llama_cpp: Any) -> str:
+    try:
+        raw = llama_cpp.llama_print_system_info()
+        return raw.decode() if isinstance(raw, bytes) else str(raw)
+    except Exception as exc:  # an older binding: not worth failing the run for
+        return f"unavailable ({exc})"
+
+
+_PREPARE = """
+import sys
+from inflight.model.kernels import cpu_kernels
+from inflight.model.loader import load_model_config, resolve_model
+from inflight.model.tokenizer import Tokenizer
+cpu_kernels()
+source = resolve_model(sys.argv[1])
+Tokenizer.load(source, load_model_config(source).eos_token_ids)
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# The parent
+
+
+def machine_info() -> dict[str, Any]:
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in lscpu.splitlines())}
+    flags = set(fields.get("Flags", "").split())
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=REPO).stdout.strip()
+    # The working tree's own changes to inflight/, if any, named by a digest of their diff.
+    diff = subprocess.run(["git", "diff", "HEAD", "--", "inflight"], capture_output=True, cwd=REPO).stdout
+    return {"cpu": fields.get("Model name", platform.processor()), "num_cpus": os.cpu_count(),
+            "flags": {f: f in flags for f in FLAGS_OF_INTEREST}, "platform": platform.platform(),
+            "mem_total_gb": _meminfo("MemTotal") / 1e9, "inflight_commit": commit or None,
+            "inflight_uncommitted_diff_sha256": hashlib.sha256(diff).hexdigest()[:16] if diff else None}
+
+
+def _meminfo(key: str) -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+
+def read_file_once(path: str) -> float:
+    """Brings the file into the page cache (both engines then load from memory, not disk)."""
+    t = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.read(64 << 20):
+            pass
+    return time.perf_counter() - t
+
+
+def run_child(python: str, engine: str, job: dict[str, Any], tmp: Path, timeout: float) -> dict[str, Any]:
+    stem = f"{Path(job['model']).stem}-{engine}"
+    job_path, result_path, log_path = tmp / f"{stem}-job.json", tmp / f"{stem}-result.json", tmp / f"{stem}.log"
+    job_path.write_text(json.dumps(job))
+    result_path.unlink(missing_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(job["threads"]), "MKL_NUM_THREADS": str(job["threads"])}
+    load_avg = os.getloadavg()
+    (busy0, steal0), ours0, t0 = _cpu_s(), _children_cpu_s(), time.perf_counter()
+    with open(log_path, "w") as log:
+        done = subprocess.run([python, str(Path(__file__).resolve()), "--child", engine, str(job_path),
+                               str(result_path)], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                              timeout=timeout)
+    wall = time.perf_counter() - t0
+    busy, steal = _cpu_s()
+    others, stolen = (busy - busy0) - (_children_cpu_s() - ours0), steal - steal0
+    if done.returncode != 0 or not result_path.is_file():
+        tail = log_path.read_text()[-3000:]
+        raise RuntimeError(f"{engine} failed (exit {done.returncode}); the end of {log_path}:\n{tail}")
+    result = json.loads(result_path.read_text())
+    result["load_avg_before"] = load_avg
+    # The machine's busy CPU time during the child, less the child's own: what other processes
+    # took from the run (a quiet machine: a few seconds of the child's wall x CPUs).
+    result["child_wall_s"], result["other_processes_cpu_s"], result["stolen_cpu_s"] = wall, others, stolen
+    result["log"] = str(log_path)
+    # llama.cpp's own account of its buffers (model, repacked weights, KV cache, compute).
+    result["buffer_lines"] = [line.strip() for line in log_path.read_text().splitlines() if "buffer size" in line]
+    return result
+
+
+def _cpu_s() -> tuple[float, float]:
+    """Seconds of CPU time the whole machine has been busy (user, nice, system, irq, softirq), and
+    stolen by the hypervisor (a virtual machine's CPUs given to other guests), from /proc/stat."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:9]] + [0] * 8
+    hz = os.sysconf("SC_CLK_TCK")
+    return (ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6]) / hz, ticks[7] / hz
+
+
+def _children_cpu_s() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def agreement(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """How far the two engines' greedy tokens agree (a sanity check, not a correctness test)."""
+    pairs = [(a["single"]["tokens"], b["single"]["tokens"])] + list(zip(a["burst"]["tokens"], b["burst"]["tokens"],
+                                                                          strict=True))
+
+    def common(x: list[int], y: list[int]) -> int:
+        n = 0
+        while n < min(len(x), len(y)) and x[n] == y[n]:
+            n += 1
+        return n
+
+    prefixes = [common(x, y) for x, y in pairs]
+    return {"requests": len(pairs), "first_token_equal": sum(p > 0 for p in prefixes),
+            "mean_common_prefix": sum(prefixes) / len(prefixes),
+            "all_equal": sum(p == len(x) for p, (x, _) in zip(prefixes, pairs, strict=True))}
+
+
+def distinct_tokens(result: dict[str, Any]) -> float:
+    """Mean number of distinct tokens in a burst output (1 would be a degenerate repeat)."""
+    outs = result["burst"]["tokens"]
+    return sum(len(set(t)) for t in outs) / len(outs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", action="append", default=[], help="a GGUF file (repeatable)")
+    p.add_argument("--llama-cpp-python", metavar="PATH", help="a Python where `import llama_cpp` works")
+    p.add_argument("--engines", default="inflight,llama.cpp", help="comma-separated, run in this order")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--single-prompt", type=int, default=32, help="single stream: prompt tokens (default 32)")
+    p.add_argument("--single-tokens", type=int, default=128, help="single stream: generated tokens (default 128)")
+    p.add_argument("--burst-requests", type=int, default=64)
+    p.add_argument("--burst-prompt", default="32,128", help="burst: prompt lengths, uniform in MIN,MAX")
+    p.add_argument("--burst-tokens", type=int, default=64, help="burst: generated tokens each (default 64)")
+    p.add_argument("--n-batch", type=int, default=512,
+                   help="tokens a step (llama.cpp n_batch, inflight max_num_tokens)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=1800, help="seconds a child may run")
+    p.add_argument("--output", default="benchmarks/results/gguf-vs-llama-cpp.json")
+    p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "gguf-vs-llama-cpp"),
+                   help="the children's jobs, results and logs (kept; one set per file and engine)")
+    p.add_argument("--make-models", metavar="DIR", help="write the GGUF files to DIR and exit")
+    p.add_argument("--sizes", default="1b", help="with --make-models: 1b, 8b or 1b,8b")
+    p.add_argument("--llama-quantize", metavar="PATH", help="with --make-models: llama.cpp's llama-quantize")
+    p.add_argument("--pool-blocks", type=int, default=0,
+                   help="with --make-models: draw the Q8_0 blocks from a pool of this many (default 0: all quantized)")
+    p.add_argument("--child", nargs=3, metavar=("ENGINE", "JOB", "RESULT"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args.child:
+        child(*args.child)
+        return 0
+    if args.make_models:
+        make_models(Path(args.make_models), [s.strip() for s in args.sizes.split(",") if s.strip()],
+                    args.llama_quantize, args.threads, args.seed, args.pool_blocks)
+        return 0
+    if not args.model:
+        p.error("give --model FILE (or --make-models DIR)")
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if unknown := [e for e in engines if e not in ENGINES]:
+        p.error(f"unknown engine(s) {unknown}; choose from {','.join(ENGINES)}")
+    if "llama.cpp" in engines and not args.llama_cpp_python:
+        p.error("llama.cpp needs --llama-cpp-python PATH (or --engines inflight)")
+    pythons = {"inflight": sys.executable, "llama.cpp": args.llama_cpp_python}
+
+    lo, hi = (int(x) for x in args.burst_prompt.split(","))
+    work = workload(args.seed, args.single_prompt, args.single_tokens, args.burst_requests, (lo, hi),
+                    args.burst_tokens)
+    longest = max(hi + args.burst_tokens, args.single_prompt + args.single_tokens)
+    n_ctx_per_seq = 256 * ((longest + 255) // 256)
+    machine = machine_info()
+    record: dict[str, Any] = {
+        "machine": machine,
+        "config": {"threads": args.threads, "single_prompt": args.single_prompt, "single_tokens": args.single_tokens,
+                   "burst_requests": args.burst_requests, "burst_prompt": [lo, hi], "burst_tokens": args.burst_tokens,
+                   "n_batch": args.n_batch, "n_seq_max": args.burst_requests, "n_ctx_per_seq": n_ctx_per_seq,
+                   "seed": args.seed, "burst_prompt_tokens": sum(len(r["prompt_token_ids"]) for r in work["burst"])},
+        "runs": [],
+    }
+    print(f"{machine['cpu']}, {machine['num_cpus']} CPUs, flags "
+          f"{' '.join(f for f, on in machine['flags'].items() if on)}; {args.threads} threads", file=sys.stderr)
+    tmp = Path(args.work_dir)
+    tmp.mkdir(parents=True, exist_ok=True)
+    for model in args.model:
+        model = str(Path(model).resolve())
+        entry: dict[str, Any] = {"model": model, "size_bytes": Path(model).stat().st_size, "results": {}}
+        if "inflight" in engines:
+            subprocess.run([sys.executable, "-c", _PREPARE, model], check=True, cwd=REPO)
+        job = {"model": model, "threads": args.threads, "n_ctx_per_seq": n_ctx_per_seq,
+               "n_seq_max": args.burst_requests, "n_batch": args.n_batch, **work}
+        for engine in engines:
+            read_s = read_file_once(model)
+            print(f"{Path(model).name}: {engine} (file read in {read_s:.1f} s; load average "
+                  f"{os.getloadavg()[0]:.2f}) ...", file=sys.stderr)
+            try:
+                result = run_child(pythons[engine], engine, job, tmp, args.timeout)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                print(str(exc), file=sys.stderr)
+                entry["results"][engine] = {"error": str(exc)[-3000:]}
+                continue
+            result["distinct_tokens_per_request"] = distinct_tokens(result)
+            entry["results"][engine] = result
+            print(f"  load {result['load_s']:.1f} s, single {result['single']['decode_tok_s']:.2f} tok/s, "
+                  f"burst {result['burst']['tok_s']:.1f} tok/s; other processes took "
+                  f"{result['other_processes_cpu_s']:.0f} CPU-s of the {result['child_wall_s']:.0f} s run, "
+                  f"the hypervisor {result['stolen_cpu_s']:.0f}",
+                  file=sys.stderr)
+        ok = [r for r in entry["results"].values() if "error" not in r]
+        if len(ok) == 2:
+            entry["agreement"] = agreement(*ok)
+        record["runs"].append(entry)
+        _save(args.output, record)  # after each file: a later failure keeps the earlier ones
+    _save(args.output, record)
+    print_table(record)
+    print(f"\nwrote {args.output}")
+    return 0
+
+
+def _save(path: str, record: dict[str, Any]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(record, indent=1))
+
+
+def print_table(record: dict[str, Any]) -> None:
+    cfg = record["config"]
+    gb = 1e9
+    print(f"\n{record['machine']['cpu']}; {cfg['threads']} threads; single: {cfg['single_prompt']}-token prompt, "
+          f"{cfg['single_tokens']} tokens; burst: {cfg['burst_requests']} x ({cfg['burst_prompt'][0]}.."
+          f"{cfg['burst_prompt'][1]} prompt, {cfg['burst_tokens']} out)")
+    header = (f"{'file':<34} {'engine':<9} {'load s':>7} {'RSS GB':>7} {'anon':>6} {'file':>6} {'peak GB':>8} "
+              f"{'end anon':>8} {'1-stream tok/s':>14} {'burst tok/s':>11} {'others CPU-s':>12}")
+    print(header)
+    print("-" * len(header))
+    for entry in record["runs"]:
+        name = Path(entry["model"]).name.removesuffix(".gguf")
+        for engine, r in entry["results"].items():
+            if "error" in r:
+                print(f"{name:<34} {engine:<9} failed: {r['error'].splitlines()[0][:60]}")
+                continue
+            m, end = r["after_load"], r["end"]
+            print(f"{name:<34} {engine:<9} {r['load_s']:7.2f} {m['VmRSS'] / gb:7.2f} {m['RssAnon'] / gb:6.2f} "
+                  f"{m['RssFile'] / gb:6.2f} {end['VmHWM'] / gb:8.2f} {end['RssAnon'] / gb:8.2f} "
+                  f"{r['single']['decode_tok_s']:14.2f} {r['burst']['tok_s']:11.1f} "
+                  f"{r.get('other_processes_cpu_s', float('nan')):12.0f}")
+        if "agreement" in entry:
+            a = entry["agreement"]
+            print(f"{'':<34} greedy tokens agree: first token {a['first_token_equal']}/{a['requests']}, "
+                  f"all {a['all_equal']}/{a['requests']}, mean common prefix {a['mean_common_prefix']:.1f}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
