@@ -165,7 +165,13 @@ class LlamaModel:
         backend = linear_backend(device, self.dtype)
 
         def linear(*names: str, bias: tuple[str, ...] | None = None) -> Linear:
-            weight = torch.cat([take(n) for n in names]) if len(names) > 1 else take(names[0])
+            stored = [take(n) for n in names]
+            if len(stored) == 1:
+                weight = stored[0]
+            elif all(part.is_meta for part in stored):  # shape only (torch.cat on meta would import dynamo: 3 s)
+                weight = torch.empty((sum(part.shape[0] for part in stored), stored[0].shape[1]), device="meta")
+            else:
+                weight = torch.cat(stored)
             b = torch.cat([take(n) for n in bias]) if bias else None
             parts = [part for n in names if (part := blocks.get(n)) is not None]
             quantized = None
