@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 from serving import replicas_reporting, start_serve, stop
 
-from inflight.bench.client import parse_prometheus
+from inflight.bench.server_metrics import parse_prometheus
 
 REPORTING = "inflight:fleet_replicas_reporting"
 

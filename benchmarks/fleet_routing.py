@@ -27,9 +27,10 @@ from typing import Any
 import httpx
 from serving import replicas_reporting, start_serve, stop
 
-from inflight.bench.client import parse_prometheus, run_http
+from inflight.bench.client import run_http
 from inflight.bench.corpus import Corpus
 from inflight.bench.results import BenchRun
+from inflight.bench.server_metrics import parse_prometheus
 from inflight.bench.workload import generate_requests, load_workload, with_request_rate
 from inflight.model.loader import resolve_model
 from inflight.model.tokenizer import Tokenizer

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from inflight.bench.client import parse_prometheus
+from inflight.bench.server_metrics import parse_prometheus
 
 
 def free_port() -> int:

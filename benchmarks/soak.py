@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from httpx_sse import EventSource
 from prometheus_client.parser import text_string_to_metric_families
 from serving import start_serve, stop
 
@@ -147,10 +148,8 @@ def _refusal(kind: str, status: int, text: str) -> Outcome:
 async def _read_stream(resp: httpx.Response, kind: str, start: float, disconnect_after: int,
                        max_tokens: int) -> Outcome:
     ttft, chunks, done, usage = None, 0, False, None
-    async for line in resp.aiter_lines():
-        if not line.startswith("data: "):
-            continue
-        data = line.removeprefix("data: ")
+    async for sse in EventSource(resp).aiter_sse():
+        data = sse.data
         if data == "[DONE]":
             done = True
             break

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from pydantic import TypeAdapter
 
-from inflight.bench.client import parse_prometheus, run_http
+from inflight.bench.client import run_http
 from inflight.bench.corpus import Corpus
 from inflight.bench.distributions import Arrivals, LengthDist
 from inflight.bench.metrics import (
@@ -28,6 +28,7 @@ from inflight.bench.metrics import (
 )
 from inflight.bench.report import read_run_file, write_run_file
 from inflight.bench.runs import parse_compare, parse_sweep, plan_runs, resolve_options
+from inflight.bench.server_metrics import parse_prometheus
 from inflight.bench.workload import (
     BenchRequest,
     WorkloadError,
@@ -425,7 +426,8 @@ def test_http_client_against_a_fake_server(char_corpus: Corpus) -> None:
             return httpx.Response(400, json={"error": {"message": "too long"}})
         text = lambda t, f=None: {"choices": [{"index": 0, "text": t, "finish_reason": f}]}  # noqa: E731
         return httpx.Response(200, content=_sse(text("a"), text("bc"), text("", "length"),
-                                                {"choices": [], "usage": {"completion_tokens": body["max_tokens"]}}))
+                                                {"choices": [], "usage": {"completion_tokens": body["max_tokens"]}}),
+                              headers={"content-type": "text/event-stream"})
 
     sent_priorities: list[int] = []
     spec = parse_workload({**TINY, "num_requests": 6, "output_len": {"kind": "uniform", "min": 2, "max": 4},

@@ -86,21 +86,16 @@ _MEASURE = textwrap.dedent("""
     import json, sys, torch
     from inflight.engine.memory import keep_freed_memory
     from inflight.model.linear import blocks_usable
-    from inflight.model.llama import LlamaModel
-    from inflight.model.loader import load_blocks, load_checkpoint, load_embedding, resolve_model
+    from inflight.model.loaded import LoadedModel
 
     def anonymous():
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
 
     keep_freed_memory()  # as the engine runs
-    source = resolve_model(sys.argv[1] if len(sys.argv) > 1 else None)
+    blocks_usable()  # the kernels loaded before the count starts
     before = anonymous()
-    keep = blocks_usable()
-    config, weights = load_checkpoint(source, torch.float32, keep_blocks=keep)
-    blocks = load_blocks(source, config) if keep else {}
-    embedding = load_embedding(source, config) if keep else None
-    model = LlamaModel(config, weights, torch.device("cpu"), gguf_blocks=blocks, embedding=embedding)
+    loaded = LoadedModel.load(sys.argv[1] if len(sys.argv) > 1 else None, torch.float32, torch.device("cpu"))
     print(json.dumps({"grown": anonymous() - before}))
 """)
 
@@ -108,17 +103,21 @@ _MEASURE = textwrap.dedent("""
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's /proc")
 @pytest.mark.parametrize("kind", ["gguf", "hf-bf16"])
 def test_the_weights_estimate_bounds_what_a_load_takes(tmp_path, kind):
-    """In a fresh process, as `LoadedModel.load` builds the model: the anonymous memory it grows
-    by is at most the estimate, and not far below it (the estimate is what is refused on)."""
+    """In a fresh process, as `LoadedModel.load` builds the model and its tokenizer: the anonymous
+    memory it grows by is at most the estimate, and not far below it (the estimate is what is
+    refused on)."""
     import transformers
 
     from inflight.model.linear import blocks_usable, linear_backend
 
     argv = []
-    if kind == "hf-bf16":  # about 40M parameters, stored in bf16
+    if kind == "hf-bf16":  # about 73M parameters, stored in bf16
+        from inflight.model.tokenizer import Tokenizer
+
         torch.manual_seed(0)
+        Tokenizer.load(resolve_model(None)).hf.save_pretrained(tmp_path)  # the embedded model's, 49,152 entries
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
+            vocab_size=49152, hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
             num_key_value_heads=4, tie_word_embeddings=False)).to(torch.bfloat16)
         model.save_pretrained(tmp_path, safe_serialization=True)
         argv = [str(tmp_path)]

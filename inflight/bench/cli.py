@@ -19,7 +19,8 @@ from inflight.bench.report import (
 )
 from inflight.bench.results import BenchRun
 from inflight.bench.runs import PRESETS, RunPlan, parse_compare, parse_sweep, plan_runs
-from inflight.bench.sla import SLA, check_run, format_check, load_sla
+from inflight.bench.server_metrics import SERVER_KINDS
+from inflight.bench.sla import SLA, CheckLine, check_run, format_check, load_sla
 from inflight.bench.workload import (
     BenchRequest,
     WorkloadSpec,
@@ -45,11 +46,28 @@ def register(subparsers: Any) -> None:
     t.add_argument("--served-model-name", default=None, help="model name to send (default: the server's first)")
     t.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
     t.add_argument("--timeout", type=float, default=600.0, help="per-request HTTP timeout in seconds")
+    t.add_argument("--server-kind", default="auto", choices=("auto", *SERVER_KINDS),
+                   help="whose /metrics names to read (KV usage, queue, preemptions, failures); "
+                        "default: recognized from the names")
+    t.add_argument("--metrics-interval", type=float, default=0.5, metavar="SECONDS",
+                   help="how often to sample the server's /metrics during the run (default 0.5)")
     t.add_argument("--torch-threads", type=int, default=None,
                    help="intra-op threads of the in-process engine (default: torch's choice)")
     add_runs_options(bench, "run each configuration in turn", "(in-process only)")
     o = add_output_options(bench)
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    c = bench.add_argument_group("capacity under the SLA")
+    c.add_argument("--find-max-rate", action="store_true",
+                   help="run the workload's requests at Poisson rates, doubling then bisecting, to the highest "
+                        "rate at which every --sla line passes; exit 0 if the SLA's min_request_rate passes")
+    c.add_argument("--start-rate", type=float, default=None, metavar="REQ_PER_S",
+                   help="the first rate tried after the SLA's min_request_rate (default: the spec's rate, "
+                        "else min_request_rate, else 1)")
+    c.add_argument("--rate-tolerance", type=float, default=0.1,
+                   help="stop when the passing and failing rates are within this fraction (default 0.1)")
+    c.add_argument("--max-trials", type=int, default=8, help="at most this many runs (default 8)")
+    c.add_argument("--max-duration", type=float, default=1800.0, metavar="SECONDS",
+                   help="start no new run after this many seconds (default 1800)")
     add_engine_options(bench)
     bench.set_defaults(func=cmd_bench)
 
@@ -112,6 +130,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     plans = plan_runs(compare, sweeps)
     progress = not args.no_progress and sys.stderr.isatty()
     document: dict[str, Any] = {"created_at": now_iso(), "command": command_line(), "environment": environment()}
+    if args.find_max_rate:
+        if sla is None:
+            raise ConfigError("--find-max-rate needs --sla: the lines every trial must pass")
+        if compare or sweeps:
+            raise ConfigError("--find-max-rate searches one configuration; drop --compare and --sweep")
+        return _find_max_rate(args, spec, spec_path, sla, progress, document)
 
     if args.url:
         if compare or sweeps:
@@ -155,8 +179,18 @@ def _bench_http(args: argparse.Namespace, spec: WorkloadSpec, spec_path: Path, s
 
     # Prompts are cut with the tokenizer of --model, which must be the model the server runs.
     requests = generate_requests(spec, Corpus(Tokenizer.load(resolve_model(args.model))), spec_path.parent)
+    if args.metrics_interval <= 0:
+        raise ConfigError("--metrics-interval must be > 0")
     capture, info = run_http(args.url, requests, model=args.served_model_name,
-                             max_concurrency=args.max_concurrency, progress=progress, timeout_s=args.timeout)
+                             max_concurrency=args.max_concurrency, progress=progress, timeout_s=args.timeout,
+                             metrics_interval_s=args.metrics_interval, server_kind=args.server_kind)
+    sampling = info["metrics"]
+    if sampling["problem"]:
+        print(f"inflight bench: server metrics not read: {sampling['problem']}", file=sys.stderr)
+    else:
+        print(f"inflight bench: {sampling['server_kind']} /metrics sampled {sampling['scrapes']} times, "
+              f"{sampling['scrape_mean_ms']} ms each ({100 * sampling['busy_share']:.2f}% of the run); "
+              f"exposes {', '.join(sampling['exposed']) or 'nothing the gate reads'}", file=sys.stderr)
     return [BenchRun.measure("server", info, capture, slo)], requests, {"kind": "http", **info}
 
 
@@ -179,6 +213,89 @@ def _bench_in_process(args: argparse.Namespace, options: dict[str, Any], plans: 
     return runs, requests
 
 
+def _find_max_rate(args: argparse.Namespace, spec: WorkloadSpec, spec_path: Path, sla: SLA, progress: bool,
+                   document: dict[str, Any]) -> int:
+    """`--find-max-rate`: the same requests (prompts and lengths fixed by the spec's seed) at
+    rising Poisson rates, against the server or an in-process engine alike."""
+    from inflight.bench.capacity import find_max_rate, format_capacity
+    from inflight.bench.corpus import Corpus
+    from inflight.bench.workload import generate_requests
+
+    if args.max_trials < 1 or args.max_duration <= 0 or not 0 < args.rate_tolerance < 1:
+        raise ConfigError("--max-trials must be >= 1, --max-duration > 0 and --rate-tolerance in (0, 1)")
+    slo = sla.goodput.slo() if sla.goodput else None
+    start = args.start_rate or getattr(spec.arrivals, "rate", None) or sla.min_request_rate or 1.0
+    if args.url:
+        from inflight.bench.client import run_http
+        from inflight.model.loader import resolve_model
+        from inflight.model.tokenizer import Tokenizer
+
+        corpus = Corpus(Tokenizer.load(resolve_model(args.model)))
+        document["target"] = {"kind": "http", "url": args.url}
+
+        def run_at(rate: float, requests: list[BenchRequest]) -> BenchRun:
+            capture, info = run_http(args.url, requests, model=args.served_model_name,
+                                     max_concurrency=args.max_concurrency, progress=progress, timeout_s=args.timeout,
+                                     metrics_interval_s=args.metrics_interval, server_kind=args.server_kind)
+            document["target"].update(info)
+            return BenchRun.measure(f"rate={rate:.4g}", info, capture, slo)
+    else:
+        from inflight.bench.runs import run_in_process
+        from inflight.config import EngineConfig
+        from inflight.engine.engine import select_device, select_dtype
+        from inflight.model.loaded import LoadedModel
+        from inflight.options import engine_options
+
+        options = engine_options(args)
+        EngineConfig.from_kwargs(args.model, **options)
+        device = select_device(options.get("device", "auto"))
+        loaded = LoadedModel.load(args.model, select_dtype(options.get("dtype", "auto"), device), device)
+        corpus = Corpus(loaded.tokenizer)
+        document["target"] = {"kind": "in-process", "model": args.model}
+        document["engine_options"] = options
+
+        def run_at(rate: float, requests: list[BenchRequest]) -> BenchRun:
+            (run,) = run_in_process(args.model, options, plan_runs(), requests, max_concurrency=args.max_concurrency,
+                                    slo=slo, progress=progress, loaded=loaded)
+            run.label = f"rate={rate:.4g}"
+            return run
+
+    def measure(rate: float) -> tuple[BenchRun, list[CheckLine]]:
+        run = run_at(rate, generate_requests(with_request_rate(spec, rate), corpus, spec_path.parent))
+        return run, check_run(sla, run, spec.name)
+
+    capacity = find_max_rate(measure, start, args.rate_tolerance, args.max_trials, args.max_duration,
+                             sla.min_request_rate, progress=lambda line: print(line, file=sys.stderr))
+    title = f"inflight bench --find-max-rate: {spec.name} ({spec.num_requests} requests a trial, seed {spec.seed})"
+    print(format_capacity(capacity, slo, title))
+    floor = sla.min_request_rate
+    verdict = capacity.passes(floor) if floor is not None else capacity.max_rate is not None
+    if floor is not None:
+        print(f"min_request_rate {floor:g} req/s: {'PASS' if verdict else 'FAIL'}")
+    runs = [t.run for t in capacity.trials]
+    document.update({
+        "workload": {"name": spec.name, "source": str(spec_path), "seed": spec.seed, "sha256": spec.sha256,
+                     "num_requests": spec.num_requests, "spec": spec.model_dump(mode="json")},
+        "max_concurrency": args.max_concurrency,
+        "sla": sla.model_dump(mode="json"),
+        "capacity": {"max_rate": capacity.max_rate, "stopped": capacity.stopped, "min_request_rate": floor,
+                     "passed": bool(verdict),
+                     "trials": [{"rate": t.rate, "passed": t.passed, "limiting": t.limiting,
+                                 "attainment": t.attainment(slo), "label": t.run.label} for t in capacity.trials]},
+    })
+    if args.output:
+        write_run_file(Path(args.output), document, runs)
+        print(f"wrote {args.output}", file=sys.stderr)
+    if args.plot:
+        from inflight.bench.plots import plot_capacity
+
+        folder = Path(args.plot)
+        folder.mkdir(parents=True, exist_ok=True)
+        points = [(t.rate, t.run.metrics.goodput, t.attainment(slo), t.passed) for t in capacity.trials]
+        print(f"wrote {plot_capacity(points, folder / 'capacity.png', capacity.max_rate, spec.name)}", file=sys.stderr)
+    return 0 if verdict else 1
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     sla = load_sla(args.sla)
     document, runs = read_run_file(Path(args.run))
@@ -189,4 +306,4 @@ def cmd_check(args: argparse.Namespace) -> int:
 def _check_and_print(sla: SLA, sla_path: str, run_path: str, runs: list[BenchRun], workload: str | None) -> int:
     results = [(run, check_run(sla, run, workload)) for run in runs]
     print(format_check(sla_path, run_path, results))
-    return 0 if all(line.passed for _, lines in results for line in lines) else 1
+    return 0 if all(line.ok for _, lines in results for line in lines) else 1

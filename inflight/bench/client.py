@@ -8,8 +8,8 @@ the final usage chunk (`stream_options.include_usage`) gives the exact output co
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
-import re
 import sys
 import time
 from collections.abc import Sequence
@@ -17,50 +17,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from httpx_sse import SSEError, aconnect_sse
 from tqdm import tqdm
 
 from inflight.bench.metrics import EngineCounters, KvSample, RequestResult
 from inflight.bench.results import Capture
+from inflight.bench.server_metrics import (
+    DIALECTS,
+    SLOTS_PATH,
+    Dialect,
+    ExpositionError,
+    Reading,
+    kv_usage_from_slots,
+    parse_exposition,
+    recognize,
+)
 from inflight.bench.workload import BenchRequest
-from inflight.engine.stats import METRICS
 from inflight.errors import InflightError
-
-KV_USAGE, KV_LIVE, KV_PEAK, PREEMPTIONS, OOM_ERRORS, KV_ALLOCATION_FAILURES, RUNNING, WAITING = (
-    METRICS[name].scraped_name for name in (
-        "kv_cache_usage_perc", "kv_cache_live_token_perc", "kv_cache_usage_peak_perc", "num_preemptions",
-        "num_oom_errors", "num_kv_allocation_failures", "num_requests_running", "num_requests_waiting"))
-
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{.*\})?\s+(\S+)")
 
 
 class ServerError(InflightError):
     """The server could not be reached or does not speak the expected API."""
-
-
-# Gauges of one pool each: behind a fleet (one series per replica) the fullest pool speaks for
-# the run, as the KV watermark an SLA bounds is any one pool's. Everything else is summed.
-_HIGHEST = frozenset({KV_USAGE, KV_LIVE, KV_PEAK})
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Sample values by metric name: summed over label sets (`name{labels} value`), except the
-    KV pool gauges, of which the highest is kept."""
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match is None:
-            continue
-        name, value = match.group(1), match.group(2)
-        try:
-            number = float(value)
-        except ValueError:
-            continue
-        if name in _HIGHEST:
-            values[name] = max(values.get(name, number), number)
-        else:
-            values[name] = values.get(name, 0.0) + number
-    return values
 
 
 async def resolve_model_name(client: httpx.AsyncClient) -> str:
@@ -76,31 +53,68 @@ async def resolve_model_name(client: httpx.AsyncClient) -> str:
 
 @dataclass(slots=True)
 class _MetricsSampler:
-    """Polls /metrics; keeps the first and last scrape for counters and a KvSample per scrape."""
+    """Polls /metrics every `interval_s`; reads each scrape through the engine's dialect (named,
+    or recognized from the first scrape), keeps a KvSample per scrape and the first and last
+    readings for the counters, and times itself (the scrape and the parsing, client-side)."""
 
     client: httpx.AsyncClient
     t0: float
     interval_s: float
+    dialect: Dialect | None = None
     samples: list[KvSample] = field(default_factory=list)
-    first: dict[str, float] | None = None
-    last: dict[str, float] | None = None
+    first: Reading | None = None
+    last: Reading | None = None
+    exposed: set[str] = field(default_factory=set)
     available: bool = True
+    problem: str | None = None
+    costs_s: list[float] = field(default_factory=list)
+    bytes_read: int = 0
+    slots_usable: bool = True
+    kv_usage_from: str | None = None  # where the KV usage came from, when not /metrics
 
     async def scrape(self) -> None:
+        started = time.perf_counter()
         try:
             response = await self.client.get("/metrics")
             response.raise_for_status()
-        except httpx.HTTPError:
-            self.available = False
+            series = parse_exposition(response.text)
+        except (httpx.HTTPError, ExpositionError) as exc:
+            self.available, self.problem = False, f"/metrics: {exc}"
             return
-        values = parse_prometheus(response.text)
-        self.first = self.first or values
-        self.last = values
-        if KV_USAGE in values:
-            live = values.get(KV_LIVE)
-            self.samples.append(KvSample(time.perf_counter() - self.t0, 100.0 * values[KV_USAGE],
-                                         int(values.get(RUNNING, 0)), int(values.get(WAITING, 0)),
-                                         100.0 * live if live is not None and values[KV_USAGE] > 0 else None))
+        self.bytes_read += len(response.content)
+        self.dialect = self.dialect or recognize(series)
+        if self.dialect is None:  # an engine's names may appear only once it has served a request
+            self.problem = "/metrics has none of the names of a known engine (name it: --server-kind)"
+            return
+        self.problem = None
+        reading = self.dialect.read(series)
+        self.exposed.update(self.dialect.exposes(series))
+        if reading.kv_usage is None and self.dialect.kind == "llama.cpp" and self.slots_usable:
+            reading = dataclasses.replace(reading, kv_usage=await self._kv_usage_from_slots())
+        self.first = self.first or reading
+        self.last = reading
+        if reading.kv_usage is not None:
+            live = reading.kv_live
+            self.samples.append(KvSample(time.perf_counter() - self.t0, 100.0 * reading.kv_usage,
+                                         int(reading.running or 0), int(reading.waiting or 0),
+                                         100.0 * live if live is not None and reading.kv_usage > 0 else None))
+        self.costs_s.append(time.perf_counter() - started)
+
+    async def _kv_usage_from_slots(self) -> float | None:
+        """llama-server without KV metrics: the usage its /slots shows (`kv_usage_from_slots`)."""
+        try:
+            response = await self.client.get(SLOTS_PATH)
+            response.raise_for_status()
+            usage = kv_usage_from_slots(response.json())
+        except (httpx.HTTPError, ValueError):
+            usage = None
+        if usage is None:
+            self.slots_usable = False
+            return None
+        self.bytes_read += len(response.content)
+        self.exposed.add("kv_usage")
+        self.kv_usage_from = f"{SLOTS_PATH}: tokens held / context, over the slots"
+        return usage
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set() and self.available:
@@ -111,17 +125,40 @@ class _MetricsSampler:
                 pass
 
     def counters(self) -> EngineCounters:
-        first, last = self.first or {}, self.last or {}
+        if self.first is None or self.last is None:
+            return EngineCounters()
+        first, last = self.first.counters, self.last.counters
 
-        def delta(name: str) -> int | None:
+        def rise(name: str) -> int | None:
             return int(last[name] - first.get(name, 0.0)) if name in last else None
 
-        # The server's peak gauge covers its whole life; it speaks for this run only if it rose.
+        # A server's peak gauge covers its whole life; it speaks for this run only if it rose.
         peak = None
-        if KV_PEAK in last and last[KV_PEAK] > first.get(KV_PEAK, 0.0):
-            peak = 100.0 * last[KV_PEAK]
-        return EngineCounters(kv_peak_perc=peak, num_preemptions=delta(PREEMPTIONS), num_oom_errors=delta(OOM_ERRORS),
-                              num_kv_allocation_failures=delta(KV_ALLOCATION_FAILURES))
+        if self.last.kv_peak is not None and self.last.kv_peak > (self.first.kv_peak or 0.0):
+            peak = 100.0 * self.last.kv_peak
+        return EngineCounters(kv_peak_perc=peak, num_preemptions=rise("preemptions"),
+                              num_oom_errors=rise("oom_errors"),
+                              num_kv_allocation_failures=rise("kv_allocation_failures"),
+                              num_server_failed_requests=rise("failed_requests"))
+
+    def describe(self, duration_s: float) -> dict[str, Any]:
+        """What the sampling read and what it cost: scrapes, mean and max milliseconds each, and
+        the share of the run's wall time spent in them (the client's; the server's own share is
+        the rendering of the same text)."""
+        costs = self.costs_s
+        return {
+            "server_kind": self.dialect.kind if self.dialect else None,
+            "names_from": self.dialect.source if self.dialect else None,
+            "exposed": sorted(self.exposed),
+            "kv_usage_from": self.kv_usage_from or ("/metrics" if "kv_usage" in self.exposed else None),
+            "problem": self.problem,
+            "interval_s": self.interval_s,
+            "scrapes": len(costs),
+            "scrape_mean_ms": round(1000 * sum(costs) / len(costs), 3) if costs else None,
+            "scrape_max_ms": round(1000 * max(costs), 3) if costs else None,
+            "busy_share": round(sum(costs) / max(duration_s, 1e-9), 5),
+            "bytes_per_scrape": self.bytes_read // len(costs) if costs else None,
+        }
 
 
 async def _stream_one(client: httpx.AsyncClient, model: str, request: BenchRequest, t0: float,
@@ -140,19 +177,18 @@ async def _stream_one(client: httpx.AsyncClient, model: str, request: BenchReque
     token_times: list[float] = []
     usage_tokens: int | None = None
     error: str | None = None
+    status: int | None = None
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                error = f"HTTP {response.status_code}: {text[:300]}"
+        async with aconnect_sse(client, "POST", "/v1/completions", json=body) as source:
+            status = source.response.status_code
+            if status != 200:
+                text = (await source.response.aread()).decode(errors="replace")
+                error = f"HTTP {status}: {text[:300]}"
             else:
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+                async for event in source.aiter_sse():
+                    if event.data == "[DONE]":
                         break
-                    chunk = json.loads(data)
+                    chunk = json.loads(event.data)
                     if "error" in chunk:
                         err = chunk["error"]
                         error = str(err.get("message", err) if isinstance(err, dict) else err)
@@ -161,7 +197,7 @@ async def _stream_one(client: httpx.AsyncClient, model: str, request: BenchReque
                         token_times.append(time.perf_counter())
                     if chunk.get("usage"):
                         usage_tokens = int(chunk["usage"]["completion_tokens"])
-    except (httpx.HTTPError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+    except (httpx.HTTPError, SSEError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         error = f"{type(exc).__name__}: {exc}"
     finally:
         if slots is not None:
@@ -173,7 +209,7 @@ async def _stream_one(client: httpx.AsyncClient, model: str, request: BenchReque
         error = "the stream ended without a token"
     return RequestResult.from_token_times(
         request.index, request.prompt_len, request.output_len, sent - t0,
-        [t - t0 for t in token_times], finished - t0, num_tokens, error, request.priority,
+        [t - t0 for t in token_times], finished - t0, num_tokens, error, request.priority, status,
     )
 
 
@@ -189,16 +225,20 @@ def _carries_token(chunk: dict[str, Any]) -> bool:
 
 async def run_http_async(url: str, requests: Sequence[BenchRequest], model: str | None = None,
                          max_concurrency: int | None = None, progress: bool = True,
-                         metrics_interval_s: float = 0.25, timeout_s: float = 600.0,
+                         metrics_interval_s: float = 0.5, timeout_s: float = 600.0, server_kind: str = "auto",
                          transport: httpx.AsyncBaseTransport | None = None) -> tuple[Capture, dict[str, Any]]:
-    """`transport` replaces the network (tests use httpx.MockTransport)."""
+    """`server_kind`: the engine whose metric names to read (`server_metrics.SERVER_KINDS`), or
+    "auto" to recognize it; `transport` replaces the network (tests use httpx.MockTransport)."""
     limits = httpx.Limits(max_connections=len(requests) + 4, max_keepalive_connections=len(requests) + 4)
     timeout = httpx.Timeout(timeout_s, connect=10.0)
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits, transport=transport) as client:
         model = model or await resolve_model_name(client)
-        sampler = _MetricsSampler(client, time.perf_counter(), metrics_interval_s)
+        dialect = None if server_kind == "auto" else DIALECTS[server_kind]
+        sampler = _MetricsSampler(client, time.perf_counter(), metrics_interval_s, dialect)
         await sampler.scrape()  # the counters' starting values
         sampler.samples.clear()
+        sampler.costs_s.clear()
+        sampler.bytes_read = 0
         t0 = sampler.t0 = time.perf_counter()
         stop = asyncio.Event()
         sampling = asyncio.create_task(sampler.run(stop))
@@ -210,7 +250,8 @@ async def run_http_async(url: str, requests: Sequence[BenchRequest], model: str 
         stop.set()
         await sampling
         await sampler.scrape()
-    info = {"url": url, "served_model_name": model, "metrics_available": sampler.available}
+    info = {"url": url, "served_model_name": model, "metrics_available": sampler.first is not None,
+            "metrics": sampler.describe(duration)}
     results = sorted(results, key=lambda r: r.index)
     return Capture(results, duration, sampler.samples, sampler.counters()), info
 

@@ -32,6 +32,7 @@ class RequestResult:
     num_output_tokens: int = 0
     error: str | None = None
     priority: int = 0  # the class it was sent with
+    http_status: int | None = None  # of the response (None: no response came)
 
     @property
     def ok(self) -> bool:
@@ -47,7 +48,7 @@ class RequestResult:
     def from_token_times(cls, index: int, prompt_len: int, output_len: int, arrival_s: float,
                          token_times_s: Sequence[float], finished_s: float | None,
                          num_output_tokens: int | None = None, error: str | None = None,
-                         priority: int = 0) -> RequestResult:
+                         priority: int = 0, http_status: int | None = None) -> RequestResult:
         """Builds the record from the times (seconds, any common origin) at which token events
         arrived; `num_output_tokens` defaults to one token per event."""
         times = list(token_times_s)
@@ -55,7 +56,7 @@ class RequestResult:
         e2e = finished_s - arrival_s if finished_s is not None and error is None else None
         gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
         count = len(times) if num_output_tokens is None else num_output_tokens
-        return cls(index, prompt_len, output_len, arrival_s, ttft, e2e, gaps, count, error, priority)
+        return cls(index, prompt_len, output_len, arrival_s, ttft, e2e, gaps, count, error, priority, http_status)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,14 +109,17 @@ class KvSample:
 
 @dataclass(frozen=True, slots=True)
 class EngineCounters:
-    """What the engine itself reports over a run; None where the target could not tell. An OOM
-    is an out-of-memory error that failed a model step (`EngineStats.num_oom_errors`); KV
-    pressure fails nothing, it preempts, and shows in the preemptions and allocation failures."""
+    """What the engine itself reports over a run; None where the target could not tell (a
+    server that does not expose the figure). An OOM is an out-of-memory error that failed a
+    model step (`EngineStats.num_oom_errors`); KV pressure fails nothing, it preempts, and shows
+    in the preemptions and allocation failures. `num_server_failed_requests`: requests a server
+    itself counts as failed (in process, the failed requests are the run's own count)."""
 
     kv_peak_perc: float | None = None
     num_preemptions: int | None = None
     num_oom_errors: int | None = None
     num_kv_allocation_failures: int | None = None
+    num_server_failed_requests: int | None = None
 
     @classmethod
     def between(cls, before: EngineStats, after: EngineStats) -> EngineCounters:
@@ -154,6 +158,8 @@ class BenchMetrics:
     # samples with any block in use, and at the sample of peak usage.
     kv_live_mean_perc: float | None = None
     kv_live_at_peak_perc: float | None = None
+    num_server_failed_requests: int | None = None  # as the server counts them
+    num_http_5xx: int = 0  # responses with a 5xx status, as the client saw them
 
 
 def compute_metrics(results: Sequence[RequestResult], duration_s: float,
@@ -192,6 +198,8 @@ def compute_metrics(results: Sequence[RequestResult], duration_s: float,
         kv_live_mean_perc=time_weighted_mean(live) if (live := _live_points(samples)) else None,
         kv_live_at_peak_perc=max(with_live, key=lambda s: s.kv_usage_perc).kv_live_perc
         if (with_live := [s for s in samples if s.kv_live_perc is not None]) else None,
+        num_server_failed_requests=counters.num_server_failed_requests,
+        num_http_5xx=sum(r.http_status is not None and r.http_status >= 500 for r in results),
     )
 
 

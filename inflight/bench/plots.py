@@ -215,6 +215,34 @@ def plot_tradeoff(runs: Sequence[BenchRun], key: str, path: Path, title: str = "
     return _save(fig, path)
 
 
+def plot_capacity(points: Sequence[tuple[float, float | None, float | None, bool]], path: Path,
+                  max_rate: float | None, title: str = "") -> Path:
+    """Goodput (req/s) and SLO attainment (%) against the offered rate, one point per trial of a
+    capacity search (rate, goodput, attainment, passed): passing trials filled, failing hollow,
+    the highest passing rate marked."""
+    points = sorted(points)
+    rates = [p[0] for p in points]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, index, label in ((axes[0], 1, "goodput (req/s)"), (axes[1], 2, "SLO attainment (%)")):
+        values = [np.nan if (v := p[index]) is None else float(v) * (100 if index == 2 else 1) for p in points]
+        ax.plot(rates, values, color="tab:blue", alpha=0.5)
+        for rate, value, (_, _, _, passed) in zip(rates, values, points, strict=True):
+            ax.plot([rate], [value], marker="o", color="tab:blue", fillstyle="full" if passed else "none",
+                    markersize=8, linestyle="")
+        if index == 1:
+            ax.plot(rates, rates, color="gray", linestyle=":", label="offered rate")
+            ax.legend(fontsize=8)
+        if max_rate is not None:
+            ax.axvline(max_rate, color="tab:green", linestyle="--", alpha=0.7)
+        ax.set_xlabel("offered rate (req/s)")
+        ax.set_ylabel(label)
+        ax.set_title(label)
+        ax.grid(True, alpha=0.3)
+    best = "none passed" if max_rate is None else f"highest passing {max_rate:.3g} req/s"
+    fig.suptitle(f"{title}: capacity under the SLA ({best})" if title else f"capacity under the SLA ({best})")
+    return _save(fig, path)
+
+
 def _save(fig: plt.Figure, path: Path, tight: bool = True) -> Path:
     if tight:
         fig.tight_layout()

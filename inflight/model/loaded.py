@@ -3,6 +3,7 @@ several engines (benchmark sweeps and tests build many engines over one model)."
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -21,12 +22,18 @@ class LoadedModel:
 
     @classmethod
     def load(cls, model: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+        """The tokenizer loads in a thread of its own while the weights are read and repacked:
+        most of its time is Python (importing transformers, building the vocabulary), most of the
+        weights' is the C++ repacking, which runs without the GIL (a 1B Q4_K_M GGUF on 2 Ice Lake
+        cores: 3.3-3.8 s, against 3.8-4.2 s one after the other, alternated)."""
         source = resolve_model(model)
         keep_blocks = dtype == torch.float32 and device.type == "cpu" and blocks_usable()
         config, weights = load_checkpoint(source, dtype, keep_blocks=keep_blocks)
-        blocks = load_blocks(source, config) if keep_blocks else {}
-        embedding = load_embedding(source, config) if keep_blocks else None
-        llama = LlamaModel(config, weights, device, gguf_blocks=blocks, embedding=embedding)
-        del weights, blocks  # the model holds what it reads; the rest goes before the tokenizer loads
-        release_file_pages(source)
-        return cls(source.name, llama, Tokenizer.load(source, config.eos_token_ids))
+        with ThreadPoolExecutor(1, thread_name_prefix="inflight-tokenizer") as pool:
+            tokenizer = pool.submit(Tokenizer.load, source, config.eos_token_ids)
+            blocks = load_blocks(source, config) if keep_blocks else {}
+            embedding = load_embedding(source, config) if keep_blocks else None
+            llama = LlamaModel(config, weights, device, gguf_blocks=blocks, embedding=embedding)
+            del weights, blocks  # the model holds what it reads
+            release_file_pages(source)
+            return cls(source.name, llama, tokenizer.result())

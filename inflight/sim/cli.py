@@ -197,7 +197,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         return 0
     results = [(run, check_run(sla, run, spec.name)) for run in runs]
     print(format_check(args.sla, args.output or "(this run)", results))
-    return 0 if all(line.passed for _, lines in results for line in lines) else 1
+    return 0 if all(line.ok for _, lines in results for line in lines) else 1
 
 
 def _validate(run_path: str, target: Any) -> int:
@@ -285,7 +285,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         for c in candidates:
             if not c.passed:
                 failed = ", ".join(f"{line.name} {_show(line.measured)} {line.unit} (limit {line.limit})"
-                                   for line in c.checks if not line.passed)
+                                   for line in c.checks if not line.ok)
                 print(f"  FAIL {c.label}: {failed}")
     if passing and len(passing) <= 8:
         print(format_table([c.run for c in passing[:4]], "best configurations"))

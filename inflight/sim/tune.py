@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from inflight.bench.capacity import find_max_rate
 from inflight.bench.results import BenchRun
 from inflight.bench.sla import SLA, CheckLine, check_run
 from inflight.bench.workload import WorkloadSpec, with_request_rate
@@ -47,7 +48,7 @@ class Candidate:
 
     @property
     def passed(self) -> bool:
-        return all(line.passed for line in self.checks)
+        return all(line.ok for line in self.checks)
 
     @property
     def label(self) -> str:
@@ -103,34 +104,14 @@ class Tuner:
 
     def max_rate(self, overrides: dict[str, Any], start: float, rel_tol: float = 0.05,
                  max_steps: int = 24) -> float | None:
-        """The highest Poisson arrival rate at which the configuration passes: from `start`,
+        """The highest Poisson arrival rate at which the configuration passes (`bench.capacity`'s
+        search, the one `inflight bench --find-max-rate` runs on a server): from `start`,
         doubling while it passes (or halving until it does), then bisecting on a log scale to
-        `rel_tol`. None if it passes at no rate down to start / 256. Assumes passing is monotone
-        in the rate near the edge (a throughput floor in the SLA makes low rates fail too)."""
-        def passes(rate: float) -> bool:
-            _, lines = self.evaluate(overrides, with_request_rate(self.spec, rate))
-            return all(line.passed for line in lines)
+        `rel_tol`. None if it passes at no rate down to start / 256."""
+        def measure(rate: float) -> tuple[BenchRun, list[CheckLine]]:
+            return self.evaluate(overrides, with_request_rate(self.spec, rate))
 
-        lo: float | None = None
-        hi: float | None = None
-        if passes(start):
-            lo = start
-        else:
-            hi = start
-        for _ in range(max_steps):
-            if hi is None:
-                assert lo is not None
-                lo, hi = (lo * 2, None) if passes(lo * 2) else (lo, lo * 2)
-            elif lo is None:
-                if hi < start / 256:
-                    return None
-                lo, hi = (hi / 2, hi) if passes(hi / 2) else (None, hi / 2)
-            elif hi / lo <= 1 + rel_tol:
-                break
-            else:
-                mid = math.sqrt(lo * hi)
-                lo, hi = (mid, hi) if passes(mid) else (lo, mid)
-        return lo
+        return find_max_rate(measure, start, rel_tol, max_trials=max_steps + 1).max_rate
 
 
 def start_rate(spec: WorkloadSpec, candidate: Candidate) -> float:

@@ -2114,8 +2114,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T (+ b): from the GGUF blocks up to blocks_max_rows rows where given, else the packed W");
   m.def("plan_ops", &plan_ops, "The layer-plan ops DecoderStack runs (inflight/model/layer_plan.py's Op)");
   m.def("gguf_blocks_available", &gguf_blocks_available, "Whether this build has the GGUF block matmul (AVX2)");
+  // Without the GIL: a model's tokenizer loads in another thread meanwhile (LoadedModel.load).
   m.def("pack_gguf_blocks", &pack_gguf_blocks,
-        "Pack GGUF rows (Q2_K..Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, BF16; one or more parts) for the block matmuls");
+        "Pack GGUF rows (Q2_K..Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, BF16; one or more parts) for the block matmuls",
+        py::call_guard<py::gil_scoped_release>());
   m.def("gguf_blocks_linear", &gguf_blocks_linear, "x @ W.T with W as packed GGUF blocks (CPU, fp32)");
   m.def("gguf_blocks_gemm", &gguf_blocks_gemm,
         "x @ W.T with W as packed GGUF blocks, dequantized a panel at a time (steps of many rows)");
