@@ -11,6 +11,9 @@ llama-server, `/slots`) while the traffic runs, runs `inflight check`, and stops
 
     # vLLM's CPU build in its own environment (benchmarks/README.md installs it):
     .venv/bin/python benchmarks/gate_real_server.py vllm --python /tmp/vllm-env/bin/python ...
+    # inflight's own server, for a side-by-side on the same model, load and SLA:
+    .venv/bin/python benchmarks/gate_real_server.py inflight --output benchmarks/results/gate-inflight.json
+    # with --find-max-rate 4: the highest rate the SLA holds at, in at most 4 runs, and its plot
 
 What it prints: the bench's table and its line on what the sampling read, then the check. The
 run file is `--output`; with `--capture DIR`, one mid-run scrape of `/metrics` is written to
@@ -46,6 +49,11 @@ def start(engine: str, args: argparse.Namespace, model: Path, port: int, log: Pa
         command = [args.binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "--metrics",
                    "-np", str(args.parallel), "-c", str(args.parallel * args.ctx_per_slot), "-t", str(args.threads),
                    "--no-webui"]
+    elif engine == "inflight":  # for a side-by-side: inflight's own server on the same model and load
+        command = [sys.executable, "-m", "inflight.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
+                   "--port", str(port), "--max-batch-size", str(args.parallel),
+                   "--max-model-len", str(args.ctx_per_slot),
+                   "--num-kv-blocks", str(args.parallel * args.ctx_per_slot // 16)]  # llama-server's KV, in tokens
     else:  # vllm's OpenAI server, CPU build
         command = [args.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                    "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(args.parallel),
@@ -80,7 +88,7 @@ def capture(url: str, folder: Path, name: str, after_s: float, done: threading.E
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("engine", choices=("llama-server", "vllm"))
+    p.add_argument("engine", choices=("llama-server", "vllm", "inflight"))
     p.add_argument("--binary", help="llama-server's executable")
     p.add_argument("--python", help="a Python where vllm is installed")
     p.add_argument("--model", default=None, help="a GGUF (default: the embedded model)")
@@ -93,6 +101,8 @@ def main() -> int:
     p.add_argument("--capture", metavar="DIR", help="write a mid-run /metrics scrape (and /slots) here")
     p.add_argument("--capture-after", type=float, default=3.0, help="seconds into the run (default 3)")
     p.add_argument("--version-tag", default="", help="the engine's version, for the capture's file name")
+    p.add_argument("--find-max-rate", type=int, default=0, metavar="TRIALS",
+                   help="instead of one run, search the highest passing rate in at most TRIALS runs")
     args = p.parse_args()
     if args.engine == "llama-server" and not args.binary:
         p.error("llama-server needs --binary")
@@ -111,18 +121,24 @@ def main() -> int:
         wait_ready(proc, url, log)
         catcher = None
         if args.capture:
-            name = f"{'llama.cpp' if args.engine == 'llama-server' else 'vllm'}-{args.version_tag or 'local'}"
+            kind = {"llama-server": "llama.cpp"}.get(args.engine, args.engine)
+            name = f"{kind}-{args.version_tag or 'local'}"
             catcher = threading.Thread(target=capture, args=(url, Path(args.capture), name, args.capture_after, done))
             catcher.start()
         bench = [sys.executable, "-m", "inflight.cli", "bench", "--workload", args.workload, "--url", url,
                  "--sla", args.sla, "--output", args.output, "--no-progress", "--metrics-interval", "0.25"]
         if args.model:
             bench += ["--model", args.model]
+        if args.find_max_rate:
+            bench += ["--find-max-rate", "--max-trials", str(args.find_max_rate), "--start-rate", "1",
+                      "--rate-tolerance", "0.25", "--plot", str(Path(args.output).with_suffix(""))]
         code = subprocess.run(bench, env={**os.environ, "HF_HUB_OFFLINE": "1"}).returncode
         done.set()
         if catcher is not None:
             catcher.join()
         print(f"inflight bench exited {code}")
+        if args.find_max_rate:  # the search checked every trial; its exit code says whether any passed
+            return code
         check = subprocess.run([sys.executable, "-m", "inflight.cli", "check", "--sla", args.sla, args.output])
         return check.returncode
     finally:

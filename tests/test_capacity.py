@@ -50,6 +50,25 @@ def test_the_search_finds_the_edge_from_below_and_above(start: float) -> None:
     assert "highest passing rate: 3.6" in table and "TTFT p99" in table and "100%" in table
 
 
+def test_a_floor_short_at_low_rates_sends_the_search_up() -> None:
+    """Output throughput grows with the rate (3 tok/s per req/s here): an SLA floor of 3 tok/s
+    fails below 1 req/s, the TTFT ceiling above 3.7. From below the window the search climbs;
+    from above it comes down through it; a floor beyond the ceiling passes nowhere."""
+    window = SLA(max_ttft_p99_ms=100, min_output_tokens_per_s=3)
+    for start in (0.1, 20.0):
+        calls: list[float] = []
+        capacity = find_max_rate(_measure(3.7, window, calls), start, rel_tol=0.02)
+        assert capacity.max_rate is not None and 3.7 / 1.02 <= capacity.max_rate <= 3.7, calls
+        short = [t for t in capacity.trials if t.too_low]
+        assert all(t.rate < 1 and t.limiting == ["output throughput"] for t in short)
+        assert (start < 1) == bool(short)
+    calls = []
+    nowhere = find_max_rate(_measure(3.7, SLA(max_ttft_p99_ms=100, min_output_tokens_per_s=30), calls), 1.0,
+                            rel_tol=0.05)
+    assert nowhere.max_rate is None and len(calls) < 20
+    assert any(t.too_low for t in nowhere.trials) and any(not t.too_low for t in nowhere.trials)
+
+
 def test_the_search_is_bounded_and_starts_at_the_floor() -> None:
     calls: list[float] = []
     capacity = find_max_rate(_measure(3.7, SLA_TTFT, calls), 1.0, rel_tol=0.001, max_trials=4)

@@ -44,6 +44,7 @@ EXPECTED: dict[str, tuple[str, dict[str, Any]]] = {
     "vllm-0.6.3.txt": _reads("vllm-v0", kv_usage=0.8125, running=4, waiting=2, preemptions=7),
     "sglang-0.5.23.txt": _reads("sglang", kv_usage=0.42, running=12, waiting=3, preemptions=5, failed_requests=3),
     "llama.cpp-0c1e570.txt": _reads("llama.cpp", running=4, waiting=46),
+    "llama.cpp-0c1e570-captured.txt": _reads("llama.cpp", running=8, waiting=16),  # a real llama-server's
     "llama.cpp-8733e0c.txt": _reads("llama.cpp", kv_usage=0.125, running=1, waiting=0),
     "trtllm-0.19.0.txt": _reads("trtllm", kv_usage=0.25, running=6, waiting=3, failed_requests=0),  # CANCELED: not
     "tgi-3.3.7.txt": _reads("tgi", kv_usage=24576 / 131072, running=16, waiting=5, failed_requests=2),
@@ -178,7 +179,8 @@ def test_the_gate_reads_a_vllm_server() -> None:
     sampling = info["metrics"]
     assert sampling["server_kind"] == "vllm" and "vllm/v1/metrics" in sampling["names_from"]
     assert set(sampling["exposed"]) == {"kv_usage", "running", "waiting", "preemptions", "failed_requests"}
-    assert sampling["scrapes"] >= 2 and sampling["scrape_mean_ms"] > 0 and 0 < sampling["busy_share"] < 1
+    assert sampling["scrapes"] >= 2 and sampling["scrape_mean_ms"] >= sampling["parse_cpu_mean_ms"] > 0
+    assert 0 < sampling["cpu_share"] < 1
     m = run.metrics
     assert m.kv_peak_perc == pytest.approx(80.0) and 10.0 < m.kv_mean_perc < 80.0  # type: ignore[operator]
     assert (m.num_preemptions, m.num_server_failed_requests, m.num_oom_errors) == (3, 1, None)
@@ -221,6 +223,9 @@ def test_llama_server_kv_usage_from_its_slots() -> None:
     assert info["metrics"]["kv_usage_from"].startswith("/slots")
     assert "kv_usage" in info["metrics"]["exposed"] and run.metrics.kv_peak_perc == pytest.approx(12.5)
     assert kv_usage_from_slots({"not": "slots"}) is None and kv_usage_from_slots([{"id": 0}]) is None
+    # A real llama-server's /slots mid-run (8 slots of 1024, all busy): 1592 tokens held.
+    captured = json.loads((FIXTURES / "llama.cpp-0c1e570-captured-slots.json").read_text())
+    assert kv_usage_from_slots(captured) == pytest.approx(1592 / 8192)
 
 
 def test_server_kind_can_be_named_and_unknown_servers_are_said() -> None:

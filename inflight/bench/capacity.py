@@ -3,11 +3,14 @@ passes every SLA line, found by one search whatever runs the traffic: the simula
 (`inflight tune --max-rate`), an in-process engine or a remote server (`inflight bench
 --find-max-rate`), so that a plan and a measurement can be laid side by side.
 
-The search doubles the rate while it passes (or halves it until it does), then bisects on a log
-scale to a relative tolerance; every trial is kept with the SLA line that limited it. It is
-bounded by a number of trials and, for real targets, a wall-clock budget. It assumes passing is
-monotone in the rate near the edge (a throughput floor in the SLA makes low rates fail too: the
-table shows it).
+A trial fails one of two ways: on a ceiling (latency tails, KV watermark, failures), which a
+lower rate relieves, or only on a floor (output throughput, goodput: `CheckLine.floor`), which a
+lower rate cannot meet. The search doubles the rate while it passes or falls short of a floor,
+halves it while a ceiling fails, then bisects on a log scale between the highest rate known to
+pass (or to fall short) and the lowest known to break a ceiling, to a relative tolerance; every
+trial is kept with the lines that limited it. An SLA whose floors need more load than its
+ceilings allow passes at no rate, and the table shows both. The search is bounded by a number
+of trials and, for real targets, a wall-clock budget.
 """
 
 from __future__ import annotations
@@ -33,6 +36,12 @@ class Trial:
     @property
     def passed(self) -> bool:
         return all(line.ok for line in self.checks)
+
+    @property
+    def too_low(self) -> bool:
+        """Failed on floors only: a higher rate may pass."""
+        failed = [line for line in self.checks if not line.ok]
+        return bool(failed) and all(line.floor for line in failed)
 
     @property
     def limiting(self) -> list[str]:
@@ -71,65 +80,62 @@ Measure = Callable[[float], tuple[BenchRun, list[CheckLine]]]
 def find_max_rate(measure: Measure, start: float, rel_tol: float = 0.05, max_trials: int = 24,
                   budget_s: float | None = None, min_rate: float | None = None,
                   progress: Callable[[str], None] | None = None) -> Capacity:
-    """The highest rate at which `measure(rate)`'s checks pass, from `start`: doubling while it
-    passes (or halving until it does, down to start / 256), then bisecting on a log scale until
-    the passing and failing rates are within `rel_tol`. At most `max_trials` runs; with
-    `budget_s`, no new run starts once that many seconds have passed. With `min_rate`, that rate
-    is tried first (the SLA's floor: if it fails, nothing above is tried)."""
+    """The highest rate at which `measure(rate)`'s checks pass, from `start` (see the module's
+    doc for the rule): at most `max_trials` runs; with `budget_s`, no new run starts once that
+    many seconds have passed; rates below start / 256 are not tried. With `min_rate`, that rate
+    is tried first (the SLA's floor: if a ceiling fails there, nothing above is tried)."""
     if start <= 0 or not math.isfinite(start):
         raise ValueError(f"the search needs a positive starting rate, not {start}")
     capacity = Capacity()
     began = time.perf_counter()
+    low: float | None = None  # the highest rate known to fall short of a floor
+    lo: float | None = None  # the highest rate known to pass
+    hi: float | None = None  # the lowest rate known to break a ceiling
 
-    def passes(rate: float) -> bool | None:
-        """None when the search's bounds stop it before this trial."""
+    def run(rate: float) -> bool:
+        """Runs a trial and updates the bounds; False when the search's bounds stop it."""
+        nonlocal low, lo, hi
         if len(capacity.trials) >= max_trials:
             capacity.stopped = f"stopped after {max_trials} trials"
-            return None
+            return False
         if budget_s is not None and time.perf_counter() - began >= budget_s:
             capacity.stopped = f"stopped at the time budget ({budget_s:g} s)"
-            return None
+            return False
         trial = Trial(rate, *measure(rate))
         capacity.trials.append(trial)
+        if trial.passed:
+            lo = max(lo or rate, rate)
+        elif trial.too_low:
+            low = max(low or rate, rate)
+        else:
+            hi = min(hi or rate, rate)
         if progress:
-            verdict = "pass" if trial.passed else "FAIL (" + ", ".join(trial.limiting) + ")"
+            verdict = "pass" if trial.passed else ("short of a floor" if trial.too_low else "FAIL") + \
+                " (" + ", ".join(trial.limiting) + ")"
             progress(f"trial {len(capacity.trials)}: {rate:.4g} req/s -> {verdict}")
-        return trial.passed
+        return True
 
-    lo: float | None = None
-    hi: float | None = None
     if min_rate is not None:
-        first = passes(min_rate)
-        if not first:
-            return capacity
-        lo, start = min_rate, max(start, min_rate)
-    if lo is None or start > lo:
-        verdict = passes(start)
-        if verdict is None:
+        if not run(min_rate) or hi is not None:
             return _done(capacity, lo)
-        lo, hi = (start, None) if verdict else (lo, start)
+        start = max(start, min_rate * (2 if low is not None else 1))
+    if start not in {t.rate for t in capacity.trials} and not run(start):
+        return _done(capacity, lo)
     while True:
+        below = lo if lo is not None else low
         if hi is None:
-            assert lo is not None
-            verdict = passes(lo * 2)
-            if verdict is None:
+            assert below is not None
+            rate = below * 2
+        elif below is None:
+            if hi / 2 < start / 256:
                 break
-            lo, hi = (lo * 2, None) if verdict else (lo, lo * 2)
-        elif lo is None:
-            if hi < start / 256:
-                break
-            verdict = passes(hi / 2)
-            if verdict is None:
-                break
-            lo, hi = (hi / 2, hi) if verdict else (None, hi / 2)
-        elif hi / lo <= 1 + rel_tol:
+            rate = hi / 2
+        elif hi / below <= 1 + rel_tol:
             break
         else:
-            mid = math.sqrt(lo * hi)
-            verdict = passes(mid)
-            if verdict is None:
-                break
-            lo, hi = (mid, hi) if verdict else (lo, mid)
+            rate = math.sqrt(below * hi)
+        if not run(rate):
+            break
     return _done(capacity, lo)
 
 

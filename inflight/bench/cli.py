@@ -189,7 +189,8 @@ def _bench_http(args: argparse.Namespace, spec: WorkloadSpec, spec_path: Path, s
         print(f"inflight bench: server metrics not read: {sampling['problem']}", file=sys.stderr)
     else:
         print(f"inflight bench: {sampling['server_kind']} /metrics sampled {sampling['scrapes']} times, "
-              f"{sampling['scrape_mean_ms']} ms each ({100 * sampling['busy_share']:.2f}% of the run); "
+              f"{sampling['scrape_mean_ms']} ms each, {sampling['parse_cpu_mean_ms']} ms of it our CPU "
+              f"({100 * sampling['cpu_share']:.2f}% of the run); "
               f"exposes {', '.join(sampling['exposed']) or 'nothing the gate reads'}", file=sys.stderr)
     return [BenchRun.measure("server", info, capture, slo)], requests, {"kind": "http", **info}
 

@@ -67,7 +67,8 @@ class _MetricsSampler:
     exposed: set[str] = field(default_factory=set)
     available: bool = True
     problem: str | None = None
-    costs_s: list[float] = field(default_factory=list)
+    costs_s: list[float] = field(default_factory=list)  # each scrape's wall time: the server's answer and ours
+    cpu_s: list[float] = field(default_factory=list)  # the client CPU of parsing and reading each
     bytes_read: int = 0
     slots_usable: bool = True
     kv_usage_from: str | None = None  # where the KV usage came from, when not /metrics
@@ -77,6 +78,7 @@ class _MetricsSampler:
         try:
             response = await self.client.get("/metrics")
             response.raise_for_status()
+            parsing = time.thread_time()  # the client's CPU from here on: parsing and reading
             series = parse_exposition(response.text)
         except (httpx.HTTPError, ExpositionError) as exc:
             self.available, self.problem = False, f"/metrics: {exc}"
@@ -89,6 +91,7 @@ class _MetricsSampler:
         self.problem = None
         reading = self.dialect.read(series)
         self.exposed.update(self.dialect.exposes(series))
+        self.cpu_s.append(time.thread_time() - parsing)
         if reading.kv_usage is None and self.dialect.kind == "llama.cpp" and self.slots_usable:
             reading = dataclasses.replace(reading, kv_usage=await self._kv_usage_from_slots())
         self.first = self.first or reading
@@ -142,9 +145,9 @@ class _MetricsSampler:
                               num_server_failed_requests=rise("failed_requests"))
 
     def describe(self, duration_s: float) -> dict[str, Any]:
-        """What the sampling read and what it cost: scrapes, mean and max milliseconds each, and
-        the share of the run's wall time spent in them (the client's; the server's own share is
-        the rendering of the same text)."""
+        """What the sampling read and what it cost: scrapes, their mean and max wall time (the
+        server's answer included: waited for, not spent, by the client, which goes on streaming),
+        and the client's CPU for parsing and reading them, also as a share of the run."""
         costs = self.costs_s
         return {
             "server_kind": self.dialect.kind if self.dialect else None,
@@ -156,7 +159,8 @@ class _MetricsSampler:
             "scrapes": len(costs),
             "scrape_mean_ms": round(1000 * sum(costs) / len(costs), 3) if costs else None,
             "scrape_max_ms": round(1000 * max(costs), 3) if costs else None,
-            "busy_share": round(sum(costs) / max(duration_s, 1e-9), 5),
+            "parse_cpu_mean_ms": round(1000 * sum(self.cpu_s) / len(self.cpu_s), 3) if self.cpu_s else None,
+            "cpu_share": round(sum(self.cpu_s) / max(duration_s, 1e-9), 5),
             "bytes_per_scrape": self.bytes_read // len(costs) if costs else None,
         }
 
@@ -238,6 +242,7 @@ async def run_http_async(url: str, requests: Sequence[BenchRequest], model: str 
         await sampler.scrape()  # the counters' starting values
         sampler.samples.clear()
         sampler.costs_s.clear()
+        sampler.cpu_s.clear()
         sampler.bytes_read = 0
         t0 = sampler.t0 = time.perf_counter()
         stop = asyncio.Event()

@@ -112,6 +112,7 @@ class CheckLine:
     passed: bool
     skipped: bool = False  # an optional line the run could not measure: counts neither way
     missing: str = "not measured"  # what an unmeasured figure shows
+    floor: bool = False  # a lower bound on a rate (throughput, goodput): more load helps it pass
 
     @property
     def ok(self) -> bool:
@@ -162,13 +163,14 @@ def check_run(sla: SLA, run: BenchRun, workload_name: str | None) -> list[CheckL
             missing = "not exposed"  # the server answered /metrics without this figure
         lines.append(CheckLine(name, measured, f"{sign} {_num(limit)}", unit,
                                measured is not None and ok(measured, limit),
-                               skipped=measured is None and field in sla.optional, missing=missing))
+                               skipped=measured is None and field in sla.optional, missing=missing,
+                               floor=sign == ">="))
     if sla.min_goodput_req_per_s is not None and sla.goodput is not None:
         slo = sla.goodput.slo()
         good = sum(slo.is_met(r) for r in run.capture.results)
         goodput = good / max(run.capture.duration_s, 1e-9)
         lines.append(CheckLine("goodput", goodput, f">= {_num(sla.min_goodput_req_per_s)}", "req/s",
-                               goodput >= sla.min_goodput_req_per_s))
+                               goodput >= sla.min_goodput_req_per_s, floor=True))
     return lines
 
 

@@ -75,6 +75,8 @@ class ServerMetrics:
             "Requests that did not finish: error, aborted (client left), shutdown, invalid, "
             "unauthorized, overloaded (429), unavailable (503).",
             ["reason"], registry=registry)
+        for reason in ("error", "aborted", "shutdown", *sorted(set(_FAILURE_REASONS.values()))):
+            self.request_failure.labels(reason)  # every series from the start, at 0 (a gate reads "error")
         self.rejected_late = Counter(
             PREFIX + "requests_rejected_late",
             "Requests refused on arrival (429) because they would miss the TTFT target (slo policy, --reject-late).",
