@@ -228,6 +228,21 @@ def test_llama_server_kv_usage_from_its_slots() -> None:
     assert kv_usage_from_slots(captured) == pytest.approx(1592 / 8192)
 
 
+def test_metrics_served_apart_from_the_api() -> None:
+    """Triton serves /metrics on its own port: --metrics-url points the sampler there."""
+    trt = (FIXTURES / "trtllm-0.19.0.txt").read_text()
+    api = _fake_server(["no_metrics_here 1\n"])
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.port == 8002:
+            return httpx.Response(200, text=trt) if request.url.path == "/metrics" else httpx.Response(404)
+        return api.handle_request(request)
+
+    run, info = _bench(httpx.MockTransport(handler), metrics_url="http://fake:8002")
+    assert info["metrics"]["server_kind"] == "trtllm" and info["metrics_url"] == "http://fake:8002"
+    assert run.metrics.kv_peak_perc == pytest.approx(25.0) and run.metrics.num_completed == 6
+
+
 def test_server_kind_can_be_named_and_unknown_servers_are_said() -> None:
     walk = [_vllm(0.3, 1, 0, 0, 0)]
     run, info = _bench(_fake_server(walk), server_kind="sglang")  # the wrong dialect: nothing read

@@ -49,6 +49,8 @@ def register(subparsers: Any) -> None:
     t.add_argument("--server-kind", default="auto", choices=("auto", *SERVER_KINDS),
                    help="whose /metrics names to read (KV usage, queue, preemptions, failures); "
                         "default: recognized from the names")
+    t.add_argument("--metrics-url", default=None,
+                   help="where the server's /metrics is, if not beside its API (Triton: http://HOST:8002)")
     t.add_argument("--metrics-interval", type=float, default=0.5, metavar="SECONDS",
                    help="how often to sample the server's /metrics during the run (default 0.5)")
     t.add_argument("--torch-threads", type=int, default=None,
@@ -183,7 +185,8 @@ def _bench_http(args: argparse.Namespace, spec: WorkloadSpec, spec_path: Path, s
         raise ConfigError("--metrics-interval must be > 0")
     capture, info = run_http(args.url, requests, model=args.served_model_name,
                              max_concurrency=args.max_concurrency, progress=progress, timeout_s=args.timeout,
-                             metrics_interval_s=args.metrics_interval, server_kind=args.server_kind)
+                             metrics_interval_s=args.metrics_interval, server_kind=args.server_kind,
+                             metrics_url=args.metrics_url)
     sampling = info["metrics"]
     if sampling["problem"]:
         print(f"inflight bench: server metrics not read: {sampling['problem']}", file=sys.stderr)
@@ -237,7 +240,8 @@ def _find_max_rate(args: argparse.Namespace, spec: WorkloadSpec, spec_path: Path
         def run_at(rate: float, requests: list[BenchRequest]) -> BenchRun:
             capture, info = run_http(args.url, requests, model=args.served_model_name,
                                      max_concurrency=args.max_concurrency, progress=progress, timeout_s=args.timeout,
-                                     metrics_interval_s=args.metrics_interval, server_kind=args.server_kind)
+                                     metrics_interval_s=args.metrics_interval, server_kind=args.server_kind,
+                                     metrics_url=args.metrics_url)
             document["target"].update(info)
             return BenchRun.measure(f"rate={rate:.4g}", info, capture, slo)
     else:

@@ -8,6 +8,7 @@ the final usage chunk (`stream_options.include_usage`) gives the exact output co
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import sys
@@ -230,15 +231,22 @@ def _carries_token(chunk: dict[str, Any]) -> bool:
 async def run_http_async(url: str, requests: Sequence[BenchRequest], model: str | None = None,
                          max_concurrency: int | None = None, progress: bool = True,
                          metrics_interval_s: float = 0.5, timeout_s: float = 600.0, server_kind: str = "auto",
+                         metrics_url: str | None = None,
                          transport: httpx.AsyncBaseTransport | None = None) -> tuple[Capture, dict[str, Any]]:
     """`server_kind`: the engine whose metric names to read (`server_metrics.SERVER_KINDS`), or
-    "auto" to recognize it; `transport` replaces the network (tests use httpx.MockTransport)."""
+    "auto" to recognize it; `metrics_url`: where its `/metrics` is served when not beside the API
+    (Triton's metrics port, 8002 by default); `transport` replaces the network (tests use
+    httpx.MockTransport)."""
     limits = httpx.Limits(max_connections=len(requests) + 4, max_keepalive_connections=len(requests) + 4)
     timeout = httpx.Timeout(timeout_s, connect=10.0)
-    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits, transport=transport) as client:
+    async with contextlib.AsyncExitStack() as stack:
+        client = await stack.enter_async_context(
+            httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits, transport=transport))
+        scraped = client if not metrics_url else await stack.enter_async_context(
+            httpx.AsyncClient(base_url=metrics_url, timeout=httpx.Timeout(30.0, connect=10.0), transport=transport))
         model = model or await resolve_model_name(client)
         dialect = None if server_kind == "auto" else DIALECTS[server_kind]
-        sampler = _MetricsSampler(client, time.perf_counter(), metrics_interval_s, dialect)
+        sampler = _MetricsSampler(scraped, time.perf_counter(), metrics_interval_s, dialect)
         await sampler.scrape()  # the counters' starting values
         sampler.samples.clear()
         sampler.costs_s.clear()
@@ -255,7 +263,8 @@ async def run_http_async(url: str, requests: Sequence[BenchRequest], model: str 
         stop.set()
         await sampling
         await sampler.scrape()
-    info = {"url": url, "served_model_name": model, "metrics_available": sampler.first is not None,
+    info = {"url": url, "metrics_url": metrics_url or url, "served_model_name": model,
+            "metrics_available": sampler.first is not None,
             "metrics": sampler.describe(duration)}
     results = sorted(results, key=lambda r: r.index)
     return Capture(results, duration, sampler.samples, sampler.counters()), info
