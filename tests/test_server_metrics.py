@@ -77,7 +77,7 @@ def test_each_engine_is_recognized_and_read(name: str) -> None:
     for figure, want in figures.items():
         got = reading.counters.get(figure) if figure in COUNTERS else getattr(reading, figure)
         assert got == pytest.approx(want) if want is not None else got is None, (figure, got, want)
-    assert set(dialect.exposes(series)) == {f for f, v in figures.items() if v is not None}
+    assert set(reading.exposed) == {f for f, v in figures.items() if v is not None}
 
 
 def test_the_fixture_table_covers_every_fixture_and_engine() -> None:

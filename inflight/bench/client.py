@@ -91,7 +91,7 @@ class _MetricsSampler:
             return
         self.problem = None
         reading = self.dialect.read(series)
-        self.exposed.update(self.dialect.exposes(series))
+        self.exposed.update(reading.exposed)
         self.cpu_s.append(time.thread_time() - parsing)
         if reading.kv_usage is None and self.dialect.kind == "llama.cpp" and self.slots_usable:
             reading = dataclasses.replace(reading, kv_usage=await self._kv_usage_from_slots())

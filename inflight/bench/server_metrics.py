@@ -129,10 +129,6 @@ class Dialect:
         return Reading(get(self.kv_usage), get(self.running), get(self.waiting), counters,
                        get(self.kv_peak), get(self.kv_live))
 
-    def exposes(self, series: Series) -> list[str]:
-        """The figures this scrape holds, by their engine-neutral names."""
-        return [name for name in ("kv_usage", "running", "waiting", *COUNTERS)
-                if (pick := getattr(self, name)) is not None and pick.value(series) is not None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +141,12 @@ class Reading:
     counters: dict[str, float]
     kv_peak: float | None = None
     kv_live: float | None = None
+
+    @property
+    def exposed(self) -> list[str]:
+        """The figures this scrape held, by their engine-neutral names."""
+        gauges = {"kv_usage": self.kv_usage, "running": self.running, "waiting": self.waiting}
+        return [name for name, value in gauges.items() if value is not None] + list(self.counters)
 
 
 def _inflight(name: str, how: Literal["max", "sum"] = "sum") -> Pick:
