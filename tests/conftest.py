@@ -80,3 +80,17 @@ def pytest_report_header() -> str:
 
     module = cpu_kernels()
     return f"inflight CPU kernels: {module.isa() if module else 'unavailable'} ({kernel_target()} build)"
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The CPU this run used, printed even under -q: figures and tolerances can differ between
+    the machines CI lands on (AVX2, AVX-512 on 256- or 512-bit datapaths, AVX512_BF16, AMX)."""
+    try:
+        lines = open("/proc/cpuinfo").read().splitlines()
+    except OSError:
+        return
+    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    shown = [f for f in flags if f in {"avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16",
+                                       "amx_bf16", "amx_int8", "avx512_fp16"}]
+    terminalreporter.write_line(f"CPU: {name}, {os.cpu_count()} logical cores; {' '.join(shown) or 'no AVX2'}")

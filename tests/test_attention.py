@@ -17,17 +17,28 @@ HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 def dense_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int | None = None,
                     softcap: float | None = None) -> torch.Tensor:
     """One query [H, D] against a contiguous context [L, KV, D] (its last `window` positions;
-    scores soft-capped by `softcap`, as transformers' Gemma 2 computes them)."""
+    scores soft-capped by `softcap`, as transformers' Gemma 2 computes them), computed in float64
+    from the same fp32 inputs so that each path's own rounding is what a comparison sees."""
+    q, keys, values = q.double(), keys.double(), values.double()
     if window is not None:
         keys, values = keys[-window:], values[-window:]
     group = q.shape[0] // keys.shape[1]
     k = keys.repeat_interleave(group, dim=1).transpose(0, 1)
     v = values.repeat_interleave(group, dim=1).transpose(0, 1)
     if softcap is None:
-        return F.scaled_dot_product_attention(q.unsqueeze(1), k, v).squeeze(1)
+        return F.scaled_dot_product_attention(q.unsqueeze(1), k, v).squeeze(1).float()
     scores = (q.unsqueeze(1) @ k.transpose(1, 2)) * q.shape[-1] ** -0.5
     scores = torch.tanh(scores / softcap) * softcap
-    return (torch.softmax(scores, dim=-1) @ v).squeeze(1)
+    return (torch.softmax(scores, dim=-1) @ v).squeeze(1).float()
+
+
+# How far from the float64 reference each path may be. The compiled kernels' arithmetic is ours:
+# fp32 rounding only (measured below 2e-6 here). The PyTorch path goes through torch's own batched
+# GEMMs, whose precision depends on the CPU they pick a kernel for: on one CI machine a soft-capped
+# decode came within 1.05e-4, on this Ice Lake within 1e-6. Paging, masking or capping mistakes
+# move outputs by 1e-2 or more, far past either bound.
+KERNEL_TOL = {"atol": 1e-5, "rtol": 1e-5}
+TORCH_TOL = {"atol": 3e-4, "rtol": 1e-4}
 
 
 # (window, softcap): full attention, a sliding window that starts inside a block, and Gemma 2's
@@ -62,7 +73,7 @@ def check_decode(kernel, heads: int, kv_heads: int, dim: int, lens: list[int], w
     out = attention._decode(q, k_cache, v_cache, meta, window)
     for i, (keys, values) in enumerate(contexts):
         expected = dense_reference(q[i], keys, values, window, softcap)
-        torch.testing.assert_close(out[i], expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[i], expected, **(KERNEL_TOL if kernel is not None else TORCH_TOL))
 
 
 @pytest.mark.parametrize("window,softcap", ATTENDS)
@@ -105,7 +116,7 @@ def test_decode_kernel_gives_zeros_for_an_empty_context():
     out = kernel.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor([0, 64]), BLOCK, DIM ** -0.5)
     assert torch.equal(out[0], torch.zeros(HEADS, DIM))
     slots = torch.arange(4 * BLOCK, 8 * BLOCK)
-    torch.testing.assert_close(out[1], dense_reference(q[1], k_cache[slots], v_cache[slots]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1], dense_reference(q[1], k_cache[slots], v_cache[slots]), **KERNEL_TOL)
 
 
 @pytest.mark.parametrize("window,softcap", ATTENDS)
@@ -129,7 +140,7 @@ def test_gathered_prefill_matches_dense_reference(cached, new, window, softcap):
         for i in range(new):
             n = cached + i + 1
             expected = dense_reference(q[i], keys[:n], values[:n], w, softcap)
-            torch.testing.assert_close(out.view(new, HEADS, DIM)[i], expected, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out.view(new, HEADS, DIM)[i], expected, **TORCH_TOL)
 
 
 @pytest.mark.parametrize("window,softcap", ATTENDS)
@@ -162,7 +173,7 @@ def test_prefill_kernel_matches_dense_reference(heads, kv_heads, dim, window, so
         for i in range(new):
             visible = slots[: cached + i + 1]
             expected = dense_reference(q[start + i], k_cache[visible], v_cache[visible], window, softcap)
-            torch.testing.assert_close(out[start + i], expected, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out[start + i], expected, **KERNEL_TOL)
 
 
 @pytest.mark.parametrize("shape", [(3, 5), (30, 2, 4096, 3, 64)], ids=["tiny", "pool"])
