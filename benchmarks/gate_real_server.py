@@ -9,15 +9,19 @@ llama-server, `/slots`) while the traffic runs, runs `inflight check`, and stops
     .venv/bin/python benchmarks/gate_real_server.py llama-server --binary /tmp/.../bin/llama-server \\
         --output benchmarks/results/gate-llama-server.json --capture tests/fixtures/metrics
 
-    # vLLM's CPU build in its own environment (benchmarks/README.md installs it):
-    .venv/bin/python benchmarks/gate_real_server.py vllm --python /tmp/vllm-env/bin/python ...
+    # vLLM's CPU build in its own environment (benchmarks/README.md installs it); it is served the
+    # GGUF's weights dequantized to an fp32 HF directory (as benchmarks/peers.py does), its KV pool
+    # VLLM_CPU_KVCACHE_SPACE GiB (--vllm-kv-gib, default 1):
+    .venv/bin/python benchmarks/gate_real_server.py vllm --python /tmp/vllm-env/bin/python \
+        --output benchmarks/results/gate-vllm.json --capture tests/fixtures/metrics --version-tag 0.32.0
     # inflight's own server, for a side-by-side on the same model, load and SLA:
     .venv/bin/python benchmarks/gate_real_server.py inflight --output benchmarks/results/gate-inflight.json
     # with --find-max-rate 4: the highest rate the SLA holds at, in at most 4 runs, and its plot
 
 What it prints: the bench's table and its line on what the sampling read, then the check. The
-run file is `--output`; with `--capture DIR`, one mid-run scrape of `/metrics` is written to
-DIR/ENGINE-VERSION-captured.txt (and `/slots` beside it) for the parser tests.
+run file is `--output`, its HTML report beside it (`.html`); with `--capture DIR`, one mid-run
+scrape of `/metrics` is written to DIR/ENGINE-VERSION-captured.txt (and `/slots` beside it) for
+the parser tests.
 """
 
 from __future__ import annotations
@@ -54,11 +58,31 @@ def start(engine: str, args: argparse.Namespace, model: Path, port: int, log: Pa
                    "--port", str(port), "--max-batch-size", str(args.parallel),
                    "--max-model-len", str(args.ctx_per_slot),
                    "--num-kv-blocks", str(args.parallel * args.ctx_per_slot // 16)]  # llama-server's KV, in tokens
-    else:  # vllm's OpenAI server, CPU build
-        command = [args.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+    else:  # vllm's OpenAI server, CPU build, on the GGUF's weights as an fp32 HF directory
+        command = [args.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(vllm_model_dir(model, log)),
                    "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(args.parallel),
-                   "--max-model-len", str(args.ctx_per_slot), "--served-model-name", "model"]
-    return subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+                   "--max-model-len", str(args.ctx_per_slot), "--max-num-batched-tokens", "512",
+                   "--dtype", "float32", "--served-model-name", "model"]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib), "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+
+def vllm_model_dir(model: Path, log: Path) -> Path:
+    """The GGUF dequantized by transformers and written as a plain HF checkpoint, once, beside the log."""
+    out = log.with_suffix(".hf-model")
+    if not (out / "config.json").exists():
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        sys.path.insert(0, str(HERE / "peers"))
+        from hf_runners import export_hf_dir
+
+        from inflight.model.loader import resolve_model
+        from inflight.model.tokenizer import Tokenizer
+
+        hf = AutoModelForCausalLM.from_pretrained(str(model.parent), gguf_file=model.name, dtype=torch.float32)
+        export_hf_dir(hf, Tokenizer.load(resolve_model(str(model))).hf, out)
+    return out
 
 
 def wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path, timeout_s: float = 600) -> None:
@@ -95,6 +119,7 @@ def main() -> int:
     p.add_argument("--parallel", type=int, default=8, help="slots / max-num-seqs (default 8)")
     p.add_argument("--ctx-per-slot", type=int, default=1024)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--vllm-kv-gib", type=int, default=1, help="vLLM's KV pool (VLLM_CPU_KVCACHE_SPACE, default 1)")
     p.add_argument("--workload", default=str(WORKLOAD))
     p.add_argument("--sla", default=str(SLA))
     p.add_argument("--output", required=True, help="the bench's run file")
@@ -126,7 +151,8 @@ def main() -> int:
             catcher = threading.Thread(target=capture, args=(url, Path(args.capture), name, args.capture_after, done))
             catcher.start()
         bench = [sys.executable, "-m", "inflight.cli", "bench", "--workload", args.workload, "--url", url,
-                 "--sla", args.sla, "--output", args.output, "--no-progress", "--metrics-interval", "0.25"]
+                 "--sla", args.sla, "--output", args.output, "--no-progress", "--metrics-interval", "0.25",
+                 "--report", str(Path(args.output).with_suffix(".html"))]
         if args.model:
             bench += ["--model", args.model]
         if args.find_max_rate:

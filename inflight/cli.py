@@ -108,8 +108,12 @@ def _read_slo_from(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from inflight.bench.report import record_command_line
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    if argv is not None:  # run from Python: what run files and reports name is this command, not the host's
+        record_command_line(["inflight", *argv])
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

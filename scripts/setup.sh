@@ -20,3 +20,15 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 .venv/bin/python -c "from inflight.model.kernels import build; build()"
 # The GGUF's tokenizer is rebuilt from its metadata (about 8 s) on first load, then cached.
 .venv/bin/python -c "from inflight.model.tokenizer import warm_default_cache; warm_default_cache()"
+# Debian's Chromium, in which the suite opens the gate's HTML report (tests/test_html_report.py):
+# installed where this runs as root with apt (about a minute), else that one test is skipped.
+if ! command -v chromium >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get install -y -qq chromium >/dev/null 2>&1 \
+            || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1; } \
+            || echo "setup: could not install chromium; the report's browser test will be skipped" >&2
+    else
+        echo "setup: no chromium (install Debian's 'chromium'); the report's browser test will be skipped" >&2
+    fi
+fi

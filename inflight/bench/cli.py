@@ -1,5 +1,6 @@
-"""`inflight bench` (measure a workload on a server or an in-process engine) and `inflight check`
-(the pre-launch SLA checklist)."""
+"""`inflight bench` (measure a workload on a server or an in-process engine) and the run-file half
+of `inflight check` (a run against an SLA; the command and its `--plan` half are registered with
+the simulator's, `inflight.sim.cli`)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ from inflight.bench.workload import (
     BenchRequest,
     WorkloadSpec,
     canonical_specs,
+    dataset_workload,
     load_workload,
+    parse_workload,
     with_request_rate,
 )
 from inflight.errors import ConfigError
@@ -39,13 +42,16 @@ def register(subparsers: Any) -> None:
         description="Runs a seeded workload against a server (--url) or an engine in-process, "
                     "prints a table and optionally writes JSON (--output) and plots (--plot).",
     )
-    add_workload_options(bench, required=True)
+    add_workload_options(bench)
     t = bench.add_argument_group("target")
     t.add_argument("--url", default=None,
                    help="an OpenAI-compatible server (http://127.0.0.1:8000); default: an engine in-process")
     t.add_argument("--served-model-name", default=None, help="model name to send (default: the server's first)")
     t.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
     t.add_argument("--timeout", type=float, default=600.0, help="per-request HTTP timeout in seconds")
+    t.add_argument("--num-warmups", type=int, default=1,
+                   help="requests sent to the server before the timed run and left out of it (default 1; "
+                        "the in-process engine always warms up)")
     t.add_argument("--server-kind", default="auto", choices=("auto", *SERVER_KINDS),
                    help="whose /metrics names to read (KV usage, queue, preemptions, failures); "
                         "default: recognized from the names")
@@ -73,20 +79,15 @@ def register(subparsers: Any) -> None:
     add_engine_options(bench)
     bench.set_defaults(func=cmd_bench)
 
-    check = subparsers.add_parser(
-        "check", help="pre-launch checklist: a bench run file against an SLA file",
-        description="Shows each SLA line as PASS or FAIL; exits 1 if any fails, 2 on a bad file.",
-    )
-    check.add_argument("--sla", required=True, help="SLA YAML file")
-    check.add_argument("run", help="a JSON file written by `inflight bench --output`")
-    check.set_defaults(func=cmd_check)
 
-
-def add_workload_options(parser: argparse.ArgumentParser, required: bool) -> None:
+def add_workload_options(parser: argparse.ArgumentParser) -> None:
     """The workload and its overrides, as `bench`, `sim` and `tune` take them."""
     w = parser.add_argument_group("workload")
-    w.add_argument("--workload", required=required, default=None,
+    w.add_argument("--workload", default=None,
                    help=f"a canonical workload ({', '.join(sorted(canonical_specs()))}) or a YAML spec path")
+    w.add_argument("--dataset", default=None, metavar="FILE",
+                   help="replay your own prompts: JSONL of OpenAI chat/completion requests or ShareGPT JSON "
+                        "(alone: each record once, all at once; with --workload: its arrivals and seed)")
     w.add_argument("--workload-seed", type=int, default=None, help="override the spec's seed")
     w.add_argument("--num-requests", type=int, default=None, help="override the spec's number of requests")
     w.add_argument("--request-rate", type=float, default=None,
@@ -108,17 +109,37 @@ def add_output_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
     o.add_argument("--output", "-o", default=None, help="write the runs to this JSON file")
     o.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots to this folder")
     o.add_argument("--sla", default=None, help="SLA YAML: goodput limits, and a check after the run")
+    o.add_argument("--report", default=None, metavar="FILE.html",
+                   help="write one self-contained HTML page: SLA table, figures, latency distributions, KV "
+                        "watermark beside the arrivals, capacity curve, command and workload")
     return o
+
+
+def workload_from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, Path]:
+    """The spec of --workload and/or --dataset, with the command line's overrides."""
+    overrides = {"seed": args.workload_seed, "num_requests": args.num_requests}
+    if args.workload:
+        spec, path = load_workload(args.workload, **overrides)
+        if args.dataset:
+            spec = parse_workload({**spec.model_dump(exclude_none=True),
+                                   "dataset": {"path": str(Path(args.dataset).resolve())}}, source=args.workload)
+    elif args.dataset:
+        spec, path = dataset_workload(args.dataset, **overrides)
+    else:
+        raise ConfigError("give --workload (a spec) or --dataset (your prompts), or both")
+    if args.request_rate is not None:
+        spec = with_request_rate(spec, args.request_rate)
+    return spec, path
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from inflight.options import engine_options
 
-    spec, spec_path = load_workload(args.workload, seed=args.workload_seed, num_requests=args.num_requests)
-    if args.request_rate is not None:
-        spec = with_request_rate(spec, args.request_rate)
+    spec, spec_path = workload_from_args(args)
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ConfigError("--max-concurrency must be >= 1")
+    if args.num_warmups < 0:
+        raise ConfigError("--num-warmups must be >= 0")
     if args.torch_threads is not None:
         if args.torch_threads < 1:
             raise ConfigError("--torch-threads must be >= 1")
@@ -166,9 +187,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         for path in plot_runs(runs, Path(args.plot), title=spec.name, sweep_keys=[k for k, _ in sweeps]):
             print(f"wrote {path}", file=sys.stderr)
+    _write_report(args, document, runs, sla)
     if sla is not None:
         return _check_and_print(sla, args.sla, args.output or "(this run)", runs, spec.name)
     return 0
+
+
+def _write_report(args: argparse.Namespace, document: dict[str, Any], runs: list[BenchRun], sla: SLA | None) -> None:
+    if getattr(args, "report", None):
+        from inflight.bench.html_report import write_report
+
+        print(f"wrote {write_report(Path(args.report), document, runs, sla, args.sla)}", file=sys.stderr)
 
 
 def _bench_http(args: argparse.Namespace, spec: WorkloadSpec, spec_path: Path, slo: RequestSLO | None,
@@ -186,7 +215,7 @@ def _bench_http(args: argparse.Namespace, spec: WorkloadSpec, spec_path: Path, s
     capture, info = run_http(args.url, requests, model=args.served_model_name,
                              max_concurrency=args.max_concurrency, progress=progress, timeout_s=args.timeout,
                              metrics_interval_s=args.metrics_interval, server_kind=args.server_kind,
-                             metrics_url=args.metrics_url)
+                             metrics_url=args.metrics_url, num_warmups=args.num_warmups)
     sampling = info["metrics"]
     if sampling["problem"]:
         print(f"inflight bench: server metrics not read: {sampling['problem']}", file=sys.stderr)
@@ -241,7 +270,7 @@ def _find_max_rate(args: argparse.Namespace, spec: WorkloadSpec, spec_path: Path
             capture, info = run_http(args.url, requests, model=args.served_model_name,
                                      max_concurrency=args.max_concurrency, progress=progress, timeout_s=args.timeout,
                                      metrics_interval_s=args.metrics_interval, server_kind=args.server_kind,
-                                     metrics_url=args.metrics_url)
+                                     metrics_url=args.metrics_url, num_warmups=args.num_warmups)
             document["target"].update(info)
             return BenchRun.measure(f"rate={rate:.4g}", info, capture, slo)
     else:
@@ -298,13 +327,17 @@ def _find_max_rate(args: argparse.Namespace, spec: WorkloadSpec, spec_path: Path
         folder.mkdir(parents=True, exist_ok=True)
         points = [(t.rate, t.run.metrics.goodput, t.attainment(slo), t.passed) for t in capacity.trials]
         print(f"wrote {plot_capacity(points, folder / 'capacity.png', capacity.max_rate, spec.name)}", file=sys.stderr)
+    _write_report(args, document, runs, sla)
     return 0 if verdict else 1
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    if not args.sla or not args.run:
+        raise ConfigError("inflight check --sla SLA RUN.json (or --plan, before any traffic)")
     sla = load_sla(args.sla)
     document, runs = read_run_file(Path(args.run))
     workload = (document.get("workload") or {}).get("name")
+    _write_report(args, document, runs, sla)
     return _check_and_print(sla, args.sla, args.run, runs, workload)
 
 

@@ -1,8 +1,10 @@
-"""The HTTP target: streams `/v1/completions` from an OpenAI-compatible server, sending each
-request at its arrival time, and samples the server's Prometheus `/metrics` meanwhile.
+"""The HTTP target: streams `/v1/completions` (or `/v1/chat/completions`, for a dataset's chat
+records) from an OpenAI-compatible server, sending each request at its arrival time, and
+samples the server's Prometheus `/metrics` meanwhile.
 
 Tokens are timed by stream chunks (each chunk that carries a choice is at least one token);
-the final usage chunk (`stream_options.include_usage`) gives the exact output count.
+the final usage chunk (`stream_options.include_usage`) gives the exact output count, and the
+prompt's as the server counted it.
 """
 
 from __future__ import annotations
@@ -172,19 +174,26 @@ async def _stream_one(client: httpx.AsyncClient, model: str, request: BenchReque
     if slots is not None:
         await slots.acquire()
     body: dict[str, Any] = {
-        "model": model, "prompt": request.prompt_token_ids, "max_tokens": request.output_len,
-        "temperature": 0.0, "ignore_eos": True, "stream": True,
-        "stream_options": {"include_usage": True},
+        "model": model, "max_tokens": request.output_len, "temperature": 0.0, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True},
     }
+    # A dataset's prompt goes as text (chat messages or a string) for the server to tokenize;
+    # a generated one as the token ids it was cut to.
+    endpoint = "/v1/chat/completions" if request.messages is not None else "/v1/completions"
+    if request.messages is not None:
+        body["messages"] = list(request.messages)
+    else:
+        body["prompt"] = request.prompt if request.send_text else request.prompt_token_ids
     if request.priority:  # vLLM's field too; sent only where the workload has classes
         body["priority"] = request.priority
     sent = time.perf_counter()
     token_times: list[float] = []
     usage_tokens: int | None = None
+    prompt_tokens: int | None = None
     error: str | None = None
     status: int | None = None
     try:
-        async with aconnect_sse(client, "POST", "/v1/completions", json=body) as source:
+        async with aconnect_sse(client, "POST", endpoint, json=body) as source:
             status = source.response.status_code
             if status != 200:
                 text = (await source.response.aread()).decode(errors="replace")
@@ -202,6 +211,7 @@ async def _stream_one(client: httpx.AsyncClient, model: str, request: BenchReque
                         token_times.append(time.perf_counter())
                     if chunk.get("usage"):
                         usage_tokens = int(chunk["usage"]["completion_tokens"])
+                        prompt_tokens = chunk["usage"].get("prompt_tokens")
     except (httpx.HTTPError, SSEError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -212,30 +222,40 @@ async def _stream_one(client: httpx.AsyncClient, model: str, request: BenchReque
     num_tokens = usage_tokens if usage_tokens is not None else len(token_times)
     if error is None and not token_times:
         error = "the stream ended without a token"
+    # The server's count of the prompt where it gives one: for text, its tokenizer is the one that counts.
+    prompt_len = int(prompt_tokens) if isinstance(prompt_tokens, int) else request.prompt_len
     return RequestResult.from_token_times(
-        request.index, request.prompt_len, request.output_len, sent - t0,
+        request.index, prompt_len, request.output_len, sent - t0,
         [t - t0 for t in token_times], finished - t0, num_tokens, error, request.priority, status,
     )
 
 
 def _carries_token(chunk: dict[str, Any]) -> bool:
     """A chunk with a choice carries a token, unless it is a bare finish marker (empty text
-    with a finish_reason), which some servers send after the last token."""
+    with a finish_reason), which some servers send after the last token. A chat chunk carries
+    one when its delta has content (or reasoning, or a tool call): the first, with the role
+    alone, does not."""
     choices = chunk.get("choices") or []
     if not choices:
         return False
     choice = choices[0]
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
+                    or delta.get("tool_calls"))
     return bool(choice.get("text")) or choice.get("finish_reason") is None
 
 
 async def run_http_async(url: str, requests: Sequence[BenchRequest], model: str | None = None,
                          max_concurrency: int | None = None, progress: bool = True,
                          metrics_interval_s: float = 0.5, timeout_s: float = 600.0, server_kind: str = "auto",
-                         metrics_url: str | None = None,
+                         metrics_url: str | None = None, num_warmups: int = 0,
                          transport: httpx.AsyncBaseTransport | None = None) -> tuple[Capture, dict[str, Any]]:
     """`server_kind`: the engine whose metric names to read (`server_metrics.SERVER_KINDS`), or
     "auto" to recognize it; `metrics_url`: where its `/metrics` is served when not beside the API
-    (Triton's metrics port, 8002 by default); `transport` replaces the network (tests use
+    (Triton's metrics port, 8002 by default); `num_warmups`: requests sent one after another
+    before the timed run and left out of it (the workload's first ones, at most 8 output tokens:
+    a server's first requests carry one-time costs); `transport` replaces the network (tests use
     httpx.MockTransport)."""
     limits = httpx.Limits(max_connections=len(requests) + 4, max_keepalive_connections=len(requests) + 4)
     timeout = httpx.Timeout(timeout_s, connect=10.0)
@@ -245,6 +265,10 @@ async def run_http_async(url: str, requests: Sequence[BenchRequest], model: str 
         scraped = client if not metrics_url else await stack.enter_async_context(
             httpx.AsyncClient(base_url=metrics_url, timeout=httpx.Timeout(30.0, connect=10.0), transport=transport))
         model = model or await resolve_model_name(client)
+        warmups = [await _stream_one(client, model, dataclasses.replace(r, output_len=min(r.output_len, 8),
+                                                                        arrival_s=0.0), time.perf_counter(),
+                                     None, tqdm(disable=True))
+                   for r in list(requests)[:num_warmups]]
         dialect = None if server_kind == "auto" else DIALECTS[server_kind]
         sampler = _MetricsSampler(scraped, time.perf_counter(), metrics_interval_s, dialect)
         await sampler.scrape()  # the counters' starting values
@@ -264,6 +288,7 @@ async def run_http_async(url: str, requests: Sequence[BenchRequest], model: str 
         await sampling
         await sampler.scrape()
     info = {"url": url, "metrics_url": metrics_url or url, "served_model_name": model,
+            "warmups": {"requests": len(warmups), "failed": sum(not w.ok for w in warmups)},
             "metrics_available": sampler.first is not None,
             "metrics": sampler.describe(duration)}
     results = sorted(results, key=lambda r: r.index)

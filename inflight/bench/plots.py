@@ -1,5 +1,6 @@
-"""PNG plots of bench runs (matplotlib, Agg): latency CDFs, KV use over time, the step timeline
-of in-process runs side by side, and the trade-off curve of a sweep."""
+"""PNG plots of bench runs (matplotlib, Agg): latency CDFs, KV use over time (alone, and beside
+the arrivals), the step timeline of in-process runs side by side, the trade-off curve of a
+sweep and the capacity curve of a rate search."""
 
 from __future__ import annotations
 
@@ -106,6 +107,46 @@ def plot_kv_usage(runs: Sequence[BenchRun], path: Path, title: str = "") -> Path
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8, loc="upper right", ncol=2 if ax is ax_q else 1)
     fig.suptitle(f"{title}: engine state over time" if title else "engine state over time")
+    return _save(fig, path)
+
+
+def plot_kv_and_arrivals(runs: Sequence[BenchRun], path: Path, title: str = "",
+                         kv_limit_perc: float | None = None) -> Path:
+    """The KV watermark over time (blocks allocated, %) above the load that drove it: requests
+    arriving per interval (bars) and running in the engine (line), on one time axis; the SLA's
+    KV peak limit drawn across, if given."""
+    fig, (ax_kv, ax_load) = plt.subplots(2, 1, figsize=(11, 6.5), sharex=True, height_ratios=[3, 2])
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    ends = [max([s.t_s for s in run.capture.samples] + [r.arrival_s for r in run.capture.results] + [1e-3])
+            for run in runs]
+    bins = np.linspace(0, max(ends + [1e-3]), 41)
+    for i, run in enumerate(runs):
+        color = colors[i % len(colors)]
+        samples = run.capture.samples
+        if samples:
+            ax_kv.step([s.t_s for s in samples], [s.kv_usage_perc for s in samples], where="post", color=color,
+                       label=run.label)
+            ax_load.step([s.t_s for s in samples], [s.num_running for s in samples], where="post", color=color,
+                         label=f"{run.label} running")
+        counts, _ = np.histogram([r.arrival_s for r in run.capture.results], bins=bins)
+        width = (bins[1] - bins[0]) / max(len(runs), 1)
+        ax_load.bar(bins[:-1] + i * width, counts, width=width, align="edge", color=color, alpha=0.3,
+                    label=f"{run.label} arrivals per {bins[1] - bins[0]:.2g} s")
+    if kv_limit_perc is not None:
+        ax_kv.axhline(kv_limit_perc, color="tab:red", ls="--", lw=1, label=f"SLA KV peak limit {kv_limit_perc:g}%")
+    if not any(run.capture.samples for run in runs):
+        ax_kv.text(0.5, 0.5, "the target exposed no KV usage", transform=ax_kv.transAxes, ha="center")
+    ax_kv.set_ylabel("KV cache used (%)")
+    ax_kv.set_ylim(0, 100)
+    ax_kv.set_title("KV watermark: blocks allocated over time")
+    ax_load.set_ylabel("requests")
+    ax_load.set_xlabel("time since start (s)")
+    ax_load.set_title("arrivals (bars) and requests running (line)")
+    for ax in (ax_kv, ax_load):
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8, loc="upper right")
+    fig.suptitle(f"{title}: KV watermark and load" if title else "KV watermark and load")
     return _save(fig, path)
 
 

@@ -92,7 +92,7 @@ def _json_default(value: Any) -> Any:
 
 Row = tuple[str, Callable[[BenchMetrics], Any], str]
 
-_ROWS: list[Row | str] = [
+TABLE_ROWS: list[Row | str] = [
     ("Successful requests", lambda m: m.num_completed, "d"),
     ("Failed requests", lambda m: m.num_failed, "d"),
     ("Duration (s)", lambda m: m.duration_s, ".1f"),
@@ -133,24 +133,26 @@ def format_table(runs: Sequence[BenchRun], title: str) -> str:
     width = label_w + col_w * len(runs)
     lines = [f" {title} ".center(width, "="), " " * label_w + "".join(r.label.rjust(col_w) for r in runs)]
     for key in _differing_options(runs):
-        lines.append(key[:label_w - 1].ljust(label_w) + "".join(_fmt(r.options.get(key)).rjust(col_w) for r in runs))
-    for row in _ROWS:
+        cells = "".join(format_cell(r.options.get(key)).rjust(col_w) for r in runs)
+        lines.append(key[:label_w - 1].ljust(label_w) + cells)
+    for row in TABLE_ROWS:
         if isinstance(row, str):
             lines.append(f"-- {row} ".ljust(width, "-"))
             continue
         name, get, spec = row
-        lines.append(name.ljust(label_w) + "".join(_fmt(get(r.metrics), spec).rjust(col_w) for r in runs))
+        lines.append(name.ljust(label_w) + "".join(format_cell(get(r.metrics), spec).rjust(col_w) for r in runs))
     for priority in sorted({r.priority for run in runs for r in run.capture.results}) if _has_classes(runs) else []:
         lines.append(f"-- Priority {priority} ".ljust(width, "-"))
         for class_row, of_run, class_spec in _class_rows(priority):
-            lines.append(class_row.ljust(label_w) + "".join(_fmt(of_run(r), class_spec).rjust(col_w) for r in runs))
+            cells = "".join(format_cell(of_run(r), class_spec).rjust(col_w) for r in runs)
+            lines.append(class_row.ljust(label_w) + cells)
     if len(runs) > 1:
         lines.append(f"-- Ratio to {runs[0].label} ".ljust(width, "-"))
         for name, get in _RATIOS:
             base = get(runs[0].metrics)
             values = [get(r.metrics) for r in runs]
-            cells = [_fmt(None if not base or v is None else v / base, ".2f") + "x" for v in values]
-            lines.append(f"  {name}".ljust(label_w) + "".join(c.rjust(col_w) for c in cells))
+            ratios = [format_cell(None if not base or v is None else v / base, ".2f") + "x" for v in values]
+            lines.append(f"  {name}".ljust(label_w) + "".join(c.rjust(col_w) for c in ratios))
     lines.append("=" * width)
     return "\n".join(lines)
 
@@ -189,7 +191,7 @@ def _differing_options(runs: Sequence[BenchRun]) -> list[str]:
     return [k for k in keys if len({json.dumps(r.options.get(k), default=str) for r in runs}) > 1]
 
 
-def _fmt(value: Any, spec: str = "") -> str:
+def format_cell(value: Any, spec: str = "") -> str:
     if value is None:
         return "-"
     if isinstance(value, Enum):
@@ -203,5 +205,15 @@ def now_iso() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
+_COMMAND_LINE: list[str] | None = None
+
+
+def record_command_line(argv: Sequence[str]) -> None:
+    """The command a run file and a report name, when `inflight.cli.main` is called with one
+    (from Python) rather than from the shell (`sys.argv`)."""
+    global _COMMAND_LINE
+    _COMMAND_LINE = list(argv)
+
+
 def command_line() -> list[str]:
-    return list(sys.argv)
+    return list(_COMMAND_LINE if _COMMAND_LINE is not None else sys.argv)

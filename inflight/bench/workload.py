@@ -17,6 +17,12 @@ real text to an exact length, the number of output tokens to force (`max_tokens`
         - {weight: 0.85, kind: lognormal, mean: 48, std: 32, min: 4}
         - {weight: 0.15, kind: uniform, min: 192, max: 384}
     shared_prefix: {fraction: 0.9, num_tokens: 768}   # optional
+
+A spec may instead replay a team's own prompts (`inflight.bench.dataset`): `dataset: {path:
+chats.jsonl}` takes every request's prompt (and, where the file gives one, its output length)
+from the file, in an order drawn with the spec's seed, arriving as `arrivals` says (or at the
+file's own `timestamp`s with `timestamps: true`); `output_len`, if given, is drawn for the records
+that state no length. `num_requests` defaults to the number of records (more repeats them).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from inflight.bench.corpus import Corpus
+from inflight.bench.dataset import DatasetError, DatasetFormat, DatasetRecord, read_dataset
 from inflight.bench.distributions import (
     Arrivals,
     BurstArrivals,
@@ -66,6 +73,15 @@ class PriorityClass(SpecModel):
     share: float = Field(gt=0, le=1)
 
 
+class DatasetSource(SpecModel):
+    """Prompts replayed from a file (`inflight.bench.dataset`); a relative path is taken from the
+    spec file's folder."""
+
+    path: str
+    format: DatasetFormat = "auto"
+    timestamps: bool = Field(False, description="arrive at the records' own timestamps, not the spec's arrivals")
+
+
 class WorkloadSpec(SpecModel):
     name: str
     description: str = ""
@@ -77,6 +93,7 @@ class WorkloadSpec(SpecModel):
     shared_prefix: SharedPrefix | None = None
     # Priority classes (their shares summing to 1), each request drawn into one; none: all at 0.
     priorities: list[PriorityClass] | None = Field(None, min_length=1)
+    dataset: DatasetSource | None = None
 
     @model_validator(mode="after")
     def _check_sources(self) -> WorkloadSpec:
@@ -86,6 +103,11 @@ class WorkloadSpec(SpecModel):
                 raise ValueError(f"priorities: the shares must sum to 1, got {total:g}")
             if len({c.priority for c in self.priorities}) < len(self.priorities):
                 raise ValueError("priorities: each priority once")
+        if self.dataset is not None:
+            clash = [k for k in ("prompt_len", "shared_prefix") if getattr(self, k) is not None]
+            if clash or isinstance(self.arrivals, TraceArrivals):
+                raise ValueError(f"a dataset gives its own prompts; remove {', '.join(clash) or 'the trace arrivals'}")
+            return self
         if isinstance(self.arrivals, TraceArrivals):
             if self.prompt_len is not None or self.output_len is not None:
                 raise ValueError("a trace gives its own prompt_len and output_len; remove them from the spec")
@@ -97,8 +119,15 @@ class WorkloadSpec(SpecModel):
 
     @property
     def sha256(self) -> str:
-        """Fingerprint of the traffic: equal specs (seed included) give equal requests."""
-        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+        """Fingerprint of the traffic: equal specs (seed included) give equal requests. A dataset
+        counts by its contents, not its path (when the file can be read from here)."""
+        data = self.model_dump(mode="json")
+        if self.dataset is not None:
+            try:
+                data["dataset"]["path"] = hashlib.sha256(Path(self.dataset.path).read_bytes()).hexdigest()
+            except OSError:
+                pass
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +139,10 @@ class BenchRequest:
     arrival_s: float
     has_shared_prefix: bool = False
     priority: int = 0
+    # A dataset's request goes out as text (its `prompt`, or these chat messages), for the
+    # target to tokenize; `prompt_token_ids` are then the bench tokenizer's reading of it.
+    messages: tuple[dict[str, str], ...] | None = None
+    send_text: bool = False
 
     @property
     def prompt_len(self) -> int:
@@ -141,7 +174,19 @@ def load_workload(name_or_path: str, **overrides: Any) -> tuple[WorkloadSpec, Pa
         raise WorkloadError(f"workload spec {path}: expected a mapping of fields at the top level")
     data.setdefault("name", path.stem)
     data.update({k: v for k, v in overrides.items() if v is not None})
+    dataset = data.get("dataset")
+    if isinstance(dataset, dict) and isinstance(dataset.get("path"), str):  # from the spec's folder
+        data["dataset"] = {**dataset, "path": str((path.parent / dataset["path"]).resolve())}
     return parse_workload(data, source=str(path)), path
+
+
+def dataset_workload(dataset: str, **overrides: Any) -> tuple[WorkloadSpec, Path]:
+    """The workload of `--dataset FILE` without a spec: every record once, all at t=0 unless
+    overridden (`num_requests`, `seed`, a rate)."""
+    path = Path(dataset).resolve()
+    data: dict[str, Any] = {"name": path.stem, "dataset": {"path": str(path)}}
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return parse_workload(data, source=dataset), path
 
 
 def parse_workload(data: dict[str, Any], source: str = "workload spec") -> WorkloadSpec:
@@ -166,6 +211,8 @@ def _describe(exc: ValidationError) -> str:
 def generate_requests(spec: WorkloadSpec, corpus: Corpus, base_dir: Path | None = None) -> list[BenchRequest]:
     """The spec's requests, in arrival order. `base_dir` resolves a relative trace path."""
     rng = np.random.default_rng(spec.seed)
+    if spec.dataset is not None:
+        return _dataset_requests(spec, spec.dataset, corpus, base_dir, rng)
     if isinstance(spec.arrivals, TraceArrivals):
         offsets, prompt_lens, output_lens = read_trace(spec.arrivals, base_dir, spec.num_requests)
     else:
@@ -195,6 +242,67 @@ def generate_requests(spec: WorkloadSpec, corpus: Corpus, base_dir: Path | None 
         requests.append(BenchRequest(i, ids, corpus.decode(ids), int(output_lens[i]),
                                      float(offsets[i]), bool(with_prefix[i]), priorities[i]))
     return requests
+
+
+def _dataset_requests(spec: WorkloadSpec, source: DatasetSource, corpus: Corpus, base_dir: Path | None,
+                      rng: np.random.Generator) -> list[BenchRequest]:
+    """Requests replayed from a dataset: the records in an order drawn from the spec's seed
+    (or by their timestamps), each prompt counted by the bench's tokenizer (the chat template for
+    messages), each output length as the record states it, or its reference reply's token count,
+    or drawn from the spec's `output_len`."""
+    path = Path(source.path)
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    try:
+        records = read_dataset(path, source.format)
+    except DatasetError as exc:
+        raise WorkloadError(str(exc)) from None
+    n = spec.num_requests or len(records)
+    if source.timestamps:
+        untimed = next((r for r in records if r.timestamp is None), None)
+        if untimed is not None:
+            raise WorkloadError(f"dataset {path} {untimed.where}: no field 'timestamp' (timestamps: true)")
+        chosen = sorted(records, key=lambda r: r.timestamp or 0.0)
+        chosen = [chosen[i % len(chosen)] for i in range(n)]
+        first = chosen[0].timestamp or 0.0
+        span = (chosen[-1].timestamp or 0.0) - first + 1.0  # a repeat comes a second after the last
+        offsets = np.array([(r.timestamp or 0.0) - first + span * (i // len(records)) for i, r in enumerate(chosen)])
+    else:
+        order = np.concatenate([rng.permutation(len(records)) for _ in range(-(-n // len(records)))])[:n]
+        chosen = [records[int(i)] for i in order]
+        assert not isinstance(spec.arrivals, TraceArrivals)  # refused beside a dataset
+        offsets = spec.arrivals.offsets(rng, n)
+    drawn = spec.output_len.sample(rng, n) if spec.output_len is not None else None
+    tokenizer = getattr(corpus, "tokenizer", None)
+    if tokenizer is None or not hasattr(tokenizer, "encode"):
+        raise WorkloadError("a dataset's prompts are counted with the model's tokenizer, and the simulator has "
+                            "none: give it a spec with prompt_len and output_len")
+    requests = []
+    for i, record in enumerate(chosen):
+        ids = _record_token_ids(record, tokenizer, path)
+        if record.output_len is not None:
+            output_len = record.output_len
+        elif record.reference is not None:
+            output_len = max(1, len(tokenizer.encode(record.reference, add_special_tokens=False)))
+        elif drawn is not None:
+            output_len = int(drawn[i])
+        else:
+            raise WorkloadError(f"dataset {path} {record.where}: no field 'max_tokens', and the spec has no "
+                                "output_len to draw one from")
+        requests.append(BenchRequest(i, ids, record.prompt or "", output_len, float(offsets[i]),
+                                     messages=record.messages, send_text=True))
+    return requests
+
+
+def _record_token_ids(record: DatasetRecord, tokenizer: Any, path: Path) -> list[int]:
+    if record.messages is None:
+        return list(tokenizer.encode(record.prompt or ""))
+    if not hasattr(tokenizer, "apply_chat_template"):
+        raise WorkloadError(f"dataset {path}: chat records need the model's chat template to count their tokens")
+    try:
+        return list(tokenizer.apply_chat_template(list(record.messages)))
+    except InflightError as exc:
+        raise WorkloadError(f"dataset {path} {record.where}: {exc}") from None
 
 
 def read_trace(trace: TraceArrivals, base_dir: Path | None,
@@ -254,7 +362,7 @@ def with_request_rate(spec: WorkloadSpec, rate: float) -> WorkloadSpec:
     """The spec with another arrival rate: `inf` makes a burst, a number on a burst makes Poisson
     arrivals, a gamma process keeps its burstiness."""
     arrivals = spec.arrivals
-    if isinstance(arrivals, TraceArrivals):
+    if isinstance(arrivals, TraceArrivals) or (spec.dataset is not None and spec.dataset.timestamps):
         raise WorkloadError("a trace fixes its own arrival times; --request-rate does not apply")
     if rate == float("inf"):
         new: dict[str, Any] = {"kind": "burst"}

@@ -26,7 +26,7 @@ def register(subparsers: Any) -> None:
                     "--output, --plot and --sla work as for `inflight bench`.",
     )
     _add_target_options(sim)
-    add_workload_options(sim, required=False)
+    add_workload_options(sim)
     add_runs_options(sim, "simulate each configuration in turn")
     o = add_output_options(sim)
     o.add_argument("--against", default=None, metavar="RUN.json",
@@ -61,7 +61,7 @@ def register(subparsers: Any) -> None:
                     "highest output throughput first.",
     )
     _add_target_options(tune)
-    add_workload_options(tune, required=False)
+    add_workload_options(tune)
     tune.add_argument("--sla", required=True, help="SLA YAML file (as for `inflight check`)")
     g = tune.add_argument_group("search")
     g.add_argument("--max-num-tokens-grid", default="256,512,1024,2048,4096,8192", metavar="N,N,...")
@@ -78,6 +78,31 @@ def register(subparsers: Any) -> None:
     tune.add_argument("--output", "-o", default=None, help="write the passing runs to this JSON file")
     _add_engine_options(tune)
     tune.set_defaults(func=cmd_tune)
+
+    check = subparsers.add_parser(
+        "check", help="pre-launch checklist: a bench run file against an SLA, or (--plan) a configuration "
+                      "against a workload before any traffic",
+        description="`inflight check --sla SLA RUN.json` shows each SLA line as PASS or FAIL; exits 1 if any "
+                    "fails, 2 on a bad file. `inflight check --plan --workload W [--sla SLA] [engine options]` "
+                    "flags, before any traffic, requests longer than max_model_len, prompts the token budget "
+                    "cannot take, a KV pool that cannot hold the batch (preemption ahead) and a full step "
+                    "predicted above the SLA's TBT p99; exits 1 if anything is flagged.",
+    )
+    check.add_argument("--sla", default=None, help="SLA YAML file")
+    check.add_argument("run", nargs="?", default=None, help="a JSON file written by `inflight bench --output`")
+    check.add_argument("--report", default=None, metavar="FILE.html",
+                       help="also write the run's self-contained HTML report, checked against --sla")
+    p = check.add_argument_group("plan (--plan)")
+    p.add_argument("--plan", action="store_true", help="check a configuration against a workload, sending nothing")
+    p.add_argument("--engine-config", default=None, metavar="YAML",
+                   help="the engine's options in a file: inflight's names, or vLLM's `--config` file "
+                        "(max-num-seqs, max-num-batched-tokens, max-model-len, kv-cache-memory-bytes, ...)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="vLLM's name for --max-batch-size")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="vLLM's name for --max-num-tokens")
+    _add_target_options(check)
+    add_workload_options(check)
+    _add_engine_options(check)
+    check.set_defaults(func=cmd_check)
 
 
 def _add_target_options(parser: argparse.ArgumentParser) -> None:
@@ -125,14 +150,9 @@ def _target(args: argparse.Namespace) -> Any:
 
 
 def _workload(args: argparse.Namespace) -> tuple[Any, Path]:
-    from inflight.bench.workload import load_workload, with_request_rate
+    from inflight.bench.cli import workload_from_args
 
-    if not args.workload:
-        raise ConfigError("--workload is required")
-    spec, path = load_workload(args.workload, seed=args.workload_seed, num_requests=args.num_requests)
-    if args.request_rate is not None:
-        spec = with_request_rate(spec, args.request_rate)
-    return spec, path
+    return workload_from_args(args)
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -193,6 +213,11 @@ def cmd_sim(args: argparse.Namespace) -> int:
         for path in plot_runs(runs, Path(args.plot), title=f"{spec.name} (simulated)",
                               sweep_keys=[k for k, _ in sweeps]):
             print(f"wrote {path}", file=sys.stderr)
+    if args.report:
+        from inflight.bench.html_report import write_report
+
+        document = _document(args, target, spec, spec_path, len(requests), sla)
+        print(f"wrote {write_report(Path(args.report), document, runs, sla, args.sla)}", file=sys.stderr)
     if sla is None:
         return 0
     results = [(run, check_run(sla, run, spec.name)) for run in runs]
@@ -298,6 +323,55 @@ def cmd_tune(args: argparse.Namespace) -> int:
         write_run_file(Path(args.output), document, [c.run for c in passing])
         print(f"wrote {args.output}", file=sys.stderr)
     return 0 if passing else 1
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from inflight.bench.cli import cmd_check as check_run_file
+
+    if not args.plan:
+        return check_run_file(args)
+    if args.run:
+        raise ConfigError("--plan checks a configuration, not a run file: drop RUN.json")
+    return _check_plan(args)
+
+
+def _check_plan(args: argparse.Namespace) -> int:
+    from inflight.bench.sla import load_sla
+    from inflight.config import EngineConfig
+    from inflight.options import engine_option_fields
+    from inflight.sim.plan import check_plan, format_plan, read_engine_config
+    from inflight.sim.workload import synthetic_requests
+
+    options = _engine_options(args)
+    ignored: list[str] = []
+    if args.engine_config:
+        from_file, target_options, ignored = read_engine_config(Path(args.engine_config))
+        defaults = {f.name: f.default for f, _ in engine_option_fields()}
+        # The file's values, unless a flag set the option to something other than its default.
+        options.update({k: v for k, v in from_file.items() if options.get(k) == defaults.get(k)})
+        if "gpu_memory_utilization" in target_options and args.gpu_memory_utilization == 0.9:
+            args.gpu_memory_utilization = float(target_options["gpu_memory_utilization"])
+        if "tensor_parallel_size" in target_options and args.tp == 1:
+            args.tp = int(target_options["tensor_parallel_size"])
+    for vllm_flag, name in ((args.max_num_seqs, "max_batch_size"), (args.max_num_batched_tokens, "max_num_tokens")):
+        if vllm_flag is not None:
+            options[name] = vllm_flag
+    if options.get("replicas", 1) != 1:
+        raise ConfigError("--plan checks one engine; drop --replicas")
+    target = _target(args)
+    spec, spec_path = _workload(args)
+    sla = load_sla(args.sla) if args.sla else None
+    requests = synthetic_requests(spec, spec_path.parent)
+    plan = check_plan(target, options, requests, sla)
+    config = EngineConfig.from_kwargs(None, **options)
+    sched = config.scheduler
+    shown = (f"max_batch_size {sched.max_batch_size}, max_num_tokens {sched.max_num_tokens}, max_model_len "
+             f"{sched.max_model_len}, chunked prefill {'on' if sched.enable_chunked_prefill else 'off'}, "
+             f"block_size {config.cache.block_size}, KV {plan.num_kv_blocks} blocks")
+    title = (f"inflight check --plan: {spec.name} ({len(requests)} requests, seed {spec.seed}) on "
+             f"{target.describe()}" + (f", SLA {args.sla}" if sla else ""))
+    print(format_plan(plan, title, shown, ignored))
+    return 1 if plan.flags else 0
 
 
 def _show(value: Any) -> str:
