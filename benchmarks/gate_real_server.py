@@ -32,6 +32,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -59,7 +60,7 @@ def start(engine: str, args: argparse.Namespace, model: Path, port: int, log: Pa
                    "--max-model-len", str(args.ctx_per_slot),
                    "--num-kv-blocks", str(args.parallel * args.ctx_per_slot // 16)]  # llama-server's KV, in tokens
     else:  # vllm's OpenAI server, CPU build, on the GGUF's weights as an fp32 HF directory
-        command = [args.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(vllm_model_dir(model, log)),
+        command = [args.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(vllm_model_dir(model)),
                    "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(args.parallel),
                    "--max-model-len", str(args.ctx_per_slot), "--max-num-batched-tokens", "512",
                    "--dtype", "float32", "--served-model-name", "model"]
@@ -67,9 +68,10 @@ def start(engine: str, args: argparse.Namespace, model: Path, port: int, log: Pa
     return subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
-def vllm_model_dir(model: Path, log: Path) -> Path:
-    """The GGUF dequantized by transformers and written as a plain HF checkpoint, once, beside the log."""
-    out = log.with_suffix(".hf-model")
+def vllm_model_dir(model: Path) -> Path:
+    """The GGUF dequantized by transformers and written as a plain HF checkpoint, once, in the
+    temporary folder (hundreds of MB: never beside the records)."""
+    out = Path(tempfile.gettempdir()) / f"inflight-vllm-{model.stem}"
     if not (out / "config.json").exists():
         import torch
         from transformers import AutoModelForCausalLM

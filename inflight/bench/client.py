@@ -82,7 +82,8 @@ class _MetricsSampler:
             response = await self.client.get("/metrics")
             response.raise_for_status()
             parsing = time.thread_time()  # the client's CPU from here on: parsing and reading
-            series = parse_exposition(response.text)
+            # Once the engine is known, only the families its dialect reads are parsed.
+            series = parse_exposition(response.text, self.dialect.sample_names() if self.dialect else None)
         except (httpx.HTTPError, ExpositionError) as exc:
             self.available, self.problem = False, f"/metrics: {exc}"
             return

@@ -15,7 +15,7 @@ summed.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -29,10 +29,16 @@ class ExpositionError(ValueError):
     """A /metrics body that is not Prometheus's text format."""
 
 
-def parse_exposition(text: str) -> Series:
+def parse_exposition(text: str, only: Collection[str] | None = None) -> Series:
     """Every sample of a Prometheus text exposition, by sample name (a counter's `_total` and
-    `_created`, a histogram's `_bucket`, `_sum`, `_count` each their own name)."""
+    `_created`, a histogram's `_bucket`, `_sum`, `_count` each their own name). With `only`
+    (`Dialect.sample_names`), the lines of other families are dropped before parsing: vLLM's
+    52 KB of histograms cost 14 ms of parsing a scrape, the few gauges and counters a gate
+    reads a fraction of that."""
     from prometheus_client.parser import text_string_to_metric_families
+
+    if only is not None:
+        text = "\n".join(line for line in text.splitlines() if _family_of(line) in only) + "\n"
 
     series: Series = {}
     try:
@@ -42,6 +48,20 @@ def parse_exposition(text: str) -> Series:
     except (ValueError, TypeError, IndexError) as exc:
         raise ExpositionError(f"not Prometheus text format: {exc}") from None
     return series
+
+
+def _family_of(line: str) -> str:
+    """The metric name a line of the text format is about: a sample's, or a `# HELP`/`# TYPE`
+    comment's ("" for other comments and blank lines)."""
+    if line.startswith("#"):
+        parts = line.split(None, 3)
+        return parts[2] if len(parts) > 2 and parts[1] in ("HELP", "TYPE") else ""
+    end = len(line)
+    for stop in ("{", " "):
+        at = line.find(stop)
+        if at != -1:
+            end = min(end, at)
+    return line[:end]
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +148,15 @@ class Dialect:
         counters = {name: value for name in COUNTERS if (value := get(getattr(self, name))) is not None}
         return Reading(get(self.kv_usage), get(self.running), get(self.waiting), counters,
                        get(self.kv_peak), get(self.kv_live))
+
+    def sample_names(self) -> frozenset[str]:
+        """The metric names this dialect reads, as samples and as families (a counter with and
+        without `_total`): what `parse_exposition(..., only=)` keeps."""
+        picks: list[Pick] = []
+        for name in ("kv_usage", "running", "waiting", *COUNTERS, "kv_peak", "kv_live"):
+            pick = getattr(self, name)
+            picks += [pick.used, pick.total] if isinstance(pick, Ratio) else [pick] if pick is not None else []
+        return frozenset(n for p in picks for n in (p.name, p.name + "_total", p.name.removesuffix("_total")))
 
 
 
