@@ -170,6 +170,7 @@ class SchedulerConfig:
 
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+QUANTIZATIONS = ("none", "int8")
 
 
 @dataclass(frozen=True)
@@ -182,12 +183,18 @@ class EngineConfig:
                         choices=DTYPES)
     device: str = option("auto", "auto, cpu or cuda[:N]")
     seed: int = option(0, "seed of the engine's sampling")
+    quantization: str = option("none", "weights computed as stored (none), or int8: W8A8, each decoder matmul's "
+                                       "weights int8 per output channel and its activations per token, "
+                                       "integer dot products (VNNI where the CPU has it); LM head, norms and "
+                                       "attention stay fp32", choices=QUANTIZATIONS)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     step_history: int = 4096
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _require(self.quantization in QUANTIZATIONS,
+                 f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         _require(self.step_history >= 1, "step_history must be >= 1")
 
     @classmethod

@@ -239,7 +239,8 @@ def _bench_in_process(args: argparse.Namespace, options: dict[str, Any], plans: 
 
     EngineConfig.from_kwargs(args.model, **options)  # a bad option fails before the model loads
     device = select_device(options.get("device", "auto"))
-    loaded = LoadedModel.load(args.model, select_dtype(options.get("dtype", "auto"), device), device)
+    loaded = LoadedModel.load(args.model, select_dtype(options.get("dtype", "auto"), device), device,
+                                options.get("quantization", "none"))
     requests = generate_requests(spec, Corpus(loaded.tokenizer), spec_path.parent)
     runs = run_in_process(args.model, options, plans, requests, max_concurrency=args.max_concurrency,
                           slo=slo, progress=progress, loaded=loaded)
@@ -283,7 +284,8 @@ def _find_max_rate(args: argparse.Namespace, spec: WorkloadSpec, spec_path: Path
         options = engine_options(args)
         EngineConfig.from_kwargs(args.model, **options)
         device = select_device(options.get("device", "auto"))
-        loaded = LoadedModel.load(args.model, select_dtype(options.get("dtype", "auto"), device), device)
+        loaded = LoadedModel.load(args.model, select_dtype(options.get("dtype", "auto"), device), device,
+                                options.get("quantization", "none"))
         corpus = Corpus(loaded.tokenizer)
         document["target"] = {"kind": "in-process", "model": args.model}
         document["engine_options"] = options

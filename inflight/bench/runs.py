@@ -114,7 +114,8 @@ def run_in_process(model: str | None, base_options: dict[str, Any], plans: Seque
         EngineConfig.from_kwargs(model, **options)
     if loaded is None:
         device = select_device(base_options.get("device", "auto"))
-        loaded = LoadedModel.load(model, select_dtype(base_options.get("dtype", "auto"), device), device)
+        loaded = LoadedModel.load(model, select_dtype(base_options.get("dtype", "auto"), device), device,
+                                  base_options.get("quantization", "none"))
     runs = []
     for plan, options in configs:
         config = EngineConfig.from_kwargs(model, **options)

@@ -227,9 +227,11 @@ class LLMEngine:
     def _model_parts(config: EngineConfig, loaded: LoadedModel | None) -> EngineParts:
         device = select_device(config.device)
         torch.manual_seed(config.seed)
+        if loaded is not None and loaded.quantization != config.quantization:
+            loaded = None  # a model loaded with other weights than this engine computes with
         if loaded is None:
             check_engine_fits(config)
-            loaded = LoadedModel.load(config.model, select_dtype(config.dtype, device), device)
+            loaded = LoadedModel.load(config.model, select_dtype(config.dtype, device), device, config.quantization)
         cache = config.cache
         num_blocks = cache.num_kv_blocks or _blocks_for_budget(cache, loaded.model, device)
         runner = ModelRunner(loaded.model, num_blocks, cache.block_size, Sampler(device, config.seed))

@@ -66,6 +66,16 @@ def blocks_usable() -> bool:
             and kernels.gguf_blocks_available())
 
 
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row: (q in [-127, 127], scale) with weight ~ q * scale[:, None];
+    an all-zero row gets scale 0 and zeros."""
+    amax = weight.float().abs().amax(dim=1)
+    scale = amax / 127
+    safe = torch.where(amax > 0, scale, torch.ones_like(scale))
+    q = torch.round(weight.float() / safe[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
 # Up to this many rows a weight kept as GGUF blocks is dequantized in registers, again for each
 # group of 5 rows; past it, once per panel into cache (`csrc`: gguf_blocks_linear, gguf_blocks_gemm).
 GGUF_BLOCKS_MAX_ROWS = 5
@@ -83,7 +93,8 @@ class Linear:
     __slots__ = ("backend", "bias", "in_features", "out_features", "weight", "blocks", "_kernels")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, backend: str = "torch",
-                 gguf_blocks: tuple[str | list[str], torch.Tensor | list[torch.Tensor]] | None = None) -> None:
+                 gguf_blocks: tuple[str | list[str], torch.Tensor | list[torch.Tensor]] | None = None,
+                 int8: bool = False) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.backend = backend
@@ -91,7 +102,16 @@ class Linear:
         self.blocks: torch.Tensor | None = None
         if weight.is_meta and not (backend == "inflight" and gguf_blocks is not None and blocks_usable()):
             raise ModelLoadError("a weight was left in its GGUF blocks on a path that cannot read them")
-        if backend == "inflight":
+        if int8:
+            if backend != "inflight" or weight.is_meta:
+                raise ModelLoadError("quantization int8 runs on inflight's CPU kernels in fp32 (a CPU with AVX2, "
+                                     "--dtype float32)")
+            self._kernels = cpu_kernels()
+            assert self._kernels is not None
+            q, scales = quantize_int8(weight)
+            self.blocks = self._kernels.pack_int8_weight(q, scales)
+            self.weight = torch.empty(0)
+        elif backend == "inflight":
             self._kernels = cpu_kernels()
             assert self._kernels is not None
             if gguf_blocks is not None and self._kernels.gguf_blocks_available():

@@ -129,11 +129,12 @@ class LlamaModel:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
                  gguf_blocks: dict[str, tuple[str, torch.Tensor]] | None = None,
-                 embedding: GGUFRows | WidenedRows | None = None) -> None:
+                 embedding: GGUFRows | WidenedRows | None = None, int8: bool = False) -> None:
         """`gguf_blocks`: weights as stored, in `loader.BLOCK_TYPES` (a GGUF file's blocks, a
         checkpoint's 16-bit matrices: `load_blocks`), which the weight matmuls read instead of
         fp32 where the CPU kernels can; `embedding`: the token embedding read by row
-        (`load_embedding`), in place of the checkpoint's (then only its shape)."""
+        (`load_embedding`), in place of the checkpoint's (then only its shape); `int8`: the
+        decoder's matmuls quantized to int8 (W8A8, `Linear`), the LM head left as it is."""
         self.config = config
         self.device = device
 
@@ -164,7 +165,7 @@ class LlamaModel:
         self.dtype = self.embed_tokens.dtype
         backend = linear_backend(device, self.dtype)
 
-        def linear(*names: str, bias: tuple[str, ...] | None = None) -> Linear:
+        def linear(*names: str, bias: tuple[str, ...] | None = None, quantize: bool = int8) -> Linear:
             stored = [take(n) for n in names]
             if len(stored) == 1:
                 weight = stored[0]
@@ -177,11 +178,11 @@ class LlamaModel:
             quantized = None
             if len(parts) == len(names):  # packed from where they lie (`loader._blocks_kept` says which fuse)
                 quantized = ([kind for kind, _ in parts], [raw for _, raw in parts])
-            return Linear(weight, b, backend, gguf_blocks=quantized)
+            return Linear(weight, b, backend, gguf_blocks=quantized, int8=quantize)
 
         arch = architecture(config.architecture)
         self.final_norm = take("model.norm.weight")
-        self.lm_head = linear("lm_head.weight")
+        self.lm_head = linear("lm_head.weight", quantize=False)  # the logits stay fp32
         self.layers: list[DecoderLayer] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."

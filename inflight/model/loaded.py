@@ -19,21 +19,25 @@ class LoadedModel:
     name: str
     model: LlamaModel
     tokenizer: Tokenizer
+    quantization: str = "none"
 
     @classmethod
-    def load(cls, model: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    def load(cls, model: str | None, dtype: torch.dtype, device: torch.device,
+             quantization: str = "none") -> LoadedModel:
         """The tokenizer loads in a thread of its own while the weights are read and repacked:
         most of its time is Python (importing transformers, building the vocabulary), most of the
         weights' is the C++ repacking, which runs without the GIL (a 1B Q4_K_M GGUF on 2 Ice Lake
-        cores: 3.3-3.8 s, against 3.8-4.2 s one after the other, alternated)."""
+        cores: 3.3-3.8 s, against 3.8-4.2 s one after the other, alternated). With `quantization`
+        int8, the weights are read as fp32 and quantized (`Linear`), whatever the checkpoint stores."""
         source = resolve_model(model)
-        keep_blocks = dtype == torch.float32 and device.type == "cpu" and blocks_usable()
+        keep_blocks = dtype == torch.float32 and device.type == "cpu" and blocks_usable() and quantization == "none"
         config, weights = load_checkpoint(source, dtype, keep_blocks=keep_blocks)
         with ThreadPoolExecutor(1, thread_name_prefix="inflight-tokenizer") as pool:
             tokenizer = pool.submit(Tokenizer.load, source, config.eos_token_ids)
             blocks = load_blocks(source, config) if keep_blocks else {}
             embedding = load_embedding(source, config) if keep_blocks else None
-            llama = LlamaModel(config, weights, device, gguf_blocks=blocks, embedding=embedding)
+            llama = LlamaModel(config, weights, device, gguf_blocks=blocks, embedding=embedding,
+                               int8=quantization == "int8")
             del weights, blocks  # the model holds what it reads
             release_file_pages(source)
-            return cls(source.name, llama, tokenizer.result())
+            return cls(source.name, llama, tokenizer.result(), quantization)

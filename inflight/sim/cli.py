@@ -161,6 +161,9 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
     options = engine_options(args)
     options.pop("device", None)
+    if options.pop("quantization", "none") != "none":
+        raise ConfigError("the simulator has no int8 CPU profile yet: --quantization is for bench, serve and "
+                          "generate (GPU profiles take --weight-dtype)")
     if args.replicas < 1:
         raise ConfigError(f"--replicas must be >= 1, got {args.replicas}")
     if args.replicas > 1:

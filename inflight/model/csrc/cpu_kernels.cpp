@@ -1831,13 +1831,271 @@ torch::Tensor gguf_blocks_linear(torch::Tensor, torch::Tensor, int64_t) {
 }
 #endif
 
+// ---- int8 weight matmuls (W8A8): y = sx * sw * (qx . qw) for each row and column.
+//
+// The weight is quantized once, at load, symmetric per output column (qw in [-127, 127], its
+// scale sw: `inflight/model/linear.py`); each step's activations per row, dynamically, here
+// (qx in [-127, 127], sx = max|x| / 127). The dot products are integer and exact in int32; the
+// one rounding of each output is float(dot) * (sx * sw). Packed: a 64-byte header (int64 N, K,
+// Kp (K rounded up to 4), panels), the columns' sw (fp32) and 128 * sum_k qw (int32), then
+// panels of kI8Cols columns, [Kp / 4][kI8Cols][4] bytes: four consecutive k of one column in one
+// 32-bit lane, as vpdpbusd multiplies them.
+//
+// - AVX-512 VNNI: vpdpbusd multiplies unsigned by signed bytes, four into each int32 lane; the
+//   activations go in as qx + 128 (a flip of the sign bit) and 128 * sum qw comes off after.
+// - AVX2: vpmaddubsw on |qx| and qw carrying qx's sign (vpsignb), pairs summed in int16 (at most
+//   2 * 127 * 127, no saturation), then vpmaddwd into int32.
+// - Elsewhere: plain integer loops.
+
+namespace {
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int64_t kI8Cols = 32;
+constexpr int kI8MaxRows = 12;  // 2 x 12 accumulators + 2 weight vectors of 32 zmm registers
+constexpr bool kI8Offset = true;
+constexpr const char* kI8Isa = "avx512-vnni";
+#elif defined(__AVX2__)
+constexpr int64_t kI8Cols = 16;
+constexpr int kI8MaxRows = 4;
+constexpr bool kI8Offset = false;
+constexpr const char* kI8Isa = "avx2";
+#else
+constexpr int64_t kI8Cols = 8;
+constexpr int kI8MaxRows = 4;
+constexpr bool kI8Offset = false;
+constexpr const char* kI8Isa = "generic";
+#endif
+constexpr int64_t kI8Header = 64;
+
+struct Int8Packed {
+  int64_t n, k, kp, panels;
+  const float* scales;
+  const int32_t* offsets;  // 128 * sum_k qw, per column
+  const int8_t* panel;     // the first panel
+};
+
+Int8Packed read_int8(const torch::Tensor& packed) {
+  TORCH_CHECK(packed.scalar_type() == torch::kInt8 && packed.dim() == 1 && packed.is_contiguous() &&
+                  packed.numel() >= kI8Header, "not an int8 weight packed by pack_int8_weight");
+  const int8_t* base = packed.data_ptr<int8_t>();
+  int64_t h[4];
+  std::memcpy(h, base, sizeof(h));
+  const int64_t cols = h[3] * kI8Cols;
+  TORCH_CHECK(packed.numel() == kI8Header + cols * 8 + h[3] * h[2] * kI8Cols,
+              "int8 weight packed by another build (its panel width differs)");
+  return {h[0], h[1], h[2], h[3], reinterpret_cast<const float*>(base + kI8Header),
+          reinterpret_cast<const int32_t*>(base + kI8Header + cols * 4),
+          base + kI8Header + cols * 8};
+}
+
+// Rows of x [M, K] -> qx [M, Kp] (zero past K) and sx [M].
+void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int8_t* q, float* scale) {
+  at::parallel_for(0, m, row_grain(k), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = x + r * k;
+      float amax = 0.f;
+      for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      scale[r] = amax / 127.f;
+      int8_t* out = q + r * kp;
+      for (int64_t i = 0; i < k; ++i)
+        out[i] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(row[i] * inv))));
+      for (int64_t i = k; i < kp; ++i) out[i] = 0;
+    }
+  });
+}
+
+// acc[r][c] = sum over the panel's k of qx[r] (as stored in xq: + 128 where kI8Offset) * qw[c].
+template <int MR>
+inline void int8_micro(const int8_t* __restrict xq, int64_t ldx, const int8_t* __restrict w, int64_t groups,
+                       int32_t* __restrict acc) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  __m512i a0[MR], a1[MR];
+  for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm512_setzero_si512();
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512i w0 = _mm512_load_si512(w + g * 128), w1 = _mm512_load_si512(w + g * 128 + 64);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      int32_t four;
+      std::memcpy(&four, xq + r * ldx + 4 * g, 4);
+      const __m512i xb = _mm512_set1_epi32(four);
+      a0[r] = _mm512_dpbusd_epi32(a0[r], xb, w0);
+      a1[r] = _mm512_dpbusd_epi32(a1[r], xb, w1);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    _mm512_storeu_si512(acc + r * kI8Cols, a0[r]);
+    _mm512_storeu_si512(acc + r * kI8Cols + 16, a1[r]);
+  }
+#elif defined(__AVX2__)
+  __m256i a0[MR], a1[MR];
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_si256();
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + g * 64));
+    const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + g * 64 + 32));
+    for (int r = 0; r < MR; ++r) {
+      int32_t four;
+      std::memcpy(&four, xq + r * ldx + 4 * g, 4);
+      const __m256i xb = _mm256_set1_epi32(four), ax = _mm256_abs_epi8(xb);
+      a0[r] = _mm256_add_epi32(a0[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xb)), ones));
+      a1[r] = _mm256_add_epi32(a1[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xb)), ones));
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kI8Cols), a0[r]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kI8Cols + 8), a1[r]);
+  }
+#else
+  for (int r = 0; r < MR; ++r)
+    for (int64_t c = 0; c < kI8Cols; ++c) acc[r * kI8Cols + c] = 0;
+  for (int64_t g = 0; g < groups; ++g)
+    for (int r = 0; r < MR; ++r)
+      for (int64_t c = 0; c < kI8Cols; ++c)
+        for (int j = 0; j < 4; ++j)
+          acc[r * kI8Cols + c] += int32_t{xq[r * ldx + 4 * g + j]} * int32_t{w[(g * kI8Cols + c) * 4 + j]};
+#endif
+}
+
+void int8_rows(int mr, const int8_t* xq, int64_t ldx, const int8_t* w, int64_t groups, int32_t* acc) {
+  switch (mr) {
+#define INFLIGHT_I8_ROWS(n)                        \
+  case n:                                          \
+    if constexpr (n <= kI8MaxRows) {               \
+      int8_micro<n>(xq, ldx, w, groups, acc);      \
+      return;                                      \
+    }                                              \
+    break;
+    INFLIGHT_I8_ROWS(1) INFLIGHT_I8_ROWS(2) INFLIGHT_I8_ROWS(3) INFLIGHT_I8_ROWS(4) INFLIGHT_I8_ROWS(5)
+    INFLIGHT_I8_ROWS(6) INFLIGHT_I8_ROWS(7) INFLIGHT_I8_ROWS(8) INFLIGHT_I8_ROWS(9) INFLIGHT_I8_ROWS(10)
+    INFLIGHT_I8_ROWS(11) INFLIGHT_I8_ROWS(12)
+#undef INFLIGHT_I8_ROWS
+    default:
+      break;
+  }
+  TORCH_CHECK(false, "int8 row block of ", mr, " rows is out of range");
+}
+
+// Every panel against every row of xq; `epilogue(rows_begin, mr, panel, acc)` takes each block.
+template <typename E>
+void int8_panels(const Int8Packed& w, const int8_t* xq, int64_t m, const E& epilogue) {
+  const int64_t groups = w.kp / 4;
+  for_panels(w.panels, [&](int64_t begin, int64_t end) {
+    alignas(64) int32_t acc[kI8MaxRows * kI8Cols];
+    for (int64_t p = begin; p < end; ++p) {
+      const int8_t* panel = w.panel + p * w.kp * kI8Cols;
+      const int64_t chunks = (m + kI8MaxRows - 1) / kI8MaxRows;
+      int64_t r = 0;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int mr = static_cast<int>((m - r) / (chunks - c));
+        int8_rows(mr, xq + r * w.kp, w.kp, panel, groups, acc);
+        epilogue(r, mr, p, acc);
+        r += mr;
+      }
+    }
+  });
+}
+
+// x's rows quantized, as the kernel multiplies them: (qx [M, Kp], sx [M]).
+std::tuple<torch::Tensor, torch::Tensor> quantize_x(const torch::Tensor& x, int64_t kp) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "float32 [M, K] contiguous only");
+  auto q = torch::empty({x.size(0), kp}, x.options().dtype(torch::kInt8));
+  auto s = torch::empty({x.size(0)}, x.options());
+  quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1), kp, q.data_ptr<int8_t>(), s.data_ptr<float>());
+  return {q, s};
+}
+
+torch::Tensor offset_bytes(const torch::Tensor& q) {  // qx + 128 as vpdpbusd's unsigned operand
+  return kI8Offset ? q.bitwise_xor(-128) : q;
+}
+
+}  // namespace
+
+std::string int8_isa() { return kI8Isa; }
+
+// qw int8 [N, K] and its per-column scales fp32 [N] -> the packed weight (int8, 1-D).
+torch::Tensor pack_int8_weight(torch::Tensor q, torch::Tensor scales) {
+  TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.dim() == 2 && q.is_contiguous(), "int8 [N, K] contiguous only");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.numel() == q.size(0), "scales must be float32 [N]");
+  const int64_t n = q.size(0), k = q.size(1), kp = (k + 3) / 4 * 4, panels = (n + kI8Cols - 1) / kI8Cols;
+  const int64_t cols = panels * kI8Cols;
+  auto out = torch::zeros({kI8Header + cols * 8 + panels * kp * kI8Cols}, q.options());
+  int8_t* base = out.data_ptr<int8_t>();
+  const int64_t h[4] = {n, k, kp, panels};
+  std::memcpy(base, h, sizeof(h));
+  float* sw = reinterpret_cast<float*>(base + kI8Header);
+  int32_t* offsets = reinterpret_cast<int32_t*>(base + kI8Header + cols * 4);
+  int8_t* panel = base + kI8Header + cols * 8;
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scales.contiguous().data_ptr<float>();
+  for (int64_t col = 0; col < n; ++col) {
+    const int8_t* row = qp + col * k;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < k; ++i) sum += row[i];
+    sw[col] = sp[col];
+    offsets[col] = 128 * sum;
+    const int64_t p = col / kI8Cols, c = col % kI8Cols;
+    for (int64_t i = 0; i < k; ++i) panel[(p * (kp / 4) + i / 4) * kI8Cols * 4 + c * 4 + i % 4] = row[i];
+  }
+  return out;
+}
+
+// The exact integer dot products qx . qw [M, N] of x's rows as the kernel quantizes them (tests).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> int8_dots(torch::Tensor x, torch::Tensor packed) {
+  const Int8Packed w = read_int8(packed);
+  TORCH_CHECK(x.size(1) == w.k, "x does not match the weight");
+  auto [q, s] = quantize_x(x, w.kp);
+  auto xq = offset_bytes(q);
+  const int64_t m = x.size(0);
+  auto dots = torch::empty({m, w.n}, x.options().dtype(torch::kInt32));
+  int32_t* dp = dots.data_ptr<int32_t>();
+  int8_panels(w, xq.data_ptr<int8_t>(), m, [&](int64_t r0, int mr, int64_t p, const int32_t* acc) {
+    for (int r = 0; r < mr; ++r)
+      for (int64_t c = 0; c < kI8Cols && p * kI8Cols + c < w.n; ++c)
+        dp[(r0 + r) * w.n + p * kI8Cols + c] =
+            acc[r * kI8Cols + c] - (kI8Offset ? w.offsets[p * kI8Cols + c] : 0);
+  });
+  return {dots, q.narrow(1, 0, w.k).contiguous(), s};
+}
+
+// x [M, K] through an int8 weight (out_features N) -> y [M, N] (no bias: the caller adds it).
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+  const Int8Packed w = read_int8(packed);
+  TORCH_CHECK(x.size(1) == w.k && out_features == w.n, "x or out_features does not match the int8 weight");
+  auto [q, s] = quantize_x(x, w.kp);
+  auto xq = offset_bytes(q);
+  const int64_t m = x.size(0);
+  auto y = torch::empty({m, w.n}, x.options());
+  float* yp = y.data_ptr<float>();
+  const float* sx = s.data_ptr<float>();
+  int8_panels(w, xq.data_ptr<int8_t>(), m, [&](int64_t r0, int mr, int64_t p, const int32_t* acc) {
+    const int64_t c0 = p * kI8Cols, width = std::min(kI8Cols, w.n - c0);
+    alignas(64) float scale[kI8Cols];
+    for (int r = 0; r < mr; ++r) {
+      float* out = yp + (r0 + r) * w.n + c0;
+      for (int64_t c = 0; c < width; ++c) scale[c] = sx[r0 + r] * w.scales[c0 + c];
+      // -ffast-math may reassociate float(dot) * sx * sw otherwise: the product is made first,
+      // rounded once, as the contract (and tests/test_int8.py's reference) has it.
+      asm volatile("" : : "r"(scale) : "memory");
+      for (int64_t c = 0; c < width; ++c)
+        out[c] = static_cast<float>(acc[r * kI8Cols + c] - (kI8Offset ? w.offsets[c0 + c] : 0)) * scale[c];
+    }
+  });
+  return y;
+}
+
 // One weight matmul as `Linear` and `DecoderStack` both run it: a weight kept as GGUF blocks
 // (it has no fp32 panels) from its blocks, dequantized in registers for steps of at most
 // `blocks_max_rows` rows, into one fp32 panel at a time for larger ones (the bias added after);
-// any other from its fp32 panels. The one place that choice is made.
+// a weight packed int8 (`pack_int8_weight`: its "blocks" are int8) through `int8_linear`; any
+// other from its fp32 panels. The one place that choice is made.
 torch::Tensor linear_forward(const torch::Tensor& x, const torch::Tensor& packed,
                              const c10::optional<torch::Tensor>& blocks, const c10::optional<torch::Tensor>& bias,
                              int64_t out_features, int64_t blocks_max_rows) {
+  if (blocks.has_value() && blocks->scalar_type() == torch::kInt8) {  // pack_int8_weight's
+    torch::Tensor y = int8_linear(x, *blocks, out_features);
+    return bias.has_value() ? y.add_(*bias) : y;
+  }
   if (blocks.has_value()) {
     torch::Tensor y = x.size(0) <= blocks_max_rows ? gguf_blocks_linear(x, *blocks, out_features)
                                                    : gguf_blocks_gemm(x, *blocks, out_features);
@@ -2110,6 +2368,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_panel_width", &gemm_panel_width, "Output columns per packed weight panel (32 with AVX-512)");
   m.def("pack_linear_weight", &pack_linear_weight, "Pack W [N, K] for packed_linear");
   m.def("packed_linear", &packed_linear, "x @ W.T (+ b) with a packed W (CPU, fp32)");
+  m.def("int8_isa", &int8_isa, "The int8 matmul's branch: avx512-vnni, avx2 or generic");
+  m.def("pack_int8_weight", &pack_int8_weight, "int8 [N, K] weight and its fp32 column scales -> packed (int8)");
+  m.def("int8_linear", &int8_linear, "x @ W.T with W packed int8, x quantized per row (CPU, W8A8)");
+  m.def("int8_dots", &int8_dots, "The int8 matmul's exact integer dots, with x's quantized rows and scales");
   m.def("linear_forward", &linear_forward,
         "x @ W.T (+ b): from the GGUF blocks up to blocks_max_rows rows where given, else the packed W");
   m.def("plan_ops", &plan_ops, "The layer-plan ops DecoderStack runs (inflight/model/layer_plan.py's Op)");

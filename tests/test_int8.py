@@ -1,0 +1,99 @@
+"""int8 weight matmuls (W8A8, `--quantization int8`): the kernel's integer dot products equal a
+torch integer matmul of the same quantized values (exact: equality), its outputs are those dots
+times sx * sw with one rounding, the quantizers round-trip within half a step, and an int8
+engine's greedy tokens do not depend on who shares the step. Run on every kernel build
+(tests/test_kernel_builds.py): VNNI, AVX2 and generic branches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inflight import LLM, SamplingParams
+from inflight.errors import InflightError
+from inflight.model.kernels import cpu_kernels
+from inflight.model.linear import Linear, linear_backend, quantize_int8
+
+kernels = cpu_kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="no C++ compiler for the CPU kernels")
+
+ROWS = [1, 5, 16, 64, 300]
+SHAPES = [(70, 130), (64, 576), (33, 3)]  # (N, K): panel widths and k groups of 4 not filled
+
+
+def packed(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, scale = quantize_int8(weight)
+    return q, scale, kernels.pack_int8_weight(q, scale)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_integer_dots_and_outputs_are_exact(rows: int, n: int, k: int) -> None:
+    torch.manual_seed(rows * 1000 + n)
+    weight = torch.randn(n, k)
+    weight[3] = 0  # a zero column of the output: scale 0
+    x = torch.randn(rows, k) * torch.rand(rows, 1) * 10
+    x[-1] = 0 if rows > 1 else x[-1]  # an all-zero row
+    q, scale, pack = packed(weight)
+    dots, qx, sx = kernels.int8_dots(x, pack)
+    assert dots.dtype == torch.int32 and qx.dtype == torch.int8
+    assert torch.equal(dots.long(), qx.long() @ q.long().T)  # integer accumulation: exact
+    y = kernels.int8_linear(x, pack, n)
+    assert torch.equal(y, dots.float() * (sx[:, None] * scale[None, :]))  # one rounding each
+    # And close to the fp32 product it stands for (a loose bound: quantization error).
+    exact = x @ weight.T
+    assert (y - exact).abs().max() <= 0.05 * exact.abs().max() + 1e-6
+
+
+def test_the_quantizers_round_trip_within_half_a_step() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(40, 96) * torch.logspace(-3, 2, 40)[:, None]
+    q, scale = quantize_int8(weight)
+    assert q.abs().max() <= 127 and (q.abs().amax(dim=1) == 127).all()  # each row's largest is +-127
+    assert ((weight - q.float() * scale[:, None]).abs() <= scale[:, None] / 2 * (1 + 1e-5)).all()
+    x = torch.randn(9, 96) * torch.logspace(-4, 3, 9)[:, None]
+    _, qx, sx = kernels.int8_dots(x, kernels.pack_int8_weight(q, scale))
+    # max|x| / 127, within an ulp (the kernels are built with -ffast-math: maybe max|x| * (1 / 127)).
+    torch.testing.assert_close(sx, x.abs().amax(dim=1) / 127, rtol=2.5e-7, atol=0)
+    assert ((x - qx.float() * sx[:, None]).abs() <= sx[:, None] / 2 * (1 + 1e-5)).all()
+    assert (qx.abs().amax(dim=1) == 127).all()
+
+
+def test_linear_reads_the_int8_weight_and_adds_the_bias_after() -> None:
+    if linear_backend(torch.device("cpu"), torch.float32) != "inflight":
+        pytest.skip("int8 runs on inflight's own linear backend")
+    torch.manual_seed(1)
+    weight, bias, x = torch.randn(48, 64), torch.randn(48), torch.randn(7, 64)
+    layer = Linear(weight, bias, "inflight", int8=True)
+    assert layer.blocks is not None and layer.blocks.dtype == torch.int8 and layer.weight.numel() == 0
+    dots, _, sx = kernels.int8_dots(x, layer.blocks)
+    _, scale = quantize_int8(weight)
+    assert torch.equal(layer(x), dots.float() * (sx[:, None] * scale[None, :]) + bias)
+    with pytest.raises(InflightError, match="int8 runs on inflight's CPU kernels"):
+        Linear(weight, bias, "torch", int8=True)
+
+
+def test_an_int8_engines_tokens_do_not_depend_on_the_batch() -> None:
+    """Activations are quantized per row and dot products are exact: a request's greedy tokens
+    are the same alone and beside others, in a decode step of 1 or of 4 rows."""
+    if linear_backend(torch.device("cpu"), torch.float32) != "inflight":
+        pytest.skip("int8 runs on inflight's own linear backend")
+    llm = LLM(quantization="int8", num_kv_blocks=64)
+    params = SamplingParams(max_tokens=12, temperature=0)
+    prompts = ["The capital of France is", "def add(a, b):", "Three colours are", "Once upon a time"]
+    alone = llm.generate(prompts[0], params)[0].token_ids
+    together = llm.generate(prompts, params)
+    assert together[0].token_ids == alone
+    assert all(len(out.token_ids) == 12 for out in together)
+    assert llm.engine.model.layers[0].down.blocks.dtype == torch.int8  # type: ignore[union-attr]
+    assert llm.engine.model.lm_head.blocks is None or llm.engine.model.lm_head.blocks.dtype != torch.int8
+
+
+def test_where_int8_cannot_run_it_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from inflight.cli import main
+
+    assert main(["sim", "--workload", "burst", "--quantization", "int8"]) == 2
+    assert "the simulator has no int8 CPU profile yet" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # argparse's own line for a choice it does not have
+        main(["generate", "--quantization", "int4", "x"])
+    assert exit_info.value.code == 2 and "invalid choice: 'int4'" in capsys.readouterr().err
