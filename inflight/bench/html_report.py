@@ -102,7 +102,7 @@ def _e(value: Any) -> str:
 
 
 def _h2(text: str, anchor: str = "") -> str:
-    return f'<h2{f" id={chr(34)}{anchor}{chr(34)}" if anchor else ""}>{_e(text)}</h2>'
+    return f'<h2 id="{anchor}">{_e(text)}</h2>' if anchor else f"<h2>{_e(text)}</h2>"
 
 
 def _describe_target(document: dict[str, Any]) -> str:

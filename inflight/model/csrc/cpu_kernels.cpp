@@ -1888,7 +1888,8 @@ Int8Packed read_int8(const torch::Tensor& packed) {
           base + kI8Header + cols * 8};
 }
 
-// Rows of x [M, K] -> qx [M, Kp] (zero past K) and sx [M].
+// Rows of x [M, K] -> qx [M, Kp] (zero past K) and sx [M]; stored as the microkernel reads them
+// (qx + 128, a flip of the sign bit, where kI8Offset), in the one pass.
 void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int8_t* q, float* scale) {
   at::parallel_for(0, m, row_grain(k), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -1898,9 +1899,11 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int8_t* q, 
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
       scale[r] = amax / 127.f;
       int8_t* out = q + r * kp;
+      constexpr int kFlip = kI8Offset ? 0x80 : 0;
       for (int64_t i = 0; i < k; ++i)
-        out[i] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(row[i] * inv))));
-      for (int64_t i = k; i < kp; ++i) out[i] = 0;
+        out[i] = static_cast<int8_t>(
+            static_cast<int>(std::max(-127.f, std::min(127.f, std::nearbyint(row[i] * inv)))) ^ kFlip);
+      for (int64_t i = k; i < kp; ++i) out[i] = static_cast<int8_t>(kFlip);
     }
   });
 }
@@ -1996,7 +1999,7 @@ void int8_panels(const Int8Packed& w, const int8_t* xq, int64_t m, const E& epil
   });
 }
 
-// x's rows quantized, as the kernel multiplies them: (qx [M, Kp], sx [M]).
+// x's rows quantized, as the kernel multiplies them: (qx [M, Kp] as stored for it, sx [M]).
 std::tuple<torch::Tensor, torch::Tensor> quantize_x(const torch::Tensor& x, int64_t kp) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "float32 [M, K] contiguous only");
   auto q = torch::empty({x.size(0), kp}, x.options().dtype(torch::kInt8));
@@ -2005,7 +2008,7 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_x(const torch::Tensor& x, int6
   return {q, s};
 }
 
-torch::Tensor offset_bytes(const torch::Tensor& q) {  // qx + 128 as vpdpbusd's unsigned operand
+torch::Tensor signed_values(const torch::Tensor& q) {  // qx back from its stored form (tests)
   return kI8Offset ? q.bitwise_xor(-128) : q;
 }
 
@@ -2044,8 +2047,7 @@ torch::Tensor pack_int8_weight(torch::Tensor q, torch::Tensor scales) {
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> int8_dots(torch::Tensor x, torch::Tensor packed) {
   const Int8Packed w = read_int8(packed);
   TORCH_CHECK(x.size(1) == w.k, "x does not match the weight");
-  auto [q, s] = quantize_x(x, w.kp);
-  auto xq = offset_bytes(q);
+  auto [xq, s] = quantize_x(x, w.kp);
   const int64_t m = x.size(0);
   auto dots = torch::empty({m, w.n}, x.options().dtype(torch::kInt32));
   int32_t* dp = dots.data_ptr<int32_t>();
@@ -2055,15 +2057,14 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> int8_dots(torch::Tensor 
         dp[(r0 + r) * w.n + p * kI8Cols + c] =
             acc[r * kI8Cols + c] - (kI8Offset ? w.offsets[p * kI8Cols + c] : 0);
   });
-  return {dots, q.narrow(1, 0, w.k).contiguous(), s};
+  return {dots, signed_values(xq).narrow(1, 0, w.k).contiguous(), s};
 }
 
 // x [M, K] through an int8 weight (out_features N) -> y [M, N] (no bias: the caller adds it).
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
   const Int8Packed w = read_int8(packed);
   TORCH_CHECK(x.size(1) == w.k && out_features == w.n, "x or out_features does not match the int8 weight");
-  auto [q, s] = quantize_x(x, w.kp);
-  auto xq = offset_bytes(q);
+  auto [xq, s] = quantize_x(x, w.kp);
   const int64_t m = x.size(0);
   auto y = torch::empty({m, w.n}, x.options());
   float* yp = y.data_ptr<float>();
