@@ -35,7 +35,7 @@ def run(cooldown_steps: int, args: argparse.Namespace, guaranteed: bool = False)
         out = scheduler.schedule()
         steps += 1
         computed += out.num_scheduled_tokens
-        sampled = {s.request.request_id: fake_token(s.request) for s in out.scheduled if s.samples_next_token}
+        sampled = {s.request.request_id: [fake_token(s.request)] for s in out.scheduled if s.samples_next_token}
         scheduler.update_from_output(out, sampled)
         for s in out.scheduled:
             if s.request.num_output_tokens >= s.request.sampling_params.max_tokens:

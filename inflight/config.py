@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -111,6 +112,56 @@ class SchedulingPolicy(StrEnum):
     SLO = "slo"  # priority, then TTFT deadline; a token budget that follows the TBT target (engine/slo.py)
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's shape (`--speculative-config '{"method": "ngram",
+    "num_speculative_tokens": 4}'`): a request's next tokens proposed cheaply and verified in one
+    step. `num_speculative_tokens` is the most a request proposes in one step; with `adaptive`
+    each step proposes 0 to that many per request, whichever the step-time model says gives the
+    batch the most tokens per second. ngram: the longest of the last `prompt_lookup_max` down to
+    `prompt_lookup_min` tokens found earlier in the prompt or output proposes what followed it."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 2
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.method in SPECULATIVE_METHODS,
+                 f"speculative_config: method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                     f"speculative_config: {name} must be an integer >= 1, got {value!r}")
+        _require(self.prompt_lookup_min <= self.prompt_lookup_max,
+                 f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
+                 f"({self.prompt_lookup_max})")
+        _require(isinstance(self.adaptive, bool), f"speculative_config: adaptive must be true or false, "
+                                                  f"got {self.adaptive!r}")
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
+        """From JSON text, a mapping, or a config already made; ConfigError naming what is wrong."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"speculative_config: not JSON ({exc.msg} at character {exc.pos})") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        _require(not unknown, f"speculative_config: unknown key {', '.join(map(repr, unknown))} "
+                              f"(known: {', '.join(sorted(known))})")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Limits of one step. `max_model_len` bounds prompt + output of any request."""
@@ -140,6 +191,12 @@ class SchedulerConfig:
                                       "arrival")
     slo_cost_profile: str = option("auto", "slo policy: hardware profile (name or JSON) that predicts step times, "
                                            "refitted online (auto: cpu-local on a CPU, h100 on a GPU)")
+    speculative_config: str | dict[str, Any] | None = option(
+        None, 'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4} (also '
+              'prompt_lookup_max, prompt_lookup_min; "adaptive": false proposes every token found)',
+        metavar="JSON")
+    # `speculative_config` read and checked.
+    speculative: SpeculativeConfig | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         _require(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")
@@ -167,6 +224,10 @@ class SchedulerConfig:
                                                   "prompts into chunks)")
         _require(not self.reject_late or (slo and self.ttft_slo_ms is not None),
                  "reject_late needs scheduling_policy slo and a ttft_slo_ms")
+        speculative = None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
+        object.__setattr__(self, "speculative", speculative)
+        _require(speculative is None or self.scheduling_policy is not SchedulingPolicy.STATIC,
+                 "speculative decoding needs a continuous-batching policy (static runs whole batches)")
 
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")

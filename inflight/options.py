@@ -37,8 +37,10 @@ def engine_option_names() -> set[str]:
 
 
 def _value_type(hint: Any) -> type:
+    """The command line's type: the hint itself, or the first type of a union other than None
+    (`str | dict[str, Any] | None`: text on the command line, a mapping from Python too)."""
     if isinstance(hint, types.UnionType):
-        [kind] = [a for a in typing.get_args(hint) if a is not type(None)]
+        kind: type = next(a for a in typing.get_args(hint) if a is not type(None))
         return kind
     return hint
 

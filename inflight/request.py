@@ -210,6 +210,15 @@ class Grammar:
         """Advances by an output token; False if the grammar does not allow it."""
         return self.matcher.consume_token(token_id)
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many of `token_ids`, in order from here, the grammar allows (nothing advances)."""
+        return int(self.matcher.validate_tokens(token_ids))
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undoes the last `num_tokens` tokens accepted."""
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
     @property
     def is_complete(self) -> bool:
         """The output matches the whole grammar and nothing may follow (but EOS)."""

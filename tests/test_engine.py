@@ -19,6 +19,9 @@ def mixed_workload():
     return prompts, params
 
 
+_NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
+
+
 @pytest.fixture(scope="module")
 def alone(make_llm):
     llm = make_llm()
@@ -32,6 +35,13 @@ def alone(make_llm):
     pytest.param({"num_kv_blocks": 20, "block_size": 16, "max_num_tokens": 512}, id="tiny-pool-preempts"),
     pytest.param({"scheduling_policy": "static", "max_batch_size": 4}, id="static"),
     pytest.param({"enable_chunked_prefill": False, "max_num_tokens": 256}, id="unchunked"),
+    # Speculative decoding: every n-gram proposal verified (adaptive off), in a roomy step, in
+    # tiny budgets, and in a pool so small that requests are preempted.
+    pytest.param({"max_num_tokens": 2048, "speculative_config": _NGRAM}, id="speculative"),
+    pytest.param({"max_num_tokens": 24, "max_batch_size": 4, "speculative_config": _NGRAM},
+                 id="speculative-tiny-budget"),
+    pytest.param({"num_kv_blocks": 12, "block_size": 16, "max_num_tokens": 512, "speculative_config": _NGRAM},
+                 id="speculative-tiny-pool"),
 ])
 def test_batched_tokens_equal_tokens_alone(make_llm, alone, options):
     llm = make_llm(**options)
@@ -42,11 +52,15 @@ def test_batched_tokens_equal_tokens_alone(make_llm, alone, options):
     assert max(s.num_requests for s in steps) > 1
     engine = llm.engine
     assert engine.block_manager.num_used_blocks == 0
-    if options.get("num_kv_blocks") == 20:
+    if options.get("num_kv_blocks") in (12, 20):
         assert engine.scheduler.num_preemptions > 0
         assert sum(o.num_preemptions for o in outs) == engine.scheduler.num_preemptions
     if options.get("max_num_tokens") == 24:
-        assert all(s.num_prefill_tokens + s.num_decode_tokens <= 24 for s in steps)
+        assert all(s.num_prefill_tokens + s.num_decode_tokens + s.num_spec_tokens <= 24 for s in steps)
+    if "speculative_config" in options:
+        stats = engine.stats()
+        assert stats.spec_num_accepted_tokens > 0 and stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens
+        assert sum(s.num_spec_tokens for s in steps) == stats.spec_num_draft_tokens
     if options.get("scheduling_policy") == "static":
         assert sum(s.num_wasted_tokens for s in steps) > 0
 

@@ -19,9 +19,16 @@ from inflight.errors import ConfigError, InvalidRequestError
 from inflight.request import FinishReason, Request, RequestStatus, SamplingParams
 
 
+def fake_token_at(request_id: str, position: int) -> int:
+    """The 'model': a token determined by the request and its position only, repeating every 12
+    positions three times in four (so that n-gram proposals find matches, and miss some)."""
+    period = position % 12 if hash((request_id, position)) % 4 else position
+    return hash((request_id, period)) % 1000 + 10
+
+
 def fake_token(request: Request) -> int:
-    """The 'model': a token determined by the request and its position only."""
-    return hash((request.request_id, request.num_tokens)) % 1000 + 10
+    """The fake model's next token for `request`."""
+    return fake_token_at(request.request_id, request.num_tokens)
 
 
 # What the engine needs to know of the model here: only how long a request may grow.
@@ -39,7 +46,7 @@ class _FakeRunner:
         self.last_logprobs: dict = {}
         self.last_prompt_logprobs: dict = {}
 
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
         return self.driver.on_step(out)
 
 
@@ -66,14 +73,24 @@ class Driver:
     def add(self, request: Request) -> None:
         self.engine.enqueue_request(request)
 
-    def on_step(self, out: SchedulerOutput) -> dict[str, int]:
-        """A step as the runner sees it: checked, recorded, and answered with fake tokens."""
+    def on_step(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        """A step as the runner sees it: checked, recorded, and answered with fake tokens (proposed
+        ones kept while they are the fake model's, then its own)."""
         self.check_step(out)
         for s in out.scheduled:
             if s.start == s.request.num_cached_tokens and s.request.request_id not in self.admission_order:
                 self.admission_order.append(s.request.request_id)
         self.steps.append(out)
-        return {s.request.request_id: fake_token(s.request) for s in out.scheduled if s.samples_next_token}
+        answers = {}
+        for s in out.scheduled:
+            if s.samples_next_token:
+                request, tokens = s.request, []
+                for j in range(len(s.spec_token_ids) + 1):
+                    tokens.append(fake_token_at(request.request_id, request.num_tokens + j))
+                    if j == len(s.spec_token_ids) or tokens[-1] != s.spec_token_ids[j]:
+                        break
+                answers[request.request_id] = tokens
+        return answers
 
     def step(self) -> SchedulerOutput:
         """One engine step; returns what the scheduler gave the runner (empty if nothing ran)."""
@@ -93,7 +110,8 @@ class Driver:
         for s in out.scheduled:
             assert s.num_new_tokens >= 1
             assert s.start == s.request.num_computed_tokens
-            assert s.end <= s.request.num_tokens
+            assert s.end <= s.request.num_tokens + len(s.spec_token_ids)
+            assert not s.spec_token_ids or s.samples_next_token
             assert len(s.block_table) * self.bm.block_size >= s.end, "KV slots missing for scheduled tokens"
             # Every position the step's tokens attend to is in a held block (a window lets go of
             # the blocks before it, no others).
@@ -143,15 +161,21 @@ workloads = st.lists(
     policy=st.sampled_from(list(SchedulingPolicy)),
     max_bypass=st.integers(1, 4),
     window=st.sampled_from([None, None, 5, 24]),
+    speculate=st.sampled_from([None, None, (1, True), (3, True), (4, False)]),
 )
 def test_scheduler_invariants(workload, max_batch_size, max_num_tokens, block_size, num_blocks,
-                              chunked, prefix_caching, shared_prefix, policy, max_bypass, window):
+                              chunked, prefix_caching, shared_prefix, policy, max_bypass, window, speculate):
     slo = policy is SchedulingPolicy.SLO
     chunked = chunked or slo  # the SLO policy cuts prompts by its budget
+    # n-gram proposals of k tokens, their lengths chosen each step (adaptive) or all verified.
+    spec = None
+    if speculate is not None and policy is not SchedulingPolicy.STATIC:
+        spec = {"method": "ngram", "num_speculative_tokens": speculate[0], "adaptive": speculate[1],
+                "prompt_lookup_min": 1}
     # Targets are read by the SLO policy only (its order and budget then follow wall-clock steps).
     config = SchedulerConfig(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
                              max_model_len=4096, enable_chunked_prefill=chunked, priority_max_bypass=max_bypass,
-                             ttft_slo_ms=50, tbt_slo_ms=5)
+                             ttft_slo_ms=50, tbt_slo_ms=5, speculative_config=spec)
     d = Driver(config, num_blocks, block_size, prefix_caching, policy=policy, sliding_window=window)
     prefix = [3] * shared_prefix
     pending = []

@@ -243,6 +243,18 @@ class BlockManager:
         self._tables[child.request_id] = list(blocks)
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Gives back the request's blocks past those that hold `num_tokens` tokens (slots of
+        proposed tokens that were not kept: never full of computed tokens, so never cached)."""
+        table = self._tables.get(request.request_id)
+        if table is None:
+            return
+        keep = self.num_blocks_for(num_tokens)
+        while len(table) > keep:
+            block = table.pop()
+            if block != NULL_BLOCK:
+                self._unref(block)
+
     def take_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write copies made since the last call, for the runner to carry out."""
         copies, self._copies = self._copies, []

@@ -22,6 +22,7 @@ from inflight.engine.runner import ModelRunner, RunnerTimings
 from inflight.engine.sampler import Sampler
 from inflight.engine.scheduler import Scheduler, SchedulerOutput
 from inflight.engine.slo import SLOScheduler, StepTimePredictor
+from inflight.engine.speculative import Speculator
 from inflight.engine.static import StaticScheduler
 from inflight.engine.stats import EngineStats, scheduler_stats
 from inflight.engine.structured import GrammarCompiler
@@ -49,10 +50,10 @@ StepObserver = Callable[[StepRecord, list[RequestOutput]], None]
 
 
 class ModelStepResult(NamedTuple):
-    """What running the model on a step gave: request id -> sampled token for the requests that
+    """What running the model on a step gave: request id -> new tokens for the requests that
     reached their last known token, or the error that failed the step (and only its requests)."""
 
-    sampled: dict[str, int]
+    sampled: dict[str, list[int]]
     error: Exception | None = None
 
 
@@ -145,11 +146,12 @@ class Runner(Protocol):
     """Runs the model (or stands in for it) on one step's plain data."""
 
     last_timings: RunnerTimings
-    last_logprobs: dict[str, TokenLogprobs]  # of the last step's tokens, for the requests that ask
+    last_logprobs: dict[str, list[TokenLogprobs]]  # of the last step's tokens, for the requests that ask
     last_prompt_logprobs: dict[str, list[TokenLogprobs]]  # of the prompt tokens the last step computed
 
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Request id -> next token, for each request that reached its last known token."""
+    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        """Request id -> new tokens, for each request that reached its last known token: its next
+        one, or where the step verified proposed tokens, those kept and one more."""
         ...
 
 
@@ -210,6 +212,12 @@ class LLMEngine:
             policy = _POLICIES[sched_cfg.scheduling_policy]
             self.scheduler = policy(sched_cfg, self.block_manager, clock=self.clock)
         self.runner = parts.runner
+        # Speculative decoding: its lengths follow the cost model, refitted to this engine's steps.
+        self.speculator: Speculator | None = None
+        if sched_cfg.speculative is not None:
+            self.speculator = Speculator(sched_cfg.speculative,
+                                         parts.step_time_model or _slo_cost_model(sched_cfg, model_config, parts))
+            self.scheduler.speculator = self.speculator
         self.output_processor: OutputProcessor | LengthOutputProcessor = (
             OutputProcessor(parts.tokenizer) if parts.tokenizer is not None else LengthOutputProcessor())
 
@@ -383,7 +391,7 @@ class LLMEngine:
         result = self._execute(out)
         executed = clock()
         outputs = self._process(out, result)
-        self._record(out, outputs, start, scheduled - start, clock() - executed)
+        self._record(out, outputs, result.sampled, start, scheduled - start, clock() - executed)
         return outputs
 
     def _execute(self, out: SchedulerOutput) -> ModelStepResult:
@@ -420,29 +428,42 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         for s in out.scheduled:
             request = s.request
-            token = sampled.get(request.request_id)
-            if token is None:
+            tokens = sampled.get(request.request_id)
+            if not tokens:
                 continue
-            request.timings.add_token(now)
-            if request.grammar is not None and not request.grammar.accept(token):
-                # The mask allows only what the grammar accepts; a grammar stuck in an error (one
-                # too complex for the parser, say) fails its own request. Its first line says why;
-                # the parser's state dump that follows goes to the log.
-                logger.info("request %s: structured output failed: %s", request.request_id, request.grammar.error)
-                reason = request.grammar.error.splitlines()[0] if request.grammar.error else "no token allowed"
-                outputs.append(self._fail(request, f"structured output failed: {reason}", from_request=True))
-                continue
+            # Taken back and given again one at a time, so that each is judged (stop rules, grammar,
+            # max_tokens) as if it came alone; those after one that ends the request are dropped.
+            del request.output_token_ids[-len(tokens):]
             token_logprobs = logprobs.get(request.request_id)
-            if token_logprobs is not None:
-                request.output_logprobs.append(token_logprobs)
-            text, finish = self.output_processor.process_token(request, token)
-            if finish is not None:
-                self._end(request, finish)
-            first_with_prompt = request.sampling_params.prompt_logprobs is not None and request.num_output_tokens == 1
-            outputs.append(RequestOutput(request.request_id, [token], text, finish is not None, finish, request,
-                                         logprobs=token_logprobs,
-                                         prompt_logprobs=list(request.prompt_logprobs) if first_with_prompt else None))
+            for j, token in enumerate(tokens):
+                request.output_token_ids.append(token)
+                output = self._process_token(request, token, now,
+                                             token_logprobs[j] if token_logprobs is not None else None)
+                outputs.append(output)
+                if output.finished:
+                    break
         return outputs
+
+    def _process_token(self, request: Request, token: int, now: float,
+                       token_logprobs: TokenLogprobs | None) -> RequestOutput:
+        """One new token of `request`, just appended to its output."""
+        request.timings.add_token(now)
+        if request.grammar is not None and not request.grammar.accept(token):
+            # The mask allows only what the grammar accepts; a grammar stuck in an error (one
+            # too complex for the parser, say) fails its own request. Its first line says why;
+            # the parser's state dump that follows goes to the log.
+            logger.info("request %s: structured output failed: %s", request.request_id, request.grammar.error)
+            reason = request.grammar.error.splitlines()[0] if request.grammar.error else "no token allowed"
+            return self._fail(request, f"structured output failed: {reason}", from_request=True)
+        if token_logprobs is not None:
+            request.output_logprobs.append(token_logprobs)
+        text, finish = self.output_processor.process_token(request, token)
+        if finish is not None:
+            self._end(request, finish)
+        first_with_prompt = request.sampling_params.prompt_logprobs is not None and request.num_output_tokens == 1
+        return RequestOutput(request.request_id, [token], text, finish is not None, finish, request,
+                             logprobs=token_logprobs,
+                             prompt_logprobs=list(request.prompt_logprobs) if first_with_prompt else None)
 
     def _fork(self, parent: Request) -> None:
         """The other n - 1 samples of a prompt just computed, sharing its KV blocks."""
@@ -469,7 +490,7 @@ class LLMEngine:
         return RequestOutput(request.request_id, [], "", True, FinishReason.ERROR, request, error=message,
                              error_from_request=from_request)
 
-    def _record(self, out: SchedulerOutput, outputs: list[RequestOutput], start: float,
+    def _record(self, out: SchedulerOutput, outputs: list[RequestOutput], sampled: dict[str, list[int]], start: float,
                 schedule_s: float, process_s: float) -> None:
         timings = self.runner.last_timings
         record = StepRecord(
@@ -479,6 +500,9 @@ class LLMEngine:
             num_requests=len(out.scheduled),
             num_prefill_tokens=out.num_prefill_tokens,
             num_decode_tokens=out.num_decode_tokens,
+            num_spec_tokens=out.num_spec_tokens,
+            num_accepted_tokens=sum(len(sampled.get(s.request.request_id, [0])) - 1
+                                    for s in out.scheduled if s.spec_token_ids),
             num_wasted_tokens=out.num_wasted_tokens,
             num_kv_blocks_used=self.block_manager.num_used_blocks,
             num_running=self.num_running,
@@ -495,5 +519,7 @@ class LLMEngine:
         )
         self.step_records.append(record)
         self.scheduler.observe_step(record.work, record.duration_s)
+        if self.speculator is not None:
+            self.speculator.observe_step(record.work, record.duration_s)
         for observer in self.step_observers:
             observer(record, outputs)

@@ -42,7 +42,7 @@ class StepRecord:
     duration_s: float
     num_requests: int
     num_prefill_tokens: int
-    num_decode_tokens: int
+    num_decode_tokens: int  # one per decoding request (one verifying proposed tokens included)
     num_wasted_tokens: int
     num_kv_blocks_used: int
     num_running: int
@@ -59,6 +59,9 @@ class StepRecord:
     process_s: float = 0.0
     # Allocated KV slots holding a token of an unfinished request, after the step.
     num_kv_live_tokens: int = 0
+    # Speculative decoding: proposed tokens the step verified, and of those the ones kept.
+    num_spec_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(slots=True)

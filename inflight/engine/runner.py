@@ -33,6 +33,8 @@ class StepInputs(NamedTuple):
     attn_meta: AttentionMetadata
     logits_indices: torch.Tensor  # the sampled rows first, then `prompt_rows`' rows
     sample_requests: list[Request]
+    # Per sampled request, the proposed tokens it verifies: its rows are 1 + len(draft).
+    drafts: list[list[int]]
     # Per request that wants prompt logprobs: (the first prompt position whose successor's
     # logprob this step computes, how many), for the rows after the sampled ones.
     prompt_rows: list[tuple[Request, int, int]]
@@ -58,7 +60,7 @@ class ModelRunner:
         # Test hook for fault injection: called with the step before the forward pass.
         self.before_forward: Callable[[SchedulerOutput], None] | None = None
         self.last_timings = RunnerTimings()
-        self.last_logprobs: dict[str, TokenLogprobs] = {}
+        self.last_logprobs: dict[str, list[TokenLogprobs]] = {}
         self.last_prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
 
     @staticmethod
@@ -66,8 +68,9 @@ class ModelRunner:
         cfg = model.config
         return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * model.dtype.itemsize
 
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Runs one step; returns the new token of each request that reached its last token."""
+    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        """Runs one step; returns the new tokens of each request that reached its last token (one,
+        or with proposed tokens verified, those kept and one more)."""
         if self.before_forward is not None:
             self.before_forward(out)
         start = time.perf_counter()
@@ -79,11 +82,12 @@ class ModelRunner:
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_meta, inputs.logits_indices
         )
         forwarded = time.perf_counter()
-        requests = inputs.sample_requests
-        sampled_logits = logits[:len(requests)] if inputs.prompt_rows else logits
-        tokens = self.sampler(sampled_logits, requests) if requests else []
-        self.last_logprobs = self.sampler.logprobs(sampled_logits, requests, tokens) if requests else {}
-        self.last_prompt_logprobs = self._prompt_logprobs(logits[len(requests):], inputs.prompt_rows)
+        requests, drafts = inputs.sample_requests, inputs.drafts
+        num_rows = len(requests) + sum(len(d) for d in drafts)
+        sampled_logits = logits[:num_rows] if inputs.prompt_rows else logits
+        tokens = self.sampler.sample(sampled_logits, requests, drafts) if requests else []
+        self.last_logprobs = self.sampler.logprobs(sampled_logits, requests, tokens, drafts) if requests else {}
+        self.last_prompt_logprobs = self._prompt_logprobs(logits[num_rows:], inputs.prompt_rows)
         self.last_timings = RunnerTimings(prepared - start, forwarded - prepared, time.perf_counter() - forwarded)
         return {r.request_id: t for r, t in zip(inputs.sample_requests, tokens, strict=True)}
 
@@ -97,9 +101,12 @@ class ModelRunner:
         blocks[:, :, destination] = blocks[:, :, source]
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
-        # Decodes first, so that they form one contiguous run read by one batched call.
-        decodes = [s for s in scheduled if s.is_decode]
-        ordered = decodes + [s for s in scheduled if not s.is_decode]
+        # Decodes first, so that they form one contiguous run read by one batched call. A request
+        # verifying proposed tokens joins them as one decode per token (each attends to the KV up to
+        # its own position, all written before attention runs): its rows are computed exactly as
+        # decoding them one step at a time would, bit for bit.
+        decodes = [s for s in scheduled if s.is_decode or s.spec_token_ids]
+        ordered = decodes + [s for s in scheduled if not (s.is_decode or s.spec_token_ids)]
         device = self.device
 
         input_ids: list[int] = []
@@ -107,18 +114,22 @@ class ModelRunner:
         slot_mapping: list[int] = []
         logits_indices: list[int] = []
         sample_requests: list[Request] = []
+        drafts: list[list[int]] = []
         prompt_indices: list[int] = []
         prompt_rows: list[tuple[Request, int, int]] = []
         bs = self.block_size
         for s in ordered:
             table = s.block_table
             row = len(input_ids)  # of position s.start
-            input_ids.extend(s.request.tokens_slice(s.start, s.end))
+            draft = s.spec_token_ids
+            input_ids.extend(s.request.tokens_slice(s.start, s.end - len(draft)))
+            input_ids.extend(draft)
             positions.extend(range(s.start, s.end))
             slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(s.start, s.end))
             if s.samples_next_token:
-                logits_indices.append(len(input_ids) - 1)
+                logits_indices.extend(range(len(input_ids) - 1 - len(draft), len(input_ids)))
                 sample_requests.append(s.request)
+                drafts.append(draft)
             if s.request.needs_prompt_logits:
                 # Position q's logits give prompt token q + 1's logprob; those not yet recorded.
                 first = max(s.start, len(s.request.prompt_logprobs))
@@ -126,8 +137,10 @@ class ModelRunner:
                 if end > first:
                     prompt_indices.extend(range(row + first - s.start, row + end - s.start))
                     prompt_rows.append((s.request, first, end - first))
+        seqs = [SeqSlice(s.start + j, 1, s.block_table) for s in decodes for j in range(s.num_new_tokens)]
+        seqs += [SeqSlice(s.start, s.num_new_tokens, s.block_table) for s in ordered[len(decodes):]]
         meta = self.model.attention.build_metadata(
-            [SeqSlice(s.start, s.num_new_tokens, s.block_table) for s in ordered], len(decodes),
+            seqs, sum(s.num_new_tokens for s in decodes),
             torch.tensor(slot_mapping, device=device), bs, self.model.dtype, device)
         return StepInputs(
             input_ids=torch.tensor(input_ids, device=device),
@@ -135,6 +148,7 @@ class ModelRunner:
             attn_meta=meta,
             logits_indices=torch.tensor(logits_indices + prompt_indices, dtype=torch.long, device=device),
             sample_requests=sample_requests,
+            drafts=drafts,
             prompt_rows=prompt_rows,
         )
 

@@ -18,11 +18,12 @@ import torch
 
 from inflight.engine.structured import TokenMasks
 from inflight.model.kernels import cpu_kernels
-from inflight.request import Grammar, Request, TokenLogprobs
+from inflight.request import Grammar, Request, SamplingParams, TokenLogprobs
 
 _SEED_STRIDE = 1_000_003
 _NUCLEUS_CANDIDATES = 256
 _SAMPLE_STRIDE = 7_919 * 65_537
+_ACCEPT_SALT = 104_729 * 8_191  # a verified proposal's accept test draws apart from the token draws
 
 
 class Sampler:
@@ -43,15 +44,9 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+        """One token per row of `logits`, the row of `requests[i]` at i."""
         params = [r.sampling_params for r in requests]
-        edits = any(p.edits_logits for p in params)
-        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
-        if edits or constrained:
-            logits = logits.clone()
-            if edits:
-                self._edit_logits(logits, requests)
-            if constrained:
-                self._mask(logits, constrained, [gr for i in constrained if (gr := requests[i].grammar) is not None])
+        logits = self._edited(logits, requests)
         if all(p.is_greedy for p in params):
             return self._argmax(logits).tolist()
 
@@ -61,22 +56,130 @@ class Sampler:
         if greedy:
             index = torch.tensor(greedy, device=self.device)
             tokens[index] = self._argmax(logits.index_select(0, index))
-        temperature = torch.tensor([params[i].temperature for i in rows], device=self.device)
-        # A new tensor either way (the caller's logits stay as they are): all rows, or those sampled.
-        sub = logits / temperature.unsqueeze(1) if not greedy else logits[rows].div_(temperature.unsqueeze(1))
-        top_k = [params[i].top_k for i in rows]
+        probs = self._probs(logits[rows] if greedy else logits, [params[i] for i in rows])
+        tokens[torch.tensor(rows, device=self.device)] = self._draw(probs, [requests[i] for i in rows])
+        return tokens.tolist()
+
+    def _edited(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """The logits with each request's edits and grammar mask, a copy if any applies."""
+        edits = any(r.sampling_params.edits_logits for r in requests)
+        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if edits or constrained:
+            logits = logits.clone()
+            if edits:
+                self._edit_logits(logits, requests)
+            if constrained:
+                self._mask(logits, constrained, [gr for i in constrained if (gr := requests[i].grammar) is not None])
+        return logits
+
+    def _probs(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Each sampled row's distribution, unnormalized: temperature, top-k, top-p, then min-p."""
+        temperature = torch.tensor([p.temperature for p in params], device=self.device)
+        sub = logits / temperature.unsqueeze(1)
+        top_k = [p.top_k for p in params]
         if any(top_k):
             sub = self._apply_top_k(sub, top_k)
-        top_p = [params[i].top_p for i in rows]
+        top_p = [p.top_p for p in params]
         if any(p < 1 for p in top_p):
             sub = self._apply_top_p(sub, torch.tensor(top_p, device=self.device))
         probs = sub.softmax(dim=-1)
-        min_p = [params[i].min_p for i in rows]
+        min_p = [p.min_p for p in params]
         if any(min_p):
             threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, device=self.device).unsqueeze(1)
             probs = probs.masked_fill(probs < threshold, 0.0)
-        tokens[torch.tensor(rows, device=self.device)] = self._draw(probs, [requests[i] for i in rows])
-        return tokens.tolist()
+        return probs
+
+    # --- speculative decoding -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, requests: Sequence[Request],
+               drafts: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Each request's new tokens. Request i has 1 + len(drafts[i]) consecutive rows: its last
+        known token's, then each proposed token's. Proposed tokens are kept in order while the
+        model agrees, then one token of the model's own follows (the correction, or after every
+        proposal kept, the next one): greedy rows keep a proposal equal to their argmax, so the
+        tokens are those of decoding one at a time; sampled rows keep proposal x with
+        probability p(x) and otherwise draw from p without x (rejection sampling against a draft
+        that is certain of x), which leaves every token distributed as p. Every row sees the
+        edits, penalties and grammar of the tokens before it."""
+        if not any(drafts):
+            return [[t] for t in self(logits, requests)]
+        starts, row = [], 0
+        for draft in drafts:
+            starts.append(row)
+            row += 1 + len(draft)
+        out: list[list[int]] = [[] for _ in requests]
+        plain = [i for i, d in enumerate(drafts) if not d]
+        if plain:
+            index = torch.tensor([starts[i] for i in plain], device=self.device)
+            for i, token in zip(plain, self(logits.index_select(0, index), [requests[i] for i in plain]), strict=True):
+                out[i] = [token]
+        argmax_only = [i for i, (r, d) in enumerate(zip(requests, drafts, strict=True))
+                       if d and r.sampling_params.is_greedy and not r.sampling_params.edits_logits
+                       and r.grammar is None]
+        if argmax_only:
+            index = torch.tensor([starts[i] + j for i in argmax_only for j in range(1 + len(drafts[i]))],
+                                 device=self.device)
+            best = self._argmax(logits.index_select(0, index)).tolist()
+            at = 0
+            for i in argmax_only:
+                draft = drafts[i]
+                choices, at = best[at:at + 1 + len(draft)], at + 1 + len(draft)
+                kept = 0
+                while kept < len(draft) and draft[kept] == choices[kept]:
+                    kept += 1
+                out[i] = [*draft[:kept], choices[kept]]
+        done = set(plain) | set(argmax_only)
+        for i, (request, draft) in enumerate(zip(requests, drafts, strict=True)):
+            if i not in done:
+                out[i] = self._verify(logits[starts[i]:starts[i] + 1 + len(draft)], request, list(draft))
+        return out
+
+    def _verify(self, rows: torch.Tensor, request: Request, draft: list[int]) -> list[int]:
+        """One request's rows, position by position, each seeing the proposed tokens kept before
+        it as the request's own (appended to its output and grammar meanwhile, then taken back)."""
+        tokens: list[int] = []
+        kept = 0
+        try:
+            for j in range(len(draft) + 1):
+                proposed = draft[j] if j < len(draft) else None
+                token = self._verify_row(rows[j:j + 1], request, proposed)
+                tokens.append(token)
+                if token != proposed:
+                    break
+                request.output_token_ids.append(token)
+                kept += 1
+                if request.grammar is not None and not request.grammar.accept(token):
+                    break  # proposals were cut to what the grammar allows: not reached
+        finally:
+            del request.output_token_ids[len(request.output_token_ids) - kept:]
+            if request.grammar is not None:
+                request.grammar.rollback(kept)
+        return tokens
+
+    def _verify_row(self, row: torch.Tensor, request: Request, proposed: int | None) -> int:
+        params = request.sampling_params
+        edited = self._edited(row, [request])
+        if params.is_greedy:
+            return int(self._argmax(edited)[0])
+        probs = self._probs(edited, [params])
+        if proposed is not None:
+            total = float(probs.sum())
+            if self._uniform(request, _ACCEPT_SALT) * total < float(probs[0, proposed]):
+                return proposed
+            probs[0, proposed] = 0.0
+        return int(self._draw(probs, [request])[0])
+
+    def _uniform(self, request: Request, salt: int) -> float:
+        """A uniform number in [0, 1): from the request's seeded stream at its output position
+        (offset by `salt`), or from the engine's generator."""
+        seed = request.sampling_params.seed
+        if seed is None:
+            return float(torch.rand(1, generator=self._generator, device=self.device))
+        g = torch.Generator(device=self.device)
+        stream = seed * _SEED_STRIDE + request.sample_index * _SAMPLE_STRIDE + salt
+        g.manual_seed((stream + request.num_output_tokens) % (2**63))
+        return float(torch.rand(1, generator=g, device=self.device))
 
     def _draw(self, probs: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """One token per row of `probs`, drawn exactly from that row by inverse transform: the
@@ -105,20 +208,27 @@ class Sampler:
         return drawn
 
     @torch.inference_mode()
-    def logprobs(self, logits: torch.Tensor, requests: Sequence[Request],
-                 tokens: Sequence[int]) -> dict[str, TokenLogprobs]:
-        """For the requests that ask: the chosen token's log-probability and the top ones, from
-        the model's raw logits (the rows of the others are not touched)."""
-        rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
-        if not rows:
+    def logprobs(self, logits: torch.Tensor, requests: Sequence[Request], tokens: Sequence[Sequence[int]],
+                 drafts: Sequence[Sequence[int]] | None = None) -> dict[str, list[TokenLogprobs]]:
+        """For the requests that ask: each new token's log-probability and the top ones, from the
+        model's raw logits (the rows of the others are not touched). Rows as `sample` lays them
+        out: 1 + len(drafts[i]) for request i, its j-th new token from its j-th row."""
+        asking = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+        if not asking:
             return {}
-        index = torch.tensor(rows, device=logits.device)
-        k = max(requests[i].sampling_params.logprobs or 0 for i in rows)
-        found = self.token_logprobs(logits.index_select(0, index), [tokens[i] for i in rows], k)
-        out = {}
-        for i, lp in zip(rows, found, strict=True):
-            n = requests[i].sampling_params.logprobs or 0
-            out[requests[i].request_id] = lp._replace(top=lp.top[:n])
+        starts, row = [], 0
+        for i in range(len(requests)):
+            starts.append(row)
+            row += 1 + (len(drafts[i]) if drafts is not None else 0)
+        rows = [(i, starts[i] + j, t) for i in asking for j, t in enumerate(tokens[i])]
+        index = torch.tensor([r for _, r, _ in rows], device=logits.device)
+        k = max(requests[i].sampling_params.logprobs or 0 for i in asking)
+        found = self.token_logprobs(logits.index_select(0, index), [t for _, _, t in rows], k)
+        out: dict[str, list[TokenLogprobs]] = {}
+        for (i, _, _), lp in zip(rows, found, strict=True):
+            request = requests[i]
+            top = lp.top[:request.sampling_params.logprobs or 0]
+            out.setdefault(request.request_id, []).append(lp._replace(top=top))
         return out
 
     @torch.inference_mode()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from inflight.config import SchedulerConfig
 from inflight.engine.block_manager import BlockManager
+from inflight.engine.speculative import Speculator
 from inflight.errors import InvalidRequestError
 from inflight.perf.cost_model import SeqWork
 from inflight.request import FinishReason, Request, RequestStatus
@@ -39,12 +40,15 @@ class ScheduledRequest:
     start: int
     num_new_tokens: int
     block_table: list[int]
+    # Speculative decoding: tokens proposed after the request's last known one, computed in this
+    # step too (counted in `num_new_tokens`); the model keeps those it agrees with.
+    spec_token_ids: list[int] = field(default_factory=list)
     # Whether this step reaches the request's last known token, so that it yields a new one;
     # fixed when the step is scheduled (the request grows by that token afterwards).
     samples_next_token: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.samples_next_token = self.end == self.request.num_tokens
+        self.samples_next_token = self.end == self.request.num_tokens + len(self.spec_token_ids)
 
     @property
     def end(self) -> int:
@@ -56,6 +60,12 @@ class ScheduledRequest:
         token included), are prefill. The one meaning: step records count by it, the runner
         packs decodes first by it, and attention reads them in its batched decode call."""
         return self.num_new_tokens == 1 and self.start >= self.request.num_prompt_tokens
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Positions whose next-token distribution the step computes: the last known token's and
+        each proposed token's, or none for a prompt chunk short of its end."""
+        return 1 + len(self.spec_token_ids) if self.samples_next_token else 0
 
 
 @dataclass(slots=True)
@@ -76,11 +86,17 @@ class SchedulerOutput:
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(1 for s in self.scheduled if s.is_decode)
+        """A generated token's computation per decoding request (one that verifies proposals too)."""
+        return sum(1 for s in self.scheduled if s.is_decode or s.spec_token_ids)
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """Proposed tokens verified in this step."""
+        return sum(len(s.spec_token_ids) for s in self.scheduled)
 
     @property
     def num_prefill_tokens(self) -> int:
-        return self.num_scheduled_tokens - self.num_decode_tokens
+        return self.num_scheduled_tokens - self.num_decode_tokens - self.num_spec_tokens
 
     @property
     def is_empty(self) -> bool:
@@ -88,7 +104,7 @@ class SchedulerOutput:
 
     def work(self) -> tuple[SeqWork, ...]:
         """Per scheduled request, in order, what a cost model needs of the step."""
-        return tuple(SeqWork(s.num_new_tokens, s.end, s.samples_next_token) for s in self.scheduled)
+        return tuple(SeqWork(s.num_new_tokens, s.end, s.num_sampled_rows) for s in self.scheduled)
 
 
 class Scheduler:
@@ -113,6 +129,8 @@ class Scheduler:
         self._step_id = 0
         self._watermark_blocks = int(_ADMISSION_WATERMARK * block_manager.num_blocks)
         self._last_preemption_step = -(10**9)
+        # Speculative decoding's proposals and lengths (set by the engine when configured).
+        self.speculator: Speculator | None = None
 
     # --- requests in and out --------------------------------------------------------------------
 
@@ -156,6 +174,8 @@ class Scheduler:
         request.finish_reason = reason
         request.timings.finished = self.clock()
         self.release_blocks(request)
+        if self.speculator is not None:
+            self.speculator.forget(request)
 
     def release_blocks(self, request: Request) -> None:
         """Hook, called once when `request` has finished: frees its KV blocks."""
@@ -187,21 +207,53 @@ class Scheduler:
         # Decodes first, then unfinished prefills, each in admission order.
         remaining = {id(r): r.num_tokens - r.num_computed_tokens for r in self.running}
         order = sorted(self.running, key=lambda r: remaining[id(r)] > 1)
+        drafts = self._drafts(order, remaining, budget) if self.speculator is not None else {}
         scheduled_ids: set[int] = set()
+        bm = self.block_manager
         for request in order:
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = min(remaining[id(request)], budget)
-            if not self._grow(request, num_new, scheduled_ids, out):
+            draft = drafts.get(request, [])
+            # Proposals only where they fit the budget and the free blocks: never a preemption for one.
+            if draft and (num_new + len(draft) > budget
+                          or not bm.can_allocate(request, request.num_computed_tokens + num_new + len(draft))):
+                draft = []
+            if not self._grow(request, num_new + len(draft), scheduled_ids, out):
                 continue
             out.scheduled.append(ScheduledRequest(
-                request, request.num_computed_tokens, num_new, self.block_manager.block_table(request.request_id)
+                request, request.num_computed_tokens, num_new + len(draft), bm.block_table(request.request_id),
+                spec_token_ids=draft,
             ))
             scheduled_ids.add(id(request))
-            budget -= num_new
+            budget -= num_new + len(draft)
         return budget
+
+    def _drafts(self, order: list[Request], remaining: dict[int, int], budget: int) -> dict[Request, list[int]]:
+        """The proposed tokens each decoding request verifies this step, as many as the
+        speculator chooses within what the budget leaves after every running request's own
+        tokens (decodes and prompt chunks go first)."""
+        assert self.speculator is not None
+        proposals: dict[Request, list[int]] = {}
+        for request in order:
+            if remaining[id(request)] == 1 and request.num_output_tokens > 0:
+                draft = self.speculator.propose(request)
+                if draft:
+                    proposals[request] = draft
+        if not proposals:
+            return {}
+        batch, left = [], budget
+        for request in [*proposals, *(r for r in order if r not in proposals)]:
+            n = min(remaining[id(request)], left)
+            if n == 0:
+                break
+            left -= n
+            computed = request.num_computed_tokens + n
+            batch.append(SeqWork(n, computed, int(computed == request.num_tokens)))
+        lengths = self.speculator.lengths(proposals, batch, left)
+        return {r: draft[:lengths[r]] for r, draft in proposals.items() if lengths[r]}
 
     def _grow(self, request: Request, num_new: int, scheduled_ids: set[int], out: SchedulerOutput) -> bool:
         """Makes room for `num_new` more tokens of a running request, preempting while the
@@ -328,12 +380,24 @@ class Scheduler:
             child.timings.first_scheduled = parent.timings.first_scheduled
             self.running.append(child)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
-        """Advances each scheduled request by the tokens computed and appends its new token."""
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
+        """Advances each scheduled request by the tokens computed and appends its new tokens: one,
+        or, where proposed tokens were verified, those kept and one more. The KV of proposed
+        tokens not kept is void: the request's computed tokens end before them, and the blocks
+        past its new length go back to the pool."""
         for s in out.scheduled:
             request = s.request
-            request.num_computed_tokens = s.end
-            token = sampled.get(request.request_id)
-            if token is not None:
-                request.output_token_ids.append(token)
+            tokens = sampled.get(request.request_id, [])
+            proposed = len(s.spec_token_ids)
+            if proposed:
+                accepted = len(tokens) - 1
+                assert 0 <= accepted <= proposed and tokens[:accepted] == s.spec_token_ids[:accepted]
+                request.num_computed_tokens = s.end - proposed + accepted
+                if self.speculator is not None:
+                    self.speculator.observe(request, proposed, accepted)
+            else:
+                request.num_computed_tokens = s.end
+            request.output_token_ids.extend(tokens)
+            if proposed:
+                self.block_manager.trim(request, request.num_tokens)
             self.block_manager.cache_full_blocks(request)

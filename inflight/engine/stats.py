@@ -31,6 +31,12 @@ class EngineStats:
     # and the rest of running ones' prompts. The queue a new request waits behind.
     num_waiting_tokens: int = 0
     block_size: int = 16
+    # Speculative decoding (vLLM's spec_decode counters): verifying steps of a request, the tokens
+    # they proposed, those kept, and of those how many at each position of a proposal.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:
@@ -57,6 +63,7 @@ def num_waiting_tokens(scheduler: Scheduler) -> int:
 def scheduler_stats(scheduler: Scheduler, num_oom_errors: int = 0, num_failed_steps: int = 0) -> EngineStats:
     """The snapshot of an engine built around `scheduler`, with the step failures it counted."""
     bm = scheduler.block_manager
+    spec = scheduler.speculator.stats if scheduler.speculator is not None else None
     return EngineStats(
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting),
@@ -72,6 +79,10 @@ def scheduler_stats(scheduler: Scheduler, num_oom_errors: int = 0, num_failed_st
         num_kv_live_tokens=bm.num_live_tokens(scheduler.running),
         num_waiting_tokens=num_waiting_tokens(scheduler),
         block_size=bm.block_size,
+        spec_num_drafts=spec.num_drafts if spec else 0,
+        spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
+        spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+        spec_accepted_per_position=tuple(spec.accepted_per_position) if spec else (),
     )
 
 
@@ -117,4 +128,13 @@ METRICS: dict[str, StatMetric] = {m.name: m for m in [
                "cache.", lambda s: s.prefix_cache_queries),
     StatMetric("prefix_cache_hits", "counter", "Of those, tokens found in the prefix cache.",
                lambda s: s.prefix_cache_hits),
+    StatMetric("spec_decode_num_drafts", "counter", "Speculative decoding: a request's proposed tokens verified "
+               "in one step (one draft).", lambda s: s.spec_num_drafts),
+    StatMetric("spec_decode_num_draft_tokens", "counter", "Speculative decoding: proposed tokens verified.",
+               lambda s: s.spec_num_draft_tokens),
+    StatMetric("spec_decode_num_accepted_tokens", "counter", "Speculative decoding: proposed tokens the model "
+               "kept.", lambda s: s.spec_num_accepted_tokens),
 ]}
+
+# Per position of a draft (0: its first proposed token): how many were kept (vLLM's name).
+SPEC_PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"

@@ -60,7 +60,9 @@ class SeqWork(NamedTuple):
 
     num_new_tokens: int
     context_len: int  # tokens in its KV after the step, new ones included
-    samples: bool  # whether the step yields its next token (an LM-head row)
+    # LM-head rows: 1 (True) when the step yields its next token, 1 + k when it verifies k
+    # proposed tokens (speculative decoding), 0 (False) for a prompt chunk short of its end.
+    samples: int
 
 
 class StepTimeModel(Protocol):

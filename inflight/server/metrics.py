@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from inflight.engine.output import RequestOutput, StepRecord
-from inflight.engine.stats import METRIC_PREFIX, METRICS, EngineStats
+from inflight.engine.stats import METRIC_PREFIX, METRICS, SPEC_PER_POSITION, EngineStats
 from inflight.request import FinishReason, Request
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,12 @@ class _EngineCollector:
         for m in METRICS.values():
             family = GaugeMetricFamily if m.kind == "gauge" else CounterMetricFamily
             yield family(PREFIX + m.name, m.doc, value=m.value(s))
+        if s.spec_accepted_per_position:
+            per_position = CounterMetricFamily(PREFIX + SPEC_PER_POSITION, "Speculative decoding: proposed tokens "
+                                               "kept, by position in the draft (0: first).", labels=["position"])
+            for position, count in enumerate(s.spec_accepted_per_position):
+                per_position.add_metric([str(position)], count)
+            yield per_position
 
 
 class ServerMetrics:
@@ -127,20 +133,29 @@ class ServerMetrics:
         num_tokens = record.num_prefill_tokens + record.num_decode_tokens
         if num_tokens:
             self.iteration_tokens.observe(num_tokens)
+        # With speculative decoding a request may have several outputs in one step, one per token.
+        per_request: dict[str, int] = {}
+        for out in outputs:
+            if out.new_token_ids:
+                per_request[out.request_id] = per_request.get(out.request_id, 0) + 1
+        seen: dict[str, int] = {}
         for out in outputs:
             if not out.new_token_ids:
                 continue
             request = out.request
             t = request.timings
             self.generation_tokens.inc(len(out.new_token_ids))
-            if len(t.token_times) == 1:
+            # This output's token among the request's timed tokens.
+            index = len(t.token_times) - per_request[out.request_id] + seen.get(out.request_id, 0)
+            seen[out.request_id] = seen.get(out.request_id, 0) + 1
+            if index == 0:
                 self.prompt_tokens.inc(request.num_prompt_tokens)
                 if t.ttft_s is not None:
                     self.ttft.observe(t.ttft_s)
                 if t.queue_s is not None:
                     self.queue_time.observe(t.queue_s)
-            elif len(t.token_times) >= 2:
-                self.itl.observe(t.token_times[-1] - t.token_times[-2])
+            elif index > 0:
+                self.itl.observe(t.token_times[index] - t.token_times[index - 1])
             if out.finished and t.finished is not None:
                 self.e2e.observe(t.finished - t.arrival)
                 if self.slo_good is not None and out.error is None and self._meets_slo(request):

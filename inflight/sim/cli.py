@@ -164,6 +164,9 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     if options.pop("quantization", "none") != "none":
         raise ConfigError("the simulator has no int8 CPU profile yet: --quantization is for bench, serve and "
                           "generate (GPU profiles take --weight-dtype)")
+    if options.get("speculative_config") is not None:
+        raise ConfigError("the simulator does not speculate yet (no acceptance model): --speculative-config is for "
+                          "bench, serve and generate")
     if args.replicas < 1:
         raise ConfigError(f"--replicas must be >= 1, got {args.replicas}")
     if args.replicas > 1:

@@ -39,12 +39,12 @@ class SimRunner:
         self.cost_model = cost_model
         self.clock = clock
         self.last_timings = RunnerTimings()
-        self.last_logprobs: dict[str, TokenLogprobs] = {}  # the simulator has no distribution
+        self.last_logprobs: dict[str, list[TokenLogprobs]] = {}  # the simulator has no distribution
         self.last_prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
 
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
         batch = out.work()
         step_s = self.cost_model.step_time(batch)
         self.clock.advance(step_s)
         self.last_timings = RunnerTimings(forward_s=step_s)
-        return {s.request.request_id: SIM_TOKEN for s in out.scheduled if s.samples_next_token}
+        return {s.request.request_id: [SIM_TOKEN] for s in out.scheduled if s.samples_next_token}

@@ -1,0 +1,258 @@
+"""Speculative decoding's proposals and how many of them each step verifies. Pure Python.
+
+A running request whose next step would compute one token may instead compute that token and
+up to k proposed ones in the same step; the model's distribution at each position decides how
+many of them it keeps (the sampler's `sample`), and the request grows by those and one more
+token of its own. The proposals are free to make (n-gram lookup in the request's own tokens);
+what they cost is the step's time, which grows with every extra token it computes.
+
+So each step the `Speculator` chooses each request's length: extra tokens are taken, most likely
+to be accepted first, while the batch's expected tokens per second of step time still grow. The
+chance that a request's j-th proposed token is kept is a^j, where a is its acceptance rate so far
+(its own accepted and proposed counts, with the whole engine's rate as a prior worth a few
+proposals); the step's time is the step-time predictor's (the roofline cost model refitted
+online to the engine's own steps, as the SLO policy uses it). At one request on a CPU a step
+reading every weight costs about the same for one token as for five: proposals are nearly free.
+At saturation every token costs its share of a compute-bound step, a proposal's expected gain of
+less than one token loses, and speculation falls to zero by itself, without a load threshold.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from inflight.config import SpeculativeConfig
+from inflight.perf.cost_model import SeqWork, StepTimeModel
+from inflight.request import Request
+
+# A request's acceptance counts fade by this factor at each verifying step (and at each step it
+# had a proposal but verified none), so its estimate follows its recent text and, unused, drifts
+# back to the engine-wide rate, which lets it try again.
+_FADE = 0.8
+# The engine-wide rates count as this many proposals of a request's own.
+_PRIOR_PROPOSALS = 2.0
+# Before anything is measured: the chance assumed that a proposed token is kept.
+_INITIAL_RATE = 0.5
+# Measured / predicted step time is averaged over this many recent steps of each size class.
+_HISTORY = 32
+
+
+def _size_class(num_tokens: int) -> int:
+    """Steps of 1, 2, 3-4, 5-8, 9-16, ... tokens: one correction of the cost model each."""
+    return max(0, num_tokens - 1).bit_length()
+
+
+class StepCurve:
+    """A step's time from its work: the cost model's prediction, times the ratio measured on this
+    engine's own recent steps of the same size class. The cost model alone misjudges how a step's
+    time grows with its tokens where the kernels change with the row count (a GGUF's blocks are
+    read in registers up to a few rows, in fp32 panels past them: on a 2-core CPU a 5-token step of
+    the embedded model takes twice a 1-token one, where the roofline says 1.16x). A class not
+    yet measured takes the nearest measured one's ratio, so a longer step is tried and then known."""
+
+    def __init__(self, cost_model: StepTimeModel) -> None:
+        self.cost_model = cost_model
+        self._ratios: dict[int, deque[float]] = {}
+
+    def __call__(self, batch: Sequence[SeqWork]) -> float:
+        return self.cost_model.step_time(batch) * self.correction(sum(w.num_new_tokens for w in batch))
+
+    def correction(self, num_tokens: int) -> float:
+        if not self._ratios:
+            return 1.0
+        size = _size_class(num_tokens)
+        nearest = min(self._ratios, key=lambda c: (abs(c - size), c))
+        ratios = self._ratios[nearest]
+        return sum(ratios) / len(ratios)
+
+    def observe(self, batch: Sequence[SeqWork], measured_s: float) -> None:
+        predicted = self.cost_model.step_time(batch)
+        if predicted > 0 and measured_s > 0 and batch:
+            size = _size_class(sum(w.num_new_tokens for w in batch))
+            self._ratios.setdefault(size, deque(maxlen=_HISTORY)).append(min(10.0, max(0.1, measured_s / predicted)))
+
+
+class NgramIndex:
+    """One request's tokens, indexed so that the latest earlier occurrence of each n-gram (n from
+    `min_n` to `max_n`) is found in one lookup; kept up to date as the request grows."""
+
+    __slots__ = ("max_n", "min_n", "_ends", "_indexed")
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        # n -> n-gram -> the latest position just after an earlier occurrence of it.
+        self._ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self._indexed = 0  # occurrences ending before this position are in `_ends`
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to `k` tokens that followed the latest earlier occurrence of the longest n-gram
+        ending `tokens` (tokens[-n:]); none if no such n-gram occurred before."""
+        size = len(tokens)
+        # Index every occurrence that ends before the last token (so its successor is known).
+        for end in range(max(self._indexed, self.min_n), size):
+            for n, ends in self._ends.items():
+                if n <= end:
+                    ends[tuple(tokens[end - n:end])] = end
+        self._indexed = max(self._indexed, size)
+        for n in range(min(self.max_n, size), self.min_n - 1, -1):
+            found = self._ends[n].get(tuple(tokens[size - n:]))
+            if found is not None:
+                return list(tokens[found:found + k])
+        return []
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Counters of the proposals verified (vLLM's spec_decode metrics): how many requests in how
+    many steps proposed (drafts), how many tokens they proposed, how many the model kept, and of
+    those by position (the i-th proposed token of a draft kept)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens a drafting request gains per verifying step: the accepted ones and its own."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+
+class Speculator:
+    """Proposes each decoding request's next tokens and chooses how many of them each step verifies
+    (`lengths`); learns what the model keeps (`observe`) and what steps cost (`observe_step`)."""
+
+    def __init__(self, config: SpeculativeConfig, cost_model: StepTimeModel | None) -> None:
+        """`cost_model`: a step's predicted seconds from its work (None with `adaptive` off)."""
+        self.config = config
+        self.curve = StepCurve(cost_model) if cost_model is not None else None
+        k = config.num_speculative_tokens
+        self.stats = SpecStats(accepted_per_position=[0] * k)
+        self._indexes: dict[str, NgramIndex] = {}
+        self._counts: dict[str, tuple[float, float]] = {}  # request id -> faded (proposed, accepted)
+        # Position i > 0 of a draft: how often it was verified after position i - 1 was kept, and kept.
+        self._trials = [0] * k
+        self._kept = [0] * k
+
+    def propose(self, request: Request) -> list[int]:
+        """Up to `num_speculative_tokens` proposed next tokens of a request whose next step computes
+        its last token: never past its max_tokens (the step adds one token of its own), and cut
+        where its grammar, if any, would refuse one."""
+        cfg = self.config
+        k = min(cfg.num_speculative_tokens, request.sampling_params.max_tokens - request.num_output_tokens - 1)
+        if k <= 0:
+            return []
+        index = self._indexes.get(request.request_id)
+        if index is None:
+            index = self._indexes[request.request_id] = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        draft = index.propose(request.all_token_ids, k)
+        if draft and request.grammar is not None:
+            draft = draft[:request.grammar.valid_prefix(draft)]
+        return draft
+
+    def first_rate(self, request: Request) -> float:
+        """The request's estimated chance that the first token of its draft is kept."""
+        stats = self.stats
+        prior = stats.accepted_per_position[0] / stats.num_drafts if stats.num_drafts >= 8 else _INITIAL_RATE
+        proposed, accepted = self._counts.get(request.request_id, (0.0, 0.0))
+        return (accepted + _PRIOR_PROPOSALS * prior) / (proposed + _PRIOR_PROPOSALS)
+
+    def next_rate(self, position: int) -> float:
+        """The engine-wide chance that a draft's token at `position` (> 0) is kept once the one
+        before it was (proposals that match keep matching: this rises with the position)."""
+        prior = _INITIAL_RATE
+        return (self._kept[position] + _PRIOR_PROPOSALS * prior) / (self._trials[position] + _PRIOR_PROPOSALS)
+
+    def gains(self, request: Request, length: int) -> list[float]:
+        """Per proposed token, the chance it is kept (every one before it kept too)."""
+        chance, out = self.first_rate(request), []
+        for position in range(length):
+            if position:
+                chance *= self.next_rate(position)
+            out.append(chance)
+        return out
+
+    def lengths(self, drafts: dict[Request, list[int]], batch: Sequence[SeqWork],
+                budget: int) -> dict[Request, int]:
+        """How many of each request's proposed tokens this step verifies, at most `budget` in all.
+        `batch`: the step's work without proposals (each drafting request's decode in it first,
+        in the order of `drafts`). Without `adaptive`: every proposed token that fits."""
+        chosen = dict.fromkeys(drafts, 0)
+        adaptive = self.config.adaptive and self.curve is not None
+        # Every candidate token: (the chance it is kept, its request's index), most likely first.
+        # A request's own chances fall with the position, so its tokens are taken in order.
+        candidates: list[tuple[float, int]] = []
+        for i, (request, draft) in enumerate(drafts.items()):
+            chances = self.gains(request, len(draft)) if adaptive else [1.0] * len(draft)
+            candidates.extend((chance, i) for chance in chances)
+        candidates.sort(key=lambda c: -c[0])
+        candidates = candidates[:max(0, budget)]
+        take = self._best_count(candidates, len(drafts), batch) if adaptive and candidates else len(candidates)
+        requests = list(drafts)
+        for _, i in candidates[:take]:
+            chosen[requests[i]] += 1
+        if adaptive:
+            for request, length in chosen.items():
+                if not length:  # proposed, not verified: its estimate drifts back to the engine's
+                    proposed, accepted = self._counts.get(request.request_id, (0.0, 0.0))
+                    self._counts[request.request_id] = (proposed * _FADE, accepted * _FADE)
+        return chosen
+
+    def _best_count(self, candidates: list[tuple[float, int]], num_requests: int,
+                    batch: Sequence[SeqWork]) -> int:
+        """The number m of the most likely candidates that maximizes expected tokens per second:
+        the first m whose next candidate no longer raises it (found by bisection: the chances
+        fall and the step's time does not, so the rate rises, then falls)."""
+        curve = self.curve
+        assert curve is not None
+        base_tokens = sum(1 for w in batch if w.samples)
+        cumulative = [0.0]
+        for chance, _ in candidates:
+            cumulative.append(cumulative[-1] + chance)
+
+        def rate(m: int) -> float:
+            extra = [0] * num_requests
+            for _, i in candidates[:m]:
+                extra[i] += 1
+            work = [SeqWork(w.num_new_tokens + extra[i], w.context_len + extra[i], w.samples + extra[i])
+                    if i < num_requests else w for i, w in enumerate(batch)]
+            return (base_tokens + cumulative[m]) / curve(work)
+
+        low, high = 0, len(candidates)
+        while low < high:  # the smallest m with rate(m) >= rate(m + 1)
+            mid = (low + high) // 2
+            if rate(mid + 1) > rate(mid):
+                low = mid + 1
+            else:
+                high = mid
+        return low
+
+    def observe(self, request: Request, proposed: int, accepted: int) -> None:
+        """A verifying step kept `accepted` of the request's `proposed` tokens."""
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += proposed
+        stats.num_accepted_tokens += accepted
+        for position in range(accepted):
+            stats.accepted_per_position[position] += 1
+        for position in range(1, min(proposed, accepted + 1)):
+            self._trials[position] += 1
+            self._kept[position] += position < accepted
+        had, kept = self._counts.get(request.request_id, (0.0, 0.0))
+        self._counts[request.request_id] = (had * _FADE + 1, kept * _FADE + (accepted > 0))
+
+    def observe_step(self, batch: Sequence[SeqWork], measured_s: float) -> None:
+        """A step of `batch` took `measured_s`."""
+        if self.curve is not None:
+            self.curve.observe(batch, measured_s)
+
+    def forget(self, request: Request) -> None:
+        """The request has finished: its index and counts go."""
+        self._indexes.pop(request.request_id, None)
+        self._counts.pop(request.request_id, None)

@@ -1,0 +1,196 @@
+"""Speculative decoding: n-gram proposals verified inside the continuous batch give the tokens of
+decoding one at a time (greedy), keep the model's distribution (sampled), keep logprobs, stop
+rules and grammars; the lengths follow the step's cost; the counters reach /metrics."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from inflight import LLM, ConfigError, SamplingParams
+from inflight.config import SpeculativeConfig
+from inflight.engine.sampler import Sampler
+from inflight.engine.speculative import NgramIndex, Speculator
+from inflight.engine.stats import EngineStats
+from inflight.perf.cost_model import SeqWork
+from inflight.request import Request, StructuredOutputs
+from inflight.server.metrics import ServerMetrics
+
+PASSAGE = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+           "must be in want of a wife. However little known the feelings or views of such a man may be "
+           "on his first entering a neighbourhood, this truth is so well fixed in the minds of the "
+           "surrounding families, that he is considered the rightful property of some one or other of "
+           "their daughters.")
+# Prompts whose continuations repeat what came before (the model copies, or loops).
+COPY_PROMPTS = [f"Repeat the following text exactly.\n\n{PASSAGE}\n\nRepeated text:\n{PASSAGE[:80]}",
+                "Count: one, two, three, one, two, three, one, two, three, one, two,",
+                "The capital of France is"]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+
+
+def test_ngram_index_proposes_what_followed_the_longest_latest_match() -> None:
+    index = NgramIndex(1, 3)
+    tokens = [5, 6, 7, 8, 9, 6, 7, 1, 2, 6, 7]
+    # The 3-gram (2, 6, 7) never occurred before; the 2-gram (6, 7) did, latest at 5..7, then 1, 2.
+    assert index.propose(tokens, 3) == [1, 2, 6]
+    tokens += [1, 2, 3]
+    assert index.propose(tokens, 2) == []  # (2, 3), (3): never seen
+    tokens += [4, 5, 6, 7, 1]
+    assert index.propose(tokens, 4) == [2, 3, 4, 5]  # (6, 7, 1) at 9..12, latest
+    assert NgramIndex(2, 2).propose([1, 2, 3], 2) == []
+
+
+def test_the_config_takes_vllms_json_and_names_what_is_wrong() -> None:
+    cfg = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
+    assert (cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.adaptive) == (3, 4, True)
+    for text, message in [("{x", "not JSON"), ('{"method": "eagle"}', "method must be one of"),
+                          ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be"),
+                          ('{"k": 2}', "unknown key 'k'"),
+                          ('{"prompt_lookup_min": 4, "prompt_lookup_max": 2}', "exceeds prompt_lookup_max")]:
+        with pytest.raises(ConfigError, match=message):
+            SpeculativeConfig.parse(text)
+    with pytest.raises(ConfigError, match="static"):
+        LLM(speculative_config=NGRAM, scheduling_policy="static")
+
+
+def test_a_bad_config_on_the_command_line_is_one_line() -> None:
+    result = subprocess.run([sys.executable, "-m", "inflight.cli", "generate", "Hi", "--max-tokens", "2",
+                             "--speculative-config", '{"method": "medusa"}'],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert result.stderr.strip().count("\n") == 0 and "method must be one of" in result.stderr
+
+
+def _constant_cost(batch: Any) -> float:
+    return 0.010  # every step reads the weights once: extra tokens are free
+
+
+def _per_token_cost(batch: Any) -> float:
+    return 0.002 * sum(w.num_new_tokens for w in batch)  # compute-bound: each token costs its share
+
+
+class _Model:
+    def __init__(self, cost: Callable[[Any], float]) -> None:
+        self.step_time = cost
+
+
+def test_lengths_follow_the_cost_of_a_step() -> None:
+    """Where extra tokens cost nothing, every proposal is verified; where each token costs its
+    share of the step (saturation), a proposal worth less than a token is never verified."""
+    requests = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=50)) for i in range(4)]
+    drafts = {r: [7, 8, 9] for r in requests}
+    batch = [SeqWork(1, 10, 1) for _ in requests]
+    free = Speculator(SpeculativeConfig(num_speculative_tokens=3), _Model(_constant_cost))
+    assert set(free.lengths(drafts, batch, budget=100).values()) == {3}
+    assert sum(free.lengths(drafts, batch, budget=5).values()) == 5  # within the step's budget
+    saturated = Speculator(SpeculativeConfig(num_speculative_tokens=3), _Model(_per_token_cost))
+    assert set(saturated.lengths(drafts, batch, budget=100).values()) == {0}
+    fixed = Speculator(SpeculativeConfig(num_speculative_tokens=3, adaptive=False), _Model(_per_token_cost))
+    assert set(fixed.lengths(drafts, batch, budget=100).values()) == {3}
+
+
+def test_lengths_learn_from_what_is_kept() -> None:
+    """A request whose proposals keep missing stops proposing in a step where tokens cost
+    something; one whose proposals are kept proposes its whole draft."""
+    def cost(batch: Any) -> float:
+        return 0.010 + 0.004 * sum(w.num_new_tokens for w in batch)
+
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4), _Model(cost))
+    good, bad = (Request(name, [1, 2], SamplingParams(max_tokens=50)) for name in ("good", "bad"))
+    for _ in range(10):
+        spec.observe(good, 4, 4)
+        spec.observe(bad, 4, 0)
+    lengths = spec.lengths({good: [1, 2, 3, 4], bad: [1, 2, 3, 4]}, [SeqWork(1, 10, 1)] * 2, budget=100)
+    assert lengths == {good: 4, bad: 0}
+    assert spec.stats.num_drafts == 20 and spec.stats.accepted_per_position == [10, 10, 10, 10]
+
+
+LOGITS = [torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 1.5]), torch.tensor([0.0, 1.0, 2.0, -1.0, 0.5, 0.0]),
+          torch.tensor([1.0, 1.0, 0.0, 0.0, 2.0, -2.0])]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4)],
+                         ids=["plain", "tempered-top-k"])
+def test_verified_tokens_keep_the_models_distribution(params: SamplingParams) -> None:
+    """Rejection sampling against n-gram proposals (certain of their token): the first new token
+    is distributed as the first row's p, whatever was proposed; the second, after the first
+    proposal was kept, as the second row's."""
+    num = 6000
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    requests = [Request(f"r{i}", [1], params) for i in range(num)]
+    draft = [1, 2]  # proposed: token 1 (p about 0.2 in row 0), then token 2
+    logits = torch.stack(LOGITS).repeat(num, 1)
+    tokens = sampler.sample(logits, requests, [draft] * num)
+    probe = Sampler(torch.device("cpu"))
+    p = [probe._probs(row.unsqueeze(0), [params])[0].double() for row in LOGITS]
+    p = [q / q.sum() for q in p]
+
+    def check(found: list[int], q: torch.Tensor) -> None:
+        freq = torch.bincount(torch.tensor(found), minlength=len(q)).double() / len(found)
+        sigma = (q * (1 - q) / len(found)).sqrt()
+        assert bool(((freq - q).abs() <= 5 * sigma + 1e-12).all()), (freq, q)
+
+    check([t[0] for t in tokens], p[0])
+    check([t[1] for t in tokens if t[0] == draft[0]], p[1])
+    assert all(t[:len(t) - 1] == draft[:len(t) - 1] for t in tokens)  # kept proposals, then one token
+
+
+def test_greedy_outputs_logprobs_and_stops_equal_decoding_one_at_a_time(make_llm: Callable[..., LLM]) -> None:
+    params = [SamplingParams(max_tokens=60, temperature=0, logprobs=2),
+              SamplingParams(max_tokens=40, temperature=0, stop=[", three, one"]),
+              SamplingParams(max_tokens=12, temperature=0, presence_penalty=0.5, n=2)]
+    plain = make_llm().generate(COPY_PROMPTS, params)
+    llm = make_llm(speculative_config=NGRAM)
+    spec = llm.generate(COPY_PROMPTS, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert [o.text for o in spec] == [o.text for o in plain]
+    assert [o.finish_reason for o in spec] == [o.finish_reason for o in plain]
+    # A request's logprobs differ in the last bits with the batch it shares a step with (the
+    # attention kernel splits a lone request's context across threads), with or without proposals.
+    for a, b in zip(spec[0].logprobs or [], plain[0].logprobs or [], strict=True):
+        assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert abs(a.logprob - b.logprob) < 1e-4
+    stats = llm.engine.stats()
+    assert stats.spec_num_accepted_tokens >= 20, stats
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_structured_output_with_proposals_is_the_same(make_llm: Callable[..., LLM]) -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {
+        "type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]}}},
+              "required": ["name", "tags"]}
+    prompt = ('Give JSON like {"name": "a", "tags": ["red", "green", "blue", "red", "green", "blue"]} for '
+              "a shop, with many tags:")
+    params = SamplingParams(max_tokens=60, temperature=0,
+                            structured_outputs=StructuredOutputs(json=schema))
+    plain = make_llm().generate(prompt, params)[0]
+    llm = make_llm(speculative_config=NGRAM)
+    spec = llm.generate(prompt, params)[0]
+    assert spec.token_ids == plain.token_ids
+    assert llm.engine.stats().spec_num_draft_tokens > 0
+
+
+def test_sampled_requests_with_proposals_finish_and_free_their_blocks(make_llm: Callable[..., LLM]) -> None:
+    llm = make_llm(speculative_config={**NGRAM, "adaptive": False}, max_batch_size=4)
+    outs = llm.generate(COPY_PROMPTS * 2, SamplingParams(max_tokens=30, temperature=0.8, seed=7, min_tokens=5))
+    assert all(len(o.token_ids) >= 5 for o in outs)
+    again = make_llm(speculative_config={**NGRAM, "adaptive": False}, max_batch_size=4).generate(
+        COPY_PROMPTS * 2, SamplingParams(max_tokens=30, temperature=0.8, seed=7, min_tokens=5))
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]  # seeded: the same draws
+    assert llm.engine.block_manager.num_used_blocks == 0
+    assert llm.engine.stats().spec_num_drafts > 0
+
+
+def test_metrics_carry_vllms_spec_decode_names() -> None:
+    stats = EngineStats(spec_num_drafts=5, spec_num_draft_tokens=18, spec_num_accepted_tokens=9,
+                        spec_accepted_per_position=(4, 3, 2, 0))
+    text = ServerMetrics(lambda: stats).render().decode()
+    assert "inflight:spec_decode_num_drafts_total 5.0" in text
+    assert "inflight:spec_decode_num_draft_tokens_total 18.0" in text
+    assert "inflight:spec_decode_num_accepted_tokens_total 9.0" in text
+    assert 'inflight:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 3.0' in text
