@@ -112,7 +112,7 @@ class SchedulingPolicy(StrEnum):
     SLO = "slo"  # priority, then TTFT deadline; a token budget that follows the TBT target (engine/slo.py)
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "suffix")
 
 
 @dataclass(frozen=True)
@@ -122,12 +122,21 @@ class SpeculativeConfig:
     step. `num_speculative_tokens` is the most a request proposes in one step; with `adaptive`
     each step proposes 0 to that many per request, whichever the step-time model says gives the
     batch the most tokens per second. ngram: the longest of the last `prompt_lookup_max` down to
-    `prompt_lookup_min` tokens found earlier in the prompt or output proposes what followed it."""
+    `prompt_lookup_min` tokens found earlier in the prompt or output proposes what followed it.
+    suffix (Snowflake's suffix decoding, vLLM's names): the longest suffix of the request's tokens
+    (up to `suffix_decoding_max_tree_depth`) seen before, in its own tokens or in the outputs of
+    the last `suffix_decoding_max_cached_requests` requests, proposes the most frequent
+    continuation, token by token while it is at least `suffix_decoding_min_token_prob` of what
+    followed, at most `suffix_decoding_max_spec_factor` times the match's length."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 2
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
     adaptive: bool = True
 
     def __post_init__(self) -> None:
@@ -137,6 +146,21 @@ class SpeculativeConfig:
             value = getattr(self, name)
             _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
                      f"speculative_config: {name} must be an integer >= 1, got {value!r}")
+        _require(isinstance(self.suffix_decoding_max_tree_depth, int) and self.suffix_decoding_max_tree_depth >= 1,
+                 "speculative_config: suffix_decoding_max_tree_depth must be an integer >= 1, got "
+                 f"{self.suffix_decoding_max_tree_depth!r}")
+        _require(isinstance(self.suffix_decoding_max_cached_requests, int)
+                 and self.suffix_decoding_max_cached_requests >= 0,
+                 "speculative_config: suffix_decoding_max_cached_requests must be an integer >= 0, got "
+                 f"{self.suffix_decoding_max_cached_requests!r}")
+        _require(isinstance(self.suffix_decoding_max_spec_factor, (int, float))
+                 and self.suffix_decoding_max_spec_factor > 0,
+                 "speculative_config: suffix_decoding_max_spec_factor must be > 0, got "
+                 f"{self.suffix_decoding_max_spec_factor!r}")
+        _require(isinstance(self.suffix_decoding_min_token_prob, (int, float))
+                 and 0 <= self.suffix_decoding_min_token_prob <= 1,
+                 "speculative_config: suffix_decoding_min_token_prob must be in [0, 1], got "
+                 f"{self.suffix_decoding_min_token_prob!r}")
         _require(self.prompt_lookup_min <= self.prompt_lookup_max,
                  f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
                  f"({self.prompt_lookup_max})")

@@ -78,7 +78,7 @@ def key(requests: list[BenchRequest]) -> list[tuple[Any, ...]]:
 # --- workloads ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["burst", "mixed", "long-prefill", "shared-prefix", "multi-prefix"])
+@pytest.mark.parametrize("name", ["burst", "mixed", "long-prefill", "shared-prefix", "multi-prefix", "copy-edit"])
 def test_same_spec_and_seed_give_same_requests(name: str, char_corpus: Corpus) -> None:
     spec, path = load_workload(name)
     first = generate_requests(spec, char_corpus, path.parent)
@@ -91,7 +91,7 @@ def test_same_spec_and_seed_give_same_requests(name: str, char_corpus: Corpus) -
 
 
 def test_canonical_specs_are_shipped() -> None:
-    assert set(canonical_specs()) == {"burst", "mixed", "long-prefill", "shared-prefix", "multi-prefix"}
+    assert set(canonical_specs()) == {"burst", "mixed", "long-prefill", "shared-prefix", "multi-prefix", "copy-edit"}
     with pytest.raises(WorkloadError, match="no workload 'nope'.*burst"):
         load_workload("nope")
 
@@ -177,7 +177,21 @@ def test_trace_files(tmp_path: Path, char_corpus: Corpus) -> None:
         generate_requests(bad, char_corpus, tmp_path)
 
 
+def test_templates_put_a_passage_into_each_task(char_corpus: Corpus) -> None:
+    templates = ["Copy: {text} | again:", "{text}\n{text}"]
+    base = {**TINY, "num_requests": 12, "shared_prefix": None}
+    requests = generate_requests(parse_workload({**base, "templates": templates}), char_corpus)
+    texts = [char_corpus.decode(r.prompt_token_ids) for r in requests]
+    copies = [t for t in texts if t.startswith("Copy: ") and t.endswith(" | again:")]
+    twice = [t for t in texts if t not in copies]
+    assert copies and twice  # both tasks drawn
+    assert all(t[:len(t) // 2] == t[len(t) // 2 + 1:] for t in twice)  # the same passage twice
+    plain = generate_requests(parse_workload(base), char_corpus)
+    assert [r.output_len for r in plain] == [r.output_len for r in requests]  # lengths drawn as before
+
+
 @pytest.mark.parametrize(("change", "message"), [
+    ({"templates": ["no passage"]}, "templates: each needs a {text}"),
     ({"arrivals": {"kind": "poisson", "rate": -1}}, "arrivals.poisson.rate: Input should be greater than 0"),
     ({"arrivals": {"kind": "weekly"}}, "does not match any of the expected tags: 'burst', 'poisson'"),
     ({"output_len": {"kind": "uniform", "min": 9, "max": 3}}, "output_len.uniform: max (3) is below min (9)"),

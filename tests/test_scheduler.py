@@ -161,7 +161,8 @@ workloads = st.lists(
     policy=st.sampled_from(list(SchedulingPolicy)),
     max_bypass=st.integers(1, 4),
     window=st.sampled_from([None, None, 5, 24]),
-    speculate=st.sampled_from([None, None, (1, True), (3, True), (4, False)]),
+    speculate=st.sampled_from([None, None, (1, True, "ngram"), (3, True, "ngram"), (4, False, "ngram"),
+                               (3, False, "suffix")]),
 )
 def test_scheduler_invariants(workload, max_batch_size, max_num_tokens, block_size, num_blocks,
                               chunked, prefix_caching, shared_prefix, policy, max_bypass, window, speculate):
@@ -170,7 +171,7 @@ def test_scheduler_invariants(workload, max_batch_size, max_num_tokens, block_si
     # n-gram proposals of k tokens, their lengths chosen each step (adaptive) or all verified.
     spec = None
     if speculate is not None and policy is not SchedulingPolicy.STATIC:
-        spec = {"method": "ngram", "num_speculative_tokens": speculate[0], "adaptive": speculate[1],
+        spec = {"method": speculate[2], "num_speculative_tokens": speculate[0], "adaptive": speculate[1],
                 "prompt_lookup_min": 1}
     # Targets are read by the SLO policy only (its order and budget then follow wall-clock steps).
     config = SchedulerConfig(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,

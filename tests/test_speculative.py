@@ -15,7 +15,7 @@ import torch
 from inflight import LLM, ConfigError, SamplingParams
 from inflight.config import SpeculativeConfig
 from inflight.engine.sampler import Sampler
-from inflight.engine.speculative import NgramIndex, Speculator
+from inflight.engine.speculative import NgramIndex, Speculator, SuffixIndex
 from inflight.engine.stats import EngineStats
 from inflight.perf.cost_model import SeqWork
 from inflight.request import Request, StructuredOutputs
@@ -43,6 +43,41 @@ def test_ngram_index_proposes_what_followed_the_longest_latest_match() -> None:
     tokens += [4, 5, 6, 7, 1]
     assert index.propose(tokens, 4) == [2, 3, 4, 5]  # (6, 7, 1) at 9..12, latest
     assert NgramIndex(2, 2).propose([1, 2, 3], 2) == []
+
+
+def test_suffix_index_counts_what_followed_and_forgets() -> None:
+    index = SuffixIndex(4)
+    first, second = [1, 2, 3, 4, 1, 2, 3, 5], [1, 2, 3, 4]
+    index.extend(first, 0, len(first))
+    assert index.longest([9, 1, 2, 3]) == (3, {4: 1, 5: 1})  # (1, 2, 3) followed by 4, then by 5
+    index.extend(second, 0, len(second))
+    assert index.longest([1, 2, 3]) == (3, {4: 2, 5: 1})
+    assert index.longest([7, 8]) == (0, None)
+    index.remove(first)
+    assert index.longest([1, 2, 3]) == (3, {4: 1})
+    index.remove(second)
+    assert index.longest([1]) == (0, None) and not index._next  # every count gone, no empty entry left
+
+
+def test_suffix_proposals_come_from_the_request_and_from_past_outputs() -> None:
+    config = SpeculativeConfig(method="suffix", num_speculative_tokens=8, suffix_decoding_max_tree_depth=8,
+                               suffix_decoding_max_cached_requests=2)
+    spec = Speculator(config, None)
+    own = Request("a", [5, 6, 7, 8, 9, 10, 11, 5, 6, 7], SamplingParams(max_tokens=50))
+    # (5, 6, 7) matched: 3 tokens at most (spec factor 1.0), the continuation seen after it.
+    assert spec.propose(own) == [8, 9, 10]
+    past = Request("b", [1], SamplingParams(max_tokens=50))
+    past.output_token_ids = [40, 41, 42, 43, 44, 45, 46, 47]
+    spec.propose(past)
+    spec.forget(past)  # finished: its output joins the cache
+    later = Request("c", [2, 3, 40, 41, 42, 43], SamplingParams(max_tokens=50))
+    assert spec.propose(later) == [44, 45, 46, 47]
+    for i in range(2):  # two more finished requests push "b" out of a cache of 2
+        other = Request(f"x{i}", [1], SamplingParams(max_tokens=50))
+        other.output_token_ids = [90 + i, 91 + i]
+        spec.propose(other)
+        spec.forget(other)
+    assert spec.propose(Request("d", [2, 3, 40, 41, 42, 43], SamplingParams(max_tokens=50))) == []
 
 
 def test_the_config_takes_vllms_json_and_names_what_is_wrong() -> None:
@@ -140,12 +175,17 @@ def test_verified_tokens_keep_the_models_distribution(params: SamplingParams) ->
     assert all(t[:len(t) - 1] == draft[:len(t) - 1] for t in tokens)  # kept proposals, then one token
 
 
-def test_greedy_outputs_logprobs_and_stops_equal_decoding_one_at_a_time(make_llm: Callable[..., LLM]) -> None:
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 6}
+
+
+@pytest.mark.parametrize("config", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
+def test_greedy_outputs_logprobs_and_stops_equal_decoding_one_at_a_time(make_llm: Callable[..., LLM],
+                                                                        config: dict[str, Any]) -> None:
     params = [SamplingParams(max_tokens=60, temperature=0, logprobs=2),
               SamplingParams(max_tokens=40, temperature=0, stop=[", three, one"]),
               SamplingParams(max_tokens=12, temperature=0, presence_penalty=0.5, n=2)]
     plain = make_llm().generate(COPY_PROMPTS, params)
-    llm = make_llm(speculative_config=NGRAM)
+    llm = make_llm(speculative_config=config)
     spec = llm.generate(COPY_PROMPTS, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert [o.text for o in spec] == [o.text for o in plain]

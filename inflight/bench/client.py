@@ -146,7 +146,9 @@ class _MetricsSampler:
         return EngineCounters(kv_peak_perc=peak, num_preemptions=rise("preemptions"),
                               num_oom_errors=rise("oom_errors"),
                               num_kv_allocation_failures=rise("kv_allocation_failures"),
-                              num_server_failed_requests=rise("failed_requests"))
+                              num_server_failed_requests=rise("failed_requests"),
+                              spec_num_drafts=rise("spec_drafts"), spec_num_draft_tokens=rise("spec_draft_tokens"),
+                              spec_num_accepted_tokens=rise("spec_accepted_tokens"))
 
     def describe(self, duration_s: float) -> dict[str, Any]:
         """What the sampling read and what it cost: scrapes, their mean and max wall time (the

@@ -46,3 +46,7 @@ class Corpus:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, no special tokens."""
+        return _encode_plain(self.tokenizer, text)

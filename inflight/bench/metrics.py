@@ -120,6 +120,10 @@ class EngineCounters:
     num_oom_errors: int | None = None
     num_kv_allocation_failures: int | None = None
     num_server_failed_requests: int | None = None
+    # Speculative decoding: verifying steps of a request, tokens proposed, tokens kept.
+    spec_num_drafts: int | None = None
+    spec_num_draft_tokens: int | None = None
+    spec_num_accepted_tokens: int | None = None
 
     @classmethod
     def between(cls, before: EngineStats, after: EngineStats) -> EngineCounters:
@@ -129,7 +133,24 @@ class EngineCounters:
             num_preemptions=after.num_preemptions - before.num_preemptions,
             num_oom_errors=after.num_oom_errors - before.num_oom_errors,
             num_kv_allocation_failures=after.num_kv_allocation_failures - before.num_kv_allocation_failures,
+            spec_num_drafts=after.spec_num_drafts - before.spec_num_drafts,
+            spec_num_draft_tokens=after.spec_num_draft_tokens - before.spec_num_draft_tokens,
+            spec_num_accepted_tokens=after.spec_num_accepted_tokens - before.spec_num_accepted_tokens,
         )
+
+    @property
+    def spec_acceptance_perc(self) -> float | None:
+        """Of the proposed tokens, the share (%) kept."""
+        if not self.spec_num_draft_tokens or self.spec_num_accepted_tokens is None:
+            return None
+        return 100.0 * self.spec_num_accepted_tokens / self.spec_num_draft_tokens
+
+    @property
+    def spec_tokens_per_draft(self) -> float | None:
+        """Tokens a request gained in a step that verified its proposals: those kept and its own."""
+        if not self.spec_num_drafts or self.spec_num_accepted_tokens is None:
+            return None
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +181,8 @@ class BenchMetrics:
     kv_live_at_peak_perc: float | None = None
     num_server_failed_requests: int | None = None  # as the server counts them
     num_http_5xx: int = 0  # responses with a 5xx status, as the client saw them
+    spec_acceptance_perc: float | None = None  # speculative decoding: proposed tokens kept (%)
+    spec_tokens_per_draft: float | None = None  # tokens a verifying step gave its request
 
 
 def compute_metrics(results: Sequence[RequestResult], duration_s: float,
@@ -200,6 +223,8 @@ def compute_metrics(results: Sequence[RequestResult], duration_s: float,
         if (with_live := [s for s in samples if s.kv_live_perc is not None]) else None,
         num_server_failed_requests=counters.num_server_failed_requests,
         num_http_5xx=sum(r.http_status is not None and r.http_status >= 500 for r in results),
+        spec_acceptance_perc=counters.spec_acceptance_perc,
+        spec_tokens_per_draft=counters.spec_tokens_per_draft,
     )
 
 

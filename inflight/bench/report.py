@@ -116,6 +116,8 @@ TABLE_ROWS: list[Row | str] = [
     ("Preemptions", lambda m: m.num_preemptions, "d"),
     ("KV allocation failures", lambda m: m.num_kv_allocation_failures, "d"),
     ("OOM events", lambda m: m.num_oom_errors, "d"),
+    ("Spec. acceptance (%)", lambda m: m.spec_acceptance_perc, ".1f"),
+    ("Spec. tokens per draft step", lambda m: m.spec_tokens_per_draft, ".2f"),
 ]
 
 # Ratios to the first run printed under a comparison: (name, metric, higher is better).

@@ -115,7 +115,8 @@ class Ratio:
 
 
 # The engine-neutral counters a run reports as their rise over the run.
-COUNTERS = ("preemptions", "oom_errors", "failed_requests", "kv_allocation_failures")
+COUNTERS = ("preemptions", "oom_errors", "failed_requests", "kv_allocation_failures",
+            "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +127,9 @@ class Dialect:
     and queued; preemptions: requests whose KV was taken back (to recompute or swap); oom_errors:
     requests or steps failed for want of memory; failed_requests: requests the server itself
     ended in error or aborted; kv_allocation_failures: times a running request found no free
-    KV block; kv_peak: a gauge of the pool's peak usage over the server's life."""
+    KV block; kv_peak: a gauge of the pool's peak usage over the server's life; spec_drafts,
+    spec_draft_tokens, spec_accepted_tokens: speculative decoding's verifying steps of a request,
+    the tokens they proposed and those kept."""
 
     kind: str
     source: str  # where the names come from: repository, version, file
@@ -140,6 +143,9 @@ class Dialect:
     kv_allocation_failures: Pick | None = None
     kv_peak: Pick | None = None
     kv_live: Pick | None = None
+    spec_drafts: Pick | None = None
+    spec_draft_tokens: Pick | None = None
+    spec_accepted_tokens: Pick | None = None
 
     def read(self, series: Series) -> Reading:
         def get(pick: Pick | Ratio | None) -> float | None:
@@ -196,6 +202,9 @@ DIALECTS: dict[str, Dialect] = {d.kind: d for d in [
         kv_allocation_failures=_inflight("num_kv_allocation_failures"),
         kv_peak=_inflight("kv_cache_usage_peak_perc", _MAX),
         kv_live=_inflight("kv_cache_live_token_perc", _MAX),
+        spec_drafts=_inflight("spec_decode_num_drafts"),
+        spec_draft_tokens=_inflight("spec_decode_num_draft_tokens"),
+        spec_accepted_tokens=_inflight("spec_decode_num_accepted_tokens"),
     ),
     # A fraction despite "perc"; labels engine and model_name. finished_reason "error" (a request
     # failed inside the engine, answered 500) exists from 0.34 on; 0.11 has stop/length/abort.
@@ -207,6 +216,9 @@ DIALECTS: dict[str, Dialect] = {d.kind: d for d in [
         waiting=Pick("vllm:num_requests_waiting"),
         preemptions=Pick("vllm:num_preemptions_total"),
         failed_requests=Pick("vllm:request_success_total", {"finished_reason": "error"}),
+        spec_drafts=Pick("vllm:spec_decode_num_drafts_total"),
+        spec_draft_tokens=Pick("vllm:spec_decode_num_draft_tokens_total"),
+        spec_accepted_tokens=Pick("vllm:spec_decode_num_accepted_tokens_total"),
     ),
     Dialect(
         "vllm-v0", "vllm 0.6.3 (PyPI sdist): vllm/engine/metrics.py, Metrics",

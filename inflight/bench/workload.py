@@ -94,6 +94,10 @@ class WorkloadSpec(SpecModel):
     # Priority classes (their shares summing to 1), each request drawn into one; none: all at 0.
     priorities: list[PriorityClass] | None = Field(None, min_length=1)
     dataset: DatasetSource | None = None
+    # Tasks on text of the request's own prompt (copy, edit, continue: what speculative decoding's
+    # proposals from the prompt are for): each request takes one (by the seed), its "{text}" filled
+    # with prompt_len tokens of the corpus.
+    templates: list[str] | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _check_sources(self) -> WorkloadSpec:
@@ -103,8 +107,10 @@ class WorkloadSpec(SpecModel):
                 raise ValueError(f"priorities: the shares must sum to 1, got {total:g}")
             if len({c.priority for c in self.priorities}) < len(self.priorities):
                 raise ValueError("priorities: each priority once")
+        if self.templates is not None and not all("{text}" in t for t in self.templates):
+            raise ValueError("templates: each needs a {text} where the corpus passage goes")
         if self.dataset is not None:
-            clash = [k for k in ("prompt_len", "shared_prefix") if getattr(self, k) is not None]
+            clash = [k for k in ("prompt_len", "shared_prefix", "templates") if getattr(self, k) is not None]
             if clash or isinstance(self.arrivals, TraceArrivals):
                 raise ValueError(f"a dataset gives its own prompts; remove {', '.join(clash) or 'the trace arrivals'}")
             return self
@@ -236,9 +242,14 @@ def generate_requests(spec: WorkloadSpec, corpus: Corpus, base_dir: Path | None 
         classes = np.random.default_rng([spec.seed, 1]).choice(
             len(spec.priorities), size=n, p=[c.share for c in spec.priorities])
         priorities = [spec.priorities[int(k)].priority for k in classes]
+    tasks = (np.random.default_rng([spec.seed, 3]).integers(0, len(spec.templates), size=n)
+             if spec.templates else np.zeros(n, dtype=int))
     requests = []
     for i in range(n):
-        ids = (prefixes[which[i]] if with_prefix[i] else []) + corpus.take(rng, int(prompt_lens[i]))
+        passage = corpus.take(rng, int(prompt_lens[i]))
+        if spec.templates:
+            passage = corpus.encode(spec.templates[int(tasks[i])].replace("{text}", corpus.decode(passage)))
+        ids = (prefixes[which[i]] if with_prefix[i] else []) + passage
         requests.append(BenchRequest(i, ids, corpus.decode(ids), int(output_lens[i]),
                                      float(offsets[i]), bool(with_prefix[i]), priorities[i]))
     return requests

@@ -234,7 +234,9 @@ class Scheduler:
     def _drafts(self, order: list[Request], remaining: dict[int, int], budget: int) -> dict[Request, list[int]]:
         """The proposed tokens each decoding request verifies this step, as many as the
         speculator chooses within what the budget leaves after every running request's own
-        tokens (decodes and prompt chunks go first)."""
+        tokens (decodes and prompt chunks go first) and the prompts of the waiting requests the
+        batch has slots for (speculation never delays a request's first token by taking its
+        prefill's budget)."""
         assert self.speculator is not None
         proposals: dict[Request, list[int]] = {}
         for request in order:
@@ -252,6 +254,14 @@ class Scheduler:
             left -= n
             computed = request.num_computed_tokens + n
             batch.append(SeqWork(n, computed, int(computed == request.num_tokens)))
+        slots = self.free_batch_slots()
+        for request in self.waiting:
+            if slots <= 0 or left <= 0:
+                break
+            left -= request.num_tokens - request.num_computed_tokens
+            slots -= batch_slots(request)
+        if left <= 0:
+            return {}
         lengths = self.speculator.lengths(proposals, batch, left)
         return {r: draft[:lengths[r]] for r, draft in proposals.items() if lengths[r]}
 

@@ -103,6 +103,56 @@ class NgramIndex:
         return []
 
 
+# The context lengths a suffix index tracks (those up to its depth, and the depth itself): a
+# match is found at the longest of them, at a fraction of a full suffix tree's memory.
+_SUFFIX_DEPTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+class SuffixIndex:
+    """For every context of tracked length seen in some token sequences, how often each token
+    followed it (suffix decoding's statistics, kept by hash). Sequences are added as they grow
+    (`extend`) and may be taken out again (`remove`: the cache of past requests forgets its oldest)."""
+
+    __slots__ = ("depths", "_next")
+
+    def __init__(self, max_depth: int) -> None:
+        self.depths = tuple(sorted({d for d in _SUFFIX_DEPTHS if d < max_depth} | {max_depth}))
+        self._next: dict[int, dict[int, int]] = {}  # hash of a context -> next token -> count
+
+    def extend(self, tokens: Sequence[int], start: int, end: int, sign: int = 1) -> None:
+        """Counts each token at positions start..end - 1 after each tracked context before it."""
+        table = self._next
+        for position in range(max(start, 1), end):
+            token = tokens[position]
+            for depth in self.depths:
+                if depth > position:
+                    break
+                key = hash(tuple(tokens[position - depth:position]))
+                counts = table.get(key)
+                if counts is None:
+                    counts = table[key] = {}
+                left = counts.get(token, 0) + sign
+                if left > 0:
+                    counts[token] = left
+                else:
+                    counts.pop(token, None)
+                    if not counts:
+                        del table[key]
+
+    def remove(self, tokens: Sequence[int]) -> None:
+        self.extend(tokens, 0, len(tokens), sign=-1)
+
+    def longest(self, context: Sequence[int]) -> tuple[int, dict[int, int] | None]:
+        """The longest tracked suffix of `context` seen followed by something: (its length, the
+        counts of what followed), or (0, None)."""
+        for depth in reversed(self.depths):
+            if depth <= len(context):
+                counts = self._next.get(hash(tuple(context[len(context) - depth:])))
+                if counts:
+                    return depth, counts
+        return 0, None
+
+
 @dataclass(slots=True)
 class SpecStats:
     """Counters of the proposals verified (vLLM's spec_decode metrics): how many requests in how
@@ -135,6 +185,11 @@ class Speculator:
         k = config.num_speculative_tokens
         self.stats = SpecStats(accepted_per_position=[0] * k)
         self._indexes: dict[str, NgramIndex] = {}
+        # Suffix decoding: each request's own index (how far indexed), and one over the outputs of
+        # the last `suffix_decoding_max_cached_requests` finished requests, oldest first.
+        self._suffixes: dict[str, tuple[SuffixIndex, int]] = {}
+        self._past = SuffixIndex(config.suffix_decoding_max_tree_depth)
+        self._past_outputs: deque[list[int]] = deque()
         self._counts: dict[str, tuple[float, float]] = {}  # request id -> faded (proposed, accepted)
         # Position i > 0 of a draft: how often it was verified after position i - 1 was kept, and kept.
         self._trials = [0] * k
@@ -148,12 +203,43 @@ class Speculator:
         k = min(cfg.num_speculative_tokens, request.sampling_params.max_tokens - request.num_output_tokens - 1)
         if k <= 0:
             return []
-        index = self._indexes.get(request.request_id)
-        if index is None:
-            index = self._indexes[request.request_id] = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-        draft = index.propose(request.all_token_ids, k)
+        if cfg.method == "suffix":
+            draft = self._suffix_propose(request, k)
+        else:
+            index = self._indexes.get(request.request_id)
+            if index is None:
+                index = self._indexes[request.request_id] = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            draft = index.propose(request.all_token_ids, k)
         if draft and request.grammar is not None:
             draft = draft[:request.grammar.valid_prefix(draft)]
+        return draft
+
+    def _suffix_propose(self, request: Request, k: int) -> list[int]:
+        """The most frequent continuation of the longest suffix seen before (in the request's own
+        tokens or past requests' outputs), token by token while the next token is at least
+        `suffix_decoding_min_token_prob` of what followed there, at most the match's length times
+        `suffix_decoding_max_spec_factor` (a long match is worth a long proposal)."""
+        cfg = self.config
+        tokens = request.all_token_ids
+        own, indexed = self._suffixes.get(request.request_id, (None, 0))
+        if own is None:
+            own = SuffixIndex(cfg.suffix_decoding_max_tree_depth)
+        own.extend(tokens, indexed, len(tokens))
+        self._suffixes[request.request_id] = (own, len(tokens))
+        context = tokens[-cfg.suffix_decoding_max_tree_depth:]
+        draft: list[int] = []
+        limit = k
+        while len(draft) < limit:
+            depth, counts = max(own.longest(context), self._past.longest(context), key=lambda m: m[0])
+            if counts is None:
+                break
+            if not draft:
+                limit = min(k, max(1, int(cfg.suffix_decoding_max_spec_factor * depth)))
+            token, count = max(counts.items(), key=lambda item: item[1])
+            if count < cfg.suffix_decoding_min_token_prob * sum(counts.values()):
+                break
+            draft.append(token)
+            context = [*context[1:], token] if len(context) >= cfg.suffix_decoding_max_tree_depth else [*context, token]
         return draft
 
     def first_rate(self, request: Request) -> float:
@@ -253,6 +339,16 @@ class Speculator:
             self.curve.observe(batch, measured_s)
 
     def forget(self, request: Request) -> None:
-        """The request has finished: its index and counts go."""
+        """The request has finished: its index and counts go; with suffix decoding its output
+        joins the cache of past outputs (the oldest leaves past the cache's size)."""
         self._indexes.pop(request.request_id, None)
         self._counts.pop(request.request_id, None)
+        if self._suffixes.pop(request.request_id, None) is None:
+            return
+        limit = self.config.suffix_decoding_max_cached_requests
+        if limit and request.output_token_ids:
+            output = list(request.output_token_ids)
+            self._past.extend(output, 0, len(output))
+            self._past_outputs.append(output)
+            while len(self._past_outputs) > limit:
+                self._past.remove(self._past_outputs.popleft())

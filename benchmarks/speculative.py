@@ -1,0 +1,130 @@
+"""Speculative decoding against none, alternated in one process on one loaded model (#36):
+
+- single stream: the `copy-edit` workload (copy, edit or continue a passage of the prompt), one
+  request at a time;
+- Poisson arrivals of `copy-edit` at three rates between idle and saturation;
+- burst-64 at saturation: the `burst` workload (corpus text, few repeats) cut to 64 requests,
+  all at once, and `copy-edit` likewise.
+
+Each configuration runs `--rounds` times in the order off, ngram, suffix, off, ngram, suffix, ...
+(`--spec JSON`, repeated, replaces the compared configurations). Printed per scenario: output
+tok/s of each run, each configuration's ratio to the `off` run of its round (under arrivals slower
+than the engine tok/s follows the arrivals, so also the TPOT ratio: how much faster each stream
+ran), TPOT and TTFT p99, the acceptance rate (proposed tokens kept) and tokens per verifying step.
+Written to `--out` (JSON).
+
+    .venv/bin/python benchmarks/speculative.py [--rounds 2] [--spec JSON ...] [--only NAME] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from inflight.bench.corpus import Corpus
+from inflight.bench.runs import RunPlan, run_in_process
+from inflight.bench.workload import generate_requests, load_workload, with_request_rate
+from inflight.model.loaded import LoadedModel
+
+DEFAULT_SPECS = [{"method": "ngram", "num_speculative_tokens": 4}, {"method": "suffix", "num_speculative_tokens": 8}]
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def scenarios(quick: bool) -> list[tuple[str, str, dict[str, Any], int | None]]:
+    """(name, workload, overrides, max concurrency)."""
+    n = 4 if quick else None
+    return [
+        ("single stream, copy-edit", "copy-edit", {"num_requests": n or 12}, 1),
+        *[(f"Poisson {rate} req/s, copy-edit", "copy-edit", {"num_requests": n or 16, "rate": rate}, None)
+          for rate in (0.5, 1.0, 2.0)],
+        ("burst-64, copy-edit", "copy-edit", {"num_requests": n or 64}, None),
+        ("burst-64, burst (corpus text)", "burst", {"num_requests": n or 64}, None),
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--spec", action="append", default=None, help="a --speculative-config compared (repeatable)")
+    parser.add_argument("--quick", action="store_true", help="4 requests a scenario (a check that it runs)")
+    parser.add_argument("--only", default=None, help="run the scenarios whose name contains this")
+    parser.add_argument("--out", default="benchmarks/results/speculative.json")
+    args = parser.parse_args()
+    configs = [json.loads(text) for text in args.spec] if args.spec else DEFAULT_SPECS
+    names = [f"{c.get('method', 'ngram')}{c.get('num_speculative_tokens', 4)}" for c in configs]
+    torch.set_num_threads(torch.get_num_threads())
+    loaded = LoadedModel.load(None, torch.float32, torch.device("cpu"))
+    corpus = Corpus(loaded.tokenizer)
+    plans = []
+    for i in range(args.rounds):
+        plans.append(RunPlan(f"off#{i + 1}", {}))
+        plans += [RunPlan(f"{name}#{i + 1}", {"speculative_config": c}) for name, c in zip(names, configs, strict=True)]
+    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads; compared: "
+          + "; ".join(f"{n} = {json.dumps(c)}" for n, c in zip(names, configs, strict=True)))
+    document: dict[str, Any] = {"cpu": cpu_name(), "threads": torch.get_num_threads(),
+                                "speculative_configs": dict(zip(names, configs, strict=True)),
+                                "command": " ".join(sys.argv),
+                                "date": time.strftime("%Y-%m-%d"), "scenarios": []}
+    for name, workload, overrides, concurrency in scenarios(args.quick):
+        if args.only and args.only not in name:
+            continue
+        rate = overrides.pop("rate", None)
+        spec, path = load_workload(workload, **overrides)
+        if rate is not None:
+            spec = with_request_rate(spec, rate)
+        requests = generate_requests(spec, corpus, path.parent)
+        runs = run_in_process(None, {"max_batch_size": 64}, plans, requests, max_concurrency=concurrency,
+                              progress=False, loaded=loaded)
+        rows = []
+        for run in runs:
+            m = run.metrics
+            rows.append({"label": run.label, "output_tok_s": m.output_throughput, "tpot_mean_ms": m.tpot_ms.mean,
+                         "ttft_p99_ms": m.ttft_ms.p99, "e2e_p50_ms": m.e2e_ms.p50,
+                         "acceptance_perc": m.spec_acceptance_perc,
+                         "tokens_per_draft_step": m.spec_tokens_per_draft, "completed": m.num_completed})
+        # Each configuration's ratios to the off run of its round: tok/s, and off/on TPOT (under
+        # arrivals slower than the engine, tok/s follows the arrivals: latency tells instead).
+        width = 1 + len(configs)
+        ratios: dict[str, list[float]] = {n: [] for n in names}
+        tpot_ratios: dict[str, list[float]] = {n: [] for n in names}
+        for start in range(0, len(rows), width):
+            off = rows[start]
+            for n, on in zip(names, rows[start + 1:start + width], strict=True):
+                ratios[n].append(on["output_tok_s"] / off["output_tok_s"])
+                tpot_ratios[n].append(off["tpot_mean_ms"] / on["tpot_mean_ms"])
+        print(f"\n== {name} ({len(requests)} requests) ==")
+        for row in rows:
+            acceptance = "-" if row["acceptance_perc"] is None else f"{row['acceptance_perc']:.1f}%"
+            per_step = "-" if row["tokens_per_draft_step"] is None else f"{row['tokens_per_draft_step']:.2f}"
+            print(f"  {row['label']:>9}: {row['output_tok_s']:7.1f} tok/s  TPOT {row['tpot_mean_ms']:6.1f} ms  "
+                  f"TTFT p99 {row['ttft_p99_ms']:7.0f} ms  accepted {acceptance:>6}  tokens/draft step {per_step}")
+        for n in names:
+            print(f"  {n} against off: output tok/s " + ", ".join(f"{r:.2f}x" for r in ratios[n])
+                  + ";  TPOT (each stream's speed-up) " + ", ".join(f"{r:.2f}x" for r in tpot_ratios[n]))
+        document["scenarios"].append({"name": name, "workload": workload, "num_requests": len(requests),
+                                      "max_concurrency": concurrency, "request_rate": rate, "runs": rows,
+                                      "tok_s_ratios_to_off": ratios, "tpot_speedups": tpot_ratios})
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(document, indent=1) + "\n")
+    print(f"\nwritten {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
