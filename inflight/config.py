@@ -286,7 +286,7 @@ class EngineConfig:
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineConfig:
         """Builds a config from flat, field-named options (`max_batch_size=8, block_size=32`)."""
         sections: dict[type, dict[str, Any]] = {CacheConfig: {}, SchedulerConfig: {}, cls: {}}
-        fields_of = {c: {f.name for f in dataclasses.fields(c)} for c in sections}
+        fields_of = {c: {f.name for f in dataclasses.fields(c) if f.init} for c in sections}
         for key, value in kwargs.items():
             owner = next((c for c in (CacheConfig, SchedulerConfig, cls) if key in fields_of[c]), None)
             if owner is None or key in ("cache", "scheduler", "model"):

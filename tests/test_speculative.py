@@ -13,13 +13,18 @@ import pytest
 import torch
 
 from inflight import LLM, ConfigError, SamplingParams
+from inflight.bench.workload import parse_workload
 from inflight.config import SpeculativeConfig
 from inflight.engine.sampler import Sampler
 from inflight.engine.speculative import NgramIndex, Speculator, SuffixIndex
 from inflight.engine.stats import EngineStats
 from inflight.perf.cost_model import SeqWork
+from inflight.perf.profiles import load_hardware
 from inflight.request import Request, StructuredOutputs
 from inflight.server.metrics import ServerMetrics
+from inflight.sim.runs import SimTarget, simulate
+from inflight.sim.shapes import resolve_shapes
+from inflight.sim.workload import synthetic_requests
 
 PASSAGE = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
            "must be in want of a wife. However little known the feelings or views of such a man may be "
@@ -234,3 +239,37 @@ def test_metrics_carry_vllms_spec_decode_names() -> None:
     assert "inflight:spec_decode_num_draft_tokens_total 18.0" in text
     assert "inflight:spec_decode_num_accepted_tokens_total 9.0" in text
     assert 'inflight:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 3.0' in text
+
+
+# --- the simulator --------------------------------------------------------------------------------
+
+
+def _sim_run(options: dict[str, Any], num_requests: int, concurrency: int | None) -> Any:
+    name, shapes = resolve_shapes("llama-3-8b")
+    spec = parse_workload({"name": "s", "seed": 2, "num_requests": num_requests, "arrivals": {"kind": "burst"},
+                           "prompt_len": {"kind": "uniform", "min": 64, "max": 256},
+                           "output_len": {"kind": "uniform", "min": 64, "max": 128}})
+    return simulate(SimTarget(name, shapes, load_hardware("h100")), options, synthetic_requests(spec),
+                    max_concurrency=concurrency)
+
+
+def test_the_simulator_speculates_at_the_workloads_acceptance_rate() -> None:
+    """On an H100, one stream of an 8B model is bound by reading its weights: proposals kept 80%
+    of the time make it faster, and at the same rate every stream of a saturated batch is no
+    slower than without (the lengths fall to what pays)."""
+    spec = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4}, "acceptance_rate": 0.8}
+    off, on = _sim_run({}, 4, 1), _sim_run(spec, 4, 1)
+    assert on.metrics.total_output_tokens == off.metrics.total_output_tokens
+    assert on.metrics.output_throughput > 1.5 * off.metrics.output_throughput
+    assert on.metrics.spec_tokens_per_draft is not None and on.metrics.spec_tokens_per_draft > 2
+    busy_off, busy_on = _sim_run({"max_batch_size": 256}, 256, None), _sim_run({**spec, "max_batch_size": 256}, 256,
+                                                                                None)
+    assert busy_on.metrics.output_throughput >= 0.98 * busy_off.metrics.output_throughput
+    fixed = {**spec, "speculative_config": {**spec["speculative_config"], "adaptive": False}}
+    never = _sim_run({**fixed, "acceptance_rate": 0.0}, 4, 1)
+    assert never.metrics.spec_acceptance_perc == 0 and never.metrics.output_throughput < off.metrics.output_throughput
+
+
+def test_the_simulator_asks_for_an_acceptance_rate() -> None:
+    with pytest.raises(ConfigError, match="needs an acceptance rate"):
+        _sim_run({"speculative_config": NGRAM}, 2, 1)

@@ -98,6 +98,9 @@ class WorkloadSpec(SpecModel):
     # proposals from the prompt are for): each request takes one (by the seed), its "{text}" filled
     # with prompt_len tokens of the corpus.
     templates: list[str] | None = Field(None, min_length=1)
+    # For the simulator's speculative decoding: the chance that a proposed token is kept once those
+    # before it were (a property of the workload and the proposer; `inflight bench` measures it).
+    acceptance_rate: float | None = Field(None, ge=0, le=1)
 
     @model_validator(mode="after")
     def _check_sources(self) -> WorkloadSpec:
@@ -248,7 +251,11 @@ def generate_requests(spec: WorkloadSpec, corpus: Corpus, base_dir: Path | None 
     for i in range(n):
         passage = corpus.take(rng, int(prompt_lens[i]))
         if spec.templates:
-            passage = corpus.encode(spec.templates[int(tasks[i])].replace("{text}", corpus.decode(passage)))
+            pieces = spec.templates[int(tasks[i])].split("{text}")
+            filled = corpus.encode(pieces[0])
+            for piece in pieces[1:]:
+                filled += passage + corpus.encode(piece)
+            passage = filled
         ids = (prefixes[which[i]] if with_prefix[i] else []) + passage
         requests.append(BenchRequest(i, ids, corpus.decode(ids), int(output_lens[i]),
                                      float(offsets[i]), bool(with_prefix[i]), priorities[i]))

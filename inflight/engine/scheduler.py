@@ -237,17 +237,13 @@ class Scheduler:
         tokens (decodes and prompt chunks go first) and the prompts of the waiting requests the
         batch has slots for (speculation never delays a request's first token by taking its
         prefill's budget)."""
-        assert self.speculator is not None
-        proposals: dict[Request, list[int]] = {}
-        for request in order:
-            if remaining[id(request)] == 1 and request.num_output_tokens > 0:
-                draft = self.speculator.propose(request)
-                if draft:
-                    proposals[request] = draft
-        if not proposals:
+        speculator = self.speculator
+        assert speculator is not None
+        eligible = [r for r in order if remaining[id(r)] == 1 and r.num_output_tokens > 0]
+        if not eligible:
             return {}
         batch, left = [], budget
-        for request in [*proposals, *(r for r in order if r not in proposals)]:
+        for request in [*eligible, *(r for r in order if remaining[id(r)] != 1 or r.num_output_tokens == 0)]:
             n = min(remaining[id(request)], left)
             if n == 0:
                 break
@@ -262,7 +258,17 @@ class Scheduler:
             slots -= batch_slots(request)
         if left <= 0:
             return {}
-        lengths = self.speculator.lengths(proposals, batch, left)
+        # First as if every eligible request had a full proposal: where even that does not pay (a
+        # saturated batch), no proposal is looked for at all.
+        full = {r: [0] * speculator.max_length(r) for r in eligible}
+        if not any(speculator.lengths(full, batch, left, probe=True).values()):
+            return {}
+        proposals = {r: speculator.propose(r) for r in eligible}
+        batch = [w for r, w in zip(eligible, batch, strict=False) if proposals[r]] + batch[len(eligible):]
+        proposals = {r: draft for r, draft in proposals.items() if draft}
+        if not proposals:
+            return {}
+        lengths = speculator.lengths(proposals, batch, left)
         return {r: draft[:lengths[r]] for r, draft in proposals.items() if lengths[r]}
 
     def _grow(self, request: Request, num_new: int, scheduled_ids: set[int], out: SchedulerOutput) -> bool:

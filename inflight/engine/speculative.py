@@ -20,7 +20,7 @@ less than one token loses, and speculation falls to zero by itself, without a lo
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from inflight.config import SpeculativeConfig
@@ -178,9 +178,13 @@ class Speculator:
     """Proposes each decoding request's next tokens and chooses how many of them each step verifies
     (`lengths`); learns what the model keeps (`observe`) and what steps cost (`observe_step`)."""
 
-    def __init__(self, config: SpeculativeConfig, cost_model: StepTimeModel | None) -> None:
-        """`cost_model`: a step's predicted seconds from its work (None with `adaptive` off)."""
+    def __init__(self, config: SpeculativeConfig, cost_model: StepTimeModel | None,
+                 proposer: Callable[[Request, int], list[int]] | None = None) -> None:
+        """`cost_model`: a step's predicted seconds from its work (None with `adaptive` off).
+        `proposer`: up to k proposed tokens of a request, instead of the configured method's
+        (the simulator's, whose token ids stand for nothing)."""
         self.config = config
+        self.proposer = proposer
         self.curve = StepCurve(cost_model) if cost_model is not None else None
         k = config.num_speculative_tokens
         self.stats = SpecStats(accepted_per_position=[0] * k)
@@ -200,10 +204,12 @@ class Speculator:
         its last token: never past its max_tokens (the step adds one token of its own), and cut
         where its grammar, if any, would refuse one."""
         cfg = self.config
-        k = min(cfg.num_speculative_tokens, request.sampling_params.max_tokens - request.num_output_tokens - 1)
+        k = self.max_length(request)
         if k <= 0:
             return []
-        if cfg.method == "suffix":
+        if self.proposer is not None:
+            draft = self.proposer(request, k)
+        elif cfg.method == "suffix":
             draft = self._suffix_propose(request, k)
         else:
             index = self._indexes.get(request.request_id)
@@ -213,6 +219,11 @@ class Speculator:
         if draft and request.grammar is not None:
             draft = draft[:request.grammar.valid_prefix(draft)]
         return draft
+
+    def max_length(self, request: Request) -> int:
+        """The most tokens the request may propose now: k, never past its max_tokens."""
+        return max(0, min(self.config.num_speculative_tokens,
+                          request.sampling_params.max_tokens - request.num_output_tokens - 1))
 
     def _suffix_propose(self, request: Request, k: int) -> list[int]:
         """The most frequent continuation of the longest suffix seen before (in the request's own
@@ -265,10 +276,11 @@ class Speculator:
         return out
 
     def lengths(self, drafts: dict[Request, list[int]], batch: Sequence[SeqWork],
-                budget: int) -> dict[Request, int]:
+                budget: int, probe: bool = False) -> dict[Request, int]:
         """How many of each request's proposed tokens this step verifies, at most `budget` in all.
         `batch`: the step's work without proposals (each drafting request's decode in it first,
-        in the order of `drafts`). Without `adaptive`: every proposed token that fits."""
+        in the order of `drafts`). Without `adaptive`: every proposed token that fits. `probe`:
+        only asking (nothing learned from the answer)."""
         chosen = dict.fromkeys(drafts, 0)
         adaptive = self.config.adaptive and self.curve is not None
         # Every candidate token: (the chance it is kept, its request's index), most likely first.
@@ -283,7 +295,7 @@ class Speculator:
         requests = list(drafts)
         for _, i in candidates[:take]:
             chosen[requests[i]] += 1
-        if adaptive:
+        if adaptive and not probe:
             for request, length in chosen.items():
                 if not length:  # proposed, not verified: its estimate drifts back to the engine's
                     proposed, accepted = self._counts.get(request.request_id, (0.0, 0.0))

@@ -27,6 +27,9 @@ def register(subparsers: Any) -> None:
     )
     _add_target_options(sim)
     add_workload_options(sim)
+    sim.add_argument("--acceptance-rate", type=float, default=None, metavar="A",
+                     help="with --speculative-config: the chance a proposed token is kept once those before it "
+                          "were (default: the workload's acceptance_rate)")
     add_runs_options(sim, "simulate each configuration in turn")
     o = add_output_options(sim)
     o.add_argument("--against", default=None, metavar="RUN.json",
@@ -164,9 +167,6 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     if options.pop("quantization", "none") != "none":
         raise ConfigError("the simulator has no int8 CPU profile yet: --quantization is for bench, serve and "
                           "generate (GPU profiles take --weight-dtype)")
-    if options.get("speculative_config") is not None:
-        raise ConfigError("the simulator does not speculate yet (no acceptance model): --speculative-config is for "
-                          "bench, serve and generate")
     if args.replicas < 1:
         raise ConfigError(f"--replicas must be >= 1, got {args.replicas}")
     if args.replicas > 1:
@@ -192,7 +192,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     from inflight.bench.report import format_table, write_run_file
     from inflight.bench.runs import parse_compare, parse_sweep, plan_runs
     from inflight.bench.sla import check_run, format_check, load_sla
-    from inflight.sim.runs import FLEET_OPTIONS, simulate_plans
+    from inflight.sim.runs import FLEET_OPTIONS, SIM_OPTIONS, simulate_plans
     from inflight.sim.workload import synthetic_requests
 
     target = _target(args)
@@ -202,10 +202,15 @@ def cmd_sim(args: argparse.Namespace) -> int:
     sla = load_sla(args.sla) if args.sla else None
     slo = sla.goodput.slo() if sla and sla.goodput else None
     compare = parse_compare(args.compare) if args.compare else []
-    sweeps = [parse_sweep(s, extra=FLEET_OPTIONS) for s in args.sweep]
+    sweeps = [parse_sweep(s, extra=FLEET_OPTIONS + SIM_OPTIONS) for s in args.sweep]
     requests = synthetic_requests(spec, spec_path.parent)
-    runs = simulate_plans(target, _engine_options(args), plan_runs(compare, sweeps), requests,
-                          args.max_concurrency, slo)
+    options = _engine_options(args)
+    acceptance = args.acceptance_rate if args.acceptance_rate is not None else spec.acceptance_rate
+    if acceptance is not None:
+        if not 0 <= acceptance <= 1:
+            raise ConfigError(f"--acceptance-rate must be in [0, 1], got {acceptance}")
+        options["acceptance_rate"] = acceptance
+    runs = simulate_plans(target, options, plan_runs(compare, sweeps), requests, args.max_concurrency, slo)
     title = f"inflight sim: {spec.name} ({len(requests)} requests, seed {spec.seed}), {target.describe()}"
     print(format_table(runs, title))
     if args.output:

@@ -1,13 +1,16 @@
 """The simulator's model runner: it takes the scheduler's plain-data step where `ModelRunner`
 would, computes nothing, advances a virtual clock by the cost model's step time and returns a
-token for every request that reached its last known token."""
+token for every request that reached its last known token (and, with speculative decoding, the
+proposed tokens its draws keep)."""
 
 from __future__ import annotations
+
+import random
 
 from inflight.engine.runner import RunnerTimings
 from inflight.engine.scheduler import SchedulerOutput
 from inflight.perf.cost_model import CostModel
-from inflight.request import TokenLogprobs
+from inflight.request import Request, TokenLogprobs
 
 # Any id will do: output tokens only feed the prefix cache's chained block hashes, which start
 # from each request's own prompt.
@@ -32,12 +35,23 @@ class VirtualClock:
     wait_until = advance_to  # what a driver does between arrivals: no time is spent waiting
 
 
-class SimRunner:
-    """`LLMEngine`'s runner in the simulator: the step's whole cost counts as its forward pass."""
+def sim_proposals(request: Request, k: int) -> list[int]:
+    """The simulator's speculative proposals: k tokens, always found (what the model keeps of
+    them is the runner's draw at the workload's acceptance rate)."""
+    return [SIM_TOKEN] * k
 
-    def __init__(self, cost_model: CostModel, clock: VirtualClock) -> None:
+
+class SimRunner:
+    """`LLMEngine`'s runner in the simulator: the step's whole cost counts as its forward pass.
+    With speculative decoding, each proposed token is kept with chance `acceptance_rate` once the
+    ones before it were (seeded draws, so a run repeats)."""
+
+    def __init__(self, cost_model: CostModel, clock: VirtualClock, acceptance_rate: float | None = None,
+                 seed: int = 0) -> None:
         self.cost_model = cost_model
         self.clock = clock
+        self.acceptance_rate = acceptance_rate
+        self._rng = random.Random(seed)
         self.last_timings = RunnerTimings()
         self.last_logprobs: dict[str, list[TokenLogprobs]] = {}  # the simulator has no distribution
         self.last_prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
@@ -47,4 +61,11 @@ class SimRunner:
         step_s = self.cost_model.step_time(batch)
         self.clock.advance(step_s)
         self.last_timings = RunnerTimings(forward_s=step_s)
-        return {s.request.request_id: [SIM_TOKEN] for s in out.scheduled if s.samples_next_token}
+        return {s.request.request_id: [SIM_TOKEN] * (1 + self._kept(len(s.spec_token_ids)))
+                for s in out.scheduled if s.samples_next_token}
+
+    def _kept(self, proposed: int) -> int:
+        kept = 0
+        while kept < proposed and self._rng.random() < (self.acceptance_rate or 0.0):
+            kept += 1
+        return kept

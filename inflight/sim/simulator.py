@@ -16,19 +16,29 @@ from inflight.config import EngineConfig
 from inflight.engine.engine import EngineParts, LLMEngine
 from inflight.errors import ConfigError
 from inflight.perf.cost_model import CostModel
-from inflight.sim.runner import SimRunner, VirtualClock
+from inflight.sim.runner import SimRunner, VirtualClock, sim_proposals
 
 
-def sim_engine(config: EngineConfig, cost_model: CostModel, gpu_memory_utilization: float = 0.9) -> LLMEngine:
+def sim_engine(config: EngineConfig, cost_model: CostModel, gpu_memory_utilization: float = 0.9,
+               acceptance_rate: float | None = None) -> LLMEngine:
     """The engine `config` describes, its steps priced by `cost_model` on a fresh virtual clock;
-    the KV pool sized for the cost model's device unless `config` sets it."""
+    the KV pool sized for the cost model's device unless `config` sets it. With speculative
+    decoding every decoding request proposes its full k tokens, each kept with chance
+    `acceptance_rate` once those before it were (required then)."""
     cache = config.cache
     num_blocks = cache.num_kv_blocks or cost_model.num_kv_blocks(
         cache.block_size, gpu_memory_utilization, cache.kv_cache_memory_fraction, cache.kv_cache_memory_bytes)
+    if config.scheduler.speculative is not None and acceptance_rate is None:
+        raise ConfigError("speculative decoding in the simulator needs an acceptance rate: the workload's "
+                          "acceptance_rate or --acceptance-rate (the chance a proposed token is kept once those "
+                          "before it were)")
     clock = VirtualClock()
-    parts = EngineParts(SimRunner(cost_model, clock), num_blocks, cost_model.model.architecture,
+    parts = EngineParts(SimRunner(cost_model, clock, acceptance_rate), num_blocks, cost_model.model.architecture,
                         cost_model.model, clock=clock, check_token_ids=False, step_time_model=cost_model)
-    return LLMEngine(config, parts=parts)
+    engine = LLMEngine(config, parts=parts)
+    if engine.speculator is not None:
+        engine.speculator.proposer = sim_proposals
+    return engine
 
 
 def schedules_ahead(engine: LLMEngine) -> bool:

@@ -4,6 +4,7 @@ seeded draws as `inflight bench` makes, so both run the same traffic."""
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,12 @@ class SyntheticCorpus:
 
     def decode(self, token_ids: list[int]) -> str:
         return ""
+
+    def encode(self, text: str) -> list[int]:
+        """A template's own text: a token per 4 characters (English prose's rate), the same ids
+        for the same text, above the passages' range."""
+        start = _NUM_SYNTHETIC_IDS + zlib.crc32(text.encode()) % _NUM_SYNTHETIC_IDS
+        return [start + i for i in range(-(-len(text) // 4))]
 
 
 def synthetic_requests(spec: WorkloadSpec, base_dir: Path | None = None) -> list[BenchRequest]:
