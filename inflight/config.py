@@ -134,7 +134,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 2
     suffix_decoding_max_tree_depth: int = 24
-    suffix_decoding_max_cached_requests: int = 1000
+    # About 2.4 KB per cached output token (9 contexts a token, kept by hash in Python dicts).
+    suffix_decoding_max_cached_requests: int = 64
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     adaptive: bool = True

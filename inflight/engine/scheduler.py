@@ -264,7 +264,9 @@ class Scheduler:
         if not any(speculator.lengths(full, batch, left, probe=True).values()):
             return {}
         proposals = {r: speculator.propose(r) for r in eligible}
-        batch = [w for r, w in zip(eligible, batch, strict=False) if proposals[r]] + batch[len(eligible):]
+        # The drafting requests' decodes first, in their order; the others' work stays in the step.
+        batch = ([w for r, w in zip(eligible, batch, strict=False) if proposals[r]]
+                 + [w for r, w in zip(eligible, batch, strict=False) if not proposals[r]] + batch[len(eligible):])
         proposals = {r: draft for r, draft in proposals.items() if draft}
         if not proposals:
             return {}

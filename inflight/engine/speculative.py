@@ -82,8 +82,10 @@ class NgramIndex:
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
-        # n -> n-gram -> the latest position just after an earlier occurrence of it.
-        self._ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+        # n -> hash of an n-gram -> the latest position just after an earlier occurrence of it. By
+        # hash, not the tuple (a third of the memory): a collision only proposes tokens that the
+        # model then rejects.
+        self._ends: dict[int, dict[int, int]] = {n: {} for n in range(min_n, max_n + 1)}
         self._indexed = 0  # occurrences ending before this position are in `_ends`
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
@@ -94,10 +96,10 @@ class NgramIndex:
         for end in range(max(self._indexed, self.min_n), size):
             for n, ends in self._ends.items():
                 if n <= end:
-                    ends[tuple(tokens[end - n:end])] = end
+                    ends[hash(tuple(tokens[end - n:end]))] = end
         self._indexed = max(self._indexed, size)
         for n in range(min(self.max_n, size), self.min_n - 1, -1):
-            found = self._ends[n].get(tuple(tokens[size - n:]))
+            found = self._ends[n].get(hash(tuple(tokens[size - n:])))
             if found is not None:
                 return list(tokens[found:found + k])
         return []
