@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -113,6 +114,16 @@ class SchedulingPolicy(StrEnum):
 
 
 SPECULATIVE_METHODS = ("ngram", "suffix")
+# The numeric keys of `SpeculativeConfig`: (type, the values admitted, how the error says so).
+_SPECULATIVE_BOUNDS: dict[str, tuple[type | tuple[type, ...], Callable[[Any], bool], str]] = {
+    "num_speculative_tokens": (int, lambda v: v >= 1, "an integer >= 1"),
+    "prompt_lookup_max": (int, lambda v: v >= 1, "an integer >= 1"),
+    "prompt_lookup_min": (int, lambda v: v >= 1, "an integer >= 1"),
+    "suffix_decoding_max_tree_depth": (int, lambda v: v >= 1, "an integer >= 1"),
+    "suffix_decoding_max_cached_requests": (int, lambda v: v >= 0, "an integer >= 0"),
+    "suffix_decoding_max_spec_factor": ((int, float), lambda v: v > 0, "> 0"),
+    "suffix_decoding_min_token_prob": ((int, float), lambda v: 0 <= v <= 1, "in [0, 1]"),
+}
 
 
 @dataclass(frozen=True)
@@ -143,25 +154,10 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         _require(self.method in SPECULATIVE_METHODS,
                  f"speculative_config: method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+        for name, (kind, admits, what) in _SPECULATIVE_BOUNDS.items():
             value = getattr(self, name)
-            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-                     f"speculative_config: {name} must be an integer >= 1, got {value!r}")
-        _require(isinstance(self.suffix_decoding_max_tree_depth, int) and self.suffix_decoding_max_tree_depth >= 1,
-                 "speculative_config: suffix_decoding_max_tree_depth must be an integer >= 1, got "
-                 f"{self.suffix_decoding_max_tree_depth!r}")
-        _require(isinstance(self.suffix_decoding_max_cached_requests, int)
-                 and self.suffix_decoding_max_cached_requests >= 0,
-                 "speculative_config: suffix_decoding_max_cached_requests must be an integer >= 0, got "
-                 f"{self.suffix_decoding_max_cached_requests!r}")
-        _require(isinstance(self.suffix_decoding_max_spec_factor, (int, float))
-                 and self.suffix_decoding_max_spec_factor > 0,
-                 "speculative_config: suffix_decoding_max_spec_factor must be > 0, got "
-                 f"{self.suffix_decoding_max_spec_factor!r}")
-        _require(isinstance(self.suffix_decoding_min_token_prob, (int, float))
-                 and 0 <= self.suffix_decoding_min_token_prob <= 1,
-                 "speculative_config: suffix_decoding_min_token_prob must be in [0, 1], got "
-                 f"{self.suffix_decoding_min_token_prob!r}")
+            _require(isinstance(value, kind) and not isinstance(value, bool) and admits(value),
+                     f"speculative_config: {name} must be {what}, got {value!r}")
         _require(self.prompt_lookup_min <= self.prompt_lookup_max,
                  f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
                  f"({self.prompt_lookup_max})")
