@@ -13,7 +13,14 @@ than the engine tok/s follows the arrivals, so also the TPOT ratio: how much fas
 ran), TPOT and TTFT p99, the acceptance rate (proposed tokens kept) and tokens per verifying step.
 Written to `--out` (JSON).
 
-    .venv/bin/python benchmarks/speculative.py [--rounds 2] [--spec JSON ...] [--only NAME] [--quick]
+`--draft-layers N` adds a draft-model configuration: the embedded model cut to its first N of 30
+layers (its own embedding, final norm and LM head, Q4_1 blocks copied as they are; a GGUF written
+to a temporary folder with gguf-py), proposing `--draft-k` tokens, for the mechanics and the cost
+of a draft model's passes on this CPU (such a cut model agrees with the full one less often than a
+trained draft would).
+
+    .venv/bin/python benchmarks/speculative.py [--rounds 2] [--spec JSON ...] [--draft-layers N]
+        [--only NAME] [--quick]
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import argparse
 import json
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -46,6 +54,34 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def truncated_draft(layers: int, folder: Path) -> Path:
+    """The embedded GGUF with only its first `layers` blocks: metadata and tensors copied as
+    stored (quantized blocks unchanged), `block_count` set to `layers`."""
+    import gguf
+
+    from inflight.model.loader import default_model_path
+
+    reader = gguf.GGUFReader(default_model_path())
+    arch = str(reader.fields["general.architecture"].contents())
+    path = folder / f"embedded-first-{layers}-layers.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = layers if key == f"{arch}.block_count" else field.contents()
+        array = field.types[0] == gguf.GGUFValueType.ARRAY
+        writer.add_key_value(key, value, field.types[0], sub_type=field.types[-1] if array else None)
+    for tensor in reader.tensors:
+        if tensor.name.startswith("blk.") and int(tensor.name.split(".")[1]) >= layers:
+            continue
+        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def scenarios(quick: bool) -> list[tuple[str, str, dict[str, Any], int | None]]:
     """(name, workload, overrides, max concurrency)."""
     n = 4 if quick else None
@@ -64,10 +100,18 @@ def main() -> int:
     parser.add_argument("--spec", action="append", default=None, help="a --speculative-config compared (repeatable)")
     parser.add_argument("--quick", action="store_true", help="4 requests a scenario (a check that it runs)")
     parser.add_argument("--only", default=None, help="run the scenarios whose name contains this")
+    parser.add_argument("--draft-layers", type=int, default=None,
+                        help="also compare a draft model: the embedded model's first N layers")
+    parser.add_argument("--draft-k", type=int, default=4, help="the draft model's num_speculative_tokens")
     parser.add_argument("--out", default="benchmarks/results/speculative.json")
     args = parser.parse_args()
-    configs = [json.loads(text) for text in args.spec] if args.spec else DEFAULT_SPECS
+    configs = [json.loads(text) for text in args.spec] if args.spec else list(DEFAULT_SPECS)
     names = [f"{c.get('method', 'ngram')}{c.get('num_speculative_tokens', 4)}" for c in configs]
+    if args.draft_layers is not None:
+        folder = Path(tempfile.mkdtemp(prefix="inflight-draft-"))
+        draft = truncated_draft(args.draft_layers, folder)
+        configs.append({"method": "draft_model", "model": str(draft), "num_speculative_tokens": args.draft_k})
+        names.append(f"draft{args.draft_layers}L-k{args.draft_k}")
     torch.set_num_threads(torch.get_num_threads())
     loaded = LoadedModel.load(None, torch.float32, torch.device("cpu"))
     corpus = Corpus(loaded.tokenizer)

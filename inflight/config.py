@@ -113,7 +113,7 @@ class SchedulingPolicy(StrEnum):
     SLO = "slo"  # priority, then TTFT deadline; a token budget that follows the TBT target (engine/slo.py)
 
 
-SPECULATIVE_METHODS = ("ngram", "suffix")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 # The numeric keys of `SpeculativeConfig`: (type, the values admitted, how the error says so).
 _SPECULATIVE_BOUNDS: dict[str, tuple[type | tuple[type, ...], Callable[[Any], bool], str]] = {
     "num_speculative_tokens": (int, lambda v: v >= 1, "an integer >= 1"),
@@ -138,9 +138,12 @@ class SpeculativeConfig:
     (up to `suffix_decoding_max_tree_depth`) seen before, in its own tokens or in the outputs of
     the last `suffix_decoding_max_cached_requests` requests, proposes the most frequent
     continuation, token by token while it is at least `suffix_decoding_min_token_prob` of what
-    followed, at most `suffix_decoding_max_spec_factor` times the match's length."""
+    followed, at most `suffix_decoding_max_spec_factor` times the match's length. draft_model:
+    `model` (a smaller model with the same tokenizer, any form inflight loads) proposes its greedy
+    tokens, run by the engine on a KV pool of its own."""
 
     method: str = "ngram"
+    model: str | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 2
@@ -163,6 +166,13 @@ class SpeculativeConfig:
                  f"({self.prompt_lookup_max})")
         _require(isinstance(self.adaptive, bool), f"speculative_config: adaptive must be true or false, "
                                                   f"got {self.adaptive!r}")
+        if self.method == "draft_model":
+            _require(isinstance(self.model, str) and bool(self.model),
+                     'speculative_config: method "draft_model" needs "model", the draft\'s path (a smaller model '
+                     'with the same tokenizer)')
+        else:
+            _require(self.model is None, f'speculative_config: "model" is for method "draft_model", not '
+                                         f'{self.method!r}')
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
@@ -214,7 +224,7 @@ class SchedulerConfig:
                                            "refitted online (auto: cpu-local on a CPU, h100 on a GPU)")
     speculative_config: str | dict[str, Any] | None = option(
         None, 'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4} (also '
-              'prompt_lookup_max, prompt_lookup_min; "adaptive": false proposes every token found)',
+              '"suffix", or "draft_model" with "model": PATH; "adaptive": false proposes every token found)',
         metavar="JSON")
     # `speculative_config` read and checked.
     speculative: SpeculativeConfig | None = field(init=False, default=None)

@@ -42,22 +42,60 @@ def _checked_targets() -> dict[str, str]:
     return {t: b for t, b in branches.items() if b is not None and b != native.isa()}
 
 
+def _avx512_check() -> tuple[list[str], Path] | str:
+    """The command that compiles the AVX-512 branch here (where the CPU cannot run it) and the
+    stamp that remembers its success, or why there is nothing to check."""
+    native = kernels.cpu_kernels()
+    if native is None:
+        return "no C++ compiler for the CPU kernels"
+    if native.isa() == "avx512":
+        return "this CPU runs the AVX-512 branch, which the rest of the suite tests"
+    flags = ["-march=x86-64-v4"]
+    if _branch(flags) != "avx512":
+        return "the compiler here has no AVX-512 target"
+    from torch.utils.cpp_extension import include_paths
+
+    compiler = os.environ.get("CXX", "c++")
+    includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
+    cmd = [compiler, *[f for f in kernels.CFLAGS if not f.startswith("-march")], *flags, "-std=c++17", "-fPIC",
+           "-DTORCH_EXTENSION_NAME=inflight_avx512_check", "-DTORCH_API_INCLUDE_EXTENSION_H", *includes,
+           "-c", str(kernels.SOURCE), "-o", os.devnull]
+    # A success is remembered for this source, these flags and this compiler, as torch's
+    # extension cache remembers a build.
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([kernels.SOURCE.read_text(), *cmd, version]).encode()).hexdigest()[:16]
+    return cmd, Path.home() / ".cache" / "inflight" / "compile-checks" / f"avx512-{key}.ok"
+
+
 @pytest.fixture(scope="module")
-def builds() -> dict[str, subprocess.CompletedProcess[str]]:
-    """Each checked build compiled (or found in the cache) by a process of its own, all at once:
-    a compile runs on one core, and most of its time is spent parsing torch's headers."""
+def builds() -> dict[str, subprocess.Popen[str] | str]:
+    """Each checked build compiled (or found in the cache) by a process of its own, and the
+    AVX-512 compile check, all started at once: a compile runs on one core, and most of its time
+    (most of a minute) is spent parsing torch's headers. Target -> its process, or why not."""
     code = "import sys; from inflight.model.kernels import load_kernels; print(load_kernels(sys.argv[1]).isa())"
-    procs = {t: subprocess.Popen([sys.executable, "-c", code, t], cwd=ROOT, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True) for t in _checked_targets()}
-    done = {}
-    for target, proc in procs.items():
-        out, _ = proc.communicate(timeout=900)
-        done[target] = subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
-    return done
+    procs: dict[str, subprocess.Popen[str] | str] = {
+        t: subprocess.Popen([sys.executable, "-c", code, t], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for t in _checked_targets()}
+    check = _avx512_check()
+    if isinstance(check, str):
+        procs["avx512-check"] = check
+    elif not check[1].exists():
+        procs["avx512-check"] = subprocess.Popen(check[0], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                                 text=True)
+    yield procs
+    for proc in procs.values():
+        if isinstance(proc, subprocess.Popen) and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _finished(proc: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
+    out, err = proc.communicate(timeout=900)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out or "", err or "")
 
 
 @pytest.mark.parametrize("target", [t for t in kernels.TARGETS if t != "native"])
-def test_each_build_passes_the_kernel_tests(target: str, builds: dict[str, subprocess.CompletedProcess[str]]) -> None:
+def test_each_build_passes_the_kernel_tests(target: str, builds: dict[str, subprocess.Popen[str] | str]) -> None:
     native = kernels.cpu_kernels()
     if native is None:
         pytest.skip("no C++ compiler for the CPU kernels")
@@ -66,7 +104,9 @@ def test_each_build_passes_the_kernel_tests(target: str, builds: dict[str, subpr
         pytest.skip(f"the compiler here has no {target} target")
     if branch == native.isa():
         pytest.skip(f"the {target} build is this CPU's native {branch} code, which the rest of the suite tests")
-    build = builds[target]
+    proc = builds[target]
+    assert isinstance(proc, subprocess.Popen)
+    build = _finished(proc)
     assert build.returncode == 0, build.stdout[-6000:]  # a build that fails says so here
     assert build.stdout.split()[-1] == branch, build.stdout[-2000:]
     # INFLIGHT_LINEAR: the portable build's matmul too, which the engine takes only when named,
@@ -81,34 +121,19 @@ def test_each_build_passes_the_kernel_tests(target: str, builds: dict[str, subpr
     assert " passed" in out and " failed" not in out, out[-3000:]
 
 
-def test_the_avx512_branch_compiles() -> None:
+def test_the_avx512_branch_compiles(builds: dict[str, subprocess.Popen[str] | str]) -> None:
     """Where the CPU has no AVX-512 the branch cannot run here, but it must still build."""
-    native = kernels.cpu_kernels()
-    if native is None:
-        pytest.skip("no C++ compiler for the CPU kernels")
-    if native.isa() == "avx512":
-        pytest.skip("this CPU runs the AVX-512 branch, which the rest of the suite tests")
-    flags = ["-march=x86-64-v4"]
-    if _branch(flags) != "avx512":
-        pytest.skip("the compiler here has no AVX-512 target")
-    from torch.utils.cpp_extension import include_paths
-
-    compiler = os.environ.get("CXX", "c++")
-    includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
-    cmd = [compiler, *[f for f in kernels.CFLAGS if not f.startswith("-march")], *flags, "-std=c++17", "-fPIC",
-           "-DTORCH_EXTENSION_NAME=inflight_avx512_check", "-DTORCH_API_INCLUDE_EXTENSION_H", *includes,
-           "-c", str(kernels.SOURCE), "-o", os.devnull]
-    # The compile takes most of a minute (torch's headers); a success is remembered for this
-    # source, these flags and this compiler, as torch's extension cache remembers a build.
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([kernels.SOURCE.read_text(), *cmd, version]).encode()).hexdigest()[:16]
-    stamp = Path.home() / ".cache" / "inflight" / "compile-checks" / f"avx512-{key}.ok"
-    if stamp.exists():
+    check = _avx512_check()
+    if isinstance(check, str):
+        pytest.skip(check)
+    proc = builds.get("avx512-check")
+    if proc is None:  # remembered from an earlier success
         return
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert isinstance(proc, subprocess.Popen)
+    run = _finished(proc)
     assert run.returncode == 0, run.stderr[-6000:]
-    stamp.parent.mkdir(parents=True, exist_ok=True)
-    stamp.touch()
+    check[1].parent.mkdir(parents=True, exist_ok=True)
+    check[1].touch()
 
 
 def test_a_build_killed_while_compiling_does_not_hang_the_next_load() -> None:

@@ -50,6 +50,27 @@ class _FakeRunner:
         return self.driver.on_step(out)
 
 
+class _FakeDrafter:
+    """A draft model's stand-in: the fake model's own next tokens, but one in three wrong; each
+    pass priced at a small fixed time."""
+
+    last_s = 0.0
+
+    def __init__(self) -> None:
+        self.held: set[str] = set()
+
+    def propose(self, wanted: dict[Request, int]) -> dict[Request, list[int]]:
+        self.held.update(r.request_id for r in wanted)
+        return {r: [fake_token_at(r.request_id, r.num_tokens + j) + (j % 3 == 2) for j in range(n)]
+                for r, n in wanted.items()}
+
+    def cost(self, lengths) -> float:
+        return 1e-5 * max((n for _, n in lengths), default=0)
+
+    def forget(self, request_id: str) -> None:
+        self.held.discard(request_id)
+
+
 class Driver:
     """The engine's own step loop (`LLMEngine` with a fake runner and no tokenizer) over the real
     scheduler and block manager; checks invariants at every step."""
@@ -162,7 +183,7 @@ workloads = st.lists(
     max_bypass=st.integers(1, 4),
     window=st.sampled_from([None, None, 5, 24]),
     speculate=st.sampled_from([None, None, (1, True, "ngram"), (3, True, "ngram"), (4, False, "ngram"),
-                               (3, False, "suffix")]),
+                               (3, False, "suffix"), (3, True, "draft_model"), (2, False, "draft_model")]),
 )
 def test_scheduler_invariants(workload, max_batch_size, max_num_tokens, block_size, num_blocks,
                               chunked, prefix_caching, shared_prefix, policy, max_bypass, window, speculate):
@@ -171,13 +192,16 @@ def test_scheduler_invariants(workload, max_batch_size, max_num_tokens, block_si
     # n-gram proposals of k tokens, their lengths chosen each step (adaptive) or all verified.
     spec = None
     if speculate is not None and policy is not SchedulingPolicy.STATIC:
-        spec = {"method": speculate[2], "num_speculative_tokens": speculate[0], "adaptive": speculate[1],
-                "prompt_lookup_min": 1}
+        spec = {"method": speculate[2], "num_speculative_tokens": speculate[0], "adaptive": speculate[1]}
+        spec.update({"model": "fake"} if speculate[2] == "draft_model" else {"prompt_lookup_min": 1})
     # Targets are read by the SLO policy only (its order and budget then follow wall-clock steps).
     config = SchedulerConfig(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
                              max_model_len=4096, enable_chunked_prefill=chunked, priority_max_bypass=max_bypass,
                              ttft_slo_ms=50, tbt_slo_ms=5, speculative_config=spec)
     d = Driver(config, num_blocks, block_size, prefix_caching, policy=policy, sliding_window=window)
+    drafter = None
+    if d.engine.speculator is not None and speculate[2] == "draft_model":
+        drafter = d.engine.speculator.drafter = _FakeDrafter()
     prefix = [3] * shared_prefix
     pending = []
     for i, (prompt_len, out_len, arrival, priority, n) in enumerate(workload):
@@ -204,6 +228,7 @@ def test_scheduler_invariants(workload, max_batch_size, max_num_tokens, block_si
     accepted += [sample for r in accepted for sample in r.samples]
     assert all(r.status is RequestStatus.FINISHED for r in accepted)
     assert d.bm.num_used_blocks == 0, "blocks leaked after every request ended"
+    assert drafter is None or not drafter.held, "the drafter was not told a request ended"
     if policy not in (SchedulingPolicy.PRIORITY, SchedulingPolicy.SLO):
         # Admission is first-come first-served (preempted requests re-enter at the head).
         assert [r for r in d.admission_order if "#" not in r] == arrival_order

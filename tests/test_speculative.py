@@ -1,29 +1,37 @@
-"""Speculative decoding: n-gram proposals verified inside the continuous batch give the tokens of
-decoding one at a time (greedy), keep the model's distribution (sampled), keep logprobs, stop
-rules and grammars; the lengths follow the step's cost; the counters reach /metrics."""
+"""Speculative decoding: n-gram, suffix and draft-model proposals verified inside the continuous
+batch give the tokens of decoding one at a time (greedy), keep the model's distribution
+(sampled), keep logprobs, stop rules and grammars; the lengths follow the step's cost; the
+counters reach /metrics and the step timeline."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from test_loading import save_word_tokenizer
 
 from inflight import LLM, ConfigError, SamplingParams
+from inflight.bench.plots import plot_timelines
+from inflight.bench.timeline import Timeline
 from inflight.bench.workload import parse_workload
 from inflight.config import SpeculativeConfig
 from inflight.engine.sampler import Sampler
 from inflight.engine.speculative import NgramIndex, Speculator, SuffixIndex
 from inflight.engine.stats import EngineStats
+from inflight.model.loaded import LoadedModel
+from inflight.model.loader import default_model_path
 from inflight.perf.cost_model import SeqWork
 from inflight.perf.profiles import load_hardware
 from inflight.request import Request, StructuredOutputs
 from inflight.server.metrics import ServerMetrics
 from inflight.sim.runs import SimTarget, simulate
 from inflight.sim.shapes import resolve_shapes
+from inflight.sim.validate import measured_acceptance_rate
 from inflight.sim.workload import synthetic_requests
 
 PASSAGE = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
@@ -231,6 +239,81 @@ def test_sampled_requests_with_proposals_finish_and_free_their_blocks(make_llm: 
     assert llm.engine.stats().spec_num_drafts > 0
 
 
+# --- a draft model --------------------------------------------------------------------------------
+
+
+def _random_draft(path: Path, loaded: LoadedModel, tokenizer: str = "target") -> str:
+    """A 2-layer random-weight Llama with the embedded model's vocabulary (its tokenizer, or a
+    word-level one of the same size) saved as transformers saves one."""
+    import transformers
+
+    vocab = loaded.model.config.vocab_size
+    torch.manual_seed(3)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                                      tie_word_embeddings=True)
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(path, safe_serialization=True)
+    if tokenizer == "target":
+        loaded.tokenizer.hf.save_pretrained(path)
+    else:
+        save_word_tokenizer(path, vocab)
+    return str(path)
+
+
+def test_a_draft_model_proposes_and_greedy_outputs_equal_decoding_one_at_a_time(
+        make_llm: Callable[..., LLM], loaded: LoadedModel) -> None:
+    """The embedded model drafting for itself: every proposal its own argmax, so nearly all are
+    kept; outputs, logprobs' tokens and stops as without; both KV pools empty after."""
+    params = [SamplingParams(max_tokens=40, temperature=0, logprobs=2),
+              SamplingParams(max_tokens=30, temperature=0, stop=[", three, one"]),
+              SamplingParams(max_tokens=12, temperature=0, presence_penalty=0.5, n=2)]
+    plain = make_llm().generate(COPY_PROMPTS, params)
+    config = {"method": "draft_model", "model": str(default_model_path()), "num_speculative_tokens": 3,
+              "adaptive": False}
+    llm = make_llm(speculative_config=config)
+    spec = llm.generate(COPY_PROMPTS, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert [o.finish_reason for o in spec] == [o.finish_reason for o in plain]
+    assert [[t.token_id for t in o.logprobs or []] for o in spec] == [[t.token_id for t in o.logprobs or []]
+                                                                      for o in plain]
+    stats = llm.engine.stats()
+    assert stats.spec_num_draft_tokens >= 40 and stats.spec_num_accepted_tokens >= 0.9 * stats.spec_num_draft_tokens
+    assert stats.spec_accepted_per_position[2] > 0  # three proposals a step, from three draft passes
+    drafter = llm.engine.speculator.drafter
+    assert llm.engine.block_manager.num_used_blocks == 0 and drafter.block_manager.num_used_blocks == 0
+    assert any(r.draft_s > 0 for r in llm.engine.step_records)
+
+
+def test_a_random_draft_survives_rejections_preemption_and_sampling(make_llm: Callable[..., LLM],
+                                                                    loaded: LoadedModel, tmp_path: Path) -> None:
+    """A draft that is nearly always wrong: its rejected tokens' KV (in both pools) is
+    overwritten, never read; preemption in a pool too small for the batch, sampled and greedy
+    requests together: the greedy ones equal decoding without, every block comes back."""
+    config = {"method": "draft_model", "model": _random_draft(tmp_path, loaded), "num_speculative_tokens": 4,
+              "adaptive": False}
+    prompts = COPY_PROMPTS * 2
+    params = [SamplingParams(max_tokens=24, temperature=0)] * 3 + [SamplingParams(max_tokens=24, temperature=0.9,
+                                                                                   seed=5)] * 3
+    plain = make_llm(num_kv_blocks=24).generate(prompts, params)
+    llm = make_llm(num_kv_blocks=24, speculative_config=config)
+    spec = llm.generate(prompts, params)
+    assert [o.token_ids for o in spec[:3]] == [o.token_ids for o in plain[:3]]
+    assert all(len(o.token_ids) == 24 for o in spec[3:])
+    assert llm.engine.stats().spec_num_draft_tokens > 0 and llm.engine.stats().num_preemptions > 0
+    assert llm.engine.block_manager.num_used_blocks == 0
+    assert llm.engine.speculator.drafter.block_manager.num_used_blocks == 0
+
+
+def test_a_draft_model_with_another_vocabulary_or_no_path_is_refused(loaded: LoadedModel, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="another tokenizer"):
+        LLM(loaded=loaded, num_kv_blocks=16, speculative_config={
+            "method": "draft_model", "model": _random_draft(tmp_path, loaded, tokenizer="words")})
+    with pytest.raises(ConfigError, match='needs "model"'):
+        SpeculativeConfig.parse({"method": "draft_model"})
+    with pytest.raises(ConfigError, match='"model" is for method "draft_model"'):
+        SpeculativeConfig.parse({"method": "ngram", "model": "x"})
+
+
 def test_metrics_carry_vllms_spec_decode_names() -> None:
     stats = EngineStats(spec_num_drafts=5, spec_num_draft_tokens=18, spec_num_accepted_tokens=9,
                         spec_accepted_per_position=(4, 3, 2, 0))
@@ -253,21 +336,50 @@ def _sim_run(options: dict[str, Any], num_requests: int, concurrency: int | None
                     max_concurrency=concurrency)
 
 
-def test_the_simulator_speculates_at_the_workloads_acceptance_rate() -> None:
+def test_the_simulator_speculates_at_the_workloads_acceptance_rate(tmp_path: Path) -> None:
     """On an H100, one stream of an 8B model is bound by reading its weights: proposals kept 80%
     of the time make it faster, and at the same rate every stream of a saturated batch is no
-    slower than without (the lengths fall to what pays)."""
+    slower than without (the lengths fall to what pays). The step timeline shows the proposals."""
     spec = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4}, "acceptance_rate": 0.8}
     off, on = _sim_run({}, 4, 1), _sim_run(spec, 4, 1)
     assert on.metrics.total_output_tokens == off.metrics.total_output_tokens
     assert on.metrics.output_throughput > 1.5 * off.metrics.output_throughput
     assert on.metrics.spec_tokens_per_draft is not None and on.metrics.spec_tokens_per_draft > 2
+    steps = on.capture.timeline.steps
+    proposed, kept = sum(s.num_spec_tokens for s in steps), sum(s.num_accepted_tokens for s in steps)
+    assert on.metrics.spec_acceptance_perc == pytest.approx(100 * kept / proposed)
+    again = Timeline.from_dict(on.capture.timeline.to_dict()).steps
+    assert [(s.num_spec_tokens, s.num_accepted_tokens) for s in again] == [(s.num_spec_tokens, s.num_accepted_tokens)
+                                                                           for s in steps]
+    assert plot_timelines([off, on], tmp_path / "timeline.png").stat().st_size > 0
     busy_off, busy_on = _sim_run({"max_batch_size": 256}, 256, None), _sim_run({**spec, "max_batch_size": 256}, 256,
                                                                                 None)
     assert busy_on.metrics.output_throughput >= 0.98 * busy_off.metrics.output_throughput
     fixed = {**spec, "speculative_config": {**spec["speculative_config"], "adaptive": False}}
     never = _sim_run({**fixed, "acceptance_rate": 0.0}, 4, 1)
     assert never.metrics.spec_acceptance_perc == 0 and never.metrics.output_throughput < off.metrics.output_throughput
+
+
+def test_the_simulator_prices_a_draft_models_passes() -> None:
+    """Llama-3.2-1B drafting for an 8B on an H100: a pass costs a fraction of the target's step,
+    so at 0.8 kept one stream is faster; proposals never kept cost fixed-length speculation its
+    draft passes, and the adaptive length, learning that, stays within a few percent of off."""
+    draft = {"method": "draft_model", "model": "llama-3.2-1b", "num_speculative_tokens": 4}
+    off = _sim_run({}, 4, 1)
+    on = _sim_run({"speculative_config": draft, "acceptance_rate": 0.8}, 4, 1)
+    assert on.metrics.output_throughput > 1.3 * off.metrics.output_throughput
+    fixed = _sim_run({"speculative_config": {**draft, "adaptive": False}, "acceptance_rate": 0.0}, 4, 1)
+    adaptive = _sim_run({"speculative_config": draft, "acceptance_rate": 0.0}, 4, 1)
+    assert fixed.metrics.output_throughput < 0.8 * off.metrics.output_throughput
+    assert adaptive.metrics.output_throughput > 0.95 * off.metrics.output_throughput
+
+
+def test_a_measured_runs_acceptance_converts_to_the_simulators_rate() -> None:
+    """`inflight sim --against` re-simulates a speculating run at the rate its counters imply."""
+    run = _sim_run({"speculative_config": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+                    "acceptance_rate": 0.7}, 8, 1)
+    assert measured_acceptance_rate(run.metrics) == pytest.approx(0.7, abs=0.04)
+    assert measured_acceptance_rate(_sim_run({}, 2, 1).metrics) is None
 
 
 def test_the_simulator_asks_for_an_acceptance_rate() -> None:

@@ -24,6 +24,8 @@ EMPTY, WAITING, PREFILL, DECODE, HELD = range(5)
 _STATE_COLORS = ["white", "#e3e3e3", "#f28e2b", "#4e79a7", "#e15759"]
 _STATE_NAMES = ["", "arrived, waiting", "prefill", "decode", "slot held idle (static)"]
 _MAX_TIMELINE_COLUMNS = 4
+# The step timeline's speculative tokens: proposals the model kept, and those it rejected.
+_SPEC_COLORS = ["#59a14f", "#b6d7a8"]
 
 
 def plot_runs(runs: Sequence[BenchRun], folder: Path, title: str = "",
@@ -186,7 +188,7 @@ def plot_timelines(runs: Sequence[BenchRun], path: Path, title: str = "") -> Pat
     cmap = ListedColormap(_STATE_COLORS)
     # One token scale for all columns; a static batch's admission step (every prompt plus its
     # padding at once) would flatten the others, so steps above the 99th percentile are clipped.
-    totals = [np.array([s.num_prefill_tokens + s.num_decode_tokens + s.num_wasted_tokens
+    totals = [np.array([s.num_prefill_tokens + s.num_decode_tokens + s.num_spec_tokens + s.num_wasted_tokens
                         for s in r.capture.timeline.steps]) for r in runs if r.capture.timeline]
     y_max = 1.15 * max(float(np.percentile(t, 99)) for t in totals if len(t)) or 1.0
     for col, run in enumerate(runs):
@@ -203,24 +205,31 @@ def plot_timelines(runs: Sequence[BenchRun], path: Path, title: str = "") -> Pat
         prefill = np.array([s.num_prefill_tokens for s in steps])
         decode = np.array([s.num_decode_tokens for s in steps])
         wasted = np.array([s.num_wasted_tokens for s in steps])
+        kept = np.array([s.num_accepted_tokens for s in steps])
+        rejected = np.array([s.num_spec_tokens for s in steps]) - kept
+        layers = [(decode, _STATE_COLORS[DECODE], "decode"), (prefill, _STATE_COLORS[PREFILL], "prefill"),
+                  (kept, _SPEC_COLORS[0], "proposed, kept"), (rejected, _SPEC_COLORS[1], "proposed, rejected"),
+                  (wasted, _STATE_COLORS[HELD], "wasted (idle slots, padding)")]
         ax2 = axes[1][col]
-        ax2.fill_between(x, 0, decode, step="post", color=_STATE_COLORS[DECODE], label="decode", lw=0)
-        ax2.fill_between(x, decode, decode + prefill, step="post", color=_STATE_COLORS[PREFILL], label="prefill", lw=0)
-        ax2.fill_between(x, decode + prefill, decode + prefill + wasted, step="post",
-                         color=_STATE_COLORS[HELD], label="wasted (idle slots, padding)", lw=0)
+        base = np.zeros(len(steps), dtype=np.int64)
+        for values, color, name in layers:
+            if name.startswith("proposed") and not values.any():
+                continue  # no speculative decoding in this run
+            ax2.fill_between(x, base, base + values, step="post", color=color, label=name, lw=0)
+            base = base + values
         ax2.set_xlim(ax.get_xlim())
         ax2.set_ylim(0, y_max)
-        clipped = (prefill + decode + wasted) > y_max
+        clipped = base > y_max
         if clipped.any():
-            ax2.text(0.99, 0.97, f"{clipped.sum()} step(s) clipped, up to {(prefill + decode + wasted).max()} tokens",
+            ax2.text(0.99, 0.97, f"{clipped.sum()} step(s) clipped, up to {base.max()} tokens",
                      transform=ax2.transAxes, ha="right", va="top", fontsize=8)
         ax2.set_xlabel("engine step")
         ax2.set_ylabel("tokens in step")
         ax2.grid(True, alpha=0.3)
-        total = prefill.sum() + decode.sum() + wasted.sum()
-        ax2.set_title(f"decode {decode.sum()}, prefill {prefill.sum()}, wasted {wasted.sum()} "
-                      f"({100 * wasted.sum() / max(total, 1):.0f}%)", fontsize=9)
-        if col == 0:
+        spec = f", proposed {kept.sum() + rejected.sum()} (kept {kept.sum()})" if rejected.any() or kept.any() else ""
+        ax2.set_title(f"decode {decode.sum()}, prefill {prefill.sum()}{spec}, wasted {wasted.sum()} "
+                      f"({100 * wasted.sum() / max(base.sum(), 1):.0f}%)", fontsize=9)
+        if col == 0 or spec:  # the first column's, and each with proposals (their colors)
             ax2.legend(fontsize=8, loc="upper left")
     handles = [Patch(color=c, label=n) for c, n in zip(_STATE_COLORS[1:], _STATE_NAMES[1:], strict=True)]
     fig.legend(handles=handles, loc="upper center", ncol=4, fontsize=9, bbox_to_anchor=(0.5, 0.955))

@@ -19,6 +19,9 @@ class StepSample:
     num_wasted_tokens: int
     num_preempted: int
     request_indices: tuple[int, ...]  # workload indices of the requests computed in this step
+    # Speculative decoding: proposed tokens the step verified, and of those the ones kept.
+    num_spec_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -31,7 +34,7 @@ class Timeline:
 
     def to_dict(self) -> dict[str, Any]:
         keys = ("t_s", "duration_s", "num_prefill_tokens", "num_decode_tokens",
-                "num_wasted_tokens", "num_preempted", "request_indices")
+                "num_wasted_tokens", "num_preempted", "request_indices", "num_spec_tokens", "num_accepted_tokens")
         return {
             "step_fields": list(keys),
             "steps": [[_cell(getattr(s, k)) for k in keys] for s in self.steps],
@@ -69,6 +72,7 @@ class StepRecorder:
         self.timeline.steps.append(StepSample(
             record.start_s - self.t0, record.duration_s, record.num_prefill_tokens,
             record.num_decode_tokens, record.num_wasted_tokens, record.num_preempted, indices,
+            record.num_spec_tokens, record.num_accepted_tokens,
         ))
         slots = record.num_kv_blocks_used * self.block_size
         self.samples.append(KvSample(

@@ -15,6 +15,7 @@ import torch
 
 from inflight.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SchedulingPolicy
 from inflight.engine.block_manager import BlockManager
+from inflight.engine.draft import DraftModel, check_draft
 from inflight.engine.memory import available_memory_bytes, check_memory
 from inflight.engine.output import LengthOutputProcessor, OutputProcessor, RequestOutput, StepRecord
 from inflight.engine.priority import PriorityScheduler
@@ -124,6 +125,24 @@ def _slo_cost_model(config: SchedulerConfig, model: ModelConfig, parts: EnginePa
     return CostModel(model, hardware, dtype=dtype, engine=engine)
 
 
+def _draft_model(config: EngineConfig, sched_cfg: SchedulerConfig, parts: EngineParts, num_blocks: int) -> DraftModel:
+    """Speculative decoding's draft model, loaded beside the target (`parts.loaded`) on the same
+    device, dtype and quantization, with a KV pool of as many blocks as the target's; refused
+    first, with one line, if it would not fit in the memory left."""
+    spec, target = sched_cfg.speculative, parts.loaded
+    assert spec is not None and spec.model is not None and target is not None
+    cache = dataclasses.replace(config.cache, num_kv_blocks=num_blocks)
+    draft_config = dataclasses.replace(config, model=spec.model, cache=cache)
+    dtype = target.model.dtype
+    device = target.model.device
+    check_memory(draft_config, resolve_model(spec.model), dtype, device,
+                 packed=linear_backend(device, dtype) != "torch")
+    draft = LoadedModel.load(spec.model, dtype, device, config.quantization)
+    check_draft(draft, target)
+    cost_model = _slo_cost_model(sched_cfg, draft.model.config, parts).for_draft(draft.model.config)
+    return DraftModel(draft, num_blocks, cache.block_size, parts.model_config.vocab_size, cost_model)
+
+
 class Clock(Protocol):
     """Where the engine reads the time (seconds), and how a driver waits for a later one."""
 
@@ -218,6 +237,8 @@ class LLMEngine:
             self.speculator = Speculator(sched_cfg.speculative,
                                          parts.step_time_model or _slo_cost_model(sched_cfg, model_config, parts))
             self.scheduler.speculator = self.speculator
+            if sched_cfg.speculative.method == "draft_model" and parts.loaded is not None:
+                self.speculator.drafter = _draft_model(config, sched_cfg, parts, num_blocks)
         self.output_processor: OutputProcessor | LengthOutputProcessor = (
             OutputProcessor(parts.tokenizer) if parts.tokenizer is not None else LengthOutputProcessor())
 
@@ -385,6 +406,8 @@ class LLMEngine:
         """One iteration: schedule, run the model, process outputs."""
         clock = self.clock
         start = clock()
+        if self.speculator is not None:
+            self.speculator.last_draft_s = 0.0
         out = self.scheduler.schedule()
         out.block_copies = self.block_manager.take_copies()
         scheduled = clock()
@@ -516,10 +539,11 @@ class LLMEngine:
             sample_s=timings.sample_s,
             process_s=process_s,
             num_kv_live_tokens=self.block_manager.num_live_tokens(self.scheduler.running),
+            draft_s=self.speculator.last_draft_s if self.speculator is not None else 0.0,
         )
         self.step_records.append(record)
         self.scheduler.observe_step(record.work, record.duration_s)
-        if self.speculator is not None:
-            self.speculator.observe_step(record.work, record.duration_s)
+        if self.speculator is not None:  # the target's share: a drafter's time is its own cost
+            self.speculator.observe_step(record.work, record.duration_s - record.draft_s)
         for observer in self.step_observers:
             observer(record, outputs)

@@ -62,6 +62,7 @@ class StepRecord:
     # Speculative decoding: proposed tokens the step verified, and of those the ones kept.
     num_spec_tokens: int = 0
     num_accepted_tokens: int = 0
+    draft_s: float = 0.0  # a draft model's share of schedule_s: proposing the verified tokens
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ per step, the `AttentionMetadata` that every layer shares.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -151,6 +151,30 @@ class ModelRunner:
             drafts=drafts,
             prompt_rows=prompt_rows,
         )
+
+    def forward_last(self, pieces: Sequence[tuple[Sequence[int], int, list[int]]]) -> torch.Tensor:
+        """The logits at the last token of each piece, in order: (token ids, the position of the
+        first, the block table their KV is written to). A draft model's step: its catch-up with a
+        request's tokens, then one proposed token at a time."""
+        order = sorted(range(len(pieces)), key=lambda i: len(pieces[i][0]) != 1)  # decodes first
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        last = [0] * len(pieces)
+        bs = self.block_size
+        for i in order:
+            tokens, start, table = pieces[i]
+            input_ids.extend(tokens)
+            last[i] = len(input_ids) - 1
+            positions.extend(range(start, start + len(tokens)))
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + len(tokens)))
+        seqs = [SeqSlice(pieces[i][1], len(pieces[i][0]), pieces[i][2]) for i in order]
+        device = self.device
+        meta = self.model.attention.build_metadata(
+            seqs, sum(len(pieces[i][0]) == 1 for i in order), torch.tensor(slot_mapping, device=device), bs,
+            self.model.dtype, device)
+        return self.model.forward(torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),
+                                  self.kv_caches, meta, torch.tensor(last, dtype=torch.long, device=device))
 
     def _prompt_logprobs(self, logits: torch.Tensor,
                          rows: list[tuple[Request, int, int]]) -> dict[str, list[TokenLogprobs]]:

@@ -261,6 +261,8 @@ class Scheduler:
         # First as if every eligible request had a full proposal: where even that does not pay (a
         # saturated batch), no proposal is looked for at all.
         full = {r: [0] * speculator.max_length(r) for r in eligible}
+        if speculator.drafter is not None:  # proposals that cost time: lengths chosen first
+            return speculator.draft(speculator.lengths(full, batch, left))
         if not any(speculator.lengths(full, batch, left, probe=True).values()):
             return {}
         proposals = {r: speculator.propose(r) for r in eligible}

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from inflight.config import SpeculativeConfig
 from inflight.perf.cost_model import SeqWork, StepTimeModel
@@ -155,6 +156,36 @@ class SuffixIndex:
         return 0, None
 
 
+class Drafter(Protocol):
+    """A proposer that costs time (a draft model): asked for the lengths chosen, after choosing."""
+
+    def propose(self, wanted: dict[Request, int]) -> dict[Request, list[int]]:
+        """Up to `wanted[r]` proposed tokens of each request (none for some, where it cannot)."""
+        ...
+
+    def cost(self, lengths: Sequence[tuple[Request, int]]) -> float:
+        """Predicted seconds to propose `lengths` tokens of each request."""
+        ...
+
+    def forget(self, request_id: str) -> None:
+        """The request has finished: what the drafter holds of it goes."""
+        ...
+
+    @property
+    def last_s(self) -> float:
+        """Seconds the last `propose` took."""
+        ...
+
+
+def draft_passes(lengths: Sequence[tuple[Request, int]], catch_up: Callable[[Request], int]) -> list[list[SeqWork]]:
+    """A draft model's forward passes that propose `lengths` tokens of each request: the first
+    computes each request's `catch_up(request)` tokens the draft does not hold yet (its latest
+    last) and so proposes one token; each further pass, one more token of each request still short."""
+    rounds = max((n for _, n in lengths), default=0)
+    return [[SeqWork(catch_up(r) if j == 0 else 1, r.num_tokens + j, 1) for r, n in lengths if n > j]
+            for j in range(rounds)]
+
+
 @dataclass(slots=True)
 class SpecStats:
     """Counters of the proposals verified (vLLM's spec_decode metrics): how many requests in how
@@ -187,6 +218,9 @@ class Speculator:
         (the simulator's, whose token ids stand for nothing)."""
         self.config = config
         self.proposer = proposer
+        # A draft model's proposals cost time: chosen lengths first, then proposed (`draft`).
+        self.drafter: Drafter | None = None
+        self.last_draft_s = 0.0  # the drafter's seconds in this step (the engine zeroes it per step)
         self.curve = StepCurve(cost_model) if cost_model is not None else None
         k = config.num_speculative_tokens
         self.stats = SpecStats(accepted_per_position=[0] * k)
@@ -211,6 +245,8 @@ class Speculator:
             return []
         if self.proposer is not None:
             draft = self.proposer(request, k)
+        elif cfg.method == "draft_model":
+            return []  # a draft model proposes through `draft`, once the lengths are chosen
         elif cfg.method == "suffix":
             draft = self._suffix_propose(request, k)
         else:
@@ -221,6 +257,18 @@ class Speculator:
         if draft and request.grammar is not None:
             draft = draft[:request.grammar.valid_prefix(draft)]
         return draft
+
+    def draft(self, lengths: dict[Request, int]) -> dict[Request, list[int]]:
+        """The drafter's proposals, of the lengths chosen (`lengths` on full-length stand-ins),
+        cut where a request's grammar would refuse a token."""
+        drafter = self.drafter
+        assert drafter is not None
+        proposals = drafter.propose({r: n for r, n in lengths.items() if n})
+        self.last_draft_s += drafter.last_s
+        for request, draft in proposals.items():
+            if request.grammar is not None:
+                proposals[request] = draft[:request.grammar.valid_prefix(draft)]
+        return {r: draft for r, draft in proposals.items() if draft}
 
     def max_length(self, request: Request) -> int:
         """The most tokens the request may propose now: k, never past its max_tokens."""
@@ -293,8 +341,8 @@ class Speculator:
             candidates.extend((chance, i) for chance in chances)
         candidates.sort(key=lambda c: -c[0])
         candidates = candidates[:max(0, budget)]
-        take = self._best_count(candidates, len(drafts), batch) if adaptive and candidates else len(candidates)
         requests = list(drafts)
+        take = self._best_count(candidates, requests, batch) if adaptive and candidates else len(candidates)
         for _, i in candidates[:take]:
             chosen[requests[i]] += 1
         if adaptive and not probe:
@@ -304,13 +352,15 @@ class Speculator:
                     self._counts[request.request_id] = (proposed * _FADE, accepted * _FADE)
         return chosen
 
-    def _best_count(self, candidates: list[tuple[float, int]], num_requests: int,
+    def _best_count(self, candidates: list[tuple[float, int]], requests: list[Request],
                     batch: Sequence[SeqWork]) -> int:
         """The number m of the most likely candidates that maximizes expected tokens per second:
         the first m whose next candidate no longer raises it (found by bisection: the chances
-        fall and the step's time does not, so the rate rises, then falls)."""
-        curve = self.curve
+        fall and the step's time does not, so the rate rises, then falls). A drafter's time to
+        propose them counts in the step's."""
+        curve, drafter = self.curve, self.drafter
         assert curve is not None
+        num_requests = len(requests)
         base_tokens = sum(1 for w in batch if w.samples)
         cumulative = [0.0]
         for chance, _ in candidates:
@@ -322,7 +372,10 @@ class Speculator:
                 extra[i] += 1
             work = [SeqWork(w.num_new_tokens + extra[i], w.context_len + extra[i], w.samples + extra[i])
                     if i < num_requests else w for i, w in enumerate(batch)]
-            return (base_tokens + cumulative[m]) / curve(work)
+            seconds = curve(work)
+            if drafter is not None and m:
+                seconds += drafter.cost([(r, n) for r, n in zip(requests, extra, strict=True) if n])
+            return (base_tokens + cumulative[m]) / seconds
 
         low, high = 0, len(candidates)
         while low < high:  # the smallest m with rate(m) >= rate(m + 1)
@@ -357,6 +410,8 @@ class Speculator:
         joins the cache of past outputs (the oldest leaves past the cache's size)."""
         self._indexes.pop(request.request_id, None)
         self._counts.pop(request.request_id, None)
+        if self.drafter is not None:
+            self.drafter.forget(request.request_id)
         if self._suffixes.pop(request.request_id, None) is None:
             return
         limit = self.config.suffix_decoding_max_cached_requests

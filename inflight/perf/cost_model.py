@@ -23,6 +23,7 @@ Peaks come from the hardware profile; efficiencies and overheads from the engine
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple, Protocol
 
@@ -218,6 +219,13 @@ class CostModel:
         return self.cost(self.work(batch)).total_s
 
     # --- memory ---------------------------------------------------------------------------------
+
+    def for_draft(self, shapes: ModelConfig) -> CostModel:
+        """The cost of a draft model's forward pass on the same device and types: a pass inside
+        the step (a forward and an argmax), without the step's own overhead (scheduling, sampling,
+        output processing), which the step pays once."""
+        engine = dataclasses.replace(self.engine, step_overhead_s=0.0)
+        return CostModel(shapes, self.hardware, self.tp, self.dtype, engine, self.weight_dtype, self.kv_cache_dtype)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self.kv_bytes_per_token * block_size

@@ -23,7 +23,8 @@ def _moe(arch: str, vocab: int, hidden: int, inter: int, layers: int, heads: int
 
 
 # The published config.json of each model (meta-llama/Meta-Llama-3-8B, meta-llama/Meta-Llama-3-70B,
-# their 3.1 versions (the same shapes, a longer context), meta-llama/Llama-2-7b-hf and -70b-hf,
+# their 3.1 versions (the same shapes, a longer context), meta-llama/Llama-3.2-1B (the 3.1 models'
+# tokenizer: their usual draft model), meta-llama/Llama-2-7b-hf and -70b-hf,
 # mistralai/Mistral-7B-v0.1, Qwen/Qwen2.5-7B, HuggingFaceTB/SmolLM2-135M, and the routed-experts
 # mistralai/Mixtral-8x7B-v0.1 and Qwen/Qwen3-30B-A3B).
 BUILTIN_MODELS: dict[str, ModelConfig] = {
@@ -31,6 +32,7 @@ BUILTIN_MODELS: dict[str, ModelConfig] = {
     "llama-3-70b": _llama("llama", 128256, 8192, 28672, 80, 64, 8, 8192, 500000.0),
     "llama-3.1-8b": _llama("llama", 128256, 4096, 14336, 32, 32, 8, 131072, 500000.0),
     "llama-3.1-70b": _llama("llama", 128256, 8192, 28672, 80, 64, 8, 131072, 500000.0),
+    "llama-3.2-1b": _llama("llama", 128256, 2048, 8192, 16, 32, 8, 131072, 500000.0, tied=True),
     "llama-2-7b": _llama("llama", 32000, 4096, 11008, 32, 32, 32, 4096, 10000.0),
     "llama-2-70b": _llama("llama", 32000, 8192, 28672, 80, 64, 8, 4096, 10000.0),
     "mistral-7b": _llama("mistral", 32000, 4096, 14336, 32, 32, 8, 32768, 10000.0),

@@ -6,9 +6,11 @@ proposed tokens its draws keep)."""
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 from inflight.engine.runner import RunnerTimings
 from inflight.engine.scheduler import SchedulerOutput
+from inflight.engine.speculative import draft_passes
 from inflight.perf.cost_model import CostModel
 from inflight.request import Request, TokenLogprobs
 
@@ -39,6 +41,28 @@ def sim_proposals(request: Request, k: int) -> list[int]:
     """The simulator's speculative proposals: k tokens, always found (what the model keeps of
     them is the runner's draw at the workload's acceptance rate)."""
     return [SIM_TOKEN] * k
+
+
+class SimDrafter:
+    """A draft model in the simulator: stand-in tokens, its passes (`draft_passes`: each request
+    one token behind, as after a verifying step) priced by the draft's cost model on the virtual
+    clock. What the target keeps of them is the runner's draw, as for any proposer."""
+
+    def __init__(self, cost_model: CostModel, clock: VirtualClock) -> None:
+        self.cost_model = cost_model
+        self.clock = clock
+        self.last_s = 0.0
+
+    def cost(self, lengths: Sequence[tuple[Request, int]]) -> float:
+        return sum(self.cost_model.step_time(work) for work in draft_passes(lengths, lambda _: 1))
+
+    def propose(self, wanted: dict[Request, int]) -> dict[Request, list[int]]:
+        self.last_s = self.cost(list(wanted.items()))
+        self.clock.advance(self.last_s)
+        return {request: [SIM_TOKEN] * n for request, n in wanted.items() if n > 0}
+
+    def forget(self, request_id: str) -> None:
+        pass
 
 
 class SimRunner:

@@ -17,6 +17,7 @@ from inflight.fleet.routing import RouterConfig
 from inflight.perf.cost_model import CostModel
 from inflight.perf.profiles import EngineProfile, HardwareProfile, default_engine
 from inflight.sim.fleet import run_fleet
+from inflight.sim.shapes import resolve_shapes
 from inflight.sim.simulator import run_simulation, sim_engine
 
 
@@ -76,13 +77,18 @@ def simulate(target: SimTarget, options: dict[str, Any], requests: Sequence[Benc
     replicas = int(options.get("replicas", 1))
     config = EngineConfig.from_kwargs(None, **engine_options)
     cost_model = target.cost_model(config.dtype)
+    draft_cost_model = None
+    speculative = config.scheduler.speculative
+    if speculative is not None and speculative.model is not None:  # a draft model: its shapes, same device
+        _, draft_shapes = resolve_shapes(speculative.model)
+        draft_cost_model = cost_model.for_draft(draft_shapes)
     recorded = {**options, "model": target.model_name, "hardware": target.hardware.name, "tp": target.tp,
                 "engine_profile": cost_model.engine.name, "dtype": cost_model.dtype,
                 "weight_dtype": cost_model.weight_dtype, "kv_cache_dtype": cost_model.kv_cache_dtype}
     if replicas < 1:
         raise ConfigError(f"replicas must be >= 1, got {replicas}")
     if replicas == 1:
-        engine = sim_engine(config, cost_model, target.gpu_memory_utilization, acceptance_rate)
+        engine = sim_engine(config, cost_model, target.gpu_memory_utilization, acceptance_rate, draft_cost_model)
         capture = run_simulation(engine, requests, max_concurrency)
         recorded["num_kv_blocks_allocated"] = engine.block_manager.num_blocks
         return BenchRun.measure(label, recorded, capture, slo)
@@ -92,7 +98,7 @@ def simulate(target: SimTarget, options: dict[str, Any], requests: Sequence[Benc
         router = RouterConfig(options.get("router", "prefix"), seed=0)  # pow2's draws too: reproducible
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    engines = [sim_engine(config, cost_model, target.gpu_memory_utilization, acceptance_rate)
+    engines = [sim_engine(config, cost_model, target.gpu_memory_utilization, acceptance_rate, draft_cost_model)
                for _ in range(replicas)]
     result = run_fleet(engines, requests, router)
     recorded.update(num_kv_blocks_allocated=engines[0].block_manager.num_blocks, routed=result.routed,

@@ -71,12 +71,36 @@ def engine_options_of(run: BenchRun) -> dict[str, Any]:
     return options
 
 
+def measured_acceptance_rate(metrics: BenchMetrics) -> float | None:
+    """The simulator's acceptance rate (the chance a proposed token is kept once those before it
+    were) that gives a measured run's tokens kept per verifying step at its mean proposal length:
+    a solves a + a^2 + ... + a^L = kept per step, L = proposed per step (rounded)."""
+    perc, per_draft = metrics.spec_acceptance_perc, metrics.spec_tokens_per_draft
+    if perc is None or per_draft is None:
+        return None
+    kept = per_draft - 1
+    if perc <= 0 or kept <= 0:
+        return 0.0
+    length = max(1, round(kept / (perc / 100)))
+    low, high = 0.0, 1.0
+    for _ in range(50):
+        mid = (low + high) / 2
+        if sum(mid ** j for j in range(1, length + 1)) < kept:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
 def resimulate(document: dict[str, Any], runs: Sequence[BenchRun], target: SimTarget) -> list[Comparison]:
     spec = parse_workload(document["workload"]["spec"])
     requests = synthetic_requests(spec)
     out = []
     for run in runs:
         options = engine_options_of(run)
+        rate = measured_acceptance_rate(run.metrics)
+        if options.get("speculative_config") is not None and rate is not None:
+            options["acceptance_rate"] = rate
         sim = simulate(target, options, requests, run.label, document.get("max_concurrency"))
         timeline = run.capture.timeline
         cost_model = target.cost_model(options.get("dtype"))
@@ -97,10 +121,15 @@ def step_compositions(timeline: Timeline, requests: Sequence[BenchRequest]) -> l
     for step in timeline.steps:
         batch, left = [], step.num_prefill_tokens
         prefilling = []
+        decoding = [i for i in step.request_indices if computed.get(i, 0) >= requests[i].prompt_len]
+        # Proposed tokens verified (which request's is not recorded): spread over the decodes.
+        extra = [step.num_spec_tokens // len(decoding) + (j < step.num_spec_tokens % len(decoding))
+                 for j in range(len(decoding))] if decoding else []
         for i in step.request_indices:
             done, prompt = computed.get(i, 0), requests[i].prompt_len
             if done >= prompt:
-                batch.append(SeqWork(1, done + 1, True))
+                n = 1 + extra[decoding.index(i)]
+                batch.append(SeqWork(n, done + n, n))
                 computed[i] = done + 1
             else:
                 prefilling.append(i)
