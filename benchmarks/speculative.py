@@ -14,8 +14,9 @@ ran), TPOT and TTFT p99, the acceptance rate (proposed tokens kept) and tokens p
 Written to `--out` (JSON).
 
 `--draft-layers N` adds a draft-model configuration: the embedded model cut to its first N of 30
-layers (its own embedding, final norm and LM head, Q4_1 blocks copied as they are; a GGUF written
-to a temporary folder with gguf-py), proposing `--draft-k` tokens, for the mechanics and the cost
+layers, or to those listed (`0-3,26-29`: LayerSkip's self-speculation without its training), with
+its own embedding, final norm and LM head (Q4_1 blocks copied as they are; a GGUF written to a
+temporary folder with gguf-py), proposing `--draft-k` tokens, for the mechanics and the cost
 of a draft model's passes on this CPU (such a cut model agrees with the full one less often than a
 trained draft would).
 
@@ -54,27 +55,55 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def truncated_draft(layers: int, folder: Path) -> Path:
-    """The embedded GGUF with only its first `layers` blocks: metadata and tensors copied as
-    stored (quantized blocks unchanged), `block_count` set to `layers`."""
+def config_name(config: dict[str, Any]) -> str:
+    """ngram4, suffix8, draft4 (the embedded model drafting for itself), draft6L4 (a cut model),
+    with "-fixed" where the lengths are not chosen (adaptive false)."""
+    method = config.get("method", "ngram")
+    name = "draft" if method == "draft_model" else method
+    model = str(config.get("model", ""))
+    if "embedded-layers-" in model:
+        name += f"{model.rsplit('-', 1)[-1].removesuffix('.gguf').count('_') + 1}L"
+    name += str(config.get("num_speculative_tokens", 4))
+    return name + ("-fixed" if config.get("adaptive") is False else "")
+
+
+def layer_spec(text: str) -> list[int]:
+    """"0-3,26-29" -> [0, 1, 2, 3, 26, 27, 28, 29]; "6" -> the first 6 layers."""
+    if text.isdigit():
+        return list(range(int(text)))
+    layers: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        layers += range(int(first), int(last or first) + 1)
+    return layers
+
+
+def truncated_draft(layers: list[int], folder: Path) -> Path:
+    """The embedded GGUF with only the blocks `layers` (renumbered in order): metadata and
+    tensors copied as stored (quantized blocks unchanged), `block_count` set to their number."""
     import gguf
 
     from inflight.model.loader import default_model_path
 
     reader = gguf.GGUFReader(default_model_path())
     arch = str(reader.fields["general.architecture"].contents())
-    path = folder / f"embedded-first-{layers}-layers.gguf"
+    path = folder / f"embedded-layers-{'_'.join(map(str, layers))}.gguf"
     writer = gguf.GGUFWriter(str(path), arch)
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
-        value = layers if key == f"{arch}.block_count" else field.contents()
+        value = len(layers) if key == f"{arch}.block_count" else field.contents()
         array = field.types[0] == gguf.GGUFValueType.ARRAY
         writer.add_key_value(key, value, field.types[0], sub_type=field.types[-1] if array else None)
+    renumber = {old: new for new, old in enumerate(layers)}
     for tensor in reader.tensors:
-        if tensor.name.startswith("blk.") and int(tensor.name.split(".")[1]) >= layers:
-            continue
-        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+        name = tensor.name
+        if name.startswith("blk."):
+            _, index, rest = name.split(".", 2)
+            if int(index) not in renumber:
+                continue
+            name = f"blk.{renumber[int(index)]}.{rest}"
+        writer.add_tensor(name, tensor.data, raw_dtype=tensor.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -100,18 +129,19 @@ def main() -> int:
     parser.add_argument("--spec", action="append", default=None, help="a --speculative-config compared (repeatable)")
     parser.add_argument("--quick", action="store_true", help="4 requests a scenario (a check that it runs)")
     parser.add_argument("--only", default=None, help="run the scenarios whose name contains this")
-    parser.add_argument("--draft-layers", type=int, default=None,
-                        help="also compare a draft model: the embedded model's first N layers")
+    parser.add_argument("--draft-layers", default=None,
+                        help="also compare a draft model: the embedded model's first N layers, or those listed "
+                             "(0-3,26-29)")
     parser.add_argument("--draft-k", type=int, default=4, help="the draft model's num_speculative_tokens")
     parser.add_argument("--out", default="benchmarks/results/speculative.json")
     args = parser.parse_args()
     configs = [json.loads(text) for text in args.spec] if args.spec else list(DEFAULT_SPECS)
-    names = [f"{c.get('method', 'ngram')}{c.get('num_speculative_tokens', 4)}" for c in configs]
+    names = [config_name(c) for c in configs]
     if args.draft_layers is not None:
         folder = Path(tempfile.mkdtemp(prefix="inflight-draft-"))
-        draft = truncated_draft(args.draft_layers, folder)
+        draft = truncated_draft(layer_spec(args.draft_layers), folder)
         configs.append({"method": "draft_model", "model": str(draft), "num_speculative_tokens": args.draft_k})
-        names.append(f"draft{args.draft_layers}L-k{args.draft_k}")
+        names.append(config_name(configs[-1]))
     torch.set_num_threads(torch.get_num_threads())
     loaded = LoadedModel.load(None, torch.float32, torch.device("cpu"))
     corpus = Corpus(loaded.tokenizer)

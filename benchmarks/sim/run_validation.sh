@@ -6,7 +6,9 @@
 #
 # Parts: calibrate (about a minute), measured (the real engine on burst, mixed and long-prefill:
 # about 8 minutes on 2 cores), cpu (simulate those runs and compare), gpu (Orca, Sarathi-Serve and TP
-# reproductions in simulation, about 10 minutes). Parts that time the real engine first wait until
+# reproductions in simulation, about 10 minutes), speculative (a 2-thread calibration, then
+# copy-edit one stream at a time and as a burst of 64, off and n-gram, each re-simulated: about 6
+# minutes; not among the default parts). Parts that time the real engine first wait until
 # the 1-minute load average is under $MAX_LOAD (default 1.5): the machine is shared.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -46,6 +48,24 @@ if want cpu; then
     for w in burst mixed long-prefill; do
         say "simulate $w against the measured run"
         "$INFLIGHT" sim --against "$OUT/measured-$w.json.gz" --hardware "$OUT/cpu-local.json" | tee "$OUT/validate-$w.txt"
+    done
+fi
+
+if want speculative; then
+    # As benchmarks/speculative.py runs: two intra-op threads, so calibrated with two.
+    wait_quiet; say "calibrate with 2 threads"
+    "$INFLIGHT" sim calibrate --torch-threads 2 --output "$OUT/cpu-2threads.json" | tee "$OUT/calibration-2threads.txt"
+    SPEC='{"method": "ngram", "num_speculative_tokens": 4}'
+    for shape in single burst; do
+        SHAPE=(--max-concurrency 1); [[ $shape == burst ]] && SHAPE=(--num-requests 64)
+        for mode in off ngram; do
+            EXTRA=(); [[ $mode == ngram ]] && EXTRA=(--speculative-config "$SPEC")
+            wait_quiet; say "measure copy-edit $shape $mode"
+            "$INFLIGHT" bench --workload copy-edit "${SHAPE[@]}" --num-kv-blocks 2048 --torch-threads 2 --no-progress \
+                "${EXTRA[@]}" --output "$OUT/measured-spec-$shape-$mode.json.gz" > /dev/null
+            "$INFLIGHT" sim --against "$OUT/measured-spec-$shape-$mode.json.gz" --hardware "$OUT/cpu-2threads.json" \
+                | tee "$OUT/validate-spec-$shape-$mode.txt"
+        done
     done
 fi
 

@@ -377,7 +377,9 @@ class Speculator:
                 seconds += drafter.cost([(r, n) for r, n in zip(requests, extra, strict=True) if n])
             return (base_tokens + cumulative[m]) / seconds
 
-        low, high = 0, len(candidates)
+        if rate(1) <= rate(0):  # not even the likeliest pays (a saturated batch): ask no further
+            return 0
+        low, high = 1, len(candidates)
         while low < high:  # the smallest m with rate(m) >= rate(m + 1)
             mid = (low + high) // 2
             if rate(mid + 1) > rate(mid):
