@@ -213,7 +213,12 @@ def test_greedy_outputs_logprobs_and_stops_equal_decoding_one_at_a_time(make_llm
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
-def test_structured_output_with_proposals_is_the_same(make_llm: Callable[..., LLM]) -> None:
+SELF_DRAFT = {"method": "draft_model", "model": str(default_model_path()), "num_speculative_tokens": 3,
+              "adaptive": False}
+
+
+@pytest.mark.parametrize("config", [NGRAM, SELF_DRAFT], ids=["ngram", "draft"])
+def test_structured_output_with_proposals_is_the_same(make_llm: Callable[..., LLM], config: dict[str, Any]) -> None:
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {
         "type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]}}},
               "required": ["name", "tags"]}
@@ -222,7 +227,7 @@ def test_structured_output_with_proposals_is_the_same(make_llm: Callable[..., LL
     params = SamplingParams(max_tokens=60, temperature=0,
                             structured_outputs=StructuredOutputs(json=schema))
     plain = make_llm().generate(prompt, params)[0]
-    llm = make_llm(speculative_config=NGRAM)
+    llm = make_llm(speculative_config=config)
     spec = llm.generate(prompt, params)[0]
     assert spec.token_ids == plain.token_ids
     assert llm.engine.stats().spec_num_draft_tokens > 0
@@ -268,9 +273,7 @@ def test_a_draft_model_proposes_and_greedy_outputs_equal_decoding_one_at_a_time(
               SamplingParams(max_tokens=30, temperature=0, stop=[", three, one"]),
               SamplingParams(max_tokens=12, temperature=0, presence_penalty=0.5, n=2)]
     plain = make_llm().generate(COPY_PROMPTS, params)
-    config = {"method": "draft_model", "model": str(default_model_path()), "num_speculative_tokens": 3,
-              "adaptive": False}
-    llm = make_llm(speculative_config=config)
+    llm = make_llm(speculative_config=SELF_DRAFT)
     spec = llm.generate(COPY_PROMPTS, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert [o.finish_reason for o in spec] == [o.finish_reason for o in plain]
