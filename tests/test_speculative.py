@@ -191,18 +191,27 @@ def test_verified_tokens_keep_the_models_distribution(params: SamplingParams) ->
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 6}
 
 
-@pytest.mark.parametrize("config", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
-def test_greedy_outputs_logprobs_and_stops_equal_decoding_one_at_a_time(make_llm: Callable[..., LLM],
-                                                                        config: dict[str, Any]) -> None:
-    params = [SamplingParams(max_tokens=60, temperature=0, logprobs=2),
-              SamplingParams(max_tokens=40, temperature=0, stop=[", three, one"]),
+def _greedy_with_and_without(make_llm: Callable[..., LLM], config: dict[str, Any],
+                             max_tokens: tuple[int, int]) -> tuple[LLM, list[Any], list[Any]]:
+    """COPY_PROMPTS greedily (logprobs; a stop string; a presence penalty with n = 2) without
+    speculation and with `config`; asserts the same tokens and finish reasons. (the engine with
+    speculation, its outputs, the outputs without)"""
+    params = [SamplingParams(max_tokens=max_tokens[0], temperature=0, logprobs=2),
+              SamplingParams(max_tokens=max_tokens[1], temperature=0, stop=[", three, one"]),
               SamplingParams(max_tokens=12, temperature=0, presence_penalty=0.5, n=2)]
     plain = make_llm().generate(COPY_PROMPTS, params)
     llm = make_llm(speculative_config=config)
     spec = llm.generate(COPY_PROMPTS, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    assert [o.text for o in spec] == [o.text for o in plain]
     assert [o.finish_reason for o in spec] == [o.finish_reason for o in plain]
+    return llm, spec, plain
+
+
+@pytest.mark.parametrize("config", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
+def test_greedy_outputs_logprobs_and_stops_equal_decoding_one_at_a_time(make_llm: Callable[..., LLM],
+                                                                        config: dict[str, Any]) -> None:
+    llm, spec, plain = _greedy_with_and_without(make_llm, config, (60, 40))
+    assert [o.text for o in spec] == [o.text for o in plain]
     # A request's logprobs differ in the last bits with the batch it shares a step with (the
     # attention kernel splits a lone request's context across threads), with or without proposals.
     for a, b in zip(spec[0].logprobs or [], plain[0].logprobs or [], strict=True):
@@ -265,18 +274,10 @@ def _random_draft(path: Path, loaded: LoadedModel, tokenizer: str = "target") ->
     return str(path)
 
 
-def test_a_draft_model_proposes_and_greedy_outputs_equal_decoding_one_at_a_time(
-        make_llm: Callable[..., LLM], loaded: LoadedModel) -> None:
+def test_a_draft_model_proposes_and_greedy_outputs_equal_decoding_one_at_a_time(make_llm: Callable[..., LLM]) -> None:
     """The embedded model drafting for itself: every proposal its own argmax, so nearly all are
     kept; outputs, logprobs' tokens and stops as without; both KV pools empty after."""
-    params = [SamplingParams(max_tokens=40, temperature=0, logprobs=2),
-              SamplingParams(max_tokens=30, temperature=0, stop=[", three, one"]),
-              SamplingParams(max_tokens=12, temperature=0, presence_penalty=0.5, n=2)]
-    plain = make_llm().generate(COPY_PROMPTS, params)
-    llm = make_llm(speculative_config=SELF_DRAFT)
-    spec = llm.generate(COPY_PROMPTS, params)
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    assert [o.finish_reason for o in spec] == [o.finish_reason for o in plain]
+    llm, spec, plain = _greedy_with_and_without(make_llm, SELF_DRAFT, (40, 30))
     assert [[t.token_id for t in o.logprobs or []] for o in spec] == [[t.token_id for t in o.logprobs or []]
                                                                       for o in plain]
     stats = llm.engine.stats()

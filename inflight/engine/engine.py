@@ -133,11 +133,8 @@ def _draft_model(config: EngineConfig, sched_cfg: SchedulerConfig, parts: Engine
     assert spec is not None and spec.model is not None and target is not None
     cache = dataclasses.replace(config.cache, num_kv_blocks=num_blocks)
     draft_config = dataclasses.replace(config, model=spec.model, cache=cache)
-    dtype = target.model.dtype
-    device = target.model.device
-    check_memory(draft_config, resolve_model(spec.model), dtype, device,
-                 packed=linear_backend(device, dtype) != "torch")
-    draft = LoadedModel.load(spec.model, dtype, device, config.quantization)
+    check_engine_fits(draft_config)
+    draft = LoadedModel.load(spec.model, target.model.dtype, target.model.device, config.quantization)
     check_draft(draft, target)
     cost_model = _slo_cost_model(sched_cfg, draft.model.config, parts).for_draft(draft.model.config)
     return DraftModel(draft, num_blocks, cache.block_size, parts.model_config.vocab_size, cost_model)
