@@ -18,6 +18,10 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # inflight's CPU kernels are compiled on first use (about 25 s) and cached; build them now so that
 # the first `inflight serve` starts in seconds. Where no compiler is at hand this only warns.
 .venv/bin/python -c "from inflight.model.kernels import build; build()"
+# The suite also tests each instruction-set branch below this CPU's (tests/test_kernel_builds.py):
+# those builds compile here, in the background, beside the steps below.
+.venv/bin/python tests/test_kernel_builds.py &
+prebuild=$!
 # The GGUF's tokenizer is rebuilt from its metadata (about 8 s) on first load, then cached.
 .venv/bin/python -c "from inflight.model.tokenizer import warm_default_cache; warm_default_cache()"
 # Debian's Chromium, in which the suite opens the gate's HTML report (tests/test_html_report.py):
@@ -32,3 +36,4 @@ if ! command -v chromium >/dev/null 2>&1; then
         echo "setup: no chromium (install Debian's 'chromium'); the report's browser test will be skipped" >&2
     fi
 fi
+wait "$prebuild" || echo "setup: the kernel builds for the suite did not finish; the suite will compile them" >&2
