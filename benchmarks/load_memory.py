@@ -4,7 +4,8 @@ beside the estimate the memory guard refuses on (`engine.memory.check_memory`), 
 Each model loads twice in its own process: the first load builds the GGUF index and tokenizer
 caches, the second is the one a user restarting a server sees.
 
-    .venv/bin/python benchmarks/load_memory.py [--model PATH ...]   (default: the embedded model)
+    .venv/bin/python benchmarks/load_memory.py [--model PATH ...] [--quantization int8]
+    (default: the embedded model, weights computed as stored)
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def status(key):
 
 keep_freed_memory()
 before, anon, start = status("VmRSS"), status("RssAnon"), time.perf_counter()
-LoadedModel.load(sys.argv[1] if len(sys.argv) > 1 else None, torch.float32, torch.device("cpu"))
+LoadedModel.load(sys.argv[2] if len(sys.argv) > 2 else None, torch.float32, torch.device("cpu"),
+                 quantization=sys.argv[1])
 print(json.dumps({"seconds": time.perf_counter() - start, "grown": status("RssAnon") - anon,
                   "peak": status("VmHWM") - before}))
 """
@@ -39,17 +41,20 @@ print(json.dumps({"seconds": time.perf_counter() - start, "grown": status("RssAn
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", action="append", default=None, help="a GGUF file or HF directory (repeatable)")
+    parser.add_argument("--quantization", choices=["none", "int8"], default="none")
     args = parser.parse_args()
     packed = linear_backend(torch.device("cpu"), torch.float32) != "torch"
     for model in args.model or [None]:
         source = resolve_model(model)
-        footprint = weight_footprint(source, torch.float32, packed=packed, blocks=blocks_usable())
+        footprint = weight_footprint(source, torch.float32, packed=packed, blocks=blocks_usable(),
+                                     int8=args.quantization == "int8")
         runs = []
         for _ in range(2):
-            done = subprocess.run([sys.executable, "-c", _LOAD, *([model] if model else [])], capture_output=True,
-                                  text=True, check=True)
+            done = subprocess.run([sys.executable, "-c", _LOAD, args.quantization, *([model] if model else [])],
+                                  capture_output=True, text=True, check=True)
             runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
-        print(f"{source.name} ({source.kind}, {footprint.num_parameters / 1e6:.0f}M parameters, "
+        print(f"{source.name} ({source.kind}, quantization {args.quantization}, "
+              f"{footprint.num_parameters / 1e6:.0f}M parameters, "
               f"file(s) {sum(p.stat().st_size for p in _files(source)) / 1e6:.0f} MB)")
         peak, grown = runs[1]["peak"], runs[1]["grown"]
         print(f"  load: {runs[0]['seconds']:.1f} s first, {runs[1]['seconds']:.1f} s cached; "

@@ -276,9 +276,9 @@ class EngineConfig:
     device: str = option("auto", "auto, cpu or cuda[:N]")
     seed: int = option(0, "seed of the engine's sampling")
     quantization: str = option("none", "weights computed as stored (none), or int8: W8A8, each decoder matmul's "
-                                       "weights int8 per output channel and its activations per token, "
-                                       "integer dot products (VNNI where the CPU has it); LM head, norms and "
-                                       "attention stay fp32", choices=QUANTIZATIONS)
+                                       "weights int8 per output channel and its activations per token and "
+                                       "group of 64 inputs, integer dot products (VNNI where the CPU has it); "
+                                       "LM head, norms and attention stay fp32", choices=QUANTIZATIONS)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     step_history: int = 4096

@@ -1,7 +1,8 @@
-"""int8 weight matmuls (W8A8, `--quantization int8`): the kernel's integer dot products equal a
-torch integer matmul of the same quantized values (exact: equality), its outputs are those dots
-times sx * sw with one rounding, the quantizers round-trip within half a step, and an int8
-engine's greedy tokens do not depend on who shares the step. Run on every kernel build
+"""int8 weight matmuls (W8A8, `--quantization int8`): the kernel's integer dot products of each
+group of 64 k equal a torch integer matmul of the same quantized values (exact: equality), its
+outputs are those dots combined as the contract orders them (each times its group's sx, summed
+in group order, times sw: equality again), the quantizers round-trip within half a step, and an
+int8 engine's greedy tokens do not depend on who shares the step. Run on every kernel build
 (tests/test_kernel_builds.py): VNNI, AVX2 and generic branches."""
 
 from __future__ import annotations
@@ -18,7 +19,20 @@ kernels = cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C++ compiler for the CPU kernels")
 
 ROWS = [1, 5, 16, 64, 300]
-SHAPES = [(70, 130), (64, 576), (33, 3)]  # (N, K): panel widths and k groups of 4 not filled
+SHAPES = [(70, 130), (64, 576), (33, 3)]  # (N, K): panel widths, a short last group, k groups of 4 not filled
+GROUP = 64  # k per activation scale
+
+
+def combined(dots: torch.Tensor, sx: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The contract's output: (((d_0 * sx_0) + d_1 * sx_1) + ...) * sw, each step rounded in fp32."""
+    y = dots[:, :, 0].float() * sx[:, 0, None]
+    for g in range(1, dots.shape[2]):
+        y = y + dots[:, :, g].float() * sx[:, g, None]
+    return y * scale[None, :]
+
+
+def grouped(t: torch.Tensor) -> list[torch.Tensor]:
+    return list(t.split(GROUP, dim=-1))
 
 
 def packed(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -36,10 +50,11 @@ def test_integer_dots_and_outputs_are_exact(rows: int, n: int, k: int) -> None:
     x[-1] = 0 if rows > 1 else x[-1]  # an all-zero row
     q, scale, pack = packed(weight)
     dots, qx, sx = kernels.int8_dots(x, pack)
-    assert dots.dtype == torch.int32 and qx.dtype == torch.int8
-    assert torch.equal(dots.long(), qx.long() @ q.long().T)  # integer accumulation: exact
+    assert dots.dtype == torch.int32 and qx.dtype == torch.int8 and dots.shape == (rows, n, -(-k // GROUP))
+    reference = torch.stack([a.long() @ b.long().T for a, b in zip(grouped(qx), grouped(q), strict=True)], dim=-1)
+    assert torch.equal(dots.long(), reference)  # integer accumulation: exact
     y = kernels.int8_linear(x, pack, n)
-    assert torch.equal(y, dots.float() * (sx[:, None] * scale[None, :]))  # one rounding each
+    assert torch.equal(y, combined(dots, sx, scale))  # the contract's roundings, in its order
     # And close to the fp32 product it stands for (a loose bound: quantization error).
     exact = x @ weight.T
     assert (y - exact).abs().max() <= 0.05 * exact.abs().max() + 1e-6
@@ -52,30 +67,54 @@ def test_the_quantizers_round_trip_within_half_a_step() -> None:
     assert q.abs().max() <= 127 and (q.abs().amax(dim=1) == 127).all()  # each row's largest is +-127
     assert ((weight - q.float() * scale[:, None]).abs() <= scale[:, None] / 2 * (1 + 1e-5)).all()
     x = torch.randn(9, 96) * torch.logspace(-4, 3, 9)[:, None]
+    x[:, 64:] *= 1e-3  # the last group's scale is its own, not the row's
     _, qx, sx = kernels.int8_dots(x, kernels.pack_int8_weight(q, scale))
-    # max|x| / 127, within an ulp (the kernels are built with -ffast-math: maybe max|x| * (1 / 127)).
-    torch.testing.assert_close(sx, x.abs().amax(dim=1) / 127, rtol=2.5e-7, atol=0)
-    assert ((x - qx.float() * sx[:, None]).abs() <= sx[:, None] / 2 * (1 + 1e-5)).all()
-    assert (qx.abs().amax(dim=1) == 127).all()
+    # max|x_g| / 127, within an ulp (the kernels are built with -ffast-math: maybe max|x| * (1 / 127)).
+    amax = torch.stack([part.abs().amax(dim=1) for part in grouped(x)], dim=1)
+    torch.testing.assert_close(sx, amax / 127, rtol=2.5e-7, atol=0)
+    for part, q_part, s in zip(grouped(x), grouped(qx), sx.unbind(1), strict=True):
+        assert ((part - q_part.float() * s[:, None]).abs() <= s[:, None] / 2 * (1 + 1e-5)).all()
+        assert (q_part.abs().amax(dim=1) == 127).all()
 
 
 def test_linear_reads_the_int8_weight_and_adds_the_bias_after() -> None:
     if linear_backend(torch.device("cpu"), torch.float32) != "inflight":
         pytest.skip("int8 runs on inflight's own linear backend")
     torch.manual_seed(1)
-    weight, bias, x = torch.randn(48, 64), torch.randn(48), torch.randn(7, 64)
+    weight, bias, x = torch.randn(48, 160), torch.randn(48), torch.randn(7, 160)
     layer = Linear(weight, bias, "inflight", int8=True)
     assert layer.blocks is not None and layer.blocks.dtype == torch.int8 and layer.weight.numel() == 0
     dots, _, sx = kernels.int8_dots(x, layer.blocks)
     _, scale = quantize_int8(weight)
-    assert torch.equal(layer(x), dots.float() * (sx[:, None] * scale[None, :]) + bias)
+    assert torch.equal(layer(x), combined(dots, sx, scale) + bias)
     with pytest.raises(InflightError, match="int8 runs on inflight's CPU kernels"):
         Linear(weight, bias, "torch", int8=True)
 
 
+@pytest.mark.parametrize("kind", ["Q4_1", "Q6_K", "BF16"])
+def test_a_matrix_kept_as_stored_is_quantized_as_its_fp32_form(kind: str) -> None:
+    """An int8 load never widens the whole model: a matrix the loader leaves in its blocks (only
+    its shape given) is widened alone, from the blocks, and quantized to exactly the int8 weight
+    its fp32 form gives. A fused matrix of parts of two types alike."""
+    from test_linear import random_blocks
+
+    from inflight.model.linear import blocks_usable
+
+    if not blocks_usable():
+        pytest.skip("these kernels read no GGUF blocks (built without AVX2)")
+    blocks, weight = random_blocks(kind, 48, 512, seed=7)
+    from_blocks = Linear(weight.to("meta"), None, "inflight", gguf_blocks=(kind, blocks), int8=True)
+    assert torch.equal(from_blocks.blocks, Linear(weight, None, "inflight", int8=True).blocks)
+    other, other_weight = random_blocks("Q8_0", 16, 512, seed=8)
+    fused = Linear(torch.empty(64, 512, device="meta"), None, "inflight",
+                   gguf_blocks=([kind, "Q8_0"], [blocks, other]), int8=True)
+    assert torch.equal(fused.blocks, Linear(torch.cat([weight, other_weight]), None, "inflight", int8=True).blocks)
+
+
 def test_an_int8_engines_tokens_do_not_depend_on_the_batch() -> None:
-    """Activations are quantized per row and dot products are exact: a request's greedy tokens
-    are the same alone and beside others, in a decode step of 1 or of 4 rows."""
+    """Activations are quantized per row (a scale per group of 64 k) and dot products are exact:
+    a request's greedy tokens are the same alone and beside others, in a decode step of 1 or of 4
+    rows."""
     if linear_backend(torch.device("cpu"), torch.float32) != "inflight":
         pytest.skip("int8 runs on inflight's own linear backend")
     llm = LLM(quantization="int8", num_kv_blocks=64)

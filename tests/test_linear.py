@@ -129,6 +129,8 @@ def test_gguf_block_matmul_equals_the_fp32_one_bit_for_bit(kind, out_features, i
         assert Linear(weight, bias, "inflight", gguf_blocks=(kind, blocks)).blocks is None
         with pytest.raises(RuntimeError, match="needs AVX2"):
             kernels.pack_gguf_blocks([blocks], [kind], in_features)
+        with pytest.raises(RuntimeError, match="needs AVX2"):
+            kernels.gguf_blocks_dequantize(torch.zeros(64, dtype=torch.uint8))
         with pytest.raises(ModelLoadError, match="cannot read them"):
             Linear(weight.to("meta"), bias, "inflight", gguf_blocks=(kind, blocks))
         return
@@ -139,6 +141,7 @@ def test_gguf_block_matmul_equals_the_fp32_one_bit_for_bit(kind, out_features, i
     assert both.blocks.numel() == 64 + -(-out_features // 16) * 16 * in_features * PACKED_BYTES[kind]
     # A fused matrix packed from its parts where they lie: the packing of their rows joined.
     assert torch.equal(kernels.pack_gguf_blocks([blocks[:10], blocks[10:]], [kind] * 2, in_features), both.blocks)
+    assert torch.equal(kernels.gguf_blocks_dequantize(both.blocks), weight)  # the values it stands for
     x = torch.randn(300, in_features)
     with torch.inference_mode():
         for rows in (1, 2, 4, 5, 6, 7, 16, 64, 300):

@@ -95,22 +95,26 @@ _MEASURE = textwrap.dedent("""
     keep_freed_memory()  # as the engine runs
     blocks_usable()  # the kernels loaded before the count starts
     before = anonymous()
-    loaded = LoadedModel.load(sys.argv[1] if len(sys.argv) > 1 else None, torch.float32, torch.device("cpu"))
+    model, quantization = sys.argv[1] or None, sys.argv[2]
+    loaded = LoadedModel.load(model, torch.float32, torch.device("cpu"), quantization=quantization)
     print(json.dumps({"grown": anonymous() - before}))
 """)
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's /proc")
-@pytest.mark.parametrize("kind", ["gguf", "hf-bf16"])
+@pytest.mark.parametrize("kind", ["gguf", "hf-bf16", "gguf-int8"])
 def test_the_weights_estimate_bounds_what_a_load_takes(tmp_path, kind):
     """In a fresh process, as `LoadedModel.load` builds the model and its tokenizer: the anonymous
     memory it grows by is at most the estimate, and not far below it (the estimate is what is
-    refused on)."""
+    refused on). With int8 too: the stored matrices quantized one at a time."""
     import transformers
 
     from inflight.model.linear import blocks_usable, linear_backend
 
-    argv = []
+    int8 = kind.endswith("-int8")
+    if int8 and linear_backend(torch.device("cpu"), torch.float32) != "inflight":
+        pytest.skip("int8 runs on inflight's own linear backend")
+    argv = ["", "int8" if int8 else "none"]
     if kind == "hf-bf16":  # about 73M parameters, stored in bf16
         from inflight.model.tokenizer import Tokenizer
 
@@ -120,13 +124,13 @@ def test_the_weights_estimate_bounds_what_a_load_takes(tmp_path, kind):
             vocab_size=49152, hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
             num_key_value_heads=4, tie_word_embeddings=False)).to(torch.bfloat16)
         model.save_pretrained(tmp_path, safe_serialization=True)
-        argv = [str(tmp_path)]
+        argv[0] = str(tmp_path)
     done = subprocess.run([sys.executable, "-c", _MEASURE, *argv], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     grown = json.loads(done.stdout.strip().splitlines()[-1])["grown"]
     packed = linear_backend(torch.device("cpu"), torch.float32) != "torch"
-    estimate = weight_footprint(resolve_model(argv[0] if argv else None), torch.float32, packed=packed,
-                                blocks=blocks_usable()).peak
+    estimate = weight_footprint(resolve_model(argv[0] or None), torch.float32, packed=packed,
+                                blocks=blocks_usable(), int8=int8).peak
     # The estimate is of the load's peak; the growth is measured after it (a directory's stored
     # tensors, freed by then, are part of the one and not the other).
     assert grown <= estimate <= 1.75 * grown, (grown, estimate)

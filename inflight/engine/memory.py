@@ -159,7 +159,8 @@ def plan_memory(config: EngineConfig, source: ModelSource, dtype: torch.dtype, d
                 packed: bool) -> MemoryPlan:
     model = load_model_config(source)
     weights = weight_footprint(source, dtype, packed=packed,
-                               blocks=device.type == "cpu" and dtype == torch.float32 and blocks_usable())
+                               blocks=device.type == "cpu" and dtype == torch.float32 and blocks_usable(),
+                               int8=config.quantization == "int8")
     cache = config.cache
     per_block = 2 * model.num_layers * model.num_kv_heads * model.head_dim * cache.block_size * dtype.itemsize
     available = available_memory_bytes(device)

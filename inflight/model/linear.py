@@ -103,11 +103,13 @@ class Linear:
         if weight.is_meta and not (backend == "inflight" and gguf_blocks is not None and blocks_usable()):
             raise ModelLoadError("a weight was left in its GGUF blocks on a path that cannot read them")
         if int8:
-            if backend != "inflight" or weight.is_meta:
+            if backend != "inflight":
                 raise ModelLoadError("quantization int8 runs on inflight's CPU kernels in fp32 (a CPU with AVX2, "
                                      "--dtype float32)")
             self._kernels = cpu_kernels()
             assert self._kernels is not None
+            if gguf_blocks is not None and weight.is_meta:  # this matrix alone widened, then quantized
+                weight = self._kernels.gguf_blocks_dequantize(self._pack_blocks(gguf_blocks))
             q, scales = quantize_int8(weight)
             self.blocks = self._kernels.pack_int8_weight(q, scales)
             self.weight = torch.empty(0)
@@ -115,10 +117,7 @@ class Linear:
             self._kernels = cpu_kernels()
             assert self._kernels is not None
             if gguf_blocks is not None and self._kernels.gguf_blocks_available():
-                kinds, raw = gguf_blocks  # one tensor of rows, or the parts of a fused matrix (a type each)
-                parts = [raw] if isinstance(raw, torch.Tensor) else raw
-                kinds = [kinds] * len(parts) if isinstance(kinds, str) else list(kinds)
-                self.blocks = self._kernels.pack_gguf_blocks([p.contiguous() for p in parts], kinds, self.in_features)
+                self.blocks = self._pack_blocks(gguf_blocks)
                 self.weight = torch.empty(0)  # every step reads the blocks
             else:
                 self.weight = self._kernels.pack_linear_weight(weight.contiguous())
@@ -127,6 +126,13 @@ class Linear:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         else:
             self.weight = weight
+
+    def _pack_blocks(self, gguf_blocks: tuple[str | list[str], torch.Tensor | list[torch.Tensor]]) -> torch.Tensor:
+        assert self._kernels is not None
+        kinds, raw = gguf_blocks  # one tensor of rows, or the parts of a fused matrix (a type each)
+        parts = [raw] if isinstance(raw, torch.Tensor) else raw
+        kinds = [kinds] * len(parts) if isinstance(kinds, str) else list(kinds)
+        return self._kernels.pack_gguf_blocks([p.contiguous() for p in parts], kinds, self.in_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernels is not None:  # the kernel chooses blocks or panels, as DecoderStack's layers do

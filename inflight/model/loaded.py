@@ -28,9 +28,11 @@ class LoadedModel:
         most of its time is Python (importing transformers, building the vocabulary), most of the
         weights' is the C++ repacking, which runs without the GIL (a 1B Q4_K_M GGUF on 2 Ice Lake
         cores: 3.3-3.8 s, against 3.8-4.2 s one after the other, alternated). With `quantization`
-        int8, the weights are read as fp32 and quantized (`Linear`), whatever the checkpoint stores."""
+        int8, each matrix is quantized from its fp32 form (`Linear`), whatever the checkpoint
+        stores: a matrix kept as stored is widened alone, just before, so the model is never
+        held in fp32 whole."""
         source = resolve_model(model)
-        keep_blocks = dtype == torch.float32 and device.type == "cpu" and blocks_usable() and quantization == "none"
+        keep_blocks = dtype == torch.float32 and device.type == "cpu" and blocks_usable()
         config, weights = load_checkpoint(source, dtype, keep_blocks=keep_blocks)
         with ThreadPoolExecutor(1, thread_name_prefix="inflight-tokenizer") as pool:
             tokenizer = pool.submit(Tokenizer.load, source, config.eos_token_ids)

@@ -143,15 +143,19 @@ _SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4
                       "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
 
 
-def weight_footprint(source: ModelSource, dtype: torch.dtype, packed: bool, blocks: bool) -> WeightFootprint:
+def weight_footprint(source: ModelSource, dtype: torch.dtype, packed: bool, blocks: bool,
+                     int8: bool = False) -> WeightFootprint:
     """The memory `load_checkpoint` and the model's construction take, as they work today: the
     weights widened to fp32 (and converted to `dtype`), the matmul weights laid out again for
     the kernel (`packed`: a prepacked backend, `linear.Linear`), the tied LM head as its own
     matrix; with `blocks`, a GGUF file's matrices of `BLOCK_TYPES` (a checkpoint's BF16 and F16
-    ones) instead as stored, repacked (`load_blocks`), never widened. The files themselves (GGUF
-    and safetensors alike) are mapped: page cache, which the system can drop, not counted. The
-    freed forms stay with the process after load (glibc keeps them for reuse,
-    `engine.memory.keep_freed_memory`), so this is close to its resident size too."""
+    ones) instead as stored, repacked (`load_blocks`), never widened. With `int8`
+    (`--quantization int8`) the decoder's matrices are held as int8 instead (a byte a weight and
+    8 bytes a column per 64 weights of a row: `INT8_BYTES`), those kept as stored widened one
+    fused matrix at a time just before (`INT8_TRANSIENT_BYTES`); the LM head stays as without.
+    The files themselves (GGUF and safetensors alike) are mapped: page cache, which the system
+    can drop, not counted. The freed forms stay with the process after load (glibc keeps them for
+    reuse, `engine.memory.keep_freed_memory`), so this is close to its resident size too."""
     config = load_model_config(source)
     table = _tensor_table(source)
     kept: dict[str, tuple[int, str]] = {}  # name -> (elements, type) of the matrices read as stored
@@ -167,8 +171,11 @@ def weight_footprint(source: ModelSource, dtype: torch.dtype, packed: bool, bloc
     numel = sum(n for n, _, _ in table.values())
     widened = sum(n for name, (n, _, _) in table.items()
                   if name not in kept and not (by_row and _is_embedding(name)))
+    # With int8, the decoder's matrices (all but the embedding and the LM head) are quantized.
+    quantized = {name for name, (_, _, ndim) in table.items()
+                 if int8 and ndim >= 2 and not _is_embedding(name) and not _is_lm_head(name)}
     matrices = sum(n for name, (n, _, ndim) in table.items()
-                   if ndim >= 2 and not _is_embedding(name) and name not in kept)
+                   if ndim >= 2 and not _is_embedding(name) and name not in kept and name not in quantized)
     if config.tie_word_embeddings and not any(_is_embedding(name) for name in kept):
         matrices += config.vocab_size * config.hidden_size  # the LM head, laid out for the kernel
     parts = [("weights widened to fp32", 4 * widened)]
@@ -176,8 +183,13 @@ def weight_footprint(source: ModelSource, dtype: torch.dtype, packed: bool, bloc
         parts.append((f"converted to {str(dtype).removeprefix('torch.')}", dtype.itemsize * widened))
     if packed:
         parts.append(("matmul weights laid out for the kernel", dtype.itemsize * matrices))
-    if kept:  # read in place from the mapped file and repacked, with fp32 scales
-        repacked = sum(n * PACKED_BYTES[kind] for n, kind in kept.values())
+    if quantized:
+        parts.append(("decoder matrices as int8", int(INT8_BYTES * sum(table[name][0] for name in quantized))))
+        # a fused matrix (gate and up: twice the largest) widened at a time, while it is quantized
+        largest = max((n for name, (n, _, _) in table.items() if name in quantized and name in kept), default=0)
+        parts.append(("one stored matrix widened to quantize it", INT8_TRANSIENT_BYTES * 2 * largest))
+    if kept.keys() - quantized:  # read in place from the mapped file and repacked, with fp32 scales
+        repacked = sum(n * PACKED_BYTES[kind] for name, (n, kind) in kept.items() if name not in quantized)
         parts.append(("matrices as stored, repacked for the matmuls", int(repacked)))
     tables = 2 if config.local_rope_theta else 1  # cos and sin of every position, per rotary
     parts.append(("rotary tables", tables * 2 * config.max_position_embeddings * config.head_dim * 4))
@@ -193,6 +205,18 @@ def weight_footprint(source: ModelSource, dtype: torch.dtype, packed: bool, bloc
 
 def _is_embedding(name: str) -> bool:
     return name in ("token_embd.weight", "model.embed_tokens.weight")
+
+
+def _is_lm_head(name: str) -> bool:
+    return name in ("output.weight", "lm_head.weight")
+
+
+# `--quantization int8`: bytes a weight of an int8 matrix as packed (a byte, and per column its
+# fp32 scale and an int32 offset for each 64 weights: `csrc` pack_int8_weight), and what
+# quantizing a matrix kept as stored holds besides, a weight at a time: its blocks repacked
+# (about a byte), its fp32 form, and quantize_int8's fp32 and int8 temporaries.
+INT8_BYTES = 1 + 4 / 64
+INT8_TRANSIENT_BYTES = 14
 
 
 def _tensor_table(source: ModelSource) -> dict[str, tuple[int, int, int]]:

@@ -1818,8 +1818,34 @@ torch::Tensor gguf_blocks_gemm(torch::Tensor x, torch::Tensor packed, int64_t ou
   });
   return out_features == n_pad ? y : y.narrow(1, 0, out_features).contiguous();
 }
+// The weight a pack_gguf_blocks packing stands for, as fp32 [N, K]: each block panel
+// dequantized as the block matmuls dequantize it (the loader's values, bit for bit). For
+// quantizing a stored matrix again (`--quantization int8`) one matrix at a time, without an fp32
+// copy of the whole model.
+torch::Tensor gguf_blocks_dequantize(torch::Tensor packed) {
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.dim() == 1 && packed.is_contiguous() && packed.numel() >= 64,
+              "weight was not packed by pack_gguf_blocks");
+  const int64_t K = reinterpret_cast<const int64_t*>(packed.data_ptr<uint8_t>())[1];
+  const PackedBlocks w = read_packed(torch::empty({0, K}, torch::kFloat32), packed);
+  auto out = torch::empty({w.N, K}, torch::kFloat32);
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, w.panels(), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> columns(K * kQCols);  // one block panel, k-major
+    for (int64_t p = begin; p < end; ++p) {
+      const auto [layout, at] = w.panel(p);
+      const uint8_t* panel = at;  // a lambda cannot capture a structured binding before C++20
+      with_layout(layout, [&](auto l) { dequantize_panel<decltype(l)>(panel, K, columns.data(), kQCols); });
+      for (int64_t c = 0; c < kQCols && p * kQCols + c < w.N; ++c)
+        for (int64_t k = 0; k < K; ++k) op[(p * kQCols + c) * K + k] = columns[k * kQCols + c];
+    }
+  });
+  return out;
+}
 #else
 bool gguf_blocks_available() { return false; }
+torch::Tensor gguf_blocks_dequantize(torch::Tensor) {
+  TORCH_CHECK(false, "the GGUF block matmul needs AVX2");
+}
 torch::Tensor gguf_blocks_gemm(torch::Tensor, torch::Tensor, int64_t) {
   TORCH_CHECK(false, "the GGUF block matmul needs AVX2");
 }
@@ -1831,15 +1857,20 @@ torch::Tensor gguf_blocks_linear(torch::Tensor, torch::Tensor, int64_t) {
 }
 #endif
 
-// ---- int8 weight matmuls (W8A8): y = sx * sw * (qx . qw) for each row and column.
+// ---- int8 weight matmuls (W8A8): y = sw * sum over groups g of sx_g * (qx_g . qw_g).
 //
 // The weight is quantized once, at load, symmetric per output column (qw in [-127, 127], its
-// scale sw: `inflight/model/linear.py`); each step's activations per row, dynamically, here
-// (qx in [-127, 127], sx = max|x| / 127). The dot products are integer and exact in int32; the
-// one rounding of each output is float(dot) * (sx * sw). Packed: a 64-byte header (int64 N, K,
-// Kp (K rounded up to 4), panels), the columns' sw (fp32) and 128 * sum_k qw (int32), then
-// panels of kI8Cols columns, [Kp / 4][kI8Cols][4] bytes: four consecutive k of one column in one
-// 32-bit lane, as vpdpbusd multiplies them.
+// scale sw: `inflight/model/linear.py`); each step's activations dynamically, here, per row and
+// per group of kI8Group consecutive k (qx in [-127, 127], sx_g = max|x_g| / 127; the last group
+// of a row may be shorter): one scale per row lets a few large activations (the MLP's down
+// projection has them) flatten every small one, and costs the embedded model 3.2% perplexity
+// where groups of 64 cost none measurable (benchmarks/quality.py). Each group's dot product is
+// integer and exact (at most 64 * 127 * 127 < 2^24, so exact in fp32 too); the output is
+// (((d_0 * sx_0) + d_1 * sx_1) + ...) * sw, each product and each sum rounded in that order (no
+// fused multiply-add: tests/test_int8.py reproduces it bit for bit). Packed: a 64-byte header
+// (int64 N, K, Kp (K rounded up to 4), panels), the columns' sw (fp32), 128 * sum of each
+// group's qw (int32, [groups][columns]), then panels of kI8Cols columns, [Kp / 4][kI8Cols][4]
+// bytes: four consecutive k of one column in one 32-bit lane, as vpdpbusd multiplies them.
 //
 // - AVX-512 VNNI: vpdpbusd multiplies unsigned by signed bytes, four into each int32 lane; the
 //   activations go in as qx + 128 (a flip of the sign bit) and 128 * sum qw comes off after.
@@ -1866,11 +1897,14 @@ constexpr bool kI8Offset = false;
 constexpr const char* kI8Isa = "generic";
 #endif
 constexpr int64_t kI8Header = 64;
+constexpr int64_t kI8Group = 64;  // k per activation scale (a multiple of 4)
+
+int64_t int8_groups(int64_t k) { return (k + kI8Group - 1) / kI8Group; }
 
 struct Int8Packed {
-  int64_t n, k, kp, panels;
+  int64_t n, k, kp, panels, groups;
   const float* scales;
-  const int32_t* offsets;  // 128 * sum_k qw, per column
+  const int32_t* offsets;  // 128 * sum of qw over each group: [groups][panels * kI8Cols]
   const int8_t* panel;     // the first panel
 };
 
@@ -1880,30 +1914,35 @@ Int8Packed read_int8(const torch::Tensor& packed) {
   const int8_t* base = packed.data_ptr<int8_t>();
   int64_t h[4];
   std::memcpy(h, base, sizeof(h));
-  const int64_t cols = h[3] * kI8Cols;
-  TORCH_CHECK(packed.numel() == kI8Header + cols * 8 + h[3] * h[2] * kI8Cols,
+  const int64_t cols = h[3] * kI8Cols, groups = int8_groups(h[1]);
+  TORCH_CHECK(packed.numel() == kI8Header + cols * 4 * (1 + groups) + h[3] * h[2] * kI8Cols,
               "int8 weight packed by another build (its panel width differs)");
-  return {h[0], h[1], h[2], h[3], reinterpret_cast<const float*>(base + kI8Header),
+  return {h[0], h[1], h[2], h[3], groups, reinterpret_cast<const float*>(base + kI8Header),
           reinterpret_cast<const int32_t*>(base + kI8Header + cols * 4),
-          base + kI8Header + cols * 8};
+          base + kI8Header + cols * 4 * (1 + groups)};
 }
 
-// Rows of x [M, K] -> qx [M, Kp] (zero past K) and sx [M]; stored as the microkernel reads them
-// (qx + 128, a flip of the sign bit, where kI8Offset), in the one pass.
+// Rows of x [M, K] -> qx [M, Kp] (zero past K) and sx [M, groups], a scale per group of
+// kI8Group k; stored as the microkernel reads them (qx + 128, a flip of the sign bit, where
+// kI8Offset), in the one pass.
 void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int8_t* q, float* scale) {
+  const int64_t groups = int8_groups(k);
   at::parallel_for(0, m, row_grain(k), [&](int64_t begin, int64_t end) {
+    constexpr int kFlip = kI8Offset ? 0x80 : 0;
     for (int64_t r = begin; r < end; ++r) {
-      const float* row = x + r * k;
-      float amax = 0.f;
-      for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      scale[r] = amax / 127.f;
-      int8_t* out = q + r * kp;
-      constexpr int kFlip = kI8Offset ? 0x80 : 0;
-      for (int64_t i = 0; i < k; ++i)
-        out[i] = static_cast<int8_t>(
-            static_cast<int>(std::max(-127.f, std::min(127.f, std::nearbyint(row[i] * inv)))) ^ kFlip);
-      for (int64_t i = k; i < kp; ++i) out[i] = static_cast<int8_t>(kFlip);
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t first = g * kI8Group, last = std::min(k, first + kI8Group);
+        const float* row = x + r * k;
+        float amax = 0.f;
+        for (int64_t i = first; i < last; ++i) amax = std::max(amax, std::fabs(row[i]));
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        scale[r * groups + g] = amax / 127.f;
+        int8_t* out = q + r * kp;
+        for (int64_t i = first; i < last; ++i)
+          out[i] = static_cast<int8_t>(
+              static_cast<int>(std::max(-127.f, std::min(127.f, std::nearbyint(row[i] * inv)))) ^ kFlip);
+      }
+      for (int64_t i = k; i < kp; ++i) q[r * kp + i] = static_cast<int8_t>(kFlip);
     }
   });
 }
@@ -1979,10 +2018,11 @@ void int8_rows(int mr, const int8_t* xq, int64_t ldx, const int8_t* w, int64_t g
   TORCH_CHECK(false, "int8 row block of ", mr, " rows is out of range");
 }
 
-// Every panel against every row of xq; `epilogue(rows_begin, mr, panel, acc)` takes each block.
-template <typename E>
-void int8_panels(const Int8Packed& w, const int8_t* xq, int64_t m, const E& epilogue) {
-  const int64_t groups = w.kp / 4;
+// Every panel against every row of xq, a group of k at a time: `group(rows_begin, mr, panel, g,
+// acc)` takes each block's integer dots of group g (the vpdpbusd offset still in them), and
+// `done(rows_begin, mr, panel)` follows a block's last group.
+template <typename G, typename D>
+void int8_panels(const Int8Packed& w, const int8_t* xq, int64_t m, const G& group, const D& done) {
   for_panels(w.panels, [&](int64_t begin, int64_t end) {
     alignas(64) int32_t acc[kI8MaxRows * kI8Cols];
     for (int64_t p = begin; p < end; ++p) {
@@ -1991,19 +2031,23 @@ void int8_panels(const Int8Packed& w, const int8_t* xq, int64_t m, const E& epil
       int64_t r = 0;
       for (int64_t c = 0; c < chunks; ++c) {
         const int mr = static_cast<int>((m - r) / (chunks - c));
-        int8_rows(mr, xq + r * w.kp, w.kp, panel, groups, acc);
-        epilogue(r, mr, p, acc);
+        for (int64_t g = 0; g < w.groups; ++g) {
+          const int64_t first = g * kI8Group, steps = (std::min(w.kp, first + kI8Group) - first) / 4;
+          int8_rows(mr, xq + r * w.kp + first, w.kp, panel + first * kI8Cols, steps, acc);
+          group(r, mr, p, g, acc);
+        }
+        done(r, mr, p);
         r += mr;
       }
     }
   });
 }
 
-// x's rows quantized, as the kernel multiplies them: (qx [M, Kp] as stored for it, sx [M]).
+// x's rows quantized, as the kernel multiplies them: (qx [M, Kp] as stored for it, sx [M, groups]).
 std::tuple<torch::Tensor, torch::Tensor> quantize_x(const torch::Tensor& x, int64_t kp) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "float32 [M, K] contiguous only");
   auto q = torch::empty({x.size(0), kp}, x.options().dtype(torch::kInt8));
-  auto s = torch::empty({x.size(0)}, x.options());
+  auto s = torch::empty({x.size(0), int8_groups(x.size(1))}, x.options());
   quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1), kp, q.data_ptr<int8_t>(), s.data_ptr<float>());
   return {q, s};
 }
@@ -2021,42 +2065,48 @@ torch::Tensor pack_int8_weight(torch::Tensor q, torch::Tensor scales) {
   TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.dim() == 2 && q.is_contiguous(), "int8 [N, K] contiguous only");
   TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.numel() == q.size(0), "scales must be float32 [N]");
   const int64_t n = q.size(0), k = q.size(1), kp = (k + 3) / 4 * 4, panels = (n + kI8Cols - 1) / kI8Cols;
-  const int64_t cols = panels * kI8Cols;
-  auto out = torch::zeros({kI8Header + cols * 8 + panels * kp * kI8Cols}, q.options());
+  const int64_t cols = panels * kI8Cols, groups = int8_groups(k);
+  auto out = torch::zeros({kI8Header + cols * 4 * (1 + groups) + panels * kp * kI8Cols}, q.options());
   int8_t* base = out.data_ptr<int8_t>();
   const int64_t h[4] = {n, k, kp, panels};
   std::memcpy(base, h, sizeof(h));
   float* sw = reinterpret_cast<float*>(base + kI8Header);
   int32_t* offsets = reinterpret_cast<int32_t*>(base + kI8Header + cols * 4);
-  int8_t* panel = base + kI8Header + cols * 8;
+  int8_t* panel = base + kI8Header + cols * 4 * (1 + groups);
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scales.contiguous().data_ptr<float>();
   for (int64_t col = 0; col < n; ++col) {
     const int8_t* row = qp + col * k;
-    int32_t sum = 0;
-    for (int64_t i = 0; i < k; ++i) sum += row[i];
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t sum = 0;
+      for (int64_t i = g * kI8Group; i < std::min(k, (g + 1) * kI8Group); ++i) sum += row[i];
+      offsets[g * cols + col] = 128 * sum;
+    }
     sw[col] = sp[col];
-    offsets[col] = 128 * sum;
     const int64_t p = col / kI8Cols, c = col % kI8Cols;
     for (int64_t i = 0; i < k; ++i) panel[(p * (kp / 4) + i / 4) * kI8Cols * 4 + c * 4 + i % 4] = row[i];
   }
   return out;
 }
 
-// The exact integer dot products qx . qw [M, N] of x's rows as the kernel quantizes them (tests).
+// The exact integer dot products of each group, qx_g . qw_g [M, N, groups], of x's rows as the
+// kernel quantizes them, with qx [M, K] and sx [M, groups] (tests).
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> int8_dots(torch::Tensor x, torch::Tensor packed) {
   const Int8Packed w = read_int8(packed);
   TORCH_CHECK(x.size(1) == w.k, "x does not match the weight");
   auto [xq, s] = quantize_x(x, w.kp);
-  const int64_t m = x.size(0);
-  auto dots = torch::empty({m, w.n}, x.options().dtype(torch::kInt32));
+  const int64_t m = x.size(0), cols = w.panels * kI8Cols;
+  auto dots = torch::empty({m, w.n, w.groups}, x.options().dtype(torch::kInt32));
   int32_t* dp = dots.data_ptr<int32_t>();
-  int8_panels(w, xq.data_ptr<int8_t>(), m, [&](int64_t r0, int mr, int64_t p, const int32_t* acc) {
-    for (int r = 0; r < mr; ++r)
-      for (int64_t c = 0; c < kI8Cols && p * kI8Cols + c < w.n; ++c)
-        dp[(r0 + r) * w.n + p * kI8Cols + c] =
-            acc[r * kI8Cols + c] - (kI8Offset ? w.offsets[p * kI8Cols + c] : 0);
-  });
+  int8_panels(
+      w, xq.data_ptr<int8_t>(), m,
+      [&](int64_t r0, int mr, int64_t p, int64_t g, const int32_t* acc) {
+        for (int r = 0; r < mr; ++r)
+          for (int64_t c = 0; c < kI8Cols && p * kI8Cols + c < w.n; ++c)
+            dp[((r0 + r) * w.n + p * kI8Cols + c) * w.groups + g] =
+                acc[r * kI8Cols + c] - (kI8Offset ? w.offsets[g * cols + p * kI8Cols + c] : 0);
+      },
+      [](int64_t, int, int64_t) {});
   return {dots, signed_values(xq).narrow(1, 0, w.k).contiguous(), s};
 }
 
@@ -2065,23 +2115,39 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fea
   const Int8Packed w = read_int8(packed);
   TORCH_CHECK(x.size(1) == w.k && out_features == w.n, "x or out_features does not match the int8 weight");
   auto [xq, s] = quantize_x(x, w.kp);
-  const int64_t m = x.size(0);
+  const int64_t m = x.size(0), cols = w.panels * kI8Cols;
   auto y = torch::empty({m, w.n}, x.options());
   float* yp = y.data_ptr<float>();
   const float* sx = s.data_ptr<float>();
-  int8_panels(w, xq.data_ptr<int8_t>(), m, [&](int64_t r0, int mr, int64_t p, const int32_t* acc) {
-    const int64_t c0 = p * kI8Cols, width = std::min(kI8Cols, w.n - c0);
-    alignas(64) float scale[kI8Cols];
-    for (int r = 0; r < mr; ++r) {
-      float* out = yp + (r0 + r) * w.n + c0;
-      for (int64_t c = 0; c < width; ++c) scale[c] = sx[r0 + r] * w.scales[c0 + c];
-      // -ffast-math may reassociate float(dot) * sx * sw otherwise: the product is made first,
-      // rounded once, as the contract (and tests/test_int8.py's reference) has it.
-      asm volatile("" : : "r"(scale) : "memory");
-      for (int64_t c = 0; c < width; ++c)
-        out[c] = static_cast<float>(acc[r * kI8Cols + c] - (kI8Offset ? w.offsets[c0 + c] : 0)) * scale[c];
-    }
-  });
+  int8_panels(
+      w, xq.data_ptr<int8_t>(), m,
+      [&](int64_t r0, int mr, int64_t p, int64_t g, const int32_t* acc) {
+        // The block's running sums stay in y (in cache): each group's products are rounded in
+        // `term` and added after a compiler barrier, so that -ffast-math can neither fuse them
+        // into a multiply-add nor reorder the sum (the contract above).
+        const int32_t* offsets = w.offsets + g * cols + p * kI8Cols;
+        alignas(64) float term[kI8Cols];
+        for (int r = 0; r < mr; ++r) {
+          const float scale = sx[(r0 + r) * w.groups + g];
+          for (int64_t c = 0; c < kI8Cols; ++c)
+            term[c] = static_cast<float>(acc[r * kI8Cols + c] - (kI8Offset ? offsets[c] : 0)) * scale;
+          asm volatile("" : : "r"(term) : "memory");
+          float* out = yp + (r0 + r) * w.n + p * kI8Cols;
+          const int64_t width = std::min(kI8Cols, w.n - p * kI8Cols);
+          if (g == 0) {
+            for (int64_t c = 0; c < width; ++c) out[c] = term[c];
+          } else {
+            for (int64_t c = 0; c < width; ++c) out[c] += term[c];
+          }
+        }
+      },
+      [&](int64_t r0, int mr, int64_t p) {
+        const int64_t c0 = p * kI8Cols, width = std::min(kI8Cols, w.n - c0);
+        for (int r = 0; r < mr; ++r) {
+          float* out = yp + (r0 + r) * w.n + c0;
+          for (int64_t c = 0; c < width; ++c) out[c] *= w.scales[c0 + c];
+        }
+      });
   return y;
 }
 
@@ -2371,7 +2437,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, "x @ W.T (+ b) with a packed W (CPU, fp32)");
   m.def("int8_isa", &int8_isa, "The int8 matmul's branch: avx512-vnni, avx2 or generic");
   m.def("pack_int8_weight", &pack_int8_weight, "int8 [N, K] weight and its fp32 column scales -> packed (int8)");
-  m.def("int8_linear", &int8_linear, "x @ W.T with W packed int8, x quantized per row (CPU, W8A8)");
+  m.def("int8_linear", &int8_linear, "x @ W.T with W packed int8, x quantized per row and group of 64 k (CPU, W8A8)");
   m.def("int8_dots", &int8_dots, "The int8 matmul's exact integer dots, with x's quantized rows and scales");
   m.def("linear_forward", &linear_forward,
         "x @ W.T (+ b): from the GGUF blocks up to blocks_max_rows rows where given, else the packed W");
@@ -2381,6 +2447,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_gguf_blocks", &pack_gguf_blocks,
         "Pack GGUF rows (Q2_K..Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, BF16; one or more parts) for the block matmuls",
         py::call_guard<py::gil_scoped_release>());
+  m.def("gguf_blocks_dequantize", &gguf_blocks_dequantize,
+        "The fp32 [N, K] weight a pack_gguf_blocks packing stands for (its values, bit for bit)");
   m.def("gguf_blocks_linear", &gguf_blocks_linear, "x @ W.T with W as packed GGUF blocks (CPU, fp32)");
   m.def("gguf_blocks_gemm", &gguf_blocks_gemm,
         "x @ W.T with W as packed GGUF blocks, dequantized a panel at a time (steps of many rows)");
