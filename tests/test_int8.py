@@ -14,6 +14,7 @@ from inflight import LLM, SamplingParams
 from inflight.errors import InflightError
 from inflight.model.kernels import cpu_kernels
 from inflight.model.linear import Linear, linear_backend, quantize_int8
+from inflight.perf.cost_model import CostModel
 
 kernels = cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C++ compiler for the CPU kernels")
@@ -131,8 +132,53 @@ def test_an_int8_engines_tokens_do_not_depend_on_the_batch() -> None:
 def test_where_int8_cannot_run_it_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     from inflight.cli import main
 
-    assert main(["sim", "--workload", "burst", "--quantization", "int8"]) == 2
-    assert "the simulator has no int8 CPU profile yet" in capsys.readouterr().err
+    assert main(["sim", "--workload", "burst", "--quantization", "int8"]) == 2  # built-in cpu-local: none
+    assert "cpu-local has no int8 calibration: `inflight sim calibrate --quantization int8" in capsys.readouterr().err
+    assert main(["sim", "--workload", "burst", "--hardware", "h100", "--quantization", "int8"]) == 2
+    assert "is a GPU (its 8-bit weights: --weight-dtype int8)" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:  # argparse's own line for a choice it does not have
         main(["generate", "--quantization", "int4", "x"])
     assert exit_info.value.code == 2 and "invalid choice: 'int4'" in capsys.readouterr().err
+
+
+def test_an_int8_calibration_fits_the_int8_engine_and_the_simulator_prices_it(tmp_path) -> None:
+    """`inflight sim calibrate --quantization int8` times an int8 engine and fits a whole engine
+    profile to it (the int8 peak nominal by the kernels' branch), kept beside a machine's fp32
+    factors; the simulator prices `--quantization int8` with those and the rest with its own."""
+    import dataclasses
+    from pathlib import Path
+
+    from inflight.perf.profiles import load_profiles, save_profile
+    from inflight.sim.calibrate import INT8_PEAK_FACTOR, StepCase, calibrate_int8
+    from inflight.sim.runs import SimTarget
+    from inflight.sim.shapes import resolve_shapes
+
+    if linear_backend(torch.device("cpu"), torch.float32) != "inflight":
+        pytest.skip("int8 runs on inflight's own linear backend")
+    fitted = Path(__file__).resolve().parents[1] / "benchmarks" / "sim" / "results" / "cpu-2threads.json"
+    hardware, base = load_profiles(str(fitted))
+    cases = [StepCase(b, 64, 2) for b in (1, 2, 4, 8, 16)] + [StepCase(0, 0, 1, n) for n in (32, 96)]
+    cases += [StepCase(8, 32, 2, 48)]
+    result, profile, samples = calibrate_int8(None, hardware, base, cases=cases, repeats=1, num_kv_blocks=128,
+                                              max_num_tokens=128)
+    hw = result.hardware
+    assert hw.peak_flops_int8 == INT8_PEAK_FACTOR[kernels.int8_isa()] * hardware.peak_flops
+    assert dataclasses.replace(profile, int8={}, calibration={}) == dataclasses.replace(base, calibration={})
+    assert profile.int8["eight_bit_flops_efficiency"] == result.profile.flops_efficiency > 0
+    measured = torch.tensor([s.duration_s for s in samples])
+    assert (torch.from_numpy(result.predicted_s) / measured).median().item() == pytest.approx(1, abs=0.2)
+    save_profile(tmp_path / "machine.json", hw, profile)
+    hw2, profile2 = load_profiles(str(tmp_path / "machine.json"))
+    assert profile2.int8 == profile.int8 and profile2.calibration["int8"]["int8_isa"] == kernels.int8_isa()
+    target = SimTarget(*resolve_shapes(None), hw2, engine=profile2)
+    fp32, int8 = target.cost_model("float32"), target.cost_model("float32", "int8")
+    assert fp32.engine == base and fp32.weight_dtype == "float32"
+    assert int8.weight_dtype == "int8" and int8.linear_flops_efficiency == result.profile.flops_efficiency
+    for batch in ([(1, 64, 1)], [(1, 64, 1)] * 8, [(96, 96, 1)]):  # the fit's own steps, priced alike
+        assert int8.step_time(batch) == pytest.approx(
+            CostModel(target.shapes, hw, 1, "float32", result.profile, "int8").step_time(batch))
+    # The SLO policy of an int8 engine predicts its steps from the int8 factors too.
+    llm = LLM(quantization="int8", num_kv_blocks=32, scheduling_policy="slo", tbt_slo_ms=200,
+              slo_cost_profile=str(tmp_path / "machine.json"))
+    predictor = llm.engine.scheduler.predictor  # type: ignore[attr-defined]
+    assert predictor.cost_model.weight_dtype == "int8" and predictor.cost_model.engine == int8.engine

@@ -8,7 +8,9 @@
 # about 8 minutes on 2 cores), cpu (simulate those runs and compare), gpu (Orca, Sarathi-Serve and TP
 # reproductions in simulation, about 10 minutes), speculative (a 2-thread calibration, then
 # copy-edit one stream at a time and as a burst of 64, off and n-gram, each re-simulated: about 6
-# minutes; not among the default parts). Parts that time the real engine first wait until
+# minutes; not among the default parts), int8 (a 2-thread calibration of the fp32 engine and of the
+# int8 one into one profile, then the burst measured with and without --quantization int8, each
+# re-simulated: about 8 minutes; not among the default parts). Parts that time the real engine first wait until
 # the 1-minute load average is under $MAX_LOAD (default 1.5): the machine is shared.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -66,6 +68,23 @@ if want speculative; then
             "$INFLIGHT" sim --against "$OUT/measured-spec-$shape-$mode.json.gz" --hardware "$OUT/cpu-2threads.json" \
                 | tee "$OUT/validate-spec-$shape-$mode.txt"
         done
+    done
+fi
+
+if want int8; then
+    # One profile for both engines, fitted in one sitting: the fp32 engine (2 threads, as the runs
+    # below), then the int8 engine's factors beside it.
+    wait_quiet; say "calibrate with 2 threads, then with int8 matmuls"
+    "$INFLIGHT" sim calibrate --torch-threads 2 --output "$OUT/cpu-2threads-int8.json" \
+        > "$OUT/calibration-2threads-int8.txt"
+    "$INFLIGHT" sim calibrate --quantization int8 --torch-threads 2 --base "$OUT/cpu-2threads-int8.json" \
+        --output "$OUT/cpu-2threads-int8.json" | tee -a "$OUT/calibration-2threads-int8.txt"
+    for q in none int8; do
+        wait_quiet; say "measure burst, quantization $q"
+        "$INFLIGHT" bench --workload burst --quantization "$q" --num-kv-blocks 2048 --torch-threads 2 --no-progress \
+            --output "$OUT/measured-int8-burst-$q.json.gz" > /dev/null
+        "$INFLIGHT" sim --against "$OUT/measured-int8-burst-$q.json.gz" --hardware "$OUT/cpu-2threads-int8.json" \
+            | tee "$OUT/validate-int8-burst-$q.txt"
     done
 fi
 

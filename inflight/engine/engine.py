@@ -116,12 +116,16 @@ _POLICIES: dict[SchedulingPolicy, type[Scheduler]] = {
 
 def _slo_cost_model(config: SchedulerConfig, model: ModelConfig, parts: EngineParts) -> CostModel:
     """The SLO policy's step-time model: its profile, or by default the built-in one for the
-    device (its efficiencies then follow the machine through the online correction)."""
+    device (its efficiencies then follow the machine through the online correction); an int8
+    engine's from the profile's int8 factors where it has them (`inflight sim calibrate
+    --quantization int8`)."""
     name = config.slo_cost_profile
     if name == "auto":
         name = "h100" if parts.device is not None and parts.device.type == "cuda" else "cpu-local"
     dtype = None if parts.loaded is None else str(parts.loaded.model.dtype).removeprefix("torch.")
     hardware, engine = load_profiles(name)
+    if parts.loaded is not None and parts.loaded.quantization == "int8" and engine.int8 and hardware.peak_flops_int8:
+        return CostModel(model, hardware, dtype=dtype, engine=engine.for_int8(), weight_dtype="int8")
     return CostModel(model, hardware, dtype=dtype, engine=engine)
 
 

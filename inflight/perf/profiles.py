@@ -197,6 +197,10 @@ class EngineProfile(_Record):
     gemm_step_s: float = 0.0
     source: str = ""
     calibration: dict[str, Any] = field(default_factory=dict, compare=False)
+    # inflight on a CPU: the factors fitted on its engine with `--quantization int8` (int8
+    # matmuls, `inflight sim calibrate --quantization int8`), which replace this profile's when the
+    # simulated engine runs so (`for_int8`); empty where none was fitted.
+    int8: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         where = f"engine profile {self.name}"
@@ -218,6 +222,12 @@ class EngineProfile(_Record):
                      "allreduce_latency_s", "allreduce_peer_latency_s", "small_batch_row_s", "gemm_step_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{where}: {name} must be >= 0")
+
+    def for_int8(self) -> EngineProfile:
+        """This engine with `--quantization int8`: its int8 factors in place of its own."""
+        if not self.int8:
+            raise ConfigError(f"engine profile {self.name} has no int8 factors")
+        return dataclasses.replace(self, **self.int8, int8={})
 
     def graphed(self, num_requests: int, decode_only: bool) -> bool:
         """Whether a step runs from a captured CUDA graph."""

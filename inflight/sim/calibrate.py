@@ -140,19 +140,12 @@ def calibrate(model: str | None, hardware: HardwareProfile, base: EngineProfile,
     `max_num_tokens` is the calibration engine's budget: the largest prefill chunk measured."""
     import torch
 
-    from inflight.bench.local import warm_up
-    from inflight.config import EngineConfig
-    from inflight.engine.engine import LLMEngine
     from inflight.sim.shapes import resolve_shapes
 
     if torch_threads is not None:
         torch.set_num_threads(torch_threads)
     cases = list(cases or default_grid())
-    config = EngineConfig.from_kwargs(model, device="cpu", num_kv_blocks=num_kv_blocks,
-                                      max_num_tokens=max_num_tokens, max_model_len=2 * max_num_tokens,
-                                      max_batch_size=max(c.num_decodes for c in cases) + 1)
-    engine = LLMEngine(config)
-    warm_up(engine)
+    engine = _timed_engine(model, cases, num_kv_blocks, max_num_tokens)
     load_before = os.getloadavg()
     started = time.perf_counter()
     samples = [s for seed in range(repeats) for s in measure(engine, cases, seed, progress)]
@@ -181,3 +174,76 @@ def calibrate(model: str | None, hardware: HardwareProfile, base: EngineProfile,
     profile = dataclasses.replace(result.profile, calibration=info,
                                   source=f"inflight on {name}: fitted by `inflight sim calibrate`")
     return result._replace(profile=profile, hardware=hardware), samples
+
+
+def _timed_engine(model: str | None, cases: Sequence[StepCase], num_kv_blocks: int, max_num_tokens: int,
+                  quantization: str = "none") -> Any:
+    """An engine on the CPU that can run every case, warmed up."""
+    from inflight.bench.local import warm_up
+    from inflight.config import EngineConfig
+    from inflight.engine.engine import LLMEngine
+
+    config = EngineConfig.from_kwargs(model, device="cpu", num_kv_blocks=num_kv_blocks,
+                                      max_num_tokens=max_num_tokens, max_model_len=2 * max_num_tokens,
+                                      max_batch_size=max(c.num_decodes for c in cases) + 1,
+                                      quantization=quantization)
+    engine = LLMEngine(config)
+    warm_up(engine)
+    return engine
+
+
+# Nominal int8 peak of a CPU, as a multiple of its fp32 FMA peak, by the int8 kernel's branch
+# (`csrc` int8_isa): vpdpbusd makes four byte products in each 32-bit lane where an FMA makes one;
+# AVX2's vpmaddubsw makes four too but needs vpmaddwd and an add after it (about half the rate);
+# the portable loops, one. The fitted efficiency absorbs the rest.
+INT8_PEAK_FACTOR = {"avx512-vnni": 4.0, "avx2": 2.0, "generic": 1.0}
+# What an int8 fit may change of an engine profile: all but who it is and where it came from.
+_NOT_FITTED = {"name", "kind", "source", "calibration", "int8"}
+
+
+def calibrate_int8(model: str | None, hardware: HardwareProfile, base: EngineProfile, *,
+                   cases: Sequence[StepCase] | None = None, torch_threads: int | None = 1,
+                   num_kv_blocks: int = 4096, max_num_tokens: int = 2048, repeats: int = 2,
+                   progress: Callable[[str], None] | None = None
+                   ) -> tuple[FitResult, EngineProfile, list[Sample]]:
+    """Times the grid on an engine with `--quantization int8` and fits a whole engine profile to
+    it (`fit_profile`, its matmuls' efficiency of the hardware's int8 peak: nominal by the
+    kernels' int8 branch, `INT8_PEAK_FACTOR`, where the hardware has none). The int8 kernels
+    differ from the fp32 ones at every batch size, so every factor is fitted again. Returns the
+    fit (its hardware with the int8 peak) and `base` (a machine calibrated by `calibrate`) with
+    the fitted factors as its `int8` ones, which the simulator uses for `--quantization int8`."""
+    import torch
+
+    from inflight.model.kernels import cpu_kernels
+    from inflight.sim.shapes import resolve_shapes
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        raise RuntimeError("int8 runs on inflight's CPU kernels, which are not available here")
+    if torch_threads is not None:
+        torch.set_num_threads(torch_threads)
+    cases = list(cases or default_grid())
+    engine = _timed_engine(model, cases, num_kv_blocks, max_num_tokens, quantization="int8")
+    started = time.perf_counter()
+    samples = [s for seed in range(repeats) for s in measure(engine, cases, seed, progress)]
+    elapsed = time.perf_counter() - started
+    _, shapes = resolve_shapes(model)
+    isa = kernels.int8_isa()
+    if not hardware.peak_flops_int8 > 0:
+        hardware = dataclasses.replace(hardware, peak_flops_int8=INT8_PEAK_FACTOR[isa] * hardware.peak_flops)
+    start = dataclasses.replace(base.for_int8() if base.int8 else base, eight_bit_flops_efficiency=0.0, int8={})
+    result = fit_profile(samples, shapes, hardware, start, hardware.dtype, weight_dtype="int8")
+    fitted = result.profile
+    factors = {f.name: getattr(fitted, f.name) for f in dataclasses.fields(fitted) if f.name not in _NOT_FITTED}
+    factors["eight_bit_flops_efficiency"] = fitted.flops_efficiency  # of the int8 peak
+    rel = np.abs(result.predicted_s - result.measured_s) / result.measured_s
+    info = {
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "int8_isa": isa,
+        "peak_flops_int8": hardware.peak_flops_int8, "torch_threads": torch.get_num_threads(),
+        "num_samples": len(samples), "num_outliers": int(result.outliers.sum()),
+        "mean_abs_error_perc_by_roofline": result.errors_by_roofline,
+        "median_abs_error_perc": round(100 * float(np.median(rel[~result.outliers])), 2),
+        "p90_abs_error_perc": round(100 * float(np.percentile(rel[~result.outliers], 90)), 2),
+        "measure_s": round(elapsed, 1), "repeats": repeats}
+    profile = dataclasses.replace(base, int8=factors, calibration={**base.calibration, "int8": info})
+    return result, profile, samples

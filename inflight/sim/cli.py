@@ -55,6 +55,9 @@ def register(subparsers: Any) -> None:
                      help="token budget of the timed engine: the largest prefill step (default 2048)")
     cal.add_argument("--repeats", type=int, default=2, help="times the grid is measured (default 2, ~1.5 min)")
     cal.add_argument("--samples", default=None, help="also write every timed step (JSON) here")
+    cal.add_argument("--quantization", choices=["none", "int8"], default="none",
+                     help="int8: time an engine with --quantization int8 and add its one factor (the int8 "
+                          "matmuls' efficiency) to --base, a profile this command fitted on this machine")
     cal.set_defaults(func=cmd_calibrate)
 
     tune = subparsers.add_parser(
@@ -164,9 +167,6 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
     options = engine_options(args)
     options.pop("device", None)
-    if options.pop("quantization", "none") != "none":
-        raise ConfigError("the simulator has no int8 CPU profile yet: --quantization is for bench, serve and "
-                          "generate (GPU profiles take --weight-dtype)")
     if args.replicas < 1:
         raise ConfigError(f"--replicas must be >= 1, got {args.replicas}")
     if args.replicas > 1:
@@ -266,6 +266,19 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     def progress(message: str) -> None:
         print(message, file=sys.stderr)
 
+    if args.quantization == "int8":
+        from inflight.sim.calibrate import calibrate_int8
+
+        if not base.calibration:
+            raise ConfigError(f"--quantization int8 adds to a profile fitted on this machine; {args.base} was not "
+                              f"(run `inflight sim calibrate -o FILE` first and pass --base FILE)")
+        result, profile, samples = calibrate_int8(args.model, hardware, base, torch_threads=args.torch_threads,
+                                                  max_num_tokens=args.max_num_tokens, repeats=args.repeats,
+                                                  progress=progress)
+        save_profile(Path(args.output), result.hardware, profile)
+        print(f"wrote {args.output}", file=sys.stderr)
+        print(format_fit(result, samples, int8=True))
+        return 0
     result, samples = calibrate(args.model, hardware, base, name=args.name or hardware.name,
                                 torch_threads=args.torch_threads, max_num_tokens=args.max_num_tokens,
                                 repeats=args.repeats, progress=progress)

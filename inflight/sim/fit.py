@@ -44,8 +44,9 @@ class FitResult(NamedTuple):
 class _Models:
     """One cost model per (shapes, tp) among the samples, on the profiles being fitted."""
 
-    def __init__(self, shapes: ModelConfig, hardware: HardwareProfile, dtype: str | None) -> None:
-        self.shapes, self.hardware, self.dtype = shapes, hardware, dtype
+    def __init__(self, shapes: ModelConfig, hardware: HardwareProfile, dtype: str | None,
+                 weight_dtype: str | None = None) -> None:
+        self.shapes, self.hardware, self.dtype, self.weight_dtype = shapes, hardware, dtype, weight_dtype
         self._cache: dict[tuple[int, int, EngineProfile], CostModel] = {}
 
     def of(self, sample: Sample, engine: EngineProfile) -> CostModel:
@@ -53,7 +54,8 @@ class _Models:
         if key not in self._cache:
             if len(self._cache) > 64:
                 self._cache.clear()
-            self._cache[key] = CostModel(sample.shapes or self.shapes, self.hardware, sample.tp, self.dtype, engine)
+            self._cache[key] = CostModel(sample.shapes or self.shapes, self.hardware, sample.tp, self.dtype, engine,
+                                         self.weight_dtype)
         return self._cache[key]
 
 
@@ -151,15 +153,17 @@ def _fit_overheads(samples: Sequence[Sample], profile: EngineProfile) -> EngineP
 def fit_profile(samples: Sequence[Sample], shapes: ModelConfig, hardware: HardwareProfile, base: EngineProfile,
                 dtype: str | None = None, rooflines: Sequence[str] = ("max", "sum", "smooth"),
                 exponents: Sequence[float] = (2.0, 4.0), small_batch_rows: Sequence[int] = (1, 2, 3, 4, 6, 8),
-                outlier_factor: float = 4.0) -> FitResult:
+                outlier_factor: float = 4.0, weight_dtype: str | None = None) -> FitResult:
     """Fits the efficiency factors and time terms of `base` to the forward-pass times and its
     overheads to the rest of each step, for each roofline form (the smooth one at each of
     `exponents`) and small-batch regime, and keeps the one with the smallest mean relative
     error. Samples whose error exceeds `outlier_factor` times the median (steps stalled by
     other work on the machine) are then left out and the fit runs again, once. Samples may
     come from several models and TP degrees (`Sample.shapes`, `Sample.tp`), which is what
-    separates a per-layer cost from a per-step one."""
-    models = _Models(shapes, hardware, dtype)
+    separates a per-layer cost from a per-step one. `weight_dtype` int8: the steps of an engine
+    with int8 matmuls, whose efficiency is then of the hardware's int8 peak (`base` must have no
+    `eight_bit_flops_efficiency`: the fit's `flops_efficiency` stands for it)."""
+    models = _Models(shapes, hardware, dtype, weight_dtype)
     y = np.array([s.duration_s for s in samples])
     keep = np.ones(len(samples), dtype=bool)
     forms = [(form, k) for form in rooflines for k in (exponents if form == "smooth" else (base.roofline_exponent,))]
@@ -216,15 +220,17 @@ def _kind(sample: Sample) -> str:
     return what + (f" + decode x{len(decodes)}" if decodes else "")
 
 
-def format_fit(result: FitResult, samples: Sequence[Sample]) -> str:
-    """The fitted factors and, per kind of step, measured against predicted mean time."""
+def format_fit(result: FitResult, samples: Sequence[Sample], int8: bool = False) -> str:
+    """The fitted factors and, per kind of step, measured against predicted mean time (`int8`: of
+    an engine with int8 matmuls, their efficiency of the int8 peak)."""
     p, hw = result.profile, result.hardware
     form = f"smooth (exponent {p.roofline_exponent:g})" if p.roofline == "smooth" else p.roofline
     small = (f"{p.small_batch_row_s * 1e3:.1f} ms per extra row up to {p.small_batch_max_rows} rows, "
              if p.small_batch_max_rows > 1 else "") + f"{p.gemm_step_s * 1e3:.1f} ms per GEMM step"
-    lines = [f"engine profile {p.name} on {hw.name} ({form} roofline; mean error of each form: "
-             f"{result.errors_by_roofline} %)",
-             f"  linear: {p.flops_efficiency:.3f} of {hw.peak_flops / 1e9:.0f} GFLOP/s, "
+    peak = f"{hw.peak_flops_int8 / 1e9:.0f} int8 GOP/s (nominal)" if int8 else f"{hw.peak_flops / 1e9:.0f} GFLOP/s"
+    lines = [f"engine profile {p.name}{' with int8 matmuls' if int8 else ''} on {hw.name} ({form} roofline; "
+             f"mean error of each form: {result.errors_by_roofline} %)",
+             f"  linear: {p.flops_efficiency:.3f} of {peak}, "
              f"{p.bandwidth_efficiency:.3f} of {hw.memory_bandwidth / 1e9:.0f} GB/s",
              f"  attention: {p.attention_flops_efficiency:.3f} of peak FLOP/s, "
              f"{p.attention_bandwidth_efficiency:.3f} of peak bandwidth",

@@ -40,9 +40,20 @@ class SimTarget:
     def engine_profile(self) -> EngineProfile:
         return self.engine or default_engine(self.hardware)
 
-    def cost_model(self, dtype: str | None = None) -> CostModel:
-        return CostModel(self.shapes, self.hardware, self.tp, dtype, self.engine_profile, self.weight_dtype,
-                         self.kv_cache_dtype)
+    def cost_model(self, dtype: str | None = None, quantization: str = "none") -> CostModel:
+        """`quantization` int8: inflight's W8A8 on a CPU (`--quantization int8`), priced at the
+        hardware's int8 peak and the engine's calibrated efficiency for it."""
+        weight_dtype, engine = self.weight_dtype, self.engine_profile
+        if quantization == "int8":
+            hw = self.hardware
+            if hw.kind != "cpu":
+                raise ConfigError(f"--quantization int8 is inflight's CPU W8A8; {hw.name} is a GPU "
+                                  f"(its 8-bit weights: --weight-dtype int8)")
+            if not (hw.peak_flops_int8 > 0 and engine.int8):
+                raise ConfigError(f"{hw.name} has no int8 calibration: `inflight sim calibrate --quantization int8 "
+                                  f"--base PROFILE.json -o FILE` on the machine adds it")
+            weight_dtype, engine = "int8", engine.for_int8()
+        return CostModel(self.shapes, self.hardware, self.tp, dtype, engine, weight_dtype, self.kv_cache_dtype)
 
     def describe(self) -> str:
         where = f"{self.model_name} on {self.hardware.name}" + (f" x{self.tp}" if self.tp > 1 else "")
@@ -76,7 +87,7 @@ def simulate(target: SimTarget, options: dict[str, Any], requests: Sequence[Benc
     acceptance_rate = options.get("acceptance_rate")
     replicas = int(options.get("replicas", 1))
     config = EngineConfig.from_kwargs(None, **engine_options)
-    cost_model = target.cost_model(config.dtype)
+    cost_model = target.cost_model(config.dtype, config.quantization)
     draft_cost_model = None
     speculative = config.scheduler.speculative
     if speculative is not None and speculative.model is not None:  # a draft model: its shapes, same device

@@ -64,7 +64,8 @@ class Comparison(NamedTuple):
 
 def engine_options_of(run: BenchRun) -> dict[str, Any]:
     """The engine options a measured run used, with its KV pool fixed to what it allocated."""
-    names = set(CacheConfig.__dataclass_fields__) | set(SchedulerConfig.__dataclass_fields__) | {"dtype"}
+    names = set(CacheConfig.__dataclass_fields__) | set(SchedulerConfig.__dataclass_fields__) | {"dtype",
+                                                                                                  "quantization"}
     options = {k: v for k, v in run.options.items() if k in names}
     if "num_kv_blocks_allocated" in run.options:
         options["num_kv_blocks"] = run.options["num_kv_blocks_allocated"]
@@ -103,7 +104,7 @@ def resimulate(document: dict[str, Any], runs: Sequence[BenchRun], target: SimTa
             options["acceptance_rate"] = rate
         sim = simulate(target, options, requests, run.label, document.get("max_concurrency"))
         timeline = run.capture.timeline
-        cost_model = target.cost_model(options.get("dtype"))
+        cost_model = target.cost_model(options.get("dtype"), options.get("quantization", "none"))
         # Prefix-cache hits are not in the timeline, so those steps cannot be rebuilt.
         hits = spec.shared_prefix is not None and options.get("enable_prefix_caching", True)
         steps = replay_steps(timeline, requests, cost_model) if timeline and timeline.steps and not hits else None
