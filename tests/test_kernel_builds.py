@@ -21,6 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # Python loop, token for token.
 KERNEL_TESTS = ["tests/test_linear.py", "tests/test_token_ops.py", "tests/test_attention.py",
                 "tests/test_decoder_stack.py", "tests/test_int8.py"]
+# The emulated AVX-VNNI build differs from the AVX2 one in its int8 matmul alone.
+TARGET_TESTS = {"avx2_vnni_emulated": ["tests/test_int8.py"]}
 
 
 def _branch(extra_flags: list[str]) -> str | None:
@@ -30,7 +32,11 @@ def _branch(extra_flags: list[str]) -> str | None:
         out = subprocess.run(cmd, input="", capture_output=True, text=True, timeout=60, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    return "avx512" if "__AVX512F__ " in out else "avx2" if "__AVX2__ " in out else "generic"
+    if "__AVX512F__ " in out:
+        return "avx512"
+    if "__AVX2__ " in out:  # with AVX-VNNI's int8 matmul where the CPU has it (or it is emulated)
+        return "avx2+avx-vnni" if "__AVXVNNI__ " in out or "INFLIGHT_EMULATE_AVX_VNNI " in out else "avx2"
+    return "generic"
 
 
 def _checked_targets() -> dict[str, str]:
@@ -42,45 +48,52 @@ def _checked_targets() -> dict[str, str]:
     return {t: b for t, b in branches.items() if b is not None and b != native.isa()}
 
 
-def _avx512_check() -> tuple[list[str], Path] | str:
-    """The command that compiles the AVX-512 branch here (where the CPU cannot run it) and the
-    stamp that remembers its success, or why there is nothing to check."""
+# Branches the CPU may not run, compiled at least: the flags that select each (in place of
+# -march=native), and what the suite says of it.
+COMPILE_CHECKS = {"avx512": (["-march=x86-64-v4"], "AVX-512"),
+                  "avx2+avx-vnni": (["-march=x86-64-v3", "-mavxvnni"], "AVX-VNNI (vpdpbusd on 256 bits)")}
+
+
+def _compile_check(branch: str) -> tuple[list[str], Path] | str:
+    """The command that compiles `branch` here (where the CPU cannot run it) and the stamp that
+    remembers its success, or why there is nothing to check."""
+    flags, what = COMPILE_CHECKS[branch]
     native = kernels.cpu_kernels()
     if native is None:
         return "no C++ compiler for the CPU kernels"
-    if native.isa() == "avx512":
-        return "this CPU runs the AVX-512 branch, which the rest of the suite tests"
-    flags = ["-march=x86-64-v4"]
-    if _branch(flags) != "avx512":
-        return "the compiler here has no AVX-512 target"
+    if native.isa() == branch:
+        return f"this CPU runs the {what} branch, which the rest of the suite tests"
+    if _branch(flags) != branch:
+        return f"the compiler here has no {what} target"
     from torch.utils.cpp_extension import include_paths
 
     compiler = os.environ.get("CXX", "c++")
     includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
     cmd = [compiler, *[f for f in kernels.CFLAGS if not f.startswith("-march")], *flags, "-std=c++17", "-fPIC",
-           "-DTORCH_EXTENSION_NAME=inflight_avx512_check", "-DTORCH_API_INCLUDE_EXTENSION_H", *includes,
+           "-DTORCH_EXTENSION_NAME=inflight_compile_check", "-DTORCH_API_INCLUDE_EXTENSION_H", *includes,
            "-c", str(kernels.SOURCE), "-o", os.devnull]
     # A success is remembered for this source, these flags and this compiler, as torch's
     # extension cache remembers a build.
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([kernels.SOURCE.read_text(), *cmd, version]).encode()).hexdigest()[:16]
-    return cmd, Path.home() / ".cache" / "inflight" / "compile-checks" / f"avx512-{key}.ok"
+    return cmd, Path.home() / ".cache" / "inflight" / "compile-checks" / f"{branch}-{key}.ok"
 
 
 @pytest.fixture(scope="module")
 def builds() -> dict[str, subprocess.Popen[str] | str]:
     """Each checked build compiled (or found in the cache) by a process of its own, and the
-    AVX-512 compile check, all started at once: a compile runs on one core, and most of its time
+    compile checks, all started at once: a compile runs on one core, and most of its time
     (most of a minute) is spent parsing torch's headers. scripts/setup.sh has usually compiled
     them already (`prebuild`), and then each process only loads its build from the cache.
-    Target -> its process, or why not."""
+    Target (or "BRANCH-check") -> its process, or why not."""
     procs: dict[str, subprocess.Popen[str] | str] = {t: _build(t) for t in _checked_targets()}
-    check = _avx512_check()
-    if isinstance(check, str):
-        procs["avx512-check"] = check
-    elif not check[1].exists():
-        procs["avx512-check"] = subprocess.Popen(check[0], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                                 text=True)
+    for branch in COMPILE_CHECKS:
+        check = _compile_check(branch)
+        if isinstance(check, str):
+            procs[f"{branch}-check"] = check
+        elif not check[1].exists():
+            procs[f"{branch}-check"] = subprocess.Popen(check[0], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                                        text=True)
     yield procs
     for proc in procs.values():
         if isinstance(proc, subprocess.Popen) and proc.poll() is None:
@@ -90,20 +103,23 @@ def builds() -> dict[str, subprocess.Popen[str] | str]:
 
 def prebuild() -> int:
     """Compiles what this file checks ahead of the suite, all at once (scripts/setup.sh runs it
-    beside its other steps): the builds land in the kernel cache and the AVX-512 check leaves its
+    beside its other steps): the builds land in the kernel cache and each compile check leaves its
     stamp, so that the tests find them done. A failure here is left for the tests to report."""
     procs = {t: _build(t) for t in _checked_targets()}
-    check = _avx512_check()
-    if not isinstance(check, str) and not check[1].exists():
-        procs["avx512-check"] = subprocess.Popen(check[0], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                                 text=True)
+    stamps = {}
+    for branch in COMPILE_CHECKS:
+        check = _compile_check(branch)
+        if not isinstance(check, str) and not check[1].exists():
+            procs[f"{branch}-check"] = subprocess.Popen(check[0], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                                        text=True)
+            stamps[f"{branch}-check"] = check[1]
     for name, proc in procs.items():
         done = _finished(proc)
         if done.returncode != 0:
             print(f"setup: the {name} kernel build failed; tests/test_kernel_builds.py will say why", file=sys.stderr)
-        elif name == "avx512-check" and not isinstance(check, str):
-            check[1].parent.mkdir(parents=True, exist_ok=True)
-            check[1].touch()
+        elif name in stamps:
+            stamps[name].parent.mkdir(parents=True, exist_ok=True)
+            stamps[name].touch()
     print(f"inflight CPU kernels checked by the suite: {', '.join(procs) or 'none below this CPU'}")
     return 0
 
@@ -141,7 +157,7 @@ def test_each_build_passes_the_kernel_tests(target: str, builds: dict[str, subpr
     # Less the GIL test: the binding that releases the GIL is the same code in every branch, and
     # the portable branch's slow matmuls make it the longest test of the rerun.
     run = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-rs",
-                          "-k", "not release_the_gil", *KERNEL_TESTS],
+                          "-k", "not release_the_gil", *TARGET_TESTS.get(target, KERNEL_TESTS)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     out = run.stdout + run.stderr
     assert f"inflight CPU kernels: {branch} ({target} build)" in out, out[-3000:]
@@ -149,12 +165,14 @@ def test_each_build_passes_the_kernel_tests(target: str, builds: dict[str, subpr
     assert " passed" in out and " failed" not in out, out[-3000:]
 
 
-def test_the_avx512_branch_compiles(builds: dict[str, subprocess.Popen[str] | str]) -> None:
-    """Where the CPU has no AVX-512 the branch cannot run here, but it must still build."""
-    check = _avx512_check()
+@pytest.mark.parametrize("branch", list(COMPILE_CHECKS))
+def test_the_branches_this_cpu_cannot_run_compile(branch: str, builds: dict[str, subprocess.Popen[str] | str]) -> None:
+    """Where the CPU has no AVX-512 (or no AVX-VNNI) that branch cannot run here, but it must
+    still build."""
+    check = _compile_check(branch)
     if isinstance(check, str):
         pytest.skip(check)
-    proc = builds.get("avx512-check")
+    proc = builds.get(f"{branch}-check")
     if proc is None:  # remembered from an earlier success
         return
     assert isinstance(proc, subprocess.Popen)

@@ -3,7 +3,8 @@ cached (under $INFLIGHT_CACHE, default ~/.cache/inflight: `kernel-builds/`). Whe
 is at hand, or INFLIGHT_CPU_KERNELS=0, callers fall back to the plain-PyTorch path.
 
 The source has three instruction-set branches (AVX-512, AVX2 with FMA, and portable C++ that
-the compiler vectorises as it can); `-march=native` picks the widest this CPU runs. The other
+the compiler vectorises as it can; the int8 matmul also one for AVX2 with AVX-VNNI); `-march=native`
+picks the widest this CPU runs. The other
 `TARGETS` build the same machine's code with the wider extensions turned off, so that one machine
 can build and test every branch below its own (INFLIGHT_CPU_KERNELS_TARGET; the suite does it in
 tests/test_kernel_builds.py)."""
@@ -37,6 +38,9 @@ TARGETS: dict[str, list[str]] = {
     "native": [],
     "avx2": ["-mno-avx512f"],  # turns off every AVX-512 subset
     "generic": ["-mno-avx2", "-mno-avx512f"],
+    # The AVX2 branch with AVX-VNNI's int8 matmul, vpdpbusd's sums made from AVX2 instructions: for
+    # the suite, which tests that kernel's logic on any AVX2 CPU (an AVX-VNNI part builds it natively).
+    "avx2_vnni_emulated": ["-mno-avx512f", "-DINFLIGHT_EMULATE_AVX_VNNI"],
 }
 
 

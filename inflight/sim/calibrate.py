@@ -196,7 +196,7 @@ def _timed_engine(model: str | None, cases: Sequence[StepCase], num_kv_blocks: i
 # (`csrc` int8_isa): vpdpbusd makes four byte products in each 32-bit lane where an FMA makes one;
 # AVX2's vpmaddubsw makes four too but needs vpmaddwd and an add after it (about half the rate);
 # the portable loops, one. The fitted efficiency absorbs the rest.
-INT8_PEAK_FACTOR = {"avx512-vnni": 4.0, "avx2": 2.0, "generic": 1.0}
+INT8_PEAK_FACTOR = {"avx512-vnni": 4.0, "avx-vnni": 4.0, "avx2": 2.0, "generic": 1.0}
 # What an int8 fit may change of an engine profile: all but who it is and where it came from.
 _NOT_FITTED = {"name", "kind", "source", "calibration", "int8"}
 

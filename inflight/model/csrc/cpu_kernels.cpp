@@ -1874,6 +1874,10 @@ torch::Tensor gguf_blocks_linear(torch::Tensor, torch::Tensor, int64_t) {
 //
 // - AVX-512 VNNI: vpdpbusd multiplies unsigned by signed bytes, four into each int32 lane; the
 //   activations go in as qx + 128 (a flip of the sign bit) and 128 * sum qw comes off after.
+// - AVX-VNNI (AVX2 parts with vpdpbusd on 256 bits: Alder Lake and later cores, Sierra Forest,
+//   Zen 5): the same, 8 lanes at a time. INFLIGHT_EMULATE_AVX_VNNI builds this branch on any AVX2
+//   CPU with vpdpbusd's sums made from AVX2 instructions, so that its logic is tested everywhere
+//   (`kernels.TARGETS`, tests/test_kernel_builds.py).
 // - AVX2: vpmaddubsw on |qx| and qw carrying qx's sign (vpsignb), pairs summed in int16 (at most
 //   2 * 127 * 127, no saturation), then vpmaddwd into int32.
 // - Elsewhere: plain integer loops.
@@ -1885,6 +1889,12 @@ constexpr int64_t kI8Cols = 32;
 constexpr int kI8MaxRows = 12;  // 2 x 12 accumulators + 2 weight vectors of 32 zmm registers
 constexpr bool kI8Offset = true;
 constexpr const char* kI8Isa = "avx512-vnni";
+#elif defined(__AVX2__) && (defined(__AVXVNNI__) || defined(INFLIGHT_EMULATE_AVX_VNNI))
+#define INFLIGHT_I8_AVX_VNNI 1
+constexpr int64_t kI8Cols = 16;
+constexpr int kI8MaxRows = 6;  // 2 x 6 accumulators + 2 weight vectors + a broadcast of 16 ymm registers
+constexpr bool kI8Offset = true;
+constexpr const char* kI8Isa = "avx-vnni";
 #elif defined(__AVX2__)
 constexpr int64_t kI8Cols = 16;
 constexpr int kI8MaxRows = 4;
@@ -1947,6 +1957,19 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int8_t* q, 
   });
 }
 
+#if defined(INFLIGHT_I8_AVX_VNNI)
+// vpdpbusd on 256 bits: acc + the four products of unsigned u8 and signed s8 bytes of each lane.
+inline __m256i dpbusd256(__m256i acc, __m256i u8, __m256i s8) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u8, s8);
+#else  // INFLIGHT_EMULATE_AVX_VNNI: the same exact sums from AVX2 (bytes widened to 16 bits, vpmaddwd)
+  const __m256i u_even = _mm256_and_si256(u8, _mm256_set1_epi16(0x00FF)), u_odd = _mm256_srli_epi16(u8, 8);
+  const __m256i s_even = _mm256_srai_epi16(_mm256_slli_epi16(s8, 8), 8), s_odd = _mm256_srai_epi16(s8, 8);
+  return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(u_even, s_even), _mm256_madd_epi16(u_odd, s_odd)));
+#endif
+}
+#endif
+
 // acc[r][c] = sum over the panel's k of qx[r] (as stored in xq: + 128 where kI8Offset) * qw[c].
 template <int MR>
 inline void int8_micro(const int8_t* __restrict xq, int64_t ldx, const int8_t* __restrict w, int64_t groups,
@@ -1968,6 +1991,24 @@ inline void int8_micro(const int8_t* __restrict xq, int64_t ldx, const int8_t* _
   for (int r = 0; r < MR; ++r) {
     _mm512_storeu_si512(acc + r * kI8Cols, a0[r]);
     _mm512_storeu_si512(acc + r * kI8Cols + 16, a1[r]);
+  }
+#elif defined(INFLIGHT_I8_AVX_VNNI)
+  __m256i a0[MR], a1[MR];
+  for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_si256();
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + g * 64));
+    const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + g * 64 + 32));
+    for (int r = 0; r < MR; ++r) {
+      int32_t four;
+      std::memcpy(&four, xq + r * ldx + 4 * g, 4);
+      const __m256i xb = _mm256_set1_epi32(four);
+      a0[r] = dpbusd256(a0[r], xb, w0);
+      a1[r] = dpbusd256(a1[r], xb, w1);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kI8Cols), a0[r]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kI8Cols + 8), a1[r]);
   }
 #elif defined(__AVX2__)
   __m256i a0[MR], a1[MR];
@@ -2402,10 +2443,13 @@ class DecoderStack {
   int64_t blocks_max_rows_;
 };
 
-// Which of the file's instruction-set branches this build compiled (kernels.TARGETS).
+// Which of the file's instruction-set branches this build compiled (kernels.TARGETS); an AVX2
+// build with AVX-VNNI's int8 matmul says so.
 std::string isa() {
 #if defined(__AVX512F__)
   return "avx512";
+#elif defined(INFLIGHT_I8_AVX_VNNI)
+  return "avx2+avx-vnni";
 #elif defined(__AVX2__)
   return "avx2";
 #else
@@ -2414,7 +2458,7 @@ std::string isa() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("isa", &isa, "The instruction-set branch this build compiled: avx512, avx2 or generic");
+  m.def("isa", &isa, "The instruction-set branch this build compiled: avx512, avx2+avx-vnni, avx2 or generic");
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU, fp32)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("block_size"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
@@ -2435,7 +2479,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_panel_width", &gemm_panel_width, "Output columns per packed weight panel (32 with AVX-512)");
   m.def("pack_linear_weight", &pack_linear_weight, "Pack W [N, K] for packed_linear");
   m.def("packed_linear", &packed_linear, "x @ W.T (+ b) with a packed W (CPU, fp32)");
-  m.def("int8_isa", &int8_isa, "The int8 matmul's branch: avx512-vnni, avx2 or generic");
+  m.def("int8_isa", &int8_isa, "The int8 matmul's branch: avx512-vnni, avx-vnni, avx2 or generic");
   m.def("pack_int8_weight", &pack_int8_weight, "int8 [N, K] weight and its fp32 column scales -> packed (int8)");
   m.def("int8_linear", &int8_linear, "x @ W.T with W packed int8, x quantized per row and group of 64 k (CPU, W8A8)");
   m.def("int8_dots", &int8_dots, "The int8 matmul's exact integer dots, with x's quantized rows and scales");
