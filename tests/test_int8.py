@@ -78,6 +78,13 @@ def test_the_quantizers_round_trip_within_half_a_step() -> None:
         assert (q_part.abs().amax(dim=1) == 127).all()
 
 
+def test_the_int8_peak_is_timed_where_the_branch_has_instructions_of_its_own() -> None:
+    """benchmarks/peers.py's int8 roofline: the multiply-adds per second of the int8 matmul's
+    inner instructions, zero for the portable loops."""
+    rate = kernels.int8_peak_macs(2000)
+    assert rate == 0 if kernels.int8_isa() == "generic" else rate > 1e8
+
+
 def test_linear_reads_the_int8_weight_and_adds_the_bias_after() -> None:
     if linear_backend(torch.device("cpu"), torch.float32) != "inflight":
         pytest.skip("int8 runs on inflight's own linear backend")

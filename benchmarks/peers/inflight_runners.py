@@ -1,5 +1,6 @@
-"""Rows (c), (d), (e): inflight through its offline door, `LLMEngine.add_request` / `step`, on
-one loaded model shared by the three configurations."""
+"""Rows (c), (d), (e), (h): inflight through its offline door, `LLMEngine.add_request` / `step`,
+on one loaded model shared by the first three configurations (h: the model loaded with int8
+matmuls, `--quantization int8`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "c": {"scheduling_policy": "static", "max_batch_size": 64},
     "d": {"enable_chunked_prefill": False, "max_num_tokens": 2048, "max_batch_size": 64},
     "e": {"enable_chunked_prefill": True, "max_num_tokens": 512, "max_batch_size": 64},
+    "h": {"enable_chunked_prefill": True, "max_num_tokens": 512, "max_batch_size": 64, "quantization": "int8"},
 }
 
 

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -2101,6 +2102,82 @@ torch::Tensor signed_values(const torch::Tensor& q) {  // qx back from its store
 
 std::string int8_isa() { return kI8Isa; }
 
+namespace {
+// One thread's share of int8_peak_ops: the int8 microkernel's inner instructions on register
+// operands, as many independent accumulators as it keeps (its rows x two column vectors), for
+// `iterations` rounds; returns the multiply-adds done (and folds the sums into `sink`).
+int64_t int8_peak_thread(int64_t iterations, int64_t seed, std::atomic<int64_t>& sink) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  constexpr int kRows = kI8MaxRows;
+  __m512i acc[2 * kRows];
+  for (auto& a : acc) a = _mm512_setzero_si512();
+  __m512i x = _mm512_set1_epi32(static_cast<int32_t>(0x01020304 + seed));
+  const __m512i w0 = _mm512_set1_epi8(3), w1 = _mm512_set1_epi8(-5);
+  for (int64_t i = 0; i < iterations; ++i) {
+#pragma GCC unroll 16
+    for (int r = 0; r < kRows; ++r) {
+      asm volatile("" : "+v"(x));  // a fresh operand each time, as the kernel's broadcast load is
+      acc[2 * r] = _mm512_dpbusd_epi32(acc[2 * r], x, w0);
+      acc[2 * r + 1] = _mm512_dpbusd_epi32(acc[2 * r + 1], x, w1);
+    }
+  }
+  int64_t total = 0;
+  for (auto& a : acc) total += _mm512_reduce_add_epi32(a);
+  sink += total;
+  return iterations * kRows * 2 * 64;
+#elif defined(INFLIGHT_I8_AVX_VNNI) || defined(__AVX2__)
+  constexpr int kRows = kI8MaxRows;
+  __m256i acc[2 * kRows];
+  for (auto& a : acc) a = _mm256_setzero_si256();
+  __m256i x = _mm256_set1_epi32(static_cast<int32_t>(0x01020304 + seed));
+  const __m256i w0 = _mm256_set1_epi8(3), w1 = _mm256_set1_epi8(-5);
+#if !defined(INFLIGHT_I8_AVX_VNNI)
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  for (int64_t i = 0; i < iterations; ++i) {
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      asm volatile("" : "+x"(x));
+#if defined(INFLIGHT_I8_AVX_VNNI)
+      acc[2 * r] = dpbusd256(acc[2 * r], x, w0);
+      acc[2 * r + 1] = dpbusd256(acc[2 * r + 1], x, w1);
+#else  // the AVX2 kernel's sequence: |x| once, then per column vector the sign, two multiplies, an add
+      const __m256i ax = _mm256_abs_epi8(x);
+      acc[2 * r] = _mm256_add_epi32(acc[2 * r], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, x)), ones));
+      acc[2 * r + 1] =
+          _mm256_add_epi32(acc[2 * r + 1], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, x)), ones));
+#endif
+    }
+  }
+  alignas(32) int32_t lanes[8];
+  int64_t total = 0;
+  for (auto& a : acc) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), a);
+    for (int32_t v : lanes) total += v;
+  }
+  sink += total;
+  return iterations * kRows * 2 * 32;
+#else
+  (void)iterations, (void)seed, (void)sink;
+  return 0;  // the portable loops have no instruction of their own to time
+#endif
+}
+}  // namespace
+
+// The int8 roofline's peak: multiply-adds per second of the int8 matmul's inner instructions
+// (vpdpbusd, or AVX2's vpmaddubsw sequence) on every intra-op thread at once, from registers; 0
+// for the portable build. Timed beside the fp32 GEMM peak by benchmarks/peers.py.
+double int8_peak_macs(int64_t iterations) {
+  std::atomic<int64_t> sink{0}, macs{0};
+  const int64_t threads = at::get_num_threads();
+  const auto start = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) macs += int8_peak_thread(iterations, t, sink);
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return sink.load() == 42 ? 0.0 : static_cast<double>(macs.load()) / seconds;  // `sink` keeps the sums alive
+}
+
 // qw int8 [N, K] and its per-column scales fp32 [N] -> the packed weight (int8, 1-D).
 torch::Tensor pack_int8_weight(torch::Tensor q, torch::Tensor scales) {
   TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.dim() == 2 && q.is_contiguous(), "int8 [N, K] contiguous only");
@@ -2479,6 +2556,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_panel_width", &gemm_panel_width, "Output columns per packed weight panel (32 with AVX-512)");
   m.def("pack_linear_weight", &pack_linear_weight, "Pack W [N, K] for packed_linear");
   m.def("packed_linear", &packed_linear, "x @ W.T (+ b) with a packed W (CPU, fp32)");
+  m.def("int8_peak_macs", &int8_peak_macs,
+        "Multiply-adds per second of the int8 matmul's inner instructions on every thread (0: portable build)");
   m.def("int8_isa", &int8_isa, "The int8 matmul's branch: avx512-vnni, avx-vnni, avx2 or generic");
   m.def("pack_int8_weight", &pack_int8_weight, "int8 [N, K] weight and its fp32 column scales -> packed (int8)");
   m.def("int8_linear", &int8_linear, "x @ W.T with W packed int8, x quantized per row and group of 64 k (CPU, W8A8)");
