@@ -64,8 +64,14 @@ def test_integer_dots_and_outputs_are_exact(rows: int, n: int, k: int) -> None:
 def test_the_quantizers_round_trip_within_half_a_step() -> None:
     torch.manual_seed(0)
     weight = torch.randn(40, 96) * torch.logspace(-3, 2, 40)[:, None]
+    weight[7] = 0
     q, scale = quantize_int8(weight)
-    assert q.abs().max() <= 127 and (q.abs().amax(dim=1) == 127).all()  # each row's largest is +-127
+    # The load's one-pass quantizer packs exactly these values.
+    assert torch.equal(kernels.row_absmax(weight), weight.abs().amax(dim=1))
+    assert torch.equal(Linear(weight, None, "inflight", int8=True).blocks, kernels.pack_int8_weight(q, scale))
+    nonzero = torch.arange(40) != 7
+    assert q.abs().max() <= 127 and (q[nonzero].abs().amax(dim=1) == 127).all()  # each row's largest is +-127
+    assert scale[7] == 0 and not q[7].any()
     assert ((weight - q.float() * scale[:, None]).abs() <= scale[:, None] / 2 * (1 + 1e-5)).all()
     x = torch.randn(9, 96) * torch.logspace(-4, 3, 9)[:, None]
     x[:, 64:] *= 1e-3  # the last group's scale is its own, not the row's

@@ -66,13 +66,17 @@ def blocks_usable() -> bool:
             and kernels.gguf_blocks_available())
 
 
+def int8_row_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """From each row's max |w|: (scale = max / 127, inv = 127 / max, 0 for an all-zero row)."""
+    return amax / 127, torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per output row: (q in [-127, 127], scale) with weight ~ q * scale[:, None];
-    an all-zero row gets scale 0 and zeros."""
-    amax = weight.float().abs().amax(dim=1)
-    scale = amax / 127
-    safe = torch.where(amax > 0, scale, torch.ones_like(scale))
-    q = torch.round(weight.float() / safe[:, None]).clamp(-127, 127).to(torch.int8)
+    """Symmetric int8 per output row: (q in [-127, 127], scale) with weight ~ q * scale[:, None],
+    q = round(w * inv) (half to even, as the activations' are); an all-zero row gets scale 0 and
+    zeros. The reference of the kernels' one-pass `quantize_pack_int8`, which `Linear` uses."""
+    scale, inv = int8_row_scales(weight.float().abs().amax(dim=1))
+    q = torch.round(weight.float() * inv[:, None]).clamp(-127, 127).to(torch.int8)
     return q.contiguous(), scale.contiguous()
 
 
@@ -110,8 +114,9 @@ class Linear:
             assert self._kernels is not None
             if gguf_blocks is not None and weight.is_meta:  # this matrix alone widened, then quantized
                 weight = self._kernels.gguf_blocks_dequantize(self._pack_blocks(gguf_blocks))
-            q, scales = quantize_int8(weight)
-            self.blocks = self._kernels.pack_int8_weight(q, scales)
+            weight = weight.float().contiguous()
+            scales, inv = int8_row_scales(self._kernels.row_absmax(weight))
+            self.blocks = self._kernels.quantize_pack_int8(weight, inv, scales)  # quantize_int8, packed
             self.weight = torch.empty(0)
         elif backend == "inflight":
             self._kernels = cpu_kernels()

@@ -214,9 +214,9 @@ def _is_lm_head(name: str) -> bool:
 # `--quantization int8`: bytes a weight of an int8 matrix as packed (a byte, and per column its
 # fp32 scale and an int32 offset for each 64 weights: `csrc` pack_int8_weight), and what
 # quantizing a matrix kept as stored holds besides, a weight at a time: its blocks repacked
-# (about a byte), its fp32 form, and quantize_int8's fp32 and int8 temporaries.
+# (up to 2 bytes, 16-bit tensors), its fp32 form (4), quantized in one pass into its packing.
 INT8_BYTES = 1 + 4 / 64
-INT8_TRANSIENT_BYTES = 14
+INT8_TRANSIENT_BYTES = 6
 
 
 def _tensor_table(source: ModelSource) -> dict[str, tuple[int, int, int]]:

@@ -1864,8 +1864,8 @@ torch::Tensor gguf_blocks_linear(torch::Tensor, torch::Tensor, int64_t) {
 // scale sw: `inflight/model/linear.py`); each step's activations dynamically, here, per row and
 // per group of kI8Group consecutive k (qx in [-127, 127], sx_g = max|x_g| / 127; the last group
 // of a row may be shorter): one scale per row lets a few large activations (the MLP's down
-// projection has them) flatten every small one, and costs the embedded model 3.2% perplexity
-// where groups of 64 cost none measurable (benchmarks/quality.py). Each group's dot product is
+// projection has them) flatten every small one, and costs the embedded model 3.4% perplexity
+// where groups of 64 cost 0.6% (benchmarks/quality.py). Each group's dot product is
 // integer and exact (at most 64 * 127 * 127 < 2^24, so exact in fp32 too); the output is
 // (((d_0 * sx_0) + d_1 * sx_1) + ...) * sw, each product and each sum rounded in that order (no
 // fused multiply-add: tests/test_int8.py reproduces it bit for bit). Packed: a 64-byte header
@@ -2204,6 +2204,64 @@ torch::Tensor pack_int8_weight(torch::Tensor q, torch::Tensor scales) {
     const int64_t p = col / kI8Cols, c = col % kI8Cols;
     for (int64_t i = 0; i < k; ++i) panel[(p * (kp / 4) + i / 4) * kI8Cols * 4 + c * 4 + i % 4] = row[i];
   }
+  return out;
+}
+
+// max |w| of each row of an fp32 weight [N, K] (exact), the first half of quantizing it at load.
+torch::Tensor row_absmax(torch::Tensor w) {
+  TORCH_CHECK(w.dtype() == torch::kFloat32 && w.dim() == 2 && w.is_contiguous(), "float32 [N, K] contiguous only");
+  const int64_t n = w.size(0), k = w.size(1);
+  auto out = torch::empty({n}, w.options());
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float amax = 0.f;
+      for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(wp[r * k + i]));
+      op[r] = amax;
+    }
+  });
+  return out;
+}
+
+// An fp32 weight [N, K] quantized and packed in one parallel pass: each row's qw =
+// clamp(round_half_even(w * inv), -127, 127) with the row's `inv` (127 / max|w|, or 0), its scale
+// `scales` as given: pack_int8_weight of the same q, byte for byte (linear.quantize_int8 computes
+// the same q in torch, the reference of tests/test_int8.py).
+torch::Tensor quantize_pack_int8(torch::Tensor w, torch::Tensor inv, torch::Tensor scales) {
+  TORCH_CHECK(w.dtype() == torch::kFloat32 && w.dim() == 2 && w.is_contiguous(), "float32 [N, K] contiguous only");
+  TORCH_CHECK(inv.dtype() == torch::kFloat32 && inv.numel() == w.size(0) && scales.dtype() == torch::kFloat32 &&
+                  scales.numel() == w.size(0), "inv and scales must be float32 [N]");
+  const int64_t n = w.size(0), k = w.size(1), kp = (k + 3) / 4 * 4, panels = (n + kI8Cols - 1) / kI8Cols;
+  const int64_t cols = panels * kI8Cols, groups = int8_groups(k);
+  auto out = torch::zeros({kI8Header + cols * 4 * (1 + groups) + panels * kp * kI8Cols}, w.options().dtype(torch::kInt8));
+  int8_t* base = out.data_ptr<int8_t>();
+  const int64_t h[4] = {n, k, kp, panels};
+  std::memcpy(base, h, sizeof(h));
+  float* sw = reinterpret_cast<float*>(base + kI8Header);
+  int32_t* offsets = reinterpret_cast<int32_t*>(base + kI8Header + cols * 4);
+  int8_t* panel = base + kI8Header + cols * 4 * (1 + groups);
+  const float* wp = w.data_ptr<float>();
+  const float* ip = inv.contiguous().data_ptr<float>();
+  const float* sp = scales.contiguous().data_ptr<float>();
+  at::parallel_for(0, n, kI8Cols, [&](int64_t begin, int64_t end) {
+    for (int64_t col = begin; col < end; ++col) {
+      const float* row = wp + col * k;
+      const float scale_inv = ip[col];
+      const int64_t p = col / kI8Cols, c = col % kI8Cols;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < k; ++i) {
+        const int8_t q = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(row[i] * scale_inv))));
+        panel[(p * (kp / 4) + i / 4) * kI8Cols * 4 + c * 4 + i % 4] = q;
+        sum += q;
+        if ((i + 1) % kI8Group == 0 || i + 1 == k) {
+          offsets[(i / kI8Group) * cols + col] = 128 * sum;
+          sum = 0;
+        }
+      }
+      sw[col] = sp[col];
+    }
+  });
   return out;
 }
 
@@ -2556,6 +2614,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_panel_width", &gemm_panel_width, "Output columns per packed weight panel (32 with AVX-512)");
   m.def("pack_linear_weight", &pack_linear_weight, "Pack W [N, K] for packed_linear");
   m.def("packed_linear", &packed_linear, "x @ W.T (+ b) with a packed W (CPU, fp32)");
+  m.def("row_absmax", &row_absmax, "max |w| of each row of an fp32 [N, K] weight");
+  m.def("quantize_pack_int8", &quantize_pack_int8,
+        "An fp32 [N, K] weight quantized with each row's inv (127 / max|w|) and packed as pack_int8_weight packs it");
   m.def("int8_peak_macs", &int8_peak_macs,
         "Multiply-adds per second of the int8 matmul's inner instructions on every thread (0: portable build)");
   m.def("int8_isa", &int8_isa, "The int8 matmul's branch: avx512-vnni, avx-vnni, avx2 or generic");
