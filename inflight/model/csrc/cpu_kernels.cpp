@@ -2178,33 +2178,51 @@ double int8_peak_macs(int64_t iterations) {
   return sink.load() == 42 ? 0.0 : static_cast<double>(macs.load()) / seconds;  // `sink` keeps the sums alive
 }
 
+namespace {
+// An int8 weight's packing being written (the layout above): each column's values, offsets and
+// scale go in with `column`, which one thread may call for its own columns.
+struct Int8Packing {
+  torch::Tensor out;
+  int64_t k, kp, cols, groups;
+  float* sw;
+  int32_t* offsets;
+  int8_t* panel;
+
+  Int8Packing(int64_t n, int64_t k_, const torch::TensorOptions& options) : k(k_), kp((k_ + 3) / 4 * 4) {
+    const int64_t panels = (n + kI8Cols - 1) / kI8Cols;
+    cols = panels * kI8Cols, groups = int8_groups(k);
+    out = torch::zeros({kI8Header + cols * 4 * (1 + groups) + panels * kp * kI8Cols}, options.dtype(torch::kInt8));
+    int8_t* base = out.data_ptr<int8_t>();
+    const int64_t h[4] = {n, k, kp, panels};
+    std::memcpy(base, h, sizeof(h));
+    sw = reinterpret_cast<float*>(base + kI8Header);
+    offsets = reinterpret_cast<int32_t*>(base + kI8Header + cols * 4);
+    panel = base + kI8Header + cols * 4 * (1 + groups);
+  }
+
+  // Column `col`: its K values qw, its scale.
+  void column(int64_t col, const int8_t* q, float scale) {
+    const int64_t p = col / kI8Cols, c = col % kI8Cols;
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t sum = 0;
+      for (int64_t i = g * kI8Group; i < std::min(k, (g + 1) * kI8Group); ++i) sum += q[i];
+      offsets[g * cols + col] = 128 * sum;
+    }
+    for (int64_t i = 0; i < k; ++i) panel[(p * (kp / 4) + i / 4) * kI8Cols * 4 + c * 4 + i % 4] = q[i];
+    sw[col] = scale;
+  }
+};
+}  // namespace
+
 // qw int8 [N, K] and its per-column scales fp32 [N] -> the packed weight (int8, 1-D).
 torch::Tensor pack_int8_weight(torch::Tensor q, torch::Tensor scales) {
   TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.dim() == 2 && q.is_contiguous(), "int8 [N, K] contiguous only");
   TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.numel() == q.size(0), "scales must be float32 [N]");
-  const int64_t n = q.size(0), k = q.size(1), kp = (k + 3) / 4 * 4, panels = (n + kI8Cols - 1) / kI8Cols;
-  const int64_t cols = panels * kI8Cols, groups = int8_groups(k);
-  auto out = torch::zeros({kI8Header + cols * 4 * (1 + groups) + panels * kp * kI8Cols}, q.options());
-  int8_t* base = out.data_ptr<int8_t>();
-  const int64_t h[4] = {n, k, kp, panels};
-  std::memcpy(base, h, sizeof(h));
-  float* sw = reinterpret_cast<float*>(base + kI8Header);
-  int32_t* offsets = reinterpret_cast<int32_t*>(base + kI8Header + cols * 4);
-  int8_t* panel = base + kI8Header + cols * 4 * (1 + groups);
+  Int8Packing packing(q.size(0), q.size(1), q.options());
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scales.contiguous().data_ptr<float>();
-  for (int64_t col = 0; col < n; ++col) {
-    const int8_t* row = qp + col * k;
-    for (int64_t g = 0; g < groups; ++g) {
-      int32_t sum = 0;
-      for (int64_t i = g * kI8Group; i < std::min(k, (g + 1) * kI8Group); ++i) sum += row[i];
-      offsets[g * cols + col] = 128 * sum;
-    }
-    sw[col] = sp[col];
-    const int64_t p = col / kI8Cols, c = col % kI8Cols;
-    for (int64_t i = 0; i < k; ++i) panel[(p * (kp / 4) + i / 4) * kI8Cols * 4 + c * 4 + i % 4] = row[i];
-  }
-  return out;
+  for (int64_t col = 0; col < q.size(0); ++col) packing.column(col, qp + col * q.size(1), sp[col]);
+  return packing.out;
 }
 
 // max |w| of each row of an fp32 weight [N, K] (exact), the first half of quantizing it at load.
@@ -2232,37 +2250,20 @@ torch::Tensor quantize_pack_int8(torch::Tensor w, torch::Tensor inv, torch::Tens
   TORCH_CHECK(w.dtype() == torch::kFloat32 && w.dim() == 2 && w.is_contiguous(), "float32 [N, K] contiguous only");
   TORCH_CHECK(inv.dtype() == torch::kFloat32 && inv.numel() == w.size(0) && scales.dtype() == torch::kFloat32 &&
                   scales.numel() == w.size(0), "inv and scales must be float32 [N]");
-  const int64_t n = w.size(0), k = w.size(1), kp = (k + 3) / 4 * 4, panels = (n + kI8Cols - 1) / kI8Cols;
-  const int64_t cols = panels * kI8Cols, groups = int8_groups(k);
-  auto out = torch::zeros({kI8Header + cols * 4 * (1 + groups) + panels * kp * kI8Cols}, w.options().dtype(torch::kInt8));
-  int8_t* base = out.data_ptr<int8_t>();
-  const int64_t h[4] = {n, k, kp, panels};
-  std::memcpy(base, h, sizeof(h));
-  float* sw = reinterpret_cast<float*>(base + kI8Header);
-  int32_t* offsets = reinterpret_cast<int32_t*>(base + kI8Header + cols * 4);
-  int8_t* panel = base + kI8Header + cols * 4 * (1 + groups);
+  const int64_t n = w.size(0), k = w.size(1);
+  Int8Packing packing(n, k, w.options());
   const float* wp = w.data_ptr<float>();
   const float* ip = inv.contiguous().data_ptr<float>();
   const float* sp = scales.contiguous().data_ptr<float>();
-  at::parallel_for(0, n, kI8Cols, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, kI8Cols, [&](int64_t begin, int64_t end) {  // whole panels a thread, mostly
+    std::vector<int8_t> q(k);
     for (int64_t col = begin; col < end; ++col) {
-      const float* row = wp + col * k;
-      const float scale_inv = ip[col];
-      const int64_t p = col / kI8Cols, c = col % kI8Cols;
-      int32_t sum = 0;
-      for (int64_t i = 0; i < k; ++i) {
-        const int8_t q = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(row[i] * scale_inv))));
-        panel[(p * (kp / 4) + i / 4) * kI8Cols * 4 + c * 4 + i % 4] = q;
-        sum += q;
-        if ((i + 1) % kI8Group == 0 || i + 1 == k) {
-          offsets[(i / kI8Group) * cols + col] = 128 * sum;
-          sum = 0;
-        }
-      }
-      sw[col] = sp[col];
+      for (int64_t i = 0; i < k; ++i)
+        q[i] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(wp[col * k + i] * ip[col]))));
+      packing.column(col, q.data(), sp[col]);
     }
   });
-  return out;
+  return packing.out;
 }
 
 // The exact integer dot products of each group, qx_g . qw_g [M, N, groups], of x's rows as the
