@@ -27,7 +27,12 @@ the load timed is the one a restarted server sees. Each child warms up with two 
 before the single-stream and burst runs. The weights may be random: this measures speed and
 memory, and how often the two engines' greedy tokens agree is reported only as a sanity check
 (they do not compute bit-identical logits: llama.cpp quantizes activations to 8 bits for its
-dot products, inflight multiplies fp32 activations by the dequantized weights).
+dot products, inflight multiplies fp32 activations by the dequantized weights; `inflight-a8`,
+inflight with `--quantization int8-activations`, computes llama.cpp's way, its own contract).
+
+Engines (`--engines`, in this order by default): inflight, inflight-a8, llama.cpp. Prompts are
+random ids below 128000 and the file's vocabulary size (any Llama-shaped file, the embedded
+model too).
 
 Making the models (random N(0, 0.02) weights, norms 1.0 in F32, Llama 3's tokenizer from
 tests/fixtures/gguf-vocab/llama-bpe.gguf.gz; Q8_0 written by gguf-py, Q4_K_M by llama.cpp's own
@@ -52,7 +57,7 @@ Running (the 1B files; the 8B ones with `--single-tokens 32 --burst-tokens 16`):
         --model /tmp/ggufs/llama-3.2-1b-shaped-Q4_K_M.gguf --model /tmp/ggufs/llama-3.2-1b-shaped-Q8_0.gguf \\
         --output benchmarks/results/gguf-vs-llama-cpp-1b.json
 
-The script runs itself as each child (`--child inflight|llama.cpp JOB RESULT`), under the Python
+The script runs itself as each child (`--child inflight|inflight-a8|llama.cpp JOB RESULT`), under the Python
 of that engine: standard library only at the top, each engine's imports inside its child.
 """
 
@@ -75,7 +80,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 PEERS = HERE / "peers"
 VOCAB_FIXTURE = REPO / "tests" / "fixtures" / "gguf-vocab" / "llama-bpe.gguf.gz"
-ENGINES = ("inflight", "llama.cpp")
+# inflight-a8: inflight with `--quantization int8-activations` (the blocks times int8 activations,
+# llama.cpp's arithmetic) in place of its default bit-exact fp32 one.
+ENGINES = ("inflight", "inflight-a8", "llama.cpp")
 FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8")
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -216,13 +223,21 @@ def write_q8_model(path: Path, shape: dict[str, Any], seed: int, pool_blocks: in
 
 def workload(seed: int, single_prompt: int, single_tokens: int, burst_requests: int, burst_prompt: tuple[int, int],
              burst_tokens: int, vocab: int = 128000) -> dict[str, Any]:
-    """Token ids below the special tokens of Llama 3's vocabulary (128000+)."""
-    rng = random.Random(seed)
-    ids = lambda n: [rng.randrange(1000, vocab) for _ in range(n)]  # noqa: E731
+    """Random token ids in [1000, vocab) (below the special tokens of Llama 3's vocabulary,
+    128000+); the prompt lengths do not depend on `vocab`."""
+    lengths, values = random.Random(seed), random.Random(seed + 1)
+    ids = lambda n: [values.randrange(1000, vocab) for _ in range(n)]  # noqa: E731
     single = {"prompt_token_ids": ids(single_prompt), "max_tokens": single_tokens, "arrival_s": 0.0}
-    burst = [{"prompt_token_ids": ids(rng.randint(*burst_prompt)), "max_tokens": burst_tokens, "arrival_s": 0.0}
+    burst = [{"prompt_token_ids": ids(lengths.randint(*burst_prompt)), "max_tokens": burst_tokens, "arrival_s": 0.0}
              for _ in range(burst_requests)]
     return {"single": single, "burst": burst}
+
+
+def vocabulary_size(path: str) -> int:
+    """Tokens in a GGUF file's vocabulary (the prompts' ids stay below it and below 128000)."""
+    import gguf
+
+    return min(128000, len(gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"].data))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,7 +265,7 @@ def child(engine: str, job_path: str, result_path: str) -> None:
     threads, n_ctx_per_seq, n_seq = job["threads"], job["n_ctx_per_seq"], job["n_seq_max"]
     info: dict[str, Any] = {}
     t_import = time.perf_counter()
-    if engine == "inflight":
+    if engine.startswith("inflight"):
         import torch
 
         torch.set_num_threads(threads)
@@ -269,7 +284,8 @@ def child(engine: str, job_path: str, result_path: str) -> None:
         t0 = time.perf_counter()
         options = {"dtype": "float32", "device": "cpu", "max_batch_size": n_seq, "max_num_tokens": job["n_batch"],
                    "enable_chunked_prefill": True, "num_kv_blocks": n_seq * n_ctx_per_seq // 16,
-                   "block_size": 16, "max_model_len": n_ctx_per_seq}
+                   "block_size": 16, "max_model_len": n_ctx_per_seq,
+                   "quantization": "int8-activations" if engine == "inflight-a8" else "none"}
         engine_obj = LLM(job["model"], **options).engine
         load_s = time.perf_counter() - t0
         info["options"] = options
@@ -439,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", action="append", default=[], help="a GGUF file (repeatable)")
     p.add_argument("--llama-cpp-python", metavar="PATH", help="a Python where `import llama_cpp` works")
-    p.add_argument("--engines", default="inflight,llama.cpp", help="comma-separated, run in this order")
+    p.add_argument("--engines", default="inflight,inflight-a8,llama.cpp", help="comma-separated, run in this order")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--single-prompt", type=int, default=32, help="single stream: prompt tokens (default 32)")
     p.add_argument("--single-tokens", type=int, default=128, help="single stream: generated tokens (default 128)")
@@ -475,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown engine(s) {unknown}; choose from {','.join(ENGINES)}")
     if "llama.cpp" in engines and not args.llama_cpp_python:
         p.error("llama.cpp needs --llama-cpp-python PATH (or --engines inflight)")
-    pythons = {"inflight": sys.executable, "llama.cpp": args.llama_cpp_python}
+    pythons = {"inflight": sys.executable, "inflight-a8": sys.executable, "llama.cpp": args.llama_cpp_python}
 
     lo, hi = (int(x) for x in args.burst_prompt.split(","))
     work = workload(args.seed, args.single_prompt, args.single_tokens, args.burst_requests, (lo, hi),
@@ -498,8 +514,10 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.model:
         model = str(Path(model).resolve())
         entry: dict[str, Any] = {"model": model, "size_bytes": Path(model).stat().st_size, "results": {}}
-        if "inflight" in engines:
+        if any(e.startswith("inflight") for e in engines):
             subprocess.run([sys.executable, "-c", _PREPARE, model], check=True, cwd=REPO)
+        work = workload(args.seed, args.single_prompt, args.single_tokens, args.burst_requests, (lo, hi),
+                        args.burst_tokens, vocabulary_size(model))
         job = {"model": model, "threads": args.threads, "n_ctx_per_seq": n_ctx_per_seq,
                "n_seq_max": args.burst_requests, "n_batch": args.n_batch, **work}
         for engine in engines:
@@ -519,9 +537,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{result['other_processes_cpu_s']:.0f} CPU-s of the {result['child_wall_s']:.0f} s run, "
                   f"the hypervisor {result['stolen_cpu_s']:.0f}",
                   file=sys.stderr)
-        ok = [r for r in entry["results"].values() if "error" not in r]
-        if len(ok) == 2:
-            entry["agreement"] = agreement(*ok)
+        ok = {e: r for e, r in entry["results"].items() if "error" not in r}
+        if "llama.cpp" in ok:  # each inflight form's greedy tokens against llama.cpp's
+            entry["agreement"] = {e: agreement(r, ok["llama.cpp"]) for e, r in ok.items() if e != "llama.cpp"}
         record["runs"].append(entry)
         _save(args.output, record)  # after each file: a later failure keeps the earlier ones
     _save(args.output, record)
@@ -556,10 +574,10 @@ def print_table(record: dict[str, Any]) -> None:
                   f"{m['RssFile'] / gb:6.2f} {end['VmHWM'] / gb:8.2f} {end['RssAnon'] / gb:8.2f} "
                   f"{r['single']['decode_tok_s']:14.2f} {r['burst']['tok_s']:11.1f} "
                   f"{r.get('other_processes_cpu_s', float('nan')):12.0f}")
-        if "agreement" in entry:
-            a = entry["agreement"]
-            print(f"{'':<34} greedy tokens agree: first token {a['first_token_equal']}/{a['requests']}, "
-                  f"all {a['all_equal']}/{a['requests']}, mean common prefix {a['mean_common_prefix']:.1f}")
+        for engine, a in entry.get("agreement", {}).items():
+            print(f"{'':<34} {engine} and llama.cpp's greedy tokens agree: first token "
+                  f"{a['first_token_equal']}/{a['requests']}, all {a['all_equal']}/{a['requests']}, "
+                  f"mean common prefix {a['mean_common_prefix']:.1f}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@
 
 With `--types`, instead: each GGUF type the matmuls read as stored (`loader.BLOCK_TYPES`), its packed
 bytes a weight and the time of two Llama-3.2-1B-shaped layers' matmuls (hidden 2048, FFN 8192,
-8 KV heads of 64) at 1 to 256 rows beside fp32 panels of the same shapes, alternated.
+8 KV heads of 64) at 1 to 256 rows beside fp32 panels of the same shapes, alternated; and for
+each quantized type a second row, `+int8 act.`: the same blocks times int8 activations
+(`--quantization int8-activations`), its time and the fp32-arithmetic blocks' time / its own.
 
 With `--against REV`, instead: the kernels of this checkout beside those of git revision REV
 (built from its `cpu_kernels.cpp` under another name), alternated in one process, several rounds:
@@ -42,7 +44,7 @@ import torch.nn.functional as F
 
 from inflight.engine.memory import huge_page_zeros
 from inflight.model.kernels import CFLAGS, LDFLAGS, cpu_kernels
-from inflight.model.linear import Linear
+from inflight.model.linear import INTEGER_BLOCK_TYPES, Linear
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 LAYER_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out): qkv, o, gate_up, down
@@ -208,19 +210,29 @@ def block_types() -> None:
             linear(x[linear.in_features])
 
     for kind in BLOCK_TYPES:
-        stored = [Linear(torch.empty(n, k, device="meta"), None, "inflight",
-                         gguf_blocks=(kind, _stored_rows(kind, n, k, rng))) for _ in range(2) for k, n in shapes]
+        raw = [_stored_rows(kind, n, k, rng) for _ in range(2) for k, n in shapes]
+        meta = [torch.empty(n, k, device="meta") for _ in range(2) for k, n in shapes]
+        stored = [Linear(w, None, "inflight", gguf_blocks=(kind, r)) for w, r in zip(meta, raw, strict=True)]
+        a8 = [Linear(w, None, "inflight", gguf_blocks=(kind, r), int8_activations=True)
+              for w, r in zip(meta, raw, strict=True)] if kind in INTEGER_BLOCK_TYPES else []
         packed = sum(linear.blocks.numel() for linear in stored if linear.blocks is not None)
-        cells = []
+        cells, a8_cells = [], []
         for rows in row_counts:
             x = {hidden: torch.randn(rows, hidden), ffn: torch.randn(rows, ffn)}
-            times = _alternated({"stored": functools.partial(run, stored, x), "fp32": functools.partial(run, fp32, x)},
-                                rounds=2)
+            fns = {"stored": functools.partial(run, stored, x), "fp32": functools.partial(run, fp32, x)}
+            if a8:
+                fns["a8"] = functools.partial(run, a8, x)
+            times = _alternated(fns, rounds=2)
             ours, theirs = min(times["stored"]), min(times["fp32"])
             cells.append(f"{1000 * ours:6.1f} ({theirs / ours:4.2f}x)")
+            if a8:
+                a8_cells.append(f"{1000 * min(times['a8']):6.1f} ({ours / min(times['a8']):4.2f}x)")
         print(f"{kind:6s} {packed / numel:12.3f} " + " ".join(f"{c:>16s}" for c in cells))
-        del stored
-    print("(x: fp32 panels' time / this type's, in the same rounds)")
+        if a8_cells:
+            print(f"{'  +int8 act.':19s} " + " ".join(f"{c:>16s}" for c in a8_cells))
+        del stored, a8
+    print("(x: fp32 panels' time / this type's; +int8 act.: the type's fp32-arithmetic time / its own with int8 "
+          "activations; in the same rounds)")
 
 
 def _layers_beyond_cache(batch: int, context: int) -> int:

@@ -7,6 +7,8 @@ for the same model computed as
 - `stored`: the file as it ships (Q4_1 blocks read in place; the contract is bit-equality with
   their fp32 dequantization, so this row must equal `fp32`);
 - `int8`: `--quantization int8` (W8A8) on the stored file;
+- `int8-activations`: `--quantization int8-activations` on the stored file (its Q4_1 blocks times
+  activations quantized per row and 32 inputs: llama.cpp's arithmetic);
 - `Q8_0`, `Q5_1`, `Q5_0`, `Q4_0`, ...: the decoder matrices quantized again by gguf-py from the
   fp32 weights (so each row shows what its block type loses against the weights it was made
   from); the token embedding (the tied LM head) stays as stored in every row;
@@ -25,7 +27,7 @@ The figures:
   ignored): the share of positions equal to the reference's, and the mean number of tokens
   before the first difference.
 
-    .venv/bin/python benchmarks/quality.py [--variants fp32,stored,int8,Q8_0,Q5_1,Q5_0,Q4_0]
+    .venv/bin/python benchmarks/quality.py [--variants fp32,stored,int8,int8-activations,Q8_0,Q5_1,Q5_0,Q4_0]
         [--gguf FILE ...] [--tokens 4096] [--window 512] [--output runs/quality.json]
 """
 
@@ -53,7 +55,7 @@ from inflight.request import SamplingParams
 HERE = Path(__file__).resolve().parent
 TASK = HERE / "lm_eval" / "task.jsonl"
 PROMPT_LEN = 48
-DEFAULT_VARIANTS = "fp32,stored,int8,Q8_0,Q5_1,Q5_0,Q4_0"
+DEFAULT_VARIANTS = "fp32,stored,int8,int8-activations,Q8_0,Q5_1,Q5_0,Q4_0"
 
 
 @dataclass
@@ -104,8 +106,8 @@ def variants(names: list[str], files: list[str], folder: Path) -> list[Variant]:
     for name in names:
         if name == "stored":
             rows.append(Variant(name, stored))
-        elif name == "int8":
-            rows.append(Variant(name, stored, {"quantization": "int8"}))
+        elif name in ("int8", "int8-activations"):
+            rows.append(Variant(name, stored, {"quantization": name}))
         else:
             rows.append(Variant(name, requantized(stored, "F32" if name == "fp32" else name, folder)))
     rows += [Variant(Path(f).name, Path(f)) for f in files]
@@ -230,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default=DEFAULT_VARIANTS,
-                        help="comma-separated: fp32, stored, int8, or a gguf-py block type (Q8_0, Q5_1, ...); "
-                             "the first is the reference")
+                        help="comma-separated: fp32, stored, int8, int8-activations, or a gguf-py block type "
+                             "(Q8_0, Q5_1, ...); the first is the reference")
     parser.add_argument("--gguf", action="append", default=[], help="another file of the same model (repeatable)")
     parser.add_argument("--tokens", type=int, default=4096, help="perplexity tokens (a multiple of --window)")
     parser.add_argument("--window", type=int, default=512)

@@ -262,7 +262,7 @@ class SchedulerConfig:
 
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "int8-activations")
 
 
 @dataclass(frozen=True)
@@ -278,7 +278,10 @@ class EngineConfig:
     quantization: str = option("none", "weights computed as stored (none), or int8: W8A8, each decoder matmul's "
                                        "weights int8 per output channel and its activations per token and "
                                        "group of 64 inputs, integer dot products (VNNI where the CPU has it); "
-                                       "LM head, norms and attention stay fp32", choices=QUANTIZATIONS)
+                                       "LM head, norms and attention stay fp32; or int8-activations: a GGUF "
+                                       "file's quantized blocks as stored times activations quantized per row "
+                                       "and 32 inputs, integer dot products (llama.cpp's arithmetic)",
+                                choices=QUANTIZATIONS)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     step_history: int = 4096

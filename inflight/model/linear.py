@@ -17,12 +17,17 @@ a decode step reads them): 64 rows take 38 ms with `inflight`, 45 ms with `onedn
 order). Other devices and dtypes always take `F.linear`.
 
 A decode step of a few requests is memory-bound: it streams every weight from DRAM once.
-Where the checkpoint is a GGUF file whose weights are stored as Q4_0, Q4_1, Q4_K, Q5_0 or Q8_0
-blocks, `inflight` keeps only those blocks (`Linear`): 0.75 (the 4-bit types, as packed) or 1.125
-bytes a weight instead of 4. Steps of a few
-rows dequantize them in registers; larger ones one panel at a time into cache, for the fp32
-microkernel. Both give exactly the fp32 values the loader would have made of them, and the same
-sums: bit for bit the result of the fp32 panels.
+Where the checkpoint stores a matrix as GGUF blocks (`loader.BLOCK_TYPES`) or 16-bit values,
+`inflight` keeps only those (`Linear`), repacked once into panels of about the same size. Steps
+of a few rows dequantize them in registers; larger ones one panel at a time into cache, for the
+fp32 microkernel. Both give exactly the fp32 values the loader would have made of them, and the
+same sums: bit for bit the result of the fp32 panels.
+
+`--quantization int8-activations` (`int8_activations`) trades that equality for speed, as
+llama.cpp does: the quantized blocks stay integers and each step's activations are quantized
+per row and 32 inputs, so every sub-block is an exact integer dot product, scaled after
+(`csrc`: gguf_blocks_a8_linear states the arithmetic). `--quantization int8` instead quantizes
+any checkpoint's decoder matrices to int8 per output channel (W8A8).
 """
 
 from __future__ import annotations
@@ -80,6 +85,22 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.contiguous()
 
 
+# GGUF types the block matmuls read as integers (all but the 16-bit ones).
+INTEGER_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+def check_int8_activations(blocks: dict[str, tuple[str, torch.Tensor]], kept: bool) -> None:
+    """`--quantization int8-activations` needs the block kernels and a checkpoint with quantized
+    blocks (`load_blocks`' result); refused in one line otherwise, never ignored."""
+    if not kept:
+        raise ModelLoadError("--quantization int8-activations runs on inflight's CPU block kernels in fp32 "
+                             "(a CPU with AVX2, --dtype float32)")
+    if not any(kind in INTEGER_BLOCK_TYPES for kind, _ in blocks.values()):
+        raise ModelLoadError("--quantization int8-activations multiplies a GGUF file's quantized blocks "
+                             f"({', '.join(INTEGER_BLOCK_TYPES)}); this checkpoint stores none "
+                             "(--quantization int8 quantizes any weights)")
+
+
 # Up to this many rows a weight kept as GGUF blocks is dequantized in registers, again for each
 # group of 5 rows; past it, once per panel into cache (`csrc`: gguf_blocks_linear, gguf_blocks_gemm).
 GGUF_BLOCKS_MAX_ROWS = 5
@@ -98,7 +119,7 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, backend: str = "torch",
                  gguf_blocks: tuple[str | list[str], torch.Tensor | list[torch.Tensor]] | None = None,
-                 int8: bool = False) -> None:
+                 int8: bool = False, int8_activations: bool = False) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.backend = backend
@@ -122,7 +143,7 @@ class Linear:
             self._kernels = cpu_kernels()
             assert self._kernels is not None
             if gguf_blocks is not None and self._kernels.gguf_blocks_available():
-                self.blocks = self._pack_blocks(gguf_blocks)
+                self.blocks = self._pack_blocks(gguf_blocks, int8_activations)
                 self.weight = torch.empty(0)  # every step reads the blocks
             else:
                 self.weight = self._kernels.pack_linear_weight(weight.contiguous())
@@ -132,12 +153,14 @@ class Linear:
         else:
             self.weight = weight
 
-    def _pack_blocks(self, gguf_blocks: tuple[str | list[str], torch.Tensor | list[torch.Tensor]]) -> torch.Tensor:
+    def _pack_blocks(self, gguf_blocks: tuple[str | list[str], torch.Tensor | list[torch.Tensor]],
+                     int8_activations: bool = False) -> torch.Tensor:
         assert self._kernels is not None
         kinds, raw = gguf_blocks  # one tensor of rows, or the parts of a fused matrix (a type each)
         parts = [raw] if isinstance(raw, torch.Tensor) else raw
         kinds = [kinds] * len(parts) if isinstance(kinds, str) else list(kinds)
-        return self._kernels.pack_gguf_blocks([p.contiguous() for p in parts], kinds, self.in_features)
+        return self._kernels.pack_gguf_blocks([p.contiguous() for p in parts], kinds, self.in_features,
+                                              int8_activations)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernels is not None:  # the kernel chooses blocks or panels, as DecoderStack's layers do

@@ -53,6 +53,9 @@ class SimTarget:
                 raise ConfigError(f"{hw.name} has no int8 calibration: `inflight sim calibrate --quantization int8 "
                                   f"--base PROFILE.json -o FILE` on the machine adds it")
             weight_dtype, engine = "int8", engine.for_int8()
+        elif quantization != "none":
+            raise ConfigError(f"--quantization {quantization} is not modelled by the simulator (its matmuls have no "
+                              f"calibrated profile)")
         return CostModel(self.shapes, self.hardware, self.tp, dtype, engine, weight_dtype, self.kv_cache_dtype)
 
     def describe(self) -> str:

@@ -1595,12 +1595,15 @@ float half_at(const uint8_t* p) {
 // layout (a Q4_K_M file's Q4_K q and k beside a Q6_K v) is one segment per run of parts that
 // share one; every segment but the last then holds whole panels.
 constexpr int64_t kPackedMagic = 0x31424647;  // "GFB1"
+// The same packing, for matmuls with int8 activations (gguf_blocks_a8_linear, at every step size).
+constexpr int64_t kPackedMagicA8 = 0x38414647;  // "GFA8"
 struct Segment {
   LayoutId layout;
   int64_t first, panels, offset;
 };
 struct PackedBlocks {
   int64_t K, N;
+  bool int8_activations;
   std::vector<Segment> segments;
   const uint8_t* base;
   int64_t panels() const { return segments.back().first + segments.back().panels; }
@@ -1620,9 +1623,10 @@ PackedBlocks read_packed(const torch::Tensor& x, const torch::Tensor& packed) {
   const bool shaped = packed.dtype() == torch::kUInt8 && packed.dim() == 1 && packed.is_contiguous() &&
                       packed.numel() >= 64;
   const int64_t* h = shaped ? reinterpret_cast<const int64_t*>(packed.data_ptr<uint8_t>()) : nullptr;
-  TORCH_CHECK(h != nullptr && h[0] == kPackedMagic && h[3] >= 1 && packed.numel() >= header_bytes(h[3]),
+  TORCH_CHECK(h != nullptr && (h[0] == kPackedMagic || h[0] == kPackedMagicA8) && h[3] >= 1 &&
+                  packed.numel() >= header_bytes(h[3]),
               "weight was not packed by pack_gguf_blocks");
-  PackedBlocks view{h[1], h[2], {}, packed.data_ptr<uint8_t>()};
+  PackedBlocks view{h[1], h[2], h[0] == kPackedMagicA8, {}, packed.data_ptr<uint8_t>()};
   TORCH_CHECK(view.K == x.size(1), "x has ", x.size(1), " columns, the weight ", view.K);
   for (int64_t s = 0; s < h[3]; ++s) {
     const int64_t* e = h + 4 + 4 * s;
@@ -1640,8 +1644,11 @@ bool gguf_blocks_available() { return true; }
 
 // parts: GGUF rows, uint8 [N_i, K / weights a block * block bytes] each, of the types `kinds`
 // ("Q4_K", "Q6_K", "F16", ...: file_type's), the rows of one matrix one after another (a fused
-// q/k/v or gate/up, read where they lie) -> the packed weight the block matmuls read.
-torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor> parts, std::vector<std::string> kinds, int64_t k) {
+// q/k/v or gate/up, read where they lie) -> the packed weight the block matmuls read. With
+// `int8_activations`, marked for gguf_blocks_a8_linear where every part is of a quantized type
+// (a 16-bit part keeps the fp32 matmuls for the whole matrix).
+torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor> parts, std::vector<std::string> kinds, int64_t k,
+                               bool int8_activations) {
   TORCH_CHECK(!parts.empty() && kinds.size() == parts.size(), "one type for each part");
   struct Rows {
     FileType file;
@@ -1681,7 +1688,10 @@ torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor> parts, std::vector<std
   auto packed = torch::zeros({bytes}, parts[0].options());
   uint8_t* dst = packed.data_ptr<uint8_t>();
   int64_t* h = reinterpret_cast<int64_t*>(dst);
-  h[0] = kPackedMagic, h[1] = k, h[2] = n, h[3] = static_cast<int64_t>(segments.size());
+  bool scaled = true;
+  for (const auto& s : segments) with_layout(s.layout, [&](auto l) { scaled = scaled && decltype(l)::kScaled; });
+  h[0] = int8_activations && scaled ? kPackedMagicA8 : kPackedMagic;
+  h[1] = k, h[2] = n, h[3] = static_cast<int64_t>(segments.size());
   for (size_t s = 0; s < segments.size(); ++s) {
     int64_t* e = h + 4 + 4 * s;
     e[0] = static_cast<int64_t>(segments[s].layout), e[1] = segments[s].first, e[2] = segments[s].panels;
@@ -1750,6 +1760,25 @@ torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor> parts, std::vector<std
   return packed;
 }
 
+namespace {
+
+// fn(layout, p, panel p's bytes, first row m, rows) for every block panel and every group of at
+// most max_rows of the M rows, the panels shared out among the threads.
+template <class F>
+void for_block_panels(const PackedBlocks& w, int64_t M, int64_t max_rows, const F& fn) {
+  for_panels(w.panels(), [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const auto [layout, at] = w.panel(p);
+      const uint8_t* panel = at;  // a lambda cannot capture a structured binding before C++20
+      with_layout(layout, [&](auto l) {
+        for (int64_t m = 0; m < M; m += max_rows) fn(l, p, panel, m, static_cast<int>(std::min(max_rows, M - m)));
+      });
+    }
+  });
+}
+
+}  // namespace
+
 // x [M, K] through a weight packed by pack_gguf_blocks (out_features N) -> [M, N] (fp32).
 torch::Tensor gguf_blocks_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
   const PackedBlocks w = read_packed(x, packed);
@@ -1758,17 +1787,8 @@ torch::Tensor gguf_blocks_linear(torch::Tensor x, torch::Tensor packed, int64_t 
   auto y = torch::empty({M, n_pad}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for_panels(panels, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const auto [layout, at] = w.panel(p);
-      const uint8_t* panel = at;  // a lambda cannot capture a structured binding before C++20
-      with_layout(layout, [&](auto l) {
-        for (int64_t m = 0; m < M; m += kQMaxRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kQMaxRows, M - m));
-          quant_rows<decltype(l)>(rows, xp + m * K, K, panel, yp + m * n_pad + p * kQCols, n_pad);
-        }
-      });
-    }
+  for_block_panels(w, M, kQMaxRows, [&](auto l, int64_t p, const uint8_t* panel, int64_t m, int rows) {
+    quant_rows<decltype(l)>(rows, xp + m * K, K, panel, yp + m * n_pad + p * kQCols, n_pad);
   });
   return out_features == n_pad ? y : y.narrow(1, 0, out_features).contiguous();
 }
@@ -1842,6 +1862,335 @@ torch::Tensor gguf_blocks_dequantize(torch::Tensor packed) {
   });
   return out;
 }
+
+// ---- GGUF blocks times int8 activations (`--quantization int8-activations`), llama.cpp's way.
+//
+// A single stream on a few cores is compute-bound, and dequantizing each weight to fp32 (two or
+// three instructions for every 8 weights before its multiply-add) costs more than streaming its
+// bytes. Here the blocks stay integers: each step's activations are quantized per row and group
+// of kA8Group = 32 consecutive k (qx in [-127, 127], sx = max|x| / 127, qx = round-half-even of
+// x * 127 / max|x|), and each (sub-)block of S = 16 or 32 weights is an exact integer dot
+// product: dot = sum qw * qx, with sum = sum qx where the layout has minima. Then, each rounded
+// to fp32 in this order, per sub-block in k order (no fused multiply-add: a compiler barrier
+// after every product; tests/test_gguf_a8.py reproduces it bit for bit):
+//
+//     t = dot * d;  t = t + sum * m (layouts with minima);  y = y + t * sx
+//
+// with d and m the sub-block's fp32 scale and minimum exactly as the fp32 path makes them (w =
+// d * q + m). The same arithmetic at every number of rows, so a request's outputs do not depend
+// on who shares its step. The packing is pack_gguf_blocks's, unchanged: each group of 4 k of a
+// panel's 16 columns is rearranged in registers into four consecutive k per 32-bit lane (one
+// vpermd or two vpermq and a vpshufb), then vpmaddubsw on |qw| and qx carrying qw's sign, pairs in
+// int16 (at most 2 * 128 * 127, no saturation), vpmaddwd into int32; unsigned quants (4-bit, 5-bit,
+// Q6_K's shifted by 32) into vpmaddubsw as they are, several groups' pairs summed in int16 first.
+// Where the CPU has vpdpbusd on 256 bits (AVX-512 VNNI, AVX-VNNI), it takes the place of those
+// three instructions (the INFLIGHT_EMULATE_AVX_VNNI build tests that branch on any AVX2 CPU).
+
+namespace {
+
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__) || defined(INFLIGHT_EMULATE_AVX_VNNI)
+#define INFLIGHT_DPBUSD256 1
+// vpdpbusd on 256 bits (AVX-512 VNNI's, AVX-VNNI's): acc + the four products of unsigned u8 and
+// signed s8 bytes of each lane.
+inline __m256i dpbusd256(__m256i acc, __m256i u8, __m256i s8) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u8, s8);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u8, s8);
+#else  // INFLIGHT_EMULATE_AVX_VNNI: the same exact sums from AVX2 (bytes widened to 16 bits, vpmaddwd)
+  const __m256i u_even = _mm256_and_si256(u8, _mm256_set1_epi16(0x00FF)), u_odd = _mm256_srli_epi16(u8, 8);
+  const __m256i s_even = _mm256_srai_epi16(_mm256_slli_epi16(s8, 8), 8), s_odd = _mm256_srai_epi16(s8, 8);
+  return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(u_even, s_even), _mm256_madd_epi16(u_odd, s_odd)));
+#endif
+}
+#endif
+
+constexpr int64_t kA8Group = 32;  // k per activation scale: a sub-block never straddles two
+constexpr int kA8MaxRows = 4;     // 2 x 4 int32 accumulators, the unpacked weights and |qw|
+
+// An fp32 vector materialized as rounded: -ffast-math may then not fuse it into a multiply-add.
+inline __m256 rounded(__m256 v) {
+  asm volatile("" : "+x"(v));
+  return v;
+}
+
+// Quants of k-rows [4 g, 4 g + 4) of a sub-block's values q, for the panel's columns 0-7 (c0)
+// and 8-15 (c1): four consecutive k of one column in each 32-bit lane, as int8 (unsigned 0..15
+// for the 4-bit layouts).
+template <class L>
+inline void a8_unpack(const uint8_t* q, int64_t g, __m256i& c0, __m256i& c1) {
+  if constexpr (L::kValues == Values::kNibble) {
+    // 8 bytes a k-row, byte j: column j in its low nibble, column j + 8 in its high one. Dwords
+    // [k0 c0-3, k0 c4-7, k1 c0-3, ...] -> [k0..k3 c0-3 | k0..k3 c4-7], then a 4 x 4 byte transpose.
+    const __m256i rows = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * 32));
+    const __m256i by_cols = _mm256_permutevar8x32_epi32(rows, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+    const __m256i transpose = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                               0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m256i both = _mm256_shuffle_epi8(by_cols, transpose);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    c0 = _mm256_and_si256(both, low);
+    c1 = _mm256_and_si256(_mm256_srli_epi16(both, 4), low);
+  } else {
+    // 16 bytes a k-row, byte j: column j. Bytes of k0 and k2 (k1 and k3) interleaved in each
+    // lane, lanes regrouped by columns, then each column's (k0, k2) and (k1, k3) pairs into
+    // one dword in k order.
+    const __m256i k01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * 64));
+    const __m256i k23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * 64 + 32));
+    const __m256i gather = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+                                            0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+    const __m256i lo = _mm256_permute4x64_epi64(_mm256_unpacklo_epi8(k01, k23), 0xD8);
+    const __m256i hi = _mm256_permute4x64_epi64(_mm256_unpackhi_epi8(k01, k23), 0xD8);
+    c0 = _mm256_shuffle_epi8(lo, gather);
+    c1 = _mm256_shuffle_epi8(hi, gather);
+  }
+}
+
+// y[r][0, 16) = the panel times MR rows of quantized activations (qx [MR][K], sx [MR][K / 32],
+// isum [MR][K / 16]: the sums of qx over each 16 k), in the arithmetic above.
+template <int MR, class L>
+void a8_micro(const int8_t* __restrict xq, const float* __restrict sx, const int32_t* __restrict isum, int64_t K,
+              const uint8_t* __restrict panel, float* __restrict y, int64_t ldy) {
+  static_assert(L::kScaled && L::kSub % 16 == 0 && kA8Group % L::kSub == 0, "a quantized layout");
+  const int64_t groups = K / kA8Group, sums = K / 16;
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
+  // The quants' range: 4-bit 0..15; Q5_K's and Q5_1's 0..31; Q6_K's (q - 32) and Q3_K's (q - 4),
+  // the signed layout of sub-blocks of 16, shifted by 32 into 0..63; Q8_0's and Q5_0's signed.
+  constexpr bool kShifted = std::is_same_v<L, Q8K16>;
+  constexpr int kShift = kShifted ? 32 : 0;
+  constexpr int kUnsignedMax = L::kValues == Values::kNibble ? 15 : kShifted ? 63 : L::kMin ? 31 : 0;
+  // Groups of 4 k whose int16 pair sums cannot overflow: at most 32767 / (2 * max * 127).
+  [[maybe_unused]] constexpr int64_t kFlush = kUnsignedMax > 0 ? std::min<int64_t>(L::kSub / 4, 32767 / (2 * kUnsignedMax * 127)) : 1;
+  static_assert(kUnsignedMax == 0 || (L::kSub / 4) % kFlush == 0, "whole flushes a sub-block");
+  [[maybe_unused]] const __m256i shift = _mm256_set1_epi8(static_cast<char>(kShift));
+  constexpr int64_t kAhead = L::kSuper ? 1 : 4;
+  for (int64_t b = 0; b < K / L::kK; ++b) {
+    const uint8_t* blk = panel + b * L::kBlockBytes;
+    for (int64_t line = 0; line < L::kBlockBytes; line += 64) __builtin_prefetch(blk + kAhead * L::kBlockBytes + line);
+    for (int64_t sub = 0; sub < L::kSubBlocks; ++sub) {
+      const uint8_t* q = blk + L::kScaleBytes + sub * L::kSubValueBytes;
+      const int64_t k0 = b * L::kK + sub * L::kSub;
+      __m256i a0[MR], a1[MR];
+      for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_si256();
+#if defined(INFLIGHT_DPBUSD256)
+      for (int64_t g = 0; g < L::kSub / 4; ++g) {  // vpdpbusd: unsigned quants as they are, signed as |qw|
+        __m256i c0, c1;
+        a8_unpack<L>(q, g, c0, c1);
+        if constexpr (kShift) c0 = _mm256_add_epi8(c0, shift), c1 = _mm256_add_epi8(c1, shift);
+        const __m256i m0 = kUnsignedMax > 0 ? c0 : _mm256_abs_epi8(c0), m1 = kUnsignedMax > 0 ? c1 : _mm256_abs_epi8(c1);
+        for (int r = 0; r < MR; ++r) {
+          int32_t four;
+          std::memcpy(&four, xq + r * K + k0 + 4 * g, 4);
+          const __m256i xb = _mm256_set1_epi32(four);
+          a0[r] = dpbusd256(a0[r], m0, kUnsignedMax > 0 ? xb : _mm256_sign_epi8(xb, c0));
+          a1[r] = dpbusd256(a1[r], m1, kUnsignedMax > 0 ? xb : _mm256_sign_epi8(xb, c1));
+        }
+      }
+      if constexpr (kShift)
+        for (int r = 0; r < MR; ++r) {
+          const __m256i off = _mm256_set1_epi32(kShift * isum[r * sums + k0 / 16]);
+          a0[r] = _mm256_sub_epi32(a0[r], off), a1[r] = _mm256_sub_epi32(a1[r], off);
+        }
+#else
+      if constexpr (kUnsignedMax > 0) {
+        // Unsigned quants (Q6_K's and Q3_K's shifted up by 32) go into vpmaddubsw as they are;
+        // the pair sums of kFlush groups add up in int16 before vpmaddwd widens them.
+        for (int64_t g0 = 0; g0 < L::kSub / 4; g0 += kFlush) {
+          __m256i h0[MR], h1[MR];
+          for (int r = 0; r < MR; ++r) h0[r] = h1[r] = _mm256_setzero_si256();
+          for (int64_t g = g0; g < g0 + kFlush; ++g) {
+            __m256i c0, c1;
+            a8_unpack<L>(q, g, c0, c1);
+            if constexpr (kShift) c0 = _mm256_add_epi8(c0, shift), c1 = _mm256_add_epi8(c1, shift);
+            for (int r = 0; r < MR; ++r) {
+              int32_t four;
+              std::memcpy(&four, xq + r * K + k0 + 4 * g, 4);
+              const __m256i xb = _mm256_set1_epi32(four);
+              h0[r] = _mm256_add_epi16(h0[r], _mm256_maddubs_epi16(c0, xb));
+              h1[r] = _mm256_add_epi16(h1[r], _mm256_maddubs_epi16(c1, xb));
+            }
+          }
+          for (int r = 0; r < MR; ++r) {
+            a0[r] = _mm256_add_epi32(a0[r], _mm256_madd_epi16(h0[r], ones));
+            a1[r] = _mm256_add_epi32(a1[r], _mm256_madd_epi16(h1[r], ones));
+          }
+        }
+        if constexpr (kShift)  // sum (q + 32) qx - 32 sum qx: the sub-block is 16 k, one sum
+          for (int r = 0; r < MR; ++r) {
+            const __m256i off = _mm256_set1_epi32(kShift * isum[r * sums + k0 / 16]);
+            a0[r] = _mm256_sub_epi32(a0[r], off), a1[r] = _mm256_sub_epi32(a1[r], off);
+          }
+      } else {  // signed quants of up to 8 bits (Q8_0, Q5_0)
+        for (int64_t g = 0; g < L::kSub / 4; ++g) {
+          __m256i c0, c1;
+          a8_unpack<L>(q, g, c0, c1);
+          const __m256i m0 = _mm256_abs_epi8(c0), m1 = _mm256_abs_epi8(c1);  // |qw|: 128 for -128, unsigned
+          for (int r = 0; r < MR; ++r) {
+            int32_t four;
+            std::memcpy(&four, xq + r * K + k0 + 4 * g, 4);
+            const __m256i xb = _mm256_set1_epi32(four);
+            a0[r] = _mm256_add_epi32(a0[r], _mm256_madd_epi16(_mm256_maddubs_epi16(m0, _mm256_sign_epi8(xb, c0)), ones));
+            a1[r] = _mm256_add_epi32(a1[r], _mm256_madd_epi16(_mm256_maddubs_epi16(m1, _mm256_sign_epi8(xb, c1)), ones));
+          }
+        }
+      }
+#endif
+      const BlockScales<L> s(blk, sub);
+      for (int r = 0; r < MR; ++r) {
+        __m256 t0 = rounded(_mm256_mul_ps(_mm256_cvtepi32_ps(a0[r]), s.d0));
+        __m256 t1 = rounded(_mm256_mul_ps(_mm256_cvtepi32_ps(a1[r]), s.d1));
+        if constexpr (L::kMin) {
+          int32_t total = isum[r * sums + k0 / 16];
+          if constexpr (L::kSub == 32) total += isum[r * sums + k0 / 16 + 1];
+          const __m256 sum = _mm256_set1_ps(static_cast<float>(total));
+          t0 = _mm256_add_ps(t0, rounded(_mm256_mul_ps(sum, s.m0)));
+          t1 = _mm256_add_ps(t1, rounded(_mm256_mul_ps(sum, s.m1)));
+        }
+        const __m256 scale = _mm256_set1_ps(sx[r * groups + k0 / kA8Group]);
+        const __m256 p0 = rounded(_mm256_mul_ps(t0, scale)), p1 = rounded(_mm256_mul_ps(t1, scale));
+        float* out = y + r * ldy;
+        if (k0 == 0) {
+          _mm256_storeu_ps(out, p0);
+          _mm256_storeu_ps(out + 8, p1);
+        } else {
+          _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), p0));
+          _mm256_storeu_ps(out + 8, _mm256_add_ps(_mm256_loadu_ps(out + 8), p1));
+        }
+      }
+    }
+  }
+}
+
+template <class L>
+void a8_rows(int rows, const int8_t* xq, const float* sx, const int32_t* isum, int64_t K, const uint8_t* w, float* y,
+             int64_t ldy) {
+  if constexpr (L::kScaled) {
+    switch (rows) {
+      case 4: return a8_micro<4, L>(xq, sx, isum, K, w, y, ldy);
+      case 3: return a8_micro<3, L>(xq, sx, isum, K, w, y, ldy);
+      case 2: return a8_micro<2, L>(xq, sx, isum, K, w, y, ldy);
+      default: return a8_micro<1, L>(xq, sx, isum, K, w, y, ldy);
+    }
+  }
+  TORCH_CHECK(false, "a 16-bit layout has no integer matmul");
+}
+
+// x [M, K] -> (qx int8 [M, K], sx [M, K / 32], sums of qx over each 16 k, int32 [M, K / 16]).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> a8_quantize(const torch::Tensor& x) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "float32 [M, K] contiguous only");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % kA8Group == 0, "K must be a multiple of ", kA8Group);
+  auto q = torch::empty({m, k}, x.options().dtype(torch::kInt8));
+  auto s = torch::empty({m, k / kA8Group}, x.options());
+  auto sums = torch::empty({m, k / 16}, x.options().dtype(torch::kInt32));
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = s.data_ptr<float>();
+  int32_t* up = sums.data_ptr<int32_t>();
+  at::parallel_for(0, m, row_grain(k), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t g = 0; g < k / kA8Group; ++g) {
+        const float* in = xp + r * k + g * kA8Group;
+        float amax = 0.f;
+        for (int64_t i = 0; i < kA8Group; ++i) amax = std::max(amax, std::fabs(in[i]));
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        sp[r * (k / kA8Group) + g] = amax / 127.f;
+        int8_t* out = qp + r * k + g * kA8Group;
+        for (int64_t half = 0; half < kA8Group / 16; ++half) {
+          int32_t total = 0;
+          for (int64_t i = half * 16; i < half * 16 + 16; ++i) {
+            out[i] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(in[i] * inv))));
+            total += out[i];
+          }
+          up[r * (k / 16) + g * (kA8Group / 16) + half] = total;
+        }
+      }
+  });
+  return {q, s, sums};
+}
+
+}  // namespace
+
+// x [M, K] through a weight packed by pack_gguf_blocks with int8_activations -> [M, N] (fp32),
+// every step size alike (the arithmetic above).
+torch::Tensor gguf_blocks_a8_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+  const PackedBlocks w = read_packed(x, packed);
+  TORCH_CHECK(w.int8_activations, "weight was not packed for int8 activations");
+  TORCH_CHECK(out_features == w.N, "out_features ", out_features, " does not match the packing (", w.N, ")");
+  const int64_t M = x.size(0), K = x.size(1), panels = w.panels(), n_pad = panels * kQCols;
+  auto [xq, sx, isum] = a8_quantize(x);
+  auto y = torch::empty({M, n_pad}, x.options());
+  const int8_t* qp = xq.data_ptr<int8_t>();
+  const float* sp = sx.data_ptr<float>();
+  const int32_t* up = isum.data_ptr<int32_t>();
+  float* yp = y.data_ptr<float>();
+  for_block_panels(w, M, kA8MaxRows, [&](auto l, int64_t p, const uint8_t* panel, int64_t m, int rows) {
+    a8_rows<decltype(l)>(rows, qp + m * K, sp + m * (K / kA8Group), up + m * (K / 16), K, panel,
+                         yp + m * n_pad + p * kQCols, n_pad);
+  });
+  return out_features == n_pad ? y : y.narrow(1, 0, out_features).contiguous();
+}
+
+bool gguf_blocks_int8_activations(const torch::Tensor& packed) {
+  return packed.scalar_type() == torch::kUInt8 && packed.numel() >= 64 &&
+         reinterpret_cast<const int64_t*>(packed.data_ptr<uint8_t>())[0] == kPackedMagicA8;
+}
+
+// For tests: x's rows as gguf_blocks_a8_linear quantizes them (qx, sx, sums of each 16 qx), and
+// a packing's integers: per weight q [N, K] (int16), per sub-block d and m [N, K / S] (fp32, m
+// zero without minima), w = d * q + m bit for bit the loader's value.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> gguf_a8_quantize(torch::Tensor x) { return a8_quantize(x); }
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> gguf_blocks_integers(torch::Tensor packed) {
+  const int64_t K = reinterpret_cast<const int64_t*>(packed.data_ptr<uint8_t>())[1];
+  const PackedBlocks w = read_packed(torch::empty({0, K}, torch::kFloat32), packed);
+  int64_t sub = 0;
+  for (const auto& s : w.segments)
+    with_layout(s.layout, [&](auto l) {
+      using L = decltype(l);
+      TORCH_CHECK(L::kScaled, "a 16-bit layout has no integers");
+      TORCH_CHECK(sub == 0 || sub == L::kSub, "parts with different sub-blocks");
+      sub = L::kSub;
+    });
+  auto q = torch::zeros({w.N, K}, torch::kInt16);
+  auto d = torch::zeros({w.N, K / sub}, torch::kFloat32), m = torch::zeros({w.N, K / sub}, torch::kFloat32);
+  int16_t* qp = q.data_ptr<int16_t>();
+  float* dp = d.data_ptr<float>();
+  float* mp = m.data_ptr<float>();
+  for (int64_t p = 0; p < w.panels(); ++p) {
+    const auto [layout, at] = w.panel(p);
+    const uint8_t* panel = at;
+    with_layout(layout, [&](auto l) {
+      using L = decltype(l);
+      if constexpr (L::kScaled) {
+        for (int64_t b = 0; b < K / L::kK; ++b) {
+          const uint8_t* blk = panel + b * L::kBlockBytes;
+          for (int64_t s = 0; s < L::kSubBlocks; ++s) {
+            const BlockScales<L> scales(blk, s);
+            alignas(32) float dv[16], mv[16];
+            _mm256_store_ps(dv, scales.d0), _mm256_store_ps(dv + 8, scales.d1);
+            _mm256_store_ps(mv, scales.m0), _mm256_store_ps(mv + 8, scales.m1);
+            const uint8_t* values = blk + L::kScaleBytes + s * L::kSubValueBytes;
+            for (int64_t c = 0; c < kQCols && p * kQCols + c < w.N; ++c) {
+              const int64_t n = p * kQCols + c, k0 = b * L::kK + s * L::kSub;
+              dp[n * (K / sub) + k0 / sub] = dv[c], mp[n * (K / sub) + k0 / sub] = mv[c];
+              for (int64_t e = 0; e < L::kSub; ++e) {
+                int v;
+                if constexpr (L::kValues == Values::kNibble) {
+                  v = (values[e * 8 + c % 8] >> (c < 8 ? 0 : 4)) & 0x0F;
+                } else {
+                  v = static_cast<int8_t>(values[e * kQCols + c]);
+                }
+                qp[n * K + k0 + e] = static_cast<int16_t>(v);
+              }
+            }
+          }
+        }
+      }
+    });
+  }
+  return {q, d, m};
+}
+
 #else
 bool gguf_blocks_available() { return false; }
 torch::Tensor gguf_blocks_dequantize(torch::Tensor) {
@@ -1850,10 +2199,20 @@ torch::Tensor gguf_blocks_dequantize(torch::Tensor) {
 torch::Tensor gguf_blocks_gemm(torch::Tensor, torch::Tensor, int64_t) {
   TORCH_CHECK(false, "the GGUF block matmul needs AVX2");
 }
-torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor>, std::vector<std::string>, int64_t) {
+torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor>, std::vector<std::string>, int64_t, bool) {
   TORCH_CHECK(false, "the GGUF block matmul needs AVX2");
 }
 torch::Tensor gguf_blocks_linear(torch::Tensor, torch::Tensor, int64_t) {
+  TORCH_CHECK(false, "the GGUF block matmul needs AVX2");
+}
+torch::Tensor gguf_blocks_a8_linear(torch::Tensor, torch::Tensor, int64_t) {
+  TORCH_CHECK(false, "the GGUF block matmul needs AVX2");
+}
+bool gguf_blocks_int8_activations(const torch::Tensor&) { return false; }
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> gguf_a8_quantize(torch::Tensor) {
+  TORCH_CHECK(false, "the GGUF block matmul needs AVX2");
+}
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> gguf_blocks_integers(torch::Tensor) {
   TORCH_CHECK(false, "the GGUF block matmul needs AVX2");
 }
 #endif
@@ -1957,19 +2316,6 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int8_t* q, 
     }
   });
 }
-
-#if defined(INFLIGHT_I8_AVX_VNNI)
-// vpdpbusd on 256 bits: acc + the four products of unsigned u8 and signed s8 bytes of each lane.
-inline __m256i dpbusd256(__m256i acc, __m256i u8, __m256i s8) {
-#if defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(acc, u8, s8);
-#else  // INFLIGHT_EMULATE_AVX_VNNI: the same exact sums from AVX2 (bytes widened to 16 bits, vpmaddwd)
-  const __m256i u_even = _mm256_and_si256(u8, _mm256_set1_epi16(0x00FF)), u_odd = _mm256_srli_epi16(u8, 8);
-  const __m256i s_even = _mm256_srai_epi16(_mm256_slli_epi16(s8, 8), 8), s_odd = _mm256_srai_epi16(s8, 8);
-  return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(u_even, s_even), _mm256_madd_epi16(u_odd, s_odd)));
-#endif
-}
-#endif
 
 // acc[r][c] = sum over the panel's k of qx[r] (as stored in xq: + 128 where kI8Offset) * qw[c].
 template <int MR>
@@ -2341,8 +2687,9 @@ torch::Tensor linear_forward(const torch::Tensor& x, const torch::Tensor& packed
     return bias.has_value() ? y.add_(*bias) : y;
   }
   if (blocks.has_value()) {
-    torch::Tensor y = x.size(0) <= blocks_max_rows ? gguf_blocks_linear(x, *blocks, out_features)
-                                                   : gguf_blocks_gemm(x, *blocks, out_features);
+    torch::Tensor y = gguf_blocks_int8_activations(*blocks) ? gguf_blocks_a8_linear(x, *blocks, out_features)
+                      : x.size(0) <= blocks_max_rows ? gguf_blocks_linear(x, *blocks, out_features)
+                                                     : gguf_blocks_gemm(x, *blocks, out_features);
     return bias.has_value() ? y.add_(*bias) : y;
   }
   return packed_linear(x, packed, bias, out_features);
@@ -2631,10 +2978,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL: a model's tokenizer loads in another thread meanwhile (LoadedModel.load).
   m.def("pack_gguf_blocks", &pack_gguf_blocks,
         "Pack GGUF rows (Q2_K..Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, BF16; one or more parts) for the block matmuls",
+        py::arg("parts"), py::arg("kinds"), py::arg("k"), py::arg("int8_activations") = false,
         py::call_guard<py::gil_scoped_release>());
   m.def("gguf_blocks_dequantize", &gguf_blocks_dequantize,
         "The fp32 [N, K] weight a pack_gguf_blocks packing stands for (its values, bit for bit)");
   m.def("gguf_blocks_linear", &gguf_blocks_linear, "x @ W.T with W as packed GGUF blocks (CPU, fp32)");
+  m.def("gguf_blocks_a8_linear", &gguf_blocks_a8_linear,
+        "x @ W.T with W as packed GGUF blocks and x quantized to int8 per row and 32 k (integer dots)");
+  m.def("gguf_blocks_int8_activations", &gguf_blocks_int8_activations,
+        "Whether a pack_gguf_blocks packing is marked for int8 activations (every part quantized)");
+  m.def("gguf_a8_quantize", &gguf_a8_quantize, "x's rows as gguf_blocks_a8_linear quantizes them (tests)");
+  m.def("gguf_blocks_integers", &gguf_blocks_integers, "A packing's q [N, K] and per sub-block d, m (tests)");
   m.def("gguf_blocks_gemm", &gguf_blocks_gemm,
         "x @ W.T with W as packed GGUF blocks, dequantized a panel at a time (steps of many rows)");
   // module_local: another build of this file in the same process (kernels_bench.py --against)
