@@ -1914,6 +1914,13 @@ inline __m256 rounded(__m256 v) {
   return v;
 }
 
+// Four consecutive activation bytes in every 32-bit lane.
+inline __m256i four_bytes(const int8_t* p) {
+  int32_t four;
+  std::memcpy(&four, p, 4);
+  return _mm256_set1_epi32(four);
+}
+
 // Quants of k-rows [4 g, 4 g + 4) of a sub-block's values q, for the panel's columns 0-7 (c0)
 // and 8-15 (c1): four consecutive k of one column in each 32-bit lane, as int8 (unsigned 0..15
 // for the 4-bit layouts).
@@ -1978,18 +1985,11 @@ void a8_micro(const int8_t* __restrict xq, const float* __restrict sx, const int
         if constexpr (kShift) c0 = _mm256_add_epi8(c0, shift), c1 = _mm256_add_epi8(c1, shift);
         const __m256i m0 = kUnsignedMax > 0 ? c0 : _mm256_abs_epi8(c0), m1 = kUnsignedMax > 0 ? c1 : _mm256_abs_epi8(c1);
         for (int r = 0; r < MR; ++r) {
-          int32_t four;
-          std::memcpy(&four, xq + r * K + k0 + 4 * g, 4);
-          const __m256i xb = _mm256_set1_epi32(four);
+          const __m256i xb = four_bytes(xq + r * K + k0 + 4 * g);
           a0[r] = dpbusd256(a0[r], m0, kUnsignedMax > 0 ? xb : _mm256_sign_epi8(xb, c0));
           a1[r] = dpbusd256(a1[r], m1, kUnsignedMax > 0 ? xb : _mm256_sign_epi8(xb, c1));
         }
       }
-      if constexpr (kShift)
-        for (int r = 0; r < MR; ++r) {
-          const __m256i off = _mm256_set1_epi32(kShift * isum[r * sums + k0 / 16]);
-          a0[r] = _mm256_sub_epi32(a0[r], off), a1[r] = _mm256_sub_epi32(a1[r], off);
-        }
 #else
       if constexpr (kUnsignedMax > 0) {
         // Unsigned quants (Q6_K's and Q3_K's shifted up by 32) go into vpmaddubsw as they are;
@@ -2002,9 +2002,7 @@ void a8_micro(const int8_t* __restrict xq, const float* __restrict sx, const int
             a8_unpack<L>(q, g, c0, c1);
             if constexpr (kShift) c0 = _mm256_add_epi8(c0, shift), c1 = _mm256_add_epi8(c1, shift);
             for (int r = 0; r < MR; ++r) {
-              int32_t four;
-              std::memcpy(&four, xq + r * K + k0 + 4 * g, 4);
-              const __m256i xb = _mm256_set1_epi32(four);
+              const __m256i xb = four_bytes(xq + r * K + k0 + 4 * g);
               h0[r] = _mm256_add_epi16(h0[r], _mm256_maddubs_epi16(c0, xb));
               h1[r] = _mm256_add_epi16(h1[r], _mm256_maddubs_epi16(c1, xb));
             }
@@ -2014,26 +2012,24 @@ void a8_micro(const int8_t* __restrict xq, const float* __restrict sx, const int
             a1[r] = _mm256_add_epi32(a1[r], _mm256_madd_epi16(h1[r], ones));
           }
         }
-        if constexpr (kShift)  // sum (q + 32) qx - 32 sum qx: the sub-block is 16 k, one sum
-          for (int r = 0; r < MR; ++r) {
-            const __m256i off = _mm256_set1_epi32(kShift * isum[r * sums + k0 / 16]);
-            a0[r] = _mm256_sub_epi32(a0[r], off), a1[r] = _mm256_sub_epi32(a1[r], off);
-          }
       } else {  // signed quants of up to 8 bits (Q8_0, Q5_0)
         for (int64_t g = 0; g < L::kSub / 4; ++g) {
           __m256i c0, c1;
           a8_unpack<L>(q, g, c0, c1);
           const __m256i m0 = _mm256_abs_epi8(c0), m1 = _mm256_abs_epi8(c1);  // |qw|: 128 for -128, unsigned
           for (int r = 0; r < MR; ++r) {
-            int32_t four;
-            std::memcpy(&four, xq + r * K + k0 + 4 * g, 4);
-            const __m256i xb = _mm256_set1_epi32(four);
+            const __m256i xb = four_bytes(xq + r * K + k0 + 4 * g);
             a0[r] = _mm256_add_epi32(a0[r], _mm256_madd_epi16(_mm256_maddubs_epi16(m0, _mm256_sign_epi8(xb, c0)), ones));
             a1[r] = _mm256_add_epi32(a1[r], _mm256_madd_epi16(_mm256_maddubs_epi16(m1, _mm256_sign_epi8(xb, c1)), ones));
           }
         }
       }
 #endif
+      if constexpr (kShift)  // sum (q + 32) qx - 32 sum qx: the sub-block is 16 k, one sum
+        for (int r = 0; r < MR; ++r) {
+          const __m256i off = _mm256_set1_epi32(kShift * isum[r * sums + k0 / 16]);
+          a0[r] = _mm256_sub_epi32(a0[r], off), a1[r] = _mm256_sub_epi32(a1[r], off);
+        }
       const BlockScales<L> s(blk, sub);
       for (int r = 0; r < MR; ++r) {
         __m256 t0 = rounded(_mm256_mul_ps(_mm256_cvtepi32_ps(a0[r]), s.d0));
