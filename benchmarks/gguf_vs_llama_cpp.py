@@ -15,11 +15,12 @@ subprocess. For each file and engine:
 Equal work: the same prompt token ids (seeded, random ids, no BOS added by either engine), the same
 output lengths, greedy by argmax, the same threads (torch intra-op and llama.cpp's n_threads and
 n_threads_batch), the same step budget (512 tokens a step, decodes first, then prompt chunks) and
-the same KV capacity in tokens (64 sequences x a per-sequence context rounded up to 256 tokens;
-llama.cpp stores it in f16, inflight in fp32). llama.cpp runs through llama-cpp-python's
-low-level batch API with the loop of `peers/llama_cpp_runner.py` (row (f) of peers.py), its
-file mapped (mmap, its default) and its CPU "extra" buffer types as they come (it may repack
-weights to interleaved layouts, in anonymous memory); inflight through `LLMEngine.add_request` /
+the same KV capacity in tokens (64 sequences x a per-sequence context rounded up to 256 tokens)
+in the same bytes: llama.cpp's f16 cache, inflight's pool in fp16 (`--kv-cache-dtype float16`;
+`--kv-cache-dtype auto` gives inflight its fp32 pool, twice the bytes). llama.cpp runs through
+llama-cpp-python's low-level batch API with the loop of `peers/llama_cpp_runner.py` (row (f) of
+peers.py), its file mapped (mmap, its default) and its CPU "extra" buffer types as they come (it
+may repack weights to interleaved layouts, in anonymous memory); inflight through `LLMEngine.add_request` /
 `step` as `peers/inflight_runners.py` drives it. Before each engine's process the file is read
 once (untimed) so that both load from the page cache, and inflight's per-file caches (GGUF
 index, converted tokenizer) and its C++ kernels are built by an untimed process first, so that
@@ -285,7 +286,8 @@ def child(engine: str, job_path: str, result_path: str) -> None:
         options = {"dtype": "float32", "device": "cpu", "max_batch_size": n_seq, "max_num_tokens": job["n_batch"],
                    "enable_chunked_prefill": True, "num_kv_blocks": n_seq * n_ctx_per_seq // 16,
                    "block_size": 16, "max_model_len": n_ctx_per_seq,
-                   "quantization": "int8-activations" if engine == "inflight-a8" else "none"}
+                   "quantization": "int8-activations" if engine == "inflight-a8" else "none",
+                   "kv_cache_dtype": job.get("kv_cache_dtype", "auto")}
         engine_obj = LLM(job["model"], **options).engine
         load_s = time.perf_counter() - t0
         info["options"] = options
@@ -474,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llama-quantize", metavar="PATH", help="with --make-models: llama.cpp's llama-quantize")
     p.add_argument("--pool-blocks", type=int, default=0,
                    help="with --make-models: draw the Q8_0 blocks from a pool of this many (default 0: all quantized)")
+    p.add_argument("--kv-cache-dtype", default="float16",
+                   help="inflight's KV pool (default float16: llama.cpp's f16 cache, the same bytes; auto: fp32)")
     p.add_argument("--child", nargs=3, metavar=("ENGINE", "JOB", "RESULT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
@@ -504,7 +508,8 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"threads": args.threads, "single_prompt": args.single_prompt, "single_tokens": args.single_tokens,
                    "burst_requests": args.burst_requests, "burst_prompt": [lo, hi], "burst_tokens": args.burst_tokens,
                    "n_batch": args.n_batch, "n_seq_max": args.burst_requests, "n_ctx_per_seq": n_ctx_per_seq,
-                   "seed": args.seed, "burst_prompt_tokens": sum(len(r["prompt_token_ids"]) for r in work["burst"])},
+                   "kv_cache_dtype": args.kv_cache_dtype, "seed": args.seed,
+                   "burst_prompt_tokens": sum(len(r["prompt_token_ids"]) for r in work["burst"])},
         "runs": [],
     }
     print(f"{machine['cpu']}, {machine['num_cpus']} CPUs, flags "
@@ -519,7 +524,8 @@ def main(argv: list[str] | None = None) -> int:
         work = workload(args.seed, args.single_prompt, args.single_tokens, args.burst_requests, (lo, hi),
                         args.burst_tokens, vocabulary_size(model))
         job = {"model": model, "threads": args.threads, "n_ctx_per_seq": n_ctx_per_seq,
-               "n_seq_max": args.burst_requests, "n_batch": args.n_batch, **work}
+               "n_seq_max": args.burst_requests, "n_batch": args.n_batch, "kv_cache_dtype": args.kv_cache_dtype,
+               **work}
         for engine in engines:
             read_s = read_file_once(model)
             print(f"{Path(model).name}: {engine} (file read in {read_s:.1f} s; load average "

@@ -7,7 +7,9 @@
 - paged decode attention, 64 requests of 256 tokens and one of 512, ms per layer, over enough
   distinct layer pools (128 MB) that they come from DRAM, beside the rate at which a plain sum
   reads the same blocks in the same order (the bound on attention's memory stream); and the
-  64-request case with the pool in 4 KiB pages against 2 MiB ones, alternated;
+  64-request case with the pool in 4 KiB pages against 2 MiB ones, alternated; and over an fp32
+  pool against the same values in bf16 and fp16 (`--kv-cache-dtype`), alternated, at 64 x 256,
+  8 x 2048 and 1 x 4096 tokens (`--kv` for these alone);
 - paged prefill attention of one 300-token prompt against scaled_dot_product_attention;
 - the memory read rate: a sum over 540 MB of fp32 (the model's weights once), the bound of a
   single-stream decode step.
@@ -24,7 +26,7 @@ the model's body matmuls chained at 8, 16, 32, 64 and 512 rows, decode attention
 100-400 tokens, and prefill attention of one step's 8 prompts of 17-300 tokens. On a host whose
 speed drifts, that is how a change to a kernel is measured.
 
-    .venv/bin/python benchmarks/kernels_bench.py [--types | --against REV]
+    .venv/bin/python benchmarks/kernels_bench.py [--types | --kv | --against REV]
 """
 
 from __future__ import annotations
@@ -301,6 +303,33 @@ def decode_attention_pages(kernels: object, batch: int = 64, context: int = 256,
           f"faster in {wins} of {rounds} rounds")
 
 
+def decode_attention_kv_dtypes(kernels: object, batch: int, context: int, rounds: int = 4) -> None:
+    """Decode attention over an fp32 pool and the same values in 16 bits (`--kv-cache-dtype`),
+    alternated: ms per layer and the rate at which each reads its pool's bytes."""
+    torch.manual_seed(0)
+    layers = _layers_beyond_cache(batch, context)
+    num_blocks = batch * context // BLOCK + 8
+    shape = (layers, 2, num_blocks * BLOCK, KV_HEADS, DIM)
+    pools = {"float32": torch.randn(shape)}
+    pools |= {name: pools["float32"].to(getattr(torch, name)) for name in ("bfloat16", "float16")}
+    tables = torch.randperm(num_blocks)[: batch * context // BLOCK].view(batch, -1)
+    lens = torch.full((batch,), context, dtype=torch.int64)
+    q = torch.randn(batch, HEADS, DIM)
+
+    def run(pool: torch.Tensor) -> None:
+        for layer in pool:
+            kernels.paged_decode_attention(q, layer[0], layer[1], tables, lens, BLOCK, DIM ** -0.5)  # type: ignore[attr-defined]
+
+    times = _alternated({name: functools.partial(run, pool) for name, pool in pools.items()}, rounds)
+    fp32 = min(times["float32"]) / layers
+    parts = []
+    for name, pool in pools.items():
+        seconds = min(times[name]) / layers
+        nbytes = 2 * batch * context * KV_HEADS * DIM * pool.element_size()
+        parts.append(f"{name} {1000 * seconds:.2f} ms ({fp32 / seconds:.2f}x, {nbytes / seconds / 1e9:.1f} GB/s)")
+    print(f"paged decode attention, {batch} x {context} tokens, KV pool: " + ", ".join(parts))
+
+
 def prefill_attention(kernels: object) -> None:
     torch.manual_seed(0)
     length = 300
@@ -404,6 +433,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--against", metavar="REV", help="compare with the kernels of this git revision")
     parser.add_argument("--types", action="store_true", help="each stored GGUF type against fp32 panels")
+    parser.add_argument("--kv", action="store_true", help="decode attention over fp32 and 16-bit KV pools only")
     args = parser.parse_args()
     kernels = cpu_kernels()
     if kernels is None:
@@ -418,6 +448,11 @@ def main() -> int:
         with torch.inference_mode():
             block_types()
         return 0
+    if args.kv:
+        with torch.inference_mode():
+            for batch, context in ((64, 256), (8, 2048), (1, 4096)):
+                decode_attention_kv_dtypes(kernels, batch, context)
+        return 0
     with torch.inference_mode():
         matmuls()
         if kernels.gguf_blocks_available():  # type: ignore[attr-defined]
@@ -425,6 +460,8 @@ def main() -> int:
         decode_attention(kernels, 64, 256)
         decode_attention(kernels, 1, 512)  # a single stream: its context split between the threads
         decode_attention_pages(kernels)
+        for batch, context in ((64, 256), (8, 2048), (1, 4096)):
+            decode_attention_kv_dtypes(kernels, batch, context)
         prefill_attention(kernels)
     memory_read()
     return 0

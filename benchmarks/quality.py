@@ -9,6 +9,7 @@ for the same model computed as
 - `int8`: `--quantization int8` (W8A8) on the stored file;
 - `int8-activations`: `--quantization int8-activations` on the stored file (its Q4_1 blocks times
   activations quantized per row and 32 inputs: llama.cpp's arithmetic);
+- `kv-float16`, `kv-bfloat16`: the stored file with its KV pool in 16 bits (`--kv-cache-dtype`);
 - `Q8_0`, `Q5_1`, `Q5_0`, `Q4_0`, ...: the decoder matrices quantized again by gguf-py from the
   fp32 weights (so each row shows what its block type loses against the weights it was made
   from); the token embedding (the tied LM head) stays as stored in every row;
@@ -28,6 +29,7 @@ The figures:
   before the first difference.
 
     .venv/bin/python benchmarks/quality.py [--variants fp32,stored,int8,int8-activations,Q8_0,Q5_1,Q5_0,Q4_0]
+        [--variants stored,kv-float16,kv-bfloat16]
         [--gguf FILE ...] [--tokens 4096] [--window 512] [--output runs/quality.json]
 """
 
@@ -108,6 +110,8 @@ def variants(names: list[str], files: list[str], folder: Path) -> list[Variant]:
             rows.append(Variant(name, stored))
         elif name in ("int8", "int8-activations"):
             rows.append(Variant(name, stored, {"quantization": name}))
+        elif name in ("kv-float16", "kv-bfloat16"):
+            rows.append(Variant(name, stored, {"kv_cache_dtype": name.removeprefix("kv-")}))
         else:
             rows.append(Variant(name, requantized(stored, "F32" if name == "fp32" else name, folder)))
     rows += [Variant(Path(f).name, Path(f)) for f in files]
@@ -232,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default=DEFAULT_VARIANTS,
-                        help="comma-separated: fp32, stored, int8, int8-activations, or a gguf-py block type "
-                             "(Q8_0, Q5_1, ...); the first is the reference")
+                        help="comma-separated: fp32, stored, int8, int8-activations, kv-float16, kv-bfloat16, "
+                             "or a gguf-py block type (Q8_0, Q5_1, ...); the first is the reference")
     parser.add_argument("--gguf", action="append", default=[], help="another file of the same model (repeatable)")
     parser.add_argument("--tokens", type=int, default=4096, help="perplexity tokens (a multiple of --window)")
     parser.add_argument("--window", type=int, default=512)

@@ -23,6 +23,24 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+# Element types by name and their bytes: all priced by the simulator; the engine computes in and
+# stores the first three (`ENGINE_KV_DTYPES`).
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
+ENGINE_KV_DTYPES = ("float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "f16": "float16", "bf16": "bfloat16",
+                  "float8": "fp8", "fp8_e4m3": "fp8", "float8_e4m3fn": "fp8", "fp8_e5m2": "fp8"}
+
+
+def normalize_dtype(name: str | None, default: str, what: str) -> str:
+    """`name` as one of DTYPE_BYTES' keys (`auto` or None: `default`)."""
+    if name in (None, "auto"):
+        return default
+    key = _DTYPE_ALIASES.get(str(name).lower(), str(name).lower())
+    if key not in DTYPE_BYTES:
+        raise ConfigError(f"unknown {what} {name!r}: give auto, {', '.join(DTYPE_BYTES)}")
+    return key
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes of a Llama-family decoder, read from GGUF metadata or a config.json."""
@@ -95,6 +113,9 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = option(None, "KV pool size in bytes (overrides --kv-cache-memory-fraction)")
     num_kv_blocks: int | None = option(None, "KV pool size in blocks (overrides both)")
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompt prefixes computed before")
+    kv_cache_dtype: str = option("auto", "the KV pool's element type: auto (the activations'), float32, bfloat16 "
+                                         "or float16 (2 bytes a value: stored rounded to nearest, widened to "
+                                         "fp32 as attention reads it); `inflight sim` also prices fp8 and int8")
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
@@ -104,6 +125,7 @@ class CacheConfig:
                  f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
         _require(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
                  f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        object.__setattr__(self, "kv_cache_dtype", normalize_dtype(self.kv_cache_dtype, "auto", "kv_cache_dtype"))
 
 
 class SchedulingPolicy(StrEnum):

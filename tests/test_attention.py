@@ -185,3 +185,104 @@ def test_huge_page_pool_is_zeroed_aligned_and_reads_like_any_tensor(shape):
         assert pool.data_ptr() % (2 * 1024 * 1024) == 0
     pool.view(-1)[-1] = 7.0  # the whole view is usable, to its last element
     assert pool.sum() == 7.0
+
+
+# ---- A 16-bit pool (`--kv-cache-dtype bfloat16|float16`): the kernels widen each value exactly
+# as they read it, so their results are the fp32 kernels' over the pool widened up front, bit for
+# bit; the KV store rounds to nearest even, as torch's `.to()` does.
+
+KV_DTYPES = [torch.bfloat16, torch.float16]
+
+
+def scattered_pool(kv_heads: int, dim: int, num_blocks: int = 40) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    torch.manual_seed(3)
+    return (torch.randn(num_blocks * BLOCK, kv_heads, dim), torch.randn(num_blocks * BLOCK, kv_heads, dim),
+            torch.randperm(num_blocks).tolist())
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("window,softcap", ATTENDS)
+@pytest.mark.parametrize("heads,kv_heads,dim", HEAD_SHAPES)
+def test_kernels_on_a_16_bit_pool_equal_fp32_kernels_on_its_values(heads, kv_heads, dim, window, softcap, kv_dtype):
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C++ compiler for the CPU kernel")
+    k32, v32, order = scattered_pool(kv_heads, dim)
+    k16, v16 = k32.to(kv_dtype), v32.to(kv_dtype)
+    kw, vw = k16.float(), v16.float()
+    lens = [1, 17, 130, 40]
+    tables = torch.tensor([order[i * 9:(i + 1) * 9] for i in range(len(lens))])
+    q = torch.randn(len(lens), heads, dim) * 2
+    for threads in (1, 2):  # unsplit, and contexts split over threads and merged
+        torch.set_num_threads(threads)
+        args = (tables, torch.tensor(lens), BLOCK, dim ** -0.5, window or 0, softcap or 0.0)
+        assert torch.equal(kernels.paged_decode_attention(q, k16, v16, *args),
+                           kernels.paged_decode_attention(q, kw, vw, *args))
+    segments = [(0, 37), (20, 7), (100, 30)]  # (cached tokens, new tokens)
+    lens_new = [n for _, n in segments]
+    qp = torch.randn(sum(lens_new), heads, dim)
+    args = (tables[:3], torch.tensor([0, *lens_new[:-1]]).cumsum(0), torch.tensor(lens_new),
+            torch.tensor([c for c, _ in segments]), BLOCK, dim ** -0.5, window or 0, softcap or 0.0)
+    assert torch.equal(kernels.paged_prefill_attention(qp, k16, v16, *args),
+                       kernels.paged_prefill_attention(qp, kw, vw, *args))
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("kv_heads,dim", [(3, 64), (1, 6)], ids=["vectors", "tail"])
+def test_kv_store_into_a_16_bit_pool_rounds_as_torch(kv_dtype, kv_heads, dim):
+    """The rotary kernel's store: each key and value rounded to nearest even, as `.to()`
+    rounds them (a row of 6 values exercises the scalar tail beside the 8-wide conversion)."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C++ compiler for the CPU kernel")
+    torch.manual_seed(4)
+    heads, n = 2 * kv_heads, 5
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim) * 3
+    qkv[0, heads * dim] = 1e-6  # below fp16's normal range: a subnormal
+    qkv[1, heads * dim] = 70000.0  # past fp16's largest: infinity, as torch rounds it
+    positions = torch.arange(n)
+    angles = torch.arange(n + 1).unsqueeze(1) * torch.rand(dim)
+    cos, sin = angles.cos(), angles.sin()
+    k_cache, v_cache = torch.zeros(16, kv_heads, dim, dtype=kv_dtype), torch.zeros(16, kv_heads, dim, dtype=kv_dtype)
+    slots = torch.tensor([9, 3, 14, 0, 7])
+    rotated = qkv.clone()
+    kernels.rotary_qk_(rotated, positions, cos, sin, heads, kv_heads, dim)
+    kernels.rotary_qk_(qkv, positions, cos, sin, heads, kv_heads, dim, k_cache, v_cache, slots)
+    assert torch.equal(qkv, rotated)  # the activations stay fp32
+    k, v = rotated[:, heads * dim:].view(n, 2, kv_heads, dim).unbind(1)
+    assert torch.equal(k_cache[slots].view(torch.int16), k.to(kv_dtype).view(torch.int16))
+    assert torch.equal(v_cache[slots].view(torch.int16), v.to(kv_dtype).view(torch.int16))
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("cached,new", [(20, 7), (0, 30)], ids=["cached-prefix", "whole-prompt"])
+def test_paths_on_a_16_bit_pool_read_the_values_it_holds(cached, new, kv_dtype):
+    """Prefill and decode through the gathered PyTorch path and the compiled kernels, a 16-bit
+    pool: each agrees with the dense reference over the rounded K/V (a whole prompt's own
+    new K/V included); the kernels' results are farther from the unrounded one."""
+    torch.manual_seed(5)
+    blocks = [5, 2, 6]
+    keys, values = torch.randn(cached + new + 1, KV_HEADS, DIM), torch.randn(cached + new + 1, KV_HEADS, DIM)
+    rounded_k, rounded_v = keys.to(kv_dtype).float(), values.to(kv_dtype).float()
+    slots = torch.tensor([blocks[t // BLOCK] * BLOCK + t % BLOCK for t in range(cached + new + 1)])
+    q = torch.randn(new + 1, HEADS, DIM) * 2
+    for kernels in (None, cpu_kernels()):
+        attention = PagedAttention(HEADS, KV_HEADS, DIM, kernels)
+        tol = KERNEL_TOL if kernels is not None else TORCH_TOL
+        k_cache = torch.zeros(8 * BLOCK, KV_HEADS, DIM, dtype=kv_dtype)
+        v_cache = torch.zeros(8 * BLOCK, KV_HEADS, DIM, dtype=kv_dtype)
+        k_cache[slots[:cached]], v_cache[slots[:cached]] = keys[:cached].to(kv_dtype), values[:cached].to(kv_dtype)
+        end = cached + new
+        meta = attention.build_metadata([SeqSlice(cached, new, blocks)], 0, slots[cached:end], BLOCK,
+                                        torch.float32, torch.device("cpu"))
+        out = attention.forward(q[:new], keys[cached:end], values[cached:end], k_cache, v_cache, meta)
+        meta = attention.build_metadata([SeqSlice(end, 1, blocks)], 1, slots[end:end + 1], BLOCK,
+                                        torch.float32, torch.device("cpu"))
+        decoded = attention.forward(q[new:], keys[end:], values[end:], k_cache, v_cache, meta)
+        for i, row in enumerate([*out.view(new, HEADS, DIM), decoded.view(HEADS, DIM)]):
+            n = cached + i + 1
+            expected = dense_reference(q[i], rounded_k[:n], rounded_v[:n])
+            torch.testing.assert_close(row, expected, **tol)
+            if kernels is not None:  # fp32-exact to 2e-6: the rounding (1e-4 and more) shows
+                unrounded = dense_reference(q[i], keys[:n], values[:n])
+                assert (row - expected).abs().max() < (row - unrounded).abs().max()

@@ -55,6 +55,22 @@ def test_a_pool_too_large_is_refused_with_the_pool_that_would_fit(monkeypatch, n
     assert "kv_cache_memory_bytes" in refusal(monkeypatch, available, kv_cache_memory_bytes=4 * GIB)
 
 
+def test_a_16_bit_kv_pool_fits_twice_the_blocks_and_the_simulators_types_are_refused(monkeypatch, never_loaded):
+    """The pool the guard names for kv_cache_dtype float16 is twice fp32's (the same bytes a block
+    less); fp8, which only the simulator prices, is refused in one line before anything loads."""
+    weights = weight_footprint(resolve_model(None), torch.float32, packed=True, blocks=True).peak
+    fits = {}
+    for kv in ("auto", "float16"):
+        message = refusal(monkeypatch, weights + GIB, num_kv_blocks=100_000, kv_cache_dtype=kv)
+        fits[kv] = int(re.search(r"num_kv_blocks=(\d+) \(\d+ tokens\) would fit", message).group(1))
+    assert abs(fits["float16"] - 2 * fits["auto"]) <= 2
+    with pytest.raises(ConfigError, match="kv_cache_dtype fp8 is priced by `inflight sim` only") as info:
+        LLM(kv_cache_dtype="fp8_e4m3")
+    assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="unknown kv_cache_dtype 'int4'"):
+        LLM(kv_cache_dtype="int4")
+
+
 def test_a_step_too_large_is_refused_with_the_token_budget_that_would_fit(monkeypatch, never_loaded):
     weights = weight_footprint(resolve_model(None), torch.float32, packed=True, blocks=True).peak
     message = refusal(monkeypatch, weights + GIB // 2, num_kv_blocks=16, max_num_tokens=65536)

@@ -24,7 +24,8 @@ sys.path.pop(0)
 
 def test_the_quality_table_on_a_slice(hf_model: Any, loaded: Any, tmp_path: Path) -> None:
     int8 = linear_backend(torch.device("cpu"), torch.float32) == "inflight"
-    names = ["stored", *(["int8"] if int8 else []), *(["int8-activations"] if blocks_usable() else [])]
+    names = ["stored", *(["int8"] if int8 else []), *(["int8-activations"] if blocks_usable() else []),
+             "kv-float16", "kv-bfloat16"]
     document = quality.run(names, [], tokens=256, window=128, num_items=4, num_prompts=2, max_tokens=6)
     rows = {row["name"]: row for row in document["rows"]}
     stored = rows["stored"]
@@ -54,7 +55,8 @@ def test_the_quality_table_on_a_slice(hf_model: Any, loaded: Any, tmp_path: Path
 
     # int8 (W8A8, activations per group of 64) and int8-activations (the Q4_1 blocks times
     # activations per 32) within 2% of the stored model's perplexity on this slice (0.58% and
-    # 0.51% over the full 4088 tokens; per-row activation scales were 3.4% off).
+    # 0.51% over the full 4088 tokens; per-row activation scales were 3.4% off); the KV pool in
+    # fp16 and bf16 too.
     for name in names[1:]:
         row = rows[name]
         assert abs(row["perplexity_vs_reference"]) < 0.02, (name, row["perplexity"], stored["perplexity"])

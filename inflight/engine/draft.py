@@ -15,6 +15,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import torch
+
 from inflight.engine.block_manager import BlockManager
 from inflight.engine.runner import ModelRunner
 from inflight.engine.sampler import Sampler
@@ -37,10 +39,10 @@ class DraftModel:
     costs (`cost`), from the cost model of the draft refitted to its own measured passes."""
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, target_vocab_size: int,
-                 cost_model: StepTimeModel | None = None) -> None:
+                 cost_model: StepTimeModel | None = None, kv_dtype: torch.dtype | None = None) -> None:
         self.loaded = loaded
         model = loaded.model
-        self.runner = ModelRunner(model, num_blocks, block_size, Sampler(model.device))
+        self.runner = ModelRunner(model, num_blocks, block_size, Sampler(model.device), kv_dtype)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.curve = StepCurve(cost_model) if cost_model is not None else None
         self.vocab_size = target_vocab_size

@@ -16,7 +16,7 @@ import torch
 from inflight.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SchedulingPolicy
 from inflight.engine.block_manager import BlockManager
 from inflight.engine.draft import DraftModel, check_draft
-from inflight.engine.memory import available_memory_bytes, check_memory
+from inflight.engine.memory import available_memory_bytes, check_memory, select_kv_dtype
 from inflight.engine.output import LengthOutputProcessor, OutputProcessor, RequestOutput, StepRecord
 from inflight.engine.priority import PriorityScheduler
 from inflight.engine.runner import ModelRunner, RunnerTimings
@@ -94,14 +94,14 @@ def check_engine_fits(config: EngineConfig, copies: int = 1) -> None:
                  copies=copies)
 
 
-def _blocks_for_budget(cache: CacheConfig, model: LlamaModel, device: torch.device) -> int:
+def _blocks_for_budget(cache: CacheConfig, model: LlamaModel, kv_dtype: torch.dtype, device: torch.device) -> int:
     total: float
     if cache.kv_cache_memory_bytes is not None:
         total, asked = cache.kv_cache_memory_bytes, f"kv_cache_memory_bytes={cache.kv_cache_memory_bytes}"
     else:
         fraction = cache.kv_cache_memory_fraction
         total, asked = fraction * available_memory_bytes(device), f"kv_cache_memory_fraction={fraction}"
-    num_blocks = int(total // ModelRunner.kv_bytes_per_block(model, cache.block_size))
+    num_blocks = int(total // ModelRunner.kv_bytes_per_block(model, cache.block_size, kv_dtype))
     if num_blocks < 1:
         raise ConfigError(f"{asked} leaves no room for a single KV block")
     return num_blocks
@@ -114,7 +114,8 @@ _POLICIES: dict[SchedulingPolicy, type[Scheduler]] = {
 }
 
 
-def _slo_cost_model(config: SchedulerConfig, model: ModelConfig, parts: EngineParts) -> CostModel:
+def _slo_cost_model(config: SchedulerConfig, model: ModelConfig, parts: EngineParts,
+                    kv_cache_dtype: str = "auto") -> CostModel:
     """The SLO policy's step-time model: its profile, or by default the built-in one for the
     device (its efficiencies then follow the machine through the online correction); an int8
     engine's from the profile's int8 factors where it has them (`inflight sim calibrate
@@ -125,8 +126,9 @@ def _slo_cost_model(config: SchedulerConfig, model: ModelConfig, parts: EnginePa
     dtype = None if parts.loaded is None else str(parts.loaded.model.dtype).removeprefix("torch.")
     hardware, engine = load_profiles(name)
     if parts.loaded is not None and parts.loaded.quantization == "int8" and engine.int8 and hardware.peak_flops_int8:
-        return CostModel(model, hardware, dtype=dtype, engine=engine.for_int8(), weight_dtype="int8")
-    return CostModel(model, hardware, dtype=dtype, engine=engine)
+        return CostModel(model, hardware, dtype=dtype, engine=engine.for_int8(), weight_dtype="int8",
+                         kv_cache_dtype=kv_cache_dtype)
+    return CostModel(model, hardware, dtype=dtype, engine=engine, kv_cache_dtype=kv_cache_dtype)
 
 
 def _draft_model(config: EngineConfig, sched_cfg: SchedulerConfig, parts: EngineParts, num_blocks: int) -> DraftModel:
@@ -140,8 +142,10 @@ def _draft_model(config: EngineConfig, sched_cfg: SchedulerConfig, parts: Engine
     check_engine_fits(draft_config)
     draft = LoadedModel.load(spec.model, target.model.dtype, target.model.device, config.quantization)
     check_draft(draft, target)
-    cost_model = _slo_cost_model(sched_cfg, draft.model.config, parts).for_draft(draft.model.config)
-    return DraftModel(draft, num_blocks, cache.block_size, parts.model_config.vocab_size, cost_model)
+    cost_model = _slo_cost_model(sched_cfg, draft.model.config, parts,
+                                 cache.kv_cache_dtype).for_draft(draft.model.config)
+    return DraftModel(draft, num_blocks, cache.block_size, parts.model_config.vocab_size, cost_model,
+                      select_kv_dtype(cache.kv_cache_dtype, draft.model.dtype))
 
 
 class Clock(Protocol):
@@ -226,7 +230,8 @@ class LLMEngine:
         window = model_config.sliding_window if model_config.sliding_window_layers is None else None
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching, window)
         if sched_cfg.scheduling_policy is SchedulingPolicy.SLO:
-            predictor = StepTimePredictor(parts.step_time_model or _slo_cost_model(sched_cfg, model_config, parts))
+            predictor = StepTimePredictor(parts.step_time_model
+                                          or _slo_cost_model(sched_cfg, model_config, parts, cache.kv_cache_dtype))
             self.scheduler: Scheduler = SLOScheduler(sched_cfg, self.block_manager, predictor, clock=self.clock)
         else:
             policy = _POLICIES[sched_cfg.scheduling_policy]
@@ -236,7 +241,8 @@ class LLMEngine:
         self.speculator: Speculator | None = None
         if sched_cfg.speculative is not None:
             self.speculator = Speculator(sched_cfg.speculative,
-                                         parts.step_time_model or _slo_cost_model(sched_cfg, model_config, parts))
+                                         parts.step_time_model
+                                         or _slo_cost_model(sched_cfg, model_config, parts, cache.kv_cache_dtype))
             self.scheduler.speculator = self.speculator
             if sched_cfg.speculative.method == "draft_model" and parts.loaded is not None:
                 self.speculator.drafter = _draft_model(config, sched_cfg, parts, num_blocks)
@@ -263,8 +269,9 @@ class LLMEngine:
             check_engine_fits(config)
             loaded = LoadedModel.load(config.model, select_dtype(config.dtype, device), device, config.quantization)
         cache = config.cache
-        num_blocks = cache.num_kv_blocks or _blocks_for_budget(cache, loaded.model, device)
-        runner = ModelRunner(loaded.model, num_blocks, cache.block_size, Sampler(device, config.seed))
+        kv_dtype = select_kv_dtype(cache.kv_cache_dtype, loaded.model.dtype)
+        num_blocks = cache.num_kv_blocks or _blocks_for_budget(cache, loaded.model, kv_dtype, device)
+        runner = ModelRunner(loaded.model, num_blocks, cache.block_size, Sampler(device, config.seed), kv_dtype)
         return EngineParts(runner, num_blocks, loaded.name, loaded.model.config, loaded.tokenizer,
                            loaded=loaded, device=device)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from inflight.config import EngineConfig, ModelConfig, SchedulerConfig
+from inflight.config import ENGINE_KV_DTYPES, EngineConfig, ModelConfig, SchedulerConfig
 from inflight.errors import ConfigError
 from inflight.model.linear import blocks_usable
 from inflight.model.loader import ModelSource, WeightFootprint, load_model_config, weight_footprint
@@ -128,6 +128,17 @@ def _cgroup_available() -> int | None:
         return None
 
 
+def select_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's element type for `kv_cache_dtype` (already normalized) beside activations of
+    `dtype`: auto is `dtype`; the simulator's other types are refused in one line."""
+    if name == "auto":
+        return dtype
+    if name not in ENGINE_KV_DTYPES:
+        raise ConfigError(f"kv_cache_dtype {name} is priced by `inflight sim` only; the engine stores "
+                          f"{', '.join(ENGINE_KV_DTYPES)} (or auto: the activations' type)")
+    return getattr(torch, name)
+
+
 def activation_bytes(model: ModelConfig, scheduler: SchedulerConfig, dtype: torch.dtype) -> int:
     """The largest step's working memory: `max_num_tokens` tokens through a layer (hidden states,
     q/k/v, the MLP's widest activations) and their logits twice over (logits and log-softmax:
@@ -162,7 +173,8 @@ def plan_memory(config: EngineConfig, source: ModelSource, dtype: torch.dtype, d
                                blocks=device.type == "cpu" and dtype == torch.float32 and blocks_usable(),
                                int8=config.quantization == "int8")
     cache = config.cache
-    per_block = 2 * model.num_layers * model.num_kv_heads * model.head_dim * cache.block_size * dtype.itemsize
+    kv_dtype = select_kv_dtype(cache.kv_cache_dtype, dtype)
+    per_block = 2 * model.num_layers * model.num_kv_heads * model.head_dim * cache.block_size * kv_dtype.itemsize
     available = available_memory_bytes(device)
     if cache.num_kv_blocks is not None:
         kv, option = cache.num_kv_blocks * per_block, f"num_kv_blocks={cache.num_kv_blocks}"

@@ -41,7 +41,10 @@ class StepInputs(NamedTuple):
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, sampler: Sampler) -> None:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, sampler: Sampler,
+                 kv_dtype: torch.dtype | None = None) -> None:
+        """`kv_dtype`: the pool's element type (None: the model's); a 16-bit pool beside fp32
+        activations holds each K and V value rounded to nearest, widened as attention reads it."""
         cfg = model.config
         if model.device.type == "cpu":
             keep_freed_memory()
@@ -52,10 +55,11 @@ class ModelRunner:
         self.sampler = sampler
         # Zeroed, not empty: padded reads of unused slots must stay finite.
         shape = (cfg.num_layers, 2, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_dtype = kv_dtype or model.dtype
         if self.device.type == "cpu":
-            self.kv_cache = huge_page_zeros(*shape, dtype=model.dtype)
+            self.kv_cache = huge_page_zeros(*shape, dtype=self.kv_dtype)
         else:
-            self.kv_cache = torch.zeros(shape, dtype=model.dtype, device=self.device)
+            self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
         # Test hook for fault injection: called with the step before the forward pass.
         self.before_forward: Callable[[SchedulerOutput], None] | None = None
@@ -64,9 +68,9 @@ class ModelRunner:
         self.last_prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
 
     @staticmethod
-    def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
+    def kv_bytes_per_block(model: LlamaModel, block_size: int, kv_dtype: torch.dtype | None = None) -> int:
         cfg = model.config
-        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * model.dtype.itemsize
+        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * (kv_dtype or model.dtype).itemsize
 
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
         """Runs one step; returns the new tokens of each request that reached its last token (one,

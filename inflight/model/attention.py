@@ -196,10 +196,11 @@ class PagedAttention:
         """q: `[num_tokens, num_heads, head_dim]`, k/v: `[num_tokens, num_kv_heads, head_dim]`.
         Returns `[num_tokens, num_heads * head_dim]`. `kv_stored`: the caller has already
         written k/v into their slots (fused with the rotary embedding). `window`: the layer's,
-        one of `windows`."""
+        one of `windows`. The caches may hold a narrower type than q (`--kv-cache-dtype`):
+        attention then reads every K and V, the step's own too, as the pool holds them."""
         if not kv_stored:
-            k_cache.index_copy_(0, meta.slot_mapping, k)
-            v_cache.index_copy_(0, meta.slot_mapping, v)
+            k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+            v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         num_decodes = meta.num_decode_tokens
         if num_decodes == q.shape[0]:  # a decode-only step: the decode path's result is the output
             return self._decode(q, k_cache, v_cache, meta, window).view(q.shape[0], self.num_heads * self.head_dim)
@@ -218,11 +219,12 @@ class PagedAttention:
                 out[seg.start:seg.end] = self._prefill(q, k, v, k_cache, v_cache, seg, meta.block_size, window)
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
-    def _gather(self, cache: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
-        """The K or V of whole blocks, `[*block_table.shape[:-1], num_blocks * block_size, kv, dim]`.
-        Copying whole blocks moves contiguous runs of memory instead of single slots."""
+    def _gather(self, cache: torch.Tensor, block_table: torch.Tensor, block_size: int,
+                dtype: torch.dtype) -> torch.Tensor:
+        """The K or V of whole blocks, `[*block_table.shape[:-1], num_blocks * block_size, kv, dim]`,
+        as `dtype`. Copying whole blocks moves contiguous runs of memory instead of single slots."""
         blocks = cache.view(-1, block_size * self.num_kv_heads * self.head_dim)
-        gathered = blocks.index_select(0, block_table.reshape(-1))
+        gathered = blocks.index_select(0, block_table.reshape(-1)).to(dtype)
         return gathered.view(*block_table.shape[:-1], -1, self.num_kv_heads, self.head_dim)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -234,8 +236,8 @@ class PagedAttention:
                 meta.block_size, self.scale, window or 0, self.softcap or 0.0,
             )
         batch = meta.decode_block_tables.shape[0]
-        keys = self._gather(k_cache, meta.decode_block_tables, meta.block_size)
-        values = self._gather(v_cache, meta.decode_block_tables, meta.block_size)
+        keys = self._gather(k_cache, meta.decode_block_tables, meta.block_size, q.dtype)
+        values = self._gather(v_cache, meta.decode_block_tables, meta.block_size, q.dtype)
         # One query per request: the query heads sharing a KV head stand in the "query length"
         # dimension of their group, so GQA needs no repeated K/V.
         grouped_q = q.view(batch, self.num_kv_heads, self.group_size, self.head_dim)
@@ -255,11 +257,12 @@ class PagedAttention:
     ) -> torch.Tensor:
         query = q[seg.start:seg.end].transpose(0, 1).unsqueeze(0)
         mask = seg.masks[window]
-        if seg.block_table is None:  # its own new K/V: causal, or windowed by its mask
-            keys, values = k[seg.start:seg.end], v[seg.start:seg.end]
+        if seg.block_table is None:  # its own new K/V (as the pool holds them): causal, or windowed by its mask
+            keys = k[seg.start:seg.end].to(k_cache.dtype).to(q.dtype)
+            values = v[seg.start:seg.end].to(v_cache.dtype).to(q.dtype)
         else:
-            keys = self._gather(k_cache, seg.block_table, block_size)
-            values = self._gather(v_cache, seg.block_table, block_size)
+            keys = self._gather(k_cache, seg.block_table, block_size, q.dtype)
+            values = self._gather(v_cache, seg.block_table, block_size, q.dtype)
         out = self._attend(query, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0), mask,
                            mask is None)
         return out[0].transpose(0, 1)

@@ -71,7 +71,7 @@ def _stable_source() -> Path:
     build rules name the source's path, so two checkouts of the same code (a clone beside the
     working tree, CI's fresh one) would otherwise each rebuild the cached module in turn."""
     text = SOURCE.read_bytes()
-    stable = _cache_root() / "kernel-sources" / hashlib.sha256(text).hexdigest()[:16] / SOURCE.name
+    stable = _cache_root() / "kernel-sources" / _source_digest(text) / SOURCE.name
     if not stable.is_file():
         stable.parent.mkdir(parents=True, exist_ok=True)
         tmp = stable.with_suffix(f".{os.getpid()}.tmp")
@@ -80,13 +80,20 @@ def _stable_source() -> Path:
     return stable
 
 
+def _source_digest(text: bytes) -> str:
+    return hashlib.sha256(text).hexdigest()[:16]
+
+
 def load_kernels(target: str = "native") -> ModuleType:
     """Builds (or finds in the cache) the kernels for `target` and loads them; raises if the
     compiler fails. Builds of different targets load side by side."""
     from torch.utils.cpp_extension import load
 
+    # Named by the CPU and the source too: two checkouts of different code (a working tree and a
+    # clone of main under test) each keep their own build instead of rebuilding one in turn,
+    # which also swapped the library under a process that was loading it.
     suffix = "" if target == "native" else f"_{target}"
-    name = f"inflight_cpu_kernels_{_cpu_tag()}{suffix}"
+    name = f"inflight_cpu_kernels_{_cpu_tag()}_{_source_digest(SOURCE.read_bytes())[:8]}{suffix}"
     build_dir = _cache_root() / "kernel-builds" / name
     build_dir.mkdir(parents=True, exist_ok=True)
     # torch's builder marks a build in progress with a `lock` file that a process killed while

@@ -55,8 +55,8 @@ class TorchTokenOps:
         k = _rotate_half(k.view(n, self.num_kv_heads, self.head_dim), cos_p, sin_p)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if kv_store is not None:
-            kv_store.k_cache.index_copy_(0, kv_store.slot_mapping, k)
-            kv_store.v_cache.index_copy_(0, kv_store.slot_mapping, v)
+            kv_store.k_cache.index_copy_(0, kv_store.slot_mapping, k.to(kv_store.k_cache.dtype))
+            kv_store.v_cache.index_copy_(0, kv_store.slot_mapping, v.to(kv_store.v_cache.dtype))
         return q, k, v
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple, Protocol
 
-from inflight.config import ModelConfig
+from inflight.config import DTYPE_BYTES, ModelConfig, normalize_dtype
 from inflight.errors import ConfigError
 from inflight.perf.profiles import EngineProfile, HardwareProfile, default_engine
 from inflight.perf.shapes import (
@@ -40,20 +40,7 @@ from inflight.perf.shapes import (
     num_params,
 )
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
 COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
-_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float8": "fp8",
-            "fp8_e4m3": "fp8", "float8_e4m3fn": "fp8", "fp8_e5m2": "fp8"}
-
-
-def normalize_dtype(name: str | None, default: str, what: str) -> str:
-    """`name` as one of DTYPE_BYTES' keys (`auto` or None: `default`)."""
-    if name in (None, "auto"):
-        return default
-    key = _ALIASES.get(str(name).lower(), str(name).lower())
-    if key not in DTYPE_BYTES:
-        raise ConfigError(f"unknown {what} {name!r}: give auto, {', '.join(DTYPE_BYTES)}")
-    return key
 
 
 class SeqWork(NamedTuple):

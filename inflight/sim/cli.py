@@ -118,7 +118,6 @@ def _add_target_options(parser: argparse.ArgumentParser) -> None:
                    help="whose kernels and step loop: vllm, sglang, trtllm, inflight, or an engine profile "
                         "JSON (default: the engine calibrated with --hardware, else vllm on a GPU)")
     t.add_argument("--weight-dtype", default="auto", help="auto (the compute type), bfloat16, float16, fp8, int8")
-    t.add_argument("--kv-cache-dtype", default="auto", help="auto (the compute type), bfloat16, float16, fp8, int8")
     t.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (default 1)")
     t.add_argument("--replicas", type=int, default=1,
                    help="engine replicas behind a router, as `inflight serve --replicas` (default 1)")
@@ -151,7 +150,7 @@ def _target(args: argparse.Namespace) -> Any:
     name, shapes = resolve_shapes(args.model)
     hardware, engine = load_profiles(args.hardware, args.engine_profile)
     weights = normalize_dtype(args.weight_dtype, "auto", "--weight-dtype")
-    kv = normalize_dtype(args.kv_cache_dtype, "auto", "--kv-cache-dtype")
+    kv = normalize_dtype(args.kv_cache_dtype, "auto", "--kv-cache-dtype")  # an engine option (the KV pool's)
     return SimTarget(name, shapes, hardware, args.tp, args.gpu_memory_utilization, engine, weights, kv)
 
 

@@ -92,11 +92,86 @@ inline void sum_lanes4(vec a, vec b, vec c, vec d, float* out) {
 
 constexpr float kNoScore = -1e30f;  // a finite "minus infinity": the file is built with fast-math
 
+// The KV pool's element type: fp32, or 16 bits (bf16 or fp16: `--kv-cache-dtype`), stored rounded
+// to nearest even and widened to fp32 (exactly) as it is read, so that the attention arithmetic
+// is the fp32 kernels' on the rounded values.
+enum class KvType { kF32, kBF16, kF16 };
+
+// n values from src (fp32 as they are, 16-bit ones widened) into dst.
+inline void widen_kv(const void* src, KvType type, float* __restrict dst, int64_t n) {
+  if (type == KvType::kF32) {
+    std::memcpy(dst, src, n * sizeof(float));
+    return;
+  }
+  const uint16_t* h = static_cast<const uint16_t*>(src);
+  if (type == KvType::kBF16) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(h[i]) << 16;
+      float f;
+      std::memcpy(&f, &bits, sizeof(f));
+      dst[i] = f;
+    }
+    return;
+  }
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+#endif
+  for (; i < n; ++i) dst[i] = c10::detail::fp16_ieee_to_fp32_value(h[i]);
+}
+
+// n fp32 values into the pool's type at dst, rounded to nearest even (as torch's `.to()`).
+inline void narrow_kv(const float* __restrict src, KvType type, void* dst, int64_t n) {
+  if (type == KvType::kF32) {
+    std::memcpy(dst, src, n * sizeof(float));
+    return;
+  }
+  uint16_t* h = static_cast<uint16_t*>(dst);
+  int64_t i = 0;
+  if (type == KvType::kBF16) {
+    for (; i < n; ++i) h[i] = c10::BFloat16(src[i]).x;
+    return;
+  }
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(h + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; i < n; ++i) h[i] = c10::detail::fp16_ieee_from_fp32_value(src[i]);
+}
+
+KvType kv_type(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.dtype() == v_cache.dtype(), "K and V pools of different types");
+  if (k_cache.dtype() == torch::kFloat32) return KvType::kF32;
+  if (k_cache.dtype() == torch::kBFloat16) return KvType::kBF16;
+  TORCH_CHECK(k_cache.dtype() == torch::kFloat16, "a KV pool of float32, bfloat16 or float16 only");
+  return KvType::kF16;
+}
+
 struct Pool {
-  const float* k;          // [num_slots, num_kv_heads, dim]
-  const float* v;
+  const void* k;           // [num_slots, num_kv_heads, dim]
+  const void* v;
+  KvType type;
   int64_t slot_stride;     // num_kv_heads * dim
   int64_t block_size;
+
+  Pool(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t block)
+      : k(k_cache.data_ptr()), v(v_cache.data_ptr()), type(kv_type(k_cache, v_cache)),
+        slot_stride(k_cache.size(1) * k_cache.size(2)), block_size(block) {}
+
+  int64_t element_bytes() const { return type == KvType::kF32 ? 4 : 2; }
+  // Where value `offset` of `slot` of pool `base` (k or v) is.
+  const char* at(const void* base, int64_t slot, int64_t offset = 0) const {
+    return static_cast<const char*>(base) + (slot * slot_stride + offset) * element_bytes();
+  }
+  // n values from there as fp32: the pool's own memory when it is fp32, else widened into buf.
+  const float* floats(const void* base, int64_t slot, int64_t offset, int64_t n, float* buf) const {
+    if (type == KvType::kF32) return reinterpret_cast<const float*>(at(base, slot, offset));
+    widen_kv(at(base, slot, offset), type, buf, n);
+    return buf;
+  }
 };
 
 // The PV product of the prefill kernel: o[j] += sum_i p[j * p_stride + i] * v_i for RB rows of
@@ -177,9 +252,8 @@ struct Prefetcher {
   const char* p;
   const char* end;
   int64_t lines_per_step;
-  Prefetcher(const float* begin, int64_t num_floats, int64_t steps)
-      : p(reinterpret_cast<const char*>(begin)), end(reinterpret_cast<const char*>(begin + num_floats)),
-        lines_per_step((num_floats * static_cast<int64_t>(sizeof(float)) / 64 + steps) / std::max<int64_t>(steps, 1)) {}
+  Prefetcher(const char* begin, int64_t num_bytes, int64_t steps)
+      : p(begin), end(begin + num_bytes), lines_per_step((num_bytes / 64 + steps) / std::max<int64_t>(steps, 1)) {}
   void step() {
     for (int64_t j = 0; j < lines_per_step && p < end; ++j, p += 64) __builtin_prefetch(p);
   }
@@ -258,10 +332,11 @@ inline void soft_cap(float* s, int64_t n, float cap) {
 // unnormalized result in out ([num_heads, dim], the sum of exp(score - m) * v), and per head the
 // max score m and the sum of the weights l, so that parts of one context computed apart can be
 // merged. scores: num_heads * (t_end - t_begin). softcap > 0 caps the scaled scores (Gemma 2).
+// widened: a block's K or V as fp32 (block_size * slot_stride floats) when the pool is 16-bit.
 template <int64_t kDim>
 void attend_range(const Pool& pool, const int64_t* table, int64_t t_begin, int64_t t_first, int64_t t_end,
                   const float* q, int64_t num_heads, int64_t group, int64_t dim_rt, float scale, float softcap,
-                  float* scores, float* out, float* m, float* l) {
+                  float* scores, float* out, float* m, float* l, float* widened) {
   constexpr bool kBlocked = kDim > 0 && kDim % kVec == 0;
   const int64_t dim = kDim > 0 ? kDim : dim_rt;
   const int64_t bs = pool.block_size, stride = pool.slot_stride, len = t_end - t_begin;
@@ -272,11 +347,11 @@ void attend_range(const Pool& pool, const int64_t* table, int64_t t_begin, int64
   const int64_t first_block = t_begin / bs, last_block = (t_end - 1) / bs;
   for (int64_t blk = first_block; blk <= last_block; ++blk) {
     const int64_t t0 = blk * bs, n = std::min(bs, t_end - t0);
-    const float* keys = pool.k + table[blk] * bs * stride;
+    const float* keys = pool.floats(pool.k, table[blk] * bs, 0, n * stride, widened);
     // The next block's K, or after the last one the first block's V.
     const int64_t next_n = blk < last_block ? std::min(bs, t_end - t0 - bs) : std::min(bs, t_end - first_block * bs);
-    Prefetcher next(blk < last_block ? pool.k + table[blk + 1] * bs * stride : pool.v + table[first_block] * bs * stride,
-                    next_n * stride, num_heads * ((n + 3) / 4));
+    Prefetcher next(blk < last_block ? pool.at(pool.k, table[blk + 1] * bs) : pool.at(pool.v, table[first_block] * bs),
+                    next_n * stride * pool.element_bytes(), num_heads * ((n + 3) / 4));
     if constexpr (kBlocked) {
       score_block<kDim>(q, num_heads, group, keys, stride, n, scale, scores + t0 - t_begin, len, next);
     } else {
@@ -305,9 +380,10 @@ void attend_range(const Pool& pool, const int64_t* table, int64_t t_begin, int64
   }
   for (int64_t blk = first_block; blk <= last_block; ++blk) {
     const int64_t t0 = blk * bs, n = std::min(bs, t_end - t0);
-    const float* values = pool.v + table[blk] * bs * stride;
-    Prefetcher next(pool.v + (blk < last_block ? table[blk + 1] : table[blk]) * bs * stride,
-                    blk < last_block ? std::min(bs, t_end - t0 - bs) * stride : 0, num_heads * ((n + 3) / 4));
+    const float* values = pool.floats(pool.v, table[blk] * bs, 0, n * stride, widened);
+    Prefetcher next(pool.at(pool.v, (blk < last_block ? table[blk + 1] : table[blk]) * bs),
+                    blk < last_block ? std::min(bs, t_end - t0 - bs) * stride * pool.element_bytes() : 0,
+                    num_heads * ((n + 3) / 4));
     if constexpr (kBlocked) {
       value_block<kDim>(scores + t0 - t_begin, len, num_heads, group, values, stride, n, out, next);
     } else {
@@ -321,14 +397,16 @@ void attend_range(const Pool& pool, const int64_t* table, int64_t t_begin, int64
 
 void attend(const Pool& pool, const int64_t* table, int64_t t_begin, int64_t t_first, int64_t t_end, const float* q,
             int64_t num_heads, int64_t group, int64_t dim, float scale, float softcap, float* scores, float* out,
-            float* m, float* l) {
+            float* m, float* l, float* widened) {
   if (dim == 64)
-    attend_range<64>(pool, table, t_begin, t_first, t_end, q, num_heads, group, dim, scale, softcap, scores, out, m, l);
+    attend_range<64>(pool, table, t_begin, t_first, t_end, q, num_heads, group, dim, scale, softcap, scores, out, m, l,
+                     widened);
   else if (dim == 128)
     attend_range<128>(pool, table, t_begin, t_first, t_end, q, num_heads, group, dim, scale, softcap, scores, out, m,
-                      l);
+                      l, widened);
   else
-    attend_range<0>(pool, table, t_begin, t_first, t_end, q, num_heads, group, dim, scale, softcap, scores, out, m, l);
+    attend_range<0>(pool, table, t_begin, t_first, t_end, q, num_heads, group, dim, scale, softcap, scores, out, m, l,
+                    widened);
 }
 
 // Blocks per part when a context is split: at least this many, so that a part's fixed costs
@@ -339,7 +417,8 @@ constexpr int64_t kMinSplitBlocks = 4;
 
 // q: [B, H, D]; k_cache, v_cache: [num_slots, KV, D]; block_tables: [B, max_blocks] (int64);
 // context_lens: [B] (int64). Returns [B, H, D]. window > 0: each query attends to its last
-// `window` positions only (sliding-window attention); softcap > 0: scores soft-capped.
+// `window` positions only (sliding-window attention); softcap > 0: scores soft-capped. The pool
+// may be 16-bit (bf16 or fp16): each block is widened to fp32 as it is read.
 //
 // A work item is one request, or, when there are too few requests to keep every thread busy
 // (a single stream, the last requests of a batch), a block-aligned part of one request's
@@ -347,8 +426,7 @@ constexpr int64_t kMinSplitBlocks = 4;
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens,
                                      int64_t block_size, double scale, int64_t window, double softcap) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
-              v_cache.dtype() == torch::kFloat32, "float32 only");
+  TORCH_CHECK(q.dtype() == torch::kFloat32, "float32 queries only");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs only");
   TORCH_CHECK(block_tables.dtype() == torch::kInt64 && context_lens.dtype() == torch::kInt64, "int64 tables only");
   const int64_t batch = q.size(0), num_heads = q.size(1), dim = q.size(2);
@@ -358,7 +436,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
   auto out = torch::empty_like(q);
-  const Pool pool{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), num_kv_heads * dim, block_size};
+  const Pool pool(k_cache, v_cache, block_size);
   const float* qp = q.data_ptr<float>();
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
@@ -409,6 +487,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> scores(num_heads * max_part_len);
+    std::vector<float> widened(pool.type == KvType::kF32 ? 0 : block_size * pool.slot_stride);
     for (int64_t taken = next++; taken < num_parts; taken = next++) {
       const int64_t i = order[taken];
       const Part& pt = parts[i];
@@ -416,7 +495,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       float* m = part_m.data() + i * num_heads;
       float* l = part_l.data() + i * num_heads;
       attend(pool, tp + pt.request * max_blocks, pt.t_begin, std::max(pt.t_begin, first_visible(pt.request)),
-             pt.t_end, qp + pt.request * num_heads * dim, num_heads, group, dim, fscale, fcap, scores.data(), o, m, l);
+             pt.t_end, qp + pt.request * num_heads * dim, num_heads, group, dim, fscale, fcap, scores.data(), o, m, l,
+             widened.data());
       if (!split)
         for (int64_t h = 0; h < num_heads; ++h) {
           const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
@@ -469,10 +549,12 @@ struct PrefillItem {
 // multiple of 4 (the score kernel's row block); the extra query rows stay zero.
 struct PrefillScratch {
   std::vector<float> qs, o, kt, s, p, m, l;
+  std::vector<float> kw, vw;  // a tile's K and V rows widened to fp32 (a 16-bit pool)
   std::vector<int64_t> low, limit;  // each row's visible context positions: [low, limit)
   PrefillScratch(int64_t rows, int64_t dim)
       : qs((rows + 3) / 4 * 4 * dim), o(rows * dim), kt(dim * kTokenTile), s((rows + 3) / 4 * 4 * kTokenTile),
-        p(rows * kTokenTile), m(rows), l(rows), low(rows), limit(rows) {}
+        p(rows * kTokenTile), m(rows), l(rows), kw(kTokenTile * dim), vw(kTokenTile * dim), low(rows),
+        limit(rows) {}
 };
 
 // The tile's keys transposed into kt[d * kTokenTile + i] (rows past nt zero), so that a score
@@ -543,8 +625,8 @@ void prefill_item(const Pool& pool, const int64_t* table, int64_t ctx_start, con
     for (int64_t i = 0; i < nt; ++i) {
       const int64_t t = t0 + i;
       const int64_t slot = table[t / bs] * bs + t % bs;
-      krow[i] = pool.k + slot * stride + it.kv_head * dim;
-      vrow[i] = pool.v + slot * stride + it.kv_head * dim;
+      krow[i] = pool.floats(pool.k, slot, it.kv_head * dim, dim, sc.kw.data() + i * dim);
+      vrow[i] = pool.floats(pool.v, slot, it.kv_head * dim, dim, sc.vw.data() + i * dim);
     }
     transpose_keys<kDim>(krow, nt, dim, kt);
     // Scores of 4 query rows at a time: each K-tile vector is loaded once for the four. The
@@ -615,15 +697,15 @@ void prefill_item(const Pool& pool, const int64_t* table, int64_t ctx_start, con
 
 // q: [N, H, D], the new tokens of S requests back to back; segment s owns rows
 // [q_starts[s], q_starts[s] + q_lens[s]), which sit at positions ctx_starts[s]... of a context
-// whose blocks are block_tables[s] (the step's K/V already written). Returns [N, H, D].
+// whose blocks are block_tables[s] (the step's K/V already written; a 16-bit pool is widened to
+// fp32 a tile of rows at a time). Returns [N, H, D].
 // window > 0: each token attends to its last `window` positions only; softcap > 0: scores
 // soft-capped (as paged_decode_attention).
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor block_tables, torch::Tensor q_starts, torch::Tensor q_lens,
                                       torch::Tensor ctx_starts, int64_t block_size, double scale, int64_t window,
                                       double softcap) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
-              v_cache.dtype() == torch::kFloat32, "float32 only");
+  TORCH_CHECK(q.dtype() == torch::kFloat32, "float32 queries only");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs only");
   for (const auto& t : {block_tables, q_starts, q_lens, ctx_starts})
     TORCH_CHECK(t.dtype() == torch::kInt64 && t.is_contiguous(), "int64 contiguous tables only");
@@ -650,7 +732,7 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
   // Longest contexts first, so that the last items the threads pick up are short.
   std::sort(items.begin(), items.end(), [](const PrefillItem& a, const PrefillItem& b) { return a.cost > b.cost; });
   auto out = torch::empty_like(q);
-  const Pool pool{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), num_kv_heads * dim, block_size};
+  const Pool pool(k_cache, v_cache, block_size);
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
@@ -753,7 +835,8 @@ torch::Tensor add_rms_norm_(torch::Tensor hidden, torch::Tensor delta, torch::Te
 // Rotary embedding (the rotate-half form) applied in place to the query and key heads at the
 // front of each row of the fused projection qkv [N, (H + 2 KV) * D]. cos/sin: [max_pos, D];
 // positions: [N] (int64). With a KV pool (k_cache, v_cache: [num_slots, KV, D]) and slots [N],
-// each row's rotated key and its value are also written to its slot: the step's KV store.
+// each row's rotated key and its value are also written to its slot: the step's KV store (in a
+// 16-bit pool rounded to nearest even, as torch's `.to()`).
 void rotary_qk_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, c10::optional<torch::Tensor> k_cache,
                 c10::optional<torch::Tensor> v_cache, c10::optional<torch::Tensor> slot_mapping) {
@@ -770,22 +853,25 @@ void rotary_qk_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, t
     TORCH_CHECK(pp[r] >= 0 && pp[r] < max_pos, "position out of the rotary table");
   const bool store = slot_mapping.has_value();
   const int64_t kv_width = num_kv_heads * head_dim;
-  float* kp = nullptr;
-  float* vp = nullptr;
+  char* kp = nullptr;
+  char* vp = nullptr;
+  KvType kv = KvType::kF32;
+  int64_t slot_bytes = 0;
   const int64_t* slots = nullptr;
   torch::Tensor slot_tensor;
   if (store) {
     TORCH_CHECK(k_cache.has_value() && v_cache.has_value(), "a KV store needs both caches");
-    TORCH_CHECK(k_cache->dtype() == torch::kFloat32 && v_cache->dtype() == torch::kFloat32 &&
-                k_cache->is_contiguous() && v_cache->is_contiguous() && k_cache->sizes() == v_cache->sizes() &&
+    kv = kv_type(*k_cache, *v_cache);
+    TORCH_CHECK(k_cache->is_contiguous() && v_cache->is_contiguous() && k_cache->sizes() == v_cache->sizes() &&
                 k_cache->size(1) == num_kv_heads && k_cache->size(2) == head_dim, "bad KV pool");
     slot_tensor = slot_mapping->contiguous();
     TORCH_CHECK(slot_tensor.dtype() == torch::kInt64 && slot_tensor.numel() == qkv.size(0), "slots must be int64 [N]");
     slots = slot_tensor.data_ptr<int64_t>();
     for (int64_t r = 0; r < qkv.size(0); ++r)
       TORCH_CHECK(slots[r] >= 0 && slots[r] < k_cache->size(0), "slot out of the KV pool");
-    kp = k_cache->data_ptr<float>();
-    vp = v_cache->data_ptr<float>();
+    kp = static_cast<char*>(k_cache->data_ptr());
+    vp = static_cast<char*>(v_cache->data_ptr());
+    slot_bytes = kv_width * k_cache->element_size();
   }
   float* base = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
@@ -805,9 +891,8 @@ void rotary_qk_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, t
         }
       }
       if (store) {
-        std::copy(row + num_heads * head_dim, row + num_heads * head_dim + kv_width, kp + slots[r] * kv_width);
-        std::copy(row + num_heads * head_dim + kv_width, row + num_heads * head_dim + 2 * kv_width,
-                  vp + slots[r] * kv_width);
+        narrow_kv(row + num_heads * head_dim, kv, kp + slots[r] * slot_bytes, kv_width);
+        narrow_kv(row + num_heads * head_dim + kv_width, kv, vp + slots[r] * slot_bytes, kv_width);
       }
     }
   });
@@ -2938,13 +3023,14 @@ std::string isa() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "The instruction-set branch this build compiled: avx512, avx2+avx-vnni, avx2 or generic");
-  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU, fp32)", py::arg("q"),
-        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
-        py::arg("block_size"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
-  m.def("paged_prefill_attention", &paged_prefill_attention, "Paged causal prefill attention (CPU, fp32)",
-        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("q_starts"),
-        py::arg("q_lens"), py::arg("ctx_starts"), py::arg("block_size"), py::arg("scale"), py::arg("window") = 0,
-        py::arg("softcap") = 0.0);
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "Paged decode attention (CPU, fp32 arithmetic over an fp32 or 16-bit pool)", py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("block_size"), py::arg("scale"),
+        py::arg("window") = 0, py::arg("softcap") = 0.0);
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "Paged causal prefill attention (CPU, fp32 arithmetic over an fp32 or 16-bit pool)", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("q_starts"), py::arg("q_lens"),
+        py::arg("ctx_starts"), py::arg("block_size"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU, fp32)");
   m.def("add_rms_norm_", &add_rms_norm_, "hidden += delta, then RMSNorm (CPU, fp32)");
   m.def("rotary_qk_", &rotary_qk_, "Rotary embedding of the q and k heads of a fused qkv, in place (and KV store)",
