@@ -279,14 +279,10 @@ def decode_attention(kernels: object, batch: int, context: int) -> None:
     print(line)
 
 
-def decode_attention_pages(kernels: object, batch: int = 64, context: int = 256, rounds: int = 4) -> None:
-    """The KV pool in 4 KiB pages against 2 MiB ones (the engine's, huge_page_zeros), alternated."""
-    torch.manual_seed(0)
-    layers = _layers_beyond_cache(batch, context)
-    num_blocks = batch * context // BLOCK * 4  # the used blocks scattered over a pool 4x their size
-    shape = (layers, 2, num_blocks * BLOCK, KV_HEADS, DIM)
-    small = torch.randn(shape)
-    huge = huge_page_zeros(*shape, dtype=torch.float32).copy_(small)
+def _pools_alternated(kernels: object, pools: dict[str, torch.Tensor], batch: int, context: int,
+                      num_blocks: int, rounds: int) -> dict[str, list[float]]:
+    """Decode attention of `batch` requests of `context` tokens, their blocks drawn at random from
+    `num_blocks`, over each pool `[layers, 2, slots, KV, D]` in turn: seconds a layer, each round."""
     tables = torch.randperm(num_blocks)[: batch * context // BLOCK].view(batch, -1)
     lens = torch.full((batch,), context, dtype=torch.int64)
     q = torch.randn(batch, HEADS, DIM)
@@ -295,8 +291,20 @@ def decode_attention_pages(kernels: object, batch: int = 64, context: int = 256,
         for layer in pool:
             kernels.paged_decode_attention(q, layer[0], layer[1], tables, lens, BLOCK, DIM ** -0.5)  # type: ignore[attr-defined]
 
-    times = _alternated({"4 KiB": functools.partial(run, small), "2 MiB": functools.partial(run, huge)}, rounds)
-    small_s, huge_s = min(times["4 KiB"]) / layers, min(times["2 MiB"]) / layers
+    times = _alternated({name: functools.partial(run, pool) for name, pool in pools.items()}, rounds)
+    return {name: [t / len(pools[name]) for t in ts] for name, ts in times.items()}
+
+
+def decode_attention_pages(kernels: object, batch: int = 64, context: int = 256, rounds: int = 4) -> None:
+    """The KV pool in 4 KiB pages against 2 MiB ones (the engine's, huge_page_zeros), alternated."""
+    torch.manual_seed(0)
+    layers = _layers_beyond_cache(batch, context)
+    num_blocks = batch * context // BLOCK * 4  # the used blocks scattered over a pool 4x their size
+    shape = (layers, 2, num_blocks * BLOCK, KV_HEADS, DIM)
+    small = torch.randn(shape)
+    huge = huge_page_zeros(*shape, dtype=torch.float32).copy_(small)
+    times = _pools_alternated(kernels, {"4 KiB": small, "2 MiB": huge}, batch, context, num_blocks, rounds)
+    small_s, huge_s = min(times["4 KiB"]), min(times["2 MiB"])
     wins = sum(b < a for a, b in zip(times["4 KiB"], times["2 MiB"], strict=True))
     print(f"paged decode attention, {batch} x {context} tokens, pool pages: 4 KiB {1000 * small_s:.2f} ms, "
           f"2 MiB {1000 * huge_s:.2f} ms per layer; 2 MiB pages {small_s / huge_s:.2f}x, "
@@ -309,22 +317,13 @@ def decode_attention_kv_dtypes(kernels: object, batch: int, context: int, rounds
     torch.manual_seed(0)
     layers = _layers_beyond_cache(batch, context)
     num_blocks = batch * context // BLOCK + 8
-    shape = (layers, 2, num_blocks * BLOCK, KV_HEADS, DIM)
-    pools = {"float32": torch.randn(shape)}
+    pools = {"float32": torch.randn(layers, 2, num_blocks * BLOCK, KV_HEADS, DIM)}
     pools |= {name: pools["float32"].to(getattr(torch, name)) for name in ("bfloat16", "float16")}
-    tables = torch.randperm(num_blocks)[: batch * context // BLOCK].view(batch, -1)
-    lens = torch.full((batch,), context, dtype=torch.int64)
-    q = torch.randn(batch, HEADS, DIM)
-
-    def run(pool: torch.Tensor) -> None:
-        for layer in pool:
-            kernels.paged_decode_attention(q, layer[0], layer[1], tables, lens, BLOCK, DIM ** -0.5)  # type: ignore[attr-defined]
-
-    times = _alternated({name: functools.partial(run, pool) for name, pool in pools.items()}, rounds)
-    fp32 = min(times["float32"]) / layers
+    times = _pools_alternated(kernels, pools, batch, context, num_blocks, rounds)
+    fp32 = min(times["float32"])
     parts = []
     for name, pool in pools.items():
-        seconds = min(times[name]) / layers
+        seconds = min(times[name])
         nbytes = 2 * batch * context * KV_HEADS * DIM * pool.element_size()
         parts.append(f"{name} {1000 * seconds:.2f} ms ({fp32 / seconds:.2f}x, {nbytes / seconds / 1e9:.1f} GB/s)")
     print(f"paged decode attention, {batch} x {context} tokens, KV pool: " + ", ".join(parts))
