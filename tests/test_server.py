@@ -554,6 +554,10 @@ def test_metrics_parse_and_move_with_requests(server: RunningServer, client: ope
     for name in expected:
         assert "inflight:" + name in families, name
     assert all(name.startswith("inflight:") for name in families)
+    # vLLM's info series: the pool's configuration in its labels (the fp32 pool of a CPU engine).
+    [info] = families["inflight:cache_config_info"].samples
+    assert info.value == 1 and info.labels == {"block_size": "16", "cache_dtype": "float32",
+                                               "num_gpu_blocks": str(NUM_KV_BLOCKS), "enable_prefix_caching": "True"}
 
     before = scrape(server.url)
     resp = client.completions.create(model=model, prompt="Question: What is 17 times 23? Answer:", max_tokens=6,

@@ -392,6 +392,17 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def cache_config_info(self) -> dict[str, str]:
+        """The KV pool's configuration, labelled as vLLM's `cache_config_info` series labels it
+        (`num_gpu_blocks`: the pool's blocks, whatever the device); `cache_dtype` is the type the
+        pool holds (`kv_cache_dtype`, auto resolved)."""
+        cache, loaded = self.config.cache, self.parts.loaded
+        dtype = (str(select_kv_dtype(cache.kv_cache_dtype, loaded.model.dtype)).removeprefix("torch.")
+                 if loaded is not None else cache.kv_cache_dtype)
+        return {"block_size": str(cache.block_size), "cache_dtype": dtype,
+                "num_gpu_blocks": str(self.block_manager.num_blocks),
+                "enable_prefix_caching": str(cache.enable_prefix_caching)}
+
     def stats(self) -> EngineStats:
         """A snapshot of the engine's gauges and counters (see `EngineStats`)."""
         return scheduler_stats(self.scheduler, self.num_oom_errors, self.num_failed_steps)

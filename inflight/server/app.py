@@ -69,7 +69,8 @@ async def read_body(request: Request, model: type[_Body], max_bytes: int) -> _Bo
 def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
     """An app serving `engine`; the engine loop starts and stops with the app's lifespan."""
     config = config or ServerConfig()
-    metrics = ServerMetrics(lambda: engine.stats, engine.ttft_target_s, engine.tpot_target_s)
+    metrics = ServerMetrics(lambda: engine.stats, engine.ttft_target_s, engine.tpot_target_s,
+                            engine.cache_config_info)
     engine.add_step_observer(metrics.observe_step)
     serving = OpenAIServing(engine, metrics, config)
 

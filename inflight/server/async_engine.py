@@ -83,6 +83,7 @@ class AsyncEngine:
         self.ttft_target_s = cfg.ttft_slo_ms / 1e3 if cfg.ttft_slo_ms is not None else None
         self.tpot_target_s = cfg.tbt_slo_ms / 1e3 if cfg.tbt_slo_ms is not None else None
         self.vocab_size = engine.model_config.vocab_size
+        self.cache_config_info = engine.cache_config_info()
         # Every token stands for at most `longest` characters, so a text longer than
         # max_model_len * longest characters cannot fit, whatever its tokens: it can be refused
         # before any tokenizing, which bounds the tokenizer's work per request.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from inflight.engine.output import RequestOutput, StepRecord
@@ -62,7 +62,7 @@ class ServerMetrics:
     the server sees."""
 
     def __init__(self, stats: Callable[[], EngineStats], ttft_target_s: float | None = None,
-                 tpot_target_s: float | None = None) -> None:
+                 tpot_target_s: float | None = None, cache_info: dict[str, str] | None = None) -> None:
         self.registry = registry = CollectorRegistry()
         self.ttft_target_s, self.tpot_target_s = ttft_target_s, tpot_target_s
         self.slo_good: Counter | None = None
@@ -72,6 +72,9 @@ class ServerMetrics:
                 "Finished requests that met the TTFT target and the TPOT target (those set): their rate is goodput.",
                 registry=registry)
         registry.register(_EngineCollector(stats))
+        if cache_info:  # vLLM's info series: its labels are the KV pool's configuration, its value 1
+            Gauge(PREFIX + "cache_config_info", "The KV cache's configuration, in the labels.", sorted(cache_info),
+                  registry=registry).labels(**cache_info).set(1)
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prefilled prompt tokens.", registry=registry)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", registry=registry)
         self.request_success = Counter(PREFIX + "request_success", "Requests that finished, by finish reason.",
