@@ -66,22 +66,17 @@ def _cache_root() -> Path:
     return Path(os.environ.get("INFLIGHT_CACHE", Path.home() / ".cache" / "inflight"))
 
 
-def _stable_source() -> Path:
-    """The source copied to a path named by its contents ($INFLIGHT_CACHE/kernel-sources): the
-    build rules name the source's path, so two checkouts of the same code (a clone beside the
+def _stable_source(text: bytes, digest: str) -> Path:
+    """The source (`text`) copied to a path named by its contents ($INFLIGHT_CACHE/kernel-sources):
+    the build rules name the source's path, so two checkouts of the same code (a clone beside the
     working tree, CI's fresh one) would otherwise each rebuild the cached module in turn."""
-    text = SOURCE.read_bytes()
-    stable = _cache_root() / "kernel-sources" / _source_digest(text) / SOURCE.name
+    stable = _cache_root() / "kernel-sources" / digest / SOURCE.name
     if not stable.is_file():
         stable.parent.mkdir(parents=True, exist_ok=True)
         tmp = stable.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_bytes(text)
         os.replace(tmp, stable)
     return stable
-
-
-def _source_digest(text: bytes) -> str:
-    return hashlib.sha256(text).hexdigest()[:16]
 
 
 def load_kernels(target: str = "native") -> ModuleType:
@@ -92,8 +87,10 @@ def load_kernels(target: str = "native") -> ModuleType:
     # Named by the CPU and the source too: two checkouts of different code (a working tree and a
     # clone of main under test) each keep their own build instead of rebuilding one in turn,
     # which also swapped the library under a process that was loading it.
+    text = SOURCE.read_bytes()
+    digest = hashlib.sha256(text).hexdigest()[:16]
     suffix = "" if target == "native" else f"_{target}"
-    name = f"inflight_cpu_kernels_{_cpu_tag()}_{_source_digest(SOURCE.read_bytes())[:8]}{suffix}"
+    name = f"inflight_cpu_kernels_{_cpu_tag()}_{digest[:8]}{suffix}"
     build_dir = _cache_root() / "kernel-builds" / name
     build_dir.mkdir(parents=True, exist_ok=True)
     # torch's builder marks a build in progress with a `lock` file that a process killed while
@@ -106,7 +103,7 @@ def load_kernels(target: str = "native") -> ModuleType:
         return load(
             name=name,
             build_directory=str(build_dir),
-            sources=[str(_stable_source())],
+            sources=[str(_stable_source(text, digest))],
             extra_cflags=CFLAGS + TARGETS[target],
             extra_ldflags=LDFLAGS,
             verbose=False,

@@ -97,12 +97,8 @@ constexpr float kNoScore = -1e30f;  // a finite "minus infinity": the file is bu
 // is the fp32 kernels' on the rounded values.
 enum class KvType { kF32, kBF16, kF16 };
 
-// n values from src (fp32 as they are, 16-bit ones widened) into dst.
+// n 16-bit values (bf16 or fp16) from src widened into dst; an fp32 pool is read in place.
 inline void widen_kv(const void* src, KvType type, float* __restrict dst, int64_t n) {
-  if (type == KvType::kF32) {
-    std::memcpy(dst, src, n * sizeof(float));
-    return;
-  }
   const uint16_t* h = static_cast<const uint16_t*>(src);
   if (type == KvType::kBF16) {
 #pragma omp simd
