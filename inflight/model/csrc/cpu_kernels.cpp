@@ -2508,6 +2508,79 @@ void int8_panels(const Int8Packed& w, const int8_t* xq, int64_t m, const G& grou
   });
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// int8_linear on AVX-512 VNNI, each output finished in registers: a block of MR rows runs over
+// all of a panel's k, its integer sums of each group turned into the fp32 terms and added to fp32
+// accumulators as the group ends (no trip through memory between groups). The int32 sums, the fp32
+// sums, the two weight vectors and a broadcast take 4 MR + 3 of the 32 zmm registers. The same
+// arithmetic as int8_panels' epilogue below, in the same order: bit for bit the same outputs.
+constexpr int kI8FusedRows = 7;
+
+// vpdpbusd with its accumulator tied in place (GCC's builtin makes it a copy per call here).
+inline __m512i dpbusd512(__m512i acc, __m512i x, __m512i w) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
+  return acc;
+}
+
+template <int MR>
+inline void int8_fused_micro(const int8_t* __restrict xq, int64_t kp, const float* __restrict sx, int64_t groups,
+                             const int8_t* __restrict panel, const int32_t* __restrict offsets, int64_t cols,
+                             const float* __restrict sw, float* __restrict y, int64_t ldy, int64_t width) {
+  __m512 f0[MR], f1[MR];
+  for (int r = 0; r < MR; ++r) f0[r] = f1[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t first = g * kI8Group, steps = (std::min(kp, first + kI8Group) - first) / 4;
+    const int8_t* w = panel + first * kI8Cols;
+    __m512i a0[MR], a1[MR];
+    for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm512_setzero_si512();
+    for (int64_t s = 0; s < steps; ++s) {
+      const __m512i w0 = _mm512_load_si512(w + s * 128), w1 = _mm512_load_si512(w + s * 128 + 64);
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        int32_t four;
+        std::memcpy(&four, xq + r * kp + first + 4 * s, 4);
+        const __m512i xb = _mm512_set1_epi32(four);
+        a0[r] = dpbusd512(a0[r], xb, w0);
+        a1[r] = dpbusd512(a1[r], xb, w1);
+      }
+    }
+    const __m512i o0 = _mm512_loadu_si512(offsets + g * cols), o1 = _mm512_loadu_si512(offsets + g * cols + 16);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const __m512 scale = _mm512_set1_ps(sx[r * groups + g]);
+      __m512 t0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a0[r], o0)), scale);
+      __m512 t1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a1[r], o1)), scale);
+      asm volatile("" : "+v"(t0), "+v"(t1));  // rounded here: never fused into the sum below
+      if (g == 0) {
+        f0[r] = t0, f1[r] = t1;
+      } else {
+        f0[r] = _mm512_add_ps(f0[r], t0), f1[r] = _mm512_add_ps(f1[r], t1);
+      }
+    }
+  }
+  const __m512 s0 = _mm512_loadu_ps(sw), s1 = _mm512_loadu_ps(sw + 16);
+  const __mmask16 m0 = static_cast<__mmask16>(width >= 16 ? 0xFFFF : (1u << width) - 1);
+  const __mmask16 m1 = static_cast<__mmask16>(width >= 32 ? 0xFFFF : width <= 16 ? 0 : (1u << (width - 16)) - 1);
+  for (int r = 0; r < MR; ++r) {
+    _mm512_mask_storeu_ps(y + r * ldy, m0, _mm512_mul_ps(f0[r], s0));
+    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, _mm512_mul_ps(f1[r], s1));
+  }
+}
+
+void int8_fused_rows(int mr, const int8_t* xq, int64_t kp, const float* sx, int64_t groups, const int8_t* panel,
+                     const int32_t* offsets, int64_t cols, const float* sw, float* y, int64_t ldy, int64_t width) {
+  switch (mr) {
+#define INFLIGHT_I8_FUSED(n) \
+  case n: return int8_fused_micro<n>(xq, kp, sx, groups, panel, offsets, cols, sw, y, ldy, width);
+    INFLIGHT_I8_FUSED(1) INFLIGHT_I8_FUSED(2) INFLIGHT_I8_FUSED(3) INFLIGHT_I8_FUSED(4) INFLIGHT_I8_FUSED(5)
+    INFLIGHT_I8_FUSED(6) INFLIGHT_I8_FUSED(7)
+#undef INFLIGHT_I8_FUSED
+    default:
+      TORCH_CHECK(false, "int8 row block of ", mr, " rows is out of range");
+  }
+}
+#endif
+
 // x's rows quantized, as the kernel multiplies them: (qx [M, Kp] as stored for it, sx [M, groups]).
 std::tuple<torch::Tensor, torch::Tensor> quantize_x(const torch::Tensor& x, int64_t kp) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "float32 [M, K] contiguous only");
@@ -2531,23 +2604,50 @@ namespace {
 // `iterations` rounds; returns the multiply-adds done (and folds the sums into `sink`).
 int64_t int8_peak_thread(int64_t iterations, int64_t seed, std::atomic<int64_t>& sink) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  constexpr int kRows = kI8MaxRows;
-  __m512i acc[2 * kRows];
-  for (auto& a : acc) a = _mm512_setzero_si512();
-  __m512i x = _mm512_set1_epi32(static_cast<int32_t>(0x01020304 + seed));
-  const __m512i w0 = _mm512_set1_epi8(3), w1 = _mm512_set1_epi8(-5);
-  for (int64_t i = 0; i < iterations; ++i) {
-#pragma GCC unroll 16
-    for (int r = 0; r < kRows; ++r) {
-      asm volatile("" : "+v"(x));  // a fresh operand each time, as the kernel's broadcast load is
-      acc[2 * r] = _mm512_dpbusd_epi32(acc[2 * r], x, w0);
-      acc[2 * r + 1] = _mm512_dpbusd_epi32(acc[2 * r + 1], x, w1);
-    }
-  }
+  // 24 independent vpdpbusd chains (zmm0-23: the kernel's 12 rows x 2 column vectors) on one
+  // broadcast (zmm24) and two weight vectors (zmm25-26), written out: GCC keeps an array of
+  // vpdpbusd accumulators partly in memory here, which would time stores, not the instruction.
+  static_assert(kI8MaxRows == 12, "the peak loop below is written for 12 rows");
+  const int32_t x = 0x01020304 + static_cast<int32_t>(seed), w0 = 0x03030303, w1 = static_cast<int32_t>(0xFBFBFBFB);
+  alignas(64) int32_t lanes[16] = {};
+  int64_t n = iterations;
+#define INFLIGHT_DP2(a, b) "vpdpbusd %%zmm25, %%zmm24, %%zmm" #a "\n\tvpdpbusd %%zmm26, %%zmm24, %%zmm" #b "\n\t"
+#define INFLIGHT_ADD(a, b) "vpaddd %%zmm" #b ", %%zmm" #a ", %%zmm" #a "\n\t"
+  if (n > 0)
+    asm volatile(
+        "vpxord %%zmm0, %%zmm0, %%zmm0\n\t"
+        "vmovdqa64 %%zmm0, %%zmm1\n\tvmovdqa64 %%zmm0, %%zmm2\n\tvmovdqa64 %%zmm0, %%zmm3\n\t"
+        "vmovdqa64 %%zmm0, %%zmm4\n\tvmovdqa64 %%zmm0, %%zmm5\n\tvmovdqa64 %%zmm0, %%zmm6\n\t"
+        "vmovdqa64 %%zmm0, %%zmm7\n\tvmovdqa64 %%zmm0, %%zmm8\n\tvmovdqa64 %%zmm0, %%zmm9\n\t"
+        "vmovdqa64 %%zmm0, %%zmm10\n\tvmovdqa64 %%zmm0, %%zmm11\n\tvmovdqa64 %%zmm0, %%zmm12\n\t"
+        "vmovdqa64 %%zmm0, %%zmm13\n\tvmovdqa64 %%zmm0, %%zmm14\n\tvmovdqa64 %%zmm0, %%zmm15\n\t"
+        "vmovdqa64 %%zmm0, %%zmm16\n\tvmovdqa64 %%zmm0, %%zmm17\n\tvmovdqa64 %%zmm0, %%zmm18\n\t"
+        "vmovdqa64 %%zmm0, %%zmm19\n\tvmovdqa64 %%zmm0, %%zmm20\n\tvmovdqa64 %%zmm0, %%zmm21\n\t"
+        "vmovdqa64 %%zmm0, %%zmm22\n\tvmovdqa64 %%zmm0, %%zmm23\n\t"
+        "vpbroadcastd %[x], %%zmm24\n\tvpbroadcastd %[w0], %%zmm25\n\tvpbroadcastd %[w1], %%zmm26\n\t"
+        "1:\n\t"
+        INFLIGHT_DP2(0, 1) INFLIGHT_DP2(2, 3) INFLIGHT_DP2(4, 5) INFLIGHT_DP2(6, 7) INFLIGHT_DP2(8, 9)
+        INFLIGHT_DP2(10, 11) INFLIGHT_DP2(12, 13) INFLIGHT_DP2(14, 15) INFLIGHT_DP2(16, 17)
+        INFLIGHT_DP2(18, 19) INFLIGHT_DP2(20, 21) INFLIGHT_DP2(22, 23)
+        "dec %[n]\n\tjnz 1b\n\t"
+        INFLIGHT_ADD(0, 1) INFLIGHT_ADD(2, 3) INFLIGHT_ADD(4, 5) INFLIGHT_ADD(6, 7) INFLIGHT_ADD(8, 9)
+        INFLIGHT_ADD(10, 11) INFLIGHT_ADD(12, 13) INFLIGHT_ADD(14, 15) INFLIGHT_ADD(16, 17)
+        INFLIGHT_ADD(18, 19) INFLIGHT_ADD(20, 21) INFLIGHT_ADD(22, 23)
+        INFLIGHT_ADD(0, 2) INFLIGHT_ADD(4, 6) INFLIGHT_ADD(8, 10) INFLIGHT_ADD(12, 14) INFLIGHT_ADD(16, 18)
+        INFLIGHT_ADD(20, 22) INFLIGHT_ADD(0, 4) INFLIGHT_ADD(8, 12) INFLIGHT_ADD(16, 20) INFLIGHT_ADD(0, 8)
+        INFLIGHT_ADD(0, 16)
+        "vmovdqa64 %%zmm0, %[lanes]\n\t"
+        : [n] "+r"(n), [lanes] "+m"(lanes)
+        : [x] "m"(x), [w0] "m"(w0), [w1] "m"(w1)
+        : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12",
+          "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18", "xmm19", "xmm20", "xmm21", "xmm22", "xmm23", "xmm24",
+          "xmm25", "xmm26", "cc");
+#undef INFLIGHT_DP2
+#undef INFLIGHT_ADD
   int64_t total = 0;
-  for (auto& a : acc) total += _mm512_reduce_add_epi32(a);
+  for (int32_t v : lanes) total += v;
   sink += total;
-  return iterations * kRows * 2 * 64;
+  return iterations * kI8MaxRows * 2 * 64;
 #elif defined(INFLIGHT_I8_AVX_VNNI) || defined(__AVX2__)
   constexpr int kRows = kI8MaxRows;
   __m256i acc[2 * kRows];
@@ -2719,6 +2819,21 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fea
   auto y = torch::empty({m, w.n}, x.options());
   float* yp = y.data_ptr<float>();
   const float* sx = s.data_ptr<float>();
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  const int8_t* xqp = xq.data_ptr<int8_t>();
+  for_panels(w.panels, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t chunks = (m + kI8FusedRows - 1) / kI8FusedRows, width = std::min(kI8Cols, w.n - p * kI8Cols);
+      int64_t r = 0;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int mr = static_cast<int>((m - r) / (chunks - c));
+        int8_fused_rows(mr, xqp + r * w.kp, w.kp, sx + r * w.groups, w.groups, w.panel + p * w.kp * kI8Cols,
+                        w.offsets + p * kI8Cols, cols, w.scales + p * kI8Cols, yp + r * w.n + p * kI8Cols, w.n, width);
+        r += mr;
+      }
+    }
+  });
+#else
   int8_panels(
       w, xq.data_ptr<int8_t>(), m,
       [&](int64_t r0, int mr, int64_t p, int64_t g, const int32_t* acc) {
@@ -2748,6 +2863,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fea
           for (int64_t c = 0; c < width; ++c) out[c] *= w.scales[c0 + c];
         }
       });
+#endif
   return y;
 }
 
