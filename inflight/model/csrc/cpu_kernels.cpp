@@ -1249,8 +1249,16 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
 //   Q8K       256  32         yes     int8    1.094           Q5_K (0.6875)
 //   Q8K16     256  16         no      int8    1.078           Q6_K (0.8203), Q3_K (0.4297)
 //   Q4K16m    256  16         yes     4-bit   0.656           Q2_K (0.3281)
+//   Q6K16     256  16         no      6-bit   0.828           Q6_K (0.8203), int8 activations only
 //   F16x32    32   -          -       fp16    2               F16
 //   BF16x32   32   -          -       bf16    2               BF16
+//
+// Q6K16 holds Q6_K's q (0..63, w = d * (q - 32)) in 6 bits, for the int8-activation matmuls (whose
+// single stream is bound by the bytes it reads): per sub-block of 16 k, the low nibbles as the
+// 4-bit layouts hold them (8 bytes a k-row), then per group of 4 k 16 bytes of high bit pairs,
+// byte i = 4 c + kk holding, for k-row kk of the group, column c's pair in bits 0-1, column
+// 4 + c's in bits 2-3, 8 + c's in 4-5 and 12 + c's in 6-7 (a8_unpack's order: one 16-byte
+// broadcast and a shift per half). The fp32 matmuls keep Q6_K in Q8K16, which they unpack faster.
 
 #if defined(__AVX2__)
 namespace {
@@ -1261,7 +1269,7 @@ constexpr int64_t kQCols = 16;
 // (every weight matmul at 4 and 5 rows: 1.4x faster than in passes of 3 and 1 or 3 and 2).
 constexpr int kQMaxRows = 5;
 
-enum class Values { kNibble, kInt8, kHalf, kBFloat16 };
+enum class Values { kNibble, kInt8, kSixBit, kHalf, kBFloat16 };
 
 // K weights a block, in sub-blocks of Sub (Sub < K: a K-quant's super-block, with integer
 // scales per sub-block, signed where SignedScales).
@@ -1270,10 +1278,11 @@ struct Layout {
   static constexpr int64_t kK = K, kSub = Sub, kSubBlocks = K / Sub;
   static constexpr bool kMin = Min, kSuper = Sub < K, kSignedScales = SignedScales;
   static constexpr Values kValues = V;
-  static constexpr bool kScaled = V == Values::kNibble || V == Values::kInt8;
+  static constexpr bool kScaled = V == Values::kNibble || V == Values::kInt8 || V == Values::kSixBit;
   static constexpr int64_t kFloatScaleBytes = kScaled ? (Min ? 2 : 1) * kQCols * 4 : 0;  // d (m) or D (Dmin)
   static constexpr int64_t kScaleBytes = kFloatScaleBytes + (kSuper ? (Min ? 2 : 1) * kSubBlocks * kQCols : 0);
-  static constexpr int64_t kSubValueBytes = Sub * kQCols * (V == Values::kNibble ? 1 : V == Values::kInt8 ? 2 : 4) / 2;
+  static constexpr int64_t kSubValueBytes =
+      Sub * kQCols * (V == Values::kNibble ? 2 : V == Values::kSixBit ? 3 : V == Values::kInt8 ? 4 : 8) / 4;
   static constexpr int64_t kBlockBytes = kScaleBytes + kSubBlocks * kSubValueBytes;
 };
 using Q4x32m = Layout<32, 32, true, Values::kNibble>;
@@ -1283,10 +1292,11 @@ using Q4K = Layout<256, 32, true, Values::kNibble>;
 using Q8K = Layout<256, 32, true, Values::kInt8>;
 using Q8K16 = Layout<256, 16, false, Values::kInt8, true>;
 using Q4K16m = Layout<256, 16, true, Values::kNibble>;
+using Q6K16 = Layout<256, 16, false, Values::kSixBit, true>;
 using F16x32 = Layout<32, 32, false, Values::kHalf>;
 using BF16x32 = Layout<32, 32, false, Values::kBFloat16>;
 
-enum class LayoutId : int64_t { kQ4x32m, kQ8x32, kQ8x32m, kQ4K, kQ8K, kQ8K16, kQ4K16m, kF16x32, kBF16x32, kCount };
+enum class LayoutId : int64_t { kQ4x32m, kQ8x32, kQ8x32m, kQ4K, kQ8K, kQ8K16, kQ4K16m, kF16x32, kBF16x32, kQ6K16, kCount };
 
 // fn(layout), called with a value of the layout's type.
 template <class F>
@@ -1301,6 +1311,7 @@ void with_layout(LayoutId id, F&& fn) {
     case LayoutId::kQ4K16m: return fn(Q4K16m{});
     case LayoutId::kF16x32: return fn(F16x32{});
     case LayoutId::kBF16x32: return fn(BF16x32{});
+    case LayoutId::kQ6K16: return fn(Q6K16{});
     default: TORCH_CHECK(false, "unknown block layout");
   }
 }
@@ -1575,6 +1586,13 @@ inline __m256 bfloat16s(const uint8_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
+// Q6K16: column c's q (0..63) at k-row kk of a sub-block's values q.
+inline int six_bit(const uint8_t* q, int64_t kk, int64_t c) {
+  const int low = (q[kk * 8 + c % 8] >> (c < 8 ? 0 : 4)) & 0x0F;
+  const int high = (q[Q6K16::kSub * 8 + (kk / 4) * 16 + 4 * (c % 4) + kk % 4] >> (2 * (c / 4))) & 3;
+  return low | (high << 4);
+}
+
 // The 16 weights of k-row kk of a block (q: the block's values), as fp32: the one place both
 // block matmuls compute them, so both give the loader's fp32 values.
 template <class L>
@@ -1589,6 +1607,11 @@ inline void block_row(const uint8_t* q, int64_t kk, const BlockScales<L>& s, __m
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kk * 16));
     q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
     q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
+  } else if constexpr (L::kValues == Values::kSixBit) {  // int8-activation packings only: a plain gather
+    alignas(32) int32_t v[16];
+    for (int64_t c = 0; c < 16; ++c) v[c] = six_bit(q, kk, c) - 32;
+    q0 = _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(v)));
+    q1 = _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(v + 8)));
   } else if constexpr (L::kValues == Values::kHalf) {
     w0 = halves(q + kk * 32), w1 = halves(q + kk * 32 + 16);
     return;
@@ -1745,6 +1768,13 @@ torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor> parts, std::vector<std
                 "rows are not ", kinds[i], " blocks of ", k, " weights");
     rows.push_back({file, blocks.data_ptr<uint8_t>(), blocks.size(0), blocks.size(1)});
   }
+  // Int8 activations where every part is quantized; then Q6_K (and Q3_K) in 6 bits (Q6K16).
+  bool scaled = true;
+  for (const auto& r : rows) with_layout(r.file.layout, [&](auto l) { scaled = scaled && decltype(l)::kScaled; });
+  const bool a8 = int8_activations && scaled;
+  if (a8)
+    for (auto& r : rows)
+      if (r.file.layout == LayoutId::kQ8K16) r.file.layout = LayoutId::kQ6K16;
   // Segments: runs of parts that share a layout.
   std::vector<Segment> segments;
   std::vector<std::pair<size_t, size_t>> part_range;  // [first, last) part of each segment
@@ -1769,9 +1799,7 @@ torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor> parts, std::vector<std
   auto packed = torch::zeros({bytes}, parts[0].options());
   uint8_t* dst = packed.data_ptr<uint8_t>();
   int64_t* h = reinterpret_cast<int64_t*>(dst);
-  bool scaled = true;
-  for (const auto& s : segments) with_layout(s.layout, [&](auto l) { scaled = scaled && decltype(l)::kScaled; });
-  h[0] = int8_activations && scaled ? kPackedMagicA8 : kPackedMagic;
+  h[0] = a8 ? kPackedMagicA8 : kPackedMagic;
   h[1] = k, h[2] = n, h[3] = static_cast<int64_t>(segments.size());
   for (size_t s = 0; s < segments.size(); ++s) {
     int64_t* e = h + 4 + 4 * s;
@@ -1828,6 +1856,10 @@ torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor> parts, std::vector<std
                   q[e * 8 + j % 8] |= j < 8 ? sub_values[e] : static_cast<uint8_t>(sub_values[e] << 4);
                 } else if constexpr (L::kValues == Values::kInt8) {
                   q[e * kQCols + j] = sub_values[e];
+                } else if constexpr (L::kValues == Values::kSixBit) {  // int8 q - 32 -> q, 6 bits
+                  const int u = static_cast<int8_t>(sub_values[e]) + 32;
+                  q[e * 8 + j % 8] |= static_cast<uint8_t>(j < 8 ? u & 0x0F : (u & 0x0F) << 4);
+                  q[L::kSub * 8 + (e / 4) * 16 + 4 * (j % 4) + e % 4] |= static_cast<uint8_t>((u >> 4) << (2 * (j / 4)));
                 } else {
                   std::memcpy(q + (e * kQCols + j) * 2, sub_values + 2 * e, 2);
                 }
@@ -2007,7 +2039,7 @@ inline __m256i four_bytes(const int8_t* p) {
 // for the 4-bit layouts).
 template <class L>
 inline void a8_unpack(const uint8_t* q, int64_t g, __m256i& c0, __m256i& c1) {
-  if constexpr (L::kValues == Values::kNibble) {
+  if constexpr (L::kValues == Values::kNibble || L::kValues == Values::kSixBit) {
     // 8 bytes a k-row, byte j: column j in its low nibble, column j + 8 in its high one. Dwords
     // [k0 c0-3, k0 c4-7, k1 c0-3, ...] -> [k0..k3 c0-3 | k0..k3 c4-7], then a 4 x 4 byte transpose.
     const __m256i rows = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * 32));
@@ -2018,6 +2050,14 @@ inline void a8_unpack(const uint8_t* q, int64_t g, __m256i& c0, __m256i& c1) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     c0 = _mm256_and_si256(both, low);
     c1 = _mm256_and_si256(_mm256_srli_epi16(both, 4), low);
+    if constexpr (L::kValues == Values::kSixBit) {
+      // The group's 16 bytes of high pairs in both lanes; bits 4-5 of each byte from bits 0-1
+      // (columns 0-3, low lane of c0), 2-3 (4-7), 4-5 (8-11, low lane of c1) or 6-7 (12-15).
+      const __m256i high = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + L::kSub * 8 + g * 16)));
+      const __m256i pair = _mm256_set1_epi8(0x30);
+      c0 = _mm256_or_si256(c0, _mm256_and_si256(_mm256_sllv_epi32(high, _mm256_setr_epi32(4, 4, 4, 4, 2, 2, 2, 2)), pair));
+      c1 = _mm256_or_si256(c1, _mm256_and_si256(_mm256_srlv_epi32(high, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2)), pair));
+    }
   } else {
     // 16 bytes a k-row, byte j: column j. Bytes of k0 and k2 (k1 and k3) interleaved in each
     // lane, lanes regrouped by columns, then each column's (k0, k2) and (k1, k3) pairs into
@@ -2043,13 +2083,15 @@ void a8_micro(const int8_t* __restrict xq, const float* __restrict sx, const int
   [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   // The quants' range: 4-bit 0..15; Q5_K's and Q5_1's 0..31; Q6_K's (q - 32) and Q3_K's (q - 4),
   // the signed layout of sub-blocks of 16, shifted by 32 into 0..63; Q8_0's and Q5_0's signed.
-  constexpr bool kShifted = std::is_same_v<L, Q8K16>;
+  // Q6K16 holds those quants as q (0..63) already, not shifted at the unpack.
+  constexpr bool kShifted = std::is_same_v<L, Q8K16> || std::is_same_v<L, Q6K16>;
   constexpr int kShift = kShifted ? 32 : 0;
+  constexpr int kUnpackShift = std::is_same_v<L, Q8K16> ? 32 : 0;
   constexpr int kUnsignedMax = L::kValues == Values::kNibble ? 15 : kShifted ? 63 : L::kMin ? 31 : 0;
   // Groups of 4 k whose int16 pair sums cannot overflow: at most 32767 / (2 * max * 127).
   [[maybe_unused]] constexpr int64_t kFlush = kUnsignedMax > 0 ? std::min<int64_t>(L::kSub / 4, 32767 / (2 * kUnsignedMax * 127)) : 1;
   static_assert(kUnsignedMax == 0 || (L::kSub / 4) % kFlush == 0, "whole flushes a sub-block");
-  [[maybe_unused]] const __m256i shift = _mm256_set1_epi8(static_cast<char>(kShift));
+  [[maybe_unused]] const __m256i shift = _mm256_set1_epi8(static_cast<char>(kUnpackShift));
   constexpr int64_t kAhead = L::kSuper ? 1 : 4;
   for (int64_t b = 0; b < K / L::kK; ++b) {
     const uint8_t* blk = panel + b * L::kBlockBytes;
@@ -2063,7 +2105,7 @@ void a8_micro(const int8_t* __restrict xq, const float* __restrict sx, const int
       for (int64_t g = 0; g < L::kSub / 4; ++g) {  // vpdpbusd: unsigned quants as they are, signed as |qw|
         __m256i c0, c1;
         a8_unpack<L>(q, g, c0, c1);
-        if constexpr (kShift) c0 = _mm256_add_epi8(c0, shift), c1 = _mm256_add_epi8(c1, shift);
+        if constexpr (kUnpackShift) c0 = _mm256_add_epi8(c0, shift), c1 = _mm256_add_epi8(c1, shift);
         const __m256i m0 = kUnsignedMax > 0 ? c0 : _mm256_abs_epi8(c0), m1 = kUnsignedMax > 0 ? c1 : _mm256_abs_epi8(c1);
         for (int r = 0; r < MR; ++r) {
           const __m256i xb = four_bytes(xq + r * K + k0 + 4 * g);
@@ -2081,7 +2123,7 @@ void a8_micro(const int8_t* __restrict xq, const float* __restrict sx, const int
           for (int64_t g = g0; g < g0 + kFlush; ++g) {
             __m256i c0, c1;
             a8_unpack<L>(q, g, c0, c1);
-            if constexpr (kShift) c0 = _mm256_add_epi8(c0, shift), c1 = _mm256_add_epi8(c1, shift);
+            if constexpr (kUnpackShift) c0 = _mm256_add_epi8(c0, shift), c1 = _mm256_add_epi8(c1, shift);
             for (int r = 0; r < MR; ++r) {
               const __m256i xb = four_bytes(xq + r * K + k0 + 4 * g);
               h0[r] = _mm256_add_epi16(h0[r], _mm256_maddubs_epi16(c0, xb));
@@ -2254,6 +2296,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> gguf_blocks_integers(tor
                 int v;
                 if constexpr (L::kValues == Values::kNibble) {
                   v = (values[e * 8 + c % 8] >> (c < 8 ? 0 : 4)) & 0x0F;
+                } else if constexpr (L::kValues == Values::kSixBit) {
+                  v = six_bit(values, e, c) - 32;
                 } else {
                   v = static_cast<int8_t>(values[e * kQCols + c]);
                 }
