@@ -22,8 +22,10 @@ each quantized type a second row, `+int8 act.`: the same blocks times int8 activ
 
 With `--against REV`, instead: the kernels of this checkout beside those of git revision REV
 (built from its `cpu_kernels.cpp` under another name), alternated in one process, several rounds:
-the model's body matmuls chained at 8, 16, 32, 64 and 512 rows, decode attention of 64 requests of
-100-400 tokens, and prefill attention of one step's 8 prompts of 17-300 tokens. On a host whose
+the model's body matmuls chained at 8, 16, 32, 64 and 512 rows, the same body as int8 W8A8 at 16,
+64 and 512 rows, two 1B-shaped layers of Q6_K blocks times int8 activations at 1, 4 and 16 rows
+(each build packs its own), decode attention of 64 requests of 100-400 tokens, and prefill
+attention of one step's 8 prompts of 17-300 tokens. On a host whose
 speed drifts, that is how a change to a kernel is measured.
 
     .venv/bin/python benchmarks/kernels_bench.py [--types | --kv | --against REV]
@@ -198,8 +200,7 @@ def block_types() -> None:
 
     from inflight.model.loader import BLOCK_TYPES
 
-    hidden, ffn, kv = 2048, 8192, 512
-    shapes = [(hidden, hidden + 2 * kv), (hidden, hidden), (hidden, 2 * ffn), (ffn, hidden)]  # (K, N)
+    shapes = BLOCK_SHAPES
     rng = np.random.default_rng(0)
     fp32 = [Linear(torch.randn(n, k) * 0.02, None, "inflight") for _ in range(2) for k, n in shapes]
     numel = sum(linear.in_features * linear.out_features for linear in fp32)
@@ -220,7 +221,7 @@ def block_types() -> None:
         packed = sum(linear.blocks.numel() for linear in stored if linear.blocks is not None)
         cells, a8_cells = [], []
         for rows in row_counts:
-            x = {hidden: torch.randn(rows, hidden), ffn: torch.randn(rows, ffn)}
+            x = {k: torch.randn(rows, k) for k in {k for k, _ in shapes}}
             fns = {"stored": functools.partial(run, stored, x), "fp32": functools.partial(run, fp32, x)}
             if a8:
                 fns["a8"] = functools.partial(run, a8, x)
@@ -379,6 +380,18 @@ def _scattered_tables(lengths: list[int]) -> tuple[torch.Tensor, int]:
     return tables, sum(counts)
 
 
+# Two Llama-3.2-1B-shaped layers' matmuls, (K, N): q/k/v fused, o, gate/up fused, down.
+BLOCK_SHAPES = [(2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048)]
+
+
+def _int8_inverse_scales(m: object, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(127 / max|w| per row, max|w| / 127), as `Linear` quantizes a weight (`int8_row_scales`)."""
+    from inflight.model.linear import int8_row_scales
+
+    scales, inv = int8_row_scales(m.row_absmax(w))  # type: ignore[attr-defined]
+    return inv, scales
+
+
 def compare(rev: str, rounds: int = 4) -> None:
     """This checkout's kernels against `rev`'s, alternated; best of 3 per round."""
     mods = {"this checkout": cpu_kernels(), rev: _kernels_of(rev)}
@@ -396,6 +409,35 @@ def compare(rev: str, rounds: int = 4) -> None:
 
         cases.append((f"body matmuls chained, {rows} rows",
                       {name: functools.partial(chain, m, packed[name]) for name, m in mods.items()}))
+    # int8 W8A8 (`--quantization int8`): the same body, its weights quantized by each build.
+    int8 = {name: [[m.quantize_pack_int8(w, *_int8_inverse_scales(m, w)) for w in ws] for ws in raw]  # type: ignore[attr-defined]
+            for name, m in mods.items()}
+    for rows in (16, 64, 512):
+        x = {576: torch.randn(rows, 576), 1536: torch.randn(rows, 1536)}
+
+        def chain8(m: object, ws: list[list[torch.Tensor]], x: dict[int, torch.Tensor] = x) -> None:
+            for layer in ws:
+                for (k, n), w in zip(LAYER_SHAPES, layer, strict=True):
+                    m.int8_linear(x[k], w, n)  # type: ignore[attr-defined]
+
+        cases.append((f"body int8 W8A8 matmuls chained, {rows} rows",
+                      {name: functools.partial(chain8, m, int8[name]) for name, m in mods.items()}))
+    # Q6_K blocks times int8 activations (`--quantization int8-activations`), two 1B-shaped layers.
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    q6 = [(_stored_rows("Q6_K", n, k, rng), k, n) for _ in range(2) for k, n in BLOCK_SHAPES]
+    q6_packed = {name: [(m.pack_gguf_blocks([raw], ["Q6_K"], k, True), k, n)  # type: ignore[attr-defined]
+                        for raw, k, n in q6] for name, m in mods.items()}
+    for rows in (1, 4, 16):
+        x = {k: torch.randn(rows, k) for k in {k for k, _ in BLOCK_SHAPES}}
+
+        def chain6(m: object, ws: list[tuple[torch.Tensor, int, int]], x: dict[int, torch.Tensor] = x) -> None:
+            for w, k, n in ws:
+                m.gguf_blocks_a8_linear(x[k], w, n)  # type: ignore[attr-defined]
+
+        cases.append((f"Q6_K blocks x int8 activations, two 1B-shaped layers, {rows} rows",
+                      {name: functools.partial(chain6, m, q6_packed[name]) for name, m in mods.items()}))
     lens = torch.randint(100, 401, (64,), dtype=torch.int64)
     tables, blocks = _scattered_tables(lens.tolist())
     pools = [(torch.randn(blocks * BLOCK, KV_HEADS, DIM), torch.randn(blocks * BLOCK, KV_HEADS, DIM)) for _ in range(8)]
