@@ -2102,17 +2102,29 @@ void a8_micro(const int8_t* __restrict xq, const float* __restrict sx, const int
       __m256i a0[MR], a1[MR];
       for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_si256();
 #if defined(INFLIGHT_DPBUSD256)
+      // With one row, the odd groups go into a second pair of sums, so that the row's vpdpbusd
+      // chains overlap instead of waiting on each other's latency (integer sums: the same totals).
+      __m256i b0 = _mm256_setzero_si256(), b1 = _mm256_setzero_si256();
       for (int64_t g = 0; g < L::kSub / 4; ++g) {  // vpdpbusd: unsigned quants as they are, signed as |qw|
         __m256i c0, c1;
         a8_unpack<L>(q, g, c0, c1);
         if constexpr (kUnpackShift) c0 = _mm256_add_epi8(c0, shift), c1 = _mm256_add_epi8(c1, shift);
         const __m256i m0 = kUnsignedMax > 0 ? c0 : _mm256_abs_epi8(c0), m1 = kUnsignedMax > 0 ? c1 : _mm256_abs_epi8(c1);
+        if constexpr (MR == 1) {
+          if (g % 2 == 1) {
+            const __m256i xb = four_bytes(xq + k0 + 4 * g);
+            b0 = dpbusd256(b0, m0, kUnsignedMax > 0 ? xb : _mm256_sign_epi8(xb, c0));
+            b1 = dpbusd256(b1, m1, kUnsignedMax > 0 ? xb : _mm256_sign_epi8(xb, c1));
+            continue;
+          }
+        }
         for (int r = 0; r < MR; ++r) {
           const __m256i xb = four_bytes(xq + r * K + k0 + 4 * g);
           a0[r] = dpbusd256(a0[r], m0, kUnsignedMax > 0 ? xb : _mm256_sign_epi8(xb, c0));
           a1[r] = dpbusd256(a1[r], m1, kUnsignedMax > 0 ? xb : _mm256_sign_epi8(xb, c1));
         }
       }
+      if constexpr (MR == 1) a0[0] = _mm256_add_epi32(a0[0], b0), a1[0] = _mm256_add_epi32(a1[0], b1);
 #else
       if constexpr (kUnsignedMax > 0) {
         // Unsigned quants (Q6_K's and Q3_K's shifted up by 32) go into vpmaddubsw as they are;
