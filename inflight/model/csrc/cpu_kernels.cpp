@@ -1249,12 +1249,12 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
 //   Q8K       256  32         yes     int8    1.094           Q5_K (0.6875)
 //   Q8K16     256  16         no      int8    1.078           Q6_K (0.8203), Q3_K (0.4297)
 //   Q4K16m    256  16         yes     4-bit   0.656           Q2_K (0.3281)
-//   Q6K16     256  16         no      6-bit   0.828           Q6_K (0.8203), int8 activations only
+//   Q6K16     256  16         no      6-bit   0.828           Q6_K, Q3_K with int8 activations only
 //   F16x32    32   -          -       fp16    2               F16
 //   BF16x32   32   -          -       bf16    2               BF16
 //
-// Q6K16 holds Q6_K's q (0..63, w = d * (q - 32)) in 6 bits, for the int8-activation matmuls (whose
-// single stream is bound by the bytes it reads): per sub-block of 16 k, the low nibbles as the
+// Q6K16 holds Q6_K's q (0..63, w = d * (q - 32); Q3_K's q - 4 + 32 alike) in 6 bits, for the
+// int8-activation matmuls (whose single stream is bound by the bytes it reads): per sub-block of 16 k, the low nibbles as the
 // 4-bit layouts hold them (8 bytes a k-row), then per group of 4 k 16 bytes of high bit pairs,
 // byte i = 4 c + kk holding, for k-row kk of the group, column c's pair in bits 0-1, column
 // 4 + c's in bits 2-3, 8 + c's in 4-5 and 12 + c's in 6-7 (a8_unpack's order: one 16-byte
