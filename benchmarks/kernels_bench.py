@@ -23,8 +23,8 @@ each quantized type a second row, `+int8 act.`: the same blocks times int8 activ
 With `--against REV`, instead: the kernels of this checkout beside those of git revision REV
 (built from its `cpu_kernels.cpp` under another name), alternated in one process, several rounds:
 the model's body matmuls chained at 8, 16, 32, 64 and 512 rows, the same body as int8 W8A8 at 16,
-64 and 512 rows, two 1B-shaped layers of Q6_K blocks times int8 activations at 1, 4 and 16 rows
-(each build packs its own), decode attention of 64 requests of 100-400 tokens, and prefill
+64 and 512 rows, two 1B-shaped layers of Q4_K and of Q6_K blocks times int8 activations at 1, 4
+and 16 rows (each build packs its own), decode attention of 64 requests of 100-400 tokens, and prefill
 attention of one step's 8 prompts of 17-300 tokens. On a host whose
 speed drifts, that is how a change to a kernel is measured.
 
@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from inflight.engine.memory import huge_page_zeros
 from inflight.model.kernels import CFLAGS, LDFLAGS, cpu_kernels
-from inflight.model.linear import INTEGER_BLOCK_TYPES, Linear
+from inflight.model.linear import INTEGER_BLOCK_TYPES, Linear, int8_row_scales
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 LAYER_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out): qkv, o, gate_up, down
@@ -386,8 +386,6 @@ BLOCK_SHAPES = [(2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048)]
 
 def _int8_inverse_scales(m: object, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(127 / max|w| per row, max|w| / 127), as `Linear` quantizes a weight (`int8_row_scales`)."""
-    from inflight.model.linear import int8_row_scales
-
     scales, inv = int8_row_scales(m.row_absmax(w))  # type: ignore[attr-defined]
     return inv, scales
 
@@ -422,22 +420,24 @@ def compare(rev: str, rounds: int = 4) -> None:
 
         cases.append((f"body int8 W8A8 matmuls chained, {rows} rows",
                       {name: functools.partial(chain8, m, int8[name]) for name, m in mods.items()}))
-    # Q6_K blocks times int8 activations (`--quantization int8-activations`), two 1B-shaped layers.
+    # Q4_K and Q6_K blocks times int8 activations (`--quantization int8-activations`), two
+    # 1B-shaped layers each.
     import numpy as np
 
     rng = np.random.default_rng(0)
-    q6 = [(_stored_rows("Q6_K", n, k, rng), k, n) for _ in range(2) for k, n in BLOCK_SHAPES]
-    q6_packed = {name: [(m.pack_gguf_blocks([raw], ["Q6_K"], k, True), k, n)  # type: ignore[attr-defined]
-                        for raw, k, n in q6] for name, m in mods.items()}
-    for rows in (1, 4, 16):
-        x = {k: torch.randn(rows, k) for k in {k for k, _ in BLOCK_SHAPES}}
+    for kind in ("Q4_K", "Q6_K"):
+        rows_of = [(_stored_rows(kind, n, k, rng), k, n) for _ in range(2) for k, n in BLOCK_SHAPES]
+        a8 = {name: [(m.pack_gguf_blocks([raw], [kind], k, True), k, n)  # type: ignore[attr-defined]
+                     for raw, k, n in rows_of] for name, m in mods.items()}
+        for rows in (1, 4, 16):
+            x = {k: torch.randn(rows, k) for k in {k for k, _ in BLOCK_SHAPES}}
 
-        def chain6(m: object, ws: list[tuple[torch.Tensor, int, int]], x: dict[int, torch.Tensor] = x) -> None:
-            for w, k, n in ws:
-                m.gguf_blocks_a8_linear(x[k], w, n)  # type: ignore[attr-defined]
+            def chain_a8(m: object, ws: list[tuple[torch.Tensor, int, int]], x: dict[int, torch.Tensor] = x) -> None:
+                for w, k, n in ws:
+                    m.gguf_blocks_a8_linear(x[k], w, n)  # type: ignore[attr-defined]
 
-        cases.append((f"Q6_K blocks x int8 activations, two 1B-shaped layers, {rows} rows",
-                      {name: functools.partial(chain6, m, q6_packed[name]) for name, m in mods.items()}))
+            cases.append((f"{kind} blocks x int8 activations, two 1B-shaped layers, {rows} rows",
+                          {name: functools.partial(chain_a8, m, a8[name]) for name, m in mods.items()}))
     lens = torch.randint(100, 401, (64,), dtype=torch.int64)
     tables, blocks = _scattered_tables(lens.tolist())
     pools = [(torch.randn(blocks * BLOCK, KV_HEADS, DIM), torch.randn(blocks * BLOCK, KV_HEADS, DIM)) for _ in range(8)]

@@ -1072,6 +1072,18 @@ void for_panels(int64_t panels, const F& fn) {
   });
 }
 
+// fn(first, rows) over rows [0, m) in blocks of at most max_rows, split evenly (8 rows of at most
+// 7 as 4 + 4, not 7 + 1).
+template <typename F>
+void even_row_blocks(int64_t m, int64_t max_rows, const F& fn) {
+  const int64_t blocks = (m + max_rows - 1) / max_rows;
+  for (int64_t b = 0, r = 0; b < blocks; ++b) {
+    const int rows = static_cast<int>((m - r) / (blocks - b));
+    fn(r, rows);
+    r += rows;
+  }
+}
+
 }  // namespace
 
 // ---- Weight matmul y = x @ W.T (+ b) for the few-to-hundreds of rows of a step.
@@ -2548,18 +2560,14 @@ void int8_panels(const Int8Packed& w, const int8_t* xq, int64_t m, const G& grou
     alignas(64) int32_t acc[kI8MaxRows * kI8Cols];
     for (int64_t p = begin; p < end; ++p) {
       const int8_t* panel = w.panel + p * w.kp * kI8Cols;
-      const int64_t chunks = (m + kI8MaxRows - 1) / kI8MaxRows;
-      int64_t r = 0;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int mr = static_cast<int>((m - r) / (chunks - c));
+      even_row_blocks(m, kI8MaxRows, [&](int64_t r, int mr) {
         for (int64_t g = 0; g < w.groups; ++g) {
           const int64_t first = g * kI8Group, steps = (std::min(w.kp, first + kI8Group) - first) / 4;
           int8_rows(mr, xq + r * w.kp + first, w.kp, panel + first * kI8Cols, steps, acc);
           group(r, mr, p, g, acc);
         }
         done(r, mr, p);
-        r += mr;
-      }
+      });
     }
   });
 }
@@ -2569,7 +2577,9 @@ void int8_panels(const Int8Packed& w, const int8_t* xq, int64_t m, const G& grou
 // all of a panel's k, its integer sums of each group turned into the fp32 terms and added to fp32
 // accumulators as the group ends (no trip through memory between groups). The int32 sums, the fp32
 // sums, the two weight vectors and a broadcast take 4 MR + 3 of the 32 zmm registers. The same
-// arithmetic as int8_panels' epilogue below, in the same order: bit for bit the same outputs.
+// arithmetic as the other branches' epilogue in int8_linear, in the same order: bit for bit the
+// same outputs. Its inner loop is int8_micro's, written again: passed between functions as arrays,
+// GCC keeps vpdpbusd accumulators in memory (see int8_peak_thread).
 constexpr int kI8FusedRows = 7;
 
 // vpdpbusd with its accumulator tied in place (GCC's builtin makes it a copy per call here).
@@ -2879,14 +2889,11 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fea
   const int8_t* xqp = xq.data_ptr<int8_t>();
   for_panels(w.panels, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      const int64_t chunks = (m + kI8FusedRows - 1) / kI8FusedRows, width = std::min(kI8Cols, w.n - p * kI8Cols);
-      int64_t r = 0;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int mr = static_cast<int>((m - r) / (chunks - c));
+      const int64_t width = std::min(kI8Cols, w.n - p * kI8Cols);
+      even_row_blocks(m, kI8FusedRows, [&](int64_t r, int mr) {
         int8_fused_rows(mr, xqp + r * w.kp, w.kp, sx + r * w.groups, w.groups, w.panel + p * w.kp * kI8Cols,
                         w.offsets + p * kI8Cols, cols, w.scales + p * kI8Cols, yp + r * w.n + p * kI8Cols, w.n, width);
-        r += mr;
-      }
+      });
     }
   });
 #else
