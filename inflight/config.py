@@ -284,7 +284,7 @@ class SchedulerConfig:
 
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-QUANTIZATIONS = ("none", "int8", "int8-activations")
+QUANTIZATIONS = ("none", "int8", "int8-activations", "bf16-activations")
 
 
 @dataclass(frozen=True)
@@ -302,7 +302,9 @@ class EngineConfig:
                                        "group of 64 inputs, integer dot products (VNNI where the CPU has it); "
                                        "LM head, norms and attention stay fp32; or int8-activations: a GGUF "
                                        "file's quantized blocks as stored times activations quantized per row "
-                                       "and 32 inputs, integer dot products (llama.cpp's arithmetic)",
+                                       "and 32 inputs, integer dot products (llama.cpp's arithmetic); or "
+                                       "bf16-activations: matrices stored in bf16 times activations rounded "
+                                       "to bf16 (AVX512_BF16's dot products where the CPU has them)",
                                 choices=QUANTIZATIONS)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

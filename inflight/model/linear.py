@@ -26,8 +26,11 @@ same sums: bit for bit the result of the fp32 panels.
 `--quantization int8-activations` (`int8_activations`) trades that equality for speed, as
 llama.cpp does: the quantized blocks stay integers and each step's activations are quantized
 per row and 32 inputs, so every sub-block is an exact integer dot product, scaled after
-(`csrc`: gguf_blocks_a8_linear states the arithmetic). `--quantization int8` instead quantizes
-any checkpoint's decoder matrices to int8 per output channel (W8A8).
+(`csrc`: gguf_blocks_a8_linear states the arithmetic). `--quantization bf16-activations` does the
+same for matrices stored in bf16: each step's activations are rounded to bf16 and multiplied
+by pairs with AVX512_BF16's `vdpbf16ps` where the CPU has it (`csrc`: gguf_blocks_bf16_linear).
+`--quantization int8` instead quantizes any checkpoint's decoder matrices to int8 per output
+channel (W8A8).
 """
 
 from __future__ import annotations
@@ -89,6 +92,17 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 INTEGER_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
+def check_bf16_activations(blocks: dict[str, tuple[str, torch.Tensor]], kept: bool) -> None:
+    """`--quantization bf16-activations` needs the block kernels and a checkpoint with matrices
+    stored in bf16; refused in one line otherwise, never ignored."""
+    if not kept:
+        raise ModelLoadError("--quantization bf16-activations runs on inflight's CPU block kernels in fp32 "
+                             "(a CPU with AVX2, --dtype float32)")
+    if not any(kind == "BF16" for kind, _ in blocks.values()):
+        raise ModelLoadError("--quantization bf16-activations multiplies matrices stored in bf16 (safetensors or "
+                             "GGUF BF16); this checkpoint stores none")
+
+
 def check_int8_activations(blocks: dict[str, tuple[str, torch.Tensor]], kept: bool) -> None:
     """`--quantization int8-activations` needs the block kernels and a checkpoint with quantized
     blocks (`load_blocks`' result); refused in one line otherwise, never ignored."""
@@ -119,7 +133,7 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, backend: str = "torch",
                  gguf_blocks: tuple[str | list[str], torch.Tensor | list[torch.Tensor]] | None = None,
-                 int8: bool = False, int8_activations: bool = False) -> None:
+                 int8: bool = False, int8_activations: bool = False, bf16_activations: bool = False) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.backend = backend
@@ -143,7 +157,7 @@ class Linear:
             self._kernels = cpu_kernels()
             assert self._kernels is not None
             if gguf_blocks is not None and self._kernels.gguf_blocks_available():
-                self.blocks = self._pack_blocks(gguf_blocks, int8_activations)
+                self.blocks = self._pack_blocks(gguf_blocks, int8_activations, bf16_activations)
                 self.weight = torch.empty(0)  # every step reads the blocks
             else:
                 self.weight = self._kernels.pack_linear_weight(weight.contiguous())
@@ -154,13 +168,13 @@ class Linear:
             self.weight = weight
 
     def _pack_blocks(self, gguf_blocks: tuple[str | list[str], torch.Tensor | list[torch.Tensor]],
-                     int8_activations: bool = False) -> torch.Tensor:
+                     int8_activations: bool = False, bf16_activations: bool = False) -> torch.Tensor:
         assert self._kernels is not None
         kinds, raw = gguf_blocks  # one tensor of rows, or the parts of a fused matrix (a type each)
         parts = [raw] if isinstance(raw, torch.Tensor) else raw
         kinds = [kinds] * len(parts) if isinstance(kinds, str) else list(kinds)
         return self._kernels.pack_gguf_blocks([p.contiguous() for p in parts], kinds, self.in_features,
-                                              int8_activations)
+                                              int8_activations, bf16_activations)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernels is not None:  # the kernel chooses blocks or panels, as DecoderStack's layers do

@@ -130,14 +130,15 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
                  gguf_blocks: dict[str, tuple[str, torch.Tensor]] | None = None,
                  embedding: GGUFRows | WidenedRows | None = None, int8: bool = False,
-                 int8_activations: bool = False) -> None:
+                 int8_activations: bool = False, bf16_activations: bool = False) -> None:
         """`gguf_blocks`: weights as stored, in `loader.BLOCK_TYPES` (a GGUF file's blocks, a
         checkpoint's 16-bit matrices: `load_blocks`), which the weight matmuls read instead of
         fp32 where the CPU kernels can; `embedding`: the token embedding read by row
         (`load_embedding`), in place of the checkpoint's (then only its shape); `int8`: the
         decoder's matmuls quantized to int8 (W8A8, `Linear`), the LM head left as it is;
         `int8_activations`: every matmul kept as quantized GGUF blocks, the LM head too, multiplies
-        them by int8 activations (`Linear`), as llama.cpp does."""
+        them by int8 activations (`Linear`), as llama.cpp does; `bf16_activations` likewise every
+        matmul kept in bf16 by bf16 activations."""
         self.config = config
         self.device = device
 
@@ -181,7 +182,8 @@ class LlamaModel:
             quantized = None
             if len(parts) == len(names):  # packed from where they lie (`loader._blocks_kept` says which fuse)
                 quantized = ([kind for kind, _ in parts], [raw for _, raw in parts])
-            return Linear(weight, b, backend, gguf_blocks=quantized, int8=quantize, int8_activations=int8_activations)
+            return Linear(weight, b, backend, gguf_blocks=quantized, int8=quantize, int8_activations=int8_activations,
+                          bf16_activations=bf16_activations)
 
         arch = architecture(config.architecture)
         self.final_norm = take("model.norm.weight")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inflight.model.linear import blocks_usable, check_int8_activations
+from inflight.model.linear import blocks_usable, check_bf16_activations, check_int8_activations
 from inflight.model.llama import LlamaModel
 from inflight.model.loader import load_blocks, load_checkpoint, load_embedding, release_file_pages, resolve_model
 from inflight.model.tokenizer import Tokenizer
@@ -31,7 +31,8 @@ class LoadedModel:
         int8, each matrix is quantized from its fp32 form (`Linear`), whatever the checkpoint
         stores: a matrix kept as stored is widened alone, just before, so the model is never
         held in fp32 whole. With `int8-activations`, the matrices kept as quantized GGUF blocks
-        multiply int8 activations (`Linear`); refused where there are none."""
+        multiply int8 activations (`Linear`); refused where there are none; with `bf16-activations`
+        the matrices kept in bf16 multiply bf16 activations."""
         source = resolve_model(model)
         keep_blocks = dtype == torch.float32 and device.type == "cpu" and blocks_usable()
         config, weights = load_checkpoint(source, dtype, keep_blocks=keep_blocks)
@@ -41,8 +42,11 @@ class LoadedModel:
             embedding = load_embedding(source, config) if keep_blocks else None
             if quantization == "int8-activations":
                 check_int8_activations(blocks, keep_blocks)
+            if quantization == "bf16-activations":
+                check_bf16_activations(blocks, keep_blocks)
             llama = LlamaModel(config, weights, device, gguf_blocks=blocks, embedding=embedding,
-                               int8=quantization == "int8", int8_activations=quantization == "int8-activations")
+                               int8=quantization == "int8", int8_activations=quantization == "int8-activations",
+                               bf16_activations=quantization == "bf16-activations")
             del weights, blocks  # the model holds what it reads
             release_file_pages(source)
             return cls(source.name, llama, tokenizer.result(), quantization)

@@ -1190,6 +1190,26 @@ torch::Tensor pack_linear_weight(torch::Tensor weight) {
 }
 
 // x [M, K] through packed W (out_features N) and an optional bias [N] -> [M, N].
+// x's rows as the GEMM microkernels read them: in place, or copied a cache line further apart when
+// a row is a multiple of 4 KB. Rows a multiple of 4 KB apart all fall into one L1 set (64 sets of
+// 64-byte lines, 8 ways on the cores we run on), so a microkernel's 14 rows evict each other at
+// every k: the fp32 GEMM at K = 2048 and 4096 (every Llama's hidden size is such) ran at 0.85 of
+// its speed at K = 2064 and 4112 on Zen 4. Copying costs M x K floats against M x K x N FMAs.
+constexpr int64_t kFewRows = 4;  // rows that share one L1 set with room left for the weights' lines
+struct SpreadRows {
+  torch::Tensor keep;
+  const float* data;
+  int64_t ld;
+};
+SpreadRows spread_rows(const torch::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1);
+  if (M <= kFewRows || (K * static_cast<int64_t>(sizeof(float))) % 4096 != 0)
+    return {x, x.data_ptr<float>(), K};
+  auto padded = torch::empty({M, K + 64 / static_cast<int64_t>(sizeof(float))}, x.options());
+  padded.narrow(1, 0, K).copy_(x);
+  return {padded, padded.data_ptr<float>(), padded.size(1)};
+}
+
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                             int64_t out_features) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "float32 [M, K] contiguous only");
@@ -1204,7 +1224,9 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
     padded_bias.narrow(0, 0, out_features).copy_(*bias);
   }
   auto y = torch::empty({M, n_pad}, x.options());
-  const float* xp = x.data_ptr<float>();
+  const SpreadRows rows_of_x = spread_rows(x);
+  const float* xp = rows_of_x.data;
+  const int64_t ldx = rows_of_x.ld;
   const float* wp = packed.data_ptr<float>();
   const float* bp = bias.has_value() ? padded_bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
@@ -1223,12 +1245,12 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
           const float* next = w + K * kNR;  // the next panel, most often this thread's next one
           const int64_t sharing = chunks <= kSpreadPasses ? chunks : kSharedPassesOfMany;
           if (p + 1 == panels || c >= sharing) {
-            gemm_rows<Prefetch::kNone>(mr, xp + m * K, K, w, K, b, out, n_pad, nullptr, 0);
+            gemm_rows<Prefetch::kNone>(mr, xp + m * ldx, ldx, w, K, b, out, n_pad, nullptr, 0);
           } else if (sharing == 1) {
-            gemm_rows<Prefetch::kEvery>(mr, xp + m * K, K, w, K, b, out, n_pad, next, K);
+            gemm_rows<Prefetch::kEvery>(mr, xp + m * ldx, ldx, w, K, b, out, n_pad, next, K);
           } else {
             const int64_t first = c * K / sharing, last = (c + 1) * K / sharing;
-            gemm_rows<Prefetch::kSpread>(mr, xp + m * K, K, w, K, b, out, n_pad, next + first * kNR, last - first);
+            gemm_rows<Prefetch::kSpread>(mr, xp + m * ldx, ldx, w, K, b, out, n_pad, next + first * kNR, last - first);
           }
           m += mr;
         }
@@ -1281,7 +1303,7 @@ constexpr int64_t kQCols = 16;
 // (every weight matmul at 4 and 5 rows: 1.4x faster than in passes of 3 and 1 or 3 and 2).
 constexpr int kQMaxRows = 5;
 
-enum class Values { kNibble, kInt8, kSixBit, kHalf, kBFloat16 };
+enum class Values { kNibble, kInt8, kSixBit, kHalf, kBFloat16, kBFloat16Pairs };
 
 // K weights a block, in sub-blocks of Sub (Sub < K: a K-quant's super-block, with integer
 // scales per sub-block, signed where SignedScales).
@@ -1307,8 +1329,11 @@ using Q4K16m = Layout<256, 16, true, Values::kNibble>;
 using Q6K16 = Layout<256, 16, false, Values::kSixBit, true>;
 using F16x32 = Layout<32, 32, false, Values::kHalf>;
 using BF16x32 = Layout<32, 32, false, Values::kBFloat16>;
+// BF16 for bf16 activations (gguf_blocks_bf16_linear): k-rows in pairs, column c's weights at k and
+// k + 1 side by side in one 32-bit lane (k's in the low half), as vdpbf16ps multiplies them.
+using BF16P = Layout<32, 32, false, Values::kBFloat16Pairs>;
 
-enum class LayoutId : int64_t { kQ4x32m, kQ8x32, kQ8x32m, kQ4K, kQ8K, kQ8K16, kQ4K16m, kF16x32, kBF16x32, kQ6K16, kCount };
+enum class LayoutId : int64_t { kQ4x32m, kQ8x32, kQ8x32m, kQ4K, kQ8K, kQ8K16, kQ4K16m, kF16x32, kBF16x32, kQ6K16, kBF16P, kCount };
 
 // fn(layout), called with a value of the layout's type.
 template <class F>
@@ -1324,6 +1349,7 @@ void with_layout(LayoutId id, F&& fn) {
     case LayoutId::kF16x32: return fn(F16x32{});
     case LayoutId::kBF16x32: return fn(BF16x32{});
     case LayoutId::kQ6K16: return fn(Q6K16{});
+    case LayoutId::kBF16P: return fn(BF16P{});
     default: TORCH_CHECK(false, "unknown block layout");
   }
 }
@@ -1638,6 +1664,13 @@ inline void block_row(const uint8_t* q, int64_t kk, const BlockScales<L>& s, __m
   } else if constexpr (L::kValues == Values::kHalf) {
     w0 = halves(q + kk * 32), w1 = halves(q + kk * 32 + 16);
     return;
+  } else if constexpr (L::kValues == Values::kBFloat16Pairs) {  // the lanes' low halves for even kk, else high
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (kk / 2) * 64));
+    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (kk / 2) * 64 + 32));
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    w0 = _mm256_castsi256_ps(kk % 2 == 0 ? _mm256_slli_epi32(v0, 16) : _mm256_and_si256(v0, high));
+    w1 = _mm256_castsi256_ps(kk % 2 == 0 ? _mm256_slli_epi32(v1, 16) : _mm256_and_si256(v1, high));
+    return;
   } else {
     w0 = bfloat16s(q + kk * 32), w1 = bfloat16s(q + kk * 32 + 16);
     return;
@@ -1724,13 +1757,15 @@ float half_at(const uint8_t* p) {
 constexpr int64_t kPackedMagic = 0x31424647;  // "GFB1"
 // The same packing, for matmuls with int8 activations (gguf_blocks_a8_linear, at every step size).
 constexpr int64_t kPackedMagicA8 = 0x38414647;  // "GFA8"
+// And for bf16 activations (gguf_blocks_bf16_linear): every part BF16, in BF16P.
+constexpr int64_t kPackedMagicBF16 = 0x36314246;  // "FB16"
 struct Segment {
   LayoutId layout;
   int64_t first, panels, offset;
 };
 struct PackedBlocks {
   int64_t K, N;
-  bool int8_activations;
+  bool int8_activations, bf16_activations;
   std::vector<Segment> segments;
   const uint8_t* base;
   int64_t panels() const { return segments.back().first + segments.back().panels; }
@@ -1750,10 +1785,10 @@ PackedBlocks read_packed(const torch::Tensor& x, const torch::Tensor& packed) {
   const bool shaped = packed.dtype() == torch::kUInt8 && packed.dim() == 1 && packed.is_contiguous() &&
                       packed.numel() >= 64;
   const int64_t* h = shaped ? reinterpret_cast<const int64_t*>(packed.data_ptr<uint8_t>()) : nullptr;
-  TORCH_CHECK(h != nullptr && (h[0] == kPackedMagic || h[0] == kPackedMagicA8) && h[3] >= 1 &&
+  TORCH_CHECK(h != nullptr && (h[0] == kPackedMagic || h[0] == kPackedMagicA8 || h[0] == kPackedMagicBF16) && h[3] >= 1 &&
                   packed.numel() >= header_bytes(h[3]),
               "weight was not packed by pack_gguf_blocks");
-  PackedBlocks view{h[1], h[2], h[0] == kPackedMagicA8, {}, packed.data_ptr<uint8_t>()};
+  PackedBlocks view{h[1], h[2], h[0] == kPackedMagicA8, h[0] == kPackedMagicBF16, {}, packed.data_ptr<uint8_t>()};
   TORCH_CHECK(view.K == x.size(1), "x has ", x.size(1), " columns, the weight ", view.K);
   for (int64_t s = 0; s < h[3]; ++s) {
     const int64_t* e = h + 4 + 4 * s;
@@ -1773,9 +1808,10 @@ bool gguf_blocks_available() { return true; }
 // ("Q4_K", "Q6_K", "F16", ...: file_type's), the rows of one matrix one after another (a fused
 // q/k/v or gate/up, read where they lie) -> the packed weight the block matmuls read. With
 // `int8_activations`, marked for gguf_blocks_a8_linear where every part is of a quantized type
-// (a 16-bit part keeps the fp32 matmuls for the whole matrix).
+// (a 16-bit part keeps the fp32 matmuls for the whole matrix); with `bf16_activations`, for
+// gguf_blocks_bf16_linear where every part is BF16 (in BF16P).
 torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor> parts, std::vector<std::string> kinds, int64_t k,
-                               bool int8_activations) {
+                               bool int8_activations, bool bf16_activations) {
   TORCH_CHECK(!parts.empty() && kinds.size() == parts.size(), "one type for each part");
   struct Rows {
     FileType file;
@@ -1798,6 +1834,11 @@ torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor> parts, std::vector<std
   if (a8)
     for (auto& r : rows)
       if (r.file.layout == LayoutId::kQ8K16) r.file.layout = LayoutId::kQ6K16;
+  bool all_bf16 = true;
+  for (const auto& r : rows) all_bf16 = all_bf16 && r.file.layout == LayoutId::kBF16x32;
+  const bool bf16 = bf16_activations && all_bf16;
+  if (bf16)
+    for (auto& r : rows) r.file.layout = LayoutId::kBF16P;
   // Segments: runs of parts that share a layout.
   std::vector<Segment> segments;
   std::vector<std::pair<size_t, size_t>> part_range;  // [first, last) part of each segment
@@ -1822,7 +1863,7 @@ torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor> parts, std::vector<std
   auto packed = torch::zeros({bytes}, parts[0].options());
   uint8_t* dst = packed.data_ptr<uint8_t>();
   int64_t* h = reinterpret_cast<int64_t*>(dst);
-  h[0] = a8 ? kPackedMagicA8 : kPackedMagic;
+  h[0] = a8 ? kPackedMagicA8 : bf16 ? kPackedMagicBF16 : kPackedMagic;
   h[1] = k, h[2] = n, h[3] = static_cast<int64_t>(segments.size());
   for (size_t s = 0; s < segments.size(); ++s) {
     int64_t* e = h + 4 + 4 * s;
@@ -1883,6 +1924,8 @@ torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor> parts, std::vector<std
                   const int u = static_cast<int8_t>(sub_values[e]) + 32;
                   q[e * 8 + j % 8] |= static_cast<uint8_t>(j < 8 ? u & 0x0F : (u & 0x0F) << 4);
                   q[L::kSub * 8 + (e / 4) * 16 + 4 * (j % 4) + e % 4] |= static_cast<uint8_t>((u >> 4) << (2 * (j / 4)));
+                } else if constexpr (L::kValues == Values::kBFloat16Pairs) {
+                  std::memcpy(q + ((e / 2) * kQCols + j) * 4 + (e % 2) * 2, sub_values + 2 * e, 2);
                 } else {
                   std::memcpy(q + (e * kQCols + j) * 2, sub_values + 2 * e, 2);
                 }
@@ -1942,7 +1985,9 @@ torch::Tensor gguf_blocks_gemm(torch::Tensor x, torch::Tensor packed, int64_t ou
   const int64_t M = x.size(0), K = x.size(1), qpanels = w.panels();
   const int64_t panels = (qpanels + kSub - 1) / kSub, n_pad = panels * kNR;
   auto y = torch::empty({M, n_pad}, x.options());
-  const float* xp = x.data_ptr<float>();
+  const SpreadRows rows_of_x = spread_rows(x);
+  const float* xp = rows_of_x.data;
+  const int64_t ldx = rows_of_x.ld;
   float* yp = y.data_ptr<float>();
   constexpr int64_t kRowBlock = 128;  // rows whose activations stay in L2 while the panels pass, as packed_linear
   for_panels(panels, [&](int64_t begin, int64_t end) {
@@ -1967,7 +2012,7 @@ torch::Tensor gguf_blocks_gemm(torch::Tensor x, torch::Tensor packed, int64_t ou
         int64_t m = m_block;
         for (int64_t c = 0; c < chunks; ++c) {
           const int mr = static_cast<int>((m_block + rows - m) / (chunks - c));  // even split, as packed_linear
-          gemm_rows<Prefetch::kNone>(mr, xp + m * K, K, wf, K, nullptr, yp + m * n_pad + p * kNR, n_pad, nullptr, 0);
+          gemm_rows<Prefetch::kNone>(mr, xp + m * ldx, ldx, wf, K, nullptr, yp + m * n_pad + p * kNR, n_pad, nullptr, 0);
           m += mr;
         }
       }
@@ -2347,6 +2392,130 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> gguf_blocks_integers(tor
   return {q, d, m};
 }
 
+// ---- bf16 weights times bf16 activations (`--quantization bf16-activations`).
+//
+// A matrix stored in bf16 (a checkpoint's safetensors, a GGUF file's BF16 tensors) is packed in
+// BF16P, the same bytes as BF16x32 with each pair of k-rows interleaved. Each step rounds its
+// activations to bf16 (to nearest even, as torch's `.to(torch.bfloat16)`) and, where the CPU has
+// AVX512_BF16 (Zen 4 and later, Cooper Lake, Sapphire Rapids and later), vdpbf16ps multiplies a
+// pair of k of 16 columns by a pair of one row's activations and adds both products to the row's
+// fp32 sums: 32 multiply-adds an instruction, twice an fp32 FMA's. Elsewhere the rounded
+// activations go through the fp32 block matmuls (the weights widened in registers). Every product
+// is exact in fp32 (8-bit by 8-bit significands); the sums' rounding differs between the two ways
+// (vdpbf16ps adds the two products of a pair before or after each other as the CPU does, and
+// flushes denormals), so the contract is a tolerance against the rounded activations times the
+// weights summed exactly (tests/test_bf16.py). Either way a row's result does not depend on the
+// step's other rows.
+
+bool gguf_blocks_bf16_activations(const torch::Tensor& packed) {
+  return packed.scalar_type() == torch::kUInt8 && packed.numel() >= 64 &&
+         reinterpret_cast<const int64_t*>(packed.data_ptr<uint8_t>())[0] == kPackedMagicBF16;
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define INFLIGHT_BF16_DOT 1
+
+namespace {
+
+constexpr int kBF16MaxRows = 14;  // a zmm of sums a row (16 columns), the weights, broadcasts from memory
+
+// x [M, K] (K a multiple of 32) -> [M, bf16_pairs_stride(K)] int32 lanes, the first K / 2 of a row
+// each a pair of x's bf16 (k's in the low half). The rows are a cache line more than a multiple
+// of 4 KB apart, so that a microkernel's rows do not all fall into the same L1 set (with rows 4 KB
+// apart, more than 8 of them evicted each other: 14 rows ran at 0.65 of 8 rows' speed on Zen 4).
+int64_t bf16_pairs_stride(int64_t k) { return k / 2 + 16; }
+torch::Tensor bf16_pairs(const torch::Tensor& x) {
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % 32 == 0, "K must be a multiple of 32");
+  auto out = torch::empty({m, bf16_pairs_stride(k)}, x.options().dtype(torch::kInt32));
+  const float* xp = x.data_ptr<float>();
+  int32_t* op = out.data_ptr<int32_t>();
+  at::parallel_for(0, m, row_grain(k), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t i = 0; i < k; i += 32) {
+        const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(xp + r * k + i + 16), _mm512_loadu_ps(xp + r * k + i));
+        _mm512_storeu_si512(op + r * bf16_pairs_stride(k) + i / 2, reinterpret_cast<const __m512i&>(b));
+      }
+  });
+  return out;
+}
+
+// y[r][0, 16) = MR rows of bf16 activation pairs (x, ldx pairs a row) times a BF16P panel.
+template <int MR>
+void bf16_micro(const int32_t* __restrict x, int64_t ldx, const uint8_t* __restrict panel, int64_t K,
+                float* __restrict y, int64_t ldy) {
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  constexpr int64_t kAhead = 4;  // blocks (1 KB each) ahead, a cache line for each pair of k
+  for (int64_t b = 0; b < K / BF16P::kK; ++b) {
+    const uint8_t* blk = panel + b * BF16P::kBlockBytes;
+    for (int64_t i = 0; i < BF16P::kK / 2; ++i) {
+      __builtin_prefetch(blk + kAhead * BF16P::kBlockBytes + i * 64);
+      const __m512i wi = _mm512_loadu_si512(blk + i * 64);
+      const __m512bh w = reinterpret_cast<const __m512bh&>(wi);
+      for (int r = 0; r < MR; ++r) {
+        const __m512i xi = _mm512_set1_epi32(x[r * ldx + b * (BF16P::kK / 2) + i]);
+        acc[r] = _mm512_dpbf16_ps(acc[r], w, reinterpret_cast<const __m512bh&>(xi));
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+
+template <int MR = kBF16MaxRows>
+void bf16_rows(int rows, const int32_t* x, int64_t ldx, const uint8_t* panel, int64_t K, float* y, int64_t ldy) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return bf16_rows<MR - 1>(rows, x, ldx, panel, K, y, ldy);
+  }
+  bf16_micro<MR>(x, ldx, panel, K, y, ldy);
+}
+
+}  // namespace
+#endif
+
+bool bf16_dot_products() {
+#if defined(INFLIGHT_BF16_DOT)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [M, K] through a weight packed by pack_gguf_blocks with bf16_activations -> [M, N] (fp32),
+// every step size alike (the arithmetic above).
+torch::Tensor gguf_blocks_bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+  const PackedBlocks w = read_packed(x, packed);
+  TORCH_CHECK(w.bf16_activations, "weight was not packed for bf16 activations");
+  TORCH_CHECK(out_features == w.N, "out_features ", out_features, " does not match the packing (", w.N, ")");
+#if defined(INFLIGHT_BF16_DOT)
+  const int64_t M = x.size(0), K = x.size(1), panels = w.panels(), n_pad = panels * kQCols;
+  const torch::Tensor pairs = bf16_pairs(x);
+  auto y = torch::empty({M, n_pad}, x.options());
+  const int32_t* xp = pairs.data_ptr<int32_t>();
+  const int64_t ldx = bf16_pairs_stride(K);
+  float* yp = y.data_ptr<float>();
+  constexpr int64_t kRowBlock = 128;  // rows whose activations stay in L2 while the panels pass
+  for_panels(panels, [&](int64_t begin, int64_t end) {
+    for (int64_t m_block = 0; m_block < M; m_block += kRowBlock) {
+      const int64_t rows = std::min(kRowBlock, M - m_block);
+      for (int64_t p = begin; p < end; ++p) {
+        const uint8_t* panel = w.panel(p).second;
+        even_row_blocks(rows, kBF16MaxRows, [&](int64_t r, int mr) {
+          const int64_t m = m_block + r;
+          bf16_rows(mr, xp + m * ldx, ldx, panel, K, yp + m * n_pad + p * kQCols, n_pad);
+        });
+      }
+    }
+  });
+  return out_features == n_pad ? y : y.narrow(1, 0, out_features).contiguous();
+#else
+  // The activations rounded to bf16 (each exactly an fp32), then the fp32 block matmuls.
+  const torch::Tensor rounded = x.to(torch::kBFloat16).to(torch::kFloat32);
+  return x.size(0) <= kQMaxRows ? gguf_blocks_linear(rounded, packed, out_features)
+                                : gguf_blocks_gemm(rounded, packed, out_features);
+#endif
+}
+
 #else
 bool gguf_blocks_available() { return false; }
 torch::Tensor gguf_blocks_dequantize(torch::Tensor) {
@@ -2355,9 +2524,14 @@ torch::Tensor gguf_blocks_dequantize(torch::Tensor) {
 torch::Tensor gguf_blocks_gemm(torch::Tensor, torch::Tensor, int64_t) {
   TORCH_CHECK(false, "the GGUF block matmul needs AVX2");
 }
-torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor>, std::vector<std::string>, int64_t, bool) {
+torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor>, std::vector<std::string>, int64_t, bool, bool) {
   TORCH_CHECK(false, "the GGUF block matmul needs AVX2");
 }
+torch::Tensor gguf_blocks_bf16_linear(torch::Tensor, torch::Tensor, int64_t) {
+  TORCH_CHECK(false, "the GGUF block matmul needs AVX2");
+}
+bool gguf_blocks_bf16_activations(const torch::Tensor&) { return false; }
+bool bf16_dot_products() { return false; }
 torch::Tensor gguf_blocks_linear(torch::Tensor, torch::Tensor, int64_t) {
   TORCH_CHECK(false, "the GGUF block matmul needs AVX2");
 }
@@ -2954,7 +3128,8 @@ torch::Tensor linear_forward(const torch::Tensor& x, const torch::Tensor& packed
     return bias.has_value() ? y.add_(*bias) : y;
   }
   if (blocks.has_value()) {
-    torch::Tensor y = gguf_blocks_int8_activations(*blocks) ? gguf_blocks_a8_linear(x, *blocks, out_features)
+    torch::Tensor y = gguf_blocks_int8_activations(*blocks)   ? gguf_blocks_a8_linear(x, *blocks, out_features)
+                      : gguf_blocks_bf16_activations(*blocks) ? gguf_blocks_bf16_linear(x, *blocks, out_features)
                       : x.size(0) <= blocks_max_rows ? gguf_blocks_linear(x, *blocks, out_features)
                                                      : gguf_blocks_gemm(x, *blocks, out_features);
     return bias.has_value() ? y.add_(*bias) : y;
@@ -3247,7 +3422,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_gguf_blocks", &pack_gguf_blocks,
         "Pack GGUF rows (Q2_K..Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, BF16; one or more parts) for the block matmuls",
         py::arg("parts"), py::arg("kinds"), py::arg("k"), py::arg("int8_activations") = false,
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("bf16_activations") = false, py::call_guard<py::gil_scoped_release>());
   m.def("gguf_blocks_dequantize", &gguf_blocks_dequantize,
         "The fp32 [N, K] weight a pack_gguf_blocks packing stands for (its values, bit for bit)");
   m.def("gguf_blocks_linear", &gguf_blocks_linear, "x @ W.T with W as packed GGUF blocks (CPU, fp32)");
@@ -3255,6 +3430,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T with W as packed GGUF blocks and x quantized to int8 per row and 32 k (integer dots)");
   m.def("gguf_blocks_int8_activations", &gguf_blocks_int8_activations,
         "Whether a pack_gguf_blocks packing is marked for int8 activations (every part quantized)");
+  m.def("gguf_blocks_bf16_linear", &gguf_blocks_bf16_linear,
+        "x @ W.T with W as packed BF16 blocks and x rounded to bf16 (vdpbf16ps where the CPU has AVX512_BF16)");
+  m.def("gguf_blocks_bf16_activations", &gguf_blocks_bf16_activations,
+        "Whether a pack_gguf_blocks packing is marked for bf16 activations (every part BF16)");
+  m.def("bf16_dot_products", &bf16_dot_products, "Whether this build multiplies bf16 pairs with AVX512_BF16");
   m.def("gguf_a8_quantize", &gguf_a8_quantize, "x's rows as gguf_blocks_a8_linear quantizes them (tests)");
   m.def("gguf_blocks_integers", &gguf_blocks_integers, "A packing's q [N, K] and per sub-block d, m (tests)");
   m.def("gguf_blocks_gemm", &gguf_blocks_gemm,
