@@ -31,13 +31,14 @@ memory, and how often the two engines' greedy tokens agree is reported only as a
 dot products, inflight multiplies fp32 activations by the dequantized weights; `inflight-a8`,
 inflight with `--quantization int8-activations`, computes llama.cpp's way, its own contract).
 
-Engines (`--engines`, in this order by default): inflight, inflight-a8, llama.cpp. Prompts are
+Engines (`--engines`, in this order by default): inflight, inflight-a8, llama.cpp; also
+inflight-bf16 (for a BF16 file: `--quantization bf16-activations`). Prompts are
 random ids below 128000 and the file's vocabulary size (any Llama-shaped file, the embedded
 model too).
 
 Making the models (random N(0, 0.02) weights, norms 1.0 in F32, Llama 3's tokenizer from
-tests/fixtures/gguf-vocab/llama-bpe.gguf.gz; Q8_0 written by gguf-py, Q4_K_M by llama.cpp's own
-`llama-quantize --allow-requantize` from the Q8_0 file):
+tests/fixtures/gguf-vocab/llama-bpe.gguf.gz; Q8_0 (and with `--bf16`, BF16) written by gguf-py,
+Q4_K_M by llama.cpp's own `llama-quantize --allow-requantize` from the Q8_0 file):
 
     .venv/bin/python benchmarks/gguf_vs_llama_cpp.py --make-models /tmp/ggufs --sizes 1b,8b \\
         --llama-quantize /tmp/lcp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-quantize
@@ -82,8 +83,11 @@ REPO = HERE.parent
 PEERS = HERE / "peers"
 VOCAB_FIXTURE = REPO / "tests" / "fixtures" / "gguf-vocab" / "llama-bpe.gguf.gz"
 # inflight-a8: inflight with `--quantization int8-activations` (the blocks times int8 activations,
-# llama.cpp's arithmetic) in place of its default bit-exact fp32 one.
-ENGINES = ("inflight", "inflight-a8", "llama.cpp")
+# llama.cpp's arithmetic) in place of its default bit-exact fp32 one; inflight-bf16 with
+# `--quantization bf16-activations` (a BF16 file's matrices times bf16 activations, as llama.cpp
+# computes BF16 tensors).
+ENGINES = ("inflight", "inflight-a8", "inflight-bf16", "llama.cpp")
+QUANTIZATION = {"inflight": "none", "inflight-a8": "int8-activations", "inflight-bf16": "bf16-activations"}
 FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8")
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -99,17 +103,20 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 
 def make_models(out_dir: Path, sizes: list[str], llama_quantize: str | None, threads: int, seed: int,
-                pool_blocks: int) -> None:
+                pool_blocks: int, bf16: bool = False) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     for size in sizes:
         shape = SHAPES[size]
-        q8 = out_dir / f"{shape['name']}-Q8_0.gguf"
-        if q8.is_file():
-            print(f"{q8} exists; kept", file=sys.stderr)
-        else:
+        for kind in ("Q8_0", "BF16") if bf16 else ("Q8_0",):
+            made = out_dir / f"{shape['name']}-{kind}.gguf"
+            if made.is_file():
+                print(f"{made} exists; kept", file=sys.stderr)
+                continue
             t = time.perf_counter()
-            write_q8_model(q8, shape, seed, pool_blocks)
-            print(f"wrote {q8} ({q8.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+            write_model(made, shape, seed, pool_blocks, kind)
+            print(f"wrote {made} ({made.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s",
+                  file=sys.stderr)
+        q8 = out_dir / f"{shape['name']}-Q8_0.gguf"
         q4 = out_dir / f"{shape['name']}-Q4_K_M.gguf"
         if q4.is_file():
             print(f"{q4} exists; kept", file=sys.stderr)
@@ -125,8 +132,8 @@ def make_models(out_dir: Path, sizes: list[str], llama_quantize: str | None, thr
             print(f"wrote {q4} ({q4.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s", file=sys.stderr)
 
 
-def write_q8_model(path: Path, shape: dict[str, Any], seed: int, pool_blocks: int = 0) -> None:
-    """A Llama-shaped GGUF file of Q8_0 matrices (gguf-py's quantizer) and F32 norms, written one
+def write_model(path: Path, shape: dict[str, Any], seed: int, pool_blocks: int = 0, kind: str = "Q8_0") -> None:
+    """A Llama-shaped GGUF file of Q8_0 (or BF16) matrices (gguf-py's quantizer) and F32 norms, written one
     slab of rows at a time (the 8B embedding alone is 2 GB in fp32), with the tokenizer.* keys of
     llama.cpp's ggml-vocab-llama-bpe.gguf. With `pool_blocks`, gguf-py quantizes that many 32-weight
     blocks of N(0, 0.02) once and every matrix is made of blocks drawn from them at random (with
@@ -145,7 +152,7 @@ def write_q8_model(path: Path, shape: dict[str, Any], seed: int, pool_blocks: in
 
     h, n_layers, heads, kv_heads = shape["hidden"], shape["layers"], shape["heads"], shape["kv_heads"]
     head_dim = h // heads
-    q8 = gguf.GGMLQuantizationType.Q8_0
+    q8 = gguf.GGMLQuantizationType[kind]
     block, block_bytes = gguf.GGML_QUANT_SIZES[q8]
 
     w = gguf.GGUFWriter(str(path), "llama")
@@ -160,7 +167,7 @@ def write_q8_model(path: Path, shape: dict[str, Any], seed: int, pool_blocks: in
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(shape["vocab"])
     w.add_rope_dimension_count(head_dim)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    w.add_file_type(gguf.LlamaFileType[f"MOSTLY_{kind}"])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for key, field in vocab.fields.items():
         if key.startswith("tokenizer."):
@@ -286,7 +293,7 @@ def child(engine: str, job_path: str, result_path: str) -> None:
         options = {"dtype": "float32", "device": "cpu", "max_batch_size": n_seq, "max_num_tokens": job["n_batch"],
                    "enable_chunked_prefill": True, "num_kv_blocks": n_seq * n_ctx_per_seq // 16,
                    "block_size": 16, "max_model_len": n_ctx_per_seq,
-                   "quantization": "int8-activations" if engine == "inflight-a8" else "none",
+                   "quantization": QUANTIZATION[engine],
                    "kv_cache_dtype": job.get("kv_cache_dtype", "auto")}
         engine_obj = LLM(job["model"], **options).engine
         load_s = time.perf_counter() - t0
@@ -474,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--make-models", metavar="DIR", help="write the GGUF files to DIR and exit")
     p.add_argument("--sizes", default="1b", help="with --make-models: 1b, 8b or 1b,8b")
     p.add_argument("--llama-quantize", metavar="PATH", help="with --make-models: llama.cpp's llama-quantize")
+    p.add_argument("--bf16", action="store_true", help="with --make-models: also a BF16 file of each size")
     p.add_argument("--pool-blocks", type=int, default=0,
                    help="with --make-models: draw the Q8_0 blocks from a pool of this many (default 0: all quantized)")
     p.add_argument("--kv-cache-dtype", default="float16",
@@ -486,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.make_models:
         make_models(Path(args.make_models), [s.strip() for s in args.sizes.split(",") if s.strip()],
-                    args.llama_quantize, args.threads, args.seed, args.pool_blocks)
+                    args.llama_quantize, args.threads, args.seed, args.pool_blocks, args.bf16)
         return 0
     if not args.model:
         p.error("give --model FILE (or --make-models DIR)")
@@ -495,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown engine(s) {unknown}; choose from {','.join(ENGINES)}")
     if "llama.cpp" in engines and not args.llama_cpp_python:
         p.error("llama.cpp needs --llama-cpp-python PATH (or --engines inflight)")
-    pythons = {"inflight": sys.executable, "inflight-a8": sys.executable, "llama.cpp": args.llama_cpp_python}
+    pythons = {**dict.fromkeys(QUANTIZATION, sys.executable), "llama.cpp": args.llama_cpp_python}
 
     lo, hi = (int(x) for x in args.burst_prompt.split(","))
     work = workload(args.seed, args.single_prompt, args.single_tokens, args.burst_requests, (lo, hi),

@@ -18,17 +18,19 @@ With `--types`, instead: each GGUF type the matmuls read as stored (`loader.BLOC
 bytes a weight and the time of two Llama-3.2-1B-shaped layers' matmuls (hidden 2048, FFN 8192,
 8 KV heads of 64) at 1 to 256 rows beside fp32 panels of the same shapes, alternated; and for
 each quantized type a second row, `+int8 act.`: the same blocks times int8 activations
-(`--quantization int8-activations`), its time and the fp32-arithmetic blocks' time / its own.
+(`--quantization int8-activations`), its time and the fp32-arithmetic blocks' time / its own;
+for BF16 likewise `+bf16 act.` (`--quantization bf16-activations`). `--type KIND`: only those.
 
 With `--against REV`, instead: the kernels of this checkout beside those of git revision REV
 (built from its `cpu_kernels.cpp` under another name), alternated in one process, several rounds:
-the model's body matmuls chained at 8, 16, 32, 64 and 512 rows, the same body as int8 W8A8 at 16,
+the model's body matmuls chained at 8, 16, 32, 64 and 512 rows, two 1B-shaped layers' fp32 matmuls
+at 64 rows, the same body as int8 W8A8 at 16,
 64 and 512 rows, two 1B-shaped layers of Q4_K and of Q6_K blocks times int8 activations at 1, 4
 and 16 rows (each build packs its own), decode attention of 64 requests of 100-400 tokens, and prefill
 attention of one step's 8 prompts of 17-300 tokens. On a host whose
 speed drifts, that is how a change to a kernel is measured.
 
-    .venv/bin/python benchmarks/kernels_bench.py [--types | --kv | --against REV]
+    .venv/bin/python benchmarks/kernels_bench.py [--types [--type KIND ...] | --kv | --against REV]
 """
 
 from __future__ import annotations
@@ -194,8 +196,8 @@ def _stored_rows(kind: str, rows: int, cols: int, rng: object) -> torch.Tensor:
     return torch.from_numpy(blocks.reshape(rows, -1))
 
 
-def block_types() -> None:
-    """Each stored type's packed size, and its matmuls' time against fp32 panels (`--types`)."""
+def block_types(kinds: list[str] | None = None) -> None:
+    """Each stored type's packed size (or `kinds`'), and its matmuls' time against fp32 panels (`--types`)."""
     import numpy as np
 
     from inflight.model.loader import BLOCK_TYPES
@@ -212,12 +214,13 @@ def block_types() -> None:
         for linear in linears:
             linear(x[linear.in_features])
 
-    for kind in BLOCK_TYPES:
+    for kind in kinds or BLOCK_TYPES:
         raw = [_stored_rows(kind, n, k, rng) for _ in range(2) for k, n in shapes]
         meta = [torch.empty(n, k, device="meta") for _ in range(2) for k, n in shapes]
         stored = [Linear(w, None, "inflight", gguf_blocks=(kind, r)) for w, r in zip(meta, raw, strict=True)]
-        a8 = [Linear(w, None, "inflight", gguf_blocks=(kind, r), int8_activations=True)
-              for w, r in zip(meta, raw, strict=True)] if kind in INTEGER_BLOCK_TYPES else []
+        a8 = [Linear(w, None, "inflight", gguf_blocks=(kind, r), int8_activations=kind != "BF16",
+                     bf16_activations=kind == "BF16")
+              for w, r in zip(meta, raw, strict=True)] if kind in (*INTEGER_BLOCK_TYPES, "BF16") else []
         packed = sum(linear.blocks.numel() for linear in stored if linear.blocks is not None)
         cells, a8_cells = [], []
         for rows in row_counts:
@@ -232,10 +235,11 @@ def block_types() -> None:
                 a8_cells.append(f"{1000 * min(times['a8']):6.1f} ({ours / min(times['a8']):4.2f}x)")
         print(f"{kind:6s} {packed / numel:12.3f} " + " ".join(f"{c:>16s}" for c in cells))
         if a8_cells:
-            print(f"{'  +int8 act.':19s} " + " ".join(f"{c:>16s}" for c in a8_cells))
+            label = "  +bf16 act." if kind == "BF16" else "  +int8 act."
+            print(f"{label:19s} " + " ".join(f"{c:>16s}" for c in a8_cells))
         del stored, a8
-    print("(x: fp32 panels' time / this type's; +int8 act.: the type's fp32-arithmetic time / its own with int8 "
-          "activations; in the same rounds)")
+    print("(x: fp32 panels' time / this type's; +int8 act. (+bf16 act.): the type's fp32-arithmetic time / its own "
+          "with int8 (bf16) activations; in the same rounds)")
 
 
 def _layers_beyond_cache(batch: int, context: int) -> int:
@@ -407,6 +411,19 @@ def compare(rev: str, rounds: int = 4) -> None:
 
         cases.append((f"body matmuls chained, {rows} rows",
                       {name: functools.partial(chain, m, packed[name]) for name, m in mods.items()}))
+    # fp32 panels of two 1B-shaped layers (K = 2048 and 8192: rows a multiple of 4 KB apart).
+    big = [torch.randn(n, k) * 0.02 for k, n in BLOCK_SHAPES for _ in range(2)]
+    big_packed = {name: [(m.pack_linear_weight(w), w.shape[1], w.shape[0]) for w in big]  # type: ignore[attr-defined]
+                  for name, m in mods.items()}
+    del big
+    x_big = {k: torch.randn(64, k) for k, _ in BLOCK_SHAPES}
+
+    def chain_big(m: object, ws: list[tuple[torch.Tensor, int, int]]) -> None:
+        for w, k, n in ws:
+            m.packed_linear(x_big[k], w, None, n)  # type: ignore[attr-defined]
+
+    cases.append(("1B-shaped fp32 matmuls (K 2048, 8192), 64 rows",
+                  {name: functools.partial(chain_big, m, big_packed[name]) for name, m in mods.items()}))
     # int8 W8A8 (`--quantization int8`): the same body, its weights quantized by each build.
     int8 = {name: [[m.quantize_pack_int8(w, *_int8_inverse_scales(m, w)) for w in ws] for ws in raw]  # type: ignore[attr-defined]
             for name, m in mods.items()}
@@ -474,6 +491,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--against", metavar="REV", help="compare with the kernels of this git revision")
     parser.add_argument("--types", action="store_true", help="each stored GGUF type against fp32 panels")
+    parser.add_argument("--type", action="append", metavar="KIND", help="with --types: only this type (repeatable)")
     parser.add_argument("--kv", action="store_true", help="decode attention over fp32 and 16-bit KV pools only")
     args = parser.parse_args()
     kernels = cpu_kernels()
@@ -487,7 +505,7 @@ def main() -> int:
         return 0
     if args.types:
         with torch.inference_mode():
-            block_types()
+            block_types(args.type)
         return 0
     if args.kv:
         with torch.inference_mode():

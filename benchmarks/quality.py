@@ -10,6 +10,8 @@ for the same model computed as
 - `int8-activations`: `--quantization int8-activations` on the stored file (its Q4_1 blocks times
   activations quantized per row and 32 inputs: llama.cpp's arithmetic);
 - `kv-float16`, `kv-bfloat16`: the stored file with its KV pool in 16 bits (`--kv-cache-dtype`);
+- `bf16-activations`: the `BF16` row's file (below) with `--quantization bf16-activations` (its
+  bf16 matrices times activations rounded to bf16; `vdpbf16ps` on AVX512_BF16);
 - `Q8_0`, `Q5_1`, `Q5_0`, `Q4_0`, ...: the decoder matrices quantized again by gguf-py from the
   fp32 weights (so each row shows what its block type loses against the weights it was made
   from); the token embedding (the tied LM head) stays as stored in every row;
@@ -29,7 +31,7 @@ The figures:
   before the first difference.
 
     .venv/bin/python benchmarks/quality.py [--variants fp32,stored,int8,int8-activations,Q8_0,Q5_1,Q5_0,Q4_0]
-        [--variants stored,kv-float16,kv-bfloat16]
+        [--variants stored,kv-float16,kv-bfloat16] [--variants fp32,BF16,bf16-activations]
         [--gguf FILE ...] [--tokens 4096] [--window 512] [--output runs/quality.json]
 """
 
@@ -112,6 +114,8 @@ def variants(names: list[str], files: list[str], folder: Path) -> list[Variant]:
             rows.append(Variant(name, stored, {"quantization": name}))
         elif name in ("kv-float16", "kv-bfloat16"):
             rows.append(Variant(name, stored, {"kv_cache_dtype": name.removeprefix("kv-")}))
+        elif name == "bf16-activations":
+            rows.append(Variant(name, requantized(stored, "BF16", folder), {"quantization": name}))
         else:
             rows.append(Variant(name, requantized(stored, "F32" if name == "fp32" else name, folder)))
     rows += [Variant(Path(f).name, Path(f)) for f in files]

@@ -10,7 +10,10 @@ Each configuration runs `--rounds` times in the order off, ngram, suffix, off, n
 (`--spec JSON`, repeated, replaces the compared configurations). Printed per scenario: output
 tok/s of each run, each configuration's ratio to the `off` run of its round (under arrivals slower
 than the engine tok/s follows the arrivals, so also the TPOT ratio: how much faster each stream
-ran), TPOT and TTFT p99, the acceptance rate (proposed tokens kept) and tokens per verifying step.
+ran), TPOT and TTFT p99, the acceptance rate (proposed tokens kept), tokens per verifying step, and
+the engine's own time on speculation (choosing lengths, looking up proposals, recording what was
+kept: wall time outside the model) as a share of the run's: at saturation, where no proposal
+pays, that share is what speculation can cost, free of the machine's run-to-run noise.
 Written to `--out` (JSON).
 
 `--draft-layers N` adds a draft-model configuration: the embedded model cut to its first N of 30
@@ -171,7 +174,8 @@ def main() -> int:
             rows.append({"label": run.label, "output_tok_s": m.output_throughput, "tpot_mean_ms": m.tpot_ms.mean,
                          "ttft_p99_ms": m.ttft_ms.p99, "e2e_p50_ms": m.e2e_ms.p50,
                          "acceptance_perc": m.spec_acceptance_perc,
-                         "tokens_per_draft_step": m.spec_tokens_per_draft, "completed": m.num_completed})
+                         "tokens_per_draft_step": m.spec_tokens_per_draft, "completed": m.num_completed,
+                         "spec_overhead_perc": m.spec_overhead_perc})
         # Each configuration's ratios to the off run of its round: tok/s, and off/on TPOT (under
         # arrivals slower than the engine, tok/s follows the arrivals: latency tells instead).
         width = 1 + len(configs)
@@ -186,8 +190,10 @@ def main() -> int:
         for row in rows:
             acceptance = "-" if row["acceptance_perc"] is None else f"{row['acceptance_perc']:.1f}%"
             per_step = "-" if row["tokens_per_draft_step"] is None else f"{row['tokens_per_draft_step']:.2f}"
+            overhead = "-" if not row["spec_overhead_perc"] else f"{row['spec_overhead_perc']:.2f}%"
             print(f"  {row['label']:>9}: {row['output_tok_s']:7.1f} tok/s  TPOT {row['tpot_mean_ms']:6.1f} ms  "
-                  f"TTFT p99 {row['ttft_p99_ms']:7.0f} ms  accepted {acceptance:>6}  tokens/draft step {per_step}")
+                  f"TTFT p99 {row['ttft_p99_ms']:7.0f} ms  accepted {acceptance:>6}  tokens/draft step {per_step}  "
+                  f"speculation's own time {overhead}")
         for n in names:
             print(f"  {n} against off: output tok/s " + ", ".join(f"{r:.2f}x" for r in ratios[n])
                   + ";  TPOT (each stream's speed-up) " + ", ".join(f"{r:.2f}x" for r in tpot_ratios[n]))

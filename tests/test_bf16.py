@@ -58,8 +58,8 @@ def test_the_pair_layout_holds_the_stored_values() -> None:
     x = torch.randn(9, 256)
     with torch.inference_mode():
         for n in (3, 9):
-            assert torch.equal(kernels.gguf_blocks_linear(x[:n], pairs, 40), kernels.gguf_blocks_linear(x[:n], rows, 40))
-            assert torch.equal(kernels.gguf_blocks_gemm(x[:n], pairs, 40), kernels.gguf_blocks_gemm(x[:n], rows, 40))
+            for matmul in (kernels.gguf_blocks_linear, kernels.gguf_blocks_gemm):
+                assert torch.equal(matmul(x[:n], pairs, 40), matmul(x[:n], rows, 40))
 
 
 @pytest.mark.parametrize("other", ["F16", "Q8_0"])
@@ -79,8 +79,8 @@ def bf16_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A small Llama in bf16 safetensors, as checkpoints are published, with the embedded tokenizer."""
     import transformers
 
-    from inflight.model.tokenizer import Tokenizer
     from inflight.model.loader import resolve_model
+    from inflight.model.tokenizer import Tokenizer
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=320, hidden_size=128, intermediate_size=384, num_hidden_layers=2,

@@ -124,6 +124,7 @@ class EngineCounters:
     spec_num_drafts: int | None = None
     spec_num_draft_tokens: int | None = None
     spec_num_accepted_tokens: int | None = None
+    spec_overhead_s: float | None = None  # the engine's own seconds on speculation (in process only)
 
     @classmethod
     def between(cls, before: EngineStats, after: EngineStats) -> EngineCounters:
@@ -136,6 +137,7 @@ class EngineCounters:
             spec_num_drafts=after.spec_num_drafts - before.spec_num_drafts,
             spec_num_draft_tokens=after.spec_num_draft_tokens - before.spec_num_draft_tokens,
             spec_num_accepted_tokens=after.spec_num_accepted_tokens - before.spec_num_accepted_tokens,
+            spec_overhead_s=after.spec_overhead_s - before.spec_overhead_s,
         )
 
     @property
@@ -183,6 +185,7 @@ class BenchMetrics:
     num_http_5xx: int = 0  # responses with a 5xx status, as the client saw them
     spec_acceptance_perc: float | None = None  # speculative decoding: proposed tokens kept (%)
     spec_tokens_per_draft: float | None = None  # tokens a verifying step gave its request
+    spec_overhead_perc: float | None = None  # the engine's own time on speculation, % of the run's
 
 
 def compute_metrics(results: Sequence[RequestResult], duration_s: float,
@@ -225,6 +228,7 @@ def compute_metrics(results: Sequence[RequestResult], duration_s: float,
         num_http_5xx=sum(r.http_status is not None and r.http_status >= 500 for r in results),
         spec_acceptance_perc=counters.spec_acceptance_perc,
         spec_tokens_per_draft=counters.spec_tokens_per_draft,
+        spec_overhead_perc=None if counters.spec_overhead_s is None else 100.0 * counters.spec_overhead_s / duration,
     )
 
 

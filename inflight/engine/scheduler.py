@@ -207,7 +207,11 @@ class Scheduler:
         # Decodes first, then unfinished prefills, each in admission order.
         remaining = {id(r): r.num_tokens - r.num_computed_tokens for r in self.running}
         order = sorted(self.running, key=lambda r: remaining[id(r)] > 1)
-        drafts = self._drafts(order, remaining, budget) if self.speculator is not None else {}
+        drafts = {}
+        if self.speculator is not None:
+            started = time.perf_counter()
+            drafts = self._drafts(order, remaining, budget)
+            self.speculator.stats.overhead_s += time.perf_counter() - started
         scheduled_ids: set[int] = set()
         bm = self.block_manager
         for request in order:
@@ -414,7 +418,9 @@ class Scheduler:
                 assert 0 <= accepted <= proposed and tokens[:accepted] == s.spec_token_ids[:accepted]
                 request.num_computed_tokens = s.end - proposed + accepted
                 if self.speculator is not None:
+                    started = time.perf_counter()
                     self.speculator.observe(request, proposed, accepted)
+                    self.speculator.stats.overhead_s += time.perf_counter() - started
             else:
                 request.num_computed_tokens = s.end
             request.output_token_ids.extend(tokens)

@@ -196,6 +196,9 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    # Wall seconds the scheduler spent on speculation outside the model: choosing lengths, looking
+    # up proposals, recording what was kept (a draft model's passes not included: `draft_s`).
+    overhead_s: float = 0.0
 
     @property
     def acceptance_rate(self) -> float | None:

@@ -37,6 +37,7 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    spec_overhead_s: float = 0.0  # the scheduler's own seconds on speculation (`SpecStats.overhead_s`)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -83,6 +84,7 @@ def scheduler_stats(scheduler: Scheduler, num_oom_errors: int = 0, num_failed_st
         spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
         spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
         spec_accepted_per_position=tuple(spec.accepted_per_position) if spec else (),
+        spec_overhead_s=spec.overhead_s if spec else 0.0,
     )
 
 
