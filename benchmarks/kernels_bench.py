@@ -23,8 +23,8 @@ for BF16 likewise `+bf16 act.` (`--quantization bf16-activations`). `--type KIND
 
 With `--against REV`, instead: the kernels of this checkout beside those of git revision REV
 (built from its `cpu_kernels.cpp` under another name), alternated in one process, several rounds:
-the model's body matmuls chained at 8, 16, 32, 64 and 512 rows, two 1B-shaped layers' fp32 matmuls
-at 64 rows, the same body as int8 W8A8 at 16,
+the model's body matmuls chained at 8, 16, 32, 64 and 512 rows, the same body as Q4_1 blocks at 1,
+3, 4 and 5 rows, two 1B-shaped layers' fp32 matmuls at 64 rows, the same body as int8 W8A8 at 16,
 64 and 512 rows, two 1B-shaped layers of Q4_K and of Q6_K blocks times int8 activations at 1, 4
 and 16 rows (each build packs its own), decode attention of 64 requests of 100-400 tokens, and prefill
 attention of one step's 8 prompts of 17-300 tokens. On a host whose
@@ -411,6 +411,22 @@ def compare(rev: str, rounds: int = 4) -> None:
 
         cases.append((f"body matmuls chained, {rows} rows",
                       {name: functools.partial(chain, m, packed[name]) for name, m in mods.items()}))
+    # The embedded model's body as Q4_1 blocks (as it ships) at the register path's 1 to 5 rows.
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    q4 = [(_stored_rows("Q4_1", n, k, rng), k, n) for _ in range(30) for k, n in LAYER_SHAPES]
+    q4_packed = {name: [(m.pack_gguf_blocks([raw], ["Q4_1"], k), k, n) for raw, k, n in q4]  # type: ignore[attr-defined]
+                 for name, m in mods.items()}
+    for rows in (1, 3, 4, 5):
+        x = {576: torch.randn(rows, 576), 1536: torch.randn(rows, 1536)}
+
+        def chain_q4(m: object, ws: list[tuple[torch.Tensor, int, int]], x: dict[int, torch.Tensor] = x) -> None:
+            for w, k, n in ws:
+                m.gguf_blocks_linear(x[k], w, n)  # type: ignore[attr-defined]
+
+        cases.append((f"body as Q4_1 blocks, {rows} rows",
+                      {name: functools.partial(chain_q4, m, q4_packed[name]) for name, m in mods.items()}))
     # fp32 panels of two 1B-shaped layers (K = 2048 and 8192: rows a multiple of 4 KB apart).
     big = [torch.randn(n, k) * 0.02 for k, n in BLOCK_SHAPES for _ in range(2)]
     big_packed = {name: [(m.pack_linear_weight(w), w.shape[1], w.shape[0]) for w in big]  # type: ignore[attr-defined]
@@ -439,9 +455,6 @@ def compare(rev: str, rounds: int = 4) -> None:
                       {name: functools.partial(chain8, m, int8[name]) for name, m in mods.items()}))
     # Q4_K and Q6_K blocks times int8 activations (`--quantization int8-activations`), two
     # 1B-shaped layers each.
-    import numpy as np
-
-    rng = np.random.default_rng(0)
     for kind in ("Q4_K", "Q6_K"):
         rows_of = [(_stored_rows(kind, n, k, rng), k, n) for _ in range(2) for k, n in BLOCK_SHAPES]
         a8 = {name: [(m.pack_gguf_blocks([raw], [kind], k, True), k, n)  # type: ignore[attr-defined]

@@ -1124,6 +1124,7 @@ inline void gemm_micro(const float* __restrict x, int64_t ldx, const float* __re
                        const float* __restrict bias, float* __restrict y, int64_t ldy, const float* pf,
                        int64_t pf_rows) {
   vec a0[MR], a1[MR];
+  #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) a0[r] = a1[r] = vec{};
   int64_t due = 0;  // kSpread: k-rows owed, in units of 1 / K
   for (int64_t k = 0; k < K; ++k) {
@@ -1147,8 +1148,10 @@ inline void gemm_micro(const float* __restrict x, int64_t ldx, const float* __re
   }
   if (bias != nullptr) {
     const vec b0 = load_vec(bias), b1 = load_vec(bias + kVec);
+    #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) a0[r] += b0, a1[r] += b1;
   }
+  #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) {
     store_vec(y + r * ldy, a0[r]);
     store_vec(y + r * ldy + kVec, a1[r]);
@@ -1686,6 +1689,7 @@ template <int MR, class L>
 inline void quant_micro(const float* __restrict x, int64_t ldx, const uint8_t* __restrict panel, int64_t K,
                         float* __restrict y, int64_t ldy) {
   __m256 a0[MR], a1[MR];
+  #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
   constexpr int64_t kAhead = L::kSuper ? 1 : 4;  // blocks to prefetch ahead (a super-block is 2-4 KB)
   for (int64_t b = 0; b < K / L::kK; ++b) {
@@ -1698,6 +1702,7 @@ inline void quant_micro(const float* __restrict x, int64_t ldx, const uint8_t* _
       for (int64_t kk = 0; kk < L::kSub; ++kk) {
         __m256 w0, w1;
         block_row<L>(q, kk, scales, w0, w1);
+        #pragma GCC unroll 16
         for (int r = 0; r < MR; ++r) {
           const __m256 xv = _mm256_set1_ps(xb[r * ldx + kk]);
           a0[r] = _mm256_fmadd_ps(xv, w0, a0[r]);
@@ -1706,6 +1711,7 @@ inline void quant_micro(const float* __restrict x, int64_t ldx, const uint8_t* _
       }
     }
   }
+  #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) {
     _mm256_storeu_ps(y + r * ldy, a0[r]);
     _mm256_storeu_ps(y + r * ldy + 8, a1[r]);
@@ -2168,6 +2174,7 @@ void a8_micro(const int8_t* __restrict xq, const float* __restrict sx, const int
       const uint8_t* q = blk + L::kScaleBytes + sub * L::kSubValueBytes;
       const int64_t k0 = b * L::kK + sub * L::kSub;
       __m256i a0[MR], a1[MR];
+      #pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_si256();
 #if defined(INFLIGHT_DPBUSD256)
       // With one row, the odd groups go into a second pair of sums, so that the row's vpdpbusd
@@ -2186,6 +2193,7 @@ void a8_micro(const int8_t* __restrict xq, const float* __restrict sx, const int
             continue;
           }
         }
+        #pragma GCC unroll 16
         for (int r = 0; r < MR; ++r) {
           const __m256i xb = four_bytes(xq + r * K + k0 + 4 * g);
           a0[r] = dpbusd256(a0[r], m0, kUnsignedMax > 0 ? xb : _mm256_sign_epi8(xb, c0));
@@ -2199,17 +2207,20 @@ void a8_micro(const int8_t* __restrict xq, const float* __restrict sx, const int
         // the pair sums of kFlush groups add up in int16 before vpmaddwd widens them.
         for (int64_t g0 = 0; g0 < L::kSub / 4; g0 += kFlush) {
           __m256i h0[MR], h1[MR];
+          #pragma GCC unroll 16
           for (int r = 0; r < MR; ++r) h0[r] = h1[r] = _mm256_setzero_si256();
           for (int64_t g = g0; g < g0 + kFlush; ++g) {
             __m256i c0, c1;
             a8_unpack<L>(q, g, c0, c1);
             if constexpr (kUnpackShift) c0 = _mm256_add_epi8(c0, shift), c1 = _mm256_add_epi8(c1, shift);
+            #pragma GCC unroll 16
             for (int r = 0; r < MR; ++r) {
               const __m256i xb = four_bytes(xq + r * K + k0 + 4 * g);
               h0[r] = _mm256_add_epi16(h0[r], _mm256_maddubs_epi16(c0, xb));
               h1[r] = _mm256_add_epi16(h1[r], _mm256_maddubs_epi16(c1, xb));
             }
           }
+          #pragma GCC unroll 16
           for (int r = 0; r < MR; ++r) {
             a0[r] = _mm256_add_epi32(a0[r], _mm256_madd_epi16(h0[r], ones));
             a1[r] = _mm256_add_epi32(a1[r], _mm256_madd_epi16(h1[r], ones));
@@ -2220,6 +2231,7 @@ void a8_micro(const int8_t* __restrict xq, const float* __restrict sx, const int
           __m256i c0, c1;
           a8_unpack<L>(q, g, c0, c1);
           const __m256i m0 = _mm256_abs_epi8(c0), m1 = _mm256_abs_epi8(c1);  // |qw|: 128 for -128, unsigned
+          #pragma GCC unroll 16
           for (int r = 0; r < MR; ++r) {
             const __m256i xb = four_bytes(xq + r * K + k0 + 4 * g);
             a0[r] = _mm256_add_epi32(a0[r], _mm256_madd_epi16(_mm256_maddubs_epi16(m0, _mm256_sign_epi8(xb, c0)), ones));
@@ -2229,11 +2241,13 @@ void a8_micro(const int8_t* __restrict xq, const float* __restrict sx, const int
       }
 #endif
       if constexpr (kShift)  // sum (q + 32) qx - 32 sum qx: the sub-block is 16 k, one sum
+        #pragma GCC unroll 16
         for (int r = 0; r < MR; ++r) {
           const __m256i off = _mm256_set1_epi32(kShift * isum[r * sums + k0 / 16]);
           a0[r] = _mm256_sub_epi32(a0[r], off), a1[r] = _mm256_sub_epi32(a1[r], off);
         }
       const BlockScales<L> s(blk, sub);
+      #pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
         __m256 t0 = rounded(_mm256_mul_ps(_mm256_cvtepi32_ps(a0[r]), s.d0));
         __m256 t1 = rounded(_mm256_mul_ps(_mm256_cvtepi32_ps(a1[r]), s.d1));
@@ -2445,6 +2459,7 @@ template <int MR>
 void bf16_micro(const int32_t* __restrict x, int64_t ldx, const uint8_t* __restrict panel, int64_t K,
                 float* __restrict y, int64_t ldy) {
   __m512 acc[MR];
+  #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   constexpr int64_t kAhead = 4;  // blocks (1 KB each) ahead, a cache line for each pair of k
   for (int64_t b = 0; b < K / BF16P::kK; ++b) {
@@ -2453,12 +2468,14 @@ void bf16_micro(const int32_t* __restrict x, int64_t ldx, const uint8_t* __restr
       __builtin_prefetch(blk + kAhead * BF16P::kBlockBytes + i * 64);
       const __m512i wi = _mm512_loadu_si512(blk + i * 64);
       const __m512bh w = reinterpret_cast<const __m512bh&>(wi);
+      #pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
         const __m512i xi = _mm512_set1_epi32(x[r * ldx + b * (BF16P::kK / 2) + i]);
         acc[r] = _mm512_dpbf16_ps(acc[r], w, reinterpret_cast<const __m512bh&>(xi));
       }
     }
   }
+  #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
@@ -2653,6 +2670,7 @@ inline void int8_micro(const int8_t* __restrict xq, int64_t ldx, const int8_t* _
                        int32_t* __restrict acc) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   __m512i a0[MR], a1[MR];
+  #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm512_setzero_si512();
   for (int64_t g = 0; g < groups; ++g) {
     const __m512i w0 = _mm512_load_si512(w + g * 128), w1 = _mm512_load_si512(w + g * 128 + 64);
@@ -2665,16 +2683,19 @@ inline void int8_micro(const int8_t* __restrict xq, int64_t ldx, const int8_t* _
       a1[r] = _mm512_dpbusd_epi32(a1[r], xb, w1);
     }
   }
+  #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) {
     _mm512_storeu_si512(acc + r * kI8Cols, a0[r]);
     _mm512_storeu_si512(acc + r * kI8Cols + 16, a1[r]);
   }
 #elif defined(INFLIGHT_I8_AVX_VNNI)
   __m256i a0[MR], a1[MR];
+  #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_si256();
   for (int64_t g = 0; g < groups; ++g) {
     const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + g * 64));
     const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + g * 64 + 32));
+    #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       int32_t four;
       std::memcpy(&four, xq + r * ldx + 4 * g, 4);
@@ -2683,6 +2704,7 @@ inline void int8_micro(const int8_t* __restrict xq, int64_t ldx, const int8_t* _
       a1[r] = dpbusd256(a1[r], xb, w1);
     }
   }
+  #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kI8Cols), a0[r]);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kI8Cols + 8), a1[r]);
@@ -2690,10 +2712,12 @@ inline void int8_micro(const int8_t* __restrict xq, int64_t ldx, const int8_t* _
 #elif defined(__AVX2__)
   __m256i a0[MR], a1[MR];
   const __m256i ones = _mm256_set1_epi16(1);
+  #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_si256();
   for (int64_t g = 0; g < groups; ++g) {
     const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + g * 64));
     const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + g * 64 + 32));
+    #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       int32_t four;
       std::memcpy(&four, xq + r * ldx + 4 * g, 4);
@@ -2702,14 +2726,17 @@ inline void int8_micro(const int8_t* __restrict xq, int64_t ldx, const int8_t* _
       a1[r] = _mm256_add_epi32(a1[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xb)), ones));
     }
   }
+  #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kI8Cols), a0[r]);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kI8Cols + 8), a1[r]);
   }
 #else
+  #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
     for (int64_t c = 0; c < kI8Cols; ++c) acc[r * kI8Cols + c] = 0;
   for (int64_t g = 0; g < groups; ++g)
+    #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r)
       for (int64_t c = 0; c < kI8Cols; ++c)
         for (int j = 0; j < 4; ++j)
@@ -2778,11 +2805,13 @@ inline void int8_fused_micro(const int8_t* __restrict xq, int64_t kp, const floa
                              const int8_t* __restrict panel, const int32_t* __restrict offsets, int64_t cols,
                              const float* __restrict sw, float* __restrict y, int64_t ldy, int64_t width) {
   __m512 f0[MR], f1[MR];
+  #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) f0[r] = f1[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t first = g * kI8Group, steps = (std::min(kp, first + kI8Group) - first) / 4;
     const int8_t* w = panel + first * kI8Cols;
     __m512i a0[MR], a1[MR];
+    #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm512_setzero_si512();
     for (int64_t s = 0; s < steps; ++s) {
       const __m512i w0 = _mm512_load_si512(w + s * 128), w1 = _mm512_load_si512(w + s * 128 + 64);
@@ -2812,6 +2841,7 @@ inline void int8_fused_micro(const int8_t* __restrict xq, int64_t kp, const floa
   const __m512 s0 = _mm512_loadu_ps(sw), s1 = _mm512_loadu_ps(sw + 16);
   const __mmask16 m0 = static_cast<__mmask16>(width >= 16 ? 0xFFFF : (1u << width) - 1);
   const __mmask16 m1 = static_cast<__mmask16>(width >= 32 ? 0xFFFF : width <= 16 ? 0 : (1u << (width - 16)) - 1);
+  #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) {
     _mm512_mask_storeu_ps(y + r * ldy, m0, _mm512_mul_ps(f0[r], s0));
     _mm512_mask_storeu_ps(y + r * ldy + 16, m1, _mm512_mul_ps(f1[r], s1));
