@@ -208,10 +208,11 @@ class Scheduler:
         remaining = {id(r): r.num_tokens - r.num_computed_tokens for r in self.running}
         order = sorted(self.running, key=lambda r: remaining[id(r)] > 1)
         drafts = {}
-        if self.speculator is not None:
+        if self.speculator is not None:  # its own time, a draft model's passes aside (they are work)
             started = time.perf_counter()
             drafts = self._drafts(order, remaining, budget)
-            self.speculator.stats.overhead_s += time.perf_counter() - started
+            spent, self.speculator.draft_wall_s = time.perf_counter() - started - self.speculator.draft_wall_s, 0.0
+            self.speculator.stats.overhead_s += spent
         scheduled_ids: set[int] = set()
         bm = self.block_manager
         for request in order:

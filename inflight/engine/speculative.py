@@ -19,6 +19,7 @@ less than one token loses, and speculation falls to zero by itself, without a lo
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -224,6 +225,7 @@ class Speculator:
         # A draft model's proposals cost time: chosen lengths first, then proposed (`draft`).
         self.drafter: Drafter | None = None
         self.last_draft_s = 0.0  # the drafter's seconds in this step (the engine zeroes it per step)
+        self.draft_wall_s = 0.0  # the drafter's wall seconds since the scheduler last took them
         self.curve = StepCurve(cost_model) if cost_model is not None else None
         k = config.num_speculative_tokens
         self.stats = SpecStats(accepted_per_position=[0] * k)
@@ -266,7 +268,9 @@ class Speculator:
         cut where a request's grammar would refuse a token."""
         drafter = self.drafter
         assert drafter is not None
+        started = time.perf_counter()
         proposals = drafter.propose({r: n for r, n in lengths.items() if n})
+        self.draft_wall_s += time.perf_counter() - started
         self.last_draft_s += drafter.last_s
         for request, draft in proposals.items():
             if request.grammar is not None:
