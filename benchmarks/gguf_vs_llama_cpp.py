@@ -86,8 +86,8 @@ VOCAB_FIXTURE = REPO / "tests" / "fixtures" / "gguf-vocab" / "llama-bpe.gguf.gz"
 # llama.cpp's arithmetic) in place of its default bit-exact fp32 one; inflight-bf16 with
 # `--quantization bf16-activations` (a BF16 file's matrices times bf16 activations, as llama.cpp
 # computes BF16 tensors).
-ENGINES = ("inflight", "inflight-a8", "inflight-bf16", "llama.cpp")
 QUANTIZATION = {"inflight": "none", "inflight-a8": "int8-activations", "inflight-bf16": "bf16-activations"}
+ENGINES = (*QUANTIZATION, "llama.cpp")
 FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8")
 
 SHAPES: dict[str, dict[str, Any]] = {

@@ -240,6 +240,10 @@ def block_types(kinds: list[str] | None = None) -> None:
         del stored, a8
     print("(x: fp32 panels' time / this type's; +int8 act. (+bf16 act.): the type's fp32-arithmetic time / its own "
           "with int8 (bf16) activations; in the same rounds)")
+    if "BF16" in (kinds or BLOCK_TYPES):
+        dots = cpu_kernels().bf16_dot_products()  # type: ignore[union-attr]
+        way = "vdpbf16ps (AVX512_BF16)" if dots else "the fp32 block matmuls (no AVX512_BF16)"
+        print(f"(+bf16 act. here: {way})")
 
 
 def _layers_beyond_cache(batch: int, context: int) -> int:

@@ -1196,8 +1196,8 @@ torch::Tensor pack_linear_weight(torch::Tensor weight) {
 // x's rows as the GEMM microkernels read them: in place, or copied a cache line further apart when
 // a row is a multiple of 4 KB. Rows a multiple of 4 KB apart all fall into one L1 set (64 sets of
 // 64-byte lines, 8 ways on the cores we run on), so a microkernel's 14 rows evict each other at
-// every k: the fp32 GEMM at K = 2048 and 4096 (every Llama's hidden size is such) ran at 0.85 of
-// its speed at K = 2064 and 4112 on Zen 4. Copying costs M x K floats against M x K x N FMAs.
+// every k (K = 2048 and 4096, every Llama's hidden size: two 1B-shaped layers at 64 rows 1.29x
+// faster since on Zen 4, `kernels_bench.py --against`). Copying costs M x K floats against M x K x N FMAs.
 constexpr int64_t kFewRows = 4;  // rows that share one L1 set with room left for the weights' lines
 struct SpreadRows {
   torch::Tensor keep;
@@ -1785,6 +1785,13 @@ struct PackedBlocks {
 
 int64_t header_bytes(int64_t segments) { return ((4 + 4 * segments) * 8 + 63) / 64 * 64; }
 
+// A packing's magic (kPackedMagic, kPackedMagicA8 or kPackedMagicBF16); 0 for another tensor.
+int64_t packed_magic(const torch::Tensor& packed) {
+  return packed.scalar_type() == torch::kUInt8 && packed.numel() >= 64
+             ? reinterpret_cast<const int64_t*>(packed.data_ptr<uint8_t>())[0]
+             : 0;
+}
+
 // Reads a packed weight's header and checks it against x.
 PackedBlocks read_packed(const torch::Tensor& x, const torch::Tensor& packed) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "float32 [M, K] contiguous only");
@@ -2343,10 +2350,7 @@ torch::Tensor gguf_blocks_a8_linear(torch::Tensor x, torch::Tensor packed, int64
   return out_features == n_pad ? y : y.narrow(1, 0, out_features).contiguous();
 }
 
-bool gguf_blocks_int8_activations(const torch::Tensor& packed) {
-  return packed.scalar_type() == torch::kUInt8 && packed.numel() >= 64 &&
-         reinterpret_cast<const int64_t*>(packed.data_ptr<uint8_t>())[0] == kPackedMagicA8;
-}
+bool gguf_blocks_int8_activations(const torch::Tensor& packed) { return packed_magic(packed) == kPackedMagicA8; }
 
 // For tests: x's rows as gguf_blocks_a8_linear quantizes them (qx, sx, sums of each 16 qx), and
 // a packing's integers: per weight q [N, K] (int16), per sub-block d and m [N, K / S] (fp32, m
@@ -2421,10 +2425,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> gguf_blocks_integers(tor
 // weights summed exactly (tests/test_bf16.py). Either way a row's result does not depend on the
 // step's other rows.
 
-bool gguf_blocks_bf16_activations(const torch::Tensor& packed) {
-  return packed.scalar_type() == torch::kUInt8 && packed.numel() >= 64 &&
-         reinterpret_cast<const int64_t*>(packed.data_ptr<uint8_t>())[0] == kPackedMagicBF16;
-}
+bool gguf_blocks_bf16_activations(const torch::Tensor& packed) { return packed_magic(packed) == kPackedMagicBF16; }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define INFLIGHT_BF16_DOT 1
@@ -2436,7 +2437,7 @@ constexpr int kBF16MaxRows = 14;  // a zmm of sums a row (16 columns), the weigh
 // x [M, K] (K a multiple of 32) -> [M, bf16_pairs_stride(K)] int32 lanes, the first K / 2 of a row
 // each a pair of x's bf16 (k's in the low half). The rows are a cache line more than a multiple
 // of 4 KB apart, so that a microkernel's rows do not all fall into the same L1 set (with rows 4 KB
-// apart, more than 8 of them evicted each other: 14 rows ran at 0.65 of 8 rows' speed on Zen 4).
+// apart, more than 8 of them evicted each other: 14 rows ran slower than 8).
 int64_t bf16_pairs_stride(int64_t k) { return k / 2 + 16; }
 torch::Tensor bf16_pairs(const torch::Tensor& x) {
   const int64_t m = x.size(0), k = x.size(1);
