@@ -10,7 +10,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <immintrin.h>
-#include <sys/mman.h>
 
 #include <algorithm>
 #include <array>
@@ -1182,31 +1181,6 @@ void gemm_rows(int mr, const float* x, int64_t ldx, const float* w, int64_t K, c
 
 }  // namespace
 
-// Zeroed bytes for a packed weight, which every step streams through whole: a mapping of its own,
-// 2 MiB-aligned and advised MADV_HUGEPAGE, so that where Linux has transparent huge pages ("always"
-// or "madvise") it is backed by 2 MiB pages. With 4 KiB pages a token's pass over a 1B model's
-// weights crossed some 200 thousand pages, each a TLB miss (the hardware prefetchers also stop at
-// every 4 KiB page). The unused edges of the aligned mapping are unmapped at once, so this costs no
-// memory; under 2 MiB, or where mmap fails, it is ordinary memory.
-torch::Tensor weight_bytes(int64_t bytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr size_t kHuge = size_t{2} << 20;
-  const size_t length = (static_cast<size_t>(bytes) + 4095) / 4096 * 4096;
-  if (length < kHuge) return torch::zeros({bytes}, torch::kUInt8);
-  void* raw = mmap(nullptr, length + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (raw == MAP_FAILED) return torch::zeros({bytes}, torch::kUInt8);
-  const uintptr_t first = reinterpret_cast<uintptr_t>(raw);
-  const uintptr_t start = (first + kHuge - 1) & ~(kHuge - 1);
-  if (start > first) munmap(raw, start - first);
-  if (first + kHuge > start) munmap(reinterpret_cast<void*>(start + length), first + kHuge - start);
-  madvise(reinterpret_cast<void*>(start), length, MADV_HUGEPAGE);  // a hint: refused, the pages stay small
-  return torch::from_blob(reinterpret_cast<void*>(start), {bytes}, [length](void* p) { munmap(p, length); },
-                          torch::kUInt8);
-#else
-  return torch::zeros({bytes}, torch::kUInt8);
-#endif
-}
-
 int64_t gemm_panel_width() { return kNR; }
 
 // W [N, K] -> panels [ceil(N / kNR), K, kNR], the last one padded with zero columns.
@@ -1215,9 +1189,7 @@ torch::Tensor pack_linear_weight(torch::Tensor weight) {
   const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kNR - 1) / kNR;
   auto padded = torch::zeros({panels * kNR, k}, weight.options());
   padded.narrow(0, 0, n).copy_(weight);
-  auto packed = weight_bytes(panels * k * kNR * 4).view(torch::kFloat32).view({panels, k, kNR});
-  packed.copy_(padded.view({panels, kNR, k}).transpose(1, 2));
-  return packed;
+  return padded.view({panels, kNR, k}).transpose(1, 2).contiguous();
 }
 
 // x [M, K] through packed W (out_features N) and an optional bias [N] -> [M, N].
@@ -1901,7 +1873,7 @@ torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor> parts, std::vector<std
     s.offset = bytes;
     bytes += s.panels * panel_bytes(s.layout, k);
   }
-  auto packed = weight_bytes(bytes);
+  auto packed = torch::zeros({bytes}, parts[0].options());
   uint8_t* dst = packed.data_ptr<uint8_t>();
   int64_t* h = reinterpret_cast<int64_t*>(dst);
   h[0] = a8 ? kPackedMagicA8 : bf16 ? kPackedMagicBF16 : kPackedMagic;
@@ -3021,10 +2993,10 @@ struct Int8Packing {
   int32_t* offsets;
   int8_t* panel;
 
-  Int8Packing(int64_t n, int64_t k_) : k(k_), kp((k_ + 3) / 4 * 4) {
+  Int8Packing(int64_t n, int64_t k_, const torch::TensorOptions& options) : k(k_), kp((k_ + 3) / 4 * 4) {
     const int64_t panels = (n + kI8Cols - 1) / kI8Cols;
     cols = panels * kI8Cols, groups = int8_groups(k);
-    out = weight_bytes(kI8Header + cols * 4 * (1 + groups) + panels * kp * kI8Cols).view(torch::kInt8);
+    out = torch::zeros({kI8Header + cols * 4 * (1 + groups) + panels * kp * kI8Cols}, options.dtype(torch::kInt8));
     int8_t* base = out.data_ptr<int8_t>();
     const int64_t h[4] = {n, k, kp, panels};
     std::memcpy(base, h, sizeof(h));
@@ -3051,7 +3023,7 @@ struct Int8Packing {
 torch::Tensor pack_int8_weight(torch::Tensor q, torch::Tensor scales) {
   TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.dim() == 2 && q.is_contiguous(), "int8 [N, K] contiguous only");
   TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.numel() == q.size(0), "scales must be float32 [N]");
-  Int8Packing packing(q.size(0), q.size(1));
+  Int8Packing packing(q.size(0), q.size(1), q.options());
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scales.contiguous().data_ptr<float>();
   for (int64_t col = 0; col < q.size(0); ++col) packing.column(col, qp + col * q.size(1), sp[col]);
@@ -3084,7 +3056,7 @@ torch::Tensor quantize_pack_int8(torch::Tensor w, torch::Tensor inv, torch::Tens
   TORCH_CHECK(inv.dtype() == torch::kFloat32 && inv.numel() == w.size(0) && scales.dtype() == torch::kFloat32 &&
                   scales.numel() == w.size(0), "inv and scales must be float32 [N]");
   const int64_t n = w.size(0), k = w.size(1);
-  Int8Packing packing(n, k);
+  Int8Packing packing(n, k, w.options());
   const float* wp = w.data_ptr<float>();
   const float* ip = inv.contiguous().data_ptr<float>();
   const float* sp = scales.contiguous().data_ptr<float>();
