@@ -93,15 +93,15 @@ def test_the_activations_are_quantized_per_group_of_32_within_half_a_step() -> N
 
 @pytest.mark.parametrize("kind", ["Q6_K", "Q3_K"])
 def test_six_bit_quants_are_packed_in_six_bits_for_int8_activations(kind: str) -> None:
-    """Q6_K's and Q3_K's quants take 6 bits a weight in an int8-activation packing (0.83 bytes a
-    weight with the scales, the file's Q6_K 0.82), 8 in the fp32 path's (1.08): the same integers,
+    """Q6_K's and Q3_K's quants take 6 bits a weight in an int8-activation packing (0.8203 bytes a
+    weight with the scales, as the file's Q6_K), 8 in the fp32 path's (1.07): the same integers,
     and the fp32 matmul on the 6-bit packing still the dequantized weights' product."""
     blocks, weight = random_blocks(kind, 48, 512, seed=3)
     a8 = kernels.pack_gguf_blocks([blocks], [kind], 512, True)
     fp32 = kernels.pack_gguf_blocks([blocks], [kind], 512, False)
     header = 64
-    assert (a8.numel() - header) / weight.numel() == pytest.approx(0.828, abs=0.001)
-    assert (fp32.numel() - header) / weight.numel() == pytest.approx(1.078, abs=0.001)
+    assert (a8.numel() - header) / weight.numel() == pytest.approx(0.8203125)
+    assert (fp32.numel() - header) / weight.numel() == pytest.approx(1.0703125)
     for got, want in zip(kernels.gguf_blocks_integers(a8), kernels.gguf_blocks_integers(fp32), strict=True):
         assert torch.equal(got, want)
     x = torch.randn(3, 512)

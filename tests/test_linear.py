@@ -159,6 +159,30 @@ def test_gguf_block_matmul_equals_the_fp32_one_bit_for_bit(kind, out_features, i
         Linear(weight.to("meta"), bias, "torch", gguf_blocks=(kind, blocks))
 
 
+def test_block_scales_are_kept_in_fp16_and_a_q4_0_scale_beyond_it_is_refused():
+    """The packing keeps each block's scales as the file's fp16; Q4_0's m = -8 d, the one scale
+    not read from the file, has an fp16 form up to |d| = 8188 (exact there, every weight the
+    dequantized one) and none past it: refused with a message, never rounded."""
+    import numpy as np
+
+    kernels = cpu_kernels()
+    if not available("inflight") or not kernels.gguf_blocks_available():
+        pytest.skip("the GGUF block kernels are not built here")
+    blocks, _ = random_blocks("Q4_0", 16, 64, seed=3)
+    for d, fits in ((8188.0, True), (-8000.0, True), (8192.0, False), (-10000.0, False)):
+        raw = blocks.numpy().copy()
+        raw[0, 0:2] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
+        row = torch.from_numpy(raw)
+        if fits:
+            import gguf
+
+            weight = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_0).astype(np.float32))
+            assert torch.equal(kernels.gguf_blocks_dequantize(kernels.pack_gguf_blocks([row], ["Q4_0"], 64)), weight)
+        else:
+            with pytest.raises(RuntimeError, match="no exact fp16 form"):
+                kernels.pack_gguf_blocks([row], ["Q4_0"], 64)
+
+
 def test_a_fused_matrix_of_mixed_block_types_reads_each_part_in_its_own_layout():
     """A Q4_K_M file's fused q/k/v (Q4_K q and k beside a Q6_K v), or any mix whose parts meet at
     whole panels of 16 rows, is packed one run of columns per layout, and computes the fp32

@@ -1269,9 +1269,9 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
 // blocks of consecutive weights w = d * q + m: q a small integer, d and m from fp16 scales.
 // pack_gguf_blocks repacks them once, per panel of 16 output columns and per block of kK
 // consecutive k, into one of a few layouts: the 16 columns' d (and m, in a layout with minima)
-// in fp32, then the kK x 16 values, 4-bit q (column j in the low nibble of byte j, column j + 8
+// in fp16, then the kK x 16 values, 4-bit q (column j in the low nibble of byte j, column j + 8
 // in the high one), int8 q, or the stored fp16 / bf16 weights (no scales). The K-quants keep
-// their super-blocks of 256: the 16 columns' D (and Dmin) in fp32, then each sub-block's 16
+// their super-blocks of 256: the 16 columns' D (and Dmin) in fp16, then each sub-block's 16
 // integer scales (and minima) as bytes, then the values; a sub-block's d = D * scale and
 // m = -(Dmin * minimum) are made as the kernels read them. Every type is read so that d is exact
 // in fp32 (an 11-bit mantissa times an integer of at most 8 bits), as is d * q, and + m rounds
@@ -1279,14 +1279,14 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
 // make, and each output the same in-order sum as packed_linear's, bit for bit.
 //
 //   layout    kK   sub-block  minima  values  bytes a weight  GGUF types (bytes a weight as stored)
-//   Q4x32m    32   -          yes     4-bit   0.75            Q4_0 (0.5625), Q4_1 (0.625)
-//   Q8x32     32   -          no      int8    1.125           Q8_0 (1.0625), Q5_0 (0.6875)
-//   Q8x32m    32   -          yes     int8    1.25            Q5_1 (0.75)
-//   Q4K       256  32         yes     4-bit   0.594           Q4_K (0.5625)
-//   Q8K       256  32         yes     int8    1.094           Q5_K (0.6875)
-//   Q8K16     256  16         no      int8    1.078           Q6_K (0.8203), Q3_K (0.4297)
-//   Q4K16m    256  16         yes     4-bit   0.656           Q2_K (0.3281)
-//   Q6K16     256  16         no      6-bit   0.828           Q6_K, Q3_K with int8 activations only
+//   Q4x32m    32   -          yes     4-bit   0.625           Q4_0 (0.5625), Q4_1 (0.625)
+//   Q8x32     32   -          no      int8    1.0625          Q8_0 (1.0625), Q5_0 (0.6875)
+//   Q8x32m    32   -          yes     int8    1.125           Q5_1 (0.75)
+//   Q4K       256  32         yes     4-bit   0.578           Q4_K (0.5625)
+//   Q8K       256  32         yes     int8    1.078           Q5_K (0.6875)
+//   Q8K16     256  16         no      int8    1.070           Q6_K (0.8203), Q3_K (0.4297)
+//   Q4K16m    256  16         yes     4-bit   0.641           Q2_K (0.3281)
+//   Q6K16     256  16         no      6-bit   0.820           Q6_K, Q3_K with int8 activations only
 //   F16x32    32   -          -       fp16    2               F16
 //   BF16x32   32   -          -       bf16    2               BF16
 //
@@ -1316,7 +1316,7 @@ struct Layout {
   static constexpr bool kMin = Min, kSuper = Sub < K, kSignedScales = SignedScales;
   static constexpr Values kValues = V;
   static constexpr bool kScaled = V == Values::kNibble || V == Values::kInt8 || V == Values::kSixBit;
-  static constexpr int64_t kFloatScaleBytes = kScaled ? (Min ? 2 : 1) * kQCols * 4 : 0;  // d (m) or D (Dmin)
+  static constexpr int64_t kFloatScaleBytes = kScaled ? (Min ? 2 : 1) * kQCols * 2 : 0;  // d (m) or D (Dmin), fp16
   static constexpr int64_t kScaleBytes = kFloatScaleBytes + (kSuper ? (Min ? 2 : 1) * kSubBlocks * kQCols : 0);
   static constexpr int64_t kSubValueBytes =
       Sub * kQCols * (V == Values::kNibble ? 2 : V == Values::kSixBit ? 3 : V == Values::kInt8 ? 4 : 8) / 4;
@@ -1597,6 +1597,17 @@ inline __m256 bytes_as_floats(const uint8_t* p, bool is_signed) {
   return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
 }
 
+// Eight fp16 values at p, as fp32 (exactly).
+inline __m256 halves(const uint8_t* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = half_at(p + 2 * i);
+  return _mm256_load_ps(f);
+#endif
+}
+
 // One (sub-)block's scales (d; also m in a layout with minima) for the 16 columns of a panel;
 // in a super-block layout, sub-block `sub`'s, made from D (Dmin) and its integer scales
 // (minima) as read_block makes them: D * scale and -(Dmin * minimum), exact.
@@ -1605,9 +1616,8 @@ struct BlockScales {
   __m256 d0 = _mm256_setzero_ps(), d1 = _mm256_setzero_ps(), m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
   BlockScales(const uint8_t* blk, int64_t sub) {
     if constexpr (L::kScaled) {
-      const float* scales = reinterpret_cast<const float*>(blk);
-      d0 = _mm256_loadu_ps(scales), d1 = _mm256_loadu_ps(scales + 8);
-      if constexpr (L::kMin) m0 = _mm256_loadu_ps(scales + 16), m1 = _mm256_loadu_ps(scales + 24);
+      d0 = halves(blk), d1 = halves(blk + 16);
+      if constexpr (L::kMin) m0 = halves(blk + 32), m1 = halves(blk + 48);
       if constexpr (L::kSuper) {
         const uint8_t* integers = blk + L::kFloatScaleBytes + sub * kQCols;
         d0 = _mm256_mul_ps(d0, bytes_as_floats(integers, L::kSignedScales));
@@ -1622,16 +1632,6 @@ struct BlockScales {
     }
   }
 };
-
-inline __m256 halves(const uint8_t* p) {
-#if defined(__F16C__)
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#else
-  alignas(32) float f[8];
-  for (int i = 0; i < 8; ++i) f[i] = half_at(p + 2 * i);
-  return _mm256_load_ps(f);
-#endif
-}
 
 inline __m256 bfloat16s(const uint8_t* p) {
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -1753,6 +1753,15 @@ float half_at(const uint8_t* p) {
   at::Half h;
   std::memcpy(&h, p, 2);
   return static_cast<float>(h);
+}
+
+// A block's scale as the packing stores it, in fp16: every d, m, D and Dmin is read from the
+// file's fp16 and so has an exact fp16 form, except Q4_0's m = -8 d, past fp16's range where
+// |d| > 8188 (a file no quantizer writes): refused, never rounded.
+uint16_t exact_half(float x) {
+  const at::Half h(x);
+  TORCH_CHECK(static_cast<float>(h) == x, "a block scale of ", x, " has no exact fp16 form (Q4_0 scales above 8188 are not supported)");
+  return h.x;
 }
 
 // pack_gguf_blocks's result, a uint8 tensor: a header of int64 [kMagic, K, N, segments, then per
@@ -1901,13 +1910,13 @@ torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor> parts, std::vector<std
           const int64_t j = row % kQCols;
           for (int64_t b = 0; b < blocks; ++b) {
             uint8_t* out = panels_at + (row / kQCols) * bytes_per_panel + b * L::kBlockBytes;
-            float* scales = reinterpret_cast<float*>(out);
+            uint16_t* scales = reinterpret_cast<uint16_t*>(out);  // fp16 bits
             if constexpr (L::kSuper) {  // D, Dmin, then each sub-block's integer scale and minimum
               float D, Dmin = 0.0f;
               int scale[16], minimum[16] = {};
               read_super_block(file, in, b, D, Dmin, scale, minimum);
-              scales[j] = D;
-              if constexpr (L::kMin) scales[kQCols + j] = Dmin;
+              scales[j] = exact_half(D);
+              if constexpr (L::kMin) scales[kQCols + j] = exact_half(Dmin);
               uint8_t* integers = out + L::kFloatScaleBytes;
               for (int64_t sub = 0; sub < L::kSubBlocks; ++sub) {
                 integers[sub * kQCols + j] = static_cast<uint8_t>(scale[sub]);  // int8 where signed
@@ -1923,8 +1932,8 @@ torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor> parts, std::vector<std
                 float d, m = 0.0f;
                 read_block(file, in, b * L::kSubBlocks + sub, d, m, values);
                 if constexpr (L::kScaled) {
-                  scales[j] = d;
-                  if constexpr (L::kMin) scales[kQCols + j] = m;
+                  scales[j] = exact_half(d);
+                  if constexpr (L::kMin) scales[kQCols + j] = exact_half(m);
                 }
               }
               uint8_t* q = out + L::kScaleBytes + sub * L::kSubValueBytes;
