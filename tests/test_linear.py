@@ -181,6 +181,8 @@ def test_block_scales_are_kept_in_fp16_and_a_q4_0_scale_beyond_it_is_refused():
         else:
             with pytest.raises(RuntimeError, match="no exact fp16 form"):
                 kernels.pack_gguf_blocks([row], ["Q4_0"], 64)
+            with pytest.raises(ModelLoadError, match="no exact fp16 form"):  # as the loader meets it: one line
+                Linear(torch.empty(16, 64, device="meta"), None, "inflight", gguf_blocks=("Q4_0", row))
 
 
 def test_a_fused_matrix_of_mixed_block_types_reads_each_part_in_its_own_layout():

@@ -173,8 +173,11 @@ class Linear:
         kinds, raw = gguf_blocks  # one tensor of rows, or the parts of a fused matrix (a type each)
         parts = [raw] if isinstance(raw, torch.Tensor) else raw
         kinds = [kinds] * len(parts) if isinstance(kinds, str) else list(kinds)
-        return self._kernels.pack_gguf_blocks([p.contiguous() for p in parts], kinds, self.in_features,
-                                              int8_activations, bf16_activations)
+        try:
+            return self._kernels.pack_gguf_blocks([p.contiguous() for p in parts], kinds, self.in_features,
+                                                  int8_activations, bf16_activations)
+        except RuntimeError as err:  # blocks the packing cannot hold (a Q4_0 scale past fp16's range)
+            raise ModelLoadError(str(err).splitlines()[0]) from None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernels is not None:  # the kernel chooses blocks or panels, as DecoderStack's layers do
