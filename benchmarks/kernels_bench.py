@@ -496,6 +496,20 @@ def compare(rev: str, rounds: int = 4) -> None:
 
     cases.append(("prefill attention, 8 prompts of 17-300 tokens",
                   {name: functools.partial(prefill, m) for name, m in mods.items()}))
+    # A speculative verify: 5 new tokens after 450 cached ones, one request, the embedded
+    # model's 30 layers (one work item a KV head: fewer than the threads want).
+    vtables, vblocks = _scattered_tables([455])
+    vk, vv = torch.randn(vblocks * BLOCK, KV_HEADS, DIM), torch.randn(vblocks * BLOCK, KV_HEADS, DIM)
+    vq = torch.randn(5, HEADS, DIM)
+    v_starts, v_lens, v_ctx = torch.tensor([0]), torch.tensor([5]), torch.tensor([450])
+
+    def verify(m: object) -> None:
+        for _ in range(30):
+            m.paged_prefill_attention(vq, vk, vv, vtables, v_starts, v_lens, v_ctx, BLOCK,  # type: ignore[attr-defined]
+                                      DIM ** -0.5)
+
+    cases.append(("prefill attention, a 5-token verify after 450 tokens, 30 layers",
+                  {name: functools.partial(verify, m) for name, m in mods.items()}))
     for title, fns in cases:
         times = _alternated(fns, rounds)
         line = ", ".join(f"{name} {1000 * min(t):.2f} ms" for name, t in times.items())

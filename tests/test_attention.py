@@ -176,6 +176,48 @@ def test_prefill_kernel_matches_dense_reference(heads, kv_heads, dim, window, so
             torch.testing.assert_close(out[start + i], expected, **KERNEL_TOL)
 
 
+@pytest.mark.parametrize("window,softcap", [(None, None), (200, None), (None, 5.0), (333, 5.0)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(HEADS, KV_HEADS, DIM), (8, 1, 64), (4, 2, 128)])
+@pytest.mark.parametrize("segments", [[(700, 5)], [(300, 1), (451, 3)], [(129, 2)]], ids=["verify", "two", "short"])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_prefill_kernel_splits_a_long_context_of_few_new_tokens(segments, heads, kv_heads, dim, window, softcap,
+                                                                threads):
+    """A few new tokens after a long context (a speculative verify) make fewer work items than
+    the threads: each item's context is cut into parts on several threads, merged by their
+    softmax statistics; every row still attends causally to what it sees, windows included."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C++ compiler for the CPU kernel")
+    torch.manual_seed(3)
+    num_blocks = 160
+    k_cache = torch.randn(num_blocks * BLOCK, kv_heads, dim)
+    v_cache = torch.randn(num_blocks * BLOCK, kv_heads, dim)
+    order = torch.randperm(num_blocks).tolist()
+    tables, slots_of = [], []
+    for cached, new in segments:
+        blocks = [order.pop() for _ in range(-(-(cached + new) // BLOCK))]
+        tables.append(blocks)
+        slots_of.append(torch.tensor([blocks[t // BLOCK] * BLOCK + t % BLOCK for t in range(cached + new)]))
+    width = max(len(t) for t in tables)
+    lens = [new for _, new in segments]
+    starts = torch.tensor([0, *lens[:-1]]).cumsum(0)
+    q = torch.randn(sum(lens), heads, dim) * 2
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernels.paged_prefill_attention(
+            q, k_cache, v_cache, torch.tensor([t + [0] * (width - len(t)) for t in tables]), starts,
+            torch.tensor(lens), torch.tensor([c for c, _ in segments]), BLOCK, dim ** -0.5, window or 0,
+            softcap or 0.0)
+    finally:
+        torch.set_num_threads(before)
+    for (cached, new), start, slots in zip(segments, starts.tolist(), slots_of, strict=True):
+        for i in range(new):
+            visible = slots[: cached + i + 1]
+            expected = dense_reference(q[start + i], k_cache[visible], v_cache[visible], window, softcap)
+            torch.testing.assert_close(out[start + i], expected, **KERNEL_TOL)
+
+
 @pytest.mark.parametrize("shape", [(3, 5), (30, 2, 4096, 3, 64)], ids=["tiny", "pool"])
 def test_huge_page_pool_is_zeroed_aligned_and_reads_like_any_tensor(shape):
     pool = huge_page_zeros(*shape, dtype=torch.float32)

@@ -537,9 +537,16 @@ constexpr int64_t kTokenTile = 16;
 constexpr int64_t kMaxQueryRows = 48;
 constexpr int64_t kTileVecs = kTokenTile / kVec;  // one score per tile token
 
+// An item covers the context tokens [t_begin, t_end) (block of tiles of the whole context, or a
+// part of it: see kMinSplitTokens); a part leaves its unnormalized output and softmax statistics
+// at `part` of the call's part buffers (-1: an unsplit item writes its rows' output).
 struct PrefillItem {
-  int64_t segment, first, rows_tokens, kv_head, cost;
+  int64_t segment, first, rows_tokens, kv_head, cost, t_begin, t_end, part;
 };
+
+// Context tokens per part when an item's context is split (a speculative verify of a few tokens,
+// the last small chunk of a prompt: fewer items than twice the threads): at least this many.
+constexpr int64_t kMinSplitTokens = 128;
 
 // Per-thread scratch of prefill_item, allocated once per call. Row counts are rounded up to a
 // multiple of 4 (the score kernel's row block); the extra query rows stay zero.
@@ -593,7 +600,7 @@ inline void transpose_keys(const float* const* krow, int64_t nt, int64_t dim_rt,
 template <int64_t kDim>
 void prefill_item(const Pool& pool, const int64_t* table, int64_t ctx_start, const float* q, int64_t num_heads,
                   int64_t group, int64_t dim_rt, float scale, int64_t window, float softcap, const PrefillItem& it,
-                  PrefillScratch& sc, float* out) {
+                  PrefillScratch& sc, float* out, float* part_o, float* part_m, float* part_l) {
   const int64_t dim = kDim > 0 ? kDim : dim_rt;
   const int64_t bs = pool.block_size, stride = pool.slot_stride, rows = it.rows_tokens * group;
   float* qs = sc.qs.data();
@@ -613,9 +620,9 @@ void prefill_item(const Pool& pool, const int64_t* table, int64_t ctx_start, con
       sc.limit[r] = ctx_start + it.first + tq + 1;
       sc.low[r] = window > 0 ? std::max<int64_t>(0, sc.limit[r] - window) : 0;
     }
-  const int64_t max_len = ctx_start + it.first + it.rows_tokens;
+  const int64_t max_len = std::min(ctx_start + it.first + it.rows_tokens, it.t_end);
   // From the tile holding the first row's first visible token: the rows are consecutive tokens.
-  for (int64_t t0 = sc.low[0] / kTokenTile * kTokenTile; t0 < max_len; t0 += kTokenTile) {
+  for (int64_t t0 = std::max(sc.low[0] / kTokenTile * kTokenTile, it.t_begin); t0 < max_len; t0 += kTokenTile) {
     const int64_t nt = std::min(kTokenTile, max_len - t0);
     const float* krow[kTokenTile];
     for (int64_t i = 0; i < nt; ++i) {
@@ -680,6 +687,13 @@ void prefill_item(const Pool& pool, const int64_t* table, int64_t ctx_start, con
     }
     pv_tile<kDim>(p, kTokenTile, vrow, nt, o, rows, dim);
   }
+  if (it.part >= 0) {  // a part of the item's context: merged with the others by the caller
+    const int64_t item_rows = static_cast<int64_t>(sc.m.size());  // the rows of the call's largest item
+    std::copy(o, o + rows * dim, part_o + it.part * item_rows * dim);
+    std::copy(sc.m.begin(), sc.m.begin() + rows, part_m + it.part * item_rows);
+    std::copy(sc.l.begin(), sc.l.begin() + rows, part_l + it.part * item_rows);
+    return;
+  }
   for (int64_t tq = 0; tq < it.rows_tokens; ++tq)
     for (int64_t hg = 0; hg < group; ++hg) {
       const int64_t r = tq * group + hg;
@@ -722,9 +736,44 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
       for (int64_t g = 0; g < num_kv_heads; ++g) {
         const int64_t n = std::min(tokens_per_item, lens[s] - first);
         const int64_t end = ctx[s] + first + n;
-        items.push_back({s, first, n, g, window > 0 ? std::min(end, window + n) : end});
+        items.push_back({s, first, n, g, window > 0 ? std::min(end, window + n) : end, 0, end, -1});
       }
   }
+  // Too few items to keep the threads busy (a verify of a few speculative tokens: one item a KV
+  // head): each item's visible context is cut into tile-aligned parts of at least
+  // kMinSplitTokens, about two items a thread in all, merged below by their softmax statistics
+  // as decode attention merges its parts.
+  const int64_t threads = at::get_num_threads(), unsplit = static_cast<int64_t>(items.size());
+  std::vector<std::pair<int64_t, int64_t>> split_parts;  // per item split: its first part and count
+  std::vector<PrefillItem> whole;                         // and the item itself
+  if (threads > 1 && unsplit > 0 && unsplit < 2 * threads) {
+    std::vector<PrefillItem> cut;
+    const int64_t want = (2 * threads + unsplit - 1) / unsplit;
+    int64_t parts_made = 0;
+    for (const PrefillItem& it : items) {
+      const int64_t end = ctx[it.segment] + it.first + it.rows_tokens;
+      const int64_t low = window > 0 ? std::max<int64_t>(0, ctx[it.segment] + it.first + 1 - window) : 0;
+      const int64_t begin = low / kTokenTile * kTokenTile;
+      const int64_t n = std::min(want, (end - begin) / kMinSplitTokens);
+      if (n < 2) {
+        cut.push_back(it);
+        continue;
+      }
+      const int64_t tiles = (end - begin + kTokenTile - 1) / kTokenTile, per = (tiles + n - 1) / n * kTokenTile;
+      split_parts.push_back({parts_made, 0});
+      whole.push_back(it);
+      for (int64_t t = begin; t < end; t += per) {
+        PrefillItem part = it;
+        part.t_begin = t, part.t_end = std::min(end, t + per), part.cost = part.t_end - t, part.part = parts_made++;
+        cut.push_back(part);
+        ++split_parts.back().second;
+      }
+    }
+    items = std::move(cut);
+  }
+  const int64_t num_parts = split_parts.empty() ? 0 : split_parts.back().first + split_parts.back().second;
+  const int64_t item_rows = tokens_per_item * group;
+  std::vector<float> part_o(num_parts * item_rows * dim), part_m(num_parts * item_rows), part_l(num_parts * item_rows);
   // Longest contexts first, so that the last items the threads pick up are short.
   std::sort(items.begin(), items.end(), [](const PrefillItem& a, const PrefillItem& b) { return a.cost > b.cost; });
   auto out = torch::empty_like(q);
@@ -734,8 +783,8 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
   const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    PrefillScratch scratch(tokens_per_item * group, dim);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    PrefillScratch scratch(item_rows, dim);
     for (int64_t i = next++; i < num_items; i = next++) {
       const PrefillItem& it = items[i];
       const float* qs = qp + starts[it.segment] * num_heads * dim;
@@ -743,15 +792,39 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
       const int64_t* table = tables + it.segment * max_blocks;
       if (dim == 64)
         prefill_item<64>(pool, table, ctx[it.segment], qs, num_heads, group, dim, fscale, window, fcap, it, scratch,
-                        os);
+                        os, part_o.data(), part_m.data(), part_l.data());
       else if (dim == 128)
         prefill_item<128>(pool, table, ctx[it.segment], qs, num_heads, group, dim, fscale, window, fcap, it, scratch,
-                        os);
+                        os, part_o.data(), part_m.data(), part_l.data());
       else
         prefill_item<0>(pool, table, ctx[it.segment], qs, num_heads, group, dim, fscale, window, fcap, it, scratch,
-                        os);
+                        os, part_o.data(), part_m.data(), part_l.data());
     }
   });
+  for (size_t w = 0; w < whole.size(); ++w) {  // each split item's parts merged into its rows
+    const PrefillItem& it = whole[w];
+    const auto [first_part, count] = split_parts[w];
+    for (int64_t tq = 0; tq < it.rows_tokens; ++tq)
+      for (int64_t hg = 0; hg < group; ++hg) {
+        const int64_t r = tq * group + hg;
+        float mx = kNoScore;
+        for (int64_t i = first_part; i < first_part + count; ++i) mx = std::max(mx, part_m[i * item_rows + r]);
+        float* dst = op + ((starts[it.segment] + it.first + tq) * num_heads + it.kv_head * group + hg) * dim;
+        std::fill(dst, dst + dim, 0.f);
+        float sum = 0.f;
+        for (int64_t i = first_part; i < first_part + count; ++i) {
+          if (part_l[i * item_rows + r] == 0.f) continue;  // no visible token in this part
+          const float wt = std::exp(part_m[i * item_rows + r] - mx);
+          sum += wt * part_l[i * item_rows + r];
+          const float* src = part_o.data() + (i * item_rows + r) * dim;
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) dst[d] += wt * src[d];
+        }
+        const float inv = 1.f / sum;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) dst[d] *= inv;
+      }
+  }
   return out;
 }
 
