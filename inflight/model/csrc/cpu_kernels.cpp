@@ -1157,6 +1157,19 @@ void even_row_blocks(int64_t m, int64_t max_rows, const F& fn) {
   }
 }
 
+// A weight matmul's loop: fn(p, first, rows) for every panel p of [0, panels) and every block of
+// at most kRowBlock of the M rows, the panels shared among the threads (for_panels), each thread
+// running one block of rows over all its panels before the next, so that the block's
+// activations stay in L2 while its panels pass.
+constexpr int64_t kRowBlock = 128;
+template <typename F>
+void panels_by_row_blocks(int64_t panels, int64_t M, const F& fn) {
+  for_panels(panels, [&](int64_t begin, int64_t end) {
+    for (int64_t first = 0; first < M; first += kRowBlock)
+      for (int64_t p = begin; p < end; ++p) fn(p, first, std::min(kRowBlock, M - first));
+  });
+}
+
 }  // namespace
 
 // ---- Weight matmul y = x @ W.T (+ b) for the few-to-hundreds of rows of a step.
@@ -1306,32 +1319,26 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
   const float* wp = packed.data_ptr<float>();
   const float* bp = bias.has_value() ? padded_bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  constexpr int64_t kRowBlock = 128;  // rows whose activations stay in L2 while the panels pass
-  for_panels(panels, [&](int64_t begin, int64_t end) {
-    for (int64_t m_block = 0; m_block < M; m_block += kRowBlock) {
-      const int64_t rows = std::min(kRowBlock, M - m_block);
-      const int64_t chunks = (rows + kMaxRows - 1) / kMaxRows;
-      for (int64_t p = begin; p < end; ++p) {
-        const float* w = wp + p * K * kNR;
-        const float* b = bp != nullptr ? bp + p * kNR : nullptr;
-        int64_t m = m_block;
-        for (int64_t c = 0; c < chunks; ++c) {
-          const int mr = static_cast<int>((m_block + rows - m) / (chunks - c));  // even split
-          float* out = yp + m * n_pad + p * kNR;
-          const float* next = w + K * kNR;  // the next panel, most often this thread's next one
-          const int64_t sharing = chunks <= kSpreadPasses ? chunks : kSharedPassesOfMany;
-          if (p + 1 == panels || c >= sharing) {
-            gemm_rows<Prefetch::kNone>(mr, xp + m * ldx, ldx, w, K, b, out, n_pad, nullptr, 0);
-          } else if (sharing == 1) {
-            gemm_rows<Prefetch::kEvery>(mr, xp + m * ldx, ldx, w, K, b, out, n_pad, next, K);
-          } else {
-            const int64_t first = c * K / sharing, last = (c + 1) * K / sharing;
-            gemm_rows<Prefetch::kSpread>(mr, xp + m * ldx, ldx, w, K, b, out, n_pad, next + first * kNR, last - first);
-          }
-          m += mr;
-        }
+  panels_by_row_blocks(panels, M, [&](int64_t p, int64_t m_block, int64_t rows) {
+    const float* w = wp + p * K * kNR;
+    const float* b = bp != nullptr ? bp + p * kNR : nullptr;
+    const float* next = w + K * kNR;  // the next panel, most often this thread's next one
+    const int64_t chunks = (rows + kMaxRows - 1) / kMaxRows;
+    const int64_t sharing = chunks <= kSpreadPasses ? chunks : kSharedPassesOfMany;
+    int64_t c = 0;
+    even_row_blocks(rows, kMaxRows, [&](int64_t r, int mr) {
+      const int64_t m = m_block + r;
+      float* out = yp + m * n_pad + p * kNR;
+      if (p + 1 == panels || c >= sharing) {
+        gemm_rows<Prefetch::kNone>(mr, xp + m * ldx, ldx, w, K, b, out, n_pad, nullptr, 0);
+      } else if (sharing == 1) {
+        gemm_rows<Prefetch::kEvery>(mr, xp + m * ldx, ldx, w, K, b, out, n_pad, next, K);
+      } else {
+        const int64_t first = c * K / sharing, last = (c + 1) * K / sharing;
+        gemm_rows<Prefetch::kSpread>(mr, xp + m * ldx, ldx, w, K, b, out, n_pad, next + first * kNR, last - first);
       }
-    }
+      ++c;
+    });
   });
   return out_features == n_pad ? y : y.narrow(1, 0, out_features).contiguous();
 }
@@ -2072,6 +2079,14 @@ torch::Tensor gguf_blocks_linear(torch::Tensor x, torch::Tensor packed, int64_t 
 // microkernel then runs over all M rows. The weights are the loader's fp32 values and each
 // output the same in-order sum as packed_linear's: bit for bit its result on the dequantized
 // weight, from a fraction of its memory.
+// A thread's scratch of at least `floats` floats, 64-byte aligned as the microkernel's panel loads
+// need, kept for the thread's next matmul.
+float* panel_scratch(int64_t floats) {
+  thread_local std::vector<float> store;
+  if (static_cast<int64_t>(store.size()) < floats + 16) store.resize(floats + 16);
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(store.data()) + 63) & ~uintptr_t{63});
+}
+
 torch::Tensor gguf_blocks_gemm(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
   static_assert(kNR % kQCols == 0, "an fp32 panel holds whole block panels");
   constexpr int64_t kSub = kNR / kQCols;  // block panels per fp32 panel
@@ -2084,34 +2099,23 @@ torch::Tensor gguf_blocks_gemm(torch::Tensor x, torch::Tensor packed, int64_t ou
   const float* xp = rows_of_x.data;
   const int64_t ldx = rows_of_x.ld;
   float* yp = y.data_ptr<float>();
-  constexpr int64_t kRowBlock = 128;  // rows whose activations stay in L2 while the panels pass, as packed_linear
-  for_panels(panels, [&](int64_t begin, int64_t end) {
-    // torch's CPU allocator aligns to 64 bytes, as the microkernel's panel loads need
-    auto scratch = torch::empty({K * kNR}, x.options());
-    float* wf = scratch.data_ptr<float>();
-    for (int64_t m_block = 0; m_block < M; m_block += kRowBlock) {
-      const int64_t rows = std::min(kRowBlock, M - m_block);
-      const int64_t chunks = (rows + kMaxRows - 1) / kMaxRows;
-      for (int64_t p = begin; p < end; ++p) {
-        // Dequantized again for each block of rows: K x kNR values against rows x K x kNR FMAs.
-        for (int64_t s = 0; s < kSub; ++s) {
-          const int64_t qp = p * kSub + s;
-          if (qp >= qpanels) {  // past the last block panel: zero columns, as pack_linear_weight pads
-            for (int64_t k = 0; k < K; ++k) std::fill_n(wf + k * kNR + s * kQCols, kQCols, 0.0f);
-            continue;
-          }
-          const auto [layout, at] = w.panel(qp);
-          const uint8_t* panel = at;  // a lambda cannot capture a structured binding before C++20
-          with_layout(layout, [&](auto l) { dequantize_panel<decltype(l)>(panel, K, wf + s * kQCols, kNR); });
-        }
-        int64_t m = m_block;
-        for (int64_t c = 0; c < chunks; ++c) {
-          const int mr = static_cast<int>((m_block + rows - m) / (chunks - c));  // even split, as packed_linear
-          gemm_rows<Prefetch::kNone>(mr, xp + m * ldx, ldx, wf, K, nullptr, yp + m * n_pad + p * kNR, n_pad, nullptr, 0);
-          m += mr;
-        }
+  panels_by_row_blocks(panels, M, [&](int64_t p, int64_t m_block, int64_t rows) {
+    // Dequantized again for each block of rows: K x kNR values against rows x K x kNR FMAs.
+    float* wf = panel_scratch(K * kNR);
+    for (int64_t s = 0; s < kSub; ++s) {
+      const int64_t qp = p * kSub + s;
+      if (qp >= qpanels) {  // past the last block panel: zero columns, as pack_linear_weight pads
+        for (int64_t k = 0; k < K; ++k) std::fill_n(wf + k * kNR + s * kQCols, kQCols, 0.0f);
+        continue;
       }
+      const auto [layout, at] = w.panel(qp);
+      const uint8_t* panel = at;  // a lambda cannot capture a structured binding before C++20
+      with_layout(layout, [&](auto l) { dequantize_panel<decltype(l)>(panel, K, wf + s * kQCols, kNR); });
     }
+    even_row_blocks(rows, kMaxRows, [&](int64_t r, int mr) {
+      const int64_t m = m_block + r;
+      gemm_rows<Prefetch::kNone>(mr, xp + m * ldx, ldx, wf, K, nullptr, yp + m * n_pad + p * kNR, n_pad, nullptr, 0);
+    });
   });
   return out_features == n_pad ? y : y.narrow(1, 0, out_features).contiguous();
 }
@@ -2594,18 +2598,12 @@ torch::Tensor gguf_blocks_bf16_linear(torch::Tensor x, torch::Tensor packed, int
   const int32_t* xp = pairs.data_ptr<int32_t>();
   const int64_t ldx = bf16_pairs_stride(K);
   float* yp = y.data_ptr<float>();
-  constexpr int64_t kRowBlock = 128;  // rows whose activations stay in L2 while the panels pass
-  for_panels(panels, [&](int64_t begin, int64_t end) {
-    for (int64_t m_block = 0; m_block < M; m_block += kRowBlock) {
-      const int64_t rows = std::min(kRowBlock, M - m_block);
-      for (int64_t p = begin; p < end; ++p) {
-        const uint8_t* panel = w.panel(p).second;
-        even_row_blocks(rows, kBF16MaxRows, [&](int64_t r, int mr) {
-          const int64_t m = m_block + r;
-          bf16_rows(mr, xp + m * ldx, ldx, panel, K, yp + m * n_pad + p * kQCols, n_pad);
-        });
-      }
-    }
+  panels_by_row_blocks(panels, M, [&](int64_t p, int64_t m_block, int64_t rows) {
+    const uint8_t* panel = w.panel(p).second;
+    even_row_blocks(rows, kBF16MaxRows, [&](int64_t r, int mr) {
+      const int64_t m = m_block + r;
+      bf16_rows(mr, xp + m * ldx, ldx, panel, K, yp + m * n_pad + p * kQCols, n_pad);
+    });
   });
   return out_features == n_pad ? y : y.narrow(1, 0, out_features).contiguous();
 #else
