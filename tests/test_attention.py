@@ -148,14 +148,20 @@ def test_gathered_prefill_matches_dense_reference(cached, new, window, softcap):
 def test_prefill_kernel_matches_dense_reference(heads, kv_heads, dim, window, softcap):
     """Several segments in one call: whole prompts and chunks after cached tokens, lengths
     around the kernel's 16-token tiles, blocks scattered over the pool."""
+    segments = [(0, 2), (0, 37), (20, 7), (16, 16), (5, 1), (100, 45)]  # (cached tokens, new tokens)
+    check_prefill_kernel(segments, heads, kv_heads, dim, window, softcap, num_blocks=96, seed=2)
+
+
+def check_prefill_kernel(segments: list[tuple[int, int]], heads: int, kv_heads: int, dim: int, window: int | None,
+                         softcap: float | None, num_blocks: int, seed: int) -> None:
+    """The prefill kernel on `segments` (cached tokens, new tokens), each in blocks scattered over
+    a random pool, against the dense reference, row by row."""
     kernels = cpu_kernels()
     if kernels is None:
         pytest.skip("no C++ compiler for the CPU kernel")
-    torch.manual_seed(2)
-    num_blocks = 96
+    torch.manual_seed(seed)
     k_cache = torch.randn(num_blocks * BLOCK, kv_heads, dim)
     v_cache = torch.randn(num_blocks * BLOCK, kv_heads, dim)
-    segments = [(0, 2), (0, 37), (20, 7), (16, 16), (5, 1), (100, 45)]  # (cached tokens, new tokens)
     order = torch.randperm(num_blocks).tolist()
     tables, slots_of = [], []
     for cached, new in segments:
@@ -185,37 +191,12 @@ def test_prefill_kernel_splits_a_long_context_of_few_new_tokens(segments, heads,
     """A few new tokens after a long context (a speculative verify) make fewer work items than
     the threads: each item's context is cut into parts on several threads, merged by their
     softmax statistics; every row still attends causally to what it sees, windows included."""
-    kernels = cpu_kernels()
-    if kernels is None:
-        pytest.skip("no C++ compiler for the CPU kernel")
-    torch.manual_seed(3)
-    num_blocks = 160
-    k_cache = torch.randn(num_blocks * BLOCK, kv_heads, dim)
-    v_cache = torch.randn(num_blocks * BLOCK, kv_heads, dim)
-    order = torch.randperm(num_blocks).tolist()
-    tables, slots_of = [], []
-    for cached, new in segments:
-        blocks = [order.pop() for _ in range(-(-(cached + new) // BLOCK))]
-        tables.append(blocks)
-        slots_of.append(torch.tensor([blocks[t // BLOCK] * BLOCK + t % BLOCK for t in range(cached + new)]))
-    width = max(len(t) for t in tables)
-    lens = [new for _, new in segments]
-    starts = torch.tensor([0, *lens[:-1]]).cumsum(0)
-    q = torch.randn(sum(lens), heads, dim) * 2
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = kernels.paged_prefill_attention(
-            q, k_cache, v_cache, torch.tensor([t + [0] * (width - len(t)) for t in tables]), starts,
-            torch.tensor(lens), torch.tensor([c for c, _ in segments]), BLOCK, dim ** -0.5, window or 0,
-            softcap or 0.0)
+        check_prefill_kernel(segments, heads, kv_heads, dim, window, softcap, num_blocks=160, seed=3)
     finally:
         torch.set_num_threads(before)
-    for (cached, new), start, slots in zip(segments, starts.tolist(), slots_of, strict=True):
-        for i in range(new):
-            visible = slots[: cached + i + 1]
-            expected = dense_reference(q[start + i], k_cache[visible], v_cache[visible], window, softcap)
-            torch.testing.assert_close(out[start + i], expected, **KERNEL_TOL)
 
 
 @pytest.mark.parametrize("shape", [(3, 5), (30, 2, 4096, 3, 64)], ids=["tiny", "pool"])

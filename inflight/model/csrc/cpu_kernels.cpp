@@ -92,6 +92,28 @@ inline void sum_lanes4(vec a, vec b, vec c, vec d, float* out) {
 
 constexpr float kNoScore = -1e30f;  // a finite "minus infinity": the file is built with fast-math
 
+// The parts of one attention row computed apart (flash-decoding): dst = the merge of `count`
+// unnormalized outputs o_i (dim floats each, o_step apart) by their max scores m_i and weight
+// sums l_i (stat_step apart); a part that saw no token (l_i = 0) adds nothing.
+inline void merge_parts(const float* o, int64_t o_step, const float* m, const float* l, int64_t stat_step,
+                        int64_t count, int64_t dim, float* __restrict dst) {
+  float mx = kNoScore;
+  for (int64_t i = 0; i < count; ++i) mx = std::max(mx, m[i * stat_step]);
+  std::fill(dst, dst + dim, 0.f);
+  float sum = 0.f;
+  for (int64_t i = 0; i < count; ++i) {
+    if (l[i * stat_step] == 0.f) continue;
+    const float w = std::exp(m[i * stat_step] - mx);
+    sum += w * l[i * stat_step];
+    const float* src = o + i * o_step;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) dst[d] += w * src[d];
+  }
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+#pragma omp simd
+  for (int64_t d = 0; d < dim; ++d) dst[d] *= inv;
+}
+
 // The KV pool's element type: fp32, or 16 bits (bf16 or fp16: `--kv-cache-dtype`), stored rounded
 // to nearest even and widened to fp32 (exactly) as it is read, so that the attention arithmetic
 // is the fp32 kernels' on the rounded values.
@@ -504,21 +526,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   if (split) {
     for (int64_t b = 0; b < batch; ++b)
       for (int64_t h = 0; h < num_heads; ++h) {
-        float mx = kNoScore;
-        for (int64_t i = first_part[b]; i < first_part[b + 1]; ++i) mx = std::max(mx, part_m[i * num_heads + h]);
-        float* dst = op + (b * num_heads + h) * dim;
-        std::fill(dst, dst + dim, 0.f);
-        float sum = 0.f;
-        for (int64_t i = first_part[b]; i < first_part[b + 1]; ++i) {
-          const float w = std::exp(part_m[i * num_heads + h] - mx);
-          sum += w * part_l[i * num_heads + h];
-          const float* src = part_out.data() + (i * num_heads + h) * dim;
-#pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) dst[d] += w * src[d];
-        }
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) dst[d] *= inv;
+        const int64_t at = first_part[b] * num_heads + h;
+        merge_parts(part_out.data() + at * dim, num_heads * dim, part_m.data() + at, part_l.data() + at, num_heads,
+                    first_part[b + 1] - first_part[b], dim, op + (b * num_heads + h) * dim);
       }
   }
   return out;
@@ -744,12 +754,15 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
   // kMinSplitTokens, about two items a thread in all, merged below by their softmax statistics
   // as decode attention merges its parts.
   const int64_t threads = at::get_num_threads(), unsplit = static_cast<int64_t>(items.size());
-  std::vector<std::pair<int64_t, int64_t>> split_parts;  // per item split: its first part and count
-  std::vector<PrefillItem> whole;                         // and the item itself
+  struct SplitItem {
+    PrefillItem item;
+    int64_t first_part, parts;
+  };
+  std::vector<SplitItem> split;
+  int64_t num_parts = 0;
   if (threads > 1 && unsplit > 0 && unsplit < 2 * threads) {
     std::vector<PrefillItem> cut;
     const int64_t want = (2 * threads + unsplit - 1) / unsplit;
-    int64_t parts_made = 0;
     for (const PrefillItem& it : items) {
       const int64_t end = ctx[it.segment] + it.first + it.rows_tokens;
       const int64_t low = window > 0 ? std::max<int64_t>(0, ctx[it.segment] + it.first + 1 - window) : 0;
@@ -760,18 +773,16 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
         continue;
       }
       const int64_t tiles = (end - begin + kTokenTile - 1) / kTokenTile, per = (tiles + n - 1) / n * kTokenTile;
-      split_parts.push_back({parts_made, 0});
-      whole.push_back(it);
+      split.push_back({it, num_parts, 0});
       for (int64_t t = begin; t < end; t += per) {
         PrefillItem part = it;
-        part.t_begin = t, part.t_end = std::min(end, t + per), part.cost = part.t_end - t, part.part = parts_made++;
+        part.t_begin = t, part.t_end = std::min(end, t + per), part.cost = part.t_end - t, part.part = num_parts++;
         cut.push_back(part);
-        ++split_parts.back().second;
+        ++split.back().parts;
       }
     }
     items = std::move(cut);
   }
-  const int64_t num_parts = split_parts.empty() ? 0 : split_parts.back().first + split_parts.back().second;
   const int64_t item_rows = tokens_per_item * group;
   std::vector<float> part_o(num_parts * item_rows * dim), part_m(num_parts * item_rows), part_l(num_parts * item_rows);
   // Longest contexts first, so that the last items the threads pick up are short.
@@ -801,28 +812,13 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
                         os, part_o.data(), part_m.data(), part_l.data());
     }
   });
-  for (size_t w = 0; w < whole.size(); ++w) {  // each split item's parts merged into its rows
-    const PrefillItem& it = whole[w];
-    const auto [first_part, count] = split_parts[w];
+  for (const SplitItem& sp : split) {  // each split item's parts merged into its rows
+    const PrefillItem& it = sp.item;
     for (int64_t tq = 0; tq < it.rows_tokens; ++tq)
       for (int64_t hg = 0; hg < group; ++hg) {
-        const int64_t r = tq * group + hg;
-        float mx = kNoScore;
-        for (int64_t i = first_part; i < first_part + count; ++i) mx = std::max(mx, part_m[i * item_rows + r]);
-        float* dst = op + ((starts[it.segment] + it.first + tq) * num_heads + it.kv_head * group + hg) * dim;
-        std::fill(dst, dst + dim, 0.f);
-        float sum = 0.f;
-        for (int64_t i = first_part; i < first_part + count; ++i) {
-          if (part_l[i * item_rows + r] == 0.f) continue;  // no visible token in this part
-          const float wt = std::exp(part_m[i * item_rows + r] - mx);
-          sum += wt * part_l[i * item_rows + r];
-          const float* src = part_o.data() + (i * item_rows + r) * dim;
-#pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) dst[d] += wt * src[d];
-        }
-        const float inv = 1.f / sum;
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) dst[d] *= inv;
+        const int64_t at = sp.first_part * item_rows + tq * group + hg;
+        merge_parts(part_o.data() + at * dim, item_rows * dim, part_m.data() + at, part_l.data() + at, item_rows,
+                    sp.parts, dim, op + ((starts[it.segment] + it.first + tq) * num_heads + it.kv_head * group + hg) * dim);
       }
   }
   return out;
@@ -2074,11 +2070,7 @@ torch::Tensor gguf_blocks_linear(torch::Tensor x, torch::Tensor packed, int64_t 
   return out_features == n_pad ? y : y.narrow(1, 0, out_features).contiguous();
 }
 
-// x [M, K] through a weight packed by pack_gguf_blocks, for steps of many rows: each panel of
-// kNR columns is dequantized once into an fp32 panel (in cache) that packed_linear's
-// microkernel then runs over all M rows. The weights are the loader's fp32 values and each
-// output the same in-order sum as packed_linear's: bit for bit its result on the dequantized
-// weight, from a fraction of its memory.
+namespace {
 // A thread's scratch of at least `floats` floats, 64-byte aligned as the microkernel's panel loads
 // need, kept for the thread's next matmul.
 float* panel_scratch(int64_t floats) {
@@ -2087,6 +2079,13 @@ float* panel_scratch(int64_t floats) {
   return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(store.data()) + 63) & ~uintptr_t{63});
 }
 
+}  // namespace
+
+// x [M, K] through a weight packed by pack_gguf_blocks, for steps of many rows: each panel of
+// kNR columns is dequantized once into an fp32 panel (in cache) that packed_linear's
+// microkernel then runs over all M rows. The weights are the loader's fp32 values and each
+// output the same in-order sum as packed_linear's: bit for bit its result on the dequantized
+// weight, from a fraction of its memory.
 torch::Tensor gguf_blocks_gemm(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
   static_assert(kNR % kQCols == 0, "an fp32 panel holds whole block panels");
   constexpr int64_t kSub = kNR / kQCols;  // block panels per fp32 panel
