@@ -7,7 +7,7 @@ decode step, one prefill step and one single-request decode step split into weig
 output width), attention and token-wise ops (torch.profiler ranges; those three steps are left
 out of the per-step figures).
 
-    .venv/bin/python benchmarks/step_profile.py [--max-num-tokens 512] [--components]
+    .venv/bin/python benchmarks/step_profile.py [--max-num-tokens 512] [--components] [--quantization int8]
 """
 
 from __future__ import annotations
@@ -81,14 +81,18 @@ def main() -> int:
     parser.add_argument("--components", action="store_true",
                         help="also split one 64-request decode step, one prefill step and one "
                              "single-request decode step into components")
+    parser.add_argument("--quantization", default="none",
+                        choices=("none", "int8", "int8-activations", "bf16-activations"),
+                        help="the weights' arithmetic (default: as stored, fp32)")
     args = parser.parse_args()
 
     gemm = ceiling.measure_gemm(reps=5)
-    loaded = LoadedModel.load(None, torch.float32, torch.device("cpu"))
+    loaded = LoadedModel.load(None, torch.float32, torch.device("cpu"), quantization=args.quantization)
     if args.components:
         instrument(loaded)
     requests = build("burst64", corpus_token_ids(loaded.tokenizer.hf), num_requests=args.requests)
-    llm = LLM(loaded=loaded, max_batch_size=64, max_num_tokens=args.max_num_tokens, num_kv_blocks=2048)
+    llm = LLM(loaded=loaded, quantization=args.quantization, max_batch_size=64, max_num_tokens=args.max_num_tokens,
+              num_kv_blocks=2048)
     engine = llm.engine
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))  # warm-up
     engine.step_records.clear()

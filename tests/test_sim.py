@@ -411,6 +411,16 @@ def test_eight_bit_weights_and_kv_cache() -> None:
     plain = CostModel(llama, h100, engine=dataclasses.replace(halved, eight_bit_flops_efficiency=0.0))
     linear = [cm.cost(cm.work(prefill)).linear_s for cm in (slow8, plain)]
     assert linear[0] == pytest.approx(linear[1], rel=1e-3)
+    # An engine that quantizes its LM head too (inflight's int8, llama.cpp's files): the head an
+    # 8-bit matmul among the rest, its weights a byte each (an untied head in place of its bf16).
+    head = llama.vocab_size * llama.hidden_size
+    head8 = CostModel(llama, h100, engine=dataclasses.replace(BUILTIN_ENGINES["vllm"], quantized_lm_head=True),
+                      weight_dtype="fp8")
+    assert head8.weight_bytes_per_device == fp8.weight_bytes_per_device - head
+    rows = [SeqWork(1, 1024, True)] * 64
+    assert head8.work(rows).linear_compute_s == pytest.approx(
+        fp8.work(rows).linear_compute_s - 64 * 2 * head / h100.peak_flops + 64 * 2 * head / h100.peak_flops_fp8)
+    assert head8.work(rows).linear_bytes == pytest.approx(fp8.work(rows).linear_bytes - head)
     with pytest.raises(ConfigError, match="unknown KV cache dtype"):
         CostModel(llama, h100, kv_cache_dtype="fp4")
     with pytest.raises(ConfigError, match="storage type"):

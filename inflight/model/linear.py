@@ -29,8 +29,8 @@ per row and 32 inputs, so every sub-block is an exact integer dot product, scale
 (`csrc`: gguf_blocks_a8_linear states the arithmetic). `--quantization bf16-activations` does the
 same for matrices stored in bf16: each step's activations are rounded to bf16 and multiplied
 by pairs with AVX512_BF16's `vdpbf16ps` where the CPU has it (`csrc`: gguf_blocks_bf16_linear).
-`--quantization int8` instead quantizes any checkpoint's decoder matrices to int8 per output
-channel (W8A8).
+`--quantization int8` instead quantizes any checkpoint's matmul weights (the decoder's and the
+LM head) to int8 per output channel (W8A8).
 """
 
 from __future__ import annotations
@@ -147,9 +147,10 @@ class Linear:
                                      "--dtype float32)")
             self._kernels = cpu_kernels()
             assert self._kernels is not None
-            if gguf_blocks is not None and weight.is_meta:  # this matrix alone widened, then quantized
-                weight = self._kernels.gguf_blocks_dequantize(self._pack_blocks(gguf_blocks))
-            weight = weight.float().contiguous()
+            if gguf_blocks is not None and weight.is_meta:  # from its blocks, widened a panel of rows at a time
+                weight = self._pack_blocks(gguf_blocks)
+            else:
+                weight = weight.float().contiguous()
             scales, inv = int8_row_scales(self._kernels.row_absmax(weight))
             self.blocks = self._kernels.quantize_pack_int8(weight, inv, scales)  # quantize_int8, packed
             self.weight = torch.empty(0)

@@ -150,9 +150,10 @@ def weight_footprint(source: ModelSource, dtype: torch.dtype, packed: bool, bloc
     the kernel (`packed`: a prepacked backend, `linear.Linear`), the tied LM head as its own
     matrix; with `blocks`, a GGUF file's matrices of `BLOCK_TYPES` (a checkpoint's BF16 and F16
     ones) instead as stored, repacked (`load_blocks`), never widened. With `int8`
-    (`--quantization int8`) the decoder's matrices are held as int8 instead (a byte a weight and
-    8 bytes a column per 64 weights of a row: `INT8_BYTES`), those kept as stored widened one
-    fused matrix at a time just before (`INT8_TRANSIENT_BYTES`); the LM head stays as without.
+    (`--quantization int8`) the matmuls' matrices, the LM head's too, are held as int8 instead
+    (a byte a weight and 8 bytes a column per 64 weights of a row: `INT8_BYTES`), those kept as
+    stored repacked one fused matrix at a time just before and widened a block panel of rows at
+    a time; a tied head is quantized apart from the embedding, which stays as without.
     The files themselves (GGUF and safetensors alike) are mapped: page cache, which the system
     can drop, not counted. The freed forms stay with the process after load (glibc keeps them for
     reuse, `engine.memory.keep_freed_memory`), so this is close to its resident size too."""
@@ -171,26 +172,34 @@ def weight_footprint(source: ModelSource, dtype: torch.dtype, packed: bool, bloc
     numel = sum(n for n, _, _ in table.values())
     widened = sum(n for name, (n, _, _) in table.items()
                   if name not in kept and not (by_row and _is_embedding(name)))
-    # With int8, the decoder's matrices (all but the embedding and the LM head) are quantized.
-    quantized = {name for name, (_, _, ndim) in table.items()
-                 if int8 and ndim >= 2 and not _is_embedding(name) and not _is_lm_head(name)}
+    # With int8, every matrix but the embedding is quantized; a tied LM head apart from it.
+    quantized = {name for name, (_, _, ndim) in table.items() if int8 and ndim >= 2 and not _is_embedding(name)}
+    tied_head = config.tie_word_embeddings and not any(_is_lm_head(name) for name in table)
     matrices = sum(n for name, (n, _, ndim) in table.items()
                    if ndim >= 2 and not _is_embedding(name) and name not in kept and name not in quantized)
-    if config.tie_word_embeddings and not any(_is_embedding(name) for name in kept):
-        matrices += config.vocab_size * config.hidden_size  # the LM head, laid out for the kernel
+    head = config.vocab_size * config.hidden_size
+    if tied_head and not int8 and not any(_is_embedding(name) for name in kept):
+        matrices += head  # the LM head, laid out for the kernel
     parts = [("weights widened to fp32", 4 * widened)]
     if dtype != torch.float32:
         parts.append((f"converted to {str(dtype).removeprefix('torch.')}", dtype.itemsize * widened))
     if packed:
         parts.append(("matmul weights laid out for the kernel", dtype.itemsize * matrices))
-    if quantized:
-        parts.append(("decoder matrices as int8", int(INT8_BYTES * sum(table[name][0] for name in quantized))))
-        # a fused matrix (gate and up: twice the largest) widened at a time, while it is quantized
-        largest = max((n for name, (n, _, _) in table.items() if name in quantized and name in kept), default=0)
-        parts.append(("one stored matrix widened to quantize it", INT8_TRANSIENT_BYTES * 2 * largest))
-    if kept.keys() - quantized:  # read in place from the mapped file and repacked, with fp32 scales
-        repacked = sum(n * PACKED_BYTES[kind] for name, (n, kind) in kept.items() if name not in quantized)
-        parts.append(("matrices as stored, repacked for the matmuls", int(repacked)))
+    if int8:
+        heads = head if tied_head else 0
+        parts.append(("matrices as int8", int(INT8_BYTES * (sum(table[name][0] for name in quantized) + heads))))
+        # a stored matrix (gate and up fused: twice the largest; the LM head) repacked while it is
+        # quantized, a block panel of its rows widened at a time
+        largest = max((PACKED_BYTES[kind] * n * (1 if _is_lm_head(name) or _is_embedding(name) else 2)
+                       for name, (n, kind) in kept.items()
+                       if name in quantized or (tied_head and _is_embedding(name))), default=0)
+        parts.append(("one stored matrix repacked to quantize it", int(largest)))
+    # read in place from the mapped file and repacked, with fp16 scales (not a head quantized)
+    repacked = [(n, kind) for name, (n, kind) in kept.items()
+                if name not in quantized and not (int8 and tied_head and _is_embedding(name))]
+    if repacked:
+        repacked_bytes = sum(n * PACKED_BYTES[kind] for n, kind in repacked)
+        parts.append(("matrices as stored, repacked for the matmuls", int(repacked_bytes)))
     tables = 2 if config.local_rope_theta else 1  # cos and sin of every position, per rotary
     parts.append(("rotary tables", tables * 2 * config.max_position_embeddings * config.head_dim * 4))
     parts.append(("allocator and layout slack (10%)", sum(b for _, b in parts) // 10))
@@ -212,11 +221,8 @@ def _is_lm_head(name: str) -> bool:
 
 
 # `--quantization int8`: bytes a weight of an int8 matrix as packed (a byte, and per column its
-# fp32 scale and an int32 offset for each 64 weights: `csrc` pack_int8_weight), and what
-# quantizing a matrix kept as stored holds besides, a weight at a time: its blocks repacked
-# (up to 2 bytes, 16-bit tensors), its fp32 form (4), quantized in one pass into its packing.
+# fp32 scale and an int32 offset for each 64 weights: `csrc` pack_int8_weight).
 INT8_BYTES = 1 + 4 / 64
-INT8_TRANSIENT_BYTES = 6
 
 
 def _tensor_table(source: ModelSource) -> dict[str, tuple[int, int, int]]:

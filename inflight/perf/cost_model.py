@@ -136,21 +136,26 @@ class CostModel:
                                         or self.engine.flops_efficiency)
         linear = num_linear_params(model)
         head = model.vocab_size * model.hidden_size
-        # The LM head and the embedding stay in the activations' type, as in quantized checkpoints.
+        # The LM head and the embedding stay in the activations' type, as in quantized checkpoints,
+        # unless the engine quantizes its head with the rest (`quantized_lm_head`: then it is an
+        # 8-bit matmul among them, a tied one an 8-bit copy of the embedding).
         # A token computes with its routed experts only; a step reads the weights of every expert
         # one of its tokens chose (`experts_touched`) besides the dense ones.
+        head_8bit = bool(eight_bit_peak) and self.engine.quantized_lm_head
         self._linear_s_per_token = 2 * num_active_linear_params(model) / tp / self.linear_peak_flops
-        self._head_s_per_row = 2 * head / tp / hardware.peak_flops
+        self._head_s_per_row = 2 * head / tp / (self.linear_peak_flops if head_8bit else hardware.peak_flops)
         self._linear_weight_bytes = (num_dense_linear_params(model)
                                      + num_expert_layers(model) * model.num_experts * model.hidden_size) * w / tp
         self._expert_weight_bytes = num_expert_layers(model) * expert_params(model) * w / tp
-        self._head_weight_bytes = head * a / tp
+        self._head_weight_bytes = head * (w if head_8bit else a) / tp
         self._attn_flops_per_pair = 4 * model.num_layers * (model.num_heads // tp) * model.head_dim
         # KV heads are split over the devices, replicated when there are fewer than devices.
         self.kv_heads_per_device = -(-model.num_kv_heads // tp)
         kv = DTYPE_BYTES[self.kv_cache_dtype]
         self.kv_bytes_per_token = 2 * model.num_layers * self.kv_heads_per_device * model.head_dim * kv
         self.weight_bytes_per_device = (linear * w + (num_params(model) - linear) * a) / tp
+        if head_8bit:  # an untied head 8-bit in place of its own type; a tied one an 8-bit copy
+            self.weight_bytes_per_device += head * (w - (0 if model.tie_word_embeddings else a)) / tp
 
     # --- amounts --------------------------------------------------------------------------------
 

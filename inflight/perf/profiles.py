@@ -179,6 +179,9 @@ class EngineProfile(_Record):
     roofline_exponent: float = 2.0
     flops_efficiency: float = 0.6
     eight_bit_flops_efficiency: float = 0.0  # of the 8-bit peak, for fp8/int8 matmuls; 0: flops_efficiency
+    # With 8-bit weights the LM head is 8-bit too (inflight's `--quantization int8`, as llama.cpp's
+    # files), not kept in the activations' type (quantized checkpoints for GPU engines).
+    quantized_lm_head: bool = False
     bandwidth_efficiency: float = 0.8
     attention_flops_efficiency: float = 0.4
     attention_bandwidth_efficiency: float = 0.7

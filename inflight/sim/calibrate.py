@@ -231,7 +231,8 @@ def calibrate_int8(model: str | None, hardware: HardwareProfile, base: EnginePro
     isa = kernels.int8_isa()
     if not hardware.peak_flops_int8 > 0:
         hardware = dataclasses.replace(hardware, peak_flops_int8=INT8_PEAK_FACTOR[isa] * hardware.peak_flops)
-    start = dataclasses.replace(base.for_int8() if base.int8 else base, eight_bit_flops_efficiency=0.0, int8={})
+    start = dataclasses.replace(base.for_int8() if base.int8 else base, eight_bit_flops_efficiency=0.0,
+                                quantized_lm_head=True, int8={})  # the engine quantizes its LM head too
     result = fit_profile(samples, shapes, hardware, start, hardware.dtype, weight_dtype="int8")
     fitted = result.profile
     factors = {f.name: getattr(fitted, f.name) for f in dataclasses.fields(fitted) if f.name not in _NOT_FITTED}

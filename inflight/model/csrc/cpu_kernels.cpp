@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -2118,27 +2119,41 @@ torch::Tensor gguf_blocks_gemm(torch::Tensor x, torch::Tensor packed, int64_t ou
   });
   return out_features == n_pad ? y : y.narrow(1, 0, out_features).contiguous();
 }
-// The weight a pack_gguf_blocks packing stands for, as fp32 [N, K]: each block panel
-// dequantized as the block matmuls dequantize it (the loader's values, bit for bit). For
-// quantizing a stored matrix again (`--quantization int8`) one matrix at a time, without an fp32
-// copy of the whole model.
-torch::Tensor gguf_blocks_dequantize(torch::Tensor packed) {
+// The rows of the weight a pack_gguf_blocks packing stands for ([N, K]: each an output column),
+// in fp32 as the block matmuls dequantize them (the loader's values, bit for bit): fn(row, its K
+// values), one block panel at a time, the panels spread over the threads. For quantizing a stored
+// matrix again (`--quantization int8`) without its fp32 form whole.
+std::pair<int64_t, int64_t> gguf_blocks_shape(const torch::Tensor& packed) {
   TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.dim() == 1 && packed.is_contiguous() && packed.numel() >= 64,
               "weight was not packed by pack_gguf_blocks");
   const int64_t K = reinterpret_cast<const int64_t*>(packed.data_ptr<uint8_t>())[1];
+  return {read_packed(torch::empty({0, K}, torch::kFloat32), packed).N, K};
+}
+
+void dequantized_rows(const torch::Tensor& packed, const std::function<void(int64_t, const float*)>& fn) {
+  const int64_t K = gguf_blocks_shape(packed).second;
   const PackedBlocks w = read_packed(torch::empty({0, K}, torch::kFloat32), packed);
-  auto out = torch::empty({w.N, K}, torch::kFloat32);
-  float* op = out.data_ptr<float>();
   at::parallel_for(0, w.panels(), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> columns(K * kQCols);  // one block panel, k-major
+    std::vector<float> columns(K * kQCols), row(K);  // one block panel, k-major; one of its rows
     for (int64_t p = begin; p < end; ++p) {
       const auto [layout, at] = w.panel(p);
       const uint8_t* panel = at;  // a lambda cannot capture a structured binding before C++20
       with_layout(layout, [&](auto l) { dequantize_panel<decltype(l)>(panel, K, columns.data(), kQCols); });
-      for (int64_t c = 0; c < kQCols && p * kQCols + c < w.N; ++c)
-        for (int64_t k = 0; k < K; ++k) op[(p * kQCols + c) * K + k] = columns[k * kQCols + c];
+      for (int64_t c = 0; c < kQCols && p * kQCols + c < w.N; ++c) {
+        for (int64_t k = 0; k < K; ++k) row[k] = columns[k * kQCols + c];
+        fn(p * kQCols + c, row.data());
+      }
     }
   });
+}
+
+// The weight a pack_gguf_blocks packing stands for, as fp32 [N, K].
+torch::Tensor gguf_blocks_dequantize(torch::Tensor packed) {
+  const auto [N, K] = gguf_blocks_shape(packed);
+  auto out = torch::empty({N, K}, torch::kFloat32);
+  float* op = out.data_ptr<float>();
+  const int64_t k = K;  // a lambda cannot capture a structured binding before C++20
+  dequantized_rows(packed, [&](int64_t r, const float* values) { std::copy(values, values + k, op + r * k); });
   return out;
 }
 
@@ -2615,6 +2630,12 @@ torch::Tensor gguf_blocks_bf16_linear(torch::Tensor x, torch::Tensor packed, int
 
 #else
 bool gguf_blocks_available() { return false; }
+std::pair<int64_t, int64_t> gguf_blocks_shape(const torch::Tensor&) {
+  TORCH_CHECK(false, "the GGUF block matmul needs AVX2");
+}
+void dequantized_rows(const torch::Tensor&, const std::function<void(int64_t, const float*)>&) {
+  TORCH_CHECK(false, "the GGUF block matmul needs AVX2");
+}
 torch::Tensor gguf_blocks_dequantize(torch::Tensor) {
   TORCH_CHECK(false, "the GGUF block matmul needs AVX2");
 }
@@ -3109,44 +3130,66 @@ torch::Tensor pack_int8_weight(torch::Tensor q, torch::Tensor scales) {
   return packing.out;
 }
 
-// max |w| of each row of an fp32 weight [N, K] (exact), the first half of quantizing it at load.
+// max |w| of each row of a weight [N, K] (exact), the first half of quantizing it at load: an
+// fp32 one, or one packed by pack_gguf_blocks (its rows as gguf_blocks_dequantize makes them).
 torch::Tensor row_absmax(torch::Tensor w) {
-  TORCH_CHECK(w.dtype() == torch::kFloat32 && w.dim() == 2 && w.is_contiguous(), "float32 [N, K] contiguous only");
-  const int64_t n = w.size(0), k = w.size(1);
-  auto out = torch::empty({n}, w.options());
-  const float* wp = w.data_ptr<float>();
+  const bool blocks = w.scalar_type() == torch::kUInt8;
+  TORCH_CHECK(blocks || (w.dtype() == torch::kFloat32 && w.dim() == 2 && w.is_contiguous()),
+              "float32 [N, K] contiguous or a pack_gguf_blocks packing only");
+  const auto [n, k] = blocks ? gguf_blocks_shape(w) : std::pair<int64_t, int64_t>{w.size(0), w.size(1)};
+  auto out = torch::empty({n}, torch::kFloat32);
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float amax = 0.f;
-      for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(wp[r * k + i]));
-      op[r] = amax;
-    }
-  });
+  const int64_t kk = k;  // a lambda cannot capture a structured binding before C++20
+  auto absmax = [&](int64_t r, const float* row) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < kk; ++i) amax = std::max(amax, std::fabs(row[i]));
+    op[r] = amax;
+  };
+  if (blocks) {
+    dequantized_rows(w, absmax);
+  } else {
+    const float* wp = w.data_ptr<float>();
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) absmax(r, wp + r * kk);
+    });
+  }
   return out;
 }
 
-// An fp32 weight [N, K] quantized and packed in one parallel pass: each row's qw =
-// clamp(round_half_even(w * inv), -127, 127) with the row's `inv` (127 / max|w|, or 0), its scale
-// `scales` as given: pack_int8_weight of the same q, byte for byte (linear.quantize_int8 computes
-// the same q in torch, the reference of tests/test_int8.py).
+// A weight [N, K] (as row_absmax takes it) quantized and packed in one parallel pass: each row's
+// qw = clamp(round_half_even(w * inv), -127, 127) with the row's `inv` (127 / max|w|, or 0), its
+// scale `scales` as given: pack_int8_weight of the same q, byte for byte (linear.quantize_int8
+// computes the same q in torch, the reference of tests/test_int8.py).
 torch::Tensor quantize_pack_int8(torch::Tensor w, torch::Tensor inv, torch::Tensor scales) {
-  TORCH_CHECK(w.dtype() == torch::kFloat32 && w.dim() == 2 && w.is_contiguous(), "float32 [N, K] contiguous only");
-  TORCH_CHECK(inv.dtype() == torch::kFloat32 && inv.numel() == w.size(0) && scales.dtype() == torch::kFloat32 &&
-                  scales.numel() == w.size(0), "inv and scales must be float32 [N]");
-  const int64_t n = w.size(0), k = w.size(1);
-  Int8Packing packing(n, k, w.options());
-  const float* wp = w.data_ptr<float>();
-  const float* ip = inv.contiguous().data_ptr<float>();
-  const float* sp = scales.contiguous().data_ptr<float>();
-  at::parallel_for(0, n, kI8Cols, [&](int64_t begin, int64_t end) {  // whole panels a thread, mostly
-    std::vector<int8_t> q(k);
-    for (int64_t col = begin; col < end; ++col) {
-      for (int64_t i = 0; i < k; ++i)
-        q[i] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(wp[col * k + i] * ip[col]))));
-      packing.column(col, q.data(), sp[col]);
-    }
-  });
+  const bool blocks = w.scalar_type() == torch::kUInt8;
+  TORCH_CHECK(blocks || (w.dtype() == torch::kFloat32 && w.dim() == 2 && w.is_contiguous()),
+              "float32 [N, K] contiguous or a pack_gguf_blocks packing only");
+  const auto [n, k] = blocks ? gguf_blocks_shape(w) : std::pair<int64_t, int64_t>{w.size(0), w.size(1)};
+  TORCH_CHECK(inv.dtype() == torch::kFloat32 && inv.numel() == n && scales.dtype() == torch::kFloat32 &&
+                  scales.numel() == n, "inv and scales must be float32 [N]");
+  Int8Packing packing(n, k, torch::TensorOptions().dtype(torch::kInt8));
+  const auto inv_c = inv.contiguous(), scales_c = scales.contiguous();
+  const float* ip = inv_c.data_ptr<float>();
+  const float* sp = scales_c.data_ptr<float>();
+  const int64_t kk = k;  // a lambda cannot capture a structured binding before C++20
+  auto quantize = [&](int64_t col, const float* row, int8_t* q) {
+    for (int64_t i = 0; i < kk; ++i)
+      q[i] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(row[i] * ip[col]))));
+    packing.column(col, q, sp[col]);  // columns apart: threads write distinct bytes
+  };
+  if (blocks) {
+    dequantized_rows(w, [&](int64_t col, const float* row) {
+      thread_local std::vector<int8_t> q;
+      q.resize(kk);
+      quantize(col, row, q.data());
+    });
+  } else {
+    const float* wp = w.data_ptr<float>();
+    at::parallel_for(0, n, kI8Cols, [&](int64_t begin, int64_t end) {  // whole panels a thread, mostly
+      std::vector<int8_t> q(kk);
+      for (int64_t col = begin; col < end; ++col) quantize(col, wp + col * kk, q.data());
+    });
+  }
   return packing.out;
 }
 
