@@ -120,10 +120,9 @@ def int8_peak(reps: int) -> float:
     return max(2 * kernels.int8_peak_macs(500_000) for _ in range(reps)) / 1e9
 
 
-def int8_ceiling(flop: dict[str, float], peak_gflops: float, int8_gops: float, last_arrival_s: float
-                 ) -> dict[str, float]:
-    """As `ceiling` for an engine whose decoder matmuls are int8 (at `int8_gops`) and whose LM
-    head is fp32 (at the GEMM peak)."""
-    compute_s = flop["linear_flop"] / (int8_gops * 1e9) + flop["lm_head_flop"] / (peak_gflops * 1e9)
+def int8_ceiling(flop: dict[str, float], int8_gops: float, last_arrival_s: float) -> dict[str, float]:
+    """As `ceiling` for an engine whose weight matmuls, the LM head's too, are int8 (at
+    `int8_gops`)."""
+    compute_s = flop["total_flop"] / (int8_gops * 1e9)
     wall_s = max(compute_s, last_arrival_s)
     return {"compute_s": compute_s, "wall_s": wall_s, "tok_s": flop["tokens_generated"] / wall_s}
