@@ -1,8 +1,10 @@
 """What loading a model takes: the load time, the resident peak and the anonymous memory a
 fresh process grows by as `LoadedModel.load` builds it (weights, their kernel layout, kept GGUF blocks, the tokenizer),
 beside the estimate the memory guard refuses on (`engine.memory.check_memory`), term by term.
-Each model loads twice in its own process: the first load builds the GGUF index and tokenizer
-caches, the second is the one a user restarting a server sees.
+Each model loads three times, each in a process of its own: the first builds the GGUF index,
+tokenizer and packed-weights caches, the second is the one a user restarting a server sees (a
+large file's packed weights mapped from the cache, `packed_cache`), the third packs them again
+(`INFLIGHT_PACKED_CACHE=off`); the memory figures are the last two's.
 
     .venv/bin/python benchmarks/load_memory.py [--model PATH ...] [--quantization int8]
     (default: the embedded model, weights computed as stored)
@@ -12,11 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
 import torch
 
+from inflight.model import packed_cache
+from inflight.model.kernels import cpu_kernels
 from inflight.model.linear import blocks_usable, linear_backend
 from inflight.model.loader import resolve_model, weight_footprint
 
@@ -30,11 +35,11 @@ def status(key):
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
 
 keep_freed_memory()
-before, anon, start = status("VmRSS"), status("RssAnon"), time.perf_counter()
-LoadedModel.load(sys.argv[2] if len(sys.argv) > 2 else None, torch.float32, torch.device("cpu"),
-                 quantization=sys.argv[1])
+before, anon, file, start = status("VmRSS"), status("RssAnon"), status("RssFile"), time.perf_counter()
+loaded = LoadedModel.load(sys.argv[2] if len(sys.argv) > 2 else None, torch.float32, torch.device("cpu"),
+                          quantization=sys.argv[1])  # held: mapped weights go with the model
 print(json.dumps({"seconds": time.perf_counter() - start, "grown": status("RssAnon") - anon,
-                  "peak": status("VmHWM") - before}))
+                  "file": status("RssFile") - file, "peak": status("VmHWM") - before}))
 """
 
 
@@ -49,18 +54,23 @@ def main() -> int:
         footprint = weight_footprint(source, torch.float32, packed=packed, blocks=blocks_usable(),
                                      int8=args.quantization == "int8")
         runs = []
-        for _ in range(2):
+        for cache in ("on", "on", "off"):  # the first builds the caches; the last packs again
+            env = {**os.environ, **({"INFLIGHT_PACKED_CACHE": "off"} if cache == "off" else {})}
             done = subprocess.run([sys.executable, "-c", _LOAD, args.quantization, *([model] if model else [])],
-                                  capture_output=True, text=True, check=True)
+                                  capture_output=True, text=True, check=True, env=env)
             runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(f"{source.name} ({source.kind}, quantization {args.quantization}, "
               f"{footprint.num_parameters / 1e6:.0f}M parameters, "
               f"file(s) {sum(p.stat().st_size for p in _files(source)) / 1e6:.0f} MB)")
-        peak, grown = runs[1]["peak"], runs[1]["grown"]
-        print(f"  load: {runs[0]['seconds']:.1f} s first, {runs[1]['seconds']:.1f} s cached; "
-              f"resident peak +{peak / 1e6:.0f} MB "
-              f"(the mapped file's pages included), anonymous memory after +{grown / 1e6:.0f} MB "
-              f"({grown / footprint.num_parameters:.1f} bytes a weight)")
+        mapped = packed_cache.locate(source, args.quantization, cpu_kernels())
+        print(f"  load: {runs[0]['seconds']:.1f} s first, {runs[1]['seconds']:.1f} s cached "
+              f"({'packed weights mapped from ' + str(mapped.path) if mapped else 'no packed-weights cache'}), "
+              f"{runs[2]['seconds']:.1f} s packing again (INFLIGHT_PACKED_CACHE=off)")
+        for name, run in (("cached", runs[1]), ("packing again", runs[2])):
+            print(f"  {name}: resident peak +{run['peak'] / 1e6:.0f} MB (mapped pages included), anonymous memory "
+                  f"after +{run['grown'] / 1e6:.0f} MB ({run['grown'] / footprint.num_parameters:.1f} bytes a "
+                  f"weight), file pages mapped after +{run['file'] / 1e6:.0f} MB")
+        peak = runs[2]["peak"]
         print(f"  the guard's estimate: {footprint.peak / 1e6:.0f} MB ({footprint.peak / peak:.2f}x the peak)")
         for what, size in footprint.parts:
             print(f"    {size / 1e6:8.0f} MB  {what}")

@@ -133,7 +133,10 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, backend: str = "torch",
                  gguf_blocks: tuple[str | list[str], torch.Tensor | list[torch.Tensor]] | None = None,
-                 int8: bool = False, int8_activations: bool = False, bf16_activations: bool = False) -> None:
+                 int8: bool = False, int8_activations: bool = False, bf16_activations: bool = False,
+                 packed: torch.Tensor | None = None) -> None:
+        """`packed`: this matrix's packing as an earlier load of the same file by the same build
+        made it (`packed_cache`), in place of packing `gguf_blocks` or quantizing again."""
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.backend = backend
@@ -141,7 +144,11 @@ class Linear:
         self.blocks: torch.Tensor | None = None
         if weight.is_meta and not (backend == "inflight" and gguf_blocks is not None and blocks_usable()):
             raise ModelLoadError("a weight was left in its GGUF blocks on a path that cannot read them")
-        if int8:
+        if packed is not None and backend == "inflight":
+            self._kernels = cpu_kernels()
+            self.blocks = packed
+            self.weight = torch.empty(0)
+        elif int8:
             if backend != "inflight":
                 raise ModelLoadError("quantization int8 runs on inflight's CPU kernels in fp32 (a CPU with AVX2, "
                                      "--dtype float32)")

@@ -130,7 +130,8 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
                  gguf_blocks: dict[str, tuple[str, torch.Tensor]] | None = None,
                  embedding: GGUFRows | WidenedRows | None = None, int8: bool = False,
-                 int8_activations: bool = False, bf16_activations: bool = False) -> None:
+                 int8_activations: bool = False, bf16_activations: bool = False,
+                 packed: dict[str, torch.Tensor] | None = None) -> None:
         """`gguf_blocks`: weights as stored, in `loader.BLOCK_TYPES` (a GGUF file's blocks, a
         checkpoint's 16-bit matrices: `load_blocks`), which the weight matmuls read instead of
         fp32 where the CPU kernels can; `embedding`: the token embedding read by row
@@ -139,7 +140,8 @@ class LlamaModel:
         as it is);
         `int8_activations`: every matmul kept as quantized GGUF blocks, the LM head too, multiplies
         them by int8 activations (`Linear`), as llama.cpp does; `bf16_activations` likewise every
-        matmul kept in bf16 by bf16 activations."""
+        matmul kept in bf16 by bf16 activations; `packed`: matrices as an earlier load packed
+        them (`packed_cache`, by their first weight's name), used in place of packing again."""
         self.config = config
         self.device = device
 
@@ -169,6 +171,9 @@ class LlamaModel:
             self.embed_tokens = embedding
         self.dtype = self.embed_tokens.dtype
         backend = linear_backend(device, self.dtype)
+        # Every matmul's packing (GGUF blocks, 16-bit or int8), by its first weight's name: what
+        # `packed_cache` keeps for the next load.
+        self.packed: dict[str, torch.Tensor] = {}
 
         def linear(*names: str, bias: tuple[str, ...] | None = None) -> Linear:
             stored = [take(n) for n in names]
@@ -183,8 +188,11 @@ class LlamaModel:
             quantized = None
             if len(parts) == len(names):  # packed from where they lie (`loader._blocks_kept` says which fuse)
                 quantized = ([kind for kind, _ in parts], [raw for _, raw in parts])
-            return Linear(weight, b, backend, gguf_blocks=quantized, int8=int8, int8_activations=int8_activations,
-                          bf16_activations=bf16_activations)
+            made = Linear(weight, b, backend, gguf_blocks=quantized, int8=int8, int8_activations=int8_activations,
+                          bf16_activations=bf16_activations, packed=(packed or {}).get(names[0]))
+            if made.blocks is not None:
+                self.packed[names[0]] = made.blocks
+            return made
 
         arch = architecture(config.architecture)
         self.final_norm = take("model.norm.weight")

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from inflight.model import packed_cache
+from inflight.model.kernels import cpu_kernels
 from inflight.model.linear import blocks_usable, check_bf16_activations, check_int8_activations
 from inflight.model.llama import LlamaModel
 from inflight.model.loader import load_blocks, load_checkpoint, load_embedding, release_file_pages, resolve_model
@@ -32,9 +34,12 @@ class LoadedModel:
         stores: a matrix kept as stored is widened alone, just before, so the model is never
         held in fp32 whole. With `int8-activations`, the matrices kept as quantized GGUF blocks
         multiply int8 activations (`Linear`); refused where there are none; with `bf16-activations`
-        the matrices kept in bf16 multiply bf16 activations."""
+        the matrices kept in bf16 multiply bf16 activations. A large GGUF file's packed matrices
+        are kept on disk for the next load, which maps them instead (`packed_cache`)."""
         source = resolve_model(model)
         keep_blocks = dtype == torch.float32 and device.type == "cpu" and blocks_usable()
+        cache = packed_cache.locate(source, quantization, cpu_kernels()) if keep_blocks else None
+        kept = packed_cache.read(cache) if cache is not None else None
         config, weights = load_checkpoint(source, dtype, keep_blocks=keep_blocks)
         with ThreadPoolExecutor(1, thread_name_prefix="inflight-tokenizer") as pool:
             tokenizer = pool.submit(Tokenizer.load, source, config.eos_token_ids)
@@ -46,7 +51,9 @@ class LoadedModel:
                 check_bf16_activations(blocks, keep_blocks)
             llama = LlamaModel(config, weights, device, gguf_blocks=blocks, embedding=embedding,
                                int8=quantization == "int8", int8_activations=quantization == "int8-activations",
-                               bf16_activations=quantization == "bf16-activations")
+                               bf16_activations=quantization == "bf16-activations", packed=kept)
             del weights, blocks  # the model holds what it reads
+            if cache is not None and (kept is None or kept.keys() != llama.packed.keys()):
+                packed_cache.write(cache, llama.packed)
             release_file_pages(source)
             return cls(source.name, llama, tokenizer.result(), quantization)

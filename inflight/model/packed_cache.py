@@ -1,0 +1,161 @@
+"""A large GGUF model's packed matrices kept on disk, so that the next load maps them instead of
+repacking them.
+
+Repacking a file's blocks into the kernels' panels is quick, but it writes the whole packed
+model into fresh anonymous memory, and fresh memory is what a load pays for most: on 2 AMD EPYC
+Zen 4 cores of a virtual machine, three quarters of an 8B-shaped Q8_0 file's load went to the
+kernel zeroing new pages (`perf record`: `clear_page_erms`), the host backing each as the guest
+first touched it. So the first load of a file of at least `MIN_FILE_BYTES` writes what it packed
+to `$INFLIGHT_CACHE/packed/` (one file per model file and `--quantization`, replaced when the
+model file or the kernels' build changes), and later loads map that file read-only: from the page cache
+a restart costs a page-table walk instead of a repacking, and processes serving the same model
+(`--replicas`) share one copy of the weights in the page cache instead of one each.
+
+`INFLIGHT_PACKED_CACHE=off` turns it off. The cache is only ever a copy of what this build packs
+from this file (its key names both), and a file that cannot be read, written or trusted is
+ignored: the model is then packed as without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import mmap
+import os
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from inflight.model.loader import ModelSource, cache_dir
+
+logger = logging.getLogger(__name__)
+
+# Smaller files load in a second or two anyway; a copy of each would only fill the disk (and the
+# suite's temporary models would leave one each).
+MIN_FILE_BYTES = 512 * 1024 ** 2
+_MAGIC = b"INFLPAK1"
+_ALIGN = 4096  # each matrix on its own page
+_DTYPES = {"uint8": torch.uint8, "int8": torch.int8}
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """Where one model file's packed matrices are kept, and the key a kept file must carry."""
+
+    path: Path
+    key: str
+
+
+def locate(source: ModelSource, quantization: str, kernels: ModuleType | None) -> CacheEntry | None:
+    """The cache entry of `source` as this build packs it with `quantization`; None where the
+    cache is off, the source is not a GGUF file, or the file is small."""
+    if os.environ.get("INFLIGHT_PACKED_CACHE", "").lower() in ("off", "0", "false", "no") or kernels is None:
+        return None
+    if source.kind != "gguf":
+        return None
+    try:
+        stat = source.path.stat()
+    except OSError:
+        return None
+    if stat.st_size < MIN_FILE_BYTES:
+        return None
+    where = str(source.path.resolve())
+    key = json.dumps([where, stat.st_size, stat.st_mtime_ns, kernels.__name__, quantization])
+    name = f"{_digest(json.dumps([where, quantization]))}-{_digest(key)}.bin"  # one kept per file and form
+    return CacheEntry(cache_dir() / "packed" / name, key)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def read(entry: CacheEntry) -> dict[str, torch.Tensor] | None:
+    """The packed matrices kept for `entry`, as read-only views of the mapped file (no copy);
+    None where there is no such file or it does not carry the entry's key."""
+    try:
+        with open(entry.path, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    except (OSError, ValueError):  # none yet (or empty)
+        return None
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        if mapped[:len(_MAGIC)] != _MAGIC:
+            raise ValueError("not a packed-weights file")
+        length = int.from_bytes(mapped[8:16], "little")
+        header = json.loads(mapped[16:16 + length])
+        if header["key"] != entry.key:
+            raise ValueError("kept for another file or build")
+        with warnings.catch_warnings():  # the kernels only read them
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            for name, (dtype, offset, nbytes) in header["tensors"].items():
+                if offset % _ALIGN or offset + nbytes > len(mapped):
+                    raise ValueError(f"{name} lies outside the file")
+                tensors[name] = torch.frombuffer(mapped, dtype=_DTYPES[dtype], count=nbytes, offset=offset)
+    except (KeyError, TypeError, ValueError) as exc:
+        logger.info("packed weights %s ignored (%s); packing the model again", entry.path, exc)
+        return None  # the mapping goes with the views made of it
+    # Mapped in now, from the page cache (or read from disk now rather than in the first step).
+    for advice in (_MADV_POPULATE_READ, mmap.MADV_WILLNEED):
+        try:
+            mapped.madvise(advice)
+            break
+        except OSError:  # before Linux 5.14
+            continue
+    return tensors
+
+
+_MADV_POPULATE_READ = 22  # <linux/mman.h>; not in Python 3.11's mmap module
+
+
+def write(entry: CacheEntry, tensors: dict[str, torch.Tensor]) -> None:
+    """Keeps `tensors` (1-D uint8 or int8 packings) for the next load: written whole to a
+    temporary file, then renamed over the entry, and the files kept for earlier versions of the
+    same model file in the same form (quantization) removed. Skipped, with a log line, where the
+    disk lacks room for it twice over; an unwritable cache only costs the next load its time."""
+    tmp = None
+    try:
+        relative, size = {}, 0  # each matrix's place after the header's pages
+        for name, t in tensors.items():
+            if t.dim() != 1 or t.dtype not in (torch.uint8, torch.int8):
+                raise ValueError(f"{name} is not a packing")
+            relative[name] = (str(t.dtype).removeprefix("torch."), size, t.numel())
+            size += -(-t.numel() // _ALIGN) * _ALIGN
+        start = _ALIGN
+        while True:  # as many pages as the header takes, its offsets counted in
+            table = {name: (dtype, start + at, n) for name, (dtype, at, n) in relative.items()}
+            header = json.dumps({"key": entry.key, "tensors": table}).encode()
+            if 16 + len(header) <= start:
+                break
+            start = -(-(16 + len(header)) // _ALIGN) * _ALIGN
+        offset = start + size
+        entry.path.parent.mkdir(parents=True, exist_ok=True)
+        if shutil.disk_usage(entry.path.parent).free < 2 * offset:
+            logger.info("packed weights not kept: %s lacks %.1f GB of room", entry.path.parent, 2 * offset / 1e9)
+            return
+        fd, tmp = tempfile.mkstemp(dir=entry.path.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(_MAGIC + len(header).to_bytes(8, "little") + header)
+            for name, t in tensors.items():
+                f.seek(table[name][1])
+                f.write(t.contiguous().view(torch.uint8).numpy().data)
+            f.truncate(offset)
+        os.replace(tmp, entry.path)
+        tmp = None
+        prefix = entry.path.name.split("-")[0]
+        for old in entry.path.parent.glob(f"{prefix}-*.bin"):
+            if old != entry.path:
+                with contextlib.suppress(OSError):
+                    old.unlink()
+    except (OSError, ValueError) as exc:
+        logger.info("packed weights not kept (%s)", exc)
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)

@@ -1,0 +1,99 @@
+"""A large GGUF file's packed matrices kept on disk (`packed_cache`): the next load maps them
+instead of packing them again, and computes the same tokens; a changed file, another
+quantization or an unreadable cache file packs again; the cache can be turned off."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from inflight import LLM, SamplingParams
+from inflight.model import packed_cache
+from inflight.model.linear import Linear, blocks_usable
+from inflight.model.loaded import LoadedModel
+from inflight.model.loader import resolve_model
+
+pytestmark = pytest.mark.skipif(not blocks_usable(), reason="the packings are the CPU block kernels'")
+
+PROMPTS = ["The capital of France is", "def add(a, b):"]
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setattr(packed_cache, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(packed_cache, "MIN_FILE_BYTES", 0)  # the embedded model is small
+    monkeypatch.delenv("INFLIGHT_PACKED_CACHE", raising=False)
+    return tmp_path / "packed"
+
+
+def load(model: str | None = None, quantization: str = "none") -> LoadedModel:
+    return LoadedModel.load(model, torch.float32, torch.device("cpu"), quantization)
+
+
+def greedy(loaded: LoadedModel) -> list[list[int]]:
+    llm = LLM(loaded=loaded, quantization=loaded.quantization, num_kv_blocks=32)
+    return [out.token_ids for out in llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0))]
+
+
+def no_packing(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*_: object, **__: object) -> torch.Tensor:
+        raise AssertionError("a matrix was packed again")
+
+    monkeypatch.setattr(Linear, "_pack_blocks", refuse)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_the_next_load_maps_what_the_first_packed(cache: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  quantization: str) -> None:
+    first = load(quantization=quantization)
+    kept = list(cache.glob("*.bin"))
+    assert len(kept) == 1
+    # every matmul of the 30 layers (q/k/v and gate/up fused) and the LM head
+    assert len(first.model.packed) == 30 * 4 + 1
+    expected = greedy(first)
+    with monkeypatch.context() as patched:
+        no_packing(patched)
+        second = load(quantization=quantization)
+    assert second.model.packed.keys() == first.model.packed.keys()
+    for name, packing in first.model.packed.items():
+        mapped = second.model.packed[name]
+        assert mapped.dtype == (torch.int8 if quantization == "int8" else torch.uint8)
+        assert torch.equal(mapped, packing), name
+    assert greedy(second) == expected
+    assert list(cache.glob("*.bin")) == kept  # read, not written again
+
+
+def test_a_changed_file_another_form_or_a_bad_cache_file_packs_again(cache: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tmp_path / "model.gguf"
+    shutil.copy(resolve_model(None).path, model)
+    first = load(str(model))
+    (kept,) = cache.glob("*.bin")
+    os.utime(model, ns=(model.stat().st_atime_ns, model.stat().st_mtime_ns + 10**9))  # the file changed
+    second = load(str(model))
+    (rewritten,) = cache.glob("*.bin")  # the stale one removed
+    assert rewritten != kept
+    load(str(model), quantization="int8")  # another form: kept beside, not in place of it
+    assert len(list(cache.glob("*.bin"))) == 2 and rewritten.exists()
+    for damage in (b"", b"INFLPAK1" + (10**6).to_bytes(8, "little") + b"{", rewritten.read_bytes()[:5000]):
+        rewritten.write_bytes(damage)
+        again = load(str(model))  # ignored, packed, and kept whole again
+        assert all(torch.equal(again.model.packed[name], t) for name, t in first.model.packed.items())
+    with monkeypatch.context() as patched:
+        no_packing(patched)
+        assert greedy(load(str(model))) == greedy(second)
+
+
+def test_the_cache_can_be_turned_off_and_small_files_are_not_kept(cache: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("INFLIGHT_PACKED_CACHE", "off")
+    load()
+    assert not list(cache.glob("*.bin"))
+    monkeypatch.delenv("INFLIGHT_PACKED_CACHE")
+    monkeypatch.setattr(packed_cache, "MIN_FILE_BYTES", resolve_model(None).path.stat().st_size + 1)
+    load()
+    assert not cache.exists() or not list(cache.glob("*.bin"))
