@@ -150,3 +150,35 @@ def test_the_weights_estimate_bounds_what_a_load_takes(tmp_path, kind):
     # The estimate is of the load's peak; the growth is measured after it (a directory's stored
     # tensors, freed by then, are part of the one and not the other).
     assert grown <= estimate <= 1.75 * grown, (grown, estimate)
+
+
+def test_replicas_count_the_packed_weights_kept_on_disk_once(monkeypatch, tmp_path, never_loaded):
+    """`serve --replicas N` checks N copies, but a large file's packed matrices kept on disk
+    (`packed_cache`) are mapped by every replica from one copy in the page cache: counted once."""
+    from inflight.config import EngineConfig
+    from inflight.engine.engine import check_engine_fits
+    from inflight.engine.memory import plan_memory
+    from inflight.model import packed_cache
+    from inflight.model.kernels import cpu_kernels
+    from inflight.model.linear import blocks_usable
+
+    if not blocks_usable():
+        pytest.skip("the packings are the CPU block kernels'")
+    monkeypatch.setattr(packed_cache, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(packed_cache, "MIN_FILE_BYTES", 0)
+    monkeypatch.delenv("INFLIGHT_PACKED_CACHE", raising=False)
+    config = EngineConfig.from_kwargs(None, num_kv_blocks=64)
+    source = resolve_model(None)
+    total = plan_memory(config, source, torch.float32, torch.device("cpu"), packed=True).total
+    kept = 80 * 1024 ** 2  # the packings' bytes, as the file's header states them
+    monkeypatch.setattr("inflight.engine.memory.available_memory_bytes", lambda device: kept + 4 * (total - kept) + 1)
+    with pytest.raises(ConfigError, match="each of 4 replicas\\)"):  # nothing kept yet: four copies
+        check_engine_fits(config, copies=4)
+    entry = packed_cache.locate(source, "none", cpu_kernels())
+    packed_cache.write(entry, {"model.layers.0.mlp.down_proj.weight": torch.zeros(kept, dtype=torch.uint8)})
+    assert packed_cache.kept_bytes(entry) == kept
+    check_engine_fits(config, copies=4)  # the kept copy counted once: fits
+    with pytest.raises(ConfigError, match="each of 5 replicas, 0.1 of the weights kept on disk and mapped once"):
+        check_engine_fits(config, copies=5)
+    other = packed_cache.locate(source, "int8", cpu_kernels())  # kept for another form: not this one's
+    assert other is not None and packed_cache.kept_bytes(other) == 0

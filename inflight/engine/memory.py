@@ -16,6 +16,8 @@ import torch
 
 from inflight.config import ENGINE_KV_DTYPES, EngineConfig, ModelConfig, SchedulerConfig
 from inflight.errors import ConfigError
+from inflight.model import packed_cache
+from inflight.model.kernels import cpu_kernels
 from inflight.model.linear import blocks_usable
 from inflight.model.loader import ModelSource, WeightFootprint, load_model_config, weight_footprint
 
@@ -188,18 +190,24 @@ def plan_memory(config: EngineConfig, source: ModelSource, dtype: torch.dtype, d
 def check_memory(config: EngineConfig, source: ModelSource, dtype: torch.dtype, device: torch.device,
                  packed: bool, copies: int = 1) -> MemoryPlan:
     """Refuses, before anything is allocated, an engine (or `copies` of it, each its own
-    process: nothing but a GGUF file's page cache is shared between them) that would not fit in
-    the memory available, with one line: what it needs, what is free, and which option would
-    fit. On CPU only (a GPU's weights and pool are sized by other rules)."""
+    process: what they share is a GGUF file's page cache and, once a large file's packed
+    matrices are kept on disk, that mapped copy, counted once) that would not fit in the memory
+    available, with one line: what it needs, what is free, and which option would fit. On CPU
+    only (a GPU's weights and pool are sized by other rules)."""
     plan = plan_memory(config, source, dtype, device, packed)
-    need = copies * plan.total
+    shared = 0
+    if copies > 1 and device.type == "cpu" and dtype == torch.float32 and blocks_usable():
+        entry = packed_cache.locate(source, config.quantization, cpu_kernels())
+        shared = min(packed_cache.kept_bytes(entry), plan.weights.peak) if entry is not None else 0
+    need = shared + copies * (plan.total - shared)
     if device.type != "cpu" or need <= plan.available:
         return plan
     each = "" if copies == 1 else f" each of {copies} replicas"
+    mapped = f", {shared / _GIB:.1f} of the weights kept on disk and mapped once" if shared else ""
     said = (f"{source.name} needs about {need / _GIB:.1f} GiB (weights {plan.weights.peak / _GIB:.1f} as inflight "
-            f"loads them, KV pool {plan.kv_pool / _GIB:.1f}, activations {plan.activations / _GIB:.1f}{each}) "
+            f"loads them, KV pool {plan.kv_pool / _GIB:.1f}, activations {plan.activations / _GIB:.1f}{each}{mapped}) "
             f"and {plan.available / _GIB:.1f} GiB is available")
-    share = plan.available // copies
+    share = shared + (plan.available - shared) // copies  # what each replica has, the mapped weights counted in
     room = share - plan.weights.peak - plan.activations  # for the pool
     if plan.kv_option and room >= plan.kv_bytes_per_block:
         blocks = room // plan.kv_bytes_per_block

@@ -114,6 +114,22 @@ def read(entry: CacheEntry) -> dict[str, torch.Tensor] | None:
 _MADV_POPULATE_READ = 22  # <linux/mman.h>; not in Python 3.11's mmap module
 
 
+def kept_bytes(entry: CacheEntry) -> int:
+    """The bytes of the packings kept for `entry` (what processes loading it map and share), from
+    its header alone; 0 where none are kept."""
+    try:
+        with open(entry.path, "rb") as f:
+            head = f.read(16)
+            if head[:8] != _MAGIC:
+                return 0
+            header = json.loads(f.read(int.from_bytes(head[8:16], "little")))
+        if header["key"] != entry.key:
+            return 0
+        return sum(int(nbytes) for _, _, nbytes in header["tensors"].values())
+    except (OSError, KeyError, TypeError, ValueError):
+        return 0
+
+
 def write(entry: CacheEntry, tensors: dict[str, torch.Tensor]) -> None:
     """Keeps `tensors` (1-D uint8 or int8 packings) for the next load: written whole to a
     temporary file, then renamed over the entry, and the files kept for earlier versions of the
