@@ -280,13 +280,19 @@ def child(engine: str, job_path: str, result_path: str) -> None:
         from inflight_runners import _drive
 
         from inflight import LLM
+        from inflight.model import packed_cache
         from inflight.model.kernels import cpu_kernels
         from inflight.model.linear import linear_backend
+        from inflight.model.loader import resolve_model
 
         kernels = cpu_kernels()  # built by the untimed prepare step; loaded here, before the clock
+        # A large file's packed weights kept by an earlier load are mapped, not packed again
+        # (`packed_cache`): which of the two the load time is.
+        kept = packed_cache.locate(resolve_model(job["model"]), QUANTIZATION[engine], kernels)
         info.update(torch=torch.__version__, torch_threads=torch.get_num_threads(),
                     kernels=kernels.isa() if kernels is not None else None,
-                    linear=linear_backend(torch.device("cpu"), torch.float32))
+                    linear=linear_backend(torch.device("cpu"), torch.float32),
+                    packed_weights="mapped" if kept is not None and packed_cache.kept_bytes(kept) else "packed")
         import_s = time.perf_counter() - t_import
         before = proc_status()
         t0 = time.perf_counter()
@@ -568,6 +574,8 @@ def _save(path: str, record: dict[str, Any]) -> None:
 
 
 def print_table(record: dict[str, Any]) -> None:
+    """One row per file and engine; a load time marked m mapped packed weights an earlier load
+    kept (`packed_cache`) instead of packing them."""
     cfg = record["config"]
     gb = 1e9
     print(f"\n{record['machine']['cpu']}; {cfg['threads']} threads; single: {cfg['single_prompt']}-token prompt, "
@@ -584,7 +592,8 @@ def print_table(record: dict[str, Any]) -> None:
                 print(f"{name:<34} {engine:<9} failed: {r['error'].splitlines()[0][:60]}")
                 continue
             m, end = r["after_load"], r["end"]
-            print(f"{name:<34} {engine:<9} {r['load_s']:7.2f} {m['VmRSS'] / gb:7.2f} {m['RssAnon'] / gb:6.2f} "
+            mapped = "m" if r.get("info", {}).get("packed_weights") == "mapped" else " "
+            print(f"{name:<34} {engine:<9} {r['load_s']:6.2f}{mapped} {m['VmRSS'] / gb:7.2f} {m['RssAnon'] / gb:6.2f} "
                   f"{m['RssFile'] / gb:6.2f} {end['VmHWM'] / gb:8.2f} {end['RssAnon'] / gb:8.2f} "
                   f"{r['single']['decode_tok_s']:14.2f} {r['burst']['tok_s']:11.1f} "
                   f"{r.get('other_processes_cpu_s', float('nan')):12.0f}")
