@@ -82,7 +82,7 @@ def read(entry: CacheEntry) -> dict[str, torch.Tensor] | None:
     try:
         with open(entry.path, "rb") as f:
             mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-    except (OSError, ValueError):  # none yet (or empty)
+    except (OSError, ValueError, TypeError, AttributeError):  # none yet (or empty); no mmap's prot off Unix
         return None
     tensors: dict[str, torch.Tensor] = {}
     try:
