@@ -15,22 +15,23 @@ subprocess. For each file and engine:
 Equal work: the same prompt token ids (seeded, random ids, no BOS added by either engine), the same
 output lengths, greedy by argmax, the same threads (torch intra-op and llama.cpp's n_threads and
 n_threads_batch), the same step budget (512 tokens a step, decodes first, then prompt chunks) and
-the same KV capacity in tokens (64 sequences x a per-sequence context rounded up to 256 tokens)
-in the same bytes: llama.cpp's f16 cache, inflight's pool in fp16 (`--kv-cache-dtype float16`;
+the same KV capacity in tokens (64 sequences x a per-sequence context rounded up to 256 tokens) in
+the same bytes: llama.cpp's f16 cache, inflight's pool in fp16 (`--kv-cache-dtype float16`;
 `--kv-cache-dtype auto` gives inflight its fp32 pool, twice the bytes). llama.cpp runs through
 llama-cpp-python's low-level batch API with the loop of `peers/llama_cpp_runner.py` (row (f) of
-peers.py), its file mapped (mmap, its default) and its CPU "extra" buffer types as they come (it
-may repack weights to interleaved layouts, in anonymous memory); inflight through `LLMEngine.add_request` /
-`step` as `peers/inflight_runners.py` drives it. Before each engine's process the file is read
-once (untimed) so that both load from the page cache, and inflight's per-file caches (GGUF
-index, converted tokenizer) and its C++ kernels are built by an untimed process first, so that
-the load timed is the one a restarted server sees. Each child warms up with two short requests
-before the single-stream and burst runs. The weights may be random: this measures speed and
-memory, and how often the two engines' greedy tokens agree is reported only as a sanity check
-(they do not compute bit-identical logits: llama.cpp quantizes activations to 8 bits for its
-dot products, inflight multiplies fp32 activations by the dequantized weights; `inflight-a8`,
-inflight with `--quantization int8-activations`, computes llama.cpp's way, its own contract).
-
+peers.py), its file mapped (mmap, its default) and its CPU "extra" buffer types as they come (it may
+repack weights to interleaved layouts, in anonymous memory); inflight through
+`LLMEngine.add_request` / `step` as `peers/inflight_runners.py` drives it. Before each engine's
+process the file is read once (untimed) so that both load from the page cache, and inflight's
+per-file caches (GGUF index, converted tokenizer, a large file's packed weights for each inflight
+engine's form, unless INFLIGHT_PACKED_CACHE=off) and its C++ kernels are built by an untimed process
+first, so that the load timed is the one a restarted server sees (marked m where it mapped kept
+packed weights). Each child warms up with two short requests before the single-stream and burst
+runs. The weights may be random: this measures speed and memory, and how often the two engines'
+greedy tokens agree is reported only as a sanity check (they do not compute bit-identical logits:
+llama.cpp quantizes activations to 8 bits for its dot products, inflight multiplies fp32 activations
+by the dequantized weights; `inflight-a8`, inflight with `--quantization int8-activations`, computes
+llama.cpp's way, its own contract).
 Engines (`--engines`, in this order by default): inflight, inflight-a8, llama.cpp; also
 inflight-bf16 (for a BF16 file: `--quantization bf16-activations`). Prompts are
 random ids below 128000 and the file's vocabulary size (any Llama-shaped file, the embedded
@@ -357,12 +358,19 @@ def _system_info(llama_cpp: Any) -> str:
 
 _PREPARE = """
 import sys
+import torch
+from inflight.model import packed_cache
 from inflight.model.kernels import cpu_kernels
+from inflight.model.loaded import LoadedModel
 from inflight.model.loader import load_model_config, resolve_model
 from inflight.model.tokenizer import Tokenizer
 cpu_kernels()
 source = resolve_model(sys.argv[1])
 Tokenizer.load(source, load_model_config(source).eos_token_ids)
+for quantization in sys.argv[2:]:  # a large file's packed weights, kept for the timed loads to map
+    entry = packed_cache.locate(source, quantization, cpu_kernels())
+    if entry is not None and not packed_cache.kept_bytes(entry):
+        LoadedModel.load(sys.argv[1], torch.float32, torch.device("cpu"), quantization)
 """
 
 
@@ -534,7 +542,8 @@ def main(argv: list[str] | None = None) -> int:
         model = str(Path(model).resolve())
         entry: dict[str, Any] = {"model": model, "size_bytes": Path(model).stat().st_size, "results": {}}
         if any(e.startswith("inflight") for e in engines):
-            subprocess.run([sys.executable, "-c", _PREPARE, model], check=True, cwd=REPO)
+            subprocess.run([sys.executable, "-c", _PREPARE, model,
+                            *(QUANTIZATION[e] for e in engines if e.startswith("inflight"))], check=True, cwd=REPO)
         work = workload(args.seed, args.single_prompt, args.single_tokens, args.burst_requests, (lo, hi),
                         args.burst_tokens, vocabulary_size(model))
         job = {"model": model, "threads": args.threads, "n_ctx_per_seq": n_ctx_per_seq,
