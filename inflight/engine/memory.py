@@ -18,7 +18,7 @@ from inflight.config import ENGINE_KV_DTYPES, EngineConfig, ModelConfig, Schedul
 from inflight.errors import ConfigError
 from inflight.model import packed_cache
 from inflight.model.kernels import cpu_kernels
-from inflight.model.linear import blocks_usable
+from inflight.model.linear import keeps_blocks
 from inflight.model.loader import ModelSource, WeightFootprint, load_model_config, weight_footprint
 
 logger = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ def plan_memory(config: EngineConfig, source: ModelSource, dtype: torch.dtype, d
                 packed: bool) -> MemoryPlan:
     model = load_model_config(source)
     weights = weight_footprint(source, dtype, packed=packed,
-                               blocks=device.type == "cpu" and dtype == torch.float32 and blocks_usable(),
+                               blocks=keeps_blocks(dtype, device),
                                int8=config.quantization == "int8")
     cache = config.cache
     kv_dtype = select_kv_dtype(cache.kv_cache_dtype, dtype)
@@ -196,7 +196,7 @@ def check_memory(config: EngineConfig, source: ModelSource, dtype: torch.dtype, 
     only (a GPU's weights and pool are sized by other rules)."""
     plan = plan_memory(config, source, dtype, device, packed)
     shared = 0
-    if copies > 1 and device.type == "cpu" and dtype == torch.float32 and blocks_usable():
+    if copies > 1 and keeps_blocks(dtype, device):
         entry = packed_cache.locate(source, config.quantization, cpu_kernels())
         shared = min(packed_cache.kept_bytes(entry), plan.weights.peak) if entry is not None else 0
     need = shared + copies * (plan.total - shared)

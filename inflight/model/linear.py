@@ -74,6 +74,12 @@ def blocks_usable() -> bool:
             and kernels.gguf_blocks_available())
 
 
+def keeps_blocks(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a model loaded in `dtype` on `device` keeps its stored matrices as stored (and
+    so packs them, `packed_cache` keeps them): fp32 on a CPU whose kernels read blocks."""
+    return dtype == torch.float32 and device.type == "cpu" and blocks_usable()
+
+
 def int8_row_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """From each row's max |w|: (scale = max / 127, inv = 127 / max, 0 for an all-zero row)."""
     return amax / 127, torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))

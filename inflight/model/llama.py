@@ -197,8 +197,8 @@ class LlamaModel:
         arch = architecture(config.architecture)
         self.final_norm = take("model.norm.weight")
         # With int8 the LM head too, as llama.cpp's Q8_0 files hold it: +0.16% perplexity on the
-        # embedded model, the task's scores unchanged (docs/models.md), and a sixth of the step's
-        # matmuls at a third of their time. A tied head is quantized from the embedding apart.
+        # embedded model, the task's scores unchanged, a 64-request decode step's head 5.6 ms
+        # against 18.7 in fp32 (docs/models.md). A tied head is quantized from the embedding apart.
         self.lm_head = linear("lm_head.weight")
         self.layers: list[DecoderLayer] = []
         for i in range(config.num_layers):

@@ -10,7 +10,7 @@ import torch
 
 from inflight.model import packed_cache
 from inflight.model.kernels import cpu_kernels
-from inflight.model.linear import blocks_usable, check_bf16_activations, check_int8_activations
+from inflight.model.linear import check_bf16_activations, check_int8_activations, keeps_blocks
 from inflight.model.llama import LlamaModel
 from inflight.model.loader import load_blocks, load_checkpoint, load_embedding, release_file_pages, resolve_model
 from inflight.model.tokenizer import Tokenizer
@@ -31,13 +31,13 @@ class LoadedModel:
         weights' is the C++ repacking, which runs without the GIL (a 1B Q4_K_M GGUF on 2 Ice Lake
         cores: 3.3-3.8 s, against 3.8-4.2 s one after the other, alternated). With `quantization`
         int8, each matrix is quantized from its fp32 form (`Linear`), whatever the checkpoint
-        stores: a matrix kept as stored is widened alone, just before, so the model is never
-        held in fp32 whole. With `int8-activations`, the matrices kept as quantized GGUF blocks
+        stores: a matrix kept as stored is widened a block panel of rows at a time, so no matrix
+        is ever held in fp32 whole. With `int8-activations`, the matrices kept as quantized GGUF blocks
         multiply int8 activations (`Linear`); refused where there are none; with `bf16-activations`
         the matrices kept in bf16 multiply bf16 activations. A large GGUF file's packed matrices
         are kept on disk for the next load, which maps them instead (`packed_cache`)."""
         source = resolve_model(model)
-        keep_blocks = dtype == torch.float32 and device.type == "cpu" and blocks_usable()
+        keep_blocks = keeps_blocks(dtype, device)
         cache = packed_cache.locate(source, quantization, cpu_kernels()) if keep_blocks else None
         kept = packed_cache.read(cache) if cache is not None else None
         config, weights = load_checkpoint(source, dtype, keep_blocks=keep_blocks)

@@ -30,6 +30,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any, BinaryIO
 
 import torch
 
@@ -76,31 +77,37 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _header(f: BinaryIO, entry: CacheEntry) -> dict[str, Any]:
+    """A kept file's header (its key and, by name, each packing's dtype, offset and bytes), read
+    from the start of `f`; ValueError where it is not one or carries another key."""
+    head = f.read(16)
+    if head[:8] != _MAGIC:
+        raise ValueError("not a packed-weights file")
+    header = json.loads(f.read(int.from_bytes(head[8:16], "little")))
+    if not isinstance(header, dict) or header.get("key") != entry.key:
+        raise ValueError("kept for another file or build")
+    return header
+
+
 def read(entry: CacheEntry) -> dict[str, torch.Tensor] | None:
     """The packed matrices kept for `entry`, as read-only views of the mapped file (no copy);
     None where there is no such file or it does not carry the entry's key."""
-    try:
-        with open(entry.path, "rb") as f:
-            mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-    except (OSError, ValueError, TypeError, AttributeError):  # none yet (or empty); no mmap's prot off Unix
-        return None
     tensors: dict[str, torch.Tensor] = {}
     try:
-        if mapped[:len(_MAGIC)] != _MAGIC:
-            raise ValueError("not a packed-weights file")
-        length = int.from_bytes(mapped[8:16], "little")
-        header = json.loads(mapped[16:16 + length])
-        if header["key"] != entry.key:
-            raise ValueError("kept for another file or build")
+        with open(entry.path, "rb") as f:
+            header = _header(f, entry)
+            mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
         with warnings.catch_warnings():  # the kernels only read them
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             for name, (dtype, offset, nbytes) in header["tensors"].items():
                 if offset % _ALIGN or offset + nbytes > len(mapped):
                     raise ValueError(f"{name} lies outside the file")
                 tensors[name] = torch.frombuffer(mapped, dtype=_DTYPES[dtype], count=nbytes, offset=offset)
-    except (KeyError, TypeError, ValueError) as exc:
+    except FileNotFoundError:
+        return None
+    except (OSError, KeyError, TypeError, ValueError, AttributeError) as exc:  # AttributeError: no prot off Unix
         logger.info("packed weights %s ignored (%s); packing the model again", entry.path, exc)
-        return None  # the mapping goes with the views made of it
+        return None  # a mapping goes with the views made of it
     # Mapped in now, from the page cache (or read from disk now rather than in the first step).
     for advice in (_MADV_POPULATE_READ, mmap.MADV_WILLNEED):
         try:
@@ -119,13 +126,7 @@ def kept_bytes(entry: CacheEntry) -> int:
     its header alone; 0 where none are kept."""
     try:
         with open(entry.path, "rb") as f:
-            head = f.read(16)
-            if head[:8] != _MAGIC:
-                return 0
-            header = json.loads(f.read(int.from_bytes(head[8:16], "little")))
-        if header["key"] != entry.key:
-            return 0
-        return sum(int(nbytes) for _, _, nbytes in header["tensors"].values())
+            return sum(int(nbytes) for _, _, nbytes in _header(f, entry)["tensors"].values())
     except (OSError, KeyError, TypeError, ValueError):
         return 0
 

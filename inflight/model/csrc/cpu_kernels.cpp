@@ -3130,66 +3130,63 @@ torch::Tensor pack_int8_weight(torch::Tensor q, torch::Tensor scales) {
   return packing.out;
 }
 
-// max |w| of each row of a weight [N, K] (exact), the first half of quantizing it at load: an
-// fp32 one, or one packed by pack_gguf_blocks (its rows as gguf_blocks_dequantize makes them).
-torch::Tensor row_absmax(torch::Tensor w) {
-  const bool blocks = w.scalar_type() == torch::kUInt8;
-  TORCH_CHECK(blocks || (w.dtype() == torch::kFloat32 && w.dim() == 2 && w.is_contiguous()),
+namespace {
+// The rows of a weight [N, K] quantized at load: an fp32 one, or one packed by pack_gguf_blocks
+// (its rows as gguf_blocks_dequantize makes them, a block panel at a time): its shape, and
+// fn(row, its K fp32 values) for every row, in parallel (`grain` rows at least a thread, fp32).
+std::pair<int64_t, int64_t> weight_rows_shape(const torch::Tensor& w) {
+  if (w.scalar_type() == torch::kUInt8) return gguf_blocks_shape(w);
+  TORCH_CHECK(w.dtype() == torch::kFloat32 && w.dim() == 2 && w.is_contiguous(),
               "float32 [N, K] contiguous or a pack_gguf_blocks packing only");
-  const auto [n, k] = blocks ? gguf_blocks_shape(w) : std::pair<int64_t, int64_t>{w.size(0), w.size(1)};
+  return {w.size(0), w.size(1)};
+}
+
+void for_each_weight_row(const torch::Tensor& w, int64_t grain,
+                         const std::function<void(int64_t, const float*)>& fn) {
+  if (w.scalar_type() == torch::kUInt8) return dequantized_rows(w, fn);
+  const float* wp = w.data_ptr<float>();
+  const int64_t k = w.size(1);
+  at::parallel_for(0, w.size(0), grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) fn(r, wp + r * k);
+  });
+}
+}  // namespace
+
+// max |w| of each row of a weight [N, K] (exact; as for_each_weight_row takes it), the first half
+// of quantizing it at load.
+torch::Tensor row_absmax(torch::Tensor w) {
+  const auto [rows, cols] = weight_rows_shape(w);
+  const int64_t n = rows, k = cols;  // a lambda cannot capture a structured binding before C++20
   auto out = torch::empty({n}, torch::kFloat32);
   float* op = out.data_ptr<float>();
-  const int64_t kk = k;  // a lambda cannot capture a structured binding before C++20
-  auto absmax = [&](int64_t r, const float* row) {
+  for_each_weight_row(w, 1, [&](int64_t r, const float* row) {
     float amax = 0.f;
-    for (int64_t i = 0; i < kk; ++i) amax = std::max(amax, std::fabs(row[i]));
+    for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
     op[r] = amax;
-  };
-  if (blocks) {
-    dequantized_rows(w, absmax);
-  } else {
-    const float* wp = w.data_ptr<float>();
-    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) absmax(r, wp + r * kk);
-    });
-  }
+  });
   return out;
 }
 
-// A weight [N, K] (as row_absmax takes it) quantized and packed in one parallel pass: each row's
-// qw = clamp(round_half_even(w * inv), -127, 127) with the row's `inv` (127 / max|w|, or 0), its
-// scale `scales` as given: pack_int8_weight of the same q, byte for byte (linear.quantize_int8
-// computes the same q in torch, the reference of tests/test_int8.py).
+// A weight [N, K] (as for_each_weight_row takes it) quantized and packed in one parallel pass:
+// each row's qw = clamp(round_half_even(w * inv), -127, 127) with the row's `inv` (127 / max|w|,
+// or 0), its scale `scales` as given: pack_int8_weight of the same q, byte for byte
+// (linear.quantize_int8 computes the same q in torch, the reference of tests/test_int8.py).
 torch::Tensor quantize_pack_int8(torch::Tensor w, torch::Tensor inv, torch::Tensor scales) {
-  const bool blocks = w.scalar_type() == torch::kUInt8;
-  TORCH_CHECK(blocks || (w.dtype() == torch::kFloat32 && w.dim() == 2 && w.is_contiguous()),
-              "float32 [N, K] contiguous or a pack_gguf_blocks packing only");
-  const auto [n, k] = blocks ? gguf_blocks_shape(w) : std::pair<int64_t, int64_t>{w.size(0), w.size(1)};
+  const auto [rows, cols] = weight_rows_shape(w);
+  const int64_t n = rows, k = cols;  // a lambda cannot capture a structured binding before C++20
   TORCH_CHECK(inv.dtype() == torch::kFloat32 && inv.numel() == n && scales.dtype() == torch::kFloat32 &&
                   scales.numel() == n, "inv and scales must be float32 [N]");
   Int8Packing packing(n, k, torch::TensorOptions().dtype(torch::kInt8));
   const auto inv_c = inv.contiguous(), scales_c = scales.contiguous();
   const float* ip = inv_c.data_ptr<float>();
   const float* sp = scales_c.data_ptr<float>();
-  const int64_t kk = k;  // a lambda cannot capture a structured binding before C++20
-  auto quantize = [&](int64_t col, const float* row, int8_t* q) {
-    for (int64_t i = 0; i < kk; ++i)
+  for_each_weight_row(w, kI8Cols, [&](int64_t col, const float* row) {  // fp32: whole panels a thread, mostly
+    thread_local std::vector<int8_t> q;
+    q.resize(k);
+    for (int64_t i = 0; i < k; ++i)
       q[i] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(row[i] * ip[col]))));
-    packing.column(col, q, sp[col]);  // columns apart: threads write distinct bytes
-  };
-  if (blocks) {
-    dequantized_rows(w, [&](int64_t col, const float* row) {
-      thread_local std::vector<int8_t> q;
-      q.resize(kk);
-      quantize(col, row, q.data());
-    });
-  } else {
-    const float* wp = w.data_ptr<float>();
-    at::parallel_for(0, n, kI8Cols, [&](int64_t begin, int64_t end) {  // whole panels a thread, mostly
-      std::vector<int8_t> q(kk);
-      for (int64_t col = begin; col < end; ++col) quantize(col, wp + col * kk, q.data());
-    });
-  }
+    packing.column(col, q.data(), sp[col]);  // columns apart: threads write distinct bytes
+  });
   return packing.out;
 }
 
