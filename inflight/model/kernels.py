@@ -20,6 +20,7 @@ from pathlib import Path
 from types import ModuleType
 
 from inflight.errors import ConfigError
+from inflight.model import kernel_tuning
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,11 @@ def load_kernels(target: str = "native") -> ModuleType:
         )
 
 
+def build_dir_of(module: ModuleType) -> Path:
+    """Where a loaded build lives (its cached library's directory), beside its tuning record."""
+    return Path(str(module.__file__)).parent
+
+
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
     """The compiled kernel module, or None if it is disabled or cannot be built."""
@@ -118,11 +124,13 @@ def cpu_kernels() -> ModuleType | None:
     target = kernel_target()
     try:
         logger.info("loading inflight's CPU kernels (%s build; compiled once, then cached)", target)
-        return load_kernels(target)
+        module = load_kernels(target)
     except Exception as exc:  # no compiler, no ninja, an odd platform: the torch path still works
         logger.warning("CPU kernels unavailable (%s); using the PyTorch path",
                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return None
+    kernel_tuning.apply(module, build_dir_of(module))
+    return module
 
 
 def build() -> None:
@@ -132,3 +140,5 @@ def build() -> None:
     module = cpu_kernels()
     where = f"{module.isa()} branch, {module.__file__}" if module else "unavailable (PyTorch fallback paths)"
     print(f"inflight CPU kernels: {where}")
+    if module is not None:
+        print(f"fp32 matmul tuning for this CPU: {kernel_tuning.describe(build_dir_of(module))}")

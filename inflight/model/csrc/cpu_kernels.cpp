@@ -1197,6 +1197,21 @@ enum class Prefetch { kNone, kEvery, kSpread };
 constexpr int64_t kSpreadPasses = 6;
 constexpr int64_t kSharedPassesOfMany = 3;
 
+// What a machine may want otherwise is chosen per machine by timing the candidates once per
+// build (kernels.py's tuning; set_gemm_tuning): the rows a microkernel pass takes (at most
+// kMaxRows: fewer accumulators and fewer activation streams through L1), and whether a panel's
+// passes prefetch the next panel at all, apart for a panel taken in one pass (a few rows: the
+// weight stream from DRAM is the whole cost) and in several (a core whose own prefetchers follow
+// the stream may lose more to the prefetch instructions than they gain: on 2 Zen 4 cores the
+// one-pass matmuls at 4 rows were 1.1-1.25x faster without). None of them changes a result: each
+// output is the same in-order sum over k whichever rows share a pass.
+struct GemmTuning {
+  int64_t max_rows = kMaxRows;
+  bool prefetch_one_pass = true;
+  bool prefetch_passes = true;
+};
+GemmTuning g_gemm;
+
 inline void prefetch_panel_row(const float* row) {
   __builtin_prefetch(row);
   if (kNR * sizeof(float) > 64) __builtin_prefetch(row + kVec);
@@ -1266,6 +1281,17 @@ void gemm_rows(int mr, const float* x, int64_t ldx, const float* w, int64_t K, c
 
 int64_t gemm_panel_width() { return kNR; }
 
+int64_t gemm_max_rows() { return kMaxRows; }
+
+void set_gemm_tuning(int64_t max_rows, bool prefetch_one_pass, bool prefetch_passes) {
+  TORCH_CHECK(max_rows >= 1 && max_rows <= kMaxRows, "max_rows must be 1 to ", kMaxRows, ", not ", max_rows);
+  g_gemm = {max_rows, prefetch_one_pass, prefetch_passes};
+}
+
+std::tuple<int64_t, bool, bool> gemm_tuning() {
+  return {g_gemm.max_rows, g_gemm.prefetch_one_pass, g_gemm.prefetch_passes};
+}
+
 // W [N, K] -> panels [ceil(N / kNR), K, kNR], the last one padded with zero columns.
 torch::Tensor pack_linear_weight(torch::Tensor weight) {
   TORCH_CHECK(weight.dtype() == torch::kFloat32 && weight.dim() == 2, "float32 [N, K] only");
@@ -1320,10 +1346,12 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
     const float* w = wp + p * K * kNR;
     const float* b = bp != nullptr ? bp + p * kNR : nullptr;
     const float* next = w + K * kNR;  // the next panel, most often this thread's next one
-    const int64_t chunks = (rows + kMaxRows - 1) / kMaxRows;
-    const int64_t sharing = chunks <= kSpreadPasses ? chunks : kSharedPassesOfMany;
+    const int64_t max_rows = g_gemm.max_rows;
+    const int64_t chunks = (rows + max_rows - 1) / max_rows;
+    const bool prefetch = chunks == 1 ? g_gemm.prefetch_one_pass : g_gemm.prefetch_passes;
+    const int64_t sharing = !prefetch ? 0 : chunks <= kSpreadPasses ? chunks : kSharedPassesOfMany;
     int64_t c = 0;
-    even_row_blocks(rows, kMaxRows, [&](int64_t r, int mr) {
+    even_row_blocks(rows, max_rows, [&](int64_t r, int mr) {
       const int64_t m = m_block + r;
       float* out = yp + m * n_pad + p * kNR;
       if (p + 1 == panels || c >= sharing) {
@@ -2112,7 +2140,7 @@ torch::Tensor gguf_blocks_gemm(torch::Tensor x, torch::Tensor packed, int64_t ou
       const uint8_t* panel = at;  // a lambda cannot capture a structured binding before C++20
       with_layout(layout, [&](auto l) { dequantize_panel<decltype(l)>(panel, K, wf + s * kQCols, kNR); });
     }
-    even_row_blocks(rows, kMaxRows, [&](int64_t r, int mr) {
+    even_row_blocks(rows, g_gemm.max_rows, [&](int64_t r, int mr) {
       const int64_t m = m_block + r;
       gemm_rows<Prefetch::kNone>(mr, xp + m * ldx, ldx, wf, K, nullptr, yp + m * n_pad + p * kNR, n_pad, nullptr, 0);
     });
@@ -3553,6 +3581,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up (CPU, fp32)");
   m.def("qk_norm_", &qk_norm_, "RMSNorm of the q and k of a fused qkv in groups of each scale's length, in place");
   m.def("gemm_panel_width", &gemm_panel_width, "Output columns per packed weight panel (32 with AVX-512)");
+  m.def("gemm_max_rows", &gemm_max_rows, "The most rows the fp32 microkernel takes in one pass (this build)");
+  m.def("set_gemm_tuning", &set_gemm_tuning,
+        "The fp32 matmuls' rows a pass (<= gemm_max_rows()) and whether one-pass and several-pass panels prefetch",
+        py::arg("max_rows"), py::arg("prefetch_one_pass"), py::arg("prefetch_passes"));
+  m.def("gemm_tuning", &gemm_tuning, "(max_rows, prefetch_one_pass, prefetch_passes) the fp32 matmuls use now");
   m.def("pack_linear_weight", &pack_linear_weight, "Pack W [N, K] for packed_linear");
   m.def("packed_linear", &packed_linear, "x @ W.T (+ b) with a packed W (CPU, fp32)");
   m.def("row_absmax", &row_absmax, "max |w| of each row of an fp32 [N, K] weight");
