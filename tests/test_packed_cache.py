@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -31,7 +34,9 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def load(model: str | None = None, quantization: str = "none") -> LoadedModel:
-    return LoadedModel.load(model, torch.float32, torch.device("cpu"), quantization)
+    loaded = LoadedModel.load(model, torch.float32, torch.device("cpu"), quantization)
+    packed_cache.wait()  # the copy is written beside the serving model
+    return loaded
 
 
 def greedy(loaded: LoadedModel) -> list[list[int]]:
@@ -97,3 +102,39 @@ def test_the_cache_can_be_turned_off_and_small_files_are_not_kept(cache: Path,
     monkeypatch.setattr(packed_cache, "MIN_FILE_BYTES", resolve_model(None).path.stat().st_size + 1)
     load()
     assert not cache.exists() or not list(cache.glob("*.bin"))
+
+
+def test_the_copy_is_written_while_the_model_serves(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load returns before its copy is on disk; the copy is whole once written."""
+    release = threading.Event()
+    real_write = packed_cache.write
+
+    def slow_write(entry: packed_cache.CacheEntry, tensors: dict[str, torch.Tensor]) -> None:
+        assert release.wait(60)
+        real_write(entry, tensors)
+
+    monkeypatch.setattr(packed_cache, "write", slow_write)
+    loaded = LoadedModel.load(None, torch.float32, torch.device("cpu"), "none")
+    assert not list(cache.glob("*.bin"))  # not written yet, and the model answers meanwhile
+    expected = greedy(loaded)
+    release.set()
+    packed_cache.wait()
+    assert len(list(cache.glob("*.bin"))) == 1
+    monkeypatch.setattr(packed_cache, "write", real_write)
+    with monkeypatch.context() as patched:
+        no_packing(patched)
+        assert greedy(load()) == expected
+
+
+def test_a_copy_left_half_written_by_a_killed_process_is_removed(cache: Path) -> None:
+    cache.mkdir(parents=True)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    abandoned = cache / f"tmpab12cd.{gone.pid}.tmp"  # a writer killed mid-way
+    writing = cache / f"tmpef34gh.{os.getpid()}.tmp"  # a live process's, still being written
+    other = cache / "notes.tmp"
+    for path in (abandoned, writing, other):
+        path.write_bytes(b"x" * 4096)
+    load()
+    assert not abandoned.exists() and writing.exists() and other.exists()
+    assert len(list(cache.glob("*.bin"))) == 1

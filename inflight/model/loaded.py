@@ -35,7 +35,8 @@ class LoadedModel:
         is ever held in fp32 whole. With `int8-activations`, the matrices kept as quantized GGUF blocks
         multiply int8 activations (`Linear`); refused where there are none; with `bf16-activations`
         the matrices kept in bf16 multiply bf16 activations. A large GGUF file's packed matrices
-        are kept on disk for the next load, which maps them instead (`packed_cache`)."""
+        are kept on disk for the next load, which maps them instead (`packed_cache`; written while
+        this load's model serves)."""
         source = resolve_model(model)
         keep_blocks = keeps_blocks(dtype, device)
         cache = packed_cache.locate(source, quantization, cpu_kernels()) if keep_blocks else None
@@ -54,6 +55,6 @@ class LoadedModel:
                                bf16_activations=quantization == "bf16-activations", packed=kept)
             del weights, blocks  # the model holds what it reads
             if cache is not None and (kept is None or kept.keys() != llama.packed.keys()):
-                packed_cache.write(cache, llama.packed)
+                packed_cache.keep(cache, llama.packed)
             release_file_pages(source)
             return cls(source.name, llama, tokenizer.result(), quantization)

@@ -11,7 +11,10 @@ model file or the kernels' build changes), and later loads map that file read-on
 a restart costs a page-table walk instead of a repacking, and processes serving the same model
 (`--replicas`) share one copy of the weights in the page cache instead of one each.
 
-`INFLIGHT_PACKED_CACHE=off` turns it off. The cache is only ever a copy of what this build packs
+The copy is written in a thread of its own (`keep`), so the first load returns once the model
+is packed and the engine serves while the copy goes to disk (most of that time waits on the disk);
+a process exits only once its copy is whole, and a copy left half-written by a killed process is
+removed by the next one written beside it. `INFLIGHT_PACKED_CACHE=off` turns it off. The cache is only ever a copy of what this build packs
 from this file (its key names both), and a file that cannot be read, written or trusted is
 ignored: the model is then packed as without it.
 """
@@ -26,6 +29,8 @@ import mmap
 import os
 import shutil
 import tempfile
+import threading
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,12 +136,44 @@ def kept_bytes(entry: CacheEntry) -> int:
         return 0
 
 
+_writers: list[threading.Thread] = []
+
+
+def keep(entry: CacheEntry, tensors: dict[str, torch.Tensor]) -> threading.Thread:
+    """`write` in a thread of its own, which the interpreter waits for at exit (so no copy is
+    left half-written by a clean exit); `wait` waits for every one started."""
+    writer = threading.Thread(target=write, args=(entry, dict(tensors)), name="inflight-packed-cache")
+    writer.start()
+    _writers.append(writer)
+    return writer
+
+
+def wait() -> None:
+    """Returns once every copy `keep` started is written (or given up)."""
+    while _writers:
+        _writers.pop().join()
+
+
+def _remove_abandoned(directory: Path) -> None:
+    """Removes temporary files whose writer is gone (a process killed while writing)."""
+    for tmp in directory.glob("*.tmp"):
+        try:
+            os.kill(int(tmp.suffixes[-2].removeprefix(".")), 0)
+        except (ValueError, IndexError):  # not one of ours
+            continue
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        except PermissionError:  # alive, another user's
+            continue
+
+
 def write(entry: CacheEntry, tensors: dict[str, torch.Tensor]) -> None:
     """Keeps `tensors` (1-D uint8 or int8 packings) for the next load: written whole to a
     temporary file, then renamed over the entry, and the files kept for earlier versions of the
     same model file in the same form (quantization) removed. Skipped, with a log line, where the
     disk lacks room for it twice over; an unwritable cache only costs the next load its time."""
-    tmp = None
+    tmp, started = None, time.perf_counter()
     try:
         relative, size = {}, 0  # each matrix's place after the header's pages
         for name, t in tensors.items():
@@ -153,10 +190,11 @@ def write(entry: CacheEntry, tensors: dict[str, torch.Tensor]) -> None:
             start = -(-(16 + len(header)) // _ALIGN) * _ALIGN
         offset = start + size
         entry.path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned(entry.path.parent)
         if shutil.disk_usage(entry.path.parent).free < 2 * offset:
             logger.info("packed weights not kept: %s lacks %.1f GB of room", entry.path.parent, 2 * offset / 1e9)
             return
-        fd, tmp = tempfile.mkstemp(dir=entry.path.parent, suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=entry.path.parent, suffix=f".{os.getpid()}.tmp")
         with os.fdopen(fd, "wb") as f:
             f.write(_MAGIC + len(header).to_bytes(8, "little") + header)
             for name, t in tensors.items():
@@ -165,6 +203,8 @@ def write(entry: CacheEntry, tensors: dict[str, torch.Tensor]) -> None:
             f.truncate(offset)
         os.replace(tmp, entry.path)
         tmp = None
+        logger.info("packed weights kept in %s (%.1f GB, written in %.1f s)", entry.path, offset / 1e9,
+                    time.perf_counter() - started)
         prefix = entry.path.name.split("-")[0]
         for old in entry.path.parent.glob(f"{prefix}-*.bin"):
             if old != entry.path:
