@@ -12,11 +12,11 @@ a restart costs a page-table walk instead of a repacking, and processes serving 
 (`--replicas`) share one copy of the weights in the page cache instead of one each.
 
 The copy is written in a thread of its own (`keep`), so the first load returns once the model
-is packed and the engine serves while the copy goes to disk (most of that time waits on the disk);
-a process exits only once its copy is whole, and a copy left half-written by a killed process is
-removed by the next one written beside it. `INFLIGHT_PACKED_CACHE=off` turns it off. The cache is only ever a copy of what this build packs
-from this file (its key names both), and a file that cannot be read, written or trusted is
-ignored: the model is then packed as without it.
+is packed and the engine serves while the copy goes to disk; a process exits only once its copy
+is whole, and a copy left half-written by a killed process is removed by the next one written
+beside it. `INFLIGHT_PACKED_CACHE=off` turns it off. The cache is only ever a copy of what this
+build packs from this file (its key names both), and a file that cannot be read, written or
+trusted is ignored: the model is then packed as without it.
 """
 
 from __future__ import annotations
