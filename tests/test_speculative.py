@@ -20,6 +20,7 @@ from inflight.bench.plots import plot_timelines
 from inflight.bench.timeline import Timeline
 from inflight.bench.workload import parse_workload
 from inflight.config import SpeculativeConfig
+from inflight.engine import speculative
 from inflight.engine.sampler import Sampler
 from inflight.engine.speculative import NgramIndex, Speculator, SuffixIndex
 from inflight.engine.stats import EngineStats
@@ -156,6 +157,39 @@ def test_lengths_learn_from_what_is_kept() -> None:
     lengths = spec.lengths({good: [1, 2, 3, 4], bad: [1, 2, 3, 4]}, [SeqWork(1, 10, 1)] * 2, budget=100)
     assert lengths == {good: 4, bad: 0}
     assert spec.stats.num_drafts == 20 and spec.stats.accepted_per_position == [10, 10, 10, 10]
+
+
+def test_a_length_once_measured_slow_is_tried_again() -> None:
+    """Two slow steps of five tokens (something else slowed them) make four the better length,
+    but only until that size has gone unmeasured for a while: then it borrows its neighbour's
+    measure, is verified again, and is known again."""
+    def cost(batch: Any) -> float:
+        return 0.010 + 0.001 * sum(w.num_new_tokens for w in batch)
+
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4), _Model(cost))
+    request = Request("r", [1, 2], SamplingParams(max_tokens=500))
+    for _ in range(10):
+        spec.observe(request, 4, 4)
+
+    def length() -> int:
+        return spec.lengths({request: [1, 2, 3, 4]}, [SeqWork(1, 10, 1)], budget=100)[request]
+
+    def step(tokens: int, slower: float = 1.0) -> None:
+        work = [SeqWork(tokens, 10 + tokens, tokens)]
+        spec.observe_step(work, cost(work) * slower)
+
+    assert length() == 4
+    step(4)
+    step(5, slower=3.0)
+    step(5, slower=3.0)
+    assert length() == 3
+    for _ in range(speculative._STALE_STEPS - 1):
+        step(4)
+    assert length() == 3  # still within memory
+    step(4)
+    assert length() == 4  # forgotten: tried again
+    step(5)
+    assert length() == 4  # and now known to pay
 
 
 LOGITS = [torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 1.5]), torch.tensor([0.0, 1.0, 2.0, -1.0, 0.5, 0.0]),

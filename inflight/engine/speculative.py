@@ -19,6 +19,7 @@ less than one token loses, and speculation falls to zero by itself, without a lo
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -37,8 +38,12 @@ _FADE = 0.8
 _PRIOR_PROPOSALS = 2.0
 # Before anything is measured: the chance assumed that a proposed token is kept.
 _INITIAL_RATE = 0.5
-# Measured / predicted step time is averaged over this many recent steps of each size class.
+# Measured / predicted step time: the median of this many recent steps of each size class.
 _HISTORY = 32
+# A size class not measured in this many steps is forgotten: it borrows the nearest measured
+# class's ratio again, so a step length once judged too slow (perhaps from a step or two slowed
+# by something else) is tried and measured again instead of never again.
+_STALE_STEPS = 64
 
 
 def _size_class(num_tokens: int) -> int:
@@ -52,11 +57,14 @@ class StepCurve:
     time grows with its tokens where the kernels change with the row count (a GGUF's blocks are
     read in registers up to a few rows, in fp32 panels past them: on a 2-core CPU a 5-token step of
     the embedded model takes twice a 1-token one, where the roofline says 1.16x). A class not
-    yet measured takes the nearest measured one's ratio, so a longer step is tried and then known."""
+    yet measured, or not for `_STALE_STEPS` steps, takes the nearest measured one's ratio, so a
+    longer step is tried and then known, and tried again now and then."""
 
     def __init__(self, cost_model: StepTimeModel) -> None:
         self.cost_model = cost_model
         self._ratios: dict[int, deque[float]] = {}
+        self._last_seen: dict[int, int] = {}  # size class -> the step that last measured it
+        self._num_steps = 0
 
     def __call__(self, batch: Sequence[SeqWork]) -> float:
         return self.cost_model.step_time(batch) * self.correction(sum(w.num_new_tokens for w in batch))
@@ -66,14 +74,17 @@ class StepCurve:
             return 1.0
         size = _size_class(num_tokens)
         nearest = min(self._ratios, key=lambda c: (abs(c - size), c))
-        ratios = self._ratios[nearest]
-        return sum(ratios) / len(ratios)
+        return statistics.median(self._ratios[nearest])
 
     def observe(self, batch: Sequence[SeqWork], measured_s: float) -> None:
         predicted = self.cost_model.step_time(batch)
         if predicted > 0 and measured_s > 0 and batch:
+            self._num_steps += 1
             size = _size_class(sum(w.num_new_tokens for w in batch))
             self._ratios.setdefault(size, deque(maxlen=_HISTORY)).append(min(10.0, max(0.1, measured_s / predicted)))
+            self._last_seen[size] = self._num_steps
+            for stale in [c for c, seen in self._last_seen.items() if self._num_steps - seen >= _STALE_STEPS]:
+                del self._ratios[stale], self._last_seen[stale]
 
 
 class NgramIndex:
