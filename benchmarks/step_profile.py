@@ -5,9 +5,12 @@ alone (one request, a 300-token prompt, 64 decode steps); the steps grouped by s
 group's time against the ceiling's; and, with `--components`, the forward pass of one 64-request
 decode step, one prefill step and one single-request decode step split into weight matmuls (by
 output width), attention and token-wise ops (torch.profiler ranges; those three steps are left
-out of the per-step figures).
+out of the per-step figures). `--verify` adds the same split of a speculative verify: a single
+stream copying its prompt's passage with n-gram proposals (k = 4, all verified), one step that
+verifies 4 proposed tokens beside one plain decode step of the same stream without speculation.
 
-    .venv/bin/python benchmarks/step_profile.py [--max-num-tokens 512] [--components] [--quantization int8]
+    .venv/bin/python benchmarks/step_profile.py [--max-num-tokens 512] [--components] [--verify]
+        [--quantization int8]
 """
 
 from __future__ import annotations
@@ -81,6 +84,8 @@ def main() -> int:
     parser.add_argument("--components", action="store_true",
                         help="also split one 64-request decode step, one prefill step and one "
                              "single-request decode step into components")
+    parser.add_argument("--verify", action="store_true",
+                        help="also split a single stream's step verifying 4 proposed tokens, beside a plain one")
     parser.add_argument("--quantization", default="none",
                         choices=("none", "int8", "int8-activations", "bf16-activations"),
                         help="the weights' arithmetic (default: as stored, fp32)")
@@ -88,7 +93,7 @@ def main() -> int:
 
     gemm = ceiling.measure_gemm(reps=5)
     loaded = LoadedModel.load(None, torch.float32, torch.device("cpu"), quantization=args.quantization)
-    if args.components:
+    if args.components or args.verify:
         instrument(loaded)
     requests = build("burst64", corpus_token_ids(loaded.tokenizer.hf), num_requests=args.requests)
     llm = LLM(loaded=loaded, quantization=args.quantization, max_batch_size=64, max_num_tokens=args.max_num_tokens,
@@ -155,7 +160,40 @@ def main() -> int:
     single_stream(engine, corpus_token_ids(loaded.tokenizer.hf))
     for name, (prof, step) in profiles.items():
         print_components(f"one {name} step", prof, step)
+    if args.verify:
+        verify_components(loaded, args.quantization, corpus_token_ids(loaded.tokenizer.hf))
     return 0
+
+
+def verify_components(loaded: LoadedModel, quantization: str, corpus: np.ndarray) -> None:
+    """A single stream asked to copy a passage of its prompt: one step verifying 4 n-gram
+    proposals, and one plain decode step of the same request without speculation, each split
+    into components (the stream's first step of each kind past 32 generated tokens)."""
+    from torch.profiler import profile
+
+    passage = corpus[:200].tolist()
+    prompt = passage + passage[:40]  # the model goes on copying: the n-gram lookup proposes the rest
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
+    for title, spec in (("plain decode", None), ("verifying 4 proposed tokens", ngram)):
+        llm = LLM(loaded=loaded, quantization=quantization, num_kv_blocks=256,
+                  **({"speculative_config": spec} if spec else {}))
+        engine = llm.engine
+        engine.add_request(prompt, SamplingParams(max_tokens=96, temperature=0, ignore_eos=True))
+        found = None
+        while engine.has_unfinished():
+            generated = sum(s.num_decode_tokens + s.num_accepted_tokens for s in engine.step_records)
+            if found is None and generated >= 32:
+                with profile() as prof:
+                    engine.step()
+                step = engine.step_records[-1]
+                if step.num_spec_tokens == (4 if spec else 0):
+                    found = (prof, step)
+            else:
+                engine.step()
+        if found is None:
+            print(f"\na single stream's step {title}: none seen (the stream stopped copying)")
+            continue
+        print_components(f"a single stream's step {title} (context {found[1].work[0].context_len})", *found)
 
 
 def by_size(steps: list[Any], config: Any, peak_gflops: float) -> None:
