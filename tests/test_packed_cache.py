@@ -4,6 +4,7 @@ quantization or an unreadable cache file packs again; the cache can be turned of
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ import torch
 
 from inflight import LLM, SamplingParams
 from inflight.model import packed_cache
+from inflight.model.kernels import cpu_kernels
 from inflight.model.linear import Linear, blocks_usable
 from inflight.model.loaded import LoadedModel
 from inflight.model.loader import resolve_model
@@ -138,3 +140,20 @@ def test_a_copy_left_half_written_by_a_killed_process_is_removed(cache: Path) ->
     load()
     assert not abandoned.exists() and writing.exists() and other.exists()
     assert len(list(cache.glob("*.bin"))) == 1
+
+
+def test_one_process_at_a_time_keeps_a_file(cache: Path) -> None:
+    """Replicas started together each pack; the one that takes the entry's lock writes, the
+    others leave it (no second copy of several GB written beside the first)."""
+    entry = packed_cache.locate(resolve_model(None), "none", cpu_kernels())
+    assert entry is not None
+    cache.mkdir(parents=True)
+    with open(entry.path.with_suffix(".lock"), "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another process writing it
+        load()
+        assert not list(cache.glob("*.bin")) and not list(cache.glob("*.tmp"))
+    first = load()  # the lock free again: kept
+    (kept,) = cache.glob("*.bin")
+    written = kept.stat().st_mtime_ns
+    packed_cache.write(entry, first.model.packed)  # kept meanwhile by another: left as it is
+    assert kept.stat().st_mtime_ns == written

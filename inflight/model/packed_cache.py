@@ -22,6 +22,7 @@ trusted is ignored: the model is then packed as without it.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -171,8 +172,25 @@ def _remove_abandoned(directory: Path) -> None:
 def write(entry: CacheEntry, tensors: dict[str, torch.Tensor]) -> None:
     """Keeps `tensors` (1-D uint8 or int8 packings) for the next load: written whole to a
     temporary file, then renamed over the entry, and the files kept for earlier versions of the
-    same model file in the same form (quantization) removed. Skipped, with a log line, where the
-    disk lacks room for it twice over; an unwritable cache only costs the next load its time."""
+    same model file in the same form (quantization) removed. One process at a time writes an
+    entry: where another is writing it (replicas started together), or has kept it meanwhile,
+    this one leaves it. Skipped, with a log line, where the disk lacks room for it twice over; an
+    unwritable cache only costs the next load its time."""
+    try:
+        entry.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(entry.path.with_suffix(".lock"), "w") as held:
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                logger.info("packed weights %s are being kept by another process", entry.path)
+                return
+            if not kept_bytes(entry):
+                _write(entry, tensors)
+    except OSError as exc:
+        logger.info("packed weights not kept (%s)", exc)
+
+
+def _write(entry: CacheEntry, tensors: dict[str, torch.Tensor]) -> None:
     tmp, started = None, time.perf_counter()
     try:
         relative, size = {}, 0  # each matrix's place after the header's pages
@@ -189,7 +207,6 @@ def write(entry: CacheEntry, tensors: dict[str, torch.Tensor]) -> None:
                 break
             start = -(-(16 + len(header)) // _ALIGN) * _ALIGN
         offset = start + size
-        entry.path.parent.mkdir(parents=True, exist_ok=True)
         _remove_abandoned(entry.path.parent)
         if shutil.disk_usage(entry.path.parent).free < 2 * offset:
             logger.info("packed weights not kept: %s lacks %.1f GB of room", entry.path.parent, 2 * offset / 1e9)
