@@ -1200,13 +1200,13 @@ constexpr int64_t kSpreadPasses = 6;
 constexpr int64_t kSharedPassesOfMany = 3;
 
 // What a machine may want otherwise is chosen per machine by timing the candidates once per
-// build (kernels.py's tuning; set_gemm_tuning): the rows a microkernel pass takes (at most
+// build (kernel_tuning.py; set_gemm_tuning): the rows a microkernel pass takes (at most
 // kMaxRows: fewer accumulators and fewer activation streams through L1), and whether a panel's
 // passes prefetch the next panel at all, apart for a panel taken in one pass (a few rows: the
 // weight stream from DRAM is the whole cost) and in several (a core whose own prefetchers follow
-// the stream may lose more to the prefetch instructions than they gain: on 2 Zen 4 cores the
-// one-pass matmuls at 4 rows were 1.1-1.25x faster without). None of them changes a result: each
-// output is the same in-order sum over k whichever rows share a pass.
+// the stream may lose more to the prefetch instructions than they gain). On 2 Zen 4 cores every
+// default held (docs/benchmarks.md). None of them changes a result: each output is the same
+// in-order sum over k whichever rows share a pass.
 struct GemmTuning {
   int64_t max_rows = kMaxRows;
   bool prefetch_one_pass = true;
