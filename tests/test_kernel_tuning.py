@@ -107,3 +107,18 @@ def test_a_cache_it_cannot_write_still_gets_a_choice(kernels, tmp_path, caplog):
     tuning = kernel_tuning.apply(kernels, nowhere, SMALL)
     assert kernels.gemm_tuning() == kernel_tuning._arguments(tuning)
     assert "could not keep the matmul tuning" in caplog.text
+
+
+def test_a_failed_timing_leaves_the_kernels_usable(kernels, monkeypatch, caplog):
+    """Where the timing cannot run (no memory for its matrices), the kernels keep their defaults
+    and say so; loading them does not fail."""
+    from inflight.model import kernels as kernels_module
+
+    def fail(module, build_dir):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    kernels.set_gemm_tuning(kernels.gemm_max_rows(), True, True)
+    monkeypatch.setattr(kernel_tuning, "apply", fail)
+    kernels_module.tune(kernels)
+    assert "fp32 matmul tuning skipped (DefaultCPUAllocator" in caplog.text
+    assert kernels.gemm_tuning() == (kernels.gemm_max_rows(), True, True)

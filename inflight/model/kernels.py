@@ -129,8 +129,18 @@ def cpu_kernels() -> ModuleType | None:
         logger.warning("CPU kernels unavailable (%s); using the PyTorch path",
                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return None
-    kernel_tuning.apply(module, build_dir_of(module))
+    tune(module)
     return module
+
+
+def tune(module: ModuleType) -> None:
+    """Sets the build's per-machine choices (`kernel_tuning`); where their timing cannot run (it
+    needs about 0.5 GB for a moment), the kernels keep their defaults."""
+    try:
+        kernel_tuning.apply(module, build_dir_of(module))
+    except Exception as exc:
+        logger.warning("fp32 matmul tuning skipped (%s); the kernels' defaults are used",
+                       str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
 
 def build() -> None:
