@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import asdict, astuple
 
 import pytest
 import torch
@@ -69,7 +70,7 @@ def test_the_record_is_kept_read_back_and_redone_when_it_does_not_fit(kernels, t
     record = json.loads((tmp_path / kernel_tuning.TUNING_FILE).read_text())
     assert record["cpu"] == kernel_tuning.cpu_identity() and record["isa"] == kernels.isa()
     assert GemmTuning(**record["choice"]) == chosen
-    assert kernels.gemm_tuning() == kernel_tuning._arguments(chosen)
+    assert kernels.gemm_tuning() == astuple(chosen)
     if kernels.isa() != "generic":  # each comparison timed in alternated rounds
         assert [t["setting"] for t in record["trials"]][:2] == ["prefetch_one_pass", "prefetch_passes"]
         assert all(len(t["default_ms"]) == len(t["other_ms"]) == SMALL.rounds for t in record["trials"])
@@ -85,7 +86,7 @@ def test_the_record_is_kept_read_back_and_redone_when_it_does_not_fit(kernels, t
     monkeypatch.setattr(kernel_tuning, "tune", counting_tune)
     # Kept: read, not timed again; the module takes the recorded choice.
     other = GemmTuning(max_rows=1, prefetch_one_pass=False, prefetch_passes=True)
-    (tmp_path / kernel_tuning.TUNING_FILE).write_text(json.dumps({**record, "choice": other.__dict__}))
+    (tmp_path / kernel_tuning.TUNING_FILE).write_text(json.dumps({**record, "choice": asdict(other)}))
     assert kernel_tuning.apply(kernels, tmp_path, SMALL) == other
     assert kernels.gemm_tuning() == (1, False, True) and not timed
     # Made again: another CPU's record, another version's, a choice this build cannot take, damage.
@@ -105,7 +106,7 @@ def test_a_cache_it_cannot_write_still_gets_a_choice(kernels, tmp_path, caplog):
     (tmp_path / "a-file").write_text("")
     nowhere = tmp_path / "a-file" / "build"
     tuning = kernel_tuning.apply(kernels, nowhere, SMALL)
-    assert kernels.gemm_tuning() == kernel_tuning._arguments(tuning)
+    assert kernels.gemm_tuning() == astuple(tuning)
     assert "could not keep the matmul tuning" in caplog.text
 
 

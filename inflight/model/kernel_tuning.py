@@ -19,15 +19,16 @@ import contextlib
 import fcntl
 import json
 import logging
-import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, astuple, dataclass, replace
 from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from inflight.model.loader import write_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ def tune(module: ModuleType, shape: TuningShape = TuningShape()) -> dict:
             times: dict[GemmTuning, list[float]] = {choice: [], other: []}
             for round_ in range(shape.rounds + 1):  # round 0 warms both up
                 for tuning in (choice, other) if round_ % 2 == 0 else (other, choice):
-                    module.set_gemm_tuning(*_arguments(tuning))
+                    module.set_gemm_tuning(*astuple(tuning))
                     elapsed = _time_steps(module, weights, xs, n)
                     if round_ > 0:
                         times[tuning].append(elapsed)
@@ -136,10 +137,6 @@ def tune(module: ModuleType, shape: TuningShape = TuningShape()) -> dict:
     finally:
         module.set_gemm_tuning(*saved)
     return {**record, "choice": asdict(choice), "trials": trials, "seconds": round(time.perf_counter() - started, 2)}
-
-
-def _arguments(tuning: GemmTuning) -> tuple[int, bool, bool]:
-    return tuning.max_rows, tuning.prefetch_one_pass, tuning.prefetch_passes
 
 
 def _valid(record: object, module: ModuleType) -> GemmTuning | None:
@@ -169,13 +166,10 @@ def apply(module: ModuleType, build_dir: Path, shape: TuningShape = TuningShape(
             logger.info("timing the fp32 matmul's choices on this CPU (once per kernel build)")
             record = tune(module, shape)
             tuning = GemmTuning(**record["choice"])
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            try:
-                tmp.write_text(json.dumps(record, indent=1) + "\n")
-                os.replace(tmp, path)
-            except OSError as exc:
-                logger.warning("could not keep the matmul tuning in %s (%s); it is timed again next time", path, exc)
-    module.set_gemm_tuning(*_arguments(tuning))
+            failed = write_atomically(path, json.dumps(record, indent=1) + "\n")
+            if failed is not None:
+                logger.warning("could not keep the matmul tuning in %s (%s); it is timed again next time", path, failed)
+    module.set_gemm_tuning(*astuple(tuning))
     return tuning
 
 

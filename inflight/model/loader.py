@@ -317,7 +317,9 @@ def _read_gguf(path: Path, mtime_ns: int, size: int) -> GGUFIndex:
     table = [{"name": t.name, "type": int(t.tensor_type), "shape": [int(d) for d in t.shape.tolist()],
               "offset": int(t.data_offset), "dtype": t.data.dtype.str, "array_shape": list(t.data.shape)}
              for t in reader.tensors]
-    _write_atomically(cache, json.dumps({"config": dataclasses.asdict(index.config), "tensors": table}))
+    failed = write_atomically(cache, json.dumps({"config": dataclasses.asdict(index.config), "tensors": table}))
+    if failed is not None:
+        logging.getLogger(__name__).info("GGUF index cache not written (%s)", failed)
     return index
 
 
@@ -350,8 +352,10 @@ def release_file_pages(source: ModelSource) -> None:
         mapping.base.madvise(mmap.MADV_DONTNEED)
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    """All or nothing (a reader never sees half a file); an unwritable cache only costs time."""
+def write_atomically(path: Path, text: str) -> OSError | None:
+    """Writes `text` to `path` all or nothing (a reader never sees half a file), for the caches
+    beside a model or a build; returns the error where it could not (an unwritable cache only
+    costs the next load its time)."""
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -360,10 +364,11 @@ def _write_atomically(path: Path, text: str) -> None:
             f.write(text)
         os.replace(tmp, path)
     except OSError as exc:
-        logging.getLogger(__name__).info("GGUF index cache not written (%s)", exc)
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+        return exc
+    return None
 
 
 def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
