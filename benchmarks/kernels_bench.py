@@ -24,7 +24,8 @@ for BF16 likewise `+bf16 act.` (`--quantization bf16-activations`). `--type KIND
 With `--against REV`, instead: the kernels of this checkout beside those of git revision REV
 (built from its `cpu_kernels.cpp` under another name), alternated in one process, several rounds:
 the model's body matmuls chained at 8, 16, 32, 64 and 512 rows, the same body as Q4_1 blocks at 1,
-3, 4 and 5 rows, two 1B-shaped layers' fp32 matmuls at 64 rows, the same body as int8 W8A8 at 16,
+3, 5, 8, 12 and 16 rows (as a step reads them: in registers or a dequantized panel at a time, each
+build's choice), two 1B-shaped layers' fp32 matmuls at 64 rows, the same body as int8 W8A8 at 16,
 64 and 512 rows, two 1B-shaped layers of Q4_K and of Q6_K blocks times int8 activations at 1, 4
 and 16 rows (each build packs its own), decode attention of 64 requests of 100-400 tokens, and prefill
 attention of one step's 8 prompts of 17-300 tokens. On a host whose
@@ -147,7 +148,7 @@ def _random_blocks(kind: str, rows: int, cols: int, rng: object) -> tuple[torch.
 
 def gguf_block_matmuls() -> None:
     """Every weight matmul once at 1 to 512 rows, from the GGUF blocks (Q4_1 body, Q8_0 LM head,
-    as in the embedded model; dequantized in registers up to GGUF_BLOCKS_MAX_ROWS rows, a panel
+    as in the embedded model; dequantized in registers up to the build's gguf_blocks_max_rows() rows, a panel
     at a time past it, as `Linear` runs them) and from fp32 panels of the same values."""
     import numpy as np
 
@@ -415,19 +416,22 @@ def compare(rev: str, rounds: int = 4) -> None:
 
         cases.append((f"body matmuls chained, {rows} rows",
                       {name: functools.partial(chain, m, packed[name]) for name, m in mods.items()}))
-    # The embedded model's body as Q4_1 blocks (as it ships) at the register path's 1 to 5 rows.
+    # The embedded model's body as Q4_1 blocks (as it ships), as a step reads them: in registers up
+    # to each build's gguf_blocks_max_rows() (5 before it said), a dequantized panel at a time past it.
     import numpy as np
 
     rng = np.random.default_rng(0)
     q4 = [(_stored_rows("Q4_1", n, k, rng), k, n) for _ in range(30) for k, n in LAYER_SHAPES]
     q4_packed = {name: [(m.pack_gguf_blocks([raw], ["Q4_1"], k), k, n) for raw, k, n in q4]  # type: ignore[attr-defined]
                  for name, m in mods.items()}
-    for rows in (1, 3, 4, 5):
+    for rows in (1, 3, 5, 8, 12, 16):
         x = {576: torch.randn(rows, 576), 1536: torch.randn(rows, 1536)}
 
         def chain_q4(m: object, ws: list[tuple[torch.Tensor, int, int]], x: dict[int, torch.Tensor] = x) -> None:
+            in_registers = len(x[576]) <= (m.gguf_blocks_max_rows() if hasattr(m, "gguf_blocks_max_rows") else 5)
+            matmul = m.gguf_blocks_linear if in_registers else m.gguf_blocks_gemm  # type: ignore[attr-defined]
             for w, k, n in ws:
-                m.gguf_blocks_linear(x[k], w, n)  # type: ignore[attr-defined]
+                matmul(x[k], w, n)
 
         cases.append((f"body as Q4_1 blocks, {rows} rows",
                       {name: functools.partial(chain_q4, m, q4_packed[name]) for name, m in mods.items()}))

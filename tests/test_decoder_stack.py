@@ -161,7 +161,7 @@ def test_a_plan_with_an_op_the_kernels_lack_runs_in_python(model):
     kernels = model.attention.kernels
     with pytest.raises(RuntimeError, match="no kernel for the plan's op soft_cap"):
         kernels.DecoderStack([("soft_cap", 1, 1, -1, [])], int(Reg.DELTA), 1, [], [], [], [], [], [], [0], [0], [1.0],
-                             4, 4, 16, 1e-5, 0.25, 0.0, 5)
+                             4, 4, 16, 1e-5, 0.25, 0.0)
 
 
 class _Watched:

@@ -113,7 +113,7 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int) -> tuple[torch.Ten
 @pytest.mark.parametrize("out_features,in_features,with_bias", [(96, 96, False), (37, 256, True), (64, 512, False)])
 def test_gguf_block_matmul_equals_the_fp32_one_bit_for_bit(kind, out_features, in_features, with_bias):
     """A weight kept as GGUF blocks keeps no fp32 form; every step reads the blocks (in registers
-    up to GGUF_BLOCKS_MAX_ROWS rows, a panel at a time past it), and its results are exactly
+    up to the build's gguf_blocks_max_rows() rows, a panel at a time past it), and its results are exactly
     those of the fp32 panels of gguf-py's dequantization, at every row count, whether the
     model's fp32 weight or only its shape (meta) was given."""
     kernels = cpu_kernels()
@@ -144,11 +144,11 @@ def test_gguf_block_matmul_equals_the_fp32_one_bit_for_bit(kind, out_features, i
     assert torch.equal(kernels.gguf_blocks_dequantize(both.blocks), weight)  # the values it stands for
     x = torch.randn(300, in_features)
     with torch.inference_mode():
-        for rows in (1, 2, 4, 5, 6, 7, 16, 64, 300):
+        for rows in (1, 2, 4, 5, 6, 7, 8, 9, 16, 17, 64, 300):  # past each build's passes and its switch
             expected = fp32_only(x[:rows])
             assert torch.equal(both(x[:rows]), expected), rows
             assert torch.equal(shape_only(x[:rows]), expected), rows
-        # Each kernel over any number of rows: the register one in passes of 5, the panel one whole.
+        # Each kernel over any number of rows: the register one in passes (of 5 or 8), the panel one whole.
         for rows in (3, 8, 23):
             expected = kernels.packed_linear(x[:rows], fp32_only.weight, None, out_features)
             assert torch.equal(kernels.gguf_blocks_linear(x[:rows], both.blocks, out_features), expected)

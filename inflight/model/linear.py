@@ -121,11 +121,6 @@ def check_int8_activations(blocks: dict[str, tuple[str, torch.Tensor]], kept: bo
                              "(--quantization int8 quantizes any weights)")
 
 
-# Up to this many rows a weight kept as GGUF blocks is dequantized in registers, again for each
-# group of 5 rows; past it, once per panel into cache (`csrc`: gguf_blocks_linear, gguf_blocks_gemm).
-GGUF_BLOCKS_MAX_ROWS = 5
-
-
 class Linear:
     """One weight matmul; with a prepacked backend the weight is kept only in its packed form.
 
@@ -195,8 +190,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernels is not None:  # the kernel chooses blocks or panels, as DecoderStack's layers do
-            return self._kernels.linear_forward(x.contiguous(), self.weight, self.blocks, self.bias, self.out_features,
-                                                GGUF_BLOCKS_MAX_ROWS)
+            return self._kernels.linear_forward(x.contiguous(), self.weight, self.blocks, self.bias, self.out_features)
         if self.backend == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -24,7 +24,7 @@ from inflight.model.attention import AttentionMetadata, PagedAttention
 from inflight.model.experts import RoutedExperts
 from inflight.model.kernels import cpu_kernels
 from inflight.model.layer_plan import OUTPUT, Op, Reg, Step, compiled_ops, released_after, with_scaled_residual
-from inflight.model.linear import GGUF_BLOCKS_MAX_ROWS, Linear, linear_backend
+from inflight.model.linear import Linear, linear_backend
 from inflight.model.token_ops import CpuKernelTokenOps, KVStore, TorchTokenOps
 
 if TYPE_CHECKING:
@@ -300,7 +300,6 @@ class LlamaModel:
             [m.out_features for m in matmuls], [layer.window or 0 for layer in layers],
             [layer.rope for layer in layers], [layer.residual_scale for layer in layers], cfg.num_heads,
             cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, self.attention.scale, self.attention.softcap or 0.0,
-            GGUF_BLOCKS_MAX_ROWS,
         )
 
     def _rope_tables(self, config: ModelConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:

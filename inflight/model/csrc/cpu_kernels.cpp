@@ -1408,10 +1408,22 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
 namespace {
 
 constexpr int64_t kQCols = 16;
-// Rows per pass: 2 x 5 accumulators, the scales and the weights need a register or two more than
-// AVX2's 16, and the spill costs less than dequantizing the blocks again for a second pass
+// Rows per pass. AVX2: 2 x 5 accumulators, the scales and the weights need a register or two more
+// than its 16, and the spill costs less than dequantizing the blocks again for a second pass
 // (every weight matmul at 4 and 5 rows: 1.4x faster than in passes of 3 and 1 or 3 and 2).
+// AVX-512: a panel's 16 columns are one register, so 8 rows take 8 of its 32.
+// Steps of up to kQRegisterRows rows read the blocks in registers, in passes of kQMaxRows; larger
+// ones dequantize each panel once into cache for the fp32 microkernel (gguf_blocks_gemm). With
+// AVX-512 two passes still beat that on Zen 4: the embedded model's Q4_1 body at 12 and 16 rows
+// 1.16x and 1.12x (`kernels_bench.py --against dc4d6ca`), two 1B-shaped layers of Q4_K and Q6_K
+// at 16 rows 1.10x and 1.18x; even at 32 rows.
+#if defined(__AVX512F__)
+constexpr int kQMaxRows = 8;
+constexpr int64_t kQRegisterRows = 16;
+#else
 constexpr int kQMaxRows = 5;
+constexpr int64_t kQRegisterRows = 5;
+#endif
 
 enum class Values { kNibble, kInt8, kSixBit, kHalf, kBFloat16, kBFloat16Pairs };
 
@@ -1825,6 +1837,117 @@ inline void quant_micro(const float* __restrict x, int64_t ldx, const uint8_t* _
   }
 }
 
+#if defined(__AVX512F__)
+// AVX-512 forms of the above: a block panel's 16 columns in one 512-bit register, so a k-row's
+// weights take one unpacking, one conversion and one scaling instead of two, and each row one FMA.
+// The same operations on each column as the 256-bit forms, so the same values bit for bit. (With
+// 256-bit datapaths, as Zen 4's, a 512-bit operation costs two 256-bit ones; the gain is in the
+// instructions that feed them: 1.2x at 5 rows there.)
+inline __m512 bytes_as_floats16(const uint8_t* p, bool is_signed) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
+}
+
+template <class L>
+struct BlockScales512 {
+  __m512 d = _mm512_setzero_ps(), m = _mm512_setzero_ps();
+  BlockScales512(const uint8_t* blk, int64_t sub) {
+    if constexpr (L::kScaled) {
+      d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+      if constexpr (L::kMin) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+      if constexpr (L::kSuper) {
+        const uint8_t* integers = blk + L::kFloatScaleBytes + sub * kQCols;
+        d = _mm512_mul_ps(d, bytes_as_floats16(integers, L::kSignedScales));
+        if constexpr (L::kMin) {
+          const __m512i negated = _mm512_xor_si512(
+              _mm512_castps_si512(_mm512_mul_ps(m, bytes_as_floats16(integers + L::kSubBlocks * kQCols, false))),
+              _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+          m = _mm512_castsi512_ps(negated);
+        }
+      }
+    }
+  }
+};
+
+// The layouts block_row512 reads (the others, the int8- and bf16-activation packings', are not
+// read by the fp32 block matmul).
+template <class L>
+constexpr bool kRow512 = L::kValues == Values::kNibble || L::kValues == Values::kInt8 ||
+                         L::kValues == Values::kHalf || L::kValues == Values::kBFloat16;
+
+template <class L>
+inline __m512 block_row512(const uint8_t* q, int64_t kk, const BlockScales512<L>& s) {
+  __m512 v;
+  if constexpr (L::kValues == Values::kNibble) {  // low nibbles: columns 0-7, high: 8-15
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kk * 8));
+    const __m128i values = _mm_and_si128(_mm_unpacklo_epi64(bytes, _mm_srli_epi16(bytes, 4)), low);
+    v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(values));
+  } else if constexpr (L::kValues == Values::kInt8) {
+    v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kk * 16))));
+  } else if constexpr (L::kValues == Values::kHalf) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + kk * 32)));
+  } else {
+    static_assert(L::kValues == Values::kBFloat16);
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + kk * 32));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
+  if constexpr (L::kMin) return _mm512_fmadd_ps(s.d, v, s.m);
+  return _mm512_mul_ps(s.d, v);
+}
+
+template <int MR, class L>
+inline void quant_micro512(const float* __restrict x, int64_t ldx, const uint8_t* __restrict panel, int64_t K,
+                           float* __restrict y, int64_t ldy) {
+  __m512 acc[MR];
+  #pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  constexpr int64_t kAhead = L::kSuper ? 1 : 4;
+  for (int64_t b = 0; b < K / L::kK; ++b) {
+    const uint8_t* blk = panel + b * L::kBlockBytes;
+    for (int64_t sub = 0; sub < L::kSubBlocks; ++sub) {
+      prefetch_share<L, kAhead>(blk, sub);
+      const BlockScales512<L> scales(blk, sub);
+      const uint8_t* q = blk + L::kScaleBytes + sub * L::kSubValueBytes;
+      const float* xb = x + b * L::kK + sub * L::kSub;
+      for (int64_t kk = 0; kk < L::kSub; ++kk) {
+        const __m512 w = block_row512<L>(q, kk, scales);
+        #pragma GCC unroll 16
+        for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + kk]), w, acc[r]);
+      }
+    }
+  }
+  #pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+
+template <class L>
+void quant_rows(int rows, const float* x, int64_t K, const uint8_t* w, float* y, int64_t ldy) {
+  if constexpr (kRow512<L>) {
+    switch (rows) {
+      case 8: return quant_micro512<8, L>(x, K, w, K, y, ldy);
+      case 7: return quant_micro512<7, L>(x, K, w, K, y, ldy);
+      case 6: return quant_micro512<6, L>(x, K, w, K, y, ldy);
+      case 5: return quant_micro512<5, L>(x, K, w, K, y, ldy);
+      case 4: return quant_micro512<4, L>(x, K, w, K, y, ldy);
+      case 3: return quant_micro512<3, L>(x, K, w, K, y, ldy);
+      case 2: return quant_micro512<2, L>(x, K, w, K, y, ldy);
+      default: return quant_micro<1, L>(x, K, w, K, y, ldy);  // one row: the 256-bit form, 2% faster
+    }
+  }
+  for (int r = 0; r < rows; r += 5) {  // in passes of at most 5 rows, as the 256-bit build
+    const float* xr = x + r * K;
+    float* yr = y + r * ldy;
+    switch (std::min(5, rows - r)) {
+      case 5: quant_micro<5, L>(xr, K, w, K, yr, ldy); break;
+      case 4: quant_micro<4, L>(xr, K, w, K, yr, ldy); break;
+      case 3: quant_micro<3, L>(xr, K, w, K, yr, ldy); break;
+      case 2: quant_micro<2, L>(xr, K, w, K, yr, ldy); break;
+      default: quant_micro<1, L>(xr, K, w, K, yr, ldy);
+    }
+  }
+}
+#else
 template <class L>
 void quant_rows(int rows, const float* x, int64_t K, const uint8_t* w, float* y, int64_t ldy) {
   switch (rows) {
@@ -1835,6 +1958,7 @@ void quant_rows(int rows, const float* x, int64_t K, const uint8_t* w, float* y,
     default: return quant_micro<1, L>(x, K, w, K, y, ldy);
   }
 }
+#endif
 
 // A block panel (16 columns, all K) dequantized into columns [0, 16) of an fp32 panel whose
 // k-rows are `ld` floats apart (packed_linear's layout).
@@ -1932,6 +2056,7 @@ PackedBlocks read_packed(const torch::Tensor& x, const torch::Tensor& packed) {
 }  // namespace
 
 bool gguf_blocks_available() { return true; }
+int64_t gguf_blocks_max_rows() { return kQRegisterRows; }
 
 // parts: GGUF rows, uint8 [N_i, K / weights a block * block bytes] each, of the types `kinds`
 // ("Q4_K", "Q6_K", "F16", ...: file_type's), the rows of one matrix one after another (a fused
@@ -2660,6 +2785,7 @@ torch::Tensor gguf_blocks_bf16_linear(torch::Tensor x, torch::Tensor packed, int
 
 #else
 bool gguf_blocks_available() { return false; }
+int64_t gguf_blocks_max_rows() { return 0; }
 std::pair<int64_t, int64_t> gguf_blocks_shape(const torch::Tensor&) {
   TORCH_CHECK(false, "the GGUF block matmul needs AVX2");
 }
@@ -3297,12 +3423,12 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fea
 
 // One weight matmul as `Linear` and `DecoderStack` both run it: a weight kept as GGUF blocks
 // (it has no fp32 panels) from its blocks, dequantized in registers for steps of at most
-// `blocks_max_rows` rows, into one fp32 panel at a time for larger ones (the bias added after);
+// gguf_blocks_max_rows() rows, into one fp32 panel at a time for larger ones (the bias added after);
 // a weight packed int8 (`pack_int8_weight`: its "blocks" are int8) through `int8_linear`; any
 // other from its fp32 panels. The one place that choice is made.
 torch::Tensor linear_forward(const torch::Tensor& x, const torch::Tensor& packed,
                              const c10::optional<torch::Tensor>& blocks, const c10::optional<torch::Tensor>& bias,
-                             int64_t out_features, int64_t blocks_max_rows) {
+                             int64_t out_features) {
   if (blocks.has_value() && blocks->scalar_type() == torch::kInt8) {  // pack_int8_weight's
     torch::Tensor y = int8_linear(x, *blocks, out_features);
     return bias.has_value() ? y.add_(*bias) : y;
@@ -3310,7 +3436,7 @@ torch::Tensor linear_forward(const torch::Tensor& x, const torch::Tensor& packed
   if (blocks.has_value()) {
     torch::Tensor y = gguf_blocks_int8_activations(*blocks)   ? gguf_blocks_a8_linear(x, *blocks, out_features)
                       : gguf_blocks_bf16_activations(*blocks) ? gguf_blocks_bf16_linear(x, *blocks, out_features)
-                      : x.size(0) <= blocks_max_rows ? gguf_blocks_linear(x, *blocks, out_features)
+                      : x.size(0) <= gguf_blocks_max_rows() ? gguf_blocks_linear(x, *blocks, out_features)
                                                      : gguf_blocks_gemm(x, *blocks, out_features);
     return bias.has_value() ? y.add_(*bias) : y;
   }
@@ -3382,19 +3508,18 @@ class DecoderStack {
   // weights, layer after layer, qk_norms each layer's q and k scales (where the plan has
   // qk_norm); packed, blocks, biases and out_features each layer's matmuls (as
   // inflight.model.linear.Linear holds them). Per layer: its attention window (0: none), which of
-  // forward's rotary tables it reads, and the factor of its `scale` steps. Steps of at most
-  // blocks_max_rows rows read a matmul's GGUF blocks where it has them, as Linear does.
+  // forward's rotary tables it reads, and the factor of its `scale` steps.
   DecoderStack(const std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, std::vector<int64_t>>>& plan,
                int64_t output, int64_t num_layers, std::vector<torch::Tensor> norms,
                std::vector<torch::Tensor> qk_norms, std::vector<torch::Tensor> packed,
                std::vector<c10::optional<torch::Tensor>> blocks, std::vector<c10::optional<torch::Tensor>> biases,
                std::vector<int64_t> out_features, std::vector<int64_t> windows, std::vector<int64_t> rope_tables,
                std::vector<double> residual_scales, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-               double eps, double attention_scale, double softcap, int64_t blocks_max_rows)
+               double eps, double attention_scale, double softcap)
       : norms_(std::move(norms)), qk_norms_(std::move(qk_norms)), windows_(std::move(windows)),
         rope_tables_(std::move(rope_tables)), residual_scales_(std::move(residual_scales)), num_layers_(num_layers),
         output_(output), num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps),
-        attention_scale_(attention_scale), softcap_(softcap), blocks_max_rows_(blocks_max_rows) {
+        attention_scale_(attention_scale), softcap_(softcap) {
     TORCH_CHECK(num_layers > 0 && norms_.size() % num_layers == 0 && packed.size() % num_layers == 0,
                 "the same number of norms and of matmuls in every layer");
     TORCH_CHECK(blocks.size() == packed.size() && biases.size() == packed.size() && out_features.size() == packed.size(),
@@ -3469,7 +3594,7 @@ class DecoderStack {
           case PlanOp::kMatmul: {
             const StackLinear& lin = linears_[i * matmuls_per_layer_ + step.param];
             Range r(lin.label);
-            reg[step.dst] = linear_forward(src, lin.packed, lin.blocks, lin.bias, lin.out_features, blocks_max_rows_);
+            reg[step.dst] = linear_forward(src, lin.packed, lin.blocks, lin.bias, lin.out_features);
             break;
           }
           case PlanOp::kRotaryStoreKv: {
@@ -3545,7 +3670,6 @@ class DecoderStack {
   int64_t num_layers_, output_, norms_per_layer_ = 0, matmuls_per_layer_ = 0;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, attention_scale_, softcap_;
-  int64_t blocks_max_rows_;
 };
 
 // Which of the file's instruction-set branches this build compiled (kernels.TARGETS); an AVX2
@@ -3600,9 +3724,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "x @ W.T with W packed int8, x quantized per row and group of 64 k (CPU, W8A8)");
   m.def("int8_dots", &int8_dots, "The int8 matmul's exact integer dots, with x's quantized rows and scales");
   m.def("linear_forward", &linear_forward,
-        "x @ W.T (+ b): from the GGUF blocks up to blocks_max_rows rows where given, else the packed W");
+        "x @ W.T (+ b): from the GGUF blocks where given (in registers up to gguf_blocks_max_rows() rows), else the packed W");
   m.def("plan_ops", &plan_ops, "The layer-plan ops DecoderStack runs (inflight/model/layer_plan.py's Op)");
   m.def("gguf_blocks_available", &gguf_blocks_available, "Whether this build has the GGUF block matmul (AVX2)");
+  m.def("gguf_blocks_max_rows", &gguf_blocks_max_rows,
+        "Steps of up to this many rows read GGUF blocks in registers, larger ones a dequantized panel at a time");
   // Without the GIL: a model's tokenizer loads in another thread meanwhile (LoadedModel.load).
   m.def("pack_gguf_blocks", &pack_gguf_blocks,
         "Pack GGUF rows (Q2_K..Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, BF16; one or more parts) for the block matmuls",
@@ -3631,7 +3757,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     int64_t, int64_t, std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                     std::vector<c10::optional<torch::Tensor>>, std::vector<c10::optional<torch::Tensor>>,
                     std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, std::vector<double>, int64_t,
-                    int64_t, int64_t, double, double, double, int64_t>())
+                    int64_t, int64_t, double, double, double>())
       .def("forward", &DecoderStack::forward, "Runs every layer; returns the last MLP output (hidden updated in place)",
            py::call_guard<py::gil_scoped_release>());
 }
