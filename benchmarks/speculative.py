@@ -10,7 +10,8 @@ Each configuration runs `--rounds` times in the order off, ngram, suffix, off, n
 (`--spec JSON`, repeated, replaces the compared configurations). Printed per scenario: output
 tok/s of each run, each configuration's ratio to the `off` run of its round (under arrivals slower
 than the engine tok/s follows the arrivals, so also the TPOT ratio: how much faster each stream
-ran), TPOT and TTFT p99, the acceptance rate (proposed tokens kept), tokens per verifying step, and
+ran), TPOT and TTFT p99, the share of proposal lookups that found one (the text repeating itself),
+the acceptance rate (proposed tokens kept), tokens per verifying step, and
 the engine's own time on speculation (choosing lengths, looking up proposals, recording what was
 kept: wall time outside the model) as a share of the run's: at saturation, where no proposal
 pays, that share is what speculation can cost, free of the machine's run-to-run noise.
@@ -23,8 +24,11 @@ temporary folder with gguf-py), proposing `--draft-k` tokens, for the mechanics 
 of a draft model's passes on this CPU (such a cut model agrees with the full one less often than a
 trained draft would).
 
+`--quantization` runs every configuration on the model so loaded (`int8`, `int8-activations`,
+`bf16-activations`: the arithmetic a user may choose), speculation off included.
+
     .venv/bin/python benchmarks/speculative.py [--rounds 2] [--spec JSON ...] [--draft-layers N]
-        [--only NAME] [--quick]
+        [--only NAME] [--quick] [--quantization none]
 """
 
 from __future__ import annotations
@@ -136,6 +140,7 @@ def main() -> int:
                         help="also compare a draft model: the embedded model's first N layers, or those listed "
                              "(0-3,26-29)")
     parser.add_argument("--draft-k", type=int, default=4, help="the draft model's num_speculative_tokens")
+    parser.add_argument("--quantization", default="none", help="the loaded model's arithmetic, every run alike")
     parser.add_argument("--out", default="benchmarks/results/speculative.json")
     args = parser.parse_args()
     configs = [json.loads(text) for text in args.spec] if args.spec else list(DEFAULT_SPECS)
@@ -146,15 +151,16 @@ def main() -> int:
         configs.append({"method": "draft_model", "model": str(draft), "num_speculative_tokens": args.draft_k})
         names.append(config_name(configs[-1]))
     torch.set_num_threads(torch.get_num_threads())
-    loaded = LoadedModel.load(None, torch.float32, torch.device("cpu"))
+    loaded = LoadedModel.load(None, torch.float32, torch.device("cpu"), quantization=args.quantization)
     corpus = Corpus(loaded.tokenizer)
     plans = []
     for i in range(args.rounds):
         plans.append(RunPlan(f"off#{i + 1}", {}))
         plans += [RunPlan(f"{name}#{i + 1}", {"speculative_config": c}) for name, c in zip(names, configs, strict=True)]
-    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads; compared: "
+    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, quantization {args.quantization}; compared: "
           + "; ".join(f"{n} = {json.dumps(c)}" for n, c in zip(names, configs, strict=True)))
     document: dict[str, Any] = {"cpu": cpu_name(), "threads": torch.get_num_threads(),
+                                "quantization": args.quantization,
                                 "speculative_configs": dict(zip(names, configs, strict=True)),
                                 "command": " ".join(sys.argv),
                                 "date": time.strftime("%Y-%m-%d"), "scenarios": []}
@@ -166,7 +172,8 @@ def main() -> int:
         if rate is not None:
             spec = with_request_rate(spec, rate)
         requests = generate_requests(spec, corpus, path.parent)
-        runs = run_in_process(None, {"max_batch_size": 64}, plans, requests, max_concurrency=concurrency,
+        runs = run_in_process(None, {"max_batch_size": 64, "quantization": args.quantization}, plans, requests,
+                              max_concurrency=concurrency,
                               progress=False, loaded=loaded)
         rows = []
         for run in runs:
@@ -174,7 +181,8 @@ def main() -> int:
             rows.append({"label": run.label, "output_tok_s": m.output_throughput, "tpot_mean_ms": m.tpot_ms.mean,
                          "ttft_p99_ms": m.ttft_ms.p99, "e2e_p50_ms": m.e2e_ms.p50,
                          "acceptance_perc": m.spec_acceptance_perc,
-                         "tokens_per_draft_step": m.spec_tokens_per_draft, "completed": m.num_completed,
+                         "tokens_per_draft_step": m.spec_tokens_per_draft, "proposal_perc": m.spec_proposal_perc,
+                         "completed": m.num_completed,
                          "spec_overhead_perc": m.spec_overhead_perc})
         # Each configuration's ratios to the off run of its round: tok/s, and off/on TPOT (under
         # arrivals slower than the engine, tok/s follows the arrivals: latency tells instead).
@@ -190,9 +198,11 @@ def main() -> int:
         for row in rows:
             acceptance = "-" if row["acceptance_perc"] is None else f"{row['acceptance_perc']:.1f}%"
             per_step = "-" if row["tokens_per_draft_step"] is None else f"{row['tokens_per_draft_step']:.2f}"
+            found = "-" if row["proposal_perc"] is None else f"{row['proposal_perc']:.0f}%"
             overhead = "-" if not row["spec_overhead_perc"] else f"{row['spec_overhead_perc']:.2f}%"
             print(f"  {row['label']:>9}: {row['output_tok_s']:7.1f} tok/s  TPOT {row['tpot_mean_ms']:6.1f} ms  "
-                  f"TTFT p99 {row['ttft_p99_ms']:7.0f} ms  accepted {acceptance:>6}  tokens/draft step {per_step}  "
+                  f"TTFT p99 {row['ttft_p99_ms']:7.0f} ms  found {found:>4}  accepted {acceptance:>6}  "
+                  f"tokens/draft step {per_step}  "
                   f"speculation's own time {overhead}")
         for n in names:
             print(f"  {n} against off: output tok/s " + ", ".join(f"{r:.2f}x" for r in ratios[n])

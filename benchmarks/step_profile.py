@@ -6,10 +6,11 @@ group's time against the ceiling's; and, with `--components`, the forward pass o
 decode step, one prefill step and one single-request decode step split into weight matmuls (by
 output width), attention and token-wise ops (torch.profiler ranges; those three steps are left
 out of the per-step figures). `--verify` adds the same split of a speculative verify: a single
-stream copying its prompt's passage with n-gram proposals (k = 4, all verified), one step that
-verifies 4 proposed tokens beside one plain decode step of the same stream without speculation.
+stream copying its prompt's passage with n-gram proposals (k = 4, or `--verify-k`, all verified),
+one step that verifies k proposed tokens beside one plain decode step of the same stream without
+speculation.
 
-    .venv/bin/python benchmarks/step_profile.py [--max-num-tokens 512] [--components] [--verify]
+    .venv/bin/python benchmarks/step_profile.py [--max-num-tokens 512] [--components] [--verify [--verify-k 4]]
         [--quantization int8]
 """
 
@@ -86,6 +87,7 @@ def main() -> int:
                              "single-request decode step into components")
     parser.add_argument("--verify", action="store_true",
                         help="also split a single stream's step verifying 4 proposed tokens, beside a plain one")
+    parser.add_argument("--verify-k", type=int, default=4, help="the proposed tokens that step verifies")
     parser.add_argument("--quantization", default="none",
                         choices=("none", "int8", "int8-activations", "bf16-activations"),
                         help="the weights' arithmetic (default: as stored, fp32)")
@@ -161,20 +163,20 @@ def main() -> int:
     for name, (prof, step) in profiles.items():
         print_components(f"one {name} step", prof, step)
     if args.verify:
-        verify_components(loaded, args.quantization, corpus_token_ids(loaded.tokenizer.hf))
+        verify_components(loaded, args.quantization, corpus_token_ids(loaded.tokenizer.hf), args.verify_k)
     return 0
 
 
-def verify_components(loaded: LoadedModel, quantization: str, corpus: np.ndarray) -> None:
-    """A single stream asked to copy a passage of its prompt: one step verifying 4 n-gram
+def verify_components(loaded: LoadedModel, quantization: str, corpus: np.ndarray, k: int = 4) -> None:
+    """A single stream asked to copy a passage of its prompt: one step verifying k n-gram
     proposals, and one plain decode step of the same request without speculation, each split
     into components (the stream's first step of each kind past 32 generated tokens)."""
     from torch.profiler import profile
 
     passage = corpus[:200].tolist()
     prompt = passage + passage[:40]  # the model goes on copying: the n-gram lookup proposes the rest
-    ngram = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
-    for title, spec in (("plain decode", None), ("verifying 4 proposed tokens", ngram)):
+    ngram = {"method": "ngram", "num_speculative_tokens": k, "adaptive": False}
+    for title, spec in (("plain decode", None), (f"verifying {k} proposed tokens", ngram)):
         llm = LLM(loaded=loaded, quantization=quantization, num_kv_blocks=256,
                   **({"speculative_config": spec} if spec else {}))
         engine = llm.engine
@@ -186,7 +188,7 @@ def verify_components(loaded: LoadedModel, quantization: str, corpus: np.ndarray
                 with profile() as prof:
                     engine.step()
                 step = engine.step_records[-1]
-                if step.num_spec_tokens == (4 if spec else 0):
+                if step.num_spec_tokens == (k if spec else 0):
                     found = (prof, step)
             else:
                 engine.step()

@@ -253,6 +253,9 @@ def test_greedy_outputs_logprobs_and_stops_equal_decoding_one_at_a_time(make_llm
         assert abs(a.logprob - b.logprob) < 1e-4
     stats = llm.engine.stats()
     assert stats.spec_num_accepted_tokens >= 20, stats
+    # Every lookup of a request's proposals is counted, and those that found one: at least each
+    # verifying step's, and at most every lookup.
+    assert stats.spec_num_drafts <= stats.spec_num_found <= stats.spec_num_lookups, stats
     # The scheduler's own time on speculation is counted, a small part of the run's.
     assert 0 < stats.spec_overhead_s < sum(r.duration_s for r in llm.engine.step_records)
     assert llm.engine.block_manager.num_used_blocks == 0
@@ -420,6 +423,21 @@ def test_a_measured_runs_acceptance_converts_to_the_simulators_rate() -> None:
                     "acceptance_rate": 0.7}, 8, 1)
     assert measured_acceptance_rate(run.metrics) == pytest.approx(0.7, abs=0.04)
     assert measured_acceptance_rate(_sim_run({}, 2, 1).metrics) is None
+
+
+def test_the_simulator_finds_proposals_at_the_workloads_proposal_rate() -> None:
+    """Where a request's text stops repeating itself its lookups find nothing: at a proposal rate
+    of 0.5 the simulated stream finds proposals at about half its lookups, measured as a real run's
+    are, and runs between never finding them and always; `--against` re-simulates a run at the
+    share its counters show."""
+    spec = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4}, "acceptance_rate": 0.8}
+    always, half = _sim_run(spec, 4, 1), _sim_run({**spec, "proposal_rate": 0.5}, 4, 1)
+    off = _sim_run({}, 4, 1)
+    assert always.metrics.spec_proposal_perc == 100
+    assert half.metrics.spec_proposal_perc == pytest.approx(50, abs=6)
+    assert off.metrics.output_throughput < half.metrics.output_throughput < always.metrics.output_throughput
+    never = _sim_run({**spec, "proposal_rate": 0.0}, 4, 1)
+    assert never.metrics.spec_tokens_per_draft is None and never.metrics.spec_proposal_perc == 0
 
 
 def test_the_simulator_asks_for_an_acceptance_rate() -> None:

@@ -124,6 +124,8 @@ class EngineCounters:
     spec_num_drafts: int | None = None
     spec_num_draft_tokens: int | None = None
     spec_num_accepted_tokens: int | None = None
+    spec_num_lookups: int | None = None  # proposals looked up in requests' own tokens (in process only)
+    spec_num_found: int | None = None  # of which found
     spec_overhead_s: float | None = None  # the engine's own seconds on speculation (in process only)
 
     @classmethod
@@ -137,6 +139,8 @@ class EngineCounters:
             spec_num_drafts=after.spec_num_drafts - before.spec_num_drafts,
             spec_num_draft_tokens=after.spec_num_draft_tokens - before.spec_num_draft_tokens,
             spec_num_accepted_tokens=after.spec_num_accepted_tokens - before.spec_num_accepted_tokens,
+            spec_num_lookups=after.spec_num_lookups - before.spec_num_lookups,
+            spec_num_found=after.spec_num_found - before.spec_num_found,
             spec_overhead_s=after.spec_overhead_s - before.spec_overhead_s,
         )
 
@@ -146,6 +150,13 @@ class EngineCounters:
         if not self.spec_num_draft_tokens or self.spec_num_accepted_tokens is None:
             return None
         return 100.0 * self.spec_num_accepted_tokens / self.spec_num_draft_tokens
+
+    @property
+    def spec_proposal_perc(self) -> float | None:
+        """Of the lookups of a request's proposals in its own tokens, the share (%) that found one."""
+        if not self.spec_num_lookups or self.spec_num_found is None:
+            return None
+        return 100.0 * self.spec_num_found / self.spec_num_lookups
 
     @property
     def spec_tokens_per_draft(self) -> float | None:
@@ -185,6 +196,7 @@ class BenchMetrics:
     num_http_5xx: int = 0  # responses with a 5xx status, as the client saw them
     spec_acceptance_perc: float | None = None  # speculative decoding: proposed tokens kept (%)
     spec_tokens_per_draft: float | None = None  # tokens a verifying step gave its request
+    spec_proposal_perc: float | None = None  # lookups of proposals in requests' own tokens that found one (%)
     spec_overhead_perc: float | None = None  # the engine's own time on speculation, % of the run's
 
 
@@ -228,6 +240,7 @@ def compute_metrics(results: Sequence[RequestResult], duration_s: float,
         num_http_5xx=sum(r.http_status is not None and r.http_status >= 500 for r in results),
         spec_acceptance_perc=counters.spec_acceptance_perc,
         spec_tokens_per_draft=counters.spec_tokens_per_draft,
+        spec_proposal_perc=counters.spec_proposal_perc,
         spec_overhead_perc=None if counters.spec_overhead_s is None else 100.0 * counters.spec_overhead_s / duration,
     )
 

@@ -101,6 +101,9 @@ class WorkloadSpec(SpecModel):
     # For the simulator's speculative decoding: the chance that a proposed token is kept once those
     # before it were (a property of the workload and the proposer; `inflight bench` measures it).
     acceptance_rate: float | None = Field(None, ge=0, le=1)
+    # And the chance that a decoding request's proposer finds a proposal in its own tokens at a step
+    # (the text repeats itself there; 1 if unset: always). `inflight bench` measures it too.
+    proposal_rate: float | None = Field(None, ge=0, le=1)
 
     @model_validator(mode="after")
     def _check_sources(self) -> WorkloadSpec:

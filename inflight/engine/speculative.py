@@ -208,6 +208,11 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    # Lookups of a decoding request's proposals in its own tokens (n-gram, suffix; a draft model's
+    # are not lookups), and of those the ones that found any: where the text stops repeating itself
+    # none is found, and the step decodes one token (the simulator's `proposal_rate`).
+    num_lookups: int = 0
+    num_found: int = 0
     # Wall seconds the scheduler spent on speculation outside the model: choosing lengths, looking
     # up proposals, recording what was kept (a draft model's passes not included: `draft_s`).
     overhead_s: float = 0.0
@@ -270,6 +275,8 @@ class Speculator:
             if index is None:
                 index = self._indexes[request.request_id] = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
             draft = index.propose(request.all_token_ids, k)
+        self.stats.num_lookups += 1
+        self.stats.num_found += bool(draft)
         if draft and request.grammar is not None:
             draft = draft[:request.grammar.valid_prefix(draft)]
         return draft

@@ -37,6 +37,8 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    spec_num_lookups: int = 0  # proposals looked up (n-gram, suffix), and found (`SpecStats`)
+    spec_num_found: int = 0
     spec_overhead_s: float = 0.0  # the scheduler's own seconds on speculation (`SpecStats.overhead_s`)
 
     @property
@@ -84,6 +86,8 @@ def scheduler_stats(scheduler: Scheduler, num_oom_errors: int = 0, num_failed_st
         spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
         spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
         spec_accepted_per_position=tuple(spec.accepted_per_position) if spec else (),
+        spec_num_lookups=spec.num_lookups if spec else 0,
+        spec_num_found=spec.num_found if spec else 0,
         spec_overhead_s=spec.overhead_s if spec else 0.0,
     )
 

@@ -30,6 +30,9 @@ def register(subparsers: Any) -> None:
     sim.add_argument("--acceptance-rate", type=float, default=None, metavar="A",
                      help="with --speculative-config: the chance a proposed token is kept once those before it "
                           "were (default: the workload's acceptance_rate)")
+    sim.add_argument("--proposal-rate", type=float, default=None, metavar="P",
+                     help="with --speculative-config: the chance a decoding request's n-gram or suffix lookup finds "
+                          "a proposal at a step (default: the workload's proposal_rate, else 1)")
     add_runs_options(sim, "simulate each configuration in turn")
     o = add_output_options(sim)
     o.add_argument("--against", default=None, metavar="RUN.json",
@@ -209,6 +212,11 @@ def cmd_sim(args: argparse.Namespace) -> int:
         if not 0 <= acceptance <= 1:
             raise ConfigError(f"--acceptance-rate must be in [0, 1], got {acceptance}")
         options["acceptance_rate"] = acceptance
+    found = args.proposal_rate if args.proposal_rate is not None else spec.proposal_rate
+    if found is not None:
+        if not 0 <= found <= 1:
+            raise ConfigError(f"--proposal-rate must be in [0, 1], got {found}")
+        options["proposal_rate"] = found
     runs = simulate_plans(target, options, plan_runs(compare, sweeps), requests, args.max_concurrency, slo)
     title = f"inflight sim: {spec.name} ({len(requests)} requests, seed {spec.seed}), {target.describe()}"
     print(format_table(runs, title))

@@ -37,10 +37,20 @@ class VirtualClock:
     wait_until = advance_to  # what a driver does between arrivals: no time is spent waiting
 
 
-def sim_proposals(request: Request, k: int) -> list[int]:
-    """The simulator's speculative proposals: k tokens, always found (what the model keeps of
-    them is the runner's draw at the workload's acceptance rate)."""
-    return [SIM_TOKEN] * k
+class SimProposals:
+    """The simulator's speculative proposals: k stand-in tokens, found at each lookup with chance
+    `proposal_rate` (seeded draws; 1: always), as an n-gram or suffix lookup finds none where a
+    request's text stops repeating itself. What the model keeps of them is the runner's draw at
+    the acceptance rate."""
+
+    def __init__(self, proposal_rate: float = 1.0, seed: int = 1) -> None:
+        self.proposal_rate = proposal_rate
+        self._rng = random.Random(seed)
+
+    def __call__(self, request: Request, k: int) -> list[int]:
+        if self.proposal_rate < 1 and self._rng.random() >= self.proposal_rate:
+            return []
+        return [SIM_TOKEN] * k
 
 
 class SimDrafter:

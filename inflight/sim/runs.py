@@ -76,8 +76,9 @@ class SimTarget:
 # Options of the fleet, not of one engine: `replicas` engines behind the `router` policy.
 FLEET_OPTIONS = ("replicas", "router")
 # Options of the simulation, not of the engine: with speculative decoding, the chance that a
-# proposed token is kept (a property of the workload and the proposer).
-SIM_OPTIONS = ("acceptance_rate",)
+# proposed token is kept and that a lookup finds a proposal (properties of the workload and the
+# proposer).
+SIM_OPTIONS = ("acceptance_rate", "proposal_rate")
 
 
 def simulate(target: SimTarget, options: dict[str, Any], requests: Sequence[BenchRequest], label: str = "sim",
@@ -87,7 +88,7 @@ def simulate(target: SimTarget, options: dict[str, Any], requests: Sequence[Benc
     them, on a fleet of N such engines behind the `router` policy (default prefix), as
     `inflight serve --replicas N` runs them."""
     engine_options = {k: v for k, v in options.items() if k not in FLEET_OPTIONS + SIM_OPTIONS}
-    acceptance_rate = options.get("acceptance_rate")
+    acceptance_rate, proposal_rate = options.get("acceptance_rate"), options.get("proposal_rate")
     replicas = int(options.get("replicas", 1))
     config = EngineConfig.from_kwargs(None, **engine_options)
     cost_model = target.cost_model(config.dtype, config.quantization)
@@ -102,7 +103,8 @@ def simulate(target: SimTarget, options: dict[str, Any], requests: Sequence[Benc
     if replicas < 1:
         raise ConfigError(f"replicas must be >= 1, got {replicas}")
     if replicas == 1:
-        engine = sim_engine(config, cost_model, target.gpu_memory_utilization, acceptance_rate, draft_cost_model)
+        engine = sim_engine(config, cost_model, target.gpu_memory_utilization, acceptance_rate, draft_cost_model,
+                            proposal_rate)
         capture = run_simulation(engine, requests, max_concurrency)
         recorded["num_kv_blocks_allocated"] = engine.block_manager.num_blocks
         return BenchRun.measure(label, recorded, capture, slo)
@@ -112,8 +114,8 @@ def simulate(target: SimTarget, options: dict[str, Any], requests: Sequence[Benc
         router = RouterConfig(options.get("router", "prefix"), seed=0)  # pow2's draws too: reproducible
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    engines = [sim_engine(config, cost_model, target.gpu_memory_utilization, acceptance_rate, draft_cost_model)
-               for _ in range(replicas)]
+    engines = [sim_engine(config, cost_model, target.gpu_memory_utilization, acceptance_rate, draft_cost_model,
+                          proposal_rate) for _ in range(replicas)]
     result = run_fleet(engines, requests, router)
     recorded.update(num_kv_blocks_allocated=engines[0].block_manager.num_blocks, routed=result.routed,
                     prefix_hit_rate=round(result.prefix_hit_rate, 4))

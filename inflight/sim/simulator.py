@@ -16,16 +16,18 @@ from inflight.config import EngineConfig
 from inflight.engine.engine import EngineParts, LLMEngine
 from inflight.errors import ConfigError
 from inflight.perf.cost_model import CostModel
-from inflight.sim.runner import SimDrafter, SimRunner, VirtualClock, sim_proposals
+from inflight.sim.runner import SimDrafter, SimProposals, SimRunner, VirtualClock
 
 
 def sim_engine(config: EngineConfig, cost_model: CostModel, gpu_memory_utilization: float = 0.9,
-               acceptance_rate: float | None = None, draft_cost_model: CostModel | None = None) -> LLMEngine:
+               acceptance_rate: float | None = None, draft_cost_model: CostModel | None = None,
+               proposal_rate: float | None = None) -> LLMEngine:
     """The engine `config` describes, its steps priced by `cost_model` on a fresh virtual clock;
     the KV pool sized for the cost model's device unless `config` sets it. With speculative
-    decoding every decoding request proposes its full k tokens, each kept with chance
-    `acceptance_rate` once those before it were (required then); a draft model's passes are
-    priced by `draft_cost_model` (required with method draft_model)."""
+    decoding a decoding request finds its full k tokens proposed with chance `proposal_rate` at
+    each step (default 1), each kept with chance `acceptance_rate` once those before it were
+    (required then); a draft model's passes are priced by `draft_cost_model` (required with method
+    draft_model), its proposals always found."""
     cache = config.cache
     num_blocks = cache.num_kv_blocks or cost_model.num_kv_blocks(
         cache.block_size, gpu_memory_utilization, cache.kv_cache_memory_fraction, cache.kv_cache_memory_bytes)
@@ -38,7 +40,7 @@ def sim_engine(config: EngineConfig, cost_model: CostModel, gpu_memory_utilizati
                         cost_model.model, clock=clock, check_token_ids=False, step_time_model=cost_model)
     engine = LLMEngine(config, parts=parts)
     if engine.speculator is not None:
-        engine.speculator.proposer = sim_proposals
+        engine.speculator.proposer = SimProposals(1.0 if proposal_rate is None else proposal_rate)
         if engine.speculator.config.method == "draft_model":
             if draft_cost_model is None:
                 raise ConfigError("a simulated draft model needs its shapes (the draft's cost model)")

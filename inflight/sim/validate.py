@@ -102,6 +102,8 @@ def resimulate(document: dict[str, Any], runs: Sequence[BenchRun], target: SimTa
         rate = measured_acceptance_rate(run.metrics)
         if options.get("speculative_config") is not None and rate is not None:
             options["acceptance_rate"] = rate
+            if run.metrics.spec_proposal_perc is not None:  # lookups that found a proposal
+                options["proposal_rate"] = run.metrics.spec_proposal_perc / 100
         sim = simulate(target, options, requests, run.label, document.get("max_concurrency"))
         timeline = run.capture.timeline
         cost_model = target.cost_model(options.get("dtype"), options.get("quantization", "none"))
