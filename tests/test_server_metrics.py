@@ -94,7 +94,8 @@ def test_inflight_is_read_from_its_own_rendering() -> None:
     stats = EngineStats(num_running=3, num_waiting=2, num_kv_blocks_used=30, num_kv_blocks_total=120,
                         num_kv_blocks_peak=60, num_preemptions=4, num_oom_errors=1, num_kv_allocation_failures=5,
                         num_kv_live_tokens=240, block_size=16, spec_num_drafts=6, spec_num_draft_tokens=20,
-                        spec_num_accepted_tokens=11, spec_accepted_per_position=(5, 4, 2))
+                        spec_num_accepted_tokens=11, spec_accepted_per_position=(5, 4, 2), spec_num_lookups=9,
+                        spec_num_found=7)
     metrics = ServerMetrics(lambda: stats)
     metrics.count_failure("error")
     metrics.count_failure("aborted")  # the client left: not the server's failure
@@ -105,7 +106,8 @@ def test_inflight_is_read_from_its_own_rendering() -> None:
     assert (reading.kv_usage, reading.running, reading.waiting, reading.kv_peak) == (0.25, 3, 2, 0.5)
     assert reading.kv_live == pytest.approx(240 / (30 * 16))
     assert reading.counters == {"preemptions": 4, "oom_errors": 1, "failed_requests": 1, "kv_allocation_failures": 5,
-                                "spec_drafts": 6, "spec_draft_tokens": 20, "spec_accepted_tokens": 11}
+                                "spec_drafts": 6, "spec_draft_tokens": 20, "spec_accepted_tokens": 11,
+                                "spec_lookups": 9, "spec_found": 7}
 
 
 def test_fleet_series_keep_the_fullest_pool_and_sum_the_rest() -> None:

@@ -148,7 +148,8 @@ class _MetricsSampler:
                               num_kv_allocation_failures=rise("kv_allocation_failures"),
                               num_server_failed_requests=rise("failed_requests"),
                               spec_num_drafts=rise("spec_drafts"), spec_num_draft_tokens=rise("spec_draft_tokens"),
-                              spec_num_accepted_tokens=rise("spec_accepted_tokens"))
+                              spec_num_accepted_tokens=rise("spec_accepted_tokens"),
+                              spec_num_lookups=rise("spec_lookups"), spec_num_found=rise("spec_found"))
 
     def describe(self, duration_s: float) -> dict[str, Any]:
         """What the sampling read and what it cost: scrapes, their mean and max wall time (the

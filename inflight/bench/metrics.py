@@ -124,7 +124,7 @@ class EngineCounters:
     spec_num_drafts: int | None = None
     spec_num_draft_tokens: int | None = None
     spec_num_accepted_tokens: int | None = None
-    spec_num_lookups: int | None = None  # proposals looked up in requests' own tokens (in process only)
+    spec_num_lookups: int | None = None  # proposals looked up in requests' own tokens
     spec_num_found: int | None = None  # of which found
     spec_overhead_s: float | None = None  # the engine's own seconds on speculation (in process only)
 

@@ -116,7 +116,7 @@ class Ratio:
 
 # The engine-neutral counters a run reports as their rise over the run.
 COUNTERS = ("preemptions", "oom_errors", "failed_requests", "kv_allocation_failures",
-            "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")
+            "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_lookups", "spec_found")
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +129,8 @@ class Dialect:
     ended in error or aborted; kv_allocation_failures: times a running request found no free
     KV block; kv_peak: a gauge of the pool's peak usage over the server's life; spec_drafts,
     spec_draft_tokens, spec_accepted_tokens: speculative decoding's verifying steps of a request,
-    the tokens they proposed and those kept."""
+    the tokens they proposed and those kept; spec_lookups, spec_found: lookups of proposals in a
+    request's own tokens and those that found one (inflight's own)."""
 
     kind: str
     source: str  # where the names come from: repository, version, file
@@ -146,6 +147,8 @@ class Dialect:
     spec_drafts: Pick | None = None
     spec_draft_tokens: Pick | None = None
     spec_accepted_tokens: Pick | None = None
+    spec_lookups: Pick | None = None
+    spec_found: Pick | None = None
 
     def read(self, series: Series) -> Reading:
         def get(pick: Pick | Ratio | None) -> float | None:
@@ -205,6 +208,8 @@ DIALECTS: dict[str, Dialect] = {d.kind: d for d in [
         spec_drafts=_inflight("spec_decode_num_drafts"),
         spec_draft_tokens=_inflight("spec_decode_num_draft_tokens"),
         spec_accepted_tokens=_inflight("spec_decode_num_accepted_tokens"),
+        spec_lookups=_inflight("spec_decode_num_lookups"),
+        spec_found=_inflight("spec_decode_num_lookups_found"),
     ),
     # A fraction despite "perc"; labels engine and model_name. finished_reason "error" (a request
     # failed inside the engine, answered 500) exists from 0.34 on; 0.11 has stop/length/abort.

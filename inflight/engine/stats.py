@@ -140,6 +140,10 @@ METRICS: dict[str, StatMetric] = {m.name: m for m in [
                lambda s: s.spec_num_draft_tokens),
     StatMetric("spec_decode_num_accepted_tokens", "counter", "Speculative decoding: proposed tokens the model "
                "kept.", lambda s: s.spec_num_accepted_tokens),
+    StatMetric("spec_decode_num_lookups", "counter", "Speculative decoding: lookups of a request's proposals "
+               "in its own tokens (n-gram, suffix).", lambda s: s.spec_num_lookups),
+    StatMetric("spec_decode_num_lookups_found", "counter", "Of those, the lookups that found a proposal.",
+               lambda s: s.spec_num_found),
 ]}
 
 # Per position of a draft (0: its first proposed token): how many were kept (vLLM's name).
