@@ -2778,8 +2778,8 @@ torch::Tensor gguf_blocks_bf16_linear(torch::Tensor x, torch::Tensor packed, int
 #else
   // The activations rounded to bf16 (each exactly an fp32), then the fp32 block matmuls.
   const torch::Tensor rounded = x.to(torch::kBFloat16).to(torch::kFloat32);
-  return x.size(0) <= kQMaxRows ? gguf_blocks_linear(rounded, packed, out_features)
-                                : gguf_blocks_gemm(rounded, packed, out_features);
+  return x.size(0) <= kQRegisterRows ? gguf_blocks_linear(rounded, packed, out_features)
+                                     : gguf_blocks_gemm(rounded, packed, out_features);
 #endif
 }
 
