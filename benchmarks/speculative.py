@@ -64,14 +64,18 @@ def cpu_name() -> str:
 
 def config_name(config: dict[str, Any]) -> str:
     """ngram4, suffix8, draft4 (the embedded model drafting for itself), draft6L4 (a cut model),
-    with "-fixed" where the lengths are not chosen (adaptive false)."""
+    with "-fixed" where the lengths are not chosen (adaptive false) and "-option=value" for any
+    other option set (ngram8-prompt_lookup_min=1)."""
     method = config.get("method", "ngram")
     name = "draft" if method == "draft_model" else method
     model = str(config.get("model", ""))
     if "embedded-layers-" in model:
         name += f"{model.rsplit('-', 1)[-1].removesuffix('.gguf').count('_') + 1}L"
     name += str(config.get("num_speculative_tokens", 4))
-    return name + ("-fixed" if config.get("adaptive") is False else "")
+    name += "-fixed" if config.get("adaptive") is False else ""
+    # Any other option set, so that two configurations never share a name (their rows would merge).
+    named = {"method", "num_speculative_tokens", "model", "adaptive"}
+    return name + "".join(f"-{key}={config[key]}" for key in sorted(config) if key not in named)
 
 
 def layer_spec(text: str) -> list[int]:
