@@ -118,7 +118,7 @@ TABLE_ROWS: list[Row | str] = [
     ("OOM events", lambda m: m.num_oom_errors, "d"),
     ("Spec. acceptance (%)", lambda m: m.spec_acceptance_perc, ".1f"),
     ("Spec. tokens per draft step", lambda m: m.spec_tokens_per_draft, ".2f"),
-    ("Spec. lookups that found a proposal (%)", lambda m: m.spec_proposal_perc, ".1f"),
+    ("Spec. lookups found (%)", lambda m: m.spec_proposal_perc, ".1f"),
 ]
 
 # Ratios to the first run printed under a comparison: (name, metric, higher is better).
