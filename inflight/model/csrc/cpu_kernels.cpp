@@ -1920,22 +1920,12 @@ inline void quant_micro512(const float* __restrict x, int64_t ldx, const uint8_t
   #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
+#endif
 
+// Rows in passes of at most 5 through the 256-bit microkernel (AVX2 builds' only form).
 template <class L>
-void quant_rows(int rows, const float* x, int64_t K, const uint8_t* w, float* y, int64_t ldy) {
-  if constexpr (kRow512<L>) {
-    switch (rows) {
-      case 8: return quant_micro512<8, L>(x, K, w, K, y, ldy);
-      case 7: return quant_micro512<7, L>(x, K, w, K, y, ldy);
-      case 6: return quant_micro512<6, L>(x, K, w, K, y, ldy);
-      case 5: return quant_micro512<5, L>(x, K, w, K, y, ldy);
-      case 4: return quant_micro512<4, L>(x, K, w, K, y, ldy);
-      case 3: return quant_micro512<3, L>(x, K, w, K, y, ldy);
-      case 2: return quant_micro512<2, L>(x, K, w, K, y, ldy);
-      default: return quant_micro<1, L>(x, K, w, K, y, ldy);  // one row: the 256-bit form, 2% faster
-    }
-  }
-  for (int r = 0; r < rows; r += 5) {  // in passes of at most 5 rows, as the 256-bit build
+void quant_rows256(int rows, const float* x, int64_t K, const uint8_t* w, float* y, int64_t ldy) {
+  for (int r = 0; r < rows; r += 5) {
     const float* xr = x + r * K;
     float* yr = y + r * ldy;
     switch (std::min(5, rows - r)) {
@@ -1947,18 +1937,27 @@ void quant_rows(int rows, const float* x, int64_t K, const uint8_t* w, float* y,
     }
   }
 }
-#else
+
+// At most kQMaxRows rows of a block panel: in one 512-bit pass where the build and the layout
+// have it (one row keeps the 256-bit form, 2% faster), else in 256-bit passes.
 template <class L>
 void quant_rows(int rows, const float* x, int64_t K, const uint8_t* w, float* y, int64_t ldy) {
-  switch (rows) {
-    case 5: return quant_micro<5, L>(x, K, w, K, y, ldy);
-    case 4: return quant_micro<4, L>(x, K, w, K, y, ldy);
-    case 3: return quant_micro<3, L>(x, K, w, K, y, ldy);
-    case 2: return quant_micro<2, L>(x, K, w, K, y, ldy);
-    default: return quant_micro<1, L>(x, K, w, K, y, ldy);
+#if defined(__AVX512F__)
+  if constexpr (kRow512<L>) {
+    switch (rows) {
+      case 8: return quant_micro512<8, L>(x, K, w, K, y, ldy);
+      case 7: return quant_micro512<7, L>(x, K, w, K, y, ldy);
+      case 6: return quant_micro512<6, L>(x, K, w, K, y, ldy);
+      case 5: return quant_micro512<5, L>(x, K, w, K, y, ldy);
+      case 4: return quant_micro512<4, L>(x, K, w, K, y, ldy);
+      case 3: return quant_micro512<3, L>(x, K, w, K, y, ldy);
+      case 2: return quant_micro512<2, L>(x, K, w, K, y, ldy);
+      default: break;
+    }
   }
-}
 #endif
+  quant_rows256<L>(rows, x, K, w, y, ldy);
+}
 
 // A block panel (16 columns, all K) dequantized into columns [0, 16) of an fp32 panel whose
 // k-rows are `ld` floats apart (packed_linear's layout).
@@ -2734,7 +2733,6 @@ void bf16_micro(const int32_t* __restrict x, int64_t ldx, const uint8_t* __restr
   #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
-
 template <int MR = kBF16MaxRows>
 void bf16_rows(int rows, const int32_t* x, int64_t ldx, const uint8_t* panel, int64_t K, float* y, int64_t ldy) {
   if constexpr (MR > 1) {
@@ -3724,7 +3722,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "x @ W.T with W packed int8, x quantized per row and group of 64 k (CPU, W8A8)");
   m.def("int8_dots", &int8_dots, "The int8 matmul's exact integer dots, with x's quantized rows and scales");
   m.def("linear_forward", &linear_forward,
-        "x @ W.T (+ b): from the GGUF blocks where given (in registers up to gguf_blocks_max_rows() rows), else the packed W");
+        "x @ W.T (+ b): from the GGUF blocks where given (in registers up to gguf_blocks_max_rows() rows), else "
+        "the packed W");
   m.def("plan_ops", &plan_ops, "The layer-plan ops DecoderStack runs (inflight/model/layer_plan.py's Op)");
   m.def("gguf_blocks_available", &gguf_blocks_available, "Whether this build has the GGUF block matmul (AVX2)");
   m.def("gguf_blocks_max_rows", &gguf_blocks_max_rows,
