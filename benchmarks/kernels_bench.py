@@ -110,7 +110,7 @@ double read_blocks(torch::Tensor k, torch::Tensor v, torch::Tensor tables, torch
           const float* ahead = (j + 1) * block_size < lp[b] ? pool + tp[b * max_blocks + j + 1] * block_size * slot : x;
           const int64_t n = std::min(block_size, lp[b] - j * block_size) * slot;
           for (int64_t i = 0; i + 16 <= n; i += 16) {
-            __builtin_prefetch(ahead + i);
+            __builtin_prefetch(ahead + i, 0, 2);  // into L2, as the decode kernel does
 #pragma omp simd
             for (int e = 0; e < 16; ++e) acc[e] += x[i + e];
           }
