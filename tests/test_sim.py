@@ -613,6 +613,9 @@ def test_measure_times_real_engine_steps_with_their_composition(loaded: LoadedMo
     import torch
 
     engine = LLMEngine(EngineConfig.from_kwargs(None, num_kv_blocks=64, max_batch_size=8), loaded)
+    kinds: list[tuple[int, int]] = []  # per step: (decode tokens, prefill tokens), as the engine ran it
+    engine.step_observers.append(lambda record, _: kinds.append((record.num_decode_tokens,
+                                                                 record.num_prefill_tokens)))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as calibration runs; two threads stall on a busy 2-core machine
     try:
@@ -620,9 +623,11 @@ def test_measure_times_real_engine_steps_with_their_composition(loaded: LoadedMo
     finally:
         torch.set_num_threads(threads)
     batches = [s.batch for s in samples]
-    # Seated decodes compute their last prompt token first (no prefill), beside a fresh prompt.
-    assert batches[:3] == [(SeqWork(1, 40, True),) * 3 + (SeqWork(16, 16, True),),
-                           (SeqWork(1, 41, True),) * 3, (SeqWork(1, 42, True),) * 3]
+    # Seated requests decode from their first step (no prefill; not a one-token prompt chunk,
+    # which attention would run as a prefill), beside a fresh prompt.
+    assert batches[:3] == [(SeqWork(1, 41, True),) * 3 + (SeqWork(16, 16, True),),
+                           (SeqWork(1, 42, True),) * 3, (SeqWork(1, 43, True),) * 3]
+    assert kinds[:3] == [(3, 16), (3, 0), (3, 0)]
     # A chunk after a cached context: its 32 tokens computed first, then found in the cache.
     assert batches[3:] == [(SeqWork(33, 33, True),), (SeqWork(8, 40, True),)]
     assert all(s.duration_s >= s.forward_s > 0 for s in samples)

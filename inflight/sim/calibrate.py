@@ -4,8 +4,9 @@ the hardware profile's efficiency factors and overheads by least squares.
 The grid: decode batches of several sizes and context lengths, whole prefills, chunks after a
 cached context, and mixed steps (a prefill beside decodes). Decoding requests are *seated*:
 added through `LLMEngine.add_request`, then given their blocks (allocated a block at a time
-round-robin, the layout concurrent decodes leave behind) and counted as computed up to their
-last prompt token, so a batch of 32 requests at 1536 tokens costs no prefill. Their KV is never
+round-robin, the layout concurrent decodes leave behind) and their prompts counted as computed,
+with one output token to decode next (`seat`), so a batch of 32 requests at 1536 tokens costs no
+prefill. Their KV is never
 written, which changes what they sample, not how long a step takes. Each request has its own
 KV: decodes sharing a cached prompt would read it from the CPU's caches and look 1.5x faster
 than real traffic. Every step is timed as `LLMEngine.step()` runs it and kept with the
@@ -61,21 +62,27 @@ def default_grid() -> list[StepCase]:
 
 
 def seat(engine: Any, prompts: Sequence[list[int]], max_tokens: int) -> list[Any]:
-    """Adds requests whose prompts count as computed but for their last token (see the module
-    docstring); the next step computes that token and samples, as a decode would."""
+    """Adds requests decoding after their prompts (see the module docstring): each prompt counts
+    as computed, and its last token is given again as a first output, not yet computed, so that
+    the next step decodes it. (Counted as computed but for its last token, a prompt's next step
+    was a one-token prompt chunk: the engine runs those through the prefill attention kernel,
+    which read a context of 1536 tokens at half the decode kernel's speed, and the cost model,
+    which prices them as decodes, was fitted to steps 2x slower than decodes at that length.)
+    `max_tokens` counts that first output: the requests decode `max_tokens - 1` steps."""
     from inflight.request import RequestStatus
 
     requests = [engine.add_request(p, _params(max_tokens)) for p in prompts]
     scheduler, bm = engine.scheduler, engine.block_manager
     for request in requests:
         scheduler.waiting.remove(request)
-    for k in range(1, bm.num_blocks_for(max(len(p) for p in prompts)) + 1):
+        request.output_token_ids.append(request.prompt_token_ids[-1])
+    for k in range(1, bm.num_blocks_for(max(r.num_tokens for r in requests)) + 1):
         for request in requests:
-            if not bm.allocate_slots(request, min(k * bm.block_size, request.num_prompt_tokens)):
+            if not bm.allocate_slots(request, min(k * bm.block_size, request.num_tokens)):
                 raise RuntimeError("the calibration engine's KV pool is too small for the grid")
     for request in requests:
         request.status = RequestStatus.RUNNING
-        request.num_computed_tokens = request.num_prompt_tokens - 1
+        request.num_computed_tokens = request.num_prompt_tokens
         scheduler.running.append(request)
     return requests
 
@@ -116,7 +123,7 @@ def measure(engine: Any, cases: Sequence[StepCase], seed: int = 0,
                 drain()
             if case.num_decodes:
                 prompts = [rng.integers(vocab, size=case.context_len).tolist() for _ in range(case.num_decodes)]
-                seat(engine, prompts, case.num_steps + 1)
+                seat(engine, prompts, case.num_steps + 2)
             if case.prefill_len:
                 fresh = rng.integers(vocab, size=case.prefill_len).tolist()
                 engine.add_request(base[:case.prefill_context] + fresh, _params(1))
