@@ -6,11 +6,10 @@ cached context, and mixed steps (a prefill beside decodes). Decoding requests ar
 added through `LLMEngine.add_request`, then given their blocks (allocated a block at a time
 round-robin, the layout concurrent decodes leave behind) and their prompts counted as computed,
 with one output token to decode next (`seat`), so a batch of 32 requests at 1536 tokens costs no
-prefill. Their KV is never
-written, which changes what they sample, not how long a step takes. Each request has its own
-KV: decodes sharing a cached prompt would read it from the CPU's caches and look 1.5x faster
-than real traffic. Every step is timed as `LLMEngine.step()` runs it and kept with the
-composition the scheduler gave it.
+prefill. Their KV is never written, which changes what they sample, not how long a step takes.
+Each request has its own KV: decodes sharing a cached prompt would read it from the CPU's caches
+and look 1.5x faster than real traffic. Every step is timed as `LLMEngine.step()` runs it and
+kept with the composition the scheduler gave it.
 """
 
 from __future__ import annotations
