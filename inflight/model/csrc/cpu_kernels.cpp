@@ -559,8 +559,9 @@ struct PrefillItem {
   int64_t segment, first, rows_tokens, kv_head, cost, t_begin, t_end, part;
 };
 
-// Context tokens per part when an item's context is split (a speculative verify of a few tokens,
-// the last small chunk of a prompt: fewer items than twice the threads): at least this many.
+// Context tokens per part when an item's context is split (a few tokens after a long context: a
+// draft model's catch-up, the last small chunk of a prompt; fewer items than twice the threads):
+// at least this many.
 constexpr int64_t kMinSplitTokens = 128;
 
 // Per-thread scratch of prefill_item, allocated once per call. Row counts are rounded up to a
@@ -578,7 +579,7 @@ struct PrefillScratch {
 // The tile's keys transposed into kt[d * kTokenTile + i] (rows past nt zero), so that a score
 // vector holds consecutive tokens. With AVX2 (AVX-512 builds too), 8 x 8 blocks at a time in
 // 8-float vectors: element by element, an AVX-512 build's prefill attention ran 1.20x slower and
-// a 5-token verify's 1.43x (2 Zen 4 cores, `kernels_bench.py --against`).
+// 5 new tokens after 450 1.43x (2 Zen 4 cores, `kernels_bench.py --against`).
 template <int64_t kDim>
 inline void transpose_keys(const float* const* krow, int64_t nt, int64_t dim_rt, float* __restrict kt) {
   const int64_t dim = kDim > 0 ? kDim : dim_rt;
@@ -756,10 +757,11 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
         items.push_back({s, first, n, g, window > 0 ? std::min(end, window + n) : end, 0, end, -1});
       }
   }
-  // Too few items to keep the threads busy (a verify of a few speculative tokens: one item a KV
-  // head): each item's visible context is cut into tile-aligned parts of at least
-  // kMinSplitTokens, about two items a thread in all, merged below by their softmax statistics
-  // as decode attention merges its parts.
+  // Too few items to keep the threads busy (a few new tokens of one request: one item a KV
+  // head; not a speculative verify, which the engine runs as decodes): each item's visible
+  // context is cut into tile-aligned parts of at least kMinSplitTokens, about two items a
+  // thread in all, merged below by their softmax statistics as decode attention merges its
+  // parts.
   const int64_t threads = at::get_num_threads(), unsplit = static_cast<int64_t>(items.size());
   struct SplitItem {
     PrefillItem item;
