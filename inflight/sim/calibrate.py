@@ -63,10 +63,8 @@ def default_grid() -> list[StepCase]:
 def seat(engine: Any, prompts: Sequence[list[int]], max_tokens: int) -> list[Any]:
     """Adds requests decoding after their prompts (see the module docstring): each prompt counts
     as computed, and its last token is given again as a first output, not yet computed, so that
-    the next step decodes it. (Counted as computed but for its last token, a prompt's next step
-    was a one-token prompt chunk: the engine runs those through the prefill attention kernel,
-    which read a context of 1536 tokens at half the decode kernel's speed, and the cost model,
-    which prices them as decodes, was fitted to steps 2x slower than decodes at that length.)
+    the next step decodes it. (Left uncomputed, that token would make the next step a one-token
+    prompt chunk, which attention runs as a prefill, not as the decode the cost model prices.)
     `max_tokens` counts that first output: the requests decode `max_tokens - 1` steps."""
     from inflight.request import RequestStatus
 
@@ -122,7 +120,7 @@ def measure(engine: Any, cases: Sequence[StepCase], seed: int = 0,
                 drain()
             if case.num_decodes:
                 prompts = [rng.integers(vocab, size=case.context_len).tolist() for _ in range(case.num_decodes)]
-                seat(engine, prompts, case.num_steps + 2)
+                seat(engine, prompts, case.num_steps + 2)  # seat's own first output, then num_steps + 1 decodes
             if case.prefill_len:
                 fresh = rng.integers(vocab, size=case.prefill_len).tolist()
                 engine.add_request(base[:case.prefill_context] + fresh, _params(1))
