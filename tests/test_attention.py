@@ -199,6 +199,103 @@ def test_prefill_kernel_splits_a_long_context_of_few_new_tokens(segments, heads,
         torch.set_num_threads(before)
 
 
+# A request's attention must not depend on who shares its step: the engine promises a request the
+# same tokens and logprobs, bit for bit, alone or batched, chunked or not, verifying proposed
+# tokens or decoding them one at a time. Companions of a request: none, one, a few of very
+# different lengths, as many as the threads, many.
+COMPANIONS = [[], [50], [10, 20, 900], [100, 300, 7], [30] * 20]
+
+
+@pytest.mark.parametrize("window,softcap", ATTENDS)
+@pytest.mark.parametrize("length", [40, 200, 700])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_decode_kernel_gives_a_request_its_own_result_whatever_the_batch(length, window, softcap, threads):
+    """One request's decode attention, alone and beside each set of COMPANIONS (in front of them,
+    behind them): bit for bit the same (on a given number of threads)."""
+    kernel = cpu_kernels()
+    if kernel is None:
+        pytest.skip("no C++ compiler for the CPU kernel")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(4)
+        num_blocks = 200
+        k_cache, v_cache = (torch.randn(num_blocks * BLOCK, KV_HEADS, DIM) for _ in range(2))
+        order = torch.randperm(num_blocks).tolist()
+        target = order[: -(-length // BLOCK)]
+        q = torch.randn(HEADS, DIM) * 2
+
+        def attend(lengths: list[int], at: int) -> torch.Tensor:
+            """The target's result among requests of `lengths` (the target at index `at`), whose
+            blocks are taken after the target's."""
+            free = iter(order[len(target):])
+            tables = [[next(free) for _ in range(-(-n // BLOCK))] for n in lengths]
+            lengths, tables = lengths[:at] + [length] + lengths[at:], tables[:at] + [target] + tables[at:]
+            width = max(len(t) for t in tables)
+            queries = torch.randn(len(lengths), HEADS, DIM) * 2
+            queries[at] = q
+            out = kernel.paged_decode_attention(queries, k_cache, v_cache,
+                                                torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+                                                torch.tensor(lengths), BLOCK, DIM ** -0.5, window or 0, softcap or 0.0)
+            return out[at]
+
+        alone = attend([], 0)
+        slots = torch.tensor([target[t // BLOCK] * BLOCK + t % BLOCK for t in range(length)])
+        torch.testing.assert_close(alone, dense_reference(q, k_cache[slots], v_cache[slots], window, softcap),
+                                   **KERNEL_TOL)
+        for companions in COMPANIONS:
+            for at in {0, len(companions)}:
+                assert torch.equal(attend(companions, at), alone), (companions, at)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (300, None), (None, 5.0)])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_prefill_kernel_gives_each_row_its_own_result_however_chunked_or_batched(window, softcap, threads):
+    """A 700-token prompt's rows, computed as one segment, then in chunks of very different sizes
+    (a single token, a few, one that crosses a part's start, the rest), each chunk alone in its call
+    or beside other segments: every row bit for bit the same."""
+    kernel = cpu_kernels()
+    if kernel is None:
+        pytest.skip("no C++ compiler for the CPU kernel")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(5)
+        length, num_blocks = 700, 120
+        k_cache, v_cache = (torch.randn(num_blocks * BLOCK, KV_HEADS, DIM) for _ in range(2))
+        order = torch.randperm(num_blocks).tolist()
+        prompt = order[: -(-length // BLOCK)]
+        others = [order[len(prompt):][i * 4:(i + 1) * 4] for i in range(3)]  # three 64-token contexts
+        q = torch.randn(length, HEADS, DIM) * 2
+
+        def rows(chunk: tuple[int, int], companions: int) -> torch.Tensor:
+            """The prompt's rows [start, end) computed as one segment of a call, after `companions`
+            other segments (chunks of the other contexts)."""
+            start, end = chunk
+            segments = [(others[i], 40, 9 + 10 * i) for i in range(companions)] + [(prompt, start, end - start)]
+            width = max(len(t) for t, _, _ in segments)
+            queries = torch.cat([torch.randn(n, HEADS, DIM) for _, _, n in segments[:-1]] + [q[start:end]])
+            lens = [n for _, _, n in segments]
+            out = kernel.paged_prefill_attention(
+                queries, k_cache, v_cache, torch.tensor([t + [0] * (width - len(t)) for t, _, _ in segments]),
+                torch.tensor([0, *lens[:-1]]).cumsum(0), torch.tensor(lens), torch.tensor([c for _, c, _ in segments]),
+                BLOCK, DIM ** -0.5, window or 0, softcap or 0.0)
+            return out[-(end - start):]
+
+        whole = rows((0, length), 0)
+        slots = torch.tensor([prompt[t // BLOCK] * BLOCK + t % BLOCK for t in range(length)])
+        for i in (0, 255, 256, 699):
+            expected = dense_reference(q[i], k_cache[slots[: i + 1]], v_cache[slots[: i + 1]], window, softcap)
+            torch.testing.assert_close(whole[i], expected, **KERNEL_TOL)
+        for chunk in [(0, 250), (250, 251), (251, 256), (256, 270), (270, 519), (519, 700)]:
+            for companions in (0, 1, 3):
+                assert torch.equal(rows(chunk, companions), whole[chunk[0]:chunk[1]]), (chunk, companions)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("shape", [(3, 5), (30, 2, 4096, 3, 64)], ids=["tiny", "pool"])
 def test_huge_page_pool_is_zeroed_aligned_and_reads_like_any_tensor(shape):
     pool = huge_page_zeros(*shape, dtype=torch.float32)

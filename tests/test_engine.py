@@ -66,6 +66,28 @@ def test_batched_tokens_equal_tokens_alone(make_llm, alone, options):
         assert sum(s.num_wasted_tokens for s in steps) > 0
 
 
+@pytest.mark.parametrize("options,others", [
+    pytest.param({}, PROMPTS[:6], id="batched"),
+    pytest.param({"max_num_tokens": 64}, [], id="chunked"),
+    pytest.param({"max_num_tokens": 100, "max_batch_size": 3}, PROMPTS[:4], id="batched-and-chunked"),
+])
+def test_a_long_requests_logprobs_are_its_own_bit_for_bit(make_llm, options, others):
+    """A request of a 430-token prompt (long enough that attention splits its context over the
+    threads) gets the same logprobs, bit for bit, batched with others or chunked as it is alone."""
+    prompt = (PROMPTS[-1] + " ") * 3
+    params = SamplingParams(max_tokens=24, temperature=0, logprobs=3, ignore_eos=True)
+
+    def logprobs(llm, prompts):
+        return [(t.token_id, t.logprob, t.top) for t in llm.generate(prompts, params)[0].logprobs or []]
+
+    alone = logprobs(make_llm(), [prompt])
+    assert len(alone) == 24
+    llm = make_llm(**options)
+    assert logprobs(llm, [prompt, *others]) == alone
+    if others:
+        assert max(s.num_requests for s in llm.engine.step_records) > 1
+
+
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
 def test_a_16_bit_kv_pool_gives_each_request_its_tokens_alone(make_llm, kv_dtype):
     """`kv_cache_dtype`: half the pool's bytes; each request still gets the tokens it gets alone

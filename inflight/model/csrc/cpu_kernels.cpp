@@ -93,26 +93,64 @@ inline void sum_lanes4(vec a, vec b, vec c, vec d, float* out) {
 
 constexpr float kNoScore = -1e30f;  // a finite "minus infinity": the file is built with fast-math
 
-// The parts of one attention row computed apart (flash-decoding): dst = the merge of `count`
-// unnormalized outputs o_i (dim floats each, o_step apart) by their max scores m_i and weight
-// sums l_i (stat_step apart); a part that saw no token (l_i = 0) adds nothing.
-inline void merge_parts(const float* o, int64_t o_step, const float* m, const float* l, int64_t stat_step,
-                        int64_t count, int64_t dim, float* __restrict dst) {
-  float mx = kNoScore;
-  for (int64_t i = 0; i < count; ++i) mx = std::max(mx, m[i * stat_step]);
-  std::fill(dst, dst + dim, 0.f);
-  float sum = 0.f;
-  for (int64_t i = 0; i < count; ++i) {
-    if (l[i * stat_step] == 0.f) continue;
-    const float w = std::exp(m[i * stat_step] - mx);
-    sum += w * l[i * stat_step];
-    const float* src = o + i * o_step;
+// A row's attention over a long context is computed in parts (blocks of context at fixed
+// positions, see the kernels below), each leaving its unnormalized output o (the sum of
+// exp(score - m) * v), its max score m and its weight sum l; the parts are then folded into a
+// running (O, M, L) in context order and O / L is the result. Whether the parts ran on one
+// thread or on several is the caller's scheduling; the arithmetic is this one function's, the
+// same code whichever path calls it (not inlined, so that no call site compiles it otherwise),
+// and so a row's result is bit for bit the same whoever shares its step.
+//
+// fold_parts: for each of `rows` rows (o, O: rows x dim), (O, M, L) <- (O, M, L) + (o, m, l):
+// with M' = max(M, m), O <- O e^(M - M') + o e^(m - M'), L likewise. A part that saw no token
+// (m "minus infinity", l = 0, o = 0) leaves the state as it is, and an empty state (M "minus
+// infinity", L = 0, O = 0) takes the part as it is: their factor floors at e^-80, which scales
+// zeros (a part 80 below the running max would weigh under 2e-35 of it: nothing in fp32). The
+// factors come 16 rows at a time, a whole vector of exp() whatever the row count (a loop's
+// scalar remainder would round differently from its vector body).
+constexpr int64_t kFoldRows = 16;
+
+__attribute__((noinline)) void fold_parts(float* __restrict O, float* __restrict M, float* __restrict L,
+                                          const float* __restrict o, const float* m, const float* l, int64_t rows,
+                                          int64_t dim) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kFoldRows) {
+    const int64_t n = std::min(kFoldRows, rows - r0);
+    float old_m[kFoldRows] = {}, new_m[kFoldRows] = {}, mx[kFoldRows], a[kFoldRows], b[kFoldRows];
+    std::copy(M + r0, M + r0 + n, old_m);
+    std::copy(m + r0, m + r0 + n, new_m);
 #pragma omp simd
-    for (int64_t d = 0; d < dim; ++d) dst[d] += w * src[d];
+    for (int64_t i = 0; i < kFoldRows; ++i) {
+      mx[i] = std::max(old_m[i], new_m[i]);
+      a[i] = std::exp(std::max(old_m[i] - mx[i], -80.f));
+      b[i] = std::exp(std::max(new_m[i] - mx[i], -80.f));
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = r0 + i;
+      float* dst = O + r * dim;
+      const float* src = o + r * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) dst[d] = dst[d] * a[i] + src[d] * b[i];
+      L[r] = L[r] * a[i] + l[r] * b[i];
+      M[r] = mx[i];
+    }
   }
-  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+}
+
+// The folded rows' results: out = O / L (zeros for a row that saw no token).
+__attribute__((noinline)) void finish_parts(const float* __restrict O, const float* L, int64_t rows, int64_t dim,
+                                            float* __restrict out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = L[r] > 0.f ? 1.f / L[r] : 0.f;
 #pragma omp simd
-  for (int64_t d = 0; d < dim; ++d) dst[d] *= inv;
+    for (int64_t d = 0; d < dim; ++d) out[r * dim + d] = O[r * dim + d] * inv;
+  }
+}
+
+// An empty fold: O = 0, M = "minus infinity", L = 0.
+inline void reset_parts(float* O, float* M, float* L, int64_t rows, int64_t dim) {
+  std::fill(O, O + rows * dim, 0.f);
+  std::fill(M, M + rows, kNoScore);
+  std::fill(L, L + rows, 0.f);
 }
 
 // The KV pool's element type: fp32, or 16 bits (bf16 or fp16: `--kv-cache-dtype`), stored rounded
@@ -354,12 +392,14 @@ inline void soft_cap(float* s, int64_t n, float cap) {
 // (then V) rows, every KV head, read once while the next block is prefetched. Leaves the
 // unnormalized result in out ([num_heads, dim], the sum of exp(score - m) * v), and per head the
 // max score m and the sum of the weights l, so that parts of one context computed apart can be
-// merged. scores: num_heads * (t_end - t_begin). softcap > 0 caps the scaled scores (Gemma 2).
-// widened: a block's K or V as fp32 (block_size * slot_stride floats) when the pool is 16-bit.
+// folded (fold_parts). scores: num_heads * (t_end - t_begin). softcap > 0 caps the scaled scores
+// (Gemma 2). widened: a block's K or V as fp32 (block_size * slot_stride floats) when the pool is
+// 16-bit. then: then_bytes prefetched while the last V block is read (what the caller reads next).
 template <int64_t kDim>
 void attend_range(const Pool& pool, const int64_t* table, int64_t t_begin, int64_t t_first, int64_t t_end,
                   const float* q, int64_t num_heads, int64_t group, int64_t dim_rt, float scale, float softcap,
-                  float* scores, float* out, float* m, float* l, float* widened) {
+                  float* scores, float* out, float* m, float* l, float* widened, const char* then,
+                  int64_t then_bytes) {
   constexpr bool kBlocked = kDim > 0 && kDim % kVec == 0;
   const int64_t dim = kDim > 0 ? kDim : dim_rt;
   const int64_t bs = pool.block_size, stride = pool.slot_stride, len = t_end - t_begin;
@@ -404,8 +444,9 @@ void attend_range(const Pool& pool, const int64_t* table, int64_t t_begin, int64
   for (int64_t blk = first_block; blk <= last_block; ++blk) {
     const int64_t t0 = blk * bs, n = std::min(bs, t_end - t0);
     const float* values = pool.floats(pool.v, table[blk] * bs, 0, n * stride, widened);
-    Prefetcher next(pool.at(pool.v, (blk < last_block ? table[blk + 1] : table[blk]) * bs),
-                    blk < last_block ? std::min(bs, t_end - t0 - bs) * stride * pool.element_bytes() : 0,
+    // The next block's V, or after the last one what the caller reads next.
+    Prefetcher next(blk < last_block ? pool.at(pool.v, table[blk + 1] * bs) : then,
+                    blk < last_block ? std::min(bs, t_end - t0 - bs) * stride * pool.element_bytes() : then_bytes,
                     num_heads * ((n + 3) / 4));
     if constexpr (kBlocked) {
       value_block<kDim>(scores + t0 - t_begin, len, num_heads, group, values, stride, n, out, next);
@@ -420,21 +461,22 @@ void attend_range(const Pool& pool, const int64_t* table, int64_t t_begin, int64
 
 void attend(const Pool& pool, const int64_t* table, int64_t t_begin, int64_t t_first, int64_t t_end, const float* q,
             int64_t num_heads, int64_t group, int64_t dim, float scale, float softcap, float* scores, float* out,
-            float* m, float* l, float* widened) {
+            float* m, float* l, float* widened, const char* then, int64_t then_bytes) {
   if (dim == 64)
     attend_range<64>(pool, table, t_begin, t_first, t_end, q, num_heads, group, dim, scale, softcap, scores, out, m, l,
-                     widened);
+                     widened, then, then_bytes);
   else if (dim == 128)
     attend_range<128>(pool, table, t_begin, t_first, t_end, q, num_heads, group, dim, scale, softcap, scores, out, m,
-                      l, widened);
+                      l, widened, then, then_bytes);
   else
     attend_range<0>(pool, table, t_begin, t_first, t_end, q, num_heads, group, dim, scale, softcap, scores, out, m, l,
-                    widened);
+                    widened, then, then_bytes);
 }
 
-// Blocks per part when a context is split: at least this many, so that a part's fixed costs
-// (its softmax pass, the merge) stay small against reading its K/V.
-constexpr int64_t kMinSplitBlocks = 4;
+// A request's context is cut into parts of at least this many blocks, at most two a thread:
+// enough parts that a single stream spreads over the threads, few enough that a part's fixed
+// costs (its softmax pass, its fold) stay small against reading its K/V.
+constexpr int64_t kMinPartBlocks = 4;
 
 }  // namespace
 
@@ -443,9 +485,13 @@ constexpr int64_t kMinSplitBlocks = 4;
 // `window` positions only (sliding-window attention); softcap > 0: scores soft-capped. The pool
 // may be 16-bit (bf16 or fp16): each block is widened to fp32 as it is read.
 //
-// A work item is one request, or, when there are too few requests to keep every thread busy
-// (a single stream, the last requests of a batch), a block-aligned part of one request's
-// context; the parts' results are merged by their softmax statistics (flash-decoding).
+// Each request's visible context is cut into parts by its own length and the thread count
+// alone (kMinPartBlocks), folded in order (fold_parts). A work item is one request, its parts
+// computed and folded on one thread; or, when there are too few requests to keep every thread
+// busy (a single stream, the last requests of a batch), a run of a request's parts, folded after
+// all are done. Either way the same arithmetic in the same order: on a given number of threads, a
+// request's result is the same bit for bit whoever shares its step (so a speculative verify's
+// decodes are those of decoding one token at a time).
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens,
                                      int64_t block_size, double scale, int64_t window, double softcap) {
@@ -470,13 +516,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   for (int64_t b = 0; b < batch; ++b)
     TORCH_CHECK(lp[b] >= 0 && lp[b] <= max_blocks * block_size, "context exceeds its block table");
 
-  // Parts per request: one, unless there are several threads and fewer requests than twice
-  // their number; then enough for about two parts per thread, each at least kMinSplitBlocks
-  // blocks long.
+  // Every request's parts: [t_begin, t_end), from its first visible token's block to its last
+  // token in n parts of whole blocks, n = its blocks / kMinPartBlocks, at least 1 and at most two
+  // a thread (an empty context is one empty part).
   struct Part {
     int64_t request, t_begin, t_end;
   };
-  // A request's first visible token, and the first token of its block.
+  // A request's first visible token.
   auto first_visible = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, lp[b] - window) : int64_t{0}; };
   std::vector<Part> parts;
   std::vector<int64_t> first_part(batch + 1);
@@ -485,56 +531,81 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     first_part[b] = static_cast<int64_t>(parts.size());
     const int64_t begin = first_visible(b) / block_size * block_size;
     const int64_t blocks = (lp[b] - begin + block_size - 1) / block_size;
-    int64_t n = 1;
-    if (threads > 1 && batch < 2 * threads)
-      n = std::max<int64_t>(1, std::min((2 * threads + batch - 1) / batch, blocks / kMinSplitBlocks));
+    const int64_t n = std::max<int64_t>(1, std::min(2 * threads, blocks / kMinPartBlocks));
     const int64_t per = std::max<int64_t>(1, (blocks + n - 1) / n) * block_size;
-    for (int64_t t = begin; t < std::max<int64_t>(lp[b], begin + 1); t += per) {
+    for (int64_t t = begin; t < std::max(lp[b], begin + 1); t += per) {
       parts.push_back({b, t, std::min(lp[b], t + per)});
       max_part_len = std::max(max_part_len, std::min(lp[b], t + per) - t);
     }
   }
   first_part[batch] = static_cast<int64_t>(parts.size());
   const int64_t num_parts = static_cast<int64_t>(parts.size());
-  const bool split = num_parts > batch;
-  // A split request's parts leave unnormalized outputs and statistics here, merged below.
-  std::vector<float> part_out(split ? num_parts * num_heads * dim : 0);
-  std::vector<float> part_m(num_parts * num_heads), part_l(num_parts * num_heads);
 
-  // Longest parts first, so that the last ones the threads take are short.
-  std::vector<int64_t> order(num_parts);
-  for (int64_t i = 0; i < num_parts; ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return parts[a].t_end - parts[a].t_begin > parts[b].t_end - parts[b].t_begin;
-  });
+  // Work items, [first, last) parts each: whole requests, folded on the thread that computes
+  // them; or, when the requests are fewer than twice the threads and some has several parts,
+  // runs of a request's consecutive parts, about two runs a thread in all, each part's result
+  // kept for the fold below. Longest first, so that the last items the threads take are short.
+  const bool by_part = threads > 1 && batch < 2 * threads && num_parts > batch;
+  struct Item {
+    int64_t first, last, tokens;
+  };
+  std::vector<Item> items;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t count = first_part[b + 1] - first_part[b];
+    const int64_t runs = by_part ? std::min(count, (2 * threads + batch - 1) / batch) : 1;
+    for (int64_t r = 0; r < runs; ++r) {
+      const int64_t first = first_part[b] + count * r / runs, last = first_part[b] + count * (r + 1) / runs;
+      items.push_back({first, last, parts[last - 1].t_end - parts[first].t_begin});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.tokens > b.tokens; });
+  // The runs' parts leave their unnormalized outputs and statistics here, folded below.
+  const int64_t head_floats = num_heads * dim;
+  std::vector<float> part_out(by_part ? num_parts * head_floats : 0);
+  std::vector<float> part_m(by_part ? num_parts * num_heads : 0), part_l(by_part ? num_parts * num_heads : 0);
+
   std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> scores(num_heads * max_part_len);
     std::vector<float> widened(pool.type == KvType::kF32 ? 0 : block_size * pool.slot_stride);
-    for (int64_t taken = next++; taken < num_parts; taken = next++) {
-      const int64_t i = order[taken];
-      const Part& pt = parts[i];
-      float* o = split ? part_out.data() + i * num_heads * dim : op + pt.request * num_heads * dim;
-      float* m = part_m.data() + i * num_heads;
-      float* l = part_l.data() + i * num_heads;
-      attend(pool, tp + pt.request * max_blocks, pt.t_begin, std::max(pt.t_begin, first_visible(pt.request)),
-             pt.t_end, qp + pt.request * num_heads * dim, num_heads, group, dim, fscale, fcap, scores.data(), o, m, l,
-             widened.data());
-      if (!split)
-        for (int64_t h = 0; h < num_heads; ++h) {
-          const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
-#pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) o[h * dim + d] *= inv;
+    // A part's result (o, m, l) and the running fold (O, M, L) of a whole request.
+    std::vector<float> o(head_floats), m(num_heads), l(num_heads);
+    std::vector<float> O(head_floats), M(num_heads), L(num_heads);
+    for (int64_t taken = next++; taken < num_items; taken = next++) {
+      const Item& it = items[taken];
+      reset_parts(O.data(), M.data(), L.data(), num_heads, dim);
+      for (int64_t i = it.first; i < it.last; ++i) {
+        const Part& pt = parts[i];
+        float* po = by_part ? part_out.data() + i * head_floats : o.data();
+        float* pm = by_part ? part_m.data() + i * num_heads : m.data();
+        float* pl = by_part ? part_l.data() + i * num_heads : l.data();
+        // While the last V block is read, the next part's first K block comes (on this thread).
+        const int64_t* table = tp + pt.request * max_blocks;
+        const char* then = nullptr;
+        int64_t then_bytes = 0;
+        if (i + 1 < it.last) {
+          const Part& after = parts[i + 1];
+          then = pool.at(pool.k, table[after.t_begin / block_size] * block_size);
+          then_bytes = std::min(block_size, after.t_end - after.t_begin) * pool.slot_stride * pool.element_bytes();
         }
+        attend(pool, table, pt.t_begin, std::max(pt.t_begin, first_visible(pt.request)), pt.t_end,
+               qp + pt.request * head_floats, num_heads, group, dim, fscale, fcap, scores.data(), po, pm, pl,
+               widened.data(), then, then_bytes);
+        if (!by_part) fold_parts(O.data(), M.data(), L.data(), po, pm, pl, num_heads, dim);
+      }
+      if (!by_part) finish_parts(O.data(), L.data(), num_heads, dim, op + parts[it.first].request * head_floats);
     }
   });
-  if (split) {
-    for (int64_t b = 0; b < batch; ++b)
-      for (int64_t h = 0; h < num_heads; ++h) {
-        const int64_t at = first_part[b] * num_heads + h;
-        merge_parts(part_out.data() + at * dim, num_heads * dim, part_m.data() + at, part_l.data() + at, num_heads,
-                    first_part[b + 1] - first_part[b], dim, op + (b * num_heads + h) * dim);
-      }
+  if (by_part) {
+    std::vector<float> O(head_floats), M(num_heads), L(num_heads);
+    for (int64_t b = 0; b < batch; ++b) {
+      reset_parts(O.data(), M.data(), L.data(), num_heads, dim);
+      for (int64_t i = first_part[b]; i < first_part[b + 1]; ++i)
+        fold_parts(O.data(), M.data(), L.data(), part_out.data() + i * head_floats, part_m.data() + i * num_heads,
+                   part_l.data() + i * num_heads, num_heads, dim);
+      finish_parts(O.data(), L.data(), num_heads, dim, op + b * head_floats);
+    }
   }
   return out;
 }
@@ -552,28 +623,34 @@ constexpr int64_t kTokenTile = 16;
 constexpr int64_t kMaxQueryRows = 48;
 constexpr int64_t kTileVecs = kTokenTile / kVec;  // one score per tile token
 
-// An item covers the context tokens [t_begin, t_end) (block of tiles of the whole context, or a
-// part of it: see kMinSplitTokens); a part leaves its unnormalized output and softmax statistics
-// at `part` of the call's part buffers (-1: an unsplit item writes its rows' output).
+// An item covers the context tokens [t_begin, t_end): the whole context its rows see, or one
+// part of it (see kPrefillPartTokens); a part leaves its unnormalized output and softmax
+// statistics at `part` of the call's part buffers (-1: a whole item writes its rows' output).
 struct PrefillItem {
   int64_t segment, first, rows_tokens, kv_head, cost, t_begin, t_end, part;
 };
 
-// Context tokens per part when an item's context is split (a few tokens after a long context: a
-// draft model's catch-up, the last small chunk of a prompt; fewer items than twice the threads):
-// at least this many.
-constexpr int64_t kMinSplitTokens = 128;
+// A row's context is computed in parts that start at multiples of this many tokens, folded in
+// order (fold_parts), however the new tokens are chunked or batched: a row's result depends on its
+// position and its context alone. A whole item folds its parts as its tiles cross their starts;
+// when there are too few items for the threads (a few new tokens after a long context: a draft
+// model's catch-up, the last small chunk of a prompt), each part is an item of its own, folded
+// after. A multiple of kTokenTile; long enough that a fold (a row's output scaled and added) costs
+// little against the part's tiles.
+constexpr int64_t kPrefillPartTokens = 256;
+static_assert(kPrefillPartTokens % kTokenTile == 0, "parts of whole tiles");
 
 // Per-thread scratch of prefill_item, allocated once per call. Row counts are rounded up to a
 // multiple of 4 (the score kernel's row block); the extra query rows stay zero.
 struct PrefillScratch {
   std::vector<float> qs, o, kt, s, p, m, l;
+  std::vector<float> fo, fm, fl;  // the fold of the parts before the current one
   std::vector<float> kw, vw;  // a tile's K and V rows widened to fp32 (a 16-bit pool)
   std::vector<int64_t> low, limit;  // each row's visible context positions: [low, limit)
   PrefillScratch(int64_t rows, int64_t dim)
       : qs((rows + 3) / 4 * 4 * dim), o(rows * dim), kt(dim * kTokenTile), s((rows + 3) / 4 * 4 * kTokenTile),
-        p(rows * kTokenTile), m(rows), l(rows), kw(kTokenTile * dim), vw(kTokenTile * dim), low(rows),
-        limit(rows) {}
+        p(rows * kTokenTile), m(rows), l(rows), fo(rows * dim), fm(rows), fl(rows), kw(kTokenTile * dim),
+        vw(kTokenTile * dim), low(rows), limit(rows) {}
 };
 
 // The tile's keys transposed into kt[d * kTokenTile + i] (rows past nt zero), so that a score
@@ -626,9 +703,8 @@ void prefill_item(const Pool& pool, const int64_t* table, int64_t ctx_start, con
   float* kt = sc.kt.data();
   float* p = sc.p.data();
   std::fill(sc.qs.begin(), sc.qs.end(), 0.f);
-  std::fill(o, o + rows * dim, 0.f);
-  std::fill(sc.m.begin(), sc.m.begin() + rows, kNoScore);
-  std::fill(sc.l.begin(), sc.l.begin() + rows, 0.f);
+  reset_parts(o, sc.m.data(), sc.l.data(), rows, dim);
+  reset_parts(sc.fo.data(), sc.fm.data(), sc.fl.data(), rows, dim);
   const float* vrow[kTokenTile];
   for (int64_t tq = 0; tq < it.rows_tokens; ++tq)
     for (int64_t hg = 0; hg < group; ++hg) {
@@ -640,7 +716,12 @@ void prefill_item(const Pool& pool, const int64_t* table, int64_t ctx_start, con
     }
   const int64_t max_len = std::min(ctx_start + it.first + it.rows_tokens, it.t_end);
   // From the tile holding the first row's first visible token: the rows are consecutive tokens.
-  for (int64_t t0 = std::max(sc.low[0] / kTokenTile * kTokenTile, it.t_begin); t0 < max_len; t0 += kTokenTile) {
+  const int64_t start = std::max(sc.low[0] / kTokenTile * kTokenTile, it.t_begin);
+  for (int64_t t0 = start; t0 < max_len; t0 += kTokenTile) {
+    if (t0 > start && t0 % kPrefillPartTokens == 0) {  // a new part: the last one folded, a fresh start
+      fold_parts(sc.fo.data(), sc.fm.data(), sc.fl.data(), o, sc.m.data(), sc.l.data(), rows, dim);
+      reset_parts(o, sc.m.data(), sc.l.data(), rows, dim);
+    }
     const int64_t nt = std::min(kTokenTile, max_len - t0);
     const float* krow[kTokenTile];
     for (int64_t i = 0; i < nt; ++i) {
@@ -705,19 +786,19 @@ void prefill_item(const Pool& pool, const int64_t* table, int64_t ctx_start, con
     }
     pv_tile<kDim>(p, kTokenTile, vrow, nt, o, rows, dim);
   }
-  if (it.part >= 0) {  // a part of the item's context: merged with the others by the caller
+  if (it.part >= 0) {  // one part of the item's context: folded with the others by the caller
     const int64_t item_rows = static_cast<int64_t>(sc.m.size());  // the rows of the call's largest item
     std::copy(o, o + rows * dim, part_o + it.part * item_rows * dim);
     std::copy(sc.m.begin(), sc.m.begin() + rows, part_m + it.part * item_rows);
     std::copy(sc.l.begin(), sc.l.begin() + rows, part_l + it.part * item_rows);
     return;
   }
+  fold_parts(sc.fo.data(), sc.fm.data(), sc.fl.data(), o, sc.m.data(), sc.l.data(), rows, dim);
+  finish_parts(sc.fo.data(), sc.fl.data(), rows, dim, o);
   for (int64_t tq = 0; tq < it.rows_tokens; ++tq)
     for (int64_t hg = 0; hg < group; ++hg) {
       const int64_t r = tq * group + hg;
-      float* dst = out + ((it.first + tq) * num_heads + it.kv_head * group + hg) * dim;
-      const float inv = 1.f / sc.l[r];
-      for (int64_t d = 0; d < dim; ++d) dst[d] = o[r * dim + d] * inv;
+      std::copy(o + r * dim, o + (r + 1) * dim, out + ((it.first + tq) * num_heads + it.kv_head * group + hg) * dim);
     }
 }
 
@@ -758,10 +839,8 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
       }
   }
   // Too few items to keep the threads busy (a few new tokens of one request: one item a KV
-  // head; not a speculative verify, which the engine runs as decodes): each item's visible
-  // context is cut into tile-aligned parts of at least kMinSplitTokens, about two items a
-  // thread in all, merged below by their softmax statistics as decode attention merges its
-  // parts.
+  // head): each item whose visible context has several parts becomes one item a part, folded
+  // below in order, as the item itself would have folded them.
   const int64_t threads = at::get_num_threads(), unsplit = static_cast<int64_t>(items.size());
   struct SplitItem {
     PrefillItem item;
@@ -771,23 +850,22 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
   int64_t num_parts = 0;
   if (threads > 1 && unsplit > 0 && unsplit < 2 * threads) {
     std::vector<PrefillItem> cut;
-    const int64_t want = (2 * threads + unsplit - 1) / unsplit;
     for (const PrefillItem& it : items) {
       const int64_t end = ctx[it.segment] + it.first + it.rows_tokens;
       const int64_t low = window > 0 ? std::max<int64_t>(0, ctx[it.segment] + it.first + 1 - window) : 0;
       const int64_t begin = low / kTokenTile * kTokenTile;
-      const int64_t n = std::min(want, (end - begin) / kMinSplitTokens);
-      if (n < 2) {
+      if (end - begin <= kPrefillPartTokens - begin % kPrefillPartTokens) {  // one part
         cut.push_back(it);
         continue;
       }
-      const int64_t tiles = (end - begin + kTokenTile - 1) / kTokenTile, per = (tiles + n - 1) / n * kTokenTile;
       split.push_back({it, num_parts, 0});
-      for (int64_t t = begin; t < end; t += per) {
+      for (int64_t t = begin; t < end;) {
         PrefillItem part = it;
-        part.t_begin = t, part.t_end = std::min(end, t + per), part.cost = part.t_end - t, part.part = num_parts++;
+        part.t_begin = t, part.t_end = std::min(end, (t / kPrefillPartTokens + 1) * kPrefillPartTokens);
+        part.cost = part.t_end - t, part.part = num_parts++;
         cut.push_back(part);
         ++split.back().parts;
+        t = part.t_end;
       }
     }
     items = std::move(cut);
@@ -821,13 +899,20 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
                         os, part_o.data(), part_m.data(), part_l.data());
     }
   });
-  for (const SplitItem& sp : split) {  // each split item's parts merged into its rows
+  for (const SplitItem& sp : split) {  // each split item's parts folded into its rows
     const PrefillItem& it = sp.item;
+    const int64_t rows = it.rows_tokens * group;
+    std::vector<float> O(rows * dim), M(rows), L(rows), result(rows * dim);
+    reset_parts(O.data(), M.data(), L.data(), rows, dim);
+    for (int64_t i = sp.first_part; i < sp.first_part + sp.parts; ++i)
+      fold_parts(O.data(), M.data(), L.data(), part_o.data() + i * item_rows * dim, part_m.data() + i * item_rows,
+                 part_l.data() + i * item_rows, rows, dim);
+    finish_parts(O.data(), L.data(), rows, dim, result.data());
     for (int64_t tq = 0; tq < it.rows_tokens; ++tq)
       for (int64_t hg = 0; hg < group; ++hg) {
-        const int64_t at = sp.first_part * item_rows + tq * group + hg;
-        merge_parts(part_o.data() + at * dim, item_rows * dim, part_m.data() + at, part_l.data() + at, item_rows,
-                    sp.parts, dim, op + ((starts[it.segment] + it.first + tq) * num_heads + it.kv_head * group + hg) * dim);
+        const int64_t r = tq * group + hg;
+        std::copy(result.data() + r * dim, result.data() + (r + 1) * dim,
+                  op + ((starts[it.segment] + it.first + tq) * num_heads + it.kv_head * group + hg) * dim);
       }
   }
   return out;
