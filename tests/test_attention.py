@@ -250,6 +250,45 @@ def test_decode_kernel_gives_a_request_its_own_result_whatever_the_batch(length,
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("window,softcap", ATTENDS)
+@pytest.mark.parametrize("length", [100, 125, 400, 1000])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_decode_kernel_gives_a_verifys_rows_what_each_gets_alone(length, window, softcap, threads):
+    """A speculative verify: 8 rows of one context, each seeing one token more (125 crosses a block
+    boundary), which the kernel reads together; alone, after another such verify, and beside a
+    request of the same blocks but a different cut: each row bit for bit its result alone."""
+    kernel = cpu_kernels()
+    if kernel is None:
+        pytest.skip("no C++ compiler for the CPU kernel")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(6)
+        num_blocks = 160
+        k_cache, v_cache = (torch.randn(num_blocks * BLOCK, KV_HEADS, DIM) for _ in range(2))
+        order = torch.randperm(num_blocks).tolist()
+        table, other = order[:70], order[70:140]
+        lengths = [length + i for i in range(8)]
+        q = torch.randn(len(lengths), HEADS, DIM) * 2
+
+        def attend(rows: list[tuple[list[int], int, torch.Tensor]]) -> torch.Tensor:
+            out = kernel.paged_decode_attention(torch.stack([r[2] for r in rows]), k_cache, v_cache,
+                                                torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows]),
+                                                BLOCK, DIM ** -0.5, window or 0, softcap or 0.0)
+            return out
+
+        alone = [attend([(table, n, q[i])])[0] for i, n in enumerate(lengths)]
+        verify = [(table, n, q[i]) for i, n in enumerate(lengths)]
+        noise = torch.randn(8, HEADS, DIM)
+        for rows, at in [(verify, 0), ([(other, 300 + i, noise[i]) for i in range(8)] + verify, 8),
+                         (verify + [(table, 20, noise[0])], 0)]:
+            out = attend(rows)
+            for i in range(len(lengths)):
+                assert torch.equal(out[at + i], alone[i]), (at, i)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("window,softcap", [(None, None), (300, None), (None, 5.0)])
 @pytest.mark.parametrize("threads", [2, 3])
 def test_prefill_kernel_gives_each_row_its_own_result_however_chunked_or_batched(window, softcap, threads):

@@ -99,7 +99,13 @@ constexpr float kNoScore = -1e30f;  // a finite "minus infinity": the file is bu
 // running (O, M, L) in context order and O / L is the result. Whether the parts ran on one
 // thread or on several is the caller's scheduling; the arithmetic is this one function's, the
 // same code whichever path calls it (not inlined, so that no call site compiles it otherwise),
-// and so a row's result is bit for bit the same whoever shares its step.
+// and so a row's result is bit for bit the same whoever shares its step. (noclone too: GCC would
+// compile a clone per constant argument, each apart.)
+#if defined(__clang__)
+#define INFLIGHT_ONE_BODY __attribute__((noinline))
+#else
+#define INFLIGHT_ONE_BODY __attribute__((noinline, noclone))
+#endif
 //
 // fold_parts: for each of `rows` rows (o, O: rows x dim), (O, M, L) <- (O, M, L) + (o, m, l):
 // with M' = max(M, m), O <- O e^(M - M') + o e^(m - M'), L likewise. A part that saw no token
@@ -110,7 +116,23 @@ constexpr float kNoScore = -1e30f;  // a finite "minus infinity": the file is bu
 // below the running max would weigh under 2e-35 of it, nothing in fp32.
 constexpr int64_t kFoldRows = 16;
 
-__attribute__((noinline)) void fold_parts(float* __restrict O, float* __restrict M, float* __restrict L,
+// dst = dst * a + src * b over n floats, each by the same instructions wherever the arrays lie: in
+// whole vectors, the last few through a vector on the stack. (An auto-vectorized loop here took,
+// for some rows, a path that rounded otherwise: GCC versions a loop on its pointers.)
+inline void scale_add(float* __restrict dst, const float* __restrict src, float a, float b, int64_t n) {
+  const vec va = vec{} + a, vb = vec{} + b;
+  int64_t d = 0;
+  for (; d + kVec <= n; d += kVec) store_vec(dst + d, load_vec(dst + d) * va + load_vec(src + d) * vb);
+  if (d < n) {
+    float x[kVec] = {}, y[kVec] = {};
+    std::copy(dst + d, dst + n, x);
+    std::copy(src + d, src + n, y);
+    store_vec(x, load_vec(x) * va + load_vec(y) * vb);
+    std::copy(x, x + (n - d), dst + d);
+  }
+}
+
+INFLIGHT_ONE_BODY void fold_parts(float* __restrict O, float* __restrict M, float* __restrict L,
                                           const float* __restrict o, const float* m, const float* l, int64_t rows,
                                           int64_t dim) {
   for (int64_t r0 = 0; r0 < rows; r0 += kFoldRows) {
@@ -134,8 +156,7 @@ __attribute__((noinline)) void fold_parts(float* __restrict O, float* __restrict
         M[r] = m[r], L[r] = l[r];
         continue;
       }
-#pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) dst[d] = dst[d] * a[i] + src[d] * b[i];
+      scale_add(dst, src, a[i], b[i], dim);
       L[r] = L[r] * a[i] + l[r] * b[i];
       M[r] = mx[i];
     }
@@ -143,7 +164,7 @@ __attribute__((noinline)) void fold_parts(float* __restrict O, float* __restrict
 }
 
 // The folded rows' results: out = O / L (zeros for a row that saw no token).
-__attribute__((noinline)) void finish_parts(const float* __restrict O, const float* L, int64_t rows, int64_t dim,
+INFLIGHT_ONE_BODY void finish_parts(const float* __restrict O, const float* L, int64_t rows, int64_t dim,
                                             float* __restrict out) {
   for (int64_t r = 0; r < rows; ++r) {
     const float inv = L[r] > 0.f ? 1.f / L[r] : 0.f;
@@ -392,27 +413,41 @@ inline void soft_cap(float* s, int64_t n, float cap) {
   for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] * inv);
 }
 
-// Attention of all query heads of one request (q: [num_heads, dim]) over the cached tokens
-// [t_first, t_end) of its context, read from t_begin (t_first's block's first token, a multiple
-// of the block size: a sliding window starts inside a block), block by block, each block's K
-// (then V) rows, every KV head, read once while the next block is prefetched. Leaves the
-// unnormalized result in out ([num_heads, dim], the sum of exp(score - m) * v), and per head the
-// max score m and the sum of the weights l, so that parts of one context computed apart can be
-// folded (fold_parts). scores: num_heads * (t_end - t_begin). softcap > 0 caps the scaled scores
+// One query row of attend_range: its query heads q ([num_heads, dim]), the tokens [t_first, t_end)
+// of the context it sees, its scores (num_heads * (t_end - t_begin)) and its results: the
+// unnormalized out ([num_heads, dim], the sum of exp(score - m) * v), and per head the max score m
+// and the sum of the weights l, so that parts of one context computed apart can be folded
+// (fold_parts).
+struct Query {
+  const float* q;
+  int64_t t_first, t_end;
+  float *scores, *out, *m, *l;
+};
+
+// Attention of every query head of `count` queries over one part of one context, read from t_begin
+// (each query's t_first's block's first token, a multiple of the block size: a sliding window
+// starts inside a block), block by block, each block's K (then V) rows, every KV head, read once
+// for all the queries (the rows of a speculative verify, each seeing one token more than the one
+// before) while the next block is prefetched. Each query's arithmetic is exactly what it would be
+// alone: the same calls on the same blocks in the same order. softcap > 0 caps the scaled scores
 // (Gemma 2). widened: a block's K or V as fp32 (block_size * slot_stride floats) when the pool is
 // 16-bit. then: then_bytes prefetched while the last V block is read (what the caller reads next).
 template <int64_t kDim>
-void attend_range(const Pool& pool, const int64_t* table, int64_t t_begin, int64_t t_first, int64_t t_end,
-                  const float* q, int64_t num_heads, int64_t group, int64_t dim_rt, float scale, float softcap,
-                  float* scores, float* out, float* m, float* l, float* widened, const char* then,
-                  int64_t then_bytes) {
+void attend_range(const Pool& pool, const int64_t* table, int64_t t_begin, const Query* queries, int64_t count,
+                  int64_t num_heads, int64_t group, int64_t dim_rt, float scale, float softcap, float* widened,
+                  const char* then, int64_t then_bytes) {
   constexpr bool kBlocked = kDim > 0 && kDim % kVec == 0;
   const int64_t dim = kDim > 0 ? kDim : dim_rt;
-  const int64_t bs = pool.block_size, stride = pool.slot_stride, len = t_end - t_begin;
-  std::fill(out, out + num_heads * dim, 0.f);
-  std::fill(m, m + num_heads, kNoScore);
-  std::fill(l, l + num_heads, 0.f);
-  if (len <= 0) return;
+  const int64_t bs = pool.block_size, stride = pool.slot_stride;
+  int64_t t_end = t_begin;
+  for (int64_t j = 0; j < count; ++j) {
+    const Query& qr = queries[j];
+    std::fill(qr.out, qr.out + num_heads * dim, 0.f);
+    std::fill(qr.m, qr.m + num_heads, kNoScore);
+    std::fill(qr.l, qr.l + num_heads, 0.f);
+    t_end = std::max(t_end, qr.t_end);
+  }
+  if (t_end <= t_begin) return;
   const int64_t first_block = t_begin / bs, last_block = (t_end - 1) / bs;
   for (int64_t blk = first_block; blk <= last_block; ++blk) {
     const int64_t t0 = blk * bs, n = std::min(bs, t_end - t0);
@@ -421,31 +456,42 @@ void attend_range(const Pool& pool, const int64_t* table, int64_t t_begin, int64
     const int64_t next_n = blk < last_block ? std::min(bs, t_end - t0 - bs) : std::min(bs, t_end - first_block * bs);
     Prefetcher next(blk < last_block ? pool.at(pool.k, table[blk + 1] * bs) : pool.at(pool.v, table[first_block] * bs),
                     next_n * stride * pool.element_bytes(), num_heads * ((n + 3) / 4));
-    if constexpr (kBlocked) {
-      score_block<kDim>(q, num_heads, group, keys, stride, n, scale, scores + t0 - t_begin, len, next);
-    } else {
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t h = 0; h < num_heads; ++h)
-          scores[h * len + t0 - t_begin + i] = dot<kDim>(q + h * dim, keys + i * stride + (h / group) * dim, dim) * scale;
+    for (int64_t j = 0; j < count; ++j) {
+      const Query& qr = queries[j];
+      const int64_t nj = std::min(bs, qr.t_end - t0), len = qr.t_end - t_begin;
+      if (nj <= 0) continue;
+      if constexpr (kBlocked) {
+        score_block<kDim>(qr.q, num_heads, group, keys, stride, nj, scale, qr.scores + t0 - t_begin, len, next);
+      } else {
+        for (int64_t i = 0; i < nj; ++i)
+          for (int64_t h = 0; h < num_heads; ++h)
+            qr.scores[h * len + t0 - t_begin + i] =
+                dot<kDim>(qr.q + h * dim, keys + i * stride + (h / group) * dim, dim) * scale;
+      }
     }
     next.finish();
   }
-  // The tokens before t_first (out of the window) weigh nothing.
-  const int64_t skip = std::min(std::max<int64_t>(t_first - t_begin, 0), len);
-  for (int64_t h = 0; h < num_heads; ++h) {
-    float* s = scores + h * len;
-    std::fill(s, s + skip, 0.f);
-    if (skip == len) continue;
-    soft_cap(s + skip, len - skip, softcap);
-    const float mx = *std::max_element(s + skip, s + len);
-    float sum = 0.f;
+  for (int64_t j = 0; j < count; ++j) {
+    const Query& qr = queries[j];
+    const int64_t len = qr.t_end - t_begin;
+    if (len <= 0) continue;
+    // The tokens before t_first (out of the window) weigh nothing.
+    const int64_t skip = std::min(std::max<int64_t>(qr.t_first - t_begin, 0), len);
+    for (int64_t h = 0; h < num_heads; ++h) {
+      float* s = qr.scores + h * len;
+      std::fill(s, s + skip, 0.f);
+      if (skip == len) continue;
+      soft_cap(s + skip, len - skip, softcap);
+      const float mx = *std::max_element(s + skip, s + len);
+      float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t t = skip; t < len; ++t) {
-      s[t] = std::exp(s[t] - mx);
-      sum += s[t];
+      for (int64_t t = skip; t < len; ++t) {
+        s[t] = std::exp(s[t] - mx);
+        sum += s[t];
+      }
+      qr.m[h] = mx;
+      qr.l[h] = sum;
     }
-    m[h] = mx;
-    l[h] = sum;
   }
   for (int64_t blk = first_block; blk <= last_block; ++blk) {
     const int64_t t0 = blk * bs, n = std::min(bs, t_end - t0);
@@ -454,29 +500,35 @@ void attend_range(const Pool& pool, const int64_t* table, int64_t t_begin, int64
     Prefetcher next(blk < last_block ? pool.at(pool.v, table[blk + 1] * bs) : then,
                     blk < last_block ? std::min(bs, t_end - t0 - bs) * stride * pool.element_bytes() : then_bytes,
                     num_heads * ((n + 3) / 4));
-    if constexpr (kBlocked) {
-      value_block<kDim>(scores + t0 - t_begin, len, num_heads, group, values, stride, n, out, next);
-    } else {
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t h = 0; h < num_heads; ++h)
-          axpy<kDim>(scores[h * len + t0 - t_begin + i], values + i * stride + (h / group) * dim, out + h * dim, dim);
+    for (int64_t j = 0; j < count; ++j) {
+      const Query& qr = queries[j];
+      const int64_t nj = std::min(bs, qr.t_end - t0), len = qr.t_end - t_begin;
+      if (nj <= 0) continue;
+      if constexpr (kBlocked) {
+        value_block<kDim>(qr.scores + t0 - t_begin, len, num_heads, group, values, stride, nj, qr.out, next);
+      } else {
+        for (int64_t i = 0; i < nj; ++i)
+          for (int64_t h = 0; h < num_heads; ++h)
+            axpy<kDim>(qr.scores[h * len + t0 - t_begin + i], values + i * stride + (h / group) * dim,
+                       qr.out + h * dim, dim);
+      }
     }
     next.finish();
   }
 }
 
-void attend(const Pool& pool, const int64_t* table, int64_t t_begin, int64_t t_first, int64_t t_end, const float* q,
-            int64_t num_heads, int64_t group, int64_t dim, float scale, float softcap, float* scores, float* out,
-            float* m, float* l, float* widened, const char* then, int64_t then_bytes) {
+void attend(const Pool& pool, const int64_t* table, int64_t t_begin, const Query* queries, int64_t count,
+            int64_t num_heads, int64_t group, int64_t dim, float scale, float softcap, float* widened,
+            const char* then, int64_t then_bytes) {
   if (dim == 64)
-    attend_range<64>(pool, table, t_begin, t_first, t_end, q, num_heads, group, dim, scale, softcap, scores, out, m, l,
-                     widened, then, then_bytes);
+    attend_range<64>(pool, table, t_begin, queries, count, num_heads, group, dim, scale, softcap, widened, then,
+                     then_bytes);
   else if (dim == 128)
-    attend_range<128>(pool, table, t_begin, t_first, t_end, q, num_heads, group, dim, scale, softcap, scores, out, m,
-                      l, widened, then, then_bytes);
+    attend_range<128>(pool, table, t_begin, queries, count, num_heads, group, dim, scale, softcap, widened, then,
+                      then_bytes);
   else
-    attend_range<0>(pool, table, t_begin, t_first, t_end, q, num_heads, group, dim, scale, softcap, scores, out, m, l,
-                    widened, then, then_bytes);
+    attend_range<0>(pool, table, t_begin, queries, count, num_heads, group, dim, scale, softcap, widened, then,
+                    then_bytes);
 }
 
 // A request's context is cut into parts of at least this many blocks (128 tokens of 16), at most
@@ -493,12 +545,14 @@ constexpr int64_t kMinPartBlocks = 8;
 // may be 16-bit (bf16 or fp16): each block is widened to fp32 as it is read.
 //
 // Each request's visible context is cut into parts by its own length and the thread count
-// alone (kMinPartBlocks), folded in order (fold_parts). A work item is one request, its parts
-// computed and folded on one thread; or, when there are too few requests to keep every thread
-// busy (a single stream, the last requests of a batch), a run of a request's parts, folded after
-// all are done. Either way the same arithmetic in the same order: on a given number of threads, a
-// request's result is the same bit for bit whoever shares its step (so a speculative verify's
-// decodes are those of decoding one token at a time).
+// alone (kMinPartBlocks), folded in order (fold_parts). Consecutive rows of one context cut the
+// same way (a request verifying proposed tokens: one row a token, each seeing one more) form a
+// group that reads each block once for all its rows. A work item is one group, its parts computed
+// and folded on one thread; or, when there are too few groups to keep every thread busy (a single
+// stream, the last requests of a batch), a run of a group's parts, folded after all are done.
+// Either way each row's arithmetic is the same, in the same order: on a given number of threads, a
+// request's result is the same bit for bit whoever shares its step, and a verify's rows are those
+// of decoding one token at a time.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens,
                                      int64_t block_size, double scale, int64_t window, double softcap) {
@@ -520,77 +574,123 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t max_blocks = tables.size(1);
   const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
   const int64_t threads = at::get_num_threads();
+  const int64_t head_floats = num_heads * dim;
   for (int64_t b = 0; b < batch; ++b)
     TORCH_CHECK(lp[b] >= 0 && lp[b] <= max_blocks * block_size, "context exceeds its block table");
 
-  // Every request's parts: [t_begin, t_end), from its first visible token's block to its last
-  // token in n parts of whole blocks, n = its blocks / kMinPartBlocks, at least 1 and at most two
-  // a thread (an empty context is one empty part).
-  struct Part {
-    int64_t request, t_begin, t_end;
-  };
-  // A request's first visible token.
+  // A row's cut: from its first visible token's block (begin) to its last token in n parts of
+  // `per` tokens (whole blocks), n = its blocks / kMinPartBlocks, at least 1 and at most two a
+  // thread (an empty context is one empty part).
   auto first_visible = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, lp[b] - window) : int64_t{0}; };
-  std::vector<Part> parts;
-  std::vector<int64_t> first_part(batch + 1);
-  int64_t max_part_len = 0;
-  for (int64_t b = 0; b < batch; ++b) {
-    first_part[b] = static_cast<int64_t>(parts.size());
+  auto cut = [&](int64_t b) {
     const int64_t begin = first_visible(b) / block_size * block_size;
     const int64_t blocks = (lp[b] - begin + block_size - 1) / block_size;
     const int64_t n = std::max<int64_t>(1, std::min(2 * threads, blocks / kMinPartBlocks));
-    const int64_t per = std::max<int64_t>(1, (blocks + n - 1) / n) * block_size;
-    for (int64_t t = begin; t < std::max(lp[b], begin + 1); t += per) {
-      parts.push_back({b, t, std::min(lp[b], t + per)});
-      max_part_len = std::max(max_part_len, std::min(lp[b], t + per) - t);
+    return std::make_pair(begin, std::max<int64_t>(1, (blocks + n - 1) / n) * block_size);
+  };
+  // Groups of consecutive rows with the same cut over the same blocks, each part of a group one
+  // slot a row (a row whose context ends before the part leaves it empty: l = 0).
+  struct Group {
+    int64_t first_row, rows, begin, per, end, first_part;
+    bool kept;  // its parts' results kept for the fold after the threads' work (cut into runs)
+  };
+  struct Part {
+    int64_t group, t_begin, t_end, first_slot;
+  };
+  std::vector<Group> groups;
+  for (int64_t b = 0; b < batch; ++b) {
+    const auto [begin, per] = cut(b);
+    if (!groups.empty() && lp[b] > begin) {
+      Group& g = groups.back();
+      const int64_t blocks = (lp[b] + block_size - 1) / block_size;
+      if (g.begin == begin && g.per == per && lp[g.first_row] > begin &&
+          std::equal(tp + b * max_blocks, tp + b * max_blocks + blocks, tp + g.first_row * max_blocks)) {
+        ++g.rows;
+        g.end = std::max(g.end, lp[b]);
+        continue;
+      }
     }
+    groups.push_back({b, 1, begin, per, lp[b], 0, false});
   }
-  first_part[batch] = static_cast<int64_t>(parts.size());
+  const int64_t num_groups = static_cast<int64_t>(groups.size());
+  std::vector<Part> parts;
+  int64_t num_slots = 0, max_part_len = 0, max_rows = 0;
+  for (Group& g : groups) {
+    g.first_part = static_cast<int64_t>(parts.size());
+    for (int64_t t = g.begin; t < std::max(g.end, g.begin + 1); t += g.per) {
+      parts.push_back({static_cast<int64_t>(&g - groups.data()), t, std::min(g.end, t + g.per), num_slots});
+      num_slots += g.rows;
+      max_part_len = std::max(max_part_len, parts.back().t_end - t);
+    }
+    max_rows = std::max(max_rows, g.rows);
+  }
   const int64_t num_parts = static_cast<int64_t>(parts.size());
+  auto parts_of = [&](const Group& g) {
+    return (&g + 1 < groups.data() + num_groups ? (&g + 1)->first_part : num_parts) - g.first_part;
+  };
 
-  // Work items, [first, last) parts each: whole requests, folded on the thread that computes
-  // them; or, when the requests are fewer than twice the threads and some has several parts,
-  // runs of a request's consecutive parts, about two runs a thread in all, each part's result
-  // kept for the fold below. Longest first, so that the last items the threads take are short.
-  const bool by_part = threads > 1 && batch < 2 * threads && num_parts > batch;
+  // Work items, [first, last) parts of one group each, for its rows [row_begin, row_end): whole
+  // groups; or, when the groups are fewer than twice the threads and some could be cut, about
+  // two items a thread in all: runs of a group's consecutive parts, and where it has fewer parts
+  // than that, each run for a share of its rows. An item of all its group's parts folds them on
+  // its thread; the parts of runs are kept for the fold below. Most work first, so that the last
+  // items the threads take are short.
+  const bool by_part =
+      threads > 1 && num_groups < 2 * threads && (num_parts > num_groups || max_rows > 1);
   struct Item {
-    int64_t first, last, tokens;
+    int64_t first, last, row_begin, row_end, tokens;
   };
   std::vector<Item> items;
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t count = first_part[b + 1] - first_part[b];
-    const int64_t runs = by_part ? std::min(count, (2 * threads + batch - 1) / batch) : 1;
-    for (int64_t r = 0; r < runs; ++r) {
-      const int64_t first = first_part[b] + count * r / runs, last = first_part[b] + count * (r + 1) / runs;
-      items.push_back({first, last, parts[last - 1].t_end - parts[first].t_begin});
-    }
+  const int64_t want = (2 * threads + num_groups - 1) / num_groups;
+  for (Group& g : groups) {
+    const int64_t count = parts_of(g);
+    const int64_t runs = by_part ? std::min(count, want) : 1;
+    g.kept = runs > 1;
+    const int64_t shares = by_part ? std::min(g.rows, (want + runs - 1) / runs) : 1;
+    for (int64_t r = 0; r < runs; ++r)
+      for (int64_t sh = 0; sh < shares; ++sh) {
+        const int64_t first = g.first_part + count * r / runs, last = g.first_part + count * (r + 1) / runs;
+        const int64_t row_begin = g.rows * sh / shares, row_end = g.rows * (sh + 1) / shares;
+        items.push_back({first, last, row_begin, row_end,
+                         (row_end - row_begin) * (parts[last - 1].t_end - parts[first].t_begin)});
+      }
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.tokens > b.tokens; });
-  // The runs' parts leave their unnormalized outputs and statistics here, folded below.
-  const int64_t head_floats = num_heads * dim;
-  std::vector<float> part_out(by_part ? num_parts * head_floats : 0);
-  std::vector<float> part_m(by_part ? num_parts * num_heads : 0), part_l(by_part ? num_parts * num_heads : 0);
+  // The runs' parts leave each row's unnormalized output and statistics here, folded below.
+  const bool kept = std::any_of(groups.begin(), groups.end(), [](const Group& g) { return g.kept; });
+  std::vector<float> part_out(kept ? num_slots * head_floats : 0);
+  std::vector<float> part_m(kept ? num_slots * num_heads : 0), part_l(kept ? num_slots * num_heads : 0);
 
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    std::vector<float> scores(num_heads * max_part_len);
+    std::vector<float> scores(max_rows * num_heads * max_part_len);
     std::vector<float> widened(pool.type == KvType::kF32 ? 0 : block_size * pool.slot_stride);
-    // A part's result (o, m, l) and the running fold (O, M, L) of a whole request.
-    std::vector<float> o(head_floats), m(num_heads), l(num_heads);
-    std::vector<float> O(head_floats), M(num_heads), L(num_heads);
+    // Each row's part result (o, m, l) and running fold (O, M, L) in an item of all its parts.
+    std::vector<float> o(max_rows * head_floats), m(max_rows * num_heads), l(max_rows * num_heads);
+    std::vector<float> O(max_rows * head_floats), M(max_rows * num_heads), L(max_rows * num_heads);
+    std::vector<Query> queries(max_rows);
     for (int64_t taken = next++; taken < num_items; taken = next++) {
       const Item& it = items[taken];
+      const Group& g = groups[parts[it.first].group];
+      const int64_t* table = tp + g.first_row * max_blocks;
+      const int64_t rows = it.row_end - it.row_begin, row_floats = it.row_begin * head_floats;
       for (int64_t i = it.first; i < it.last; ++i) {
         const Part& pt = parts[i];
-        // A whole request's first part is computed in place of its fold (what folding it into
-        // an empty one would give), the next ones beside it.
-        const bool first = !by_part && i == it.first;
-        float* po = by_part ? part_out.data() + i * head_floats : first ? O.data() : o.data();
-        float* pm = by_part ? part_m.data() + i * num_heads : first ? M.data() : m.data();
-        float* pl = by_part ? part_l.data() + i * num_heads : first ? L.data() : l.data();
+        // An item of all its parts computes the first in place of its rows' folds (what folding
+        // it into empty ones would give), the next ones beside them.
+        const bool first = !g.kept && i == it.first;
+        for (int64_t j = it.row_begin; j < it.row_end; ++j) {
+          const int64_t row = g.first_row + j;
+          const int64_t slot = pt.first_slot + j;
+          queries[j - it.row_begin] = {
+              qp + row * head_floats, std::max(pt.t_begin, first_visible(row)), std::min(lp[row], pt.t_end),
+              scores.data() + (j - it.row_begin) * num_heads * max_part_len,
+              g.kept ? part_out.data() + slot * head_floats : (first ? O : o).data() + j * head_floats,
+              g.kept ? part_m.data() + slot * num_heads : (first ? M : m).data() + j * num_heads,
+              g.kept ? part_l.data() + slot * num_heads : (first ? L : l).data() + j * num_heads};
+        }
         // While the last V block is read, the next part's first K block comes (on this thread).
-        const int64_t* table = tp + pt.request * max_blocks;
         const char* then = nullptr;
         int64_t then_bytes = 0;
         if (i + 1 < it.last) {
@@ -598,23 +698,30 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
           then = pool.at(pool.k, table[after.t_begin / block_size] * block_size);
           then_bytes = std::min(block_size, after.t_end - after.t_begin) * pool.slot_stride * pool.element_bytes();
         }
-        attend(pool, table, pt.t_begin, std::max(pt.t_begin, first_visible(pt.request)), pt.t_end,
-               qp + pt.request * head_floats, num_heads, group, dim, fscale, fcap, scores.data(), po, pm, pl,
-               widened.data(), then, then_bytes);
-        if (!by_part && !first) fold_parts(O.data(), M.data(), L.data(), po, pm, pl, num_heads, dim);
+        attend(pool, table, pt.t_begin, queries.data(), rows, num_heads, group, dim, fscale, fcap, widened.data(), then,
+               then_bytes);
+        const int64_t stats = it.row_begin * num_heads;
+        if (!g.kept && !first)
+          fold_parts(O.data() + row_floats, M.data() + stats, L.data() + stats, o.data() + row_floats, m.data() + stats,
+                     l.data() + stats, rows * num_heads, dim);
       }
-      if (!by_part) finish_parts(O.data(), L.data(), num_heads, dim, op + parts[it.first].request * head_floats);
+      if (!g.kept)
+        finish_parts(O.data() + row_floats, L.data() + it.row_begin * num_heads, rows * num_heads, dim,
+                     op + g.first_row * head_floats + row_floats);
     }
   });
-  if (by_part) {
+  if (kept) {
     std::vector<float> O(head_floats), M(num_heads), L(num_heads);
-    for (int64_t b = 0; b < batch; ++b) {
-      reset_parts(O.data(), M.data(), L.data(), num_heads, dim);
-      for (int64_t i = first_part[b]; i < first_part[b + 1]; ++i)
-        fold_parts(O.data(), M.data(), L.data(), part_out.data() + i * head_floats, part_m.data() + i * num_heads,
-                   part_l.data() + i * num_heads, num_heads, dim);
-      finish_parts(O.data(), L.data(), num_heads, dim, op + b * head_floats);
-    }
+    for (const Group& g : groups)
+      for (int64_t j = 0; j < (g.kept ? g.rows : 0); ++j) {
+        reset_parts(O.data(), M.data(), L.data(), num_heads, dim);
+        for (int64_t i = g.first_part; i < g.first_part + parts_of(g); ++i) {
+          const int64_t slot = parts[i].first_slot + j;
+          fold_parts(O.data(), M.data(), L.data(), part_out.data() + slot * head_floats, part_m.data() + slot * num_heads,
+                     part_l.data() + slot * num_heads, num_heads, dim);
+        }
+        finish_parts(O.data(), L.data(), num_heads, dim, op + (g.first_row + j) * head_floats);
+      }
   }
   return out;
 }
