@@ -3,6 +3,9 @@ and a dense reference computed without any paging."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +15,17 @@ from inflight.model.attention import PagedAttention, SeqSlice
 from inflight.model.kernels import cpu_kernels
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
+
+
+@contextmanager
+def on_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op threads set to `threads` (the kernels cut their work by them), restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def dense_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int | None = None,
@@ -95,12 +109,8 @@ def test_decode_kernel_splits_the_contexts_of_few_requests(lens, heads, kv_heads
     kernel = cpu_kernels()
     if kernel is None:
         pytest.skip("no C++ compiler for the CPU kernel")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with on_threads(2):
         check_decode(kernel, heads, kv_heads, dim, lens, window)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_decode_kernel_gives_zeros_for_an_empty_context():
@@ -191,12 +201,8 @@ def test_prefill_kernel_splits_a_long_context_of_few_new_tokens(segments, heads,
     """A few new tokens after a long context (a speculative verify) make fewer work items than
     the threads: each item's context is cut into parts on several threads, merged by their
     softmax statistics; every row still attends causally to what it sees, windows included."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with on_threads(threads):
         check_prefill_kernel(segments, heads, kv_heads, dim, window, softcap, num_blocks=160, seed=3)
-    finally:
-        torch.set_num_threads(before)
 
 
 # A request's attention must not depend on who shares its step: the engine promises a request the
@@ -215,9 +221,7 @@ def test_decode_kernel_gives_a_request_its_own_result_whatever_the_batch(length,
     kernel = cpu_kernels()
     if kernel is None:
         pytest.skip("no C++ compiler for the CPU kernel")
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with on_threads(threads):
         torch.manual_seed(4)
         num_blocks = 200
         k_cache, v_cache = (torch.randn(num_blocks * BLOCK, KV_HEADS, DIM) for _ in range(2))
@@ -246,8 +250,6 @@ def test_decode_kernel_gives_a_request_its_own_result_whatever_the_batch(length,
         for companions in COMPANIONS:
             for at in {0, len(companions)}:
                 assert torch.equal(attend(companions, at), alone), (companions, at)
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("window,softcap", ATTENDS)
@@ -260,9 +262,7 @@ def test_decode_kernel_gives_a_verifys_rows_what_each_gets_alone(length, window,
     kernel = cpu_kernels()
     if kernel is None:
         pytest.skip("no C++ compiler for the CPU kernel")
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with on_threads(threads):
         torch.manual_seed(6)
         num_blocks = 160
         k_cache, v_cache = (torch.randn(num_blocks * BLOCK, KV_HEADS, DIM) for _ in range(2))
@@ -285,8 +285,6 @@ def test_decode_kernel_gives_a_verifys_rows_what_each_gets_alone(length, window,
             out = attend(rows)
             for i in range(len(lengths)):
                 assert torch.equal(out[at + i], alone[i]), (at, i)
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("window,softcap", [(None, None), (300, None), (None, 5.0)])
@@ -298,9 +296,7 @@ def test_prefill_kernel_gives_each_row_its_own_result_however_chunked_or_batched
     kernel = cpu_kernels()
     if kernel is None:
         pytest.skip("no C++ compiler for the CPU kernel")
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with on_threads(threads):
         torch.manual_seed(5)
         length, num_blocks = 700, 120
         k_cache, v_cache = (torch.randn(num_blocks * BLOCK, KV_HEADS, DIM) for _ in range(2))
@@ -331,8 +327,6 @@ def test_prefill_kernel_gives_each_row_its_own_result_however_chunked_or_batched
         for chunk in [(0, 250), (250, 251), (251, 256), (256, 270), (270, 519), (519, 700)]:
             for companions in (0, 1, 3):
                 assert torch.equal(rows(chunk, companions), whole[chunk[0]:chunk[1]]), (chunk, companions)
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("shape", [(3, 5), (30, 2, 4096, 3, 64)], ids=["tiny", "pool"])
@@ -373,10 +367,10 @@ def test_kernels_on_a_16_bit_pool_equal_fp32_kernels_on_its_values(heads, kv_hea
     tables = torch.tensor([order[i * 9:(i + 1) * 9] for i in range(len(lens))])
     q = torch.randn(len(lens), heads, dim) * 2
     for threads in (1, 2):  # unsplit, and contexts split over threads and merged
-        torch.set_num_threads(threads)
         args = (tables, torch.tensor(lens), BLOCK, dim ** -0.5, window or 0, softcap or 0.0)
-        assert torch.equal(kernels.paged_decode_attention(q, k16, v16, *args),
-                           kernels.paged_decode_attention(q, kw, vw, *args))
+        with on_threads(threads):
+            assert torch.equal(kernels.paged_decode_attention(q, k16, v16, *args),
+                               kernels.paged_decode_attention(q, kw, vw, *args))
     segments = [(0, 37), (20, 7), (100, 30)]  # (cached tokens, new tokens)
     lens_new = [n for _, n in segments]
     qp = torch.randn(sum(lens_new), heads, dim)
