@@ -648,6 +648,22 @@ def test_replaying_a_timeline_prices_each_step_as_it_ran() -> None:
     assert replay.median_ratio == pytest.approx(1.0)
 
 
+def test_replaying_a_speculating_streams_timeline_counts_its_kept_proposals() -> None:
+    """One stream verifying proposed tokens: each step's rows and the context they see, grown by
+    the proposals kept before, rebuilt from the timeline, so that each step prices as it ran."""
+    from inflight.sim.validate import replay_steps
+
+    requests = small_requests(arrivals={"kind": "burst"}, num_requests=4)
+    cm = CostModel(BUILTIN_MODELS["llama-3-8b"], load_hardware("h100"))
+    config = EngineConfig.from_kwargs(None, num_kv_blocks=4000, max_num_tokens=256,
+                                      speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    capture = run_simulation(sim_engine(config, cm, acceptance_rate=0.7), requests, max_concurrency=1)
+    steps = capture.timeline.steps
+    assert sum(s.num_accepted_tokens for s in steps) > 0  # proposals kept, so contexts grew by them
+    replay = replay_steps(capture.timeline, requests, cm)
+    assert replay.predicted_s == pytest.approx(replay.measured_s, rel=1e-9)
+
+
 # --- tune and the command line --------------------------------------------------------------------
 
 

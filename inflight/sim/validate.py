@@ -125,15 +125,21 @@ def step_compositions(timeline: Timeline, requests: Sequence[BenchRequest]) -> l
         batch, left = [], step.num_prefill_tokens
         prefilling = []
         decoding = [i for i in step.request_indices if computed.get(i, 0) >= requests[i].prompt_len]
-        # Proposed tokens verified (which request's is not recorded): spread over the decodes.
+        # Proposed tokens verified, and those kept (which request's is not recorded): spread over
+        # the decodes, the kept ones in order, each request keeping at most what it verified.
         extra = [step.num_spec_tokens // len(decoding) + (j < step.num_spec_tokens % len(decoding))
                  for j in range(len(decoding))] if decoding else []
+        kept, left_kept = [], step.num_accepted_tokens
+        for e in extra:
+            kept.append(min(e, left_kept))
+            left_kept -= kept[-1]
         for i in step.request_indices:
             done, prompt = computed.get(i, 0), requests[i].prompt_len
             if done >= prompt:
-                n = 1 + extra[decoding.index(i)]
+                j = decoding.index(i)
+                n = 1 + extra[j]
                 batch.append(SeqWork(n, done + n, n))
-                computed[i] = done + 1
+                computed[i] = done + 1 + kept[j]  # its context grows by its token and the kept proposals
             else:
                 prefilling.append(i)
         for i in prefilling:
