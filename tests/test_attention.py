@@ -28,6 +28,15 @@ def on_threads(threads: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def scattered_pool(kv_heads: int, dim: int, num_blocks: int = 40,
+                   seed: int = 3) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """A random K and V pool of `num_blocks` blocks, and the blocks in a random order (to hand out
+    as block tables: a context's blocks scattered over the pool)."""
+    torch.manual_seed(seed)
+    return (torch.randn(num_blocks * BLOCK, kv_heads, dim), torch.randn(num_blocks * BLOCK, kv_heads, dim),
+            torch.randperm(num_blocks).tolist())
+
+
 def dense_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int | None = None,
                     softcap: float | None = None) -> torch.Tensor:
     """One query [H, D] against a contiguous context [L, KV, D] (its last `window` positions;
@@ -222,10 +231,7 @@ def test_decode_kernel_gives_a_request_its_own_result_whatever_the_batch(length,
     if kernel is None:
         pytest.skip("no C++ compiler for the CPU kernel")
     with on_threads(threads):
-        torch.manual_seed(4)
-        num_blocks = 200
-        k_cache, v_cache = (torch.randn(num_blocks * BLOCK, KV_HEADS, DIM) for _ in range(2))
-        order = torch.randperm(num_blocks).tolist()
+        k_cache, v_cache, order = scattered_pool(KV_HEADS, DIM, num_blocks=200, seed=4)
         target = order[: -(-length // BLOCK)]
         q = torch.randn(HEADS, DIM) * 2
 
@@ -263,10 +269,7 @@ def test_decode_kernel_gives_a_verifys_rows_what_each_gets_alone(length, window,
     if kernel is None:
         pytest.skip("no C++ compiler for the CPU kernel")
     with on_threads(threads):
-        torch.manual_seed(6)
-        num_blocks = 160
-        k_cache, v_cache = (torch.randn(num_blocks * BLOCK, KV_HEADS, DIM) for _ in range(2))
-        order = torch.randperm(num_blocks).tolist()
+        k_cache, v_cache, order = scattered_pool(KV_HEADS, DIM, num_blocks=160, seed=6)
         table, other = order[:70], order[70:140]
         lengths = [length + i for i in range(8)]
         q = torch.randn(len(lengths), HEADS, DIM) * 2
@@ -297,10 +300,8 @@ def test_prefill_kernel_gives_each_row_its_own_result_however_chunked_or_batched
     if kernel is None:
         pytest.skip("no C++ compiler for the CPU kernel")
     with on_threads(threads):
-        torch.manual_seed(5)
-        length, num_blocks = 700, 120
-        k_cache, v_cache = (torch.randn(num_blocks * BLOCK, KV_HEADS, DIM) for _ in range(2))
-        order = torch.randperm(num_blocks).tolist()
+        length = 700
+        k_cache, v_cache, order = scattered_pool(KV_HEADS, DIM, num_blocks=120, seed=5)
         prompt = order[: -(-length // BLOCK)]
         others = [order[len(prompt):][i * 4:(i + 1) * 4] for i in range(3)]  # three 64-token contexts
         q = torch.randn(length, HEADS, DIM) * 2
@@ -345,12 +346,6 @@ def test_huge_page_pool_is_zeroed_aligned_and_reads_like_any_tensor(shape):
 # bit; the KV store rounds to nearest even, as torch's `.to()` does.
 
 KV_DTYPES = [torch.bfloat16, torch.float16]
-
-
-def scattered_pool(kv_heads: int, dim: int, num_blocks: int = 40) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    torch.manual_seed(3)
-    return (torch.randn(num_blocks * BLOCK, kv_heads, dim), torch.randn(num_blocks * BLOCK, kv_heads, dim),
-            torch.randperm(num_blocks).tolist())
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=["bf16", "fp16"])

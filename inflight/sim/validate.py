@@ -133,10 +133,11 @@ def step_compositions(timeline: Timeline, requests: Sequence[BenchRequest]) -> l
         for e in extra:
             kept.append(min(e, left_kept))
             left_kept -= kept[-1]
+        position = {i: j for j, i in enumerate(decoding)}
         for i in step.request_indices:
             done, prompt = computed.get(i, 0), requests[i].prompt_len
             if done >= prompt:
-                j = decoding.index(i)
+                j = position[i]
                 n = 1 + extra[j]
                 batch.append(SeqWork(n, done + n, n))
                 computed[i] = done + 1 + kept[j]  # its context grows by its token and the kept proposals

@@ -591,7 +591,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   // Groups of consecutive rows with the same cut over the same blocks, each part of a group one
   // slot a row (a row whose context ends before the part leaves it empty: l = 0).
   struct Group {
-    int64_t first_row, rows, begin, per, end, first_part;
+    int64_t first_row, rows, begin, per, end, first_part, num_parts;
     bool kept;  // its parts' results kept for the fold after the threads' work (cut into runs)
   };
   struct Part {
@@ -610,7 +610,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
         continue;
       }
     }
-    groups.push_back({b, 1, begin, per, lp[b], 0, false});
+    groups.push_back({b, 1, begin, per, lp[b], 0, 0, false});
   }
   const int64_t num_groups = static_cast<int64_t>(groups.size());
   std::vector<Part> parts;
@@ -622,12 +622,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       num_slots += g.rows;
       max_part_len = std::max(max_part_len, parts.back().t_end - t);
     }
+    g.num_parts = static_cast<int64_t>(parts.size()) - g.first_part;
     max_rows = std::max(max_rows, g.rows);
   }
   const int64_t num_parts = static_cast<int64_t>(parts.size());
-  auto parts_of = [&](const Group& g) {
-    return (&g + 1 < groups.data() + num_groups ? (&g + 1)->first_part : num_parts) - g.first_part;
-  };
 
   // Work items, [first, last) parts of one group each, for its rows [row_begin, row_end): whole
   // groups; or, when the groups are fewer than twice the threads and some could be cut, about
@@ -643,7 +641,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   std::vector<Item> items;
   const int64_t want = (2 * threads + num_groups - 1) / num_groups;
   for (Group& g : groups) {
-    const int64_t count = parts_of(g);
+    const int64_t count = g.num_parts;
     const int64_t runs = by_part ? std::min(count, want) : 1;
     g.kept = runs > 1;
     const int64_t shares = by_part ? std::min(g.rows, (want + runs - 1) / runs) : 1;
@@ -715,7 +713,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     for (const Group& g : groups)
       for (int64_t j = 0; j < (g.kept ? g.rows : 0); ++j) {
         reset_parts(O.data(), M.data(), L.data(), num_heads, dim);
-        for (int64_t i = g.first_part; i < g.first_part + parts_of(g); ++i) {
+        for (int64_t i = g.first_part; i < g.first_part + g.num_parts; ++i) {
           const int64_t slot = parts[i].first_slot + j;
           fold_parts(O.data(), M.data(), L.data(), part_out.data() + slot * head_floats, part_m.data() + slot * num_heads,
                      part_l.data() + slot * num_heads, num_heads, dim);
@@ -1020,18 +1018,14 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
   for (const SplitItem& sp : split) {  // each split item's parts folded into its rows
     const PrefillItem& it = sp.item;
     const int64_t rows = it.rows_tokens * group;
-    std::vector<float> O(rows * dim), M(rows), L(rows), result(rows * dim);
+    std::vector<float> O(rows * dim), M(rows), L(rows);
     reset_parts(O.data(), M.data(), L.data(), rows, dim);
     for (int64_t i = sp.first_part; i < sp.first_part + sp.parts; ++i)
       fold_parts(O.data(), M.data(), L.data(), part_o.data() + i * item_rows * dim, part_m.data() + i * item_rows,
                  part_l.data() + i * item_rows, rows, dim);
-    finish_parts(O.data(), L.data(), rows, dim, result.data());
-    for (int64_t tq = 0; tq < it.rows_tokens; ++tq)
-      for (int64_t hg = 0; hg < group; ++hg) {
-        const int64_t r = tq * group + hg;
-        std::copy(result.data() + r * dim, result.data() + (r + 1) * dim,
-                  op + ((starts[it.segment] + it.first + tq) * num_heads + it.kv_head * group + hg) * dim);
-      }
+    for (int64_t tq = 0; tq < it.rows_tokens; ++tq)  // a token's rows: its heads of this KV head's group
+      finish_parts(O.data() + tq * group * dim, L.data() + tq * group, group, dim,
+                   op + ((starts[it.segment] + it.first + tq) * num_heads + it.kv_head * group) * dim);
   }
   return out;
 }
