@@ -11,7 +11,7 @@ one step that verifies k proposed tokens beside one plain decode step of the sam
 speculation.
 
     .venv/bin/python benchmarks/step_profile.py [--max-num-tokens 512] [--components] [--verify [--verify-k 4]]
-        [--quantization int8]
+        [--quantization int8] [--kv-cache-dtype float16]
 """
 
 from __future__ import annotations
@@ -91,6 +91,8 @@ def main() -> int:
     parser.add_argument("--quantization", default="none",
                         choices=("none", "int8", "int8-activations", "bf16-activations"),
                         help="the weights' arithmetic (default: as stored, fp32)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
+                        help="the KV pool's element type (default: the model's, fp32)")
     args = parser.parse_args()
 
     gemm = ceiling.measure_gemm(reps=5)
@@ -99,7 +101,7 @@ def main() -> int:
         instrument(loaded)
     requests = build("burst64", corpus_token_ids(loaded.tokenizer.hf), num_requests=args.requests)
     llm = LLM(loaded=loaded, quantization=args.quantization, max_batch_size=64, max_num_tokens=args.max_num_tokens,
-              num_kv_blocks=2048)
+              num_kv_blocks=2048, kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.engine
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))  # warm-up
     engine.step_records.clear()

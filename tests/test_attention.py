@@ -78,11 +78,7 @@ def check_decode(kernel, heads: int, kv_heads: int, dim: int, lens: list[int], w
                  softcap: float | None = None) -> None:
     """The decode path against the dense reference, for requests of these context lengths
     whose blocks are scattered through the pool."""
-    torch.manual_seed(0)
-    num_blocks = sum(-(-n // BLOCK) for n in lens) + 8
-    k_cache = torch.randn(num_blocks * BLOCK, kv_heads, dim)
-    v_cache = torch.randn(num_blocks * BLOCK, kv_heads, dim)
-    order = torch.randperm(num_blocks).tolist()
+    k_cache, v_cache, order = scattered_pool(kv_heads, dim, sum(-(-n // BLOCK) for n in lens) + 8, seed=0)
     tables, contexts = [], []
     for n in lens:
         blocks = [order.pop() for _ in range(-(-n // BLOCK))]
@@ -178,10 +174,7 @@ def check_prefill_kernel(segments: list[tuple[int, int]], heads: int, kv_heads: 
     kernels = cpu_kernels()
     if kernels is None:
         pytest.skip("no C++ compiler for the CPU kernel")
-    torch.manual_seed(seed)
-    k_cache = torch.randn(num_blocks * BLOCK, kv_heads, dim)
-    v_cache = torch.randn(num_blocks * BLOCK, kv_heads, dim)
-    order = torch.randperm(num_blocks).tolist()
+    k_cache, v_cache, order = scattered_pool(kv_heads, dim, num_blocks, seed)
     tables, slots_of = [], []
     for cached, new in segments:
         blocks = [order.pop() for _ in range(-(-(cached + new) // BLOCK))]

@@ -564,9 +564,9 @@ class OpenAIServing:
         finally:
             watch.cancel()
             if not collect.done():
-                collect.cancel()
+                collect.cancel()  # only asked: the task is not done until it runs again
                 self._abort_all(streams)
-        if collect.cancelled():
+        if not collect.done() or collect.cancelled():
             return Response(status_code=499)  # nobody will read it
         return collect.result()
 
