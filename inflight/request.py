@@ -107,6 +107,7 @@ LIMITS: dict[str, Limit] = {
     "prompt_logprobs": Limit(ge=0, le=MAX_LOGPROBS, integer=True),
 }
 _OPTIONAL = {"logprobs", "prompt_logprobs"}  # None: not asked for
+_GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # Below _GREEDY_TEMPERATURE the logits divided by it overflow fp32 (vLLM draws the same line).
+        return self.temperature < _GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:

@@ -261,6 +261,37 @@ def test_echo_with_logprobs_as_lm_eval_asks(server: RunningServer, offline: LLM,
     _assert_error_body(httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=30), 400, "echo")
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(server: RunningServer, model: str) -> None:
+    """OpenAI's scoring form (echo, max_tokens 0, as vLLM takes it): each choice is its prompt and
+    the prompt's logprobs, those of the max_tokens 1 form, with nothing generated, in a whole
+    response and streamed alike; without echo, max_tokens 0 stays a 400."""
+    prompts = ["The capital of France is", "Once upon a time, in a land far away"]
+    body = {"model": model, "prompt": prompts, "logprobs": 2, "echo": True, "temperature": 0}
+    scored = httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": 0}, timeout=60)
+    generated = httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": 1}, timeout=60)
+    assert scored.status_code == 200 and generated.status_code == 200, (scored.text, generated.text)
+    scored_body = scored.json()
+    usage = scored_body["usage"]
+    assert usage["completion_tokens"] == 0 and usage["total_tokens"] == usage["prompt_tokens"]
+    assert usage["prompt_tokens"] == generated.json()["usage"]["prompt_tokens"]
+    for prompt, mine, theirs in zip(prompts, scored_body["choices"], generated.json()["choices"], strict=True):
+        assert mine["finish_reason"] == "length" and mine["text"] == prompt
+        lp, ref = mine["logprobs"], theirs["logprobs"]
+        assert len(lp["tokens"]) == len(ref["tokens"]) - 1  # the generated token left out
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert lp[key] == ref[key][:-1], key
+    streamed = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        **body, "prompt": prompts[0], "max_tokens": 0, "stream": True, "stream_options": {"include_usage": True}})
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == prompts[0]
+    tokens = [t for e in events if e["choices"] and e["choices"][0]["logprobs"]
+              for t in e["choices"][0]["logprobs"]["tokens"]]
+    assert tokens == scored_body["choices"][0]["logprobs"]["tokens"]
+    assert events[-1]["usage"]["completion_tokens"] == 0
+    _assert_error_body(httpx.post(server.url + "/v1/completions", timeout=30, json={
+        "model": model, "prompt": "hi", "max_tokens": 0}), 400, "max_tokens")
+
+
 def test_n_samples_through_the_openai_client(client: openai.OpenAI, server: RunningServer, model: str) -> None:
     prompt = "Write a short poem about the sea."
     resp = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=1.0, seed=5, n=3,

@@ -17,7 +17,7 @@ import pytest
 from inflight import LLM, EngineConfig, LLMEngine, SamplingParams
 from inflight.errors import InvalidRequestError
 from inflight.model.loaded import LoadedModel
-from inflight.request import StructuredOutputs
+from inflight.request import Grammar, StructuredOutputs
 from inflight.server.config import ServerConfig
 from inflight.server.launcher import RunningServer, serve_in_thread
 
@@ -79,6 +79,23 @@ def test_json_object_regex_choice_and_grammars_are_each_met(llm: LLM) -> None:
     lark = 'start: "colour: " COLOUR\nCOLOUR: "red" | "green" | "blue"'
     (lark_out,) = generate(llm, prompt, StructuredOutputs(grammar=lark))
     assert lark_out.text in {"colour: red", "colour: green", "colour: blue"}
+
+
+@pytest.mark.parametrize("penalty", [5e-324, 1e-30, 1e30, 1e308], ids=["denormal", "tiny", "huge", "inf-in-fp32"])
+@pytest.mark.parametrize("temperature", [0, 5e-324, 1.0], ids=["greedy", "denormal-temperature", "sampled"])
+def test_no_logit_edit_lets_a_forbidden_token_through(llm: LLM, penalty: float, temperature: float) -> None:
+    """Penalties at the ends of their range (in fp32, 5e-324 is 0 and 1e308 is inf) turn some
+    logits into +inf or NaN; a large logit_bias on a token the grammar forbids: the output still
+    matches the grammar, and the request ends as a grammar ends it, not as a failure."""
+    pattern = r"[a-c]{4}d"
+    prompt = "abcd abcd abca abcd abcd abcb"  # repeated, so that the penalty meets seen tokens
+    forbidden = llm.tokenizer.encode(" hello", add_special_tokens=False)[0]
+    for seed in range(3):
+        (out,) = generate(llm, prompt, StructuredOutputs(regex=pattern), temperature=temperature, seed=seed,
+                          repetition_penalty=penalty, presence_penalty=2.0, frequency_penalty=-2.0,
+                          logit_bias=((forbidden, 100.0),), max_tokens=12)
+        assert out.finish_reason == "stop" and re.fullmatch(pattern, out.text), (out.finish_reason, out.text)
+    assert llm.engine.block_manager.num_used_blocks == 0
 
 
 def test_unconstrained_rows_of_the_batch_are_untouched(llm: LLM) -> None:
@@ -197,32 +214,56 @@ def test_bad_constraints_get_a_400_naming_the_field(server: RunningServer, body:
     assert server.engine.num_active == 0
 
 
-# Found by the schema fuzzer: a schema of unknown keywords (so: any JSON value) after this prompt,
-# whose output soon reaches a lexer state llguidance gives up on (ParserTooComplex); the token
-# drawn from that step's mask is one the grammar then refuses.
+# Found by the schema fuzzer: this prompt and a schema of unknown keywords (any JSON value), sampled
+# at temperature 1e300, ended in "structured output failed". Not the grammar's doing: 1e300 is inf
+# in fp32, the logits divided by it were NaN where the mask had put -inf, and the NaN softmax's
+# draw fell on the vocabulary's last token, which the grammar refuses. Such a temperature now draws
+# uniformly from what the mask allows.
 FUZZED_PROMPT = [3726, 515, 329, 1256, 76, 413, 0, 796, 24687, 178, 623, 2696, 4096, 11028, 500, 418]
-TOO_COMPLEX = json.loads(
+ANY_VALUE = json.loads(
     r"""{"": {"\u00c6$H\u00b5\u00e0": {"\u00f9\u0092W\u00a7": null, "\ufc7f": true, "\r\u00d2": 13208325},"""
     r""" "\u0098+\u0084\u00f3P\u0019": null,"""
     r""" "y\u00d4": {"\uda62\udd55\u00f7\u00cc\u00d2;#-\ub7c3\ud876\udd9f~": null}},"""
     r""" "\u023a": {"\u00a9\ud96a\ude4c\u00d4!5\u000e": null, "\ud8de\ude3a\uda33\udd19": false, "\u00c6\f": null}}""")
 
 
+def _error_of(resp: httpx.Response, stream: bool) -> dict[str, Any] | None:
+    """The error a response carries: its body's, or a stream's last error event."""
+    if not stream:
+        return resp.json().get("error") if resp.status_code != 200 else None
+    assert resp.status_code == 200
+    events = [json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {") and '"error"' in line]
+    return events[-1]["error"] if events else None
+
+
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_grammar_the_output_cannot_follow_is_the_clients_error(server: RunningServer, stream: bool) -> None:
-    # A flat distribution over what the mask allows: the draw reaches the lexer states it gives up on.
+def test_an_infinite_temperature_draws_within_the_grammar(server: RunningServer, stream: bool) -> None:
     body = {"model": server.engine.model_name, "prompt": FUZZED_PROMPT, "max_tokens": 16, "temperature": 1e300,
-            "seed": 0, "guided_json": TOO_COMPLEX, "stream": stream}
+            "seed": 0, "guided_json": ANY_VALUE, "stream": stream}
     resp = httpx.post(server.url + "/v1/completions", timeout=30, json=body)
-    if stream:
-        assert resp.status_code == 200
-        events = [json.loads(line[6:]) for line in resp.text.splitlines()
-                  if line.startswith("data: {") and '"error"' in line]
-        assert events, resp.text
-        error = events[-1]["error"]
-    else:
-        assert resp.status_code == 400, resp.text
-        error = resp.json()["error"]
+    assert _error_of(resp, stream) is None, resp.text
+    assert server.engine.num_active == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_that_refuses_a_token_is_the_clients_error(server: RunningServer, stream: bool,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """llguidance can refuse a token its own mask let through (a grammar past its parser's limits
+    gives up mid-output); injected here, the third token refused with a two-line error: the client
+    gets the first line as its own error, and the request ends."""
+    real, seen = Grammar.accept, [0]
+
+    def refusing(grammar: Grammar, token_id: int) -> bool:
+        seen[0] += 1
+        return seen[0] < 3 and real(grammar, token_id)
+
+    monkeypatch.setattr(Grammar, "accept", refusing)
+    monkeypatch.setattr(Grammar, "error", property(lambda _: "parser too complex: lexer gave up\n(state dump)"))
+    body = {"model": server.engine.model_name, "prompt": "Name a fruit:", "max_tokens": 16, "temperature": 0,
+            "guided_regex": "[a-z ]{1,40}", "stream": stream}
+    resp = httpx.post(server.url + "/v1/completions", timeout=30, json=body)
+    error = _error_of(resp, stream)
+    assert error is not None and (stream or resp.status_code == 400), resp.text
     assert error["type"] == "invalid_request_error"
-    assert error["message"].startswith("structured output failed: ") and "\n" not in error["message"], error
+    assert error["message"] == "structured output failed: parser too complex: lexer gave up", error
     assert server.engine.num_active == 0

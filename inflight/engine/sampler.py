@@ -68,6 +68,7 @@ class Sampler:
             logits = logits.clone()
             if edits:
                 self._edit_logits(logits, requests)
+                _bounded_(logits)  # before the mask, so that no edit can undo it
             if constrained:
                 self._mask(logits, constrained, [gr for i in constrained if (gr := requests[i].grammar) is not None])
         return logits
@@ -75,7 +76,7 @@ class Sampler:
     def _probs(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         """Each sampled row's distribution, unnormalized: temperature, top-k, top-p, then min-p."""
         temperature = torch.tensor([p.temperature for p in params], device=self.device)
-        sub = logits / temperature.unsqueeze(1)
+        sub = _bounded_(logits / temperature.unsqueeze(1))
         top_k = [p.top_k for p in params]
         if any(top_k):
             sub = self._apply_top_k(sub, top_k)
@@ -313,3 +314,11 @@ class Sampler:
         drop = (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _bounded_(logits: torch.Tensor) -> torch.Tensor:
+    """In place: +inf to the dtype's largest value, NaN to -inf. Penalties and temperatures at the
+    ends of their range overflow in fp32 (a repetition penalty of 5e-324 is 0 there: a seen token's
+    positive logit becomes +inf, a masked one's -inf times 0 NaN), and one +inf or NaN makes the
+    softmax NaN, whose draw can land on any token, one the grammar forbids included."""
+    return logits.nan_to_num_(nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf"))

@@ -90,13 +90,15 @@ def _token_logprobs(deltas: list[Delta]) -> Logprobs | None:
 
 class _CompletionFormat:
     """With `echo`, each choice starts with its prompt (text as sent, or decoded from ids) and,
-    where logprobs are asked for, the prompt tokens' logprobs, the first one null."""
+    where logprobs are asked for, the prompt tokens' logprobs, the first one null. `prompt_only`
+    (echo with max_tokens 0): the prompt alone, what the engine generated left out."""
 
     def __init__(self, request_id: str, model: str, tokenizer: Tokenizer,
-                 echo: list[tuple[str, list[int]]] | None = None) -> None:
+                 echo: list[tuple[str, list[int]]] | None = None, prompt_only: bool = False) -> None:
         self.id, self.model, self.created = request_id, model, int(time.time())
         self.tokenizer = tokenizer
         self.echo = echo
+        self.prompt_only = prompt_only
         self._offsets: dict[int, int] = {}  # per choice, where the next token's text starts
 
     def opening(self, num_choices: int) -> list[BaseModel]:
@@ -118,9 +120,10 @@ class _CompletionFormat:
                                                    for t, v in lp.top} for _, lp in entries])
 
     def _piece(self, index: int, deltas: list[Delta], first: bool) -> CompletionChoice:
-        text = "".join(d.text for d in deltas)
+        text = "" if self.prompt_only else "".join(d.text for d in deltas)
         logprobs = _token_logprobs(deltas)
-        entries: list[tuple[int, TokenLogprobs | None]] = [(lp.token_id, lp) for lp in logprobs or []]
+        entries: list[tuple[int, TokenLogprobs | None]] = [] if self.prompt_only else [
+            (lp.token_id, lp) for lp in logprobs or []]
         if first and self.echo is not None:
             prompt_text, prompt_ids = self.echo[index]
             text = prompt_text + text
@@ -129,6 +132,8 @@ class _CompletionFormat:
                 entries = [(prompt_ids[0], None), *((lp.token_id, lp) for lp in prompt_lps), *entries]
                 logprobs = logprobs or []
         finish = _finish_name(deltas[-1].finish_reason) if deltas else None
+        if self.prompt_only and finish is not None:
+            finish = "length"  # its max_tokens (0) reached
         return CompletionChoice(index=index, text=text, finish_reason=finish,
                                 logprobs=self._logprobs(index, entries) if logprobs is not None else None)
 
@@ -139,11 +144,15 @@ class _CompletionFormat:
         return CompletionResponse(id=self.id, model=self.model, created=self.created,
                                   choices=[self._piece(index, [delta], first)])
 
+    def _usage(self, usage: UsageInfo) -> UsageInfo:
+        return UsageInfo.of(usage.prompt_tokens, 0) if self.prompt_only else usage
+
     def usage_chunk(self, usage: UsageInfo) -> BaseModel:
-        return CompletionResponse(id=self.id, model=self.model, created=self.created, choices=[], usage=usage)
+        return CompletionResponse(id=self.id, model=self.model, created=self.created, choices=[],
+                                  usage=self._usage(usage))
 
     def response(self, choices: list[list[Delta]], usage: UsageInfo) -> BaseModel:
-        return CompletionResponse(id=self.id, model=self.model, created=self.created, usage=usage,
+        return CompletionResponse(id=self.id, model=self.model, created=self.created, usage=self._usage(usage),
                                   choices=[self._piece(i, deltas, True) for i, deltas in enumerate(choices)])
 
 
@@ -281,7 +290,11 @@ class OpenAIServing:
         if not all(token_ids):
             raise invalid("the prompt is empty", "prompt")
         prompt_logprobs = req.logprobs if req.echo else None
-        work = [(ids, self._sampling_params(req, req.max_tokens, len(ids), "prompt", req.logprobs, prompt_logprobs))
+        # Echo with max_tokens 0, OpenAI's form for scoring a prompt (as vLLM takes it): the prompt
+        # and its logprobs, nothing generated. The engine samples one token, which is left out.
+        prompt_only = req.echo and req.max_tokens == 0
+        max_tokens = 1 if prompt_only else req.max_tokens
+        work = [(ids, self._sampling_params(req, max_tokens, len(ids), "prompt", req.logprobs, prompt_logprobs))
                 for ids in token_ids]
         streams = await self._submit(work, arrival, "cmpl", req.priority, await self._grammar(req))
         tokenizer = self.engine.tokenizer
@@ -289,7 +302,7 @@ class OpenAIServing:
         if req.echo:  # the prompt as sent, or decoded from its ids; the same for each of its n choices
             echo = [(p if isinstance(p, str) else tokenizer.decode(p), ids)
                     for p, ids in zip(prompts, token_ids, strict=True) for _ in range(req.n)]
-        fmt = _CompletionFormat(streams[0].request_id, self.model_name, tokenizer, echo)
+        fmt = _CompletionFormat(streams[0].request_id, self.model_name, tokenizer, echo, prompt_only)
         return await self._respond(streams, fmt, req, http)
 
     async def chat(self, req: ChatCompletionRequest, http: Request) -> Response:
