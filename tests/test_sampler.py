@@ -54,6 +54,16 @@ def test_top_k_top_p_and_min_p_cut_the_distribution_then_renormalise() -> None:
     assert_matches(draw(SamplingParams(min_p=0.3)), expected(keep=p >= 0.3 * p.max()))
 
 
+@pytest.mark.parametrize("params", [{"top_p": 1e-300}, {"top_p": 1e-300, "min_p": 1.0}, {"top_k": 1},
+                                    {"min_p": 1.0}, {"temperature": 1e-6}, {"temperature": 5e-324}],
+                         ids=["top_p-0-in-fp32", "and-min_p-1", "top_k-1", "min_p-1", "temperature-1e-6",
+                              "temperature-0-in-fp32"])
+def test_the_narrowest_settings_keep_the_most_likely_token(params: dict[str, float]) -> None:
+    """Values at the edge of their range (some round to 0 in fp32) leave the most likely token,
+    not an empty distribution whose draw lands anywhere."""
+    assert draw(SamplingParams(**params), 1000)[int(LOGITS.argmax())] == 1.0
+
+
 def test_a_single_possible_token_is_always_drawn() -> None:
     logits = torch.full((8,), float("-inf"))
     logits[6] = 0.0

@@ -13,6 +13,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from inflight import LLM, EngineConfig, LLMEngine, SamplingParams
 from inflight.errors import InvalidRequestError
@@ -95,6 +97,38 @@ def test_no_logit_edit_lets_a_forbidden_token_through(llm: LLM, penalty: float, 
                           repetition_penalty=penalty, presence_penalty=2.0, frequency_penalty=-2.0,
                           logit_bias=((forbidden, 100.0),), max_tokens=12)
         assert out.finish_reason == "stop" and re.fullmatch(pattern, out.text), (out.finish_reason, out.text)
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+EDGES = {"temperature": [0, 5e-324, 1e-6, 0.7, 1e300], "top_p": [1e-300, 0.5, 1.0], "top_k": [0, 1, 7],
+         "min_p": [0.0, 0.5, 1.0], "repetition_penalty": [5e-324, 1e-30, 1.0, 1e30, 1e308],
+         "presence_penalty": [-2.0, 0.0, 2.0], "frequency_penalty": [-2.0, 0.0, 2.0], "seed": [None, 5]}
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.fixed_dictionaries({name: st.sampled_from(values) for name, values in EDGES.items()},
+                                      optional={"constrained": st.booleans(), "bias": st.sampled_from([-100.0, 100.0]),
+                                                "n": st.integers(1, 2)}),
+                min_size=1, max_size=4))
+def test_sampling_settings_at_their_edges_keep_the_grammar(llm: LLM, batch: list[dict[str, Any]]) -> None:
+    """Batches of requests whose settings sit at the ends of their ranges (several overflow or
+    round to 0 in fp32), some constrained: every output finishes as a grammar or max_tokens ends
+    it, and each constrained one matches its regex."""
+    pattern = r"(abc |abd ){1,6}"
+    prompt = "abc abd abc abc abd abc abd abd"
+    params = []
+    for row in batch:
+        options = {k: v for k, v in row.items() if k in EDGES}
+        bias = ((llm.tokenizer.encode(" the", add_special_tokens=False)[0], row["bias"]),) if "bias" in row else ()
+        constraint = StructuredOutputs(regex=pattern) if row.get("constrained") else None
+        params.append(SamplingParams(max_tokens=10, n=row.get("n", 1), logit_bias=bias,
+                                     structured_outputs=constraint, **options))
+    outs = llm.generate([prompt] * len(params), params)
+    for p, out in zip([p for p in params for _ in range(p.n)], outs, strict=True):
+        assert out.finish_reason in ("stop", "length"), (p, out)
+        if p.structured_outputs is not None:
+            assert re.fullmatch(r"(abc |abd )*(a|ab|abc|abd)?", out.text), (p, out.text)
     assert llm.engine.block_manager.num_used_blocks == 0
 
 

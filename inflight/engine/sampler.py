@@ -299,7 +299,9 @@ class Sampler:
         mass_above = top_probs.cumsum(dim=-1) - top_probs
         threshold = top_p.unsqueeze(1)
         out = torch.full_like(logits, float("-inf"))
-        kept = torch.where(mass_above < threshold, logits.gather(1, top_ids), float("-inf"))
+        keep = mass_above < threshold
+        keep[:, 0] = True  # also where top_p is below fp32's smallest value (1e-300 sent: 0 here)
+        kept = torch.where(keep, logits.gather(1, top_ids), float("-inf"))
         out.scatter_(1, top_ids, kept)
         # Rows whose last candidate is still kept may keep tokens beyond the candidates: sort those.
         uncovered = (mass_above[:, -1] < top_p).nonzero().squeeze(1)
@@ -312,6 +314,7 @@ class Sampler:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
         drop = (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
+        drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
