@@ -40,6 +40,15 @@ def test_serve_binds_loopback_by_default() -> None:
     assert args.host == "127.0.0.1"
 
 
+@pytest.mark.parametrize("port", ["99999", "0", "-1", "http"])
+def test_a_port_out_of_range_is_one_line_before_anything_loads(port: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # The socket layer took 99999 as 34463 (99999 mod 65536) and served there, logging 99999.
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["serve", "--port", port])
+    assert exited.value.code == 2
+    assert "argument --port:" in capsys.readouterr().err.splitlines()[-1]
+
+
 @pytest.mark.parametrize(("host", "api_key", "warned"), [
     ("127.0.0.1", None, False), ("::1", None, False), ("localhost", None, False), ("127.0.0.2", None, False),
     ("0.0.0.0", None, True), ("::", None, True), ("192.168.1.20", None, True), ("my-host.example", None, True),

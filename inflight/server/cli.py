@@ -20,6 +20,18 @@ API_KEY_ENV = "INFLIGHT_API_KEY"
 _DEFAULTS = ServerConfig()
 
 
+def _port(text: str) -> int:
+    """A TCP port, checked here: the socket layer takes 99999 as 99999 mod 65536 and would serve
+    on 34463 while the log says 99999."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (1-65535)")
+    return port
+
+
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Adds `serve` (the single process; `inflight.cli` adds the fleet's options and routes
     `--replicas` to `inflight.fleet`) and returns its parser."""
@@ -28,7 +40,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                                           "/health and /metrics.")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=_port, default=8000, help="TCP port, 1-65535 (default: 8000)")
     g.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer <key>' on /v1 (default: ${API_KEY_ENV} if set)")
     g.add_argument("--served-model-name", default=None, help="model name clients must send (default: the file's)")
