@@ -157,6 +157,20 @@ def test_eos_ends_a_request_unless_ignored(make_llm):
     assert forced.finish_reason is FinishReason.LENGTH and len(forced.token_ids) == len(out.token_ids) + 5
 
 
+def test_chat_takes_a_conversation_or_several_as_vllm_does(make_llm):
+    llm = make_llm()
+    greet = [{"role": "user", "content": "Say hello."}]
+    ask = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Sky colour?"}]
+    params = SamplingParams(max_tokens=8, temperature=0)
+    alone = llm.chat(greet, params)
+    both = llm.chat([greet, ask], params)
+    assert [o.token_ids for o in alone] == [both[0].token_ids] == [llm.generate(greet, params)[0].token_ids]
+    assert both[1].token_ids == llm.generate(ask, params)[0].token_ids
+    assert both[0].prompt_token_ids != both[1].prompt_token_ids
+    with pytest.raises(ValueError, match="conversation"):
+        llm.chat(["Say hello."], params)
+
+
 def test_penalties_change_repetitive_output(make_llm):
     llm = make_llm()
     prompt = "one one one one one one one one"

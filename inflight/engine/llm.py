@@ -95,6 +95,20 @@ class LLM:
         ]
 
 
+    def chat(
+        self,
+        messages: Sequence[ChatMessage] | Sequence[Sequence[ChatMessage]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: int | Sequence[int] = 0,
+    ) -> list[CompletionOutput]:
+        """vLLM's offline `chat`: `generate` for one conversation (a list of {"role", "content"}
+        dicts, rendered by the model's chat template) or a list of them."""
+        conversations = [messages] if _is_chat(messages) else list(messages)
+        if not all(_is_chat(c) for c in conversations):
+            raise ValueError("chat takes a conversation (a list of {'role', 'content'} dicts) or a list of them")
+        return self.generate(conversations, params, priority)  # type: ignore[arg-type]
+
+
 def _is_chat(prompt: Any) -> bool:
     return isinstance(prompt, Sequence) and not isinstance(prompt, str) and bool(prompt) \
         and isinstance(prompt[0], dict)
