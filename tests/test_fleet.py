@@ -176,6 +176,21 @@ def test_a_client_that_leaves_stops_its_request_on_the_replica(fleet: Fleet) -> 
     assert _chat(fleet, "Still there?")[0]  # and the channel serves the next request
 
 
+def test_a_client_that_leaves_a_whole_completion_stops_it_on_the_replica(fleet: Fleet) -> None:
+    # Not streamed: its answer begins only once it is done, so the ingress must watch for the
+    # client while it waits (it waited, and the replica generated all 1000 tokens for nobody).
+    model = fleet.client.models.list().data[0].id
+    body = {"model": model, "prompt": "A long tale:", "max_tokens": 1000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(fleet.url + "/v1/completions", json=body, headers=AUTH, timeout=httpx.Timeout(60, read=2.0))
+    # 1000 tokens take 10 s or more on one thread: a request left running would outlast this.
+    deadline = time.monotonic() + 3
+    while _running(fleet):
+        assert time.monotonic() < deadline, "the replica kept generating for a client that had left"
+        time.sleep(0.2)
+    assert _chat(fleet, "Still there?")[0]
+
+
 def test_a_killed_replica_ends_its_streams_with_an_error(fleet: Fleet) -> None:
     model = fleet.client.models.list().data[0].id
     pids = fleet.wait_for_replicas(2, timeout_s=30)

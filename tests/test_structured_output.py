@@ -125,10 +125,11 @@ def test_sampling_settings_at_their_edges_keep_the_grammar(llm: LLM, batch: list
         params.append(SamplingParams(max_tokens=10, n=row.get("n", 1), logit_bias=bias,
                                      structured_outputs=constraint, **options))
     outs = llm.generate([prompt] * len(params), params)
-    for p, out in zip([p for p in params for _ in range(p.n)], outs, strict=True):
-        assert out.finish_reason in ("stop", "length"), (p, out)
-        if p.structured_outputs is not None:
-            assert re.fullmatch(r"(abc |abd )*(a|ab|abc|abd)?", out.text), (p, out.text)
+    samples = [p for p in params for _ in range(p.n)]
+    for sample, out in zip(samples, outs, strict=True):
+        assert out.finish_reason in ("stop", "length"), (sample, out)
+        if sample.structured_outputs is not None:
+            assert re.fullmatch(r"(abc |abd )*(a|ab|abc|abd)?", out.text), (sample, out.text)
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
@@ -266,7 +267,8 @@ def _error_of(resp: httpx.Response, stream: bool) -> dict[str, Any] | None:
     if not stream:
         return resp.json().get("error") if resp.status_code != 200 else None
     assert resp.status_code == 200
-    events = [json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {") and '"error"' in line]
+    events = [json.loads(line[6:]) for line in resp.text.splitlines()
+              if line.startswith("data: {") and '"error"' in line]
     return events[-1]["error"] if events else None
 
 

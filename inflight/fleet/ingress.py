@@ -15,12 +15,13 @@ a stream has begun, it ends with an error event instead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import ray
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -43,9 +44,10 @@ from inflight.server.app import read_raw_body
 from inflight.server.config import ServerConfig
 from inflight.server.errors import APIError, error_event
 from inflight.server.protocol import ChatCompletionRequest, CompletionRequest
-from inflight.server.serving import ClosingStreamingResponse
+from inflight.server.serving import ClosingStreamingResponse, wait_disconnect
 
 logger = logging.getLogger("uvicorn.error")  # in the driver, beside uvicorn's own messages
+_T = TypeVar("_T")
 
 _DEAD = (RayActorError, ActorUnavailableError)  # the replica's process is gone or unreachable
 
@@ -133,25 +135,37 @@ class FleetIngress:
         forwarded = ForwardedRequest(request.method, path, request.url.query.encode("latin-1"),
                                      forwardable(list(request.headers.items())), body)
         self.num_active += 1
+        # A client may leave before its answer begins (a whole completion's starts only once it is
+        # done) or while a whole body is gathered: the request then ends on its replica at once.
+        left = asyncio.ensure_future(wait_disconnect(request.receive))
         try:
-            opened = await self._open(forwarded, hint)
+            opened = await _unless_gone(self._open(forwarded, hint), left)
         except BaseException:
+            left.cancel()
             self.num_active -= 1
             raise
-        if isinstance(opened, Response):
+        if opened is None or isinstance(opened, Response):
+            left.cancel()
             self.num_active -= 1
-            return opened
+            return opened if opened is not None else Response(status_code=499)  # 499: nobody reads it
         start, pieces, stop = opened
         headers = dict(start.headers)
         if start.media_type != "text/event-stream":
             try:
-                content = b"".join([piece async for piece in pieces])
+                content = await _unless_gone(_joined(pieces), left)
             except ReplicaGone:
                 return APIError(503, "the engine replica serving this request stopped; retry").response()
             finally:
+                left.cancel()
                 stop()
                 self.num_active -= 1
-            return Response(content, status_code=start.status, headers=headers)
+            return Response(content, status_code=start.status, headers=headers) if content is not None \
+                else Response(status_code=499)
+        left.cancel()  # the streaming response watches for the client itself
+        if left.done() and not left.cancelled():
+            stop()
+            self.num_active -= 1
+            return Response(status_code=499)
 
         def finished() -> None:  # however the stream ended: the client may have left first
             stop()
@@ -194,6 +208,9 @@ class FleetIngress:
             raise ReplicaGone(str(exc)) from None
         except StopAsyncIteration:
             return APIError(500, "the engine replica sent no response").response()
+        except BaseException:  # cancelled: the client left before the answer began
+            responses.cancel()
+            raise
         if not isinstance(start, ResponseStart):
             responses.cancel()
             return APIError(500, "the engine replica sent a malformed response").response()
@@ -329,3 +346,20 @@ def ingress_app(ingress: FleetIngress) -> ASGIApp:
         await response(scope, receive, send)
 
     return app
+
+
+async def _joined(pieces: AsyncIterator[bytes]) -> bytes:
+    return b"".join([piece async for piece in pieces])
+
+
+async def _unless_gone(work: Awaitable[_T], left: asyncio.Future[None]) -> _T | None:
+    """`work`'s result; or, if the client leaves first (`left` is done), None, `work` cancelled
+    and its clean-up run (a request it opened on a replica is stopped there)."""
+    task = asyncio.ensure_future(work)
+    await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None

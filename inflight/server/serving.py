@@ -571,7 +571,7 @@ class OpenAIServing:
         """Collects the whole output, unless the client leaves first: then its requests are
         aborted so that they stop holding batch slots and KV blocks."""
         collect = asyncio.ensure_future(self._collect(streams, fmt, n))
-        watch = asyncio.ensure_future(_wait_disconnect(http.receive))
+        watch = asyncio.ensure_future(wait_disconnect(http.receive))
         try:
             await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -622,6 +622,7 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Delt
             task.cancel()
 
 
-async def _wait_disconnect(receive: Receive) -> None:
+async def wait_disconnect(receive: Receive) -> None:
+    """Returns once the client has gone (its body already read: nothing else comes)."""
     while (await receive())["type"] != "http.disconnect":
         pass
