@@ -356,7 +356,8 @@ async def _unless_gone(work: Awaitable[_T], left: asyncio.Future[None]) -> _T | 
     """`work`'s result; or, if the client leaves first (`left` is done), None, `work` cancelled
     and its clean-up run (a request it opened on a replica is stopped there)."""
     task = asyncio.ensure_future(work)
-    await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
+    either: set[asyncio.Future[Any]] = {task, left}
+    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
     if task.done():
         return task.result()
     task.cancel()
