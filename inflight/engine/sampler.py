@@ -76,7 +76,11 @@ class Sampler:
     def _probs(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         """Each sampled row's distribution, unnormalized: temperature, top-k, top-p, then min-p."""
         temperature = torch.tensor([p.temperature for p in params], device=self.device)
-        sub = _bounded_(logits / temperature.unsqueeze(1))
+        sub = logits / temperature.unsqueeze(1)
+        # Only an edited row (bounded at the dtype's largest value) or a temperature past fp32's
+        # range (inf there: -inf / inf is NaN) can overflow; the rest skip the extra pass.
+        if any(p.edits_logits or p.temperature > _FP32_MAX for p in params):
+            _bounded_(sub)
         top_k = [p.top_k for p in params]
         if any(top_k):
             sub = self._apply_top_k(sub, top_k)
@@ -317,6 +321,9 @@ class Sampler:
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+_FP32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _bounded_(logits: torch.Tensor) -> torch.Tensor:
