@@ -94,7 +94,6 @@ class LLM:
             for r in requests
         ]
 
-
     def chat(
         self,
         messages: Sequence[ChatMessage] | Sequence[Sequence[ChatMessage]],
