@@ -68,7 +68,6 @@ class Sampler:
             logits = logits.clone()
             if edits:
                 self._edit_logits(logits, requests)
-                _bounded_(logits)  # before the mask, so that no edit can undo it
             if constrained:
                 self._mask(logits, constrained, [gr for i in constrained if (gr := requests[i].grammar) is not None])
         return logits
@@ -77,9 +76,10 @@ class Sampler:
         """Each sampled row's distribution, unnormalized: temperature, top-k, top-p, then min-p."""
         temperature = torch.tensor([p.temperature for p in params], device=self.device)
         sub = logits / temperature.unsqueeze(1)
-        # Only an edited row (bounded at the dtype's largest value) or a temperature past fp32's
-        # range (inf there: -inf / inf is NaN) can overflow; the rest skip the extra pass.
-        if any(p.edits_logits or p.temperature > _FP32_MAX for p in params):
+        # Only a repetition-penalised row (its seen tokens' logits may sit at the dtype's largest
+        # value) or a temperature past fp32's range (inf: -inf / inf is NaN) can overflow here;
+        # other batches skip the extra pass.
+        if any(p.repetition_penalty != 1 or p.temperature > _FP32_MAX for p in params):
             _bounded_(sub)
         top_k = [p.top_k for p in params]
         if any(top_k):
@@ -270,7 +270,9 @@ class Sampler:
                 seen = torch.tensor(sorted(set(request.all_token_ids)), device=self.device)
                 seen = seen[seen < vocab]
                 values = row[seen]
-                row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+                # The one edit that can overflow: bounded here, before the grammar's mask.
+                row[seen] = _bounded_(torch.where(values > 0, values / p.repetition_penalty,
+                                                  values * p.repetition_penalty))
             if (p.presence_penalty or p.frequency_penalty) and request.output_token_ids:
                 counts = torch.zeros(vocab, device=self.device)
                 out = torch.tensor(request.output_token_ids, device=self.device)
@@ -327,8 +329,9 @@ _FP32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _bounded_(logits: torch.Tensor) -> torch.Tensor:
-    """In place: +inf to the dtype's largest value, NaN to -inf. Penalties and temperatures at the
-    ends of their range overflow in fp32 (a repetition penalty of 5e-324 is 0 there: a seen token's
-    positive logit becomes +inf, a masked one's -inf times 0 NaN), and one +inf or NaN makes the
+    """In place: +inf to the dtype's largest value, NaN to -inf. A repetition penalty or a
+    temperature at the ends of its range overflows in fp32 (a penalty of 5e-324 is 0 there, and a
+    seen token's positive logit over it +inf; one of 1e308 is inf, and a zero logit times it NaN;
+    a temperature of 1e300 is inf, and a masked logit over it NaN), and one +inf or NaN makes the
     softmax NaN, whose draw can land on any token, one the grammar forbids included."""
     return logits.nan_to_num_(nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf"))

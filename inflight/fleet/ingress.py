@@ -161,11 +161,11 @@ class FleetIngress:
                 self.num_active -= 1
             return Response(content, status_code=start.status, headers=headers) if content is not None \
                 else Response(status_code=499)
-        left.cancel()  # the streaming response watches for the client itself
-        if left.done() and not left.cancelled():
+        if left.done():  # gone as the stream began
             stop()
             self.num_active -= 1
             return Response(status_code=499)
+        left.cancel()  # from here the streaming response watches for the client itself
 
         def finished() -> None:  # however the stream ended: the client may have left first
             stop()
