@@ -21,6 +21,10 @@ each quantized type a second row, `+int8 act.`: the same blocks times int8 activ
 (`--quantization int8-activations`), its time and the fp32-arithmetic blocks' time / its own;
 for BF16 likewise `+bf16 act.` (`--quantization bf16-activations`). `--type KIND`: only those.
 
+With `--residency`, instead: how long one layer's K/V (64 requests of 224 tokens, 22 MB) stays in
+the last-level cache: decode attention over it cold (after 256 MB of other reads), right after
+reading it once, and after 1 and 3 ms of matmuls on data of their own in between (medians of 11).
+
 With `--against REV`, instead: the kernels of this checkout beside those of git revision REV
 (built from its `cpu_kernels.cpp` under another name), alternated in one process, several rounds:
 the model's body matmuls chained at 8, 16, 32, 64 and 512 rows, the same body as Q4_1 blocks at 1,
@@ -31,7 +35,7 @@ and 16 rows (each build packs its own), decode attention of 64 requests of 100-4
 attention of one step's 8 prompts of 17-300 tokens and of 5 new tokens after 450. On a host whose
 speed drifts, that is how a change to a kernel is measured.
 
-    .venv/bin/python benchmarks/kernels_bench.py [--types [--type KIND ...] | --kv | --against REV]
+    .venv/bin/python benchmarks/kernels_bench.py [--types [--type KIND ...] | --kv | --residency | --against REV]
 """
 
 from __future__ import annotations
@@ -339,6 +343,41 @@ def decode_attention_kv_dtypes(kernels: object, batch: int, context: int, rounds
     print(f"paged decode attention, {batch} x {context} tokens, KV pool: " + ", ".join(parts))
 
 
+def decode_attention_residency(kernels: object, batch: int = 64, context: int = 224) -> None:
+    """Decode attention over one layer's pool cold, right after a first pass, and after 1 and 3 ms
+    of other work (a small matmul whose data stays in L2): what the last-level cache keeps."""
+    torch.manual_seed(0)
+    num_blocks = batch * context // BLOCK + 8
+    k, v = torch.randn(num_blocks * BLOCK, KV_HEADS, DIM), torch.randn(num_blocks * BLOCK, KV_HEADS, DIM)
+    tables = torch.randperm(num_blocks)[: batch * context // BLOCK].view(batch, -1)
+    lens = torch.full((batch,), context, dtype=torch.int64)
+    q = torch.randn(batch, HEADS, DIM)
+    other, x, w = torch.randn(64_000_000), torch.randn(64, 576), torch.randn(128, 576)
+
+    def attend() -> float:
+        start = time.perf_counter()
+        kernels.paged_decode_attention(q, k, v, tables, lens, BLOCK, DIM ** -0.5)  # type: ignore[attr-defined]
+        return time.perf_counter() - start
+
+    def median_after(gap_s: float | None) -> float:
+        times = []
+        for _ in range(11):
+            other.sum()  # 256 MB read: the pool leaves the caches
+            if gap_s is not None:
+                attend()
+                start = time.perf_counter()
+                while time.perf_counter() - start < gap_s:
+                    torch.mm(x, w.t())
+            times.append(attend())
+        return sorted(times)[5]
+
+    cells = [("cold", median_after(None)), ("right after", median_after(0.0)),
+             ("after 1 ms", median_after(1e-3)), ("after 3 ms", median_after(3e-3))]
+    mb = 2 * batch * context * KV_HEADS * DIM * 4 / 1e6
+    print(f"decode attention over one layer's K/V ({batch} x {context} tokens, {mb:.0f} MB): "
+          + ", ".join(f"{name} {1000 * s:.2f} ms" for name, s in cells))
+
+
 def prefill_attention(kernels: object) -> None:
     torch.manual_seed(0)
     length = 300
@@ -530,6 +569,8 @@ def main() -> int:
     parser.add_argument("--types", action="store_true", help="each stored GGUF type against fp32 panels")
     parser.add_argument("--type", action="append", metavar="KIND", help="with --types: only this type (repeatable)")
     parser.add_argument("--kv", action="store_true", help="decode attention over fp32 and 16-bit KV pools only")
+    parser.add_argument("--residency", action="store_true",
+                        help="how long one layer's K/V stays in the last-level cache, only")
     args = parser.parse_args()
     kernels = cpu_kernels()
     if kernels is None:
@@ -543,6 +584,10 @@ def main() -> int:
     if args.types:
         with torch.inference_mode():
             block_types(args.type)
+        return 0
+    if args.residency:
+        with torch.inference_mode():
+            decode_attention_residency(kernels)
         return 0
     if args.kv:
         with torch.inference_mode():
