@@ -93,6 +93,10 @@ class ModelConfig:
     moe_intermediate_size: int | None = None
     norm_topk_prob: bool = True
     moe_layers: tuple[bool, ...] | None = None
+    # The sampling settings the checkpoint ships (a Hugging Face generation_config.json, a GGUF
+    # file's general.sampling.* keys) under SamplingParams' names, max_new_tokens as max_tokens:
+    # what an engine uses where a request leaves a setting unset (`EngineConfig.generation_config`).
+    sampling_defaults: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         _require(self.num_heads % self.num_kv_heads == 0,
@@ -284,6 +288,7 @@ class SchedulerConfig:
 
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+GENERATION_CONFIGS = ("auto", "vllm")
 QUANTIZATIONS = ("none", "int8", "int8-activations", "bf16-activations")
 
 
@@ -306,6 +311,11 @@ class EngineConfig:
                                        "bf16-activations: matrices stored in bf16 times activations rounded "
                                        "to bf16 (AVX512_BF16's dot products where the CPU has them)",
                                 choices=QUANTIZATIONS)
+    generation_config: str = option(
+        "auto", "sampling defaults for what a request leaves unset: auto (the model's own: a checkpoint's "
+                "generation_config.json, a GGUF file's general.sampling.* keys) or vllm (inflight's, as vLLM's "
+                "option of that name); the model's end-of-generation tokens apply either way",
+        choices=GENERATION_CONFIGS)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     step_history: int = 4096
@@ -314,6 +324,8 @@ class EngineConfig:
         _require(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _require(self.quantization in QUANTIZATIONS,
                  f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        _require(self.generation_config in GENERATION_CONFIGS, f"generation_config must be one of "
+                 f"{', '.join(GENERATION_CONFIGS)}, got {self.generation_config!r}")
         _require(self.step_history >= 1, "step_history must be >= 1")
 
     @classmethod

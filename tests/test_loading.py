@@ -8,6 +8,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -556,7 +557,8 @@ def _k_quant_bytes(rng: np.random.Generator, rows: int, cols: int, kind: str) ->
 
 
 def write_tiny_gguf(path: Path, types: dict[str, str], seed: int = 0, extra: tuple[str, ...] = (),
-                    rope_dims: int | None = None) -> None:
+                    rope_dims: int | None = None, metadata: Callable[[Any], None] | None = None) -> None:
+    """`metadata`: called with the GGUFWriter to add keys of the caller's own."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -573,6 +575,8 @@ def write_tiny_gguf(path: Path, types: dict[str, str], seed: int = 0, extra: tup
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(TINY["vocab"])
     w.add_rope_dimension_count(rope_dims or head_dim)
+    if metadata is not None:
+        metadata(w)
 
     def add(name: str, shape: tuple[int, ...], kind: str = "F32", scale: float = 0.05) -> None:
         qtype = gguf.GGMLQuantizationType[kind]

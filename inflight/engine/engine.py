@@ -9,7 +9,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -179,6 +179,23 @@ class Runner(Protocol):
         ...
 
 
+def _sampling_defaults(config: EngineConfig, model_config: ModelConfig) -> dict[str, Any]:
+    """The settings a request leaves unset take the model's own (`ModelConfig.sampling_defaults`)
+    under `generation_config` auto, as vLLM's `--generation-config auto` and llama.cpp do; none
+    under vllm. A value SamplingParams refuses is the model's error, refused at start."""
+    found: dict[str, Any] = dict(model_config.sampling_defaults or {}) if config.generation_config == "auto" else {}
+    if not found:
+        return {}
+    try:
+        SamplingParams(**found)
+    except InvalidRequestError as exc:
+        raise ConfigError(f"the model's sampling defaults (its generation config): {exc}; "
+                          "--generation-config vllm leaves them out") from None
+    logger.info("sampling defaults from the model's generation config, for what a request leaves unset: %s "
+                "(--generation-config vllm: inflight's own)", ", ".join(f"{k}={v}" for k, v in found.items()))
+    return found
+
+
 @dataclass(frozen=True)
 class EngineParts:
     """What the step loop drives besides the scheduler and block manager it builds: a real model
@@ -248,6 +265,7 @@ class LLMEngine:
                 self.speculator.drafter = _draft_model(config, sched_cfg, parts, num_blocks)
         self.output_processor: OutputProcessor | LengthOutputProcessor = (
             OutputProcessor(parts.tokenizer) if parts.tokenizer is not None else LengthOutputProcessor())
+        self.default_sampling = _sampling_defaults(config, model_config)
 
         self._grammar_compiler: GrammarCompiler | None = None
         self._requests: dict[str, Request] = {}
@@ -274,6 +292,12 @@ class LLMEngine:
         runner = ModelRunner(loaded.model, num_blocks, cache.block_size, Sampler(device, config.seed), kv_dtype)
         return EngineParts(runner, num_blocks, loaded.name, loaded.model.config, loaded.tokenizer,
                            loaded=loaded, device=device)
+
+    def sampling_params(self, **given: Any) -> SamplingParams:
+        """SamplingParams of a request's settings (those None: not given), the model's defaults
+        (`default_sampling`) standing for those it leaves unset, SamplingParams' own for the rest.
+        InvalidRequestError naming the field of a bad value."""
+        return SamplingParams(**{**self.default_sampling, **{k: v for k, v in given.items() if v is not None}})
 
     @property
     def model(self) -> LlamaModel:

