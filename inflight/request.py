@@ -140,6 +140,11 @@ class SamplingParams:
     n: int = 1
     # Constrains every output token to those the grammar allows; the output ends when it is complete.
     structured_outputs: StructuredOutputs | None = None
+    # The stop string that ended the output stays at its end (vLLM's option).
+    include_stop_str_in_output: bool = False
+    # The output's text leaves out special tokens (chat markers, tool-call tags that are special
+    # in a vocabulary); False keeps them (vLLM's option). The token that ends it is never shown.
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         """Every limit of a request's own values is checked here and nowhere else (`LIMITS`);

@@ -176,6 +176,66 @@ def test_sampling_extras_through_the_openai_client(client: openai.OpenAI, offlin
     assert text == greedy.text
 
 
+def test_vllms_output_and_prompt_options(client: openai.OpenAI, offline: LLM, model: str) -> None:
+    """include_stop_str_in_output keeps the stop string that ended the output; skip_special_tokens
+    false shows a special token's text; truncate_prompt_tokens keeps the prompt's last k tokens."""
+    prompt = "Count: 1, 2, 3, 4, 5, 6,"
+    (free,) = offline.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    stop = free.text[4:7]  # three characters the output holds
+    cut = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, stop=[stop])
+    kept = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, stop=[stop],
+                                     extra_body={"include_stop_str_in_output": True})
+    start = free.text.index(stop)
+    assert cut.choices[0].text == free.text[:start]
+    assert kept.choices[0].text == free.text[:start + len(stop)]
+    assert kept.choices[0].finish_reason == cut.choices[0].finish_reason == "stop"
+
+    marker = offline.tokenizer.hf.convert_tokens_to_ids("<|im_start|>")
+    forced = {"logit_bias": {str(marker): 100}, "max_tokens": 2, "temperature": 0}
+    hidden = client.completions.create(model=model, prompt="Hi", **forced)
+    shown = client.completions.create(model=model, prompt="Hi", **forced, extra_body={"skip_special_tokens": False})
+    assert hidden.choices[0].text == "" and shown.choices[0].text == "<|im_start|>" * 2
+
+    ids = offline.tokenizer.encode("The old lighthouse keeper climbed the stairs, counting each step as he went")
+    truncated = client.completions.create(model=model, prompt=ids, max_tokens=6, temperature=0,
+                                          extra_body={"truncate_prompt_tokens": 5})
+    (alone,) = offline.generate([ids[-5:]], SamplingParams(max_tokens=6, temperature=0))
+    assert truncated.usage is not None and truncated.usage.prompt_tokens == 5
+    assert truncated.choices[0].text == alone.text
+
+
+def test_a_chat_continues_its_last_message_and_passes_template_variables(server: RunningServer, offline: LLM,
+                                                                       model: str) -> None:
+    """continue_final_message with add_generation_prompt false (vLLM's) goes on from the
+    assistant's unfinished turn, as the rendered text sent as a plain prompt does; a template
+    variable of chat_template_kwargs reaches the template (Qwen3's enable_thinking)."""
+    chat = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "The capital of France is"}]
+    body = {"model": model, "messages": chat, "max_tokens": 8, "temperature": 0,
+            "add_generation_prompt": False, "continue_final_message": True}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    text = offline.tokenizer.hf.apply_chat_template(chat, tokenize=False, continue_final_message=True)
+    assert text.endswith("The capital of France is")
+    (expected,) = offline.generate([offline.tokenizer.encode(text, add_special_tokens=False)],
+                                   SamplingParams(max_tokens=8, temperature=0))
+    assert r.json()["choices"][0]["message"]["content"] == expected.text
+    assert r.json()["usage"]["prompt_tokens"] == len(expected.prompt_token_ids)
+
+    template = "{% if terse %}Be terse. {% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer = offline.tokenizer
+    plain = tokenizer.apply_chat_template(chat[:1], chat_template=template)
+    terse = tokenizer.apply_chat_template(chat[:1], chat_template=template, template_kwargs={"terse": True})
+    assert tokenizer.decode(terse) == "Be terse. " + tokenizer.decode(plain)
+    engine = LLMEngine(EngineConfig.from_kwargs(num_kv_blocks=32), offline.engine.parts.loaded)
+    with serve_in_thread(engine, ServerConfig(chat_template=template, shutdown_timeout_s=5)) as templated:
+        for kwargs, ids in (({}, plain), ({"terse": True}, terse)):
+            r = httpx.post(templated.url + "/v1/chat/completions", timeout=60, json={
+                "model": model, "messages": chat[:1], "max_tokens": 1, "chat_template_kwargs": kwargs})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens"] == len(ids)
+
+
 def test_a_list_of_prompts_gives_the_texts_of_each_alone(client: openai.OpenAI, offline: LLM, model: str) -> None:
     prompts = ["The capital of France is", "def add(a, b):", "Once upon a time"]
     alone = offline.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
@@ -524,6 +584,25 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("negative stop token id", "/completions", {"model": "M", "prompt": "hi", "stop_token_ids": [-1]}, 400,
      "stop_token_ids"),
     ("oversized body", "/completions", {"model": "M", "prompt": "x" * (MAX_BODY_BYTES + 1)}, 413, None),
+    # vLLM's fields inflight does not compute, at other values than their no-op ones
+    ("beam search", "/completions", {"model": "M", "prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
+    ("prompt_logprobs", "/completions", {"model": "M", "prompt": "hi", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ("bad_words", "/completions", {"model": "M", "prompt": "hi", "bad_words": ["x"]}, 400, "bad_words"),
+    ("allowed_token_ids", "/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}],
+                                                "allowed_token_ids": [5]}, 400, "allowed_token_ids"),
+    ("a request's chat template", "/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}],
+                                                        "chat_template": "{{ 1 }}"}, 400, "chat_template"),
+    ("truncate_prompt_tokens 0", "/completions", {"model": "M", "prompt": "hi", "truncate_prompt_tokens": 0}, 400,
+     "truncate_prompt_tokens"),
+    ("continue_final_message with a generation prompt", "/chat/completions",
+     {"model": "M", "messages": [{"role": "assistant", "content": "x"}], "continue_final_message": True}, 400,
+     "continue_final_message"),
+    ("continue_final_message after a user turn", "/chat/completions",
+     {"model": "M", "messages": [{"role": "user", "content": "x"}], "continue_final_message": True,
+      "add_generation_prompt": False}, 400, "continue_final_message"),
+    ("chat_template_kwargs setting an argument", "/chat/completions",
+     {"model": "M", "messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tools": []}}, 400,
+     "chat_template_kwargs"),
 ]
 
 

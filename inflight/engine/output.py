@@ -78,7 +78,8 @@ class OutputProcessor:
         self._states: dict[str, _TextState] = {}
 
     def add(self, request: Request) -> None:
-        self._states[request.request_id] = _TextState(IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids))
+        self._states[request.request_id] = _TextState(IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, request.sampling_params.skip_special_tokens))
 
     def remove(self, request_id: str) -> None:
         self._states.pop(request_id, None)
@@ -101,9 +102,10 @@ class OutputProcessor:
             finish = FinishReason.LENGTH
         stops = params.stop if request.num_output_tokens >= params.min_tokens else ()
         if stops and finish is not FinishReason.STOP:
-            cut = _find_stop(state.text, stops, state.num_emitted_chars)
-            if cut is not None:
-                state.text = state.text[:cut]
+            found = _find_stop(state.text, stops, state.num_emitted_chars)
+            if found is not None:
+                start, stop = found
+                state.text = state.text[:start + len(stop) if params.include_stop_str_in_output else start]
                 finish = FinishReason.STOP
         # While running, hold back a tail that could be the start of a stop string.
         hold = 0 if finish is not None or not stops else max(len(s) for s in stops) - 1
@@ -135,8 +137,9 @@ def _is_stop_token(request: Request, token: int) -> bool:
     return token in params.stop_token_ids or (token in request.eos_token_ids and not params.ignore_eos)
 
 
-def _find_stop(text: str, stops: tuple[str, ...], emitted: int) -> int | None:
-    """Earliest index where a stop string starts that ends in text not yet emitted (text
-    emitted before `min_tokens` was reached may hold one that no longer counts)."""
-    found = [i for s in stops if (i := text.find(s, max(0, emitted - len(s) + 1))) >= 0]
-    return min(found) if found else None
+def _find_stop(text: str, stops: tuple[str, ...], emitted: int) -> tuple[int, str] | None:
+    """The earliest place a stop string starts that ends in text not yet emitted (text emitted
+    before `min_tokens` was reached may hold one that no longer counts), and that string (of
+    those starting there, the longest)."""
+    found = [(i, s) for s in stops if (i := text.find(s, max(0, emitted - len(s) + 1))) >= 0]
+    return min(found, key=lambda f: (f[0], -len(f[1]))) if found else None

@@ -140,16 +140,20 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
                             tools: Sequence[dict[str, Any]] | None = None,
-                            chat_template: str | None = None) -> list[int]:
+                            chat_template: str | None = None, continue_final_message: bool = False,
+                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of a conversation rendered by the model's chat template (or `chat_template`,
-        a Jinja template in its stead), ready for the reply (unless not `add_generation_prompt`);
-        `tools` (OpenAI's shape) are the template's to render, or to ignore if it does not know them."""
+        a Jinja template in its stead), ready for the reply (unless not `add_generation_prompt`),
+        or open at the end of its last message (`continue_final_message`); `tools` (OpenAI's
+        shape) are the template's to render, or to ignore if it does not know them;
+        `template_kwargs` are variables of the template's own (Qwen3's enable_thinking)."""
         if (chat_template or self.hf.chat_template) is None:
             raise InvalidRequestError("this model has no chat template; send a plain prompt instead")
         try:
             text = self.hf.apply_chat_template(list(messages), tokenize=False, tools=list(tools) if tools else None,
                                                add_generation_prompt=add_generation_prompt,
-                                               chat_template=chat_template)
+                                               continue_final_message=continue_final_message,
+                                               chat_template=chat_template, **(template_kwargs or {}))
         except Exception as exc:  # jinja errors on malformed messages
             raise InvalidRequestError(f"cannot apply the chat template: {exc}") from None
         # The rendered template already holds any BOS it wants.
@@ -173,8 +177,9 @@ class IncrementalDetokenizer:
 
     _CONTEXT_TOKENS = 5
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
         self._ids: list[int] = list(prompt_token_ids[-self._CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -189,9 +194,9 @@ class IncrementalDetokenizer:
         return self._delta(final=True)
 
     def _delta(self, final: bool) -> str:
-        decode = self._tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset])
-        new_text = decode(self._ids[self._prefix_offset:])
+        decode, skip = self._tokenizer.decode, self._skip_special_tokens
+        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset], skip)
+        new_text = decode(self._ids[self._prefix_offset:], skip)
         if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and not final):
             return ""
         self._prefix_offset = self._read_offset

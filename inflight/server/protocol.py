@@ -143,6 +143,25 @@ def _structured(field: str, json_schema: Any = None, json_object: bool = False, 
         raise InvalidRequestError(str(exc), field) from None
 
 
+# vLLM's request fields whose other values than the default inflight does not compute, and what
+# a request that sets one is told.
+_UNSUPPORTED = {
+    "use_beam_search": "beam search is not supported; sample n outputs instead",
+    "prompt_logprobs": "prompt_logprobs is not supported; send echo: true with logprobs (/v1/completions)",
+    "allowed_token_ids": "allowed_token_ids is not supported; send a structured output constraint (guided_choice, "
+                         "guided_regex) or logit_bias",
+    "bad_words": "bad_words is not supported; send logit_bias against their tokens",
+    "spaces_between_special_tokens": "only true is supported",
+    "chat_template": "a request's own chat template is not accepted; start the server with --chat-template",
+    "documents": "documents are not supported",
+}
+# apply_chat_template's own arguments, which chat_template_kwargs may not set.
+_TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                                 "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                                 "truncation", "max_length", "return_tensors", "return_dict",
+                                 "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
 class GenerationRequest(_Strict):
     """Fields shared by completions and chat completions."""
 
@@ -177,11 +196,29 @@ class GenerationRequest(_Strict):
     guided_regex: Text | None = None
     guided_choice: Annotated[list[Text], Field(min_length=1)] | None = None
     guided_grammar: Text | None = None
+    # vLLM's output options: the stop string that ended the output kept at its end; the special
+    # tokens' text kept in the output.
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # vLLM's: only the prompt's last k tokens (-1: as many as max_model_len holds).
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1), _AsInt] | None = None
+    # vLLM's fields inflight does not compute: refused unless at their no-op value (_UNSUPPORTED).
+    use_beam_search: bool = _only(False)
+    prompt_logprobs: Int | None = _only(None)
+    allowed_token_ids: list[int] | None = _only(None)
+    bad_words: list[str] | None = _only(None)
+    spaces_between_special_tokens: bool = _only(True)
     _constraint: StructuredOutputs | None = PrivateAttr(None)
     _constraint_field: str | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _check_supported(self) -> GenerationRequest:
+        for name, message in _UNSUPPORTED.items():
+            if name in type(self).model_fields and getattr(self, name) != type(self).model_fields[name].default:
+                raise InvalidRequestError(message, name)
+        if self.truncate_prompt_tokens == 0:
+            raise InvalidRequestError("must be >= 1, or -1 for as many as max_model_len holds",
+                                      "truncate_prompt_tokens")
         for key in self.logit_bias or {}:
             if not (key.isascii() and key.isdigit()):
                 raise InvalidRequestError(f"keys must be token ids, got {key!r}", "logit_bias")
@@ -392,6 +429,13 @@ class ChatCompletionRequest(GenerationRequest):
     parallel_tool_calls: bool = True
     functions: list[dict[str, object]] | None = _only(None, [])  # OpenAI's deprecated form of tools
     echo: bool = _only(False)
+    # vLLM's: the template's reply opening (default), or the last (assistant) message continued;
+    # extra variables for the template (Qwen3's enable_thinking).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = _only(None)
+    documents: list[dict[str, Any]] | None = _only(None)
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
@@ -401,6 +445,16 @@ class ChatCompletionRequest(GenerationRequest):
             raise InvalidRequestError("needs logprobs: true", "top_logprobs")
         if self.functions:
             raise InvalidRequestError("the deprecated functions field is not supported; send tools", "functions")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequestError("continue_final_message continues the last message; send it with "
+                                      "add_generation_prompt: false", "continue_final_message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise InvalidRequestError("continue_final_message needs the last message to be the assistant's",
+                                      "continue_final_message")
+        reserved = sorted(_TEMPLATE_ARGUMENTS & set(self.chat_template_kwargs or {}))
+        if reserved:
+            raise InvalidRequestError(f"{', '.join(reserved)} cannot be set through chat_template_kwargs; "
+                                      "send the request's own field", "chat_template_kwargs")
         tools = self.tools or []
         names = [t.function.name for t in tools]
         if len(set(names)) < len(names):

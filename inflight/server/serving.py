@@ -289,6 +289,8 @@ class OpenAIServing:
             raise invalid(str(exc), "prompt") from None
         if not all(token_ids):
             raise invalid("the prompt is empty", "prompt")
+        whole = token_ids
+        token_ids = [self._truncated(ids, req) for ids in token_ids]
         prompt_logprobs = req.logprobs if req.echo else None
         # Echo with max_tokens 0, OpenAI's form for scoring a prompt (as vLLM takes it): the prompt
         # and its logprobs, nothing generated. The engine samples one token, which is left out.
@@ -299,9 +301,9 @@ class OpenAIServing:
         streams = await self._submit(work, arrival, "cmpl", req.priority, await self._grammar(req))
         tokenizer = self.engine.tokenizer
         echo = None
-        if req.echo:  # the prompt as sent, or decoded from its ids; the same for each of its n choices
-            echo = [(p if isinstance(p, str) else tokenizer.decode(p), ids)
-                    for p, ids in zip(prompts, token_ids, strict=True) for _ in range(req.n)]
+        if req.echo:  # the prompt as sent, or decoded from its (kept) ids; the same for each of its n choices
+            echo = [(p if isinstance(p, str) and ids is all_ids else tokenizer.decode(ids), ids)
+                    for p, ids, all_ids in zip(prompts, token_ids, whole, strict=True) for _ in range(req.n)]
         fmt = _CompletionFormat(streams[0].request_id, self.model_name, tokenizer, echo, prompt_only)
         return await self._respond(streams, fmt, req, http)
 
@@ -315,10 +317,12 @@ class OpenAIServing:
         tokenizer = self.engine.tokenizer
         tools = self._tool_reading(req, self.config.chat_template or tokenizer.hf.chat_template)
         try:
-            token_ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages, True, req.template_tools(),
-                                                self.config.chat_template)
+            token_ids = await asyncio.to_thread(
+                tokenizer.apply_chat_template, messages, req.add_generation_prompt, req.template_tools(),
+                self.config.chat_template, req.continue_final_message, req.chat_template_kwargs)
         except InvalidRequestError as exc:
             raise invalid(str(exc), "messages") from None
+        token_ids = self._truncated(token_ids, req)
         params = self._sampling_params(req, req.requested_max_tokens, len(token_ids), "messages", req.num_logprobs)
         streams = await self._submit([(token_ids, params)], arrival, "chatcmpl", req.priority, await self._grammar(req))
         fmt = _ChatFormat(streams[0].request_id, self.model_name, tokenizer, tools)
@@ -381,6 +385,15 @@ class OpenAIServing:
             raise invalid(f"the prompt is too long: {num_chars} characters cannot fit in max_model_len "
                           f"({self.engine.max_model_len}) tokens (the limit is {limit} characters)", param)
 
+    def _truncated(self, token_ids: list[int], req: GenerationRequest) -> list[int]:
+        """The prompt's last `truncate_prompt_tokens` tokens (-1: max_model_len's worth), as vLLM
+        cuts it; the whole prompt where the request does not ask."""
+        keep = req.truncate_prompt_tokens
+        if keep is None:
+            return token_ids
+        keep = self.engine.max_model_len if keep == -1 else keep
+        return token_ids[-keep:] if len(token_ids) > keep else token_ids
+
     def _sampling_params(self, req: GenerationRequest, max_tokens: int | None, num_prompt_tokens: int,
                          prompt_param: str, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         room = self.engine.max_model_len - num_prompt_tokens
@@ -407,6 +420,8 @@ class OpenAIServing:
                 prompt_logprobs=prompt_logprobs,
                 n=req.n,
                 structured_outputs=req.constraint,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                skip_special_tokens=req.skip_special_tokens,
                 temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                 top_k=0 if req.top_k == -1 else req.top_k,  # -1: vLLM's "off"
                 repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
