@@ -939,6 +939,31 @@ def test_loading_errors(tmp_path):
     (hf_dir / "model.safetensors").write_bytes(b"")
     with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'"):
         load_checkpoint(resolve_model(str(hf_dir)), torch.float32)
+    pickled = tmp_path / "pickled"  # an older checkpoint: weights as a PyTorch pickle
+    pickled.mkdir()
+    (pickled / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (pickled / "pytorch_model.bin").write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match=r"no \*.safetensors weights .*pytorch_model.bin: PyTorch pickles"):
+        resolve_model(str(pickled))
+
+
+def test_a_checkpoint_without_a_tokenizer_is_one_clear_line(tmp_path, loaded):
+    """Weights and config but no tokenizer files: said before any weight is read, in one line
+    (transformers' own message spans five)."""
+    import transformers
+
+    from inflight.model.loaded import LoadedModel
+
+    config = transformers.LlamaConfig(vocab_size=TINY["vocab"], hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
+    with pytest.raises(ModelLoadError, match="holds no tokenizer .*copy the model's tokenizer files") as info:
+        LoadedModel.load(str(tmp_path), torch.float32, torch.device("cpu"))
+    assert "\n" not in str(info.value)
+    (tmp_path / "tokenizer_config.json").write_text("{}")  # a file, but no vocabulary in it
+    with pytest.raises(ModelLoadError, match="cannot load the tokenizer of") as info:
+        LoadedModel.load(str(tmp_path), torch.float32, torch.device("cpu"))
+    assert "\n" not in str(info.value)
 
 
 def test_unsupported_gguf_architecture_and_quantization(tmp_path):

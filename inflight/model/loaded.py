@@ -38,6 +38,7 @@ class LoadedModel:
         are kept on disk for the next load, which maps them instead (`packed_cache`; written while
         this load's model serves)."""
         source = resolve_model(model)
+        Tokenizer.check_files(source)
         keep_blocks = keeps_blocks(dtype, device)
         cache = packed_cache.locate(source, quantization, cpu_kernels()) if keep_blocks else None
         kept = packed_cache.read(cache) if cache is not None else None

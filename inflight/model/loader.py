@@ -91,7 +91,10 @@ def resolve_model(model: str | Path | None) -> ModelSource:
     ggufs = sorted(path.glob("*.gguf"))
     if (path / "config.json").is_file():
         if not list(path.glob("*.safetensors")):
-            raise ModelLoadError(f"no *.safetensors weights in model directory {path}")
+            pickles = sorted(p.name for p in path.glob("*.bin"))[:2]
+            raise ModelLoadError(f"no *.safetensors weights in model directory {path}" + (
+                f" ({', '.join(pickles)}: PyTorch pickles, which inflight does not load, as loading one can run "
+                "code; transformers' save_pretrained writes safetensors)" if pickles else ""))
         return ModelSource(path, "hf")
     if len(ggufs) == 1:
         return ModelSource(ggufs[0], "gguf")

@@ -101,6 +101,10 @@ def warm_default_cache() -> None:
     print(f"inflight tokenizer cache: {tokenizer_cache_dir()}")
 
 
+# The files a Hugging Face tokenizer is read from (any one of them).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 class Tokenizer:
     """Encodes prompts, applies the chat template, decodes ids; wraps a transformers tokenizer."""
 
@@ -113,6 +117,13 @@ class Tokenizer:
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self.vocab_size = len(hf_tokenizer)
 
+    @staticmethod
+    def check_files(source: ModelSource) -> None:
+        """ModelLoadError, before anything is read, for a checkpoint directory without a tokenizer."""
+        if source.kind == "hf" and not any((source.path / name).is_file() for name in _TOKENIZER_FILES):
+            raise ModelLoadError(f"{source.path} holds no tokenizer ({', '.join(_TOKENIZER_FILES)}): copy the "
+                                 "model's tokenizer files beside its weights")
+
     @classmethod
     def load(cls, source: ModelSource, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
         """Reads tokenizer.json/tokenizer_config.json, or rebuilds the tokenizer from GGUF metadata."""
@@ -122,13 +133,15 @@ class Tokenizer:
 
         hf_logging.set_verbosity_error()
         logging.getLogger("transformers").setLevel(logging.ERROR)
+        cls.check_files(source)
         try:
             if source.kind == "gguf":
                 hf = _load_gguf_tokenizer(source.path)
             else:
                 hf = AutoTokenizer.from_pretrained(source.path)
         except Exception as exc:  # transformers raises many kinds; all mean "cannot load"
-            raise ModelLoadError(f"cannot load the tokenizer of {source.path}: {exc}") from None
+            reason = " ".join(str(exc).split())  # one line: transformers' messages span several
+            raise ModelLoadError(f"cannot load the tokenizer of {source.path}: {reason}") from None
         if not getattr(hf, "is_fast", False):
             raise ModelLoadError(f"the tokenizer of {source.path} has no fast (tokenizers) backend")
         return cls(hf, eos_token_ids)
