@@ -979,6 +979,21 @@ def test_unsupported_gguf_architecture_and_quantization(tmp_path):
         load_checkpoint(resolve_model(str(tmp_path / "gpt2.gguf")), torch.float32)
 
 
+def test_a_shard_of_a_split_gguf_is_refused_with_the_way_to_merge_it(tmp_path):
+    import gguf
+
+    w = gguf.GGUFWriter(str(tmp_path / "model.gguf"), "llama", split_max_tensors=1)  # llama.cpp's gguf-split form
+    for name in ("token_embd.weight", "output_norm.weight"):
+        w.add_tensor(name, np.zeros(4, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for shard in (1, 2):
+        with pytest.raises(ModelLoadError, match=f"shard {shard} of 2 of a split GGUF .*llama-gguf-split --merge"):
+            load_checkpoint(resolve_model(str(tmp_path / f"model-0000{shard}-of-00002.gguf")), torch.float32)
+
+
 def test_cli_errors_are_one_line(tmp_path):
     for args in (["generate", "hi", "--model", str(tmp_path / "nope.gguf")],
                  ["generate", "hi", "--max-batch-size", "0", "--num-kv-blocks", "4"]):

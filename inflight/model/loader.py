@@ -271,7 +271,7 @@ class GGUFIndex:
 
 
 _INDEX_VERSION = 11  # 2: refusals; 3: Granite; 4: NoPE; 5: windows; 6: Gemma; 7: MoE; 8: rotary_dim; 9: rope_freqs;
-# 10: longrope factors; 11: end-of-generation tokens, sampling defaults
+# 10: longrope factors; 11: end-of-generation tokens, sampling defaults, split files refused
 
 
 def cache_dir() -> Path:
@@ -432,6 +432,11 @@ def _gguf_sampling(reader: Any) -> dict[str, float] | None:
 
 
 def _gguf_config(reader: Any) -> ModelConfig:
+    shards = int(gguf_field(reader, "split.count") or 1)
+    if shards > 1:  # llama.cpp's gguf-split: the tensors spread over files named -0000i-of-0000n
+        raise ModelLoadError(f"shard {int(gguf_field(reader, 'split.no') or 0) + 1} of {shards} of a split GGUF "
+                             "model: inflight reads a model from one file; merge the shards with llama.cpp's "
+                             "`llama-gguf-split --merge FIRST-SHARD.gguf MERGED.gguf`")
     arch = gguf_field(reader, "general.architecture")
     num_experts = int(gguf_field(reader, f"{arch}.expert_count") or 0)
     name = GGUF_ARCHITECTURES.get(arch, arch)
