@@ -99,6 +99,28 @@ def test_streamed_completion_matches_and_reports_usage(client: openai.OpenAI, of
     usage = chunks[-1].usage
     assert chunks[-1].choices == [] and usage is not None
     assert (usage.prompt_tokens, usage.completion_tokens) == (num_prompt, num_output)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_continuous_usage_stats_give_every_chunk_its_choices_count(client: openai.OpenAI, offline: LLM,
+                                                                   model: str) -> None:
+    """vLLM's stream_options.continuous_usage_stats (guidellm sends it): each chunk carries its
+    choice's tokens so far, whatever a chunk holds (with n = 2 the choices count apart)."""
+    chat = [{"role": "user", "content": "Name a colour."}]
+    ids = offline.engine.tokenize(messages=chat)
+    chunks = list(client.chat.completions.create(
+        model=model, messages=chat, max_tokens=12, n=2, temperature=1.0, seed=5, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, logprobs=True))
+    counted = {0: 0, 1: 0}
+    for chunk in chunks[:-1]:
+        if not chunk.choices or chunk.choices[0].logprobs is None:
+            continue
+        choice = chunk.choices[0]
+        counted[choice.index] += len(choice.logprobs.content or [])  # one entry a token
+        assert chunk.usage is not None and chunk.usage.prompt_tokens == len(ids)
+        assert chunk.usage.completion_tokens == counted[choice.index]
+    final = chunks[-1].usage
+    assert final is not None and final.completion_tokens == sum(counted.values()) > 0
 
 
 def test_chat_matches_offline_greedy(client: openai.OpenAI, offline: LLM, model: str) -> None:

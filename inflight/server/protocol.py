@@ -97,6 +97,8 @@ def _only(*values: Any) -> Any:
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries its choice's usage so far (guidellm asks it).
+    continuous_usage_stats: bool = False
 
 
 # --- structured output -------------------------------------------------------------------------
@@ -267,6 +269,10 @@ class GenerationRequest(_Strict):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

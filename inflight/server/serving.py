@@ -72,6 +72,7 @@ class _Format(Protocol):
     def opening(self, num_choices: int) -> list[BaseModel]: ...
     def chunk(self, index: int, delta: Delta) -> BaseModel | None: ...
     def usage_chunk(self, usage: UsageInfo) -> BaseModel: ...
+    def usage_so_far(self, delta: Delta) -> UsageInfo: ...
     def response(self, choices: list[list[Delta]], usage: UsageInfo) -> BaseModel: ...
 
 
@@ -151,6 +152,9 @@ class _CompletionFormat:
         return CompletionResponse(id=self.id, model=self.model, created=self.created, choices=[],
                                   usage=self._usage(usage))
 
+    def usage_so_far(self, delta: Delta) -> UsageInfo:
+        return self._usage(UsageInfo.of(delta.num_prompt_tokens, delta.num_output_tokens))
+
     def response(self, choices: list[list[Delta]], usage: UsageInfo) -> BaseModel:
         return CompletionResponse(id=self.id, model=self.model, created=self.created, usage=self._usage(usage),
                                   choices=[self._piece(i, deltas, True) for i, deltas in enumerate(choices)])
@@ -218,6 +222,9 @@ class _ChatFormat:
 
     def usage_chunk(self, usage: UsageInfo) -> BaseModel:
         return ChatCompletionChunk(id=self.id, model=self.model, created=self.created, choices=[], usage=usage)
+
+    def usage_so_far(self, delta: Delta) -> UsageInfo:
+        return UsageInfo.of(delta.num_prompt_tokens, delta.num_output_tokens)
 
     def _choice(self, index: int, deltas: list[Delta]) -> ChatChoice:
         text = "".join(d.text for d in deltas)
@@ -508,7 +515,7 @@ class OpenAIServing:
     async def _respond(self, streams: list[RequestStream], fmt: _Format, req: GenerationRequest,
                        http: Request) -> Response:
         if req.stream:
-            return ClosingStreamingResponse(self._stream(streams, fmt, req.include_usage, req.n),
+            return ClosingStreamingResponse(self._stream(streams, fmt, req.include_usage, req.n, req.continuous_usage),
                                             on_close=lambda: self._abort_all(streams),
                                             media_type="text/event-stream", headers=_SSE_HEADERS)
         return await self._collect_or_abort(streams, fmt, http, req.n)
@@ -530,7 +537,10 @@ class OpenAIServing:
             self._abort_if_running(stream)
 
     async def _stream(self, streams: list[RequestStream], fmt: _Format, include_usage: bool,
-                      n: int) -> AsyncIterator[str]:
+                      n: int, continuous_usage: bool = False) -> AsyncIterator[str]:
+        """SSE events: each choice's chunks as its deltas come, then with `include_usage` the
+        request's usage alone; with `continuous_usage` (vLLM's continuous_usage_stats) each chunk
+        also carries its choice's usage so far."""
         last: dict[int, Delta] = {}
         try:
             for opening in fmt.opening(len(streams)):
@@ -544,6 +554,8 @@ class OpenAIServing:
                     yield _DONE
                     return
                 piece = fmt.chunk(index, delta)
+                if piece is not None and continuous_usage:
+                    piece = piece.model_copy(update={"usage": fmt.usage_so_far(delta)})
                 if piece is not None:
                     yield _sse(piece, exclude_usage=not include_usage)
         except EngineFailedError as exc:
