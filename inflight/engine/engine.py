@@ -191,8 +191,10 @@ def _sampling_defaults(config: EngineConfig, model_config: ModelConfig) -> dict[
     except InvalidRequestError as exc:
         raise ConfigError(f"the model's sampling defaults (its generation config): {exc}; "
                           "--generation-config vllm leaves them out") from None
-    logger.info("sampling defaults from the model's generation config, for what a request leaves unset: %s "
-                "(--generation-config vllm: inflight's own)", ", ".join(f"{k}={v}" for k, v in found.items()))
+    # A warning, as vLLM's: a request without a temperature now samples otherwise than it would
+    # on another model, which an operator should see at start.
+    logger.warning("sampling defaults from the model's generation config, for what a request leaves unset: %s "
+                   "(--generation-config vllm: inflight's own)", ", ".join(f"{k}={v}" for k, v in found.items()))
     return found
 
 
