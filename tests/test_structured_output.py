@@ -303,3 +303,29 @@ def test_a_grammar_that_refuses_a_token_is_the_clients_error(server: RunningServ
     assert error["type"] == "invalid_request_error"
     assert error["message"] == "structured output failed: parser too complex: lexer gave up", error
     assert server.engine.num_active == 0
+
+
+def _failures(url: str, reason: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "inflight:request_failure_total" and s.labels.get("reason") == reason)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_regex_the_vocabulary_cannot_spell_is_the_clients_error_not_the_servers(server: RunningServer,
+                                                                                  stream: bool) -> None:
+    """The embedded vocabulary has no token for the bytes 0xF1 and 0xF2 (which begin only code
+    points of unassigned planes), so the output cannot follow a regex of one: llguidance gives up
+    on the first token. The client's error (a 400, or the stream's error event), counted as an
+    invalid request, not as a server error (which the pre-launch gate counts against the server)."""
+    invalid, errors = _failures(server.url, "invalid"), _failures(server.url, "error")
+    body = {"model": server.engine.model_name, "prompt": "Hi", "max_tokens": 8, "guided_regex": "\U000983ec",
+            "stream": stream}
+    resp = httpx.post(server.url + "/v1/completions", timeout=30, json=body)
+    error = _error_of(resp, stream)
+    assert error is not None and (stream or resp.status_code == 400), resp.text
+    assert error["type"] == "invalid_request_error" and error["message"].startswith("structured output failed")
+    assert (_failures(server.url, "invalid"), _failures(server.url, "error")) == (invalid + 1, errors)
+    assert server.engine.num_active == 0

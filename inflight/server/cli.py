@@ -15,6 +15,7 @@ from typing import Any
 from inflight.errors import ConfigError
 from inflight.options import add_engine_options, engine_options
 from inflight.server.config import ServerConfig
+from inflight.server.reasoning import REASONING_PARSERS
 
 API_KEY_ENV = "INFLIGHT_API_KEY"
 _DEFAULTS = ServerConfig()
@@ -52,6 +53,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    help="seconds running requests may take to finish after SIGTERM")
     g.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template to use instead of the model's (one that renders tools, say)")
+    g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="chat completions' <think> ... </think> sent as the message's reasoning, apart from its "
+                        "content (vLLM's option): qwen3 (when the output opens a thought), deepseek_r1 (the "
+                        "output thinks until </think>)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_options(p)
     p.set_defaults(func=cmd_serve)
@@ -89,6 +94,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     """The server's options from parsed arguments; warns on stderr of an exposed server."""
     config = ServerConfig(
         chat_template=_read_chat_template(args.chat_template),
+        reasoning_parser=args.reasoning_parser,
         served_model_name=args.served_model_name,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_body_bytes=args.max_body_bytes,

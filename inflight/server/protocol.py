@@ -563,6 +563,18 @@ class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    # With --reasoning-parser: the model's thinking (vLLM's `reasoning`; `reasoning_content` is its
+    # older name, llama.cpp's and SGLang's). Sent only where a parser runs.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_unparsed_reasoning(self, handler: Any) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if "reasoning" not in self.model_fields_set:
+            out.pop("reasoning", None)
+            out.pop("reasoning_content", None)
+        return out
 
 
 class TopLogprob(BaseModel):
@@ -612,12 +624,15 @@ class DeltaToolCall(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None  # with --reasoning-parser, also sent as reasoning_content
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer
     def _only_set(self) -> dict[str, Any]:
         # OpenAI sends only the fields a delta carries: `{}` on the last chunk.
         out: dict[str, Any] = {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        if self.reasoning is not None:
+            out["reasoning"] = out["reasoning_content"] = self.reasoning
         if self.tool_calls:
             out["tool_calls"] = [call.model_dump(exclude_none=True) for call in self.tool_calls]
         return out

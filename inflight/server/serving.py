@@ -59,6 +59,7 @@ from inflight.server.protocol import (
     UsageInfo,
     template_tools,
 )
+from inflight.server.reasoning import ReasoningSplitter
 from inflight.server.stream import Delta, RequestStream
 from inflight.server.tools import ToolCallReader, ToolMode, tool_call_format
 
@@ -162,14 +163,29 @@ class _CompletionFormat:
 
 class _ChatFormat:
     """With tools in use (`tools`: the reader's mode and the named function), each choice's text
-    goes through its own `ToolCallReader`, which makes tool calls of it."""
+    goes through its own `ToolCallReader`, which makes tool calls of it. With a `reasoning_parser`,
+    each choice's text is first split into its thinking and its answer (`ReasoningSplitter`); the
+    answer alone goes on to the tool reader."""
 
     def __init__(self, request_id: str, model: str, tokenizer: Tokenizer,
-                 tools: tuple[ToolMode, str | None] | None = None) -> None:
+                 tools: tuple[ToolMode, str | None] | None = None, reasoning_parser: str | None = None) -> None:
         self.id, self.model, self.created = request_id, model, int(time.time())
         self.tokenizer = tokenizer
         self.tools = tools
+        self.reasoning_parser = reasoning_parser
         self._readers: dict[int, ToolCallReader] = {}
+        self._splitters: dict[int, ReasoningSplitter] = {}
+
+    def _split(self, index: int, text: str, finished: bool) -> tuple[str | None, str]:
+        """A streamed piece's thinking (None without a parser) and answer."""
+        if self.reasoning_parser is None:
+            return None, text
+        splitter = self._splitters.setdefault(index, ReasoningSplitter(self.reasoning_parser))
+        reasoning, content = splitter.feed(text)
+        if finished:
+            more_reasoning, more_content = splitter.end()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning, content
 
     def _reader(self, index: int) -> ToolCallReader | None:
         if self.tools is None:
@@ -206,15 +222,16 @@ class _ChatFormat:
 
     def chunk(self, index: int, delta: Delta) -> BaseModel | None:
         reader = self._reader(index)
-        content, calls = delta.text, list[DeltaToolCall]()
+        reasoning, content = self._split(index, delta.text, delta.finished)
+        calls = list[DeltaToolCall]()
         if reader is not None:
-            content, calls = reader.feed(delta.text)
+            content, calls = reader.feed(content)
             if delta.finished:
                 tail, more = reader.end()
                 content, calls = content + tail, calls + more
-        if not (content or calls or delta.finished or delta.logprobs is not None):
+        if not (content or reasoning or calls or delta.finished or delta.logprobs is not None):
             return None
-        message = DeltaMessage(content=content or None, tool_calls=calls or None)
+        message = DeltaMessage(content=content or None, reasoning=reasoning or None, tool_calls=calls or None)
         logprobs = self._logprobs([delta.logprobs] if delta.logprobs is not None else None)
         return ChatCompletionChunk(id=self.id, model=self.model, created=self.created, choices=[
             ChatChunkChoice(index=index, delta=message, finish_reason=self._finish(delta.finish_reason, reader),
@@ -231,10 +248,16 @@ class _ChatFormat:
         reader = self._reader(index)
         content: str | None = text
         calls: list[ToolCall] = []
+        reasoning = None
+        if self.reasoning_parser is not None:
+            reasoning, content = ReasoningSplitter.split(self.reasoning_parser, text)
         if reader is not None:
-            content, calls = reader.whole(text)
+            content, calls = reader.whole(content or "")
             reader.num_calls = len(calls)
-        return ChatChoice(index=index, message=ChatMessageOut(content=content, tool_calls=calls),
+        message = ChatMessageOut(content=content, tool_calls=calls)
+        if self.reasoning_parser is not None:  # the fields are sent only where a parser runs
+            message.reasoning = message.reasoning_content = reasoning
+        return ChatChoice(index=index, message=message,
                           finish_reason=self._finish(deltas[-1].finish_reason, reader),
                           logprobs=self._logprobs(_token_logprobs(deltas)))
 
@@ -332,7 +355,7 @@ class OpenAIServing:
         token_ids = self._truncated(token_ids, req)
         params = self._sampling_params(req, req.requested_max_tokens, len(token_ids), "messages", req.num_logprobs)
         streams = await self._submit([(token_ids, params)], arrival, "chatcmpl", req.priority, await self._grammar(req))
-        fmt = _ChatFormat(streams[0].request_id, self.model_name, tokenizer, tools)
+        fmt = _ChatFormat(streams[0].request_id, self.model_name, tokenizer, tools, self.config.reasoning_parser)
         return await self._respond(streams, fmt, req, http)
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
@@ -548,7 +571,7 @@ class OpenAIServing:
             async for index, delta in _merged(streams):
                 last[index] = delta
                 if delta.error is not None or delta.finish_reason is FinishReason.ERROR:
-                    self.metrics.count_failure("error")
+                    self.metrics.count_failure(_failure_reason(delta))
                     self._abort_all(streams)
                     yield error_event(APIError(delta.error_status, delta.error or "internal error"))
                     yield _DONE
@@ -586,7 +609,7 @@ class OpenAIServing:
             last = deltas[-1] if deltas else None
             if last is None or last.error is not None or last.finish_reason not in (FinishReason.STOP,
                                                                                      FinishReason.LENGTH):
-                self.metrics.count_failure("error")
+                self.metrics.count_failure(_failure_reason(last))
                 self._abort_all(streams)
                 status = last.error_status if last is not None else 500
                 return APIError(status, (last and last.error) or "internal error").response()
@@ -610,6 +633,13 @@ class OpenAIServing:
         if not collect.done() or collect.cancelled():
             return Response(status_code=499)  # nobody will read it
         return collect.result()
+
+
+def _failure_reason(delta: Delta | None) -> str:
+    """How a request that failed in the engine is counted: "invalid" where its own input failed it
+    (a grammar its output cannot follow: a 400, as a request refused at the door is counted),
+    else "error" (the server's fault, which the pre-launch gate reads)."""
+    return "invalid" if delta is not None and delta.error_from_request else "error"
 
 
 def _usage(ends: list[Delta], n: int) -> UsageInfo:
