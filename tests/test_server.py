@@ -4,6 +4,7 @@ and the official `openai` client. Generations are kept short so the file runs in
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import logging
 import time
@@ -71,6 +72,7 @@ def greedy(offline: LLM, prompt: Any, max_tokens: int) -> tuple[str, int, int]:
 def test_models_and_health(server: RunningServer, client: openai.OpenAI, model: str) -> None:
     assert [m.id for m in client.models.list().data] == [model]
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/version").json() == {"version": importlib.metadata.version("inflight")}
 
 
 def test_completion_matches_offline_greedy(client: openai.OpenAI, offline: LLM, model: str) -> None:

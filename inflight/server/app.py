@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -137,6 +138,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         if not engine.is_accepting:
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    @app.get("/version", responses={200: {"description": '{"version": "0.1.0"}'}})
+    async def version() -> Response:  # vLLM's, which some clients read to tell the server apart
+        return JSONResponse({"version": importlib.metadata.version("inflight")})
 
     @app.get("/metrics", responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
     async def prometheus_metrics() -> Response:
