@@ -84,6 +84,8 @@ def test_a_gguf_file_ends_a_turn_where_llama_cpp_does(tmp_path, vocab, eos, turn
         assert token_id in ends and bytes(texts.parts[texts.data[token_id]]).decode() == text
     words = {bytes(texts.parts[texts.data[i]]).decode() for i in ends}
     assert not words & {"<|im_start|>", "<|begin_of_text|>", "<s>", "the", "Hello"}
+    if vocab == "qwen2":  # its `</s>` is a BPE merge (typed normal), where llama.cpp stops too
+        assert texts.parts[texts.data[128247]].tobytes() == b"</s>" and 128247 not in ends
 
 
 def test_a_gguf_files_end_tokens_and_sampling_defaults_are_read(tmp_path):

@@ -405,14 +405,23 @@ _GGUF_SAMPLING_UNUSED = ("mirostat", "xtc_probability")
 
 
 def gguf_end_tokens(reader: Any) -> tuple[int, ...]:
-    """The ids that end a generation of a GGUF model (_GGUF_END_FIELDS, GGUF_END_TEXTS), EOS first."""
+    """The ids that end a generation of a GGUF model (_GGUF_END_FIELDS, GGUF_END_TEXTS), EOS first.
+    Unlike llama.cpp, a token found by its text counts only where the file does not type it as
+    ordinary text: Qwen2's vocabulary has `</s>` as a BPE merge (an HTML tag's end), on which
+    llama.cpp stops."""
+    import gguf
+
     field = reader.fields.get("tokenizer.ggml.tokens")
     texts = [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data] if field is not None else []
+    types = reader.fields.get("tokenizer.ggml.token_type")
+    normal = {i for i, part in enumerate(types.data) if int(types.parts[part][0]) == gguf.TokenType.NORMAL} \
+        if types is not None else set()
     ends = [int(t) for key in _GGUF_END_FIELDS if (t := gguf_field(reader, f"tokenizer.ggml.{key}")) is not None]
     for key, names in _GGUF_FIM_END_TEXTS.items():
         named = gguf_field(reader, f"tokenizer.ggml.{key}")
-        ends += [int(named)] if named is not None else [i for i, text in enumerate(texts) if text in names]
-    ends += [i for i, text in enumerate(texts) if text in GGUF_END_TEXTS]
+        ends += [int(named)] if named is not None else [
+            i for i, text in enumerate(texts) if text in names and i not in normal]
+    ends += [i for i, text in enumerate(texts) if text in GGUF_END_TEXTS and i not in normal]
     return tuple(dict.fromkeys(ends))
 
 
