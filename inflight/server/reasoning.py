@@ -15,16 +15,10 @@ same code (`ReasoningSplitter`), so their parts are equal; a marker may arrive s
 
 from __future__ import annotations
 
+from inflight.server.tools import partial_suffix
+
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 _START, _END = "<think>", "</think>"
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """The length of the longest end of `text` that begins `marker` (which may yet complete it)."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ReasoningSplitter:
@@ -58,7 +52,7 @@ class ReasoningSplitter:
                     self._held = self._held[end + len(_END):]
                     self._state = "answering"
                     continue
-                keep = _partial_suffix(self._held, _END)
+                keep = partial_suffix(self._held, _END)
                 reasoning += self._held[:len(self._held) - keep]
                 self._held = self._held[len(self._held) - keep:]
                 break

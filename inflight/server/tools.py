@@ -137,7 +137,7 @@ class ToolCallReader:
             pending = self._text[self._sent:]
             start = pending.find(HERMES_OPEN)
             if start < 0:
-                hold = 0 if final else _partial_suffix(pending, HERMES_OPEN)
+                hold = 0 if final else partial_suffix(pending, HERMES_OPEN)
                 content += pending[:len(pending) - hold]
                 self._sent += len(pending) - hold
                 return content, deltas
@@ -156,7 +156,7 @@ class ToolCallReader:
             self._sent += consumed
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest end of `text` that begins `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):
