@@ -24,6 +24,8 @@ class TokenLogprobs(NamedTuple):
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+    # 1 + the number of tokens more likely than this one (vLLM's rank); None where not computed.
+    rank: int | None = None
 
 
 @dataclass(frozen=True)

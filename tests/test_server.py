@@ -345,6 +345,45 @@ def test_echo_with_logprobs_as_lm_eval_asks(server: RunningServer, offline: LLM,
     _assert_error_body(httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=30), 400, "echo")
 
 
+def test_prompt_logprobs_in_vllms_shape(server: RunningServer, offline: LLM, hf_model: Any, model: str) -> None:
+    """vLLM's prompt_logprobs: per choice (completions) or per response (chat), None for the first
+    prompt token, then each token's id and its k most likely alternatives' to logprob, rank and
+    text: transformers' log-softmax and ranks. Beside echo with its own count, each reports its
+    own; with stream it is a 400, as in vLLM."""
+    tok = offline.tokenizer
+    ids = tok.encode("The capital of France is Paris, and the capital of Spain is")
+    body = {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2,
+            "echo": True, "logprobs": 1}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    with torch.inference_mode():
+        ref = hf_model(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(dim=-1)
+    entries = choice["prompt_logprobs"]
+    assert len(entries) == len(ids) and entries[0] is None
+    for q, entry in enumerate(entries[1:]):
+        token = ids[q + 1]
+        best = ref[q].topk(2)
+        assert set(entry) == {str(token), *(str(t) for t in best.indices.tolist())}
+        assert entry[str(token)]["logprob"] == pytest.approx(float(ref[q, token]), abs=1e-4)
+        assert entry[str(token)]["rank"] == int((ref[q] > ref[q, token]).sum()) + 1
+        assert entry[str(token)]["decoded_token"] == tok.decode([token])
+        for rank, t in enumerate(best.indices.tolist(), start=1):
+            assert entry[str(t)]["rank"] == rank
+    assert all(len(top) == 1 for top in choice["logprobs"]["top_logprobs"][1:])  # echo's own count
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 0}
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 200, r.text
+    chat_ids = offline.engine.tokenize(messages=chat["messages"])
+    entries = r.json()["prompt_logprobs"]
+    assert entries[0] is None and [list(e) for e in entries[1:]] == [[str(t)] for t in chat_ids[1:]]
+    for stream_body, path in ((body, "/completions"), (chat, "/chat/completions")):
+        _assert_error_body(_send(server.url, path, {**stream_body, "stream": True}, model, timeout=30), 400,
+                           "prompt_logprobs")
+    _assert_error_body(_send(server.url, "/completions", {**body, "prompt_logprobs": 21}, model, timeout=30), 400,
+                       "prompt_logprobs")
+
+
 def test_echo_with_max_tokens_0_scores_the_prompt_alone(server: RunningServer, model: str) -> None:
     """OpenAI's scoring form (echo, max_tokens 0, as vLLM takes it): each choice is its prompt and
     the prompt's logprobs, those of the max_tokens 1 form, with nothing generated, in a whole
@@ -610,7 +649,6 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("oversized body", "/completions", {"model": "M", "prompt": "x" * (MAX_BODY_BYTES + 1)}, 413, None),
     # vLLM's fields inflight does not compute, at other values than their no-op ones
     ("beam search", "/completions", {"model": "M", "prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
-    ("prompt_logprobs", "/completions", {"model": "M", "prompt": "hi", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
     ("bad_words", "/completions", {"model": "M", "prompt": "hi", "bad_words": ["x"]}, 400, "bad_words"),
     ("allowed_token_ids", "/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}],
                                                 "allowed_token_ids": [5]}, 400, "allowed_token_ids"),

@@ -238,18 +238,21 @@ class Sampler:
 
     @torch.inference_mode()
     def token_logprobs(self, logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[TokenLogprobs]:
-        """Per row of `logits`: `tokens[row]`'s log-probability under its log-softmax, and the `k`
-        most likely tokens'."""
+        """Per row of `logits`: `tokens[row]`'s log-probability under its log-softmax, its rank, and
+        the `k` most likely tokens'."""
         log_probs = logits.float().log_softmax(dim=-1)
         chosen = torch.tensor(list(tokens), device=logits.device)
-        chosen_lp = log_probs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+        chosen_column = log_probs.gather(1, chosen.unsqueeze(1))
+        ranks = ((log_probs > chosen_column).sum(dim=-1) + 1).tolist()
+        chosen_lp = chosen_column.squeeze(1).tolist()
         if k:
             top_lp, top_ids = log_probs.topk(k, dim=-1)
             tops = [tuple(zip(ids, lps, strict=True)) for ids, lps in zip(top_ids.tolist(), top_lp.tolist(),
                                                                           strict=True)]
         else:
             tops = [()] * len(chosen_lp)
-        return [TokenLogprobs(t, lp, top) for t, lp, top in zip(tokens, chosen_lp, tops, strict=True)]
+        return [TokenLogprobs(t, lp, top, rank)
+                for t, lp, top, rank in zip(tokens, chosen_lp, tops, ranks, strict=True)]
 
     def _mask(self, logits: torch.Tensor, rows: list[int], grammars: list[Grammar]) -> None:
         if self._token_masks is None:

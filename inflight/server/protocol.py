@@ -26,7 +26,7 @@ from pydantic import (
 )
 
 from inflight.errors import InvalidRequestError
-from inflight.request import StructuredOutputs
+from inflight.request import MAX_LOGPROBS, StructuredOutputs
 
 MAX_N = 16  # samples per prompt
 
@@ -149,7 +149,6 @@ def _structured(field: str, json_schema: Any = None, json_object: bool = False, 
 # a request that sets one is told.
 _UNSUPPORTED = {
     "use_beam_search": "beam search is not supported; sample n outputs instead",
-    "prompt_logprobs": "prompt_logprobs is not supported; send echo: true with logprobs (/v1/completions)",
     "allowed_token_ids": "allowed_token_ids is not supported; send a structured output constraint (guided_choice, "
                          "guided_regex) or logit_bias",
     "bad_words": "bad_words is not supported; send logit_bias against their tokens",
@@ -205,8 +204,10 @@ class GenerationRequest(_Strict):
     # vLLM's: only the prompt's last k tokens (-1: as many as max_model_len holds).
     truncate_prompt_tokens: Annotated[int, Field(ge=-1), _AsInt] | None = None
     # vLLM's fields inflight does not compute: refused unless at their no-op value (_UNSUPPORTED).
+    # vLLM's: each prompt token's log-probability, rank and this many alternatives (completions:
+    # per choice; chat: the response's), the first token's None. Not with stream, as in vLLM.
+    prompt_logprobs: Int | None = None
     use_beam_search: bool = _only(False)
-    prompt_logprobs: Int | None = _only(None)
     allowed_token_ids: list[int] | None = _only(None)
     bad_words: list[str] | None = _only(None)
     spaces_between_special_tokens: bool = _only(True)
@@ -218,6 +219,11 @@ class GenerationRequest(_Strict):
         for name, message in _UNSUPPORTED.items():
             if name in type(self).model_fields and getattr(self, name) != type(self).model_fields[name].default:
                 raise InvalidRequestError(message, name)
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"must be an integer in [0, {MAX_LOGPROBS}]", "prompt_logprobs")
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequestError("prompt_logprobs are not available with stream: true (as in vLLM); send "
+                                      "echo: true with logprobs for a streamed completion", "prompt_logprobs")
         if self.truncate_prompt_tokens == 0:
             raise InvalidRequestError("must be >= 1, or -1 for as many as max_model_len holds",
                                       "truncate_prompt_tokens")
@@ -543,11 +549,24 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's `Logprob`: one token of a prompt position's entry (keyed by the token's id)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+# Per prompt token, its id and the alternatives' (as strings) to their PromptLogprob; None first.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReasonName
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -605,6 +624,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaFunctionCall(BaseModel):

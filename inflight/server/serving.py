@@ -52,6 +52,8 @@ from inflight.server.protocol import (
     DetokenizeResponse,
     FinishReasonName,
     GenerationRequest,
+    PromptLogprob,
+    PromptLogprobs,
     TokenizeRequest,
     TokenizeResponse,
     ToolCall,
@@ -85,6 +87,25 @@ def _lp(value: float) -> float:
     return max(value, _MIN_LOGPROB)
 
 
+def _prompt_logprobs(tokenizer: Tokenizer, deltas: list[Delta], k: int) -> PromptLogprobs | None:
+    """vLLM's `prompt_logprobs` of a choice: None for the first prompt token, then per token its
+    id and its `k` most likely alternatives', each to its log-probability, rank and text."""
+    found = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
+    if found is None:
+        return None
+
+    def one(token_id: int, logprob: float, rank: int | None) -> PromptLogprob:
+        return PromptLogprob(logprob=_lp(logprob), rank=rank,
+                             decoded_token=tokenizer.decode([token_id], skip_special_tokens=False))
+
+    entries: PromptLogprobs = [None]
+    for lp in found:
+        entry = {str(t): one(t, v, i + 1) for i, (t, v) in enumerate(lp.top[:k])}
+        entry.setdefault(str(lp.token_id), one(lp.token_id, lp.logprob, lp.rank))
+        entries.append(entry)
+    return entries
+
+
 def _token_logprobs(deltas: list[Delta]) -> Logprobs | None:
     found = [d.logprobs for d in deltas if d.logprobs is not None]
     return found or None
@@ -96,11 +117,14 @@ class _CompletionFormat:
     (echo with max_tokens 0): the prompt alone, what the engine generated left out."""
 
     def __init__(self, request_id: str, model: str, tokenizer: Tokenizer,
-                 echo: list[tuple[str, list[int]]] | None = None, prompt_only: bool = False) -> None:
+                 echo: list[tuple[str, list[int]]] | None = None, prompt_only: bool = False,
+                 num_top: int = 0, prompt_top: int | None = None) -> None:
         self.id, self.model, self.created = request_id, model, int(time.time())
         self.tokenizer = tokenizer
         self.echo = echo
         self.prompt_only = prompt_only
+        self.num_top = num_top  # the alternatives `logprobs` asks for (echoed prompt tokens included)
+        self.prompt_top = prompt_top  # vLLM's prompt_logprobs, if asked
         self._offsets: dict[int, int] = {}  # per choice, where the next token's text starts
 
     def opening(self, num_choices: int) -> list[BaseModel]:
@@ -119,7 +143,7 @@ class _CompletionFormat:
             tokens=tokens, text_offset=offsets,
             token_logprobs=[None if lp is None else _lp(lp.logprob) for _, lp in entries],
             top_logprobs=[None if lp is None else {tok.decode([t], skip_special_tokens=False): _lp(v)
-                                                   for t, v in lp.top} for _, lp in entries])
+                                                   for t, v in lp.top[:self.num_top]} for _, lp in entries])
 
     def _piece(self, index: int, deltas: list[Delta], first: bool) -> CompletionChoice:
         text = "" if self.prompt_only else "".join(d.text for d in deltas)
@@ -136,7 +160,10 @@ class _CompletionFormat:
         finish = _finish_name(deltas[-1].finish_reason) if deltas else None
         if self.prompt_only and finish is not None:
             finish = "length"  # its max_tokens (0) reached
-        return CompletionChoice(index=index, text=text, finish_reason=finish,
+        prompt_logprobs = None
+        if first and self.prompt_top is not None:
+            prompt_logprobs = _prompt_logprobs(self.tokenizer, deltas, self.prompt_top)
+        return CompletionChoice(index=index, text=text, finish_reason=finish, prompt_logprobs=prompt_logprobs,
                                 logprobs=self._logprobs(index, entries) if logprobs is not None else None)
 
     def chunk(self, index: int, delta: Delta) -> BaseModel | None:
@@ -168,11 +195,13 @@ class _ChatFormat:
     answer alone goes on to the tool reader."""
 
     def __init__(self, request_id: str, model: str, tokenizer: Tokenizer,
-                 tools: tuple[ToolMode, str | None] | None = None, reasoning_parser: str | None = None) -> None:
+                 tools: tuple[ToolMode, str | None] | None = None, reasoning_parser: str | None = None,
+                 prompt_top: int | None = None) -> None:
         self.id, self.model, self.created = request_id, model, int(time.time())
         self.tokenizer = tokenizer
         self.tools = tools
         self.reasoning_parser = reasoning_parser
+        self.prompt_top = prompt_top  # vLLM's prompt_logprobs, if asked: the response's, not a choice's
         self._readers: dict[int, ToolCallReader] = {}
         self._splitters: dict[int, ReasoningSplitter] = {}
 
@@ -262,8 +291,12 @@ class _ChatFormat:
                           logprobs=self._logprobs(_token_logprobs(deltas)))
 
     def response(self, choices: list[list[Delta]], usage: UsageInfo) -> BaseModel:
+        prompt_logprobs = None
+        if self.prompt_top is not None and choices:  # the n samples share one prompt
+            prompt_logprobs = _prompt_logprobs(self.tokenizer, choices[0], self.prompt_top)
         return ChatCompletionResponse(id=self.id, model=self.model, created=self.created, usage=usage,
-                                      choices=[self._choice(i, deltas) for i, deltas in enumerate(choices)])
+                                      choices=[self._choice(i, deltas) for i, deltas in enumerate(choices)],
+                                      prompt_logprobs=prompt_logprobs)
 
 
 class ClosingStreamingResponse(StreamingResponse):
@@ -321,7 +354,10 @@ class OpenAIServing:
             raise invalid("the prompt is empty", "prompt")
         whole = token_ids
         token_ids = [self._truncated(ids, req) for ids in token_ids]
-        prompt_logprobs = req.logprobs if req.echo else None
+        # The prompt's logprobs for echo (its `logprobs` alternatives) and for vLLM's prompt_logprobs
+        # (its own count): one computation, of the larger count; each reports its own.
+        asked = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
+        prompt_logprobs = max(asked) if asked else None
         # Echo with max_tokens 0, OpenAI's form for scoring a prompt (as vLLM takes it): the prompt
         # and its logprobs, nothing generated. The engine samples one token, which is left out.
         prompt_only = req.echo and req.max_tokens == 0
@@ -334,7 +370,8 @@ class OpenAIServing:
         if req.echo:  # the prompt as sent, or decoded from its (kept) ids; the same for each of its n choices
             echo = [(p if isinstance(p, str) and ids is all_ids else tokenizer.decode(ids), ids)
                     for p, ids, all_ids in zip(prompts, token_ids, whole, strict=True) for _ in range(req.n)]
-        fmt = _CompletionFormat(streams[0].request_id, self.model_name, tokenizer, echo, prompt_only)
+        fmt = _CompletionFormat(streams[0].request_id, self.model_name, tokenizer, echo, prompt_only,
+                                req.logprobs or 0, req.prompt_logprobs)
         return await self._respond(streams, fmt, req, http)
 
     async def chat(self, req: ChatCompletionRequest, http: Request) -> Response:
@@ -353,9 +390,11 @@ class OpenAIServing:
         except InvalidRequestError as exc:
             raise invalid(str(exc), "messages") from None
         token_ids = self._truncated(token_ids, req)
-        params = self._sampling_params(req, req.requested_max_tokens, len(token_ids), "messages", req.num_logprobs)
+        params = self._sampling_params(req, req.requested_max_tokens, len(token_ids), "messages", req.num_logprobs,
+                                       req.prompt_logprobs)
         streams = await self._submit([(token_ids, params)], arrival, "chatcmpl", req.priority, await self._grammar(req))
-        fmt = _ChatFormat(streams[0].request_id, self.model_name, tokenizer, tools, self.config.reasoning_parser)
+        fmt = _ChatFormat(streams[0].request_id, self.model_name, tokenizer, tools, self.config.reasoning_parser,
+                          req.prompt_logprobs)
         return await self._respond(streams, fmt, req, http)
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
@@ -477,7 +516,7 @@ class OpenAIServing:
         if param == "structured_outputs":
             return req.constraint_field
         if param == "prompt_logprobs":
-            return "logprobs"
+            return "prompt_logprobs" if req.prompt_logprobs is not None else "logprobs"
         if isinstance(req, ChatCompletionRequest):
             if param == "logprobs":
                 return "top_logprobs"
