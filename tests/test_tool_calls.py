@@ -20,7 +20,7 @@ from inflight import EngineConfig, LLMEngine
 from inflight.model.loaded import LoadedModel
 from inflight.server.config import ServerConfig
 from inflight.server.launcher import RunningServer, serve_in_thread
-from inflight.server.tools import ToolCallReader, parse_hermes
+from inflight.server.tools import ToolCallReader, parse_hermes, parse_llama3_json, tool_call_format
 
 HERMES_TEMPLATE = (Path(inflight.__file__).parent / "data" / "chatml_tools.jinja").read_text()
 WEATHER = {"type": "function", "function": {
@@ -82,6 +82,54 @@ def test_text_that_only_looks_like_a_tag_is_streamed_in_the_end() -> None:
     assert reader.end() == ("", [])
 
 
+# --- reading Llama 3's JSON -------------------------------------------------------------------------
+
+# The part of Llama 3.1's chat template that renders tools in the user turn, as Meta ships it
+# (3.2's and 3.3's say the same); enough for `tool_call_format` and the server to render tools.
+LLAMA3_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{%- if loop.last and tools is not none and message.role == 'user' %}"
+    "{{- '<|start_header_id|>user<|end_header_id|>\n\n' -}}"
+    "{{- 'Given the following functions, please respond with a JSON for a function call with its proper "
+    "arguments that best answers the given prompt.\n\n' }}"
+    "{{- 'Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its "
+    "value}.' }}{{- 'Do not use variables.\n\n' }}"
+    "{%- for t in tools %}{{- t | tojson(indent=4) }}{{- '\n\n' }}{%- endfor %}"
+    "{{- message.content + '<|eot_id|>' }}"
+    "{%- else %}{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\n\n' + message.content "
+    "+ '<|eot_id|>' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}")
+LLAMA3_TEXT = ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+               '{"name": "get_time", "parameters": {"zone": "Asia/Tokyo"}}')
+
+
+def test_llama3_json_calls_are_read_and_prose_stays_content() -> None:
+    assert tool_call_format(LLAMA3_TEMPLATE) == "llama3_json" and tool_call_format(HERMES_TEMPLATE) == "hermes"
+    content, calls = parse_llama3_json("  " + LLAMA3_TEXT + "\n")
+    assert content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"zone": "Asia/Tokyo"})]
+    for text in ("It is sunny in Paris.", '{"city": "Paris"}', '{"name": "get_weather", "parameters": {"ci',
+                 '{"name": "get_time", "parameters": {}} and then some prose'):
+        assert parse_llama3_json(text) == (text, [])  # not (all) calls: the answer as it stands
+
+
+@pytest.mark.parametrize("text", [LLAMA3_TEXT, "It is sunny in Paris, {probably}.", "\n\n" + LLAMA3_TEXT])
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_streamed_llama3_json_reading_equals_the_whole(text: str, step: int) -> None:
+    reader = ToolCallReader("llama3_json")
+    content, calls = "", []
+    for i in range(0, len(text), step):
+        piece, deltas = reader.feed(text[i:i + step])
+        content, calls = content + piece, calls + deltas
+    piece, deltas = reader.end()
+    content, calls = content + piece, calls + deltas
+    whole_content, whole_calls = parse_llama3_json(text)
+    assert (content or None) == whole_content
+    assert [(d.index, d.function.name, d.function.arguments) for d in calls] == [
+        (i, c.function.name, c.function.arguments) for i, c in enumerate(whole_calls)]
+
+
 # --- through the server ------------------------------------------------------------------------------
 
 
@@ -90,6 +138,42 @@ def server(loaded: LoadedModel) -> Iterator[RunningServer]:
     engine = LLMEngine(EngineConfig.from_kwargs(num_kv_blocks=256, max_batch_size=16), loaded)
     with serve_in_thread(engine, ServerConfig(shutdown_timeout_s=5)) as running:
         yield running
+
+
+@pytest.fixture(scope="module")
+def llama3_server(loaded: LoadedModel) -> Iterator[RunningServer]:
+    engine = LLMEngine(EngineConfig.from_kwargs(num_kv_blocks=64, max_batch_size=4), loaded)
+    with serve_in_thread(engine, ServerConfig(shutdown_timeout_s=5, chat_template=LLAMA3_TEMPLATE)) as running:
+        yield running
+
+
+def test_auto_under_a_llama3_template_reads_its_json(llama3_server: RunningServer) -> None:
+    """Under Llama 3's template "auto" is served (the model decides): an answer forced to be a
+    call by its first tokens comes back as that call, whole and streamed alike."""
+    body = {"model": llama3_server.engine.model_name, "messages": ASK, "tools": [WEATHER, TIME], "max_tokens": 24,
+            "temperature": 0}
+    resp = httpx.post(llama3_server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    rendered = httpx.post(llama3_server.url + "/tokenize", timeout=30, json={"messages": ASK, "tools": [WEATHER]})
+    assert "Given the following functions" in llama3_server.engine.tokenizer.decode(rendered.json()["tokens"])
+    message = resp.json()["choices"][0]["message"]
+    content, calls = parse_llama3_json(message["content"] or "")
+    assert message["tool_calls"] == [] and calls == []  # prose (the small model does not call): content
+    forced = {**body, "tool_choice": "auto",
+              "extra_body": {"guided_regex": r'\{"name": "get_time", "parameters": \{"zone": "UTC"\}\}'}}
+    for stream in (False, True):
+        with _client(llama3_server) as client:
+            if stream:
+                content, streamed, finish = _streamed(client.chat.completions.create(**forced, stream=True))
+                names = [c["name"] for c in streamed.values()]
+                arguments = [c["arguments"] for c in streamed.values()]
+            else:
+                choice = client.chat.completions.create(**forced).choices[0]
+                content, finish = choice.message.content, choice.finish_reason
+                names = [c.function.name for c in choice.message.tool_calls or []]
+                arguments = [c.function.arguments for c in choice.message.tool_calls or []]
+        assert names == ["get_time"] and [json.loads(a) for a in arguments] == [{"zone": "UTC"}]
+        assert not content and finish == "tool_calls"
 
 
 @pytest.fixture(scope="module")

@@ -437,8 +437,8 @@ class OpenAIServing:
             found = tool_call_format(chat_template)
             if found is None:
                 raise invalid('tool_choice "auto" (the default with tools): this model\'s chat template does not '
-                              "render tools in a tool-call format inflight reads (Hermes' <tool_call>); send "
-                              'tool_choice "required", a named function, or "none"', "tool_choice")
+                              "render tools in a tool-call format inflight reads (Hermes' <tool_call>, Llama 3's "
+                              'JSON); send tool_choice "required", a named function, or "none"', "tool_choice")
             return found, None
         return mode, req.named_function
 

@@ -8,8 +8,9 @@ a choice's text into OpenAI `tool_calls`, whole or as stream deltas.
   `parallel_tool_calls: false`).
 - `"auto"`: nothing is constrained; the model decides, in the format its chat template taught it.
   inflight reads Hermes' format (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as in
-  the Qwen 2.5/3, Hermes and SmolLM3 templates); a template that renders tools in another format,
-  or none, gets a 400 for "auto".
+  the Qwen 2.5/3, Hermes and SmolLM3 templates) and Llama 3.1-3.3's JSON (an answer that is one
+  `{"name": ..., "parameters": {...}}` object, or several joined by ";": vLLM's `llama3_json`);
+  a template that renders tools in another format, or none, gets a 400 for "auto".
 """
 
 from __future__ import annotations
@@ -20,15 +21,19 @@ from typing import Any, Literal
 
 from inflight.server.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 
-ToolMode = Literal["named", "required", "hermes"]
+ToolMode = Literal["named", "required", "hermes", "llama3_json"]
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+# What Llama 3.1-3.3's templates tell the model when they render tools (3.2's and 3.3's alike).
+LLAMA3_JSON_PROMPT = '"parameters": dictionary of argument name and its value'
 
 
-def tool_call_format(chat_template: str | None) -> Literal["hermes"] | None:
+def tool_call_format(chat_template: str | None) -> Literal["hermes", "llama3_json"] | None:
     """The tool-call format a chat template teaches its model, if inflight can read it."""
     if chat_template and "tools" in chat_template and HERMES_OPEN in chat_template:
         return "hermes"
+    if chat_template and "tools" in chat_template and LLAMA3_JSON_PROMPT in chat_template:
+        return "llama3_json"
     return None
 
 
@@ -74,6 +79,28 @@ def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
     return joined or None, calls
 
 
+def parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
+    """Llama 3's calls: an answer that is JSON objects with a "name" and "parameters" (or
+    "arguments"), joined by ";", is those calls; any other answer (prose, or JSON that is not all
+    calls) is content, as it stands."""
+    body = text.strip()
+    if not body.startswith("{"):
+        return text or None, []
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(body):
+        try:
+            value, end = decoder.raw_decode(body, at)
+        except json.JSONDecodeError:
+            return text, []
+        if not (isinstance(value, dict) and isinstance(value.get("name"), str)):
+            return text, []
+        calls.append(_call(value["name"], value.get("parameters", value.get("arguments", {}))))
+        at = end
+        while at < len(body) and body[at] in "; \n\t":
+            at += 1
+    return None, calls
+
+
 class ToolCallReader:
     """One choice's text as content and tool calls, for a response (`whole`) or a stream
     (`feed` each delta's text, then `end`)."""
@@ -93,6 +120,8 @@ class ToolCallReader:
         if self.mode == "required":
             calls = _required_calls(text)
             return (text, []) if calls is None else (None, calls)
+        if self.mode == "llama3_json":
+            return parse_llama3_json(text)
         return parse_hermes(text)
 
     def feed(self, text: str) -> tuple[str, list[DeltaToolCall]]:
@@ -102,6 +131,8 @@ class ToolCallReader:
             return "", self._named_delta(text)
         if self.mode == "required":
             return "", []  # a call is known once the array is whole: sent by `end`
+        if self.mode == "llama3_json":
+            return self._llama3_step(final=False)
         return self._hermes_step(final=False)
 
     def end(self) -> tuple[str, list[DeltaToolCall]]:
@@ -113,6 +144,8 @@ class ToolCallReader:
             if calls is None:
                 return self._text, []
             return "", [self._delta(call) for call in calls]
+        if self.mode == "llama3_json":
+            return self._llama3_step(final=True)
         return self._hermes_step(final=True)
 
     def _delta(self, call: ToolCall) -> DeltaToolCall:
@@ -128,6 +161,18 @@ class ToolCallReader:
             return [DeltaToolCall(index=0, id=self._named_id, type="function",
                                   function=DeltaFunctionCall(name=self.function_name, arguments=text))]
         return [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text))] if text else []
+
+    def _llama3_step(self, final: bool) -> tuple[str, list[DeltaToolCall]]:
+        """An answer that opens with "{" may be calls: held whole, read at the end; any other
+        streams as content as it comes."""
+        opening = self._text.lstrip()
+        if not final and (not opening or opening.startswith("{")):
+            return "", []  # nothing but spaces yet, or perhaps calls
+        pending, self._sent = self._text[self._sent:], len(self._text)
+        if not opening.startswith("{"):
+            return pending, []
+        content, calls = parse_llama3_json(self._text)
+        return content or "", [self._delta(call) for call in calls]
 
     def _hermes_step(self, final: bool) -> tuple[str, list[DeltaToolCall]]:
         """Streams the content before each tool-call tag (holding back what could be the start of
