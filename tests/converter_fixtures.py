@@ -54,6 +54,10 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("Mistral", {"sliding_window": None}),
     "qwen2": ("Qwen2", {}),
     "qwen3": ("Qwen3", {"head_dim": 32}),
+    # Qwen3 past its original context: YaRN over an original 16 positions
+    "qwen3_yarn": ("Qwen3", {"head_dim": 32, "max_position_embeddings": 64,
+                             "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                                 "original_max_position_embeddings": 16}}),
     "olmo2": ("Olmo2", {}),
     "granite": ("Granite", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.1,
                             "logits_scaling": 8.0}),

@@ -160,7 +160,7 @@ def test_every_bias_the_checkpoint_has_is_applied_and_no_weight_is_left_out(tmp_
 
 @pytest.mark.parametrize(("key", "value"), [
     ("hidden_act", "gelu_pytorch_tanh"), ("use_bidirectional_attention", True),
-    ("layer_types", ["full_attention", "chunked_attention"]), ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}),
+    ("layer_types", ["full_attention", "chunked_attention"]), ("rope_scaling", {"rope_type": "dynamic", "factor": 4.0}),
     ("quantization_config", {"quant_method": "gptq", "bits": 4})])
 def test_a_config_key_that_changes_the_arithmetic_is_refused_by_name(tmp_path, key, value):
     import transformers
@@ -174,7 +174,7 @@ def test_a_config_key_that_changes_the_arithmetic_is_refused_by_name(tmp_path, k
     raw = json.loads((tmp_path / "config.json").read_text())
     raw[key] = value
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ModelLoadError, match="rope_type 'yarn'" if key == "rope_scaling" else key):
+    with pytest.raises(ModelLoadError, match="rope_type 'dynamic'" if key == "rope_scaling" else key):
         load_checkpoint(resolve_model(str(tmp_path)), torch.float32)
 
 
@@ -228,6 +228,15 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "yarn":  # as llama.cpp's converter writes YaRN
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for key, add in [("attention_factor", w.add_rope_scaling_yarn_attn_factor),
+                         ("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+                         ("beta_slow", w.add_rope_scaling_yarn_beta_slow)]:
+            if rope.get(key) is not None:
+                add(rope[key])
     if (local := cfg.rope_parameters.get("sliding_attention")) is not None:
         w.add_rope_freq_base_swa(local["rope_theta"])
     if getattr(cfg, "sliding_window", None):
@@ -285,15 +294,15 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     w.close()
 
 
-def tiny_hf_model(arch: str, vocab: int = TINY["vocab"]) -> Any:
+def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
     """A small transformers model of `arch` with seeded random weights, its norm scales and
-    biases moved away from 1 and 0 so that a dropped one shows."""
+    biases moved away from 1 and 0 so that a dropped one shows; `fields` go to its config."""
     import transformers
 
     torch.manual_seed(0)
     common = dict(vocab_size=vocab, hidden_size=128, intermediate_size=TINY["intermediate"],
                   num_hidden_layers=TINY["layers"], num_attention_heads=2, num_key_value_heads=1,
-                  max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
+                  max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False, **fields)
     if arch == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=128))
     elif arch == "olmo2":
@@ -408,6 +417,56 @@ def test_phi_longrope_and_partial_rotary_match_transformers(tmp_path, loaded):
     assert out.token_ids == expected.tolist()
 
 
+@pytest.mark.parametrize(("arch", "yarn"), [
+    ("qwen3", {"factor": 4.0}),  # Qwen3's own setting for 128k contexts, shrunk
+    ("smollm3", {"factor": 8.0, "beta_fast": 16.0, "beta_slow": 2.0, "attention_factor": 1.2}),
+    ("qwen2", {"factor": 4.0, "mscale": 1.0, "mscale_all_dim": 0.5, "truncate": False})])
+def test_yarn_matches_transformers(tmp_path, loaded, arch, yarn):
+    """YaRN (Qwen2.5 and Qwen3 past 32k, SmolLM3 past 64k): frequencies interpolated by the
+    factor where their wavelengths are long against the original context of 32 positions, kept
+    where short, blended between, and cos and sin scaled; over 90 positions, from a Hugging Face
+    directory and from the GGUF file llama.cpp's converter would write (which cannot say
+    `truncate` or DeepSeek's `mscale`s, so those settings are checked from the directory only)."""
+    rope = {"rope_type": "yarn", "rope_theta": 10_000.0, "original_max_position_embeddings": 32, **yarn}
+    model = tiny_hf_model(arch, rope_parameters=rope)
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    sources = [tmp_path / "hf"]
+    if not {"truncate", "mscale"} & set(yarn):
+        write_gguf_from_hf(tmp_path / "tiny.gguf", arch, model)
+        sources.append(tmp_path / "tiny.gguf")
+    ids = list(range(5, 5 + 90))
+    expected = hf_logits(model, ids)
+    for source in sources:
+        config, weights = load_checkpoint(resolve_model(str(source)), torch.float32)
+        assert config.rope_scaling["rope_type"] == "yarn"
+        ours = LlamaModel(config, weights, torch.device("cpu"))
+        torch.testing.assert_close(inflight_logits(ours, ids), expected, atol=1e-4, rtol=1e-4)
+    # the settings matter: the same weights without YaRN compute other logits
+    plain = dataclasses.replace(config, rope_scaling=None)
+    assert not torch.allclose(inflight_logits(LlamaModel(plain, weights, torch.device("cpu")), ids), expected,
+                              atol=1e-2)
+
+
+@pytest.mark.parametrize(("key", "value"), [("yarn_ext_factor", 0.5), ("yarn_log_multiplier", 0.1),
+                                            ("attn_factor", 2.5)])
+def test_yarn_settings_llama_cpp_writes_in_other_conventions_are_refused_by_name(tmp_path, key, value):
+    import gguf
+
+    def yarn(w: Any, extra: bool = True) -> None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(4.0)
+        w.add_rope_scaling_orig_ctx_len(32)
+        if extra:
+            w.add_float32(f"llama.rope.scaling.{key}", value)
+
+    write_tiny_gguf(tmp_path / "plain.gguf", {}, metadata=lambda w: yarn(w, extra=False))
+    config, _ = load_checkpoint(resolve_model(str(tmp_path / "plain.gguf")), torch.float32)
+    assert config.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    write_tiny_gguf(tmp_path / "other.gguf", {}, metadata=yarn)
+    with pytest.raises(ModelLoadError, match=f"llama.rope.scaling.{key} = {value} beside YaRN"):
+        load_checkpoint(resolve_model(str(tmp_path / "other.gguf")), torch.float32)
+
+
 @pytest.mark.parametrize("normalize", [True, False])
 def test_routed_experts_run_each_chosen_expert_once_over_its_tokens(normalize):
     """The step's tokens grouped by expert: each expert that any token chose runs one matmul
@@ -452,13 +511,13 @@ def test_routed_experts_run_each_chosen_expert_once_over_its_tokens(normalize):
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3",
-                                  "phi3_longrope", "gemma2", "gemma3_text", "mixtral", "qwen3_moe"])
+                                  "phi3_longrope", "qwen3_yarn", "gemma2", "gemma3_text", "mixtral", "qwen3_moe"])
 def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_path, monkeypatch, arch):
     """The GGUF file llama.cpp's `convert_hf_to_gguf.py` made of a tiny checkpoint of each
     architecture (tests/converter_fixtures.py; its names, row orders, norm offsets, stacked
-    experts, longrope factor tensors and metadata, not the suite's imitation of them) gives
-    transformers' logits on that checkpoint, over a prompt past the Gemma models' 8-token windows
-    and longrope's 16 original positions; its SentencePiece vocabulary makes a tokenizer that
+    experts, longrope factor tensors, YaRN settings and metadata, not the suite's imitation of
+    them) gives transformers' logits on that checkpoint, over a prompt past the Gemma models'
+    8-token windows and longrope's and YaRN's 16 original positions; its SentencePiece vocabulary makes a tokenizer that
     gives text back as it was."""
     from converter_fixtures import FIXTURES, tiny_model
 
@@ -473,7 +532,7 @@ def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_pat
     model = tiny_model(arch)
     config, weights = load_checkpoint(resolve_model(str(FIXTURES / f"{arch}.gguf")), torch.float32)
     # llama.cpp's converter calls Mistral llama
-    assert config.architecture == {"mistral": "llama", "phi3_longrope": "phi3"}.get(arch, arch)
+    assert config.architecture == {"mistral": "llama", "phi3_longrope": "phi3", "qwen3_yarn": "qwen3"}.get(arch, arch)
     # The fixture holds this very checkpoint (else it was made from another initialization).
     assert torch.equal(weights["model.embed_tokens.weight"], model.model.embed_tokens.weight.detach())
     ids = list(range(3, 3 + 40))
@@ -483,6 +542,8 @@ def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_pat
         ours.use_context(16)
         torch.testing.assert_close(inflight_logits(ours, ids[:14]), hf_logits(model, ids[:14]), atol=1e-4, rtol=1e-4)
         ours.use_context(config.max_position_embeddings)
+    if arch == "qwen3_yarn":
+        assert config.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
     torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
 
 

@@ -105,8 +105,8 @@ NO_EFFECT_KEYS = frozenset({
 # Keys of `rope_scaling` / `rope_parameters`, and the rope types `rope_inv_freq` computes.
 ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
                        "original_max_position_embeddings", "partial_rotary_factor", "short_factor", "long_factor",
-                       "attention_factor"})
-ROPE_TYPES = (None, "default", "linear", "llama3", "longrope", "su")
+                       "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"})
+ROPE_TYPES = (None, "default", "linear", "llama3", "longrope", "su", "yarn")
 # Each activation of a plan's MLP under the names configs give it.
 _ACTIVATION_NAMES = {"silu": (None, "silu", "swish"), "gelu_pytorch_tanh": (None, "gelu_pytorch_tanh", "gelu_tanh")}
 
@@ -169,6 +169,13 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
                         **rope_scaling, "rope_type": "longrope"}
         if rope_scaling["original_max_position_embeddings"] is None:
             raise ValueError("longrope needs original_max_position_embeddings")
+    elif kind == "yarn":  # the original context as transformers finds it: beside the rope settings first
+        original = (raw.get("original_max_position_embeddings") or rope_scaling.get("original_max_position_embeddings")
+                    or raw.get("max_position_embeddings"))
+        if original is None:
+            raise ValueError("yarn needs original_max_position_embeddings or max_position_embeddings")
+        factor = rope_scaling.get("factor") or int(raw["max_position_embeddings"]) / int(original)
+        rope_scaling = {**rope_scaling, "original_max_position_embeddings": int(original), "factor": float(factor)}
     head_dim = int(raw.get("head_dim") or hidden // num_heads)
     partial = raw.get("partial_rotary_factor") or (rope_scaling or {}).get("partial_rotary_factor") or 1.0
     window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None

@@ -54,6 +54,8 @@ def rope_inv_freq(config: ModelConfig, long_context: bool = False) -> torch.Tens
         inv_freq = torch.where(is_medium, smoothed, scaled)
     elif kind == "longrope":
         inv_freq = inv_freq / torch.tensor(scaling["long_factor" if long_context else "short_factor"])
+    elif kind == "yarn":
+        inv_freq = _yarn_inv_freq(scaling, config.rope_theta, dim)
     elif kind == "frequency_divisors":  # a GGUF file's rope_freqs (Llama 3.1's scaling as llama.cpp stores it)
         inv_freq = inv_freq / torch.tensor(scaling["divisors"])
     elif kind is not None:
@@ -61,14 +63,50 @@ def rope_inv_freq(config: ModelConfig, long_context: bool = False) -> torch.Tens
     return torch.cat([inv_freq, torch.zeros(config.head_dim // 2 - dim // 2)])
 
 
+def _yarn_inv_freq(scaling: dict[str, Any], theta: float, dim: int) -> torch.Tensor:
+    """YaRN's frequencies: each one interpolated (divided by the factor) where its wavelength is
+    long against the original context, kept where it is short, and blended along a linear ramp
+    between the dims at which a frequency turns `beta_fast` and `beta_slow` times over the
+    original context (rounded outwards unless `truncate` is false), as transformers and llama.cpp
+    compute them."""
+    factor, original = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+    base = float(theta)
+
+    def dim_turning(turns: float) -> float:  # the dim whose frequency turns `turns` times over the original context
+        return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_turning(float(scaling.get("beta_fast") or 32)), dim_turning(float(scaling.get("beta_slow") or 1))
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    kept = 1 - torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    return 1.0 / (factor * pos_freqs) * (1 - kept) + 1.0 / pos_freqs * kept
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def rope_attention_factor(config: ModelConfig) -> float:
-    """What longrope multiplies cos and sin by: its `attention_factor`, else sqrt(1 + ln(s) /
-    ln(original length)) for the context's stretch s (1 for every other rotary)."""
+    """What longrope and YaRN multiply cos and sin by: the config's `attention_factor`, else
+    longrope's sqrt(1 + ln(s) / ln(original length)) for the context's stretch s, YaRN's
+    0.1 ln(factor) + 1 (or the ratio of two such terms, with DeepSeek's `mscale` and
+    `mscale_all_dim`); 1 for every other rotary."""
     scaling = config.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) != "longrope":
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in ("longrope", "yarn"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
+    if kind == "yarn":
+        factor = float(scaling["factor"])
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            return _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
+        return _yarn_mscale(factor)
     original = float(scaling["original_max_position_embeddings"])
     factor = float(scaling.get("factor") or config.max_position_embeddings / original)
     return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))

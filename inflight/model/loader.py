@@ -440,6 +440,28 @@ def _gguf_sampling(reader: Any) -> dict[str, float] | None:
             for name, value in found.items() if value is not None} or None
 
 
+def _gguf_yarn(reader: Any, arch: str) -> dict[str, Any]:
+    """A file's YaRN settings in transformers' terms: llama.cpp's converter writes the factor, the
+    original context and, where the checkpoint has them, the ramp's betas and the attention
+    factor. The extension factor and DeepSeek's log multiplier, which llama.cpp's converters
+    write in more than one convention, are refused by name unless neutral."""
+    def field(key: str) -> Any:
+        return gguf_field(reader, f"{arch}.rope.scaling.{key}")
+
+    for key, neutral in (("yarn_ext_factor", 1.0), ("yarn_log_multiplier", 0.0), ("attn_factor", 1.0)):
+        if field(key) is not None and float(field(key)) != neutral:
+            raise ModelLoadError(f"{arch}.rope.scaling.{key} = {float(field(key)):g} beside YaRN changes the rotary "
+                                 "embedding in a way inflight does not compute")
+    original = field("original_context_length") or gguf_field(reader, f"{arch}.context_length")
+    if field("factor") is None or original is None:
+        raise ModelLoadError(f"{arch}.rope.scaling.type 'yarn' needs {arch}.rope.scaling.factor and "
+                             f"{arch}.rope.scaling.original_context_length")
+    found = {"beta_fast": field("yarn_beta_fast"), "beta_slow": field("yarn_beta_slow"),
+             "attention_factor": field("yarn_attn_factor")}
+    return {"rope_type": "yarn", "factor": float(field("factor")), "original_max_position_embeddings": int(original),
+            **{key: float(value) for key, value in found.items() if value is not None}}
+
+
 def _gguf_config(reader: Any) -> ModelConfig:
     shards = int(gguf_field(reader, "split.count") or 1)
     if shards > 1:  # llama.cpp's gguf-split: the tensors spread over files named -0000i-of-0000n
@@ -487,6 +509,8 @@ def _gguf_config(reader: Any) -> ModelConfig:
     scaling_type = gguf_field(reader, f"{arch}.rope.scaling.type")
     if scaling_type == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif scaling_type == "yarn":
+        rope_scaling = _gguf_yarn(reader, arch)
     elif scaling_type not in (None, "none"):
         raise ModelLoadError(f"unsupported rope scaling {scaling_type!r}")
     freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
