@@ -25,7 +25,7 @@ the same sources first (low priority: the build takes a while):
     nice -n 19 cmake --build build --target llama-quantize -j2 && cd -
     /tmp/conv/bin/python tests/converter_fixtures.py /tmp/lcp/llama_cpp_python-0.3.36/vendor/llama.cpp --quantized
 
-OLMo 2's and Qwen3-MoE's converters ask for a byte-level BPE tokenizer they recognize by hash;
+OLMo 2's, Qwen3-MoE's and OLMoE's converters ask for a byte-level BPE tokenizer they recognize by hash;
 here they take the SentencePiece vocabulary instead (`_convert` patches that one method), which
 changes no weight or setting.
 """
@@ -80,6 +80,8 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral": ("Mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
     "qwen3_moe": ("Qwen3Moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                "norm_topk_prob": True}),
+    # the converter writes OLMoE's eps of 1e-5 whatever the checkpoint says
+    "olmoe": ("Olmoe", {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False, "rms_norm_eps": 1e-5}),
 }
 
 # the quantized fixtures' checkpoint: every row 256 weights long (head_dim 64), as the K-quants' blocks need

@@ -161,7 +161,7 @@ def test_every_bias_the_checkpoint_has_is_applied_and_no_weight_is_left_out(tmp_
 @pytest.mark.parametrize(("key", "value"), [
     ("hidden_act", "gelu_pytorch_tanh"), ("use_bidirectional_attention", True),
     ("layer_types", ["full_attention", "chunked_attention"]), ("rope_scaling", {"rope_type": "dynamic", "factor": 4.0}),
-    ("quantization_config", {"quant_method": "gptq", "bits": 4})])
+    ("quantization_config", {"quant_method": "gptq", "bits": 4}), ("clip_qkv", 8.0)])
 def test_a_config_key_that_changes_the_arithmetic_is_refused_by_name(tmp_path, key, value):
     import transformers
 
@@ -334,6 +334,9 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             **common, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=96, norm_topk_prob=True,
             mlp_only_layers=[1]))
+    elif arch == "olmoe":  # 6 experts, 3 per token, their weights not renormalized
+        model = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
+            **common, num_experts=6, num_experts_per_tok=3, norm_topk_prob=False))
     else:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     with torch.no_grad():  # norm scales and biases away from their initial 1 and 0, so a dropped one shows
@@ -344,17 +347,18 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3", "gemma2", "gemma3_text",
-                                  "mixtral", "qwen3_moe"])
+                                  "mixtral", "qwen3_moe", "olmoe"])
 def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arch):
     """Qwen3 (q and k RMS-normalized per head before rotary, head_dim beyond hidden / heads),
     Qwen2 (q/k/v biases), OLMo 2 (attention's and the MLP's outputs normalized instead of their
     inputs, q and k over the whole projection), Granite (embedding, residual and attention
     multipliers, logits scaling), SmolLM3 (every fourth layer without rotary), Phi-3 (q, k, v
     and gate, up stored fused), Gemma 2 (sandwich norms, GeGLU, soft-capping, local and global
-    layers), Gemma 3 (q/k norm, the local layers' own rotary base), Mixtral and Qwen3-MoE (routed
-    experts; a dense layer among them), each from a Hugging Face directory (fp32, and bf16 or
-    fp16) and from a GGUF file in llama.cpp's layout, against transformers: reading the same GGUF
-    where it can (Qwen, Phi-3), else the model the file was written from."""
+    layers), Gemma 3 (q/k norm, the local layers' own rotary base), Mixtral, Qwen3-MoE and OLMoE
+    (routed experts; a dense layer among them; OLMoE's weights not renormalized), each from a
+    Hugging Face directory (fp32, and bf16 or fp16) and from a GGUF file in llama.cpp's layout,
+    against transformers: reading the same GGUF where it can (Qwen, Phi-3), else the model the
+    file was written from."""
     from transformers import AutoModelForCausalLM
 
     model = tiny_hf_model(arch)
@@ -511,7 +515,8 @@ def test_routed_experts_run_each_chosen_expert_once_over_its_tokens(normalize):
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3",
-                                  "phi3_longrope", "qwen3_yarn", "gemma2", "gemma3_text", "mixtral", "qwen3_moe"])
+                                  "phi3_longrope", "qwen3_yarn", "gemma2", "gemma3_text", "mixtral", "qwen3_moe",
+                                  "olmoe"])
 def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_path, monkeypatch, arch):
     """The GGUF file llama.cpp's `convert_hf_to_gguf.py` made of a tiny checkpoint of each
     architecture (tests/converter_fixtures.py; its names, row orders, norm offsets, stacked
@@ -566,7 +571,8 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
     hf.save_pretrained(path)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "olmo2", "smollm3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["qwen3", "olmo2", "smollm3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe",
+                                  "olmoe"])
 def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arch):
     """Through the engine as a user runs it: the directory's own tokenizer and chat template, a
     batch of chats (longer than Gemma's 24-token window) in small prefill chunks, the prefix cache

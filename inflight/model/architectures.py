@@ -83,6 +83,9 @@ class Architecture:
     # The checkpoint names of a routed-experts MLP (the plan's `experts` step); its dense layers,
     # if any, read `matmuls`' gate_up and down.
     experts: ExpertNames | None = None
+    # Whether llama.cpp renormalizes the chosen experts' weights for this architecture's GGUF
+    # files where they do not say (`expert_weights_norm`): Mixtral's and Qwen3-MoE's do, OLMoE's not.
+    gguf_expert_weights_norm: bool = True
 
     @property
     def activation(self) -> str:
@@ -123,6 +126,10 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     Architecture("mixtral", plan=with_routed_experts(LLAMA_LAYER), experts=_MIXTRAL_EXPERTS),
     Architecture("qwen3_moe", plan=with_routed_experts(QK_NORM_LAYER), extra_weights=_QK_NORM,
                  gguf_interleaved_qk=False, experts=_QWEN3_MOE_EXPERTS),
+    # OLMoE: Llama's layer with q and k normalized over the whole projection (the scales' length
+    # says which), every MLP routed, the chosen experts' weights not renormalized.
+    Architecture("olmoe", plan=with_routed_experts(QK_NORM_LAYER), extra_weights=_QK_NORM,
+                 gguf_interleaved_qk=False, experts=_QWEN3_MOE_EXPERTS, gguf_expert_weights_norm=False),
 ]}
 
 # llama.cpp's architecture names that differ from Hugging Face's model_type; and those it gives

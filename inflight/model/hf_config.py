@@ -79,6 +79,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "use_bidirectional_attention": (None, False),
     "quantization_config": (None,),
     "pretraining_tp": (None, 1),
+    "clip_qkv": (None,),
 }
 # The config keys `parse_hf_config` reads: each one's effect on the arithmetic is computed.
 READ_KEYS = frozenset({
@@ -217,7 +218,8 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         num_experts=num_experts,
         num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0) if num_experts else 0,
         moe_intermediate_size=int(raw["moe_intermediate_size"]) if raw.get("moe_intermediate_size") else None,
-        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),  # Mixtral's always renormalize
+        # Mixtral's always renormalize; the others as their config says, else as its class's default (no)
+        norm_topk_prob=arch == "mixtral" or bool(raw.get("norm_topk_prob", False)),
         moe_layers=_moe_layers(raw) if num_experts else None,
     )
 

@@ -577,7 +577,7 @@ def _gguf_config(reader: Any) -> ModelConfig:
         num_experts=num_experts,
         num_experts_per_tok=int(get("expert_used_count")) if num_experts else 0,
         moe_intermediate_size=int(w) if (w := gguf_field(reader, f"{arch}.expert_feed_forward_length")) else None,
-        norm_topk_prob=True,  # llama.cpp renormalizes the chosen experts' weights for these architectures
+        norm_topk_prob=bool(gguf_field(reader, f"{arch}.expert_weights_norm", row.gguf_expert_weights_norm)),
         moe_layers=_gguf_moe_layers(tensor_names, num_layers) if num_experts else None,
     )
 
