@@ -451,6 +451,24 @@ def test_yarn_matches_transformers(tmp_path, loaded, arch, yarn):
                               atol=1e-2)
 
 
+def test_yarn_stretches_the_context_a_model_serves():
+    """Qwen3's config.json keeps max_position_embeddings 40960 when its card's YaRN settings are
+    added (a factor of 4 over 32768): the model serves 131072 positions, as vLLM derives."""
+    from inflight.model.hf_config import parse_hf_config
+
+    raw = json.loads(json.dumps(tiny_hf_model("qwen3").config.to_dict()))
+    raw["max_position_embeddings"] = 40960
+    raw["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    raw.pop("rope_parameters")
+    config = parse_hf_config(raw)
+    assert config.max_position_embeddings == 131072 and config.rope_scaling["factor"] == 4.0
+    raw["rope_scaling"] = {"type": "yarn", "factor": 2.0}  # the older key; the original context from the config
+    config = parse_hf_config(raw)
+    assert config.max_position_embeddings == 81920
+    assert config.rope_scaling == {"rope_type": "yarn", "type": "yarn", "factor": 2.0,
+                                   "original_max_position_embeddings": 40960}
+
+
 @pytest.mark.parametrize(("key", "value"), [("yarn_ext_factor", 0.5), ("yarn_log_multiplier", 0.1),
                                             ("attn_factor", 2.5)])
 def test_yarn_settings_llama_cpp_writes_in_other_conventions_are_refused_by_name(tmp_path, key, value):
@@ -459,13 +477,14 @@ def test_yarn_settings_llama_cpp_writes_in_other_conventions_are_refused_by_name
     def yarn(w: Any, extra: bool = True) -> None:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(4.0)
-        w.add_rope_scaling_orig_ctx_len(32)
+        w.add_rope_scaling_orig_ctx_len(128)
         if extra:
             w.add_float32(f"llama.rope.scaling.{key}", value)
 
     write_tiny_gguf(tmp_path / "plain.gguf", {}, metadata=lambda w: yarn(w, extra=False))
     config, _ = load_checkpoint(resolve_model(str(tmp_path / "plain.gguf")), torch.float32)
-    assert config.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    assert config.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+    assert config.max_position_embeddings == 512  # what YaRN stretches 128 to, past the file's 256
     write_tiny_gguf(tmp_path / "other.gguf", {}, metadata=yarn)
     with pytest.raises(ModelLoadError, match=f"llama.rope.scaling.{key} = {value} beside YaRN"):
         load_checkpoint(resolve_model(str(tmp_path / "other.gguf")), torch.float32)

@@ -176,7 +176,14 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         if original is None:
             raise ValueError("yarn needs original_max_position_embeddings or max_position_embeddings")
         factor = rope_scaling.get("factor") or int(raw["max_position_embeddings"]) / int(original)
-        rope_scaling = {**rope_scaling, "original_max_position_embeddings": int(original), "factor": float(factor)}
+        rope_scaling = {**rope_scaling, "rope_type": "yarn", "original_max_position_embeddings": int(original),
+                        "factor": float(factor)}
+    max_positions = int(raw.get("max_position_embeddings", 4096))
+    if kind == "yarn":
+        # what YaRN stretches the original context to, as vLLM derives it: Qwen3's config keeps
+        # 40960 beside a factor of 4 over 32768 when its card's YaRN settings are added
+        stretched = rope_scaling["original_max_position_embeddings"] * rope_scaling["factor"]
+        max_positions = max(max_positions, int(stretched))
     head_dim = int(raw.get("head_dim") or hidden // num_heads)
     partial = raw.get("partial_rotary_factor") or (rope_scaling or {}).get("partial_rotary_factor") or 1.0
     window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
@@ -198,7 +205,7 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         rotary_dim=int(head_dim * float(partial)) if float(partial) != 1 else None,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        max_position_embeddings=max_positions,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=arch in _QKV_BIAS_ARCHITECTURES or bool(raw.get("attention_bias", False)),
         rope_scaling=rope_scaling,

@@ -462,6 +462,14 @@ def _gguf_yarn(reader: Any, arch: str) -> dict[str, Any]:
             **{key: float(value) for key, value in found.items() if value is not None}}
 
 
+def _stretched_context(rope_scaling: dict[str, Any] | None) -> int:
+    """The context YaRN stretches the original one to (0 for other rotaries), as `parse_hf_config`
+    and vLLM take it: a file converted from Qwen3's config with its card's YaRN settings says 40960."""
+    if rope_scaling is None or rope_scaling["rope_type"] != "yarn":
+        return 0
+    return int(rope_scaling["original_max_position_embeddings"] * rope_scaling["factor"])
+
+
 def _gguf_config(reader: Any) -> ModelConfig:
     shards = int(gguf_field(reader, "split.count") or 1)
     if shards > 1:  # llama.cpp's gguf-split: the tensors spread over files named -0000i-of-0000n
@@ -555,7 +563,7 @@ def _gguf_config(reader: Any) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(get("context_length", 4096)),
+        max_position_embeddings=max(int(get("context_length", 4096)), _stretched_context(rope_scaling)),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         rope_scaling=rope_scaling,
