@@ -179,7 +179,7 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         rope_scaling = {**rope_scaling, "rope_type": "yarn", "original_max_position_embeddings": int(original),
                         "factor": float(factor)}
     max_positions = int(raw.get("max_position_embeddings", 4096))
-    if kind == "yarn":
+    if kind == "yarn" and rope_scaling is not None:
         # what YaRN stretches the original context to, as vLLM derives it: Qwen3's config keeps
         # 40960 beside a factor of 4 over 32768 when its card's YaRN settings are added
         stretched = rope_scaling["original_max_position_embeddings"] * rope_scaling["factor"]
