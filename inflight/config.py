@@ -23,6 +23,18 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def json_object(value: Any, name: str) -> dict[str, Any]:
+    """An option's JSON object, from JSON text or a mapping; ConfigError naming `name` otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{name}: not JSON ({exc.msg} at character {exc.pos})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
 # Element types by name and their bytes: all priced by the simulator; the engine computes in and
 # stores the first three (`ENGINE_KV_DTYPES`).
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
@@ -205,13 +217,7 @@ class SpeculativeConfig:
         """From JSON text, a mapping, or a config already made; ConfigError naming what is wrong."""
         if isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"speculative_config: not JSON ({exc.msg} at character {exc.pos})") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        value = json_object(value, "speculative_config")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - known)
         _require(not unknown, f"speculative_config: unknown key {', '.join(map(repr, unknown))} "
@@ -292,6 +298,15 @@ GENERATION_CONFIGS = ("auto", "vllm")
 QUANTIZATIONS = ("none", "int8", "int8-activations", "bf16-activations")
 
 
+def canonical_overrides(value: str | dict[str, Any] | None) -> str | None:
+    """`hf_overrides` as one JSON text (keys sorted; None for none), from JSON text or a mapping;
+    ConfigError naming what is wrong."""
+    if value is None:
+        return None
+    value = json_object(value, "hf_overrides")
+    return json.dumps(value, sort_keys=True) if value else None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything needed to build an engine; the model's own shapes come from its file."""
@@ -316,9 +331,16 @@ class EngineConfig:
                 "generation_config.json, a GGUF file's general.sampling.* keys) or vllm (inflight's, as vLLM's "
                 "option of that name); the model's end-of-generation tokens apply either way",
         choices=GENERATION_CONFIGS)
+    hf_overrides: str | dict[str, Any] | None = option(
+        None, "a JSON object of config.json keys that replace the model's own, as vLLM's --hf-overrides (a "
+              "multimodal config's decoder settings: text_config's); for a GGUF file its rotary settings "
+              "only: rope_scaling or rope_parameters, rope_theta, max_position_embeddings. Qwen3 past 32k: "
+              '\'{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}\'')
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     step_history: int = 4096
+    # `hf_overrides` read and checked: one JSON text, keys sorted (None: none).
+    model_overrides: str | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
@@ -327,6 +349,7 @@ class EngineConfig:
         _require(self.generation_config in GENERATION_CONFIGS, f"generation_config must be one of "
                  f"{', '.join(GENERATION_CONFIGS)}, got {self.generation_config!r}")
         _require(self.step_history >= 1, "step_history must be >= 1")
+        object.__setattr__(self, "model_overrides", canonical_overrides(self.hf_overrides))
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineConfig:

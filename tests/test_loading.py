@@ -469,6 +469,49 @@ def test_yarn_stretches_the_context_a_model_serves():
                                    "original_max_position_embeddings": 40960}
 
 
+def test_hf_overrides_switch_yarn_on_as_a_config_json_edit_would(tmp_path, loaded):
+    """vLLM's --hf-overrides, as Qwen3's card asks for contexts past 32k: the same YaRN from a
+    checkpoint whose config.json lacks it and from a GGUF file whose metadata lacks it (its
+    rotary settings are all a GGUF file's that can be overridden), computed as transformers
+    computes the model whose config has it; an engine reloads for other overrides."""
+    from inflight import LLM
+    from inflight.engine.engine import LLMEngine
+
+    rope = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0, "original_max_position_embeddings": 32}
+    model = tiny_hf_model("qwen3", rope_parameters=rope)
+    plain = tiny_hf_model("qwen3")  # the same weights (the rotary has none), no YaRN
+    plain.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    loaded.tokenizer.hf.save_pretrained(tmp_path / "hf")
+    write_gguf_from_hf(tmp_path / "tiny.gguf", "qwen3", plain)
+    overrides = json.dumps({"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                             "original_max_position_embeddings": 32}})
+    ids = list(range(5, 5 + 90))
+    expected = hf_logits(model, ids)
+    for path in (tmp_path / "hf", tmp_path / "tiny.gguf"):
+        config, weights = load_checkpoint(resolve_model(str(path)), torch.float32)
+        assert config.rope_scaling is None
+        config, weights = load_checkpoint(resolve_model(str(path), overrides), torch.float32)
+        assert config.rope_scaling["rope_type"] == "yarn"
+        torch.testing.assert_close(inflight_logits(LlamaModel(config, weights, torch.device("cpu")), ids), expected,
+                                   atol=1e-4, rtol=1e-4)
+    with pytest.raises(ModelLoadError, match="rope_type 'dynamic'"):
+        load_checkpoint(resolve_model(str(tmp_path / "tiny.gguf"), '{"rope_scaling": {"rope_type": "dynamic"}}'),
+                        torch.float32)
+    with pytest.raises(ModelLoadError, match="hf_overrides: num_hidden_layers: a GGUF file's settings"):
+        load_checkpoint(resolve_model(str(tmp_path / "tiny.gguf"), '{"num_hidden_layers": 1}'), torch.float32)
+
+    llm = LLM(model=str(tmp_path / "hf"), hf_overrides=json.loads(overrides), num_kv_blocks=16,
+              max_model_len=128)
+    out = llm.generate([ids[:60]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        greedy = model.generate(torch.tensor([ids[:60]]), max_new_tokens=8, do_sample=False)[0, 60:]
+    assert out.token_ids == greedy.tolist()
+    config = dataclasses.replace(llm.engine.config, hf_overrides=None)
+    assert not llm.engine.parts.loaded.serves(config)
+    assert LLMEngine(config, llm.engine.parts.loaded).model_config.rope_scaling is None
+
+
 @pytest.mark.parametrize(("key", "value"), [("yarn_ext_factor", 0.5), ("yarn_log_multiplier", 0.1),
                                             ("attn_factor", 2.5)])
 def test_yarn_settings_llama_cpp_writes_in_other_conventions_are_refused_by_name(tmp_path, key, value):
@@ -1082,7 +1125,9 @@ def test_a_shard_of_a_split_gguf_is_refused_with_the_way_to_merge_it(tmp_path):
 
 def test_cli_errors_are_one_line(tmp_path):
     for args in (["generate", "hi", "--model", str(tmp_path / "nope.gguf")],
-                 ["generate", "hi", "--max-batch-size", "0", "--num-kv-blocks", "4"]):
+                 ["generate", "hi", "--max-batch-size", "0", "--num-kv-blocks", "4"],
+                 ["generate", "hi", "--hf-overrides", '{"rope_scaling": ', "--num-kv-blocks", "4"],
+                 ["generate", "hi", "--hf-overrides", '{"num_hidden_layers": 1}', "--num-kv-blocks", "4"]):
         proc = subprocess.run([sys.executable, "-m", "inflight.cli", *args], capture_output=True, text=True,
                               timeout=120)
         assert proc.returncode == 2

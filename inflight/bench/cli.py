@@ -234,13 +234,9 @@ def _bench_in_process(args: argparse.Namespace, options: dict[str, Any], plans: 
     from inflight.bench.runs import run_in_process
     from inflight.bench.workload import generate_requests
     from inflight.config import EngineConfig
-    from inflight.engine.engine import select_device, select_dtype
-    from inflight.model.loaded import LoadedModel
+    from inflight.engine.engine import load_model_for
 
-    EngineConfig.from_kwargs(args.model, **options)  # a bad option fails before the model loads
-    device = select_device(options.get("device", "auto"))
-    loaded = LoadedModel.load(args.model, select_dtype(options.get("dtype", "auto"), device), device,
-                                options.get("quantization", "none"))
+    loaded = load_model_for(EngineConfig.from_kwargs(args.model, **options))  # a bad option fails first
     requests = generate_requests(spec, Corpus(loaded.tokenizer), spec_path.parent)
     runs = run_in_process(args.model, options, plans, requests, max_concurrency=args.max_concurrency,
                           slo=slo, progress=progress, loaded=loaded)
@@ -277,15 +273,11 @@ def _find_max_rate(args: argparse.Namespace, spec: WorkloadSpec, spec_path: Path
     else:
         from inflight.bench.runs import run_in_process
         from inflight.config import EngineConfig
-        from inflight.engine.engine import select_device, select_dtype
-        from inflight.model.loaded import LoadedModel
+        from inflight.engine.engine import load_model_for
         from inflight.options import engine_options
 
         options = engine_options(args)
-        EngineConfig.from_kwargs(args.model, **options)
-        device = select_device(options.get("device", "auto"))
-        loaded = LoadedModel.load(args.model, select_dtype(options.get("dtype", "auto"), device), device,
-                                options.get("quantization", "none"))
+        loaded = load_model_for(EngineConfig.from_kwargs(args.model, **options))
         corpus = Corpus(loaded.tokenizer)
         document["target"] = {"kind": "in-process", "model": args.model}
         document["engine_options"] = options

@@ -14,7 +14,7 @@ from inflight.bench.metrics import RequestSLO
 from inflight.bench.results import BenchRun
 from inflight.bench.workload import BenchRequest
 from inflight.config import EngineConfig, SchedulerConfig
-from inflight.engine.engine import LLMEngine, select_device, select_dtype
+from inflight.engine.engine import LLMEngine, load_model_for
 from inflight.errors import ConfigError
 from inflight.model.loaded import LoadedModel
 from inflight.options import engine_option_names
@@ -113,9 +113,7 @@ def run_in_process(model: str | None, base_options: dict[str, Any], plans: Seque
     for _, options in configs:  # fail fast on a bad option, before loading anything
         EngineConfig.from_kwargs(model, **options)
     if loaded is None:
-        device = select_device(base_options.get("device", "auto"))
-        loaded = LoadedModel.load(model, select_dtype(base_options.get("dtype", "auto"), device), device,
-                                  base_options.get("quantization", "none"))
+        loaded = load_model_for(EngineConfig.from_kwargs(model, **base_options))
     runs = []
     for plan, options in configs:
         config = EngineConfig.from_kwargs(model, **options)

@@ -90,8 +90,16 @@ def check_engine_fits(config: EngineConfig, copies: int = 1) -> None:
     (`engine.memory.check_memory`)."""
     device = select_device(config.device)
     dtype = select_dtype(config.dtype, device)
-    check_memory(config, resolve_model(config.model), dtype, device, packed=linear_backend(device, dtype) != "torch",
-                 copies=copies)
+    check_memory(config, resolve_model(config.model, config.model_overrides), dtype, device,
+                 packed=linear_backend(device, dtype) != "torch", copies=copies)
+
+
+def load_model_for(config: EngineConfig) -> LoadedModel:
+    """The model an engine of `config` runs: on its device, in its dtype, quantization and
+    `hf_overrides` (an engine given it reuses it: `LoadedModel.serves`)."""
+    device = select_device(config.device)
+    return LoadedModel.load(config.model, select_dtype(config.dtype, device), device, config.quantization,
+                            config.model_overrides)
 
 
 def _blocks_for_budget(cache: CacheConfig, model: LlamaModel, kv_dtype: torch.dtype, device: torch.device) -> int:
@@ -283,11 +291,11 @@ class LLMEngine:
     def _model_parts(config: EngineConfig, loaded: LoadedModel | None) -> EngineParts:
         device = select_device(config.device)
         torch.manual_seed(config.seed)
-        if loaded is not None and loaded.quantization != config.quantization:
-            loaded = None  # a model loaded with other weights than this engine computes with
+        if loaded is not None and not loaded.serves(config):
+            loaded = None  # a model loaded with other weights or settings than this engine computes with
         if loaded is None:
             check_engine_fits(config)
-            loaded = LoadedModel.load(config.model, select_dtype(config.dtype, device), device, config.quantization)
+            loaded = load_model_for(config)
         cache = config.cache
         kv_dtype = select_kv_dtype(cache.kv_cache_dtype, loaded.model.dtype)
         num_blocks = cache.num_kv_blocks or _blocks_for_budget(cache, loaded.model, kv_dtype, device)

