@@ -96,7 +96,7 @@ class ModelConfig:
     # Gemma 2's soft-capping: attention scores and final logits become cap * tanh(x / cap).
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
-    # Routed experts (Mixtral, Qwen3-MoE, OLMoE): each token's MLP is the weighted sum of the
+    # Routed experts (Mixtral, Qwen3-MoE, OLMoE, Granite MoE): each token's MLP is the weighted sum of the
     # `num_experts_per_tok` experts (of `num_experts`, each `moe_intermediate_size` wide) its
     # router scores highest, their weights renormalized to sum to 1 where `norm_topk_prob`; in the
     # layers `moe_layers` marks (None: every layer), the others a dense MLP. 0 experts: dense.

@@ -80,6 +80,9 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral": ("Mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
     "qwen3_moe": ("Qwen3Moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                "norm_topk_prob": True}),
+    # Granite MoE: its multipliers, experts stacked in the checkpoint (gate and up fused in the file)
+    "granitemoe": ("GraniteMoe", {"num_local_experts": 4, "num_experts_per_tok": 2, "embedding_multiplier": 12.0,
+                                  "residual_multiplier": 0.22, "attention_multiplier": 0.1, "logits_scaling": 8.0}),
     # the converter writes OLMoE's eps of 1e-5 whatever the checkpoint says
     "olmoe": ("Olmoe", {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False, "rms_norm_eps": 1e-5}),
 }

@@ -269,14 +269,18 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
             tensor = tensor + 1
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        if name.endswith("mlp.experts.gate_up_proj"):  # [experts, 2 * width, hidden]: stacked as llama.cpp's
-            prefix = name.removesuffix("mlp.experts.gate_up_proj").replace("model.layers.", "blk.")
+        moe = "block_sparse_moe." if arch == "granitemoe" else "mlp."
+        if name.endswith(moe + "experts.gate_up_proj"):  # [experts, 2 * width, hidden]: stacked as llama.cpp's
+            prefix = name.removesuffix(moe + "experts.gate_up_proj").replace("model.layers.", "blk.")
+            if arch == "granitemoe":  # gate and up in one tensor, as llama.cpp's --fuse-gate-up-exps writes
+                w.add_tensor(prefix + "ffn_gate_up_exps.weight", tensor.detach().float().numpy())
+                continue
             gate, up = tensor.chunk(2, dim=1)
             w.add_tensor(prefix + "ffn_gate_exps.weight", gate.contiguous().float().numpy())
             w.add_tensor(prefix + "ffn_up_exps.weight", up.contiguous().float().numpy())
             continue
-        if name.endswith(("mlp.experts.down_proj", "mlp.gate.weight")):  # stacked experts, the router
-            prefix = name.replace("model.layers.", "blk.").rsplit("mlp.", 1)[0]
+        if name.endswith((moe + "experts.down_proj", "mlp.gate.weight", "block_sparse_moe.router.weight")):
+            prefix = name.replace("model.layers.", "blk.").rsplit(moe, 1)[0]  # stacked experts, the router
             kind = "ffn_down_exps.weight" if name.endswith("down_proj") else "ffn_gate_inp.weight"
             w.add_tensor(prefix + kind, tensor.detach().float().numpy())
             continue
@@ -285,7 +289,8 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
             gguf_name = f"blk.{index}.{to_gguf[rest]}"
         else:
             gguf_name = top[name]
-        if arch in ("granite", "smollm3", "mixtral") and name.endswith(("q_proj.weight", "k_proj.weight")):
+        llama_style = arch in ("granite", "granitemoe", "smollm3", "mixtral")
+        if llama_style and name.endswith(("q_proj.weight", "k_proj.weight")):
             tensor = interleaved(tensor, cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
         w.add_tensor(gguf_name, tensor.detach().float().numpy())
     w.write_header_to_file()
@@ -334,6 +339,10 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             **common, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=96, norm_topk_prob=True,
             mlp_only_layers=[1]))
+    elif arch == "granitemoe":  # Granite's multipliers, 4 experts, 2 per token
+        model = transformers.GraniteMoeForCausalLM(transformers.GraniteMoeConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=12.0, residual_multiplier=0.22,
+            attention_multiplier=0.125, logits_scaling=8.0))
     elif arch == "olmoe":  # 6 experts, 3 per token, their weights not renormalized
         model = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
             **common, num_experts=6, num_experts_per_tok=3, norm_topk_prob=False))
@@ -347,15 +356,16 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3", "gemma2", "gemma3_text",
-                                  "mixtral", "qwen3_moe", "olmoe"])
+                                  "mixtral", "qwen3_moe", "olmoe", "granitemoe"])
 def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arch):
     """Qwen3 (q and k RMS-normalized per head before rotary, head_dim beyond hidden / heads),
     Qwen2 (q/k/v biases), OLMo 2 (attention's and the MLP's outputs normalized instead of their
     inputs, q and k over the whole projection), Granite (embedding, residual and attention
     multipliers, logits scaling), SmolLM3 (every fourth layer without rotary), Phi-3 (q, k, v
     and gate, up stored fused), Gemma 2 (sandwich norms, GeGLU, soft-capping, local and global
-    layers), Gemma 3 (q/k norm, the local layers' own rotary base), Mixtral, Qwen3-MoE and OLMoE
-    (routed experts; a dense layer among them; OLMoE's weights not renormalized), each from a
+    layers), Gemma 3 (q/k norm, the local layers' own rotary base), Mixtral, Qwen3-MoE, OLMoE and
+    Granite MoE (routed experts; a dense layer among them; OLMoE's weights not renormalized;
+    Granite MoE's stacked in the checkpoint, here gate and up in one GGUF tensor), each from a
     Hugging Face directory (fp32, and bf16 or fp16) and from a GGUF file in llama.cpp's layout,
     against transformers: reading the same GGUF where it can (Qwen, Phi-3), else the model the
     file was written from."""
@@ -578,7 +588,7 @@ def test_routed_experts_run_each_chosen_expert_once_over_its_tokens(normalize):
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3",
                                   "phi3_longrope", "qwen3_yarn", "gemma2", "gemma3_text", "mixtral", "qwen3_moe",
-                                  "olmoe"])
+                                  "olmoe", "granitemoe"])
 def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_path, monkeypatch, arch):
     """The GGUF file llama.cpp's `convert_hf_to_gguf.py` made of a tiny checkpoint of each
     architecture (tests/converter_fixtures.py; its names, row orders, norm offsets, stacked
@@ -634,7 +644,7 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "olmo2", "smollm3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe",
-                                  "olmoe"])
+                                  "olmoe", "granitemoe"])
 def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arch):
     """Through the engine as a user runs it: the directory's own tokenizer and chat template, a
     batch of chats (longer than Gemma's 24-token window) in small prefill chunks, the prefix cache

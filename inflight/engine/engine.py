@@ -246,6 +246,9 @@ class LLMEngine:
 
         sched_cfg = config.scheduler
         if sched_cfg.max_model_len > model_config.max_position_embeddings:
+            logger.info("max_model_len %d is past the %d positions the model serves: %d it is",
+                        sched_cfg.max_model_len, model_config.max_position_embeddings,
+                        model_config.max_position_embeddings)
             sched_cfg = dataclasses.replace(sched_cfg, max_model_len=model_config.max_position_embeddings)
         if parts.loaded is not None:  # a longrope model's factors follow the context it serves
             parts.loaded.model.use_context(sched_cfg.max_model_len)

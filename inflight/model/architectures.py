@@ -41,6 +41,10 @@ class ExpertNames:
     gate: str
     up: str
     down: str
+    # Checkpoint tensors that stack every expert's weights, `[experts, rows, cols]`, under
+    # `model.layers.N.`: name -> the parts ("gate", "up", "down") they hold, in row order (Granite
+    # MoE's input_linear holds gate and up). The loader splits them into the names above.
+    stacked: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def of(self, expert: int) -> tuple[str, str, str]:
         return self.gate.format(e=expert), self.up.format(e=expert), self.down.format(e=expert)
@@ -86,6 +90,9 @@ class Architecture:
     # Whether llama.cpp renormalizes the chosen experts' weights for this architecture's GGUF
     # files where they do not say (`expert_weights_norm`): Mixtral's and Qwen3-MoE's do, OLMoE's not.
     gguf_expert_weights_norm: bool = True
+    # Whether the chosen experts' weights are renormalized whatever a config.json says (Mixtral's
+    # and Granite MoE's: a softmax over the chosen experts' scores); False: as its norm_topk_prob.
+    experts_always_renormalized: bool = False
 
     @property
     def activation(self) -> str:
@@ -103,6 +110,11 @@ _GEMMA2 = Architecture("gemma2", plan=SANDWICH_NORM_LAYER, norms=_SANDWICH_NORMS
 
 _MIXTRAL_EXPERTS = ExpertNames("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
                                 "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight")
+_GRANITE_MOE_EXPERTS = ExpertNames(
+    "block_sparse_moe.router.layer.weight", "block_sparse_moe.experts.{e}.gate.weight",
+    "block_sparse_moe.experts.{e}.up.weight", "block_sparse_moe.experts.{e}.down.weight",
+    stacked={"block_sparse_moe.input_linear.weight": ("gate", "up"),
+             "block_sparse_moe.output_linear.weight": ("down",)})
 _QWEN3_MOE_EXPERTS = ExpertNames("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight",
                                  "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight")
 
@@ -123,7 +135,11 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     _GEMMA2,
     dataclasses.replace(_GEMMA2, name="gemma3_text", plan=SANDWICH_QK_NORM_LAYER, extra_weights=_QK_NORM,
                         window_pattern=6, gguf_local_rope_theta=10000.0, gguf_wide_query_scale_layers=(62,)),
-    Architecture("mixtral", plan=with_routed_experts(LLAMA_LAYER), experts=_MIXTRAL_EXPERTS),
+    Architecture("mixtral", plan=with_routed_experts(LLAMA_LAYER), experts=_MIXTRAL_EXPERTS,
+                 experts_always_renormalized=True),
+    # Granite MoE: Granite's multipliers, every MLP routed, its experts stacked in the checkpoint
+    Architecture("granitemoe", plan=with_routed_experts(LLAMA_LAYER), experts=_GRANITE_MOE_EXPERTS,
+                 experts_always_renormalized=True),
     Architecture("qwen3_moe", plan=with_routed_experts(QK_NORM_LAYER), extra_weights=_QK_NORM,
                  gguf_interleaved_qk=False, experts=_QWEN3_MOE_EXPERTS),
     # OLMoE: Llama's layer with q and k normalized over the whole projection (the scales' length
@@ -138,9 +154,13 @@ GGUF_ARCHITECTURES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
 GGUF_EXPERT_ARCHITECTURES = {"llama": "mixtral", "mistral": "mixtral"}
 
 # llama.cpp's stacked expert tensors (`blk.N.` + these, [experts, rows, cols]) -> which of an
-# `ExpertNames`' weights each expert's slice is.
-GGUF_EXPERT_NAMES = {"ffn_gate_inp.weight": "router", "ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up",
-                     "ffn_down_exps.weight": "down"}
+# `ExpertNames`' weights each expert's slice holds, in row order (the router: one weight).
+GGUF_EXPERT_NAMES: dict[str, tuple[str, ...]] = {
+    "ffn_gate_inp.weight": ("router",), "ffn_gate_exps.weight": ("gate",), "ffn_up_exps.weight": ("up",),
+    "ffn_down_exps.weight": ("down",),
+    # gate and up in one tensor: what llama.cpp's converter writes with --fuse-gate-up-exps (and
+    # for Granite's sliding-window MoE models)
+    "ffn_gate_up_exps.weight": ("gate", "up")}
 
 # llama.cpp's tensor names (`blk.N.` + these) -> Hugging Face's (`model.layers.N.` + these).
 GGUF_LAYER_NAMES = {

@@ -1,4 +1,4 @@
-"""A layer's MLP as routed experts (Mixtral, Qwen3-MoE, OLMoE): a router scores every expert for each
+"""A layer's MLP as routed experts (Mixtral, Qwen3-MoE, OLMoE, Granite MoE): a router scores every expert for each
 token, the token goes through its `top_k` best, and their outputs are summed weighted by the
 router's softmax over the experts (renormalized over the chosen ones where the model says so).
 

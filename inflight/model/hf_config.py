@@ -275,9 +275,10 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         num_experts=num_experts,
         num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0) if num_experts else 0,
         moe_intermediate_size=int(raw["moe_intermediate_size"]) if raw.get("moe_intermediate_size") else None,
-        # Mixtral's always renormalize; the others as their config says, else as its class's default
-        # (no); without experts the field's default
-        norm_topk_prob=not num_experts or arch == "mixtral" or bool(raw.get("norm_topk_prob", False)),
+        # as the architecture always does, else as the config says or its class's default (no);
+        # without experts the field's default
+        norm_topk_prob=(not num_experts or (row is not None and row.experts_always_renormalized)
+                        or bool(raw.get("norm_topk_prob", False))),
         moe_layers=_moe_layers(raw) if num_experts else None,
     )
 

@@ -66,7 +66,7 @@ class Op:
     # dst = src * `param`, a number (Granite's residual multiplier)
     SCALE = "scale"
     # dst = the MLP of `param`'s routed experts over src: each token through the few experts its
-    # router picks, their outputs weighted (Mixtral, Qwen3-MoE, OLMoE)
+    # router picks, their outputs weighted (Mixtral, Qwen3-MoE, OLMoE, Granite MoE)
     ROUTED_EXPERTS = "routed_experts"
 
 

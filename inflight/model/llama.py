@@ -152,7 +152,7 @@ class DecoderLayer(NamedTuple):
     # Which of the model's rotary tables rotates q and k (`ROPE_*`; SmolLM3's NoPE layers: none).
     rope: int = 0
     window: int | None = None  # the layer's attention window (None: full attention)
-    experts: RoutedExperts | None = None  # the MLP of a routed-experts plan (Mixtral, Qwen3-MoE, OLMoE)
+    experts: RoutedExperts | None = None  # the MLP of a routed-experts plan (Mixtral, Qwen3-MoE, OLMoE, Granite MoE)
 
 
 NORMS = ("input_norm", "post_norm", "attn_out_norm", "mlp_out_norm")

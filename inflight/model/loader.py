@@ -16,6 +16,7 @@ import mmap
 import os
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,13 +144,44 @@ def load_checkpoint(source: ModelSource, dtype: torch.dtype,
         weights = _gguf_weights(index.tensors, config, keep_blocks)
     else:
         config = _hf_config(source.path, source.override_keys())
-        weights = _hf_weights(source.path, _hf_left_stored(source.path, config) if keep_blocks else frozenset())
+        weights = _unstacked(_hf_weights(source.path, _hf_left_stored(source.path, config) if keep_blocks
+                                         else frozenset()), config)
         offset = architecture(config.architecture).hf_norm_offset
         if offset:  # Gemma's RMSNorm scales by (1 + weight): stored as llama.cpp stores them
             weights = {name: t + offset if name.endswith("norm.weight") else t for name, t in weights.items()}
     if "lm_head.weight" not in weights:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     return config, {name: t.to(dtype) for name, t in weights.items()}
+
+
+def _unstacked(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """`weights` with a checkpoint's stacked experts (`ExpertNames.stacked`) split into one
+    matrix per expert and part, under the names the model reads."""
+    names = architecture(config.architecture).experts
+    if names is None or not names.stacked:
+        return weights
+    out = {}
+    for name, value in weights.items():
+        prefix, _, rest = name.partition("model.layers.")
+        layer, _, suffix = rest.partition(".")
+        parts = names.stacked.get(suffix) if not prefix and rest else None
+        if parts is None:
+            out[name] = value
+            continue
+        for part, matrices in split_experts(value, parts).items():
+            position = ("gate", "up", "down").index(part)
+            out.update((f"model.layers.{layer}." + names.of(e)[position], m) for e, m in enumerate(matrices))
+    return out
+
+
+def split_experts(stacked: torch.Tensor, parts: tuple[str, ...]) -> dict[str, list[torch.Tensor]]:
+    """A `[experts, rows, cols]` tensor of each expert's `parts` (gate, up, down) stacked in its
+    rows, as each part's per-expert matrices."""
+    if stacked.shape[1] % len(parts):
+        raise ModelLoadError(f"stacked experts of {stacked.shape[1]} rows do not hold {len(parts)} equal parts")
+    pieces = stacked.chunk(len(parts), dim=1)
+    return {part: [m.contiguous() for m in piece.unbind(0)] for part, piece in zip(parts, pieces, strict=True)}
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -715,28 +747,32 @@ def _gguf_weights(tensors: list[GGUFTensor], config: ModelConfig, keep_blocks: b
         value = torch.from_numpy(array).reshape(shape)
         experts = _gguf_expert_names(tensor.name, config)
         if experts is not None:  # stacked experts: one weight each, as Hugging Face stores them
-            weights.update(zip(experts, value.unbind(0) if len(experts) > 1 else [value], strict=True))
+            weights.update(experts(value))
             continue
         name = _gguf_to_hf_name(tensor.name, config.architecture)
         weights[name] = _hf_row_order(name, value, config)
     return weights
 
 
-def _gguf_expert_names(name: str, config: ModelConfig) -> list[str] | None:
-    """The Hugging Face names of the weights a GGUF routed-experts tensor holds (its router, or
-    every expert's gate, up or down projection, stacked); None for any other tensor."""
+def _gguf_expert_names(name: str, config: ModelConfig) -> Callable[[torch.Tensor], dict[str, torch.Tensor]] | None:
+    """For a GGUF routed-experts tensor (a router, or every expert's gate, up or down projection,
+    or gate and up together, stacked): what gives its value's weights under Hugging Face's names;
+    None for any other tensor."""
     names = architecture(config.architecture).experts
     if names is None or not name.startswith("blk."):
         return None
     _, index, rest = name.split(".", 2)
-    kind = GGUF_EXPERT_NAMES.get(rest)
-    if kind is None:
+    parts = GGUF_EXPERT_NAMES.get(rest)
+    if parts is None:
         return None
     prefix = f"model.layers.{index}."
-    if kind == "router":
-        return [prefix + names.router]
-    position = ("gate", "up", "down").index(kind)
-    return [prefix + names.of(e)[position] for e in range(config.num_experts)]
+    if parts == ("router",):
+        return lambda value: {prefix + names.router: value}
+
+    def per_expert(value: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {prefix + names.of(e)[("gate", "up", "down").index(part)]: m
+                for part, matrices in split_experts(value, parts).items() for e, m in enumerate(matrices)}
+    return per_expert
 
 
 def _hf_row_order(name: str, value: torch.Tensor, config: ModelConfig) -> torch.Tensor:
