@@ -790,11 +790,11 @@ def test_llama_cpp_k_quant_files_match_transformers(name):
 
 
 @pytest.mark.parametrize("arch,dtype", [("llama256", torch.bfloat16), ("llama256", torch.float16),
-                                        ("gemma2", torch.bfloat16)])
+                                        ("gemma2", torch.bfloat16), ("qwen3_moe", torch.bfloat16)])
 def test_a_16_bit_checkpoint_stays_16_bit_and_computes_its_fp32_logits_bit_for_bit(tmp_path, arch, dtype):
     """A checkpoint stored in bf16 or fp16 (as models are published), loaded as the engine loads it
     on CPU in fp32: its matmuls' weights stay in 16 bits (2 bytes a weight, no fp32 form; a tied
-    head reads the embedding's), widened in registers, and the embedding stays as stored, its
+    head reads the embedding's; each routed expert's too), widened in registers, and the embedding stays as stored, its
     rows widened as read. Widening is exact, so the logits equal bit for bit those of the same
     values held in fp32, and transformers' on that checkpoint within fp32 summation noise."""
     from converter_fixtures import tiny_model
@@ -818,6 +818,10 @@ def test_a_16_bit_checkpoint_stays_16_bit_and_computes_its_fp32_logits_bit_for_b
     kept = LlamaModel(config, shapes, torch.device("cpu"), gguf_blocks=blocks, embedding=embedding)
     linears = [m for layer in kept.layers for f in ("qkv", "o", "gate_up", "down") if (m := getattr(layer, f))]
     linears.append(kept.lm_head)
+    experts = [m for layer in kept.layers if layer.experts is not None and layer.experts.router is not None
+               for m in (*layer.experts.gate_up, *layer.experts.down)]
+    assert all(m.blocks is not None and m.weight.numel() == 0 for m in experts)
+    linears += experts
     assert all(linear.blocks is not None and linear.weight.numel() == 0 for linear in linears)
     for model in (dense, kept):
         model.use_context(config.max_position_embeddings)
@@ -829,8 +833,8 @@ def test_a_16_bit_checkpoint_stays_16_bit_and_computes_its_fp32_logits_bit_for_b
 
 
 def requantized(source: Path, path: Path, kind: str) -> Path:
-    """`source` (a GGUF file of f32 tensors) written again with every matrix whose rows divide
-    into 32-weight blocks quantized by gguf-py to `kind`."""
+    """`source` (a GGUF file of f32 tensors) written again with every matrix (and stack of
+    experts' matrices) whose rows divide into 32-weight blocks quantized by gguf-py to `kind`."""
     import gguf
 
     reader = gguf.GGUFReader(source)
@@ -843,7 +847,7 @@ def requantized(source: Path, path: Path, kind: str) -> Path:
     qtype = gguf.GGMLQuantizationType[kind]
     for t in reader.tensors:
         data = np.asarray(t.data, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist())))
-        if data.ndim == 2 and data.shape[1] % 32 == 0 and not t.name.startswith("rope_"):
+        if data.ndim in (2, 3) and data.shape[-1] % 32 == 0 and not t.name.startswith("rope_"):
             writer.add_tensor(t.name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(t.name, data)
@@ -855,15 +859,18 @@ def requantized(source: Path, path: Path, kind: str) -> Path:
 
 
 @pytest.mark.parametrize("name", ["mix-a", "mix-b", "mix-c", "phi3_longrope-Q8_0", "qwen3-Q4_1", "gemma2-Q8_0",
-                                  "mixtral-Q4_1", "olmo2-Q4_0", "qwen2-Q5_1", *QUANTIZED_FIXTURES])
+                                  "mixtral-Q4_1", "qwen3_moe-Q8_0", "granitemoe-Q4_0", "olmo2-Q4_0", "qwen2-Q5_1",
+                                  *QUANTIZED_FIXTURES])
 def test_matrices_kept_in_gguf_blocks_compute_the_fp32_logits_bit_for_bit(tmp_path, name):
     """Loaded as the engine loads it on CPU, a GGUF file's matrices of `loader.BLOCK_TYPES` stay in
     their blocks (no fp32 form made or kept: the loader gives only their shapes), fused q/k/v or
     gate/up where their parts' types meet at whole panels (llama.cpp's Q4_K_M puts a Q6_K v beside
     Q4_K q and k), and the token embedding is read by row from the file; the logits of a step of a
     few rows and of many are exactly those of the fully dequantized model. Phi-3's partial rotary
-    reorders the blocks' rows as it does the weights'. The llama256 files are llama.cpp's own
-    quantizer's K-quant mixes: every matrix stays in its blocks."""
+    reorders the blocks' rows as it does the weights'. Routed experts stay in their blocks too,
+    each expert's rows a view of the stack's (a MoE model's widened experts would outweigh
+    the rest). The llama256 files are llama.cpp's own quantizer's K-quant mixes: every matrix
+    stays in its blocks."""
     from converter_fixtures import FIXTURES, QUANTIZED
 
     from inflight.model.linear import blocks_usable
@@ -897,6 +904,10 @@ def test_matrices_kept_in_gguf_blocks_compute_the_fp32_logits_bit_for_bit(tmp_pa
     kept = LlamaModel(config, shapes, torch.device("cpu"), gguf_blocks=blocks, embedding=embedding)
     linears = [m for layer in kept.layers for f in ("qkv", "o", "gate_up", "down") if (m := getattr(layer, f))]
     linears.append(kept.lm_head)
+    experts = [m for layer in kept.layers if layer.experts is not None and layer.experts.router is not None
+               for m in (*layer.experts.gate_up, *layer.experts.down)]
+    assert all(m.blocks is not None and m.weight.numel() == 0 for m in experts)
+    linears += experts
     assert any(linear.blocks is not None for linear in linears)
     assert all(linear.weight.numel() == 0 for linear in linears if linear.blocks is not None)
     if name in QUANTIZED_FIXTURES:

@@ -737,15 +737,17 @@ def _gguf_weights(tensors: list[GGUFTensor], config: ModelConfig, keep_blocks: b
         # The reader gives numpy's row-major shape for unquantized data; quantized data comes
         # back as rows of elements. Either way the logical shape is GGUF's shape reversed.
         shape = tuple(reversed(tensor.shape))
+        experts = _gguf_expert_names(tensor.name, config)
         if tensor.name in kept:  # only its shape: the model reads the blocks, or the rows from the file
-            weights[_gguf_to_hf_name(tensor.name, config.architecture)] = torch.empty(shape, device="meta")
+            meta = torch.empty(shape, device="meta")
+            weights.update(experts(meta) if experts is not None
+                           else {_gguf_to_hf_name(tensor.name, config.architecture): meta})
             continue
         array = _dequantize(tensor)
         array = np.asarray(array, dtype=np.float32)
         if not array.flags.writeable:  # memory-mapped F32 tensors: copy out of the file
             array = array.copy()
         value = torch.from_numpy(array).reshape(shape)
-        experts = _gguf_expert_names(tensor.name, config)
         if experts is not None:  # stacked experts: one weight each, as Hugging Face stores them
             weights.update(experts(value))
             continue
@@ -799,8 +801,9 @@ def _blocks_kept(tensors: list[GGUFTensor], config: ModelConfig) -> frozenset[st
     """The GGUF tensors the matmuls read as their blocks (`load_blocks`): the LM head and
     token embedding (for a tied head) and each layer's matmuls (`Architecture.matmuls`: q/k/v
     and gate/up fused) whose parts are all matrices of types in `BLOCK_TYPES`, of one type or
-    (as a Q4_K_M file's Q4_K q and k beside a Q6_K v) meeting at whole panels. Experts and
-    routers run on fp32 weights."""
+    (as a Q4_K_M file's Q4_K q and k beside a Q6_K v) meeting at whole panels; and the routed
+    experts' stacked gate, up and down the same way (each expert's gate and up fused). Routers
+    run on fp32 weights."""
     arch = config.architecture
     candidates = {t.name: t.tensor_type.name for t in tensors
                   if t.tensor_type.name in BLOCK_TYPES and len(t.shape) == 2
@@ -809,13 +812,25 @@ def _blocks_kept(tensors: list[GGUFTensor], config: ModelConfig) -> frozenset[st
     by_hf = {_gguf_to_hf_name(name, arch): name for name in candidates}
     head = "output.weight" if "output.weight" in {t.name for t in tensors} else "token_embd.weight"  # tied
     kept = {head} & candidates.keys()
+
+    def fusable(parts: list[str], types: dict[str, str], rows: dict[str, int]) -> bool:
+        return len({types[p] for p in parts}) == 1 or all(rows[p] % PANEL_ROWS == 0 for p in parts[:-1])
+
     for i in range(config.num_layers):
         for names in architecture(arch).matmuls.values():
             parts = [by_hf.get(f"model.layers.{i}.{n}") for n in names]
             found = [p for p in parts if p]
-            if len(found) == len(parts) and (len({candidates[p] for p in found}) == 1
-                                             or all(rows[p] % PANEL_ROWS == 0 for p in found[:-1])):
+            if len(found) == len(parts) and fusable(found, candidates, rows):
                 kept.update(found)
+    # stacked experts [experts, rows, K]: rows per expert in the second place of GGUF's shape
+    experts = {t.name: t.tensor_type.name for t in tensors if t.tensor_type.name in BLOCK_TYPES
+               and len(t.shape) == 3 and _gguf_expert_names(t.name, config) is not None}
+    expert_rows = {t.name: int(t.shape[1]) for t in tensors if t.name in experts}
+    for i in range(config.num_layers):
+        for group in (("ffn_gate_exps", "ffn_up_exps"), ("ffn_gate_up_exps",), ("ffn_down_exps",)):
+            stacks = [f"blk.{i}.{n}.weight" for n in group]
+            if all(p in experts for p in stacks) and fusable(stacks, experts, expert_rows):
+                kept.update(stacks)
     return frozenset(kept)
 
 
@@ -838,10 +853,16 @@ def load_blocks(source: ModelSource, config: ModelConfig) -> dict[str, tuple[str
     for tensor in tensors:
         if tensor.name not in kept:
             continue
-        name = _gguf_to_hf_name(tensor.name, config.architecture)
         with warnings.catch_warnings():  # read-only: the file's pages, never written, copied by the packing
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            rows = torch.from_numpy(np.ascontiguousarray(tensor.data).view(np.uint8)).reshape(int(tensor.shape[1]), -1)
+            data = torch.from_numpy(np.ascontiguousarray(tensor.data).view(np.uint8))
+        experts = _gguf_expert_names(tensor.name, config)
+        if experts is not None:  # each expert's rows: a view of the file's, as its own matrix
+            stacked = data.reshape(int(tensor.shape[2]), int(tensor.shape[1]), -1)
+            blocks.update((name, (tensor.tensor_type.name, raw)) for name, raw in experts(stacked).items())
+            continue
+        name = _gguf_to_hf_name(tensor.name, config.architecture)
+        rows = data.reshape(int(tensor.shape[1]), -1)
         blocks[name] = (tensor.tensor_type.name, _hf_row_order(name, rows, config))
     if config.tie_word_embeddings and "model.embed_tokens.weight" in blocks:
         blocks["lm_head.weight"] = blocks["model.embed_tokens.weight"]
@@ -927,13 +948,21 @@ SIXTEEN_BITS = ("BF16", "F16")  # safetensors' names, which are GGUF's too
 def _hf_kept(path: Path, config: ModelConfig) -> dict[str, str]:
     """A checkpoint's matrices that the matmuls read in 16 bits as stored (`load_blocks`), name ->
     type: the LM head (the embedding, where tied) and each layer's matmuls (q/k/v and gate/up
-    fused) whose parts are all BF16 or all F16. Experts and routers run on fp32 weights."""
+    fused) whose parts are all BF16 or all F16, and each routed expert's gate/up and down alike
+    (where the checkpoint names each expert's: stacked ones are split from fp32). Routers run on
+    fp32 weights."""
     dtypes = _hf_dtypes(path)
     head = "lm_head.weight" if "lm_head.weight" in dtypes else "model.embed_tokens.weight"
     kept = {head: dtypes[head]} if dtypes.get(head) in SIXTEEN_BITS else {}
+    arch = architecture(config.architecture)
     for i in range(config.num_layers):
-        for names in architecture(config.architecture).matmuls.values():
-            parts = [f"model.layers.{i}.{n}" for n in names]
+        prefix = f"model.layers.{i}."
+        groups = [[prefix + n for n in names] for names in arch.matmuls.values()]
+        if arch.experts is not None:
+            for e in range(config.num_experts):
+                gate, up, down = (prefix + n for n in arch.experts.of(e))
+                groups += [[gate, up], [down]]
+        for parts in groups:
             if all(dtypes.get(p) in SIXTEEN_BITS for p in parts) and len({dtypes[p] for p in parts}) == 1:
                 kept.update((p, dtypes[p]) for p in parts)
     return kept
