@@ -790,11 +790,13 @@ def test_llama_cpp_k_quant_files_match_transformers(name):
 
 
 @pytest.mark.parametrize("arch,dtype", [("llama256", torch.bfloat16), ("llama256", torch.float16),
-                                        ("gemma2", torch.bfloat16), ("qwen3_moe", torch.bfloat16)])
+                                        ("gemma2", torch.bfloat16), ("qwen3_moe", torch.bfloat16),
+                                        ("granitemoe", torch.float16)])
 def test_a_16_bit_checkpoint_stays_16_bit_and_computes_its_fp32_logits_bit_for_bit(tmp_path, arch, dtype):
     """A checkpoint stored in bf16 or fp16 (as models are published), loaded as the engine loads it
     on CPU in fp32: its matmuls' weights stay in 16 bits (2 bytes a weight, no fp32 form; a tied
-    head reads the embedding's; each routed expert's too), widened in registers, and the embedding stays as stored, its
+    head reads the embedding's; each routed expert's too, Granite MoE's as views of its stacked
+    experts), widened in registers, and the embedding stays as stored, its
     rows widened as read. Widening is exact, so the logits equal bit for bit those of the same
     values held in fp32, and transformers' on that checkpoint within fp32 summation noise."""
     from converter_fixtures import tiny_model

@@ -16,7 +16,7 @@ import mmap
 import os
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -154,23 +154,30 @@ def load_checkpoint(source: ModelSource, dtype: torch.dtype,
     return config, {name: t.to(dtype) for name, t in weights.items()}
 
 
+def _stack_parts(names: Iterable[str], config: ModelConfig) -> dict[str, tuple[tuple[str, ...], list[str]]]:
+    """Of checkpoint tensor `names`, the stacks of experts (`ExpertNames.stacked`): each one's
+    parts and the names of the matrices it holds, part by part, expert by expert."""
+    experts = architecture(config.architecture).experts
+    if experts is None or not experts.stacked:
+        return {}
+    found = {}
+    for name in names:
+        layer, _, suffix = name.removeprefix("model.layers.").partition(".")
+        parts = experts.stacked.get(suffix) if name.startswith("model.layers.") else None
+        if parts is not None:
+            found[name] = (parts, [f"model.layers.{layer}." + experts.of(e)[("gate", "up", "down").index(part)]
+                                   for part in parts for e in range(config.num_experts)])
+    return found
+
+
 def _unstacked(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """`weights` with a checkpoint's stacked experts (`ExpertNames.stacked`) split into one
-    matrix per expert and part, under the names the model reads."""
-    names = architecture(config.architecture).experts
-    if names is None or not names.stacked:
-        return weights
-    out = {}
-    for name, value in weights.items():
-        prefix, _, rest = name.partition("model.layers.")
-        layer, _, suffix = rest.partition(".")
-        parts = names.stacked.get(suffix) if not prefix and rest else None
-        if parts is None:
-            out[name] = value
-            continue
-        for part, matrices in split_experts(value, parts).items():
-            position = ("gate", "up", "down").index(part)
-            out.update((f"model.layers.{layer}." + names.of(e)[position], m) for e, m in enumerate(matrices))
+    """`weights` with a checkpoint's stacked experts split into one matrix per expert and part
+    (views of the stack's rows), under the names the model reads."""
+    stacks = _stack_parts(weights, config)
+    out = {name: value for name, value in weights.items() if name not in stacks}
+    for stack, (parts, names) in stacks.items():
+        matrices = [m for per_expert in split_experts(weights[stack], parts).values() for m in per_expert]
+        out.update(zip(names, matrices, strict=True))
     return out
 
 
@@ -843,8 +850,11 @@ def load_blocks(source: ModelSource, config: ModelConfig) -> dict[str, tuple[str
     blocks: dict[str, tuple[str, torch.Tensor]] = {}
     if source.kind != "gguf":
         stored = _hf_kept(source.path, config)
-        read = _hf_read(source.path, list(stored))
-        blocks.update((name, (kind, read[name].view(torch.uint8))) for name, kind in stored.items())
+        read = _unstacked(_hf_read(source.path, list(stored)), config)  # a stack of experts: each one's rows, a view
+        kinds = dict(stored)
+        kinds.update((name, stored[stack]) for stack, (_, names) in _stack_parts(stored, config).items()
+                     for name in names)
+        blocks.update((name, (kinds[name], raw.view(torch.uint8))) for name, raw in read.items())
         if "lm_head.weight" not in _hf_dtypes(source.path) and "model.embed_tokens.weight" in blocks:
             blocks["lm_head.weight"] = blocks["model.embed_tokens.weight"]
         return blocks
@@ -949,8 +959,7 @@ def _hf_kept(path: Path, config: ModelConfig) -> dict[str, str]:
     """A checkpoint's matrices that the matmuls read in 16 bits as stored (`load_blocks`), name ->
     type: the LM head (the embedding, where tied) and each layer's matmuls (q/k/v and gate/up
     fused) whose parts are all BF16 or all F16, and each routed expert's gate/up and down alike
-    (where the checkpoint names each expert's: stacked ones are split from fp32). Routers run on
-    fp32 weights."""
+    (or the checkpoint's stacks of them, `ExpertNames.stacked`). Routers run on fp32 weights."""
     dtypes = _hf_dtypes(path)
     head = "lm_head.weight" if "lm_head.weight" in dtypes else "model.embed_tokens.weight"
     kept = {head: dtypes[head]} if dtypes.get(head) in SIXTEEN_BITS else {}
@@ -962,6 +971,7 @@ def _hf_kept(path: Path, config: ModelConfig) -> dict[str, str]:
             for e in range(config.num_experts):
                 gate, up, down = (prefix + n for n in arch.experts.of(e))
                 groups += [[gate, up], [down]]
+            groups += [[prefix + n] for n in arch.experts.stacked]  # split into each expert's by `load_blocks`
         for parts in groups:
             if all(dtypes.get(p) in SIXTEEN_BITS for p in parts) and len({dtypes[p] for p in parts}) == 1:
                 kept.update((p, dtypes[p]) for p in parts)
