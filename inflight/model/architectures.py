@@ -49,6 +49,10 @@ class ExpertNames:
     def of(self, expert: int) -> tuple[str, str, str]:
         return self.gate.format(e=expert), self.up.format(e=expert), self.down.format(e=expert)
 
+    def part(self, expert: int, part: str) -> str:
+        """Expert `expert`'s weight `part`: "gate", "up" or "down"."""
+        return self.of(expert)[("gate", "up", "down").index(part)]
+
 
 @dataclass(frozen=True)
 class Architecture:

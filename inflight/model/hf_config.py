@@ -217,10 +217,16 @@ def rotary_settings(raw: dict[str, Any]) -> RotarySettings:
         factor = float(rope_scaling.get("factor") or max_positions / original)
         rope_scaling = {**rope_scaling, "rope_type": "yarn", "original_max_position_embeddings": original,
                         "factor": factor}
-        # what YaRN stretches the original context to, as vLLM derives it: Qwen3's config keeps
-        # 40960 beside a factor of 4 over 32768 when its card's YaRN settings are added
-        max_positions = max(max_positions, int(original * factor))
-    return RotarySettings(float(rope_theta), rope_scaling, local_rope, max_positions)
+    return RotarySettings(float(rope_theta), rope_scaling, local_rope, served_positions(max_positions, rope_scaling))
+
+
+def served_positions(max_positions: int, rope_scaling: dict[str, Any] | None) -> int:
+    """The positions a model serves: its `max_positions`, or what YaRN stretches its original
+    context to where that is more, as vLLM derives it (Qwen3's config keeps 40960 beside a factor
+    of 4 over 32768 when its card's YaRN settings are added)."""
+    if rope_scaling is None or rope_scaling.get("rope_type", rope_scaling.get("type")) != "yarn":
+        return max_positions
+    return max(max_positions, int(rope_scaling["original_max_position_embeddings"] * rope_scaling["factor"]))
 
 
 def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:

@@ -16,7 +16,7 @@ import mmap
 import os
 import tempfile
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from inflight.model.architectures import (
     GGUF_EXPERT_ARCHITECTURES,
     GGUF_EXPERT_NAMES,
     GGUF_LAYER_NAMES,
+    ExpertNames,
     architecture,
 )
 from inflight.model.hf_config import (
@@ -39,6 +40,7 @@ from inflight.model.hf_config import (
     override_rotary,
     read_generation_config,
     read_hf_config,
+    served_positions,
     window_pattern,
 )
 
@@ -154,41 +156,32 @@ def load_checkpoint(source: ModelSource, dtype: torch.dtype,
     return config, {name: t.to(dtype) for name, t in weights.items()}
 
 
-def _stack_parts(names: Iterable[str], config: ModelConfig) -> dict[str, tuple[tuple[str, ...], list[str]]]:
-    """Of checkpoint tensor `names`, the stacks of experts (`ExpertNames.stacked`): each one's
-    parts and the names of the matrices it holds, part by part, expert by expert."""
+def _unstacked(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """`weights` with a checkpoint's stacked experts (`ExpertNames.stacked`) split into one
+    matrix per expert and part (views of the stack's rows), under the names the model reads."""
     experts = architecture(config.architecture).experts
     if experts is None or not experts.stacked:
-        return {}
-    found = {}
-    for name in names:
+        return weights
+    out = {}
+    for name, value in weights.items():
         layer, _, suffix = name.removeprefix("model.layers.").partition(".")
         parts = experts.stacked.get(suffix) if name.startswith("model.layers.") else None
-        if parts is not None:
-            found[name] = (parts, [f"model.layers.{layer}." + experts.of(e)[("gate", "up", "down").index(part)]
-                                   for part in parts for e in range(config.num_experts)])
-    return found
-
-
-def _unstacked(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """`weights` with a checkpoint's stacked experts split into one matrix per expert and part
-    (views of the stack's rows), under the names the model reads."""
-    stacks = _stack_parts(weights, config)
-    out = {name: value for name, value in weights.items() if name not in stacks}
-    for stack, (parts, names) in stacks.items():
-        matrices = [m for per_expert in split_experts(weights[stack], parts).values() for m in per_expert]
-        out.update(zip(names, matrices, strict=True))
+        if parts is None:
+            out[name] = value
+        else:
+            out.update(_expert_matrices(value, parts, experts, f"model.layers.{layer}."))
     return out
 
 
-def split_experts(stacked: torch.Tensor, parts: tuple[str, ...]) -> dict[str, list[torch.Tensor]]:
-    """A `[experts, rows, cols]` tensor of each expert's `parts` (gate, up, down) stacked in its
-    rows, as each part's per-expert matrices."""
+def _expert_matrices(stacked: torch.Tensor, parts: tuple[str, ...], names: ExpertNames,
+                     prefix: str) -> dict[str, torch.Tensor]:
+    """A `[experts, rows, cols]` stack of each expert's `parts` (gate, up, down, in row order)
+    as each expert's matrices (views of its rows), under their names in the layer `prefix`."""
     if stacked.shape[1] % len(parts):
         raise ModelLoadError(f"stacked experts of {stacked.shape[1]} rows do not hold {len(parts)} equal parts")
-    pieces = stacked.chunk(len(parts), dim=1)
-    return {part: [m.contiguous() for m in piece.unbind(0)] for part, piece in zip(parts, pieces, strict=True)}
-
+    return {prefix + names.part(e, part): m.contiguous()
+            for part, piece in zip(parts, stacked.chunk(len(parts), dim=1), strict=True)
+            for e, m in enumerate(piece.unbind(0))}
 
 
 @dataclass(frozen=True, slots=True)
@@ -522,14 +515,6 @@ def _gguf_yarn(reader: Any, arch: str) -> dict[str, Any]:
             **{key: float(value) for key, value in found.items() if value is not None}}
 
 
-def _stretched_context(rope_scaling: dict[str, Any] | None) -> int:
-    """The context YaRN stretches the original one to (0 for other rotaries), as `parse_hf_config`
-    and vLLM take it: a file converted from Qwen3's config with its card's YaRN settings says 40960."""
-    if rope_scaling is None or rope_scaling["rope_type"] != "yarn":
-        return 0
-    return int(rope_scaling["original_max_position_embeddings"] * rope_scaling["factor"])
-
-
 def _gguf_config(reader: Any) -> ModelConfig:
     shards = int(gguf_field(reader, "split.count") or 1)
     if shards > 1:  # llama.cpp's gguf-split: the tensors spread over files named -0000i-of-0000n
@@ -623,7 +608,8 @@ def _gguf_config(reader: Any) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
-        max_position_embeddings=max(int(get("context_length", 4096)), _stretched_context(rope_scaling)),
+        # a file converted from Qwen3's config with its card's YaRN settings says 40960
+        max_position_embeddings=served_positions(int(get("context_length", 4096)), rope_scaling),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         rope_scaling=rope_scaling,
@@ -777,11 +763,7 @@ def _gguf_expert_names(name: str, config: ModelConfig) -> Callable[[torch.Tensor
     prefix = f"model.layers.{index}."
     if parts == ("router",):
         return lambda value: {prefix + names.router: value}
-
-    def per_expert(value: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {prefix + names.of(e)[("gate", "up", "down").index(part)]: m
-                for part, matrices in split_experts(value, parts).items() for e, m in enumerate(matrices)}
-    return per_expert
+    return lambda value: _expert_matrices(value, parts, names, prefix)
 
 
 def _hf_row_order(name: str, value: torch.Tensor, config: ModelConfig) -> torch.Tensor:
@@ -850,11 +832,10 @@ def load_blocks(source: ModelSource, config: ModelConfig) -> dict[str, tuple[str
     blocks: dict[str, tuple[str, torch.Tensor]] = {}
     if source.kind != "gguf":
         stored = _hf_kept(source.path, config)
-        read = _unstacked(_hf_read(source.path, list(stored)), config)  # a stack of experts: each one's rows, a view
-        kinds = dict(stored)
-        kinds.update((name, stored[stack]) for stack, (_, names) in _stack_parts(stored, config).items()
-                     for name in names)
-        blocks.update((name, (kinds[name], raw.view(torch.uint8))) for name, raw in read.items())
+        read = _hf_read(source.path, list(stored))
+        for name, kind in stored.items():  # a stack of experts: each one's rows, a view
+            blocks.update((part, (kind, raw.view(torch.uint8)))
+                          for part, raw in _unstacked({name: read[name]}, config).items())
         if "lm_head.weight" not in _hf_dtypes(source.path) and "model.embed_tokens.weight" in blocks:
             blocks["lm_head.weight"] = blocks["model.embed_tokens.weight"]
         return blocks
