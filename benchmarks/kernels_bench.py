@@ -463,7 +463,7 @@ def compare(rev: str, rounds: int = 4) -> None:
     q4 = [(_stored_rows("Q4_1", n, k, rng), k, n) for _ in range(30) for k, n in LAYER_SHAPES]
     q4_packed = {name: [(m.pack_gguf_blocks([raw], ["Q4_1"], k), k, n) for raw, k, n in q4]  # type: ignore[attr-defined]
                  for name, m in mods.items()}
-    for rows in (1, 3, 5, 8, 12, 16):
+    for rows in (1, 3, 5, 8, 9, 12, 13, 16):
         x = {576: torch.randn(rows, 576), 1536: torch.randn(rows, 1536)}
 
         def chain_q4(m: object, ws: list[tuple[torch.Tensor, int, int]], x: dict[int, torch.Tensor] = x) -> None:

@@ -144,12 +144,12 @@ def test_gguf_block_matmul_equals_the_fp32_one_bit_for_bit(kind, out_features, i
     assert torch.equal(kernels.gguf_blocks_dequantize(both.blocks), weight)  # the values it stands for
     x = torch.randn(300, in_features)
     with torch.inference_mode():
-        for rows in (1, 2, 4, 5, 6, 7, 8, 9, 16, 17, 64, 300):  # past each build's passes and its switch
+        for rows in (1, 2, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 64, 300):  # past each build's passes and its switch
             expected = fp32_only(x[:rows])
             assert torch.equal(both(x[:rows]), expected), rows
             assert torch.equal(shape_only(x[:rows]), expected), rows
-        # Each kernel over any number of rows: the register one in passes (of 5 or 8), the panel one whole.
-        for rows in (3, 8, 23):
+        # Each kernel over any number of rows: the register one in passes (of up to 5, or 12), the panel one whole.
+        for rows in (3, 8, 12, 13, 23):
             expected = kernels.packed_linear(x[:rows], fp32_only.weight, None, out_features)
             assert torch.equal(kernels.gguf_blocks_linear(x[:rows], both.blocks, out_features), expected)
             assert torch.equal(kernels.gguf_blocks_gemm(x[:rows], both.blocks, out_features), expected)

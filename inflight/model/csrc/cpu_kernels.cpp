@@ -1614,14 +1614,17 @@ constexpr int64_t kQCols = 16;
 // Rows per pass. AVX2: 2 x 5 accumulators, the scales and the weights need a register or two more
 // than its 16, and the spill costs less than dequantizing the blocks again for a second pass
 // (every weight matmul at 4 and 5 rows: 1.4x faster than in passes of 3 and 1 or 3 and 2).
-// AVX-512: a panel's 16 columns are one register, so 8 rows take 8 of its 32.
+// AVX-512: a panel's 16 columns are one register, so 12 rows take 12 of its 32 (16 spill: the
+// embedded model's Q4_1 body at 16 rows 0.87x two passes of 8). A second pass dequantizes the
+// panel again, so rows past 8 are one pass up to 12 (9 rows 1.25x, 12 rows 1.07x passes of 8
+// and the rest; a verify of 8 proposed tokens is 9 rows), two even ones past it (13: 7 and 6).
 // Steps of up to kQRegisterRows rows read the blocks in registers, in passes of kQMaxRows; larger
 // ones dequantize each panel once into cache for the fp32 microkernel (gguf_blocks_gemm). With
 // AVX-512 two passes still beat that on Zen 4: the embedded model's Q4_1 body at 12 and 16 rows
 // 1.16x and 1.12x (`kernels_bench.py --against dc4d6ca`), two 1B-shaped layers of Q4_K and Q6_K
 // at 16 rows 1.10x and 1.18x; even at 32 rows.
 #if defined(__AVX512F__)
-constexpr int kQMaxRows = 8;
+constexpr int kQMaxRows = 12;
 constexpr int64_t kQRegisterRows = 16;
 #else
 constexpr int kQMaxRows = 5;
@@ -2148,6 +2151,10 @@ void quant_rows(int rows, const float* x, int64_t K, const uint8_t* w, float* y,
 #if defined(__AVX512F__)
   if constexpr (kRow512<L>) {
     switch (rows) {
+      case 12: return quant_micro512<12, L>(x, K, w, K, y, ldy);
+      case 11: return quant_micro512<11, L>(x, K, w, K, y, ldy);
+      case 10: return quant_micro512<10, L>(x, K, w, K, y, ldy);
+      case 9: return quant_micro512<9, L>(x, K, w, K, y, ldy);
       case 8: return quant_micro512<8, L>(x, K, w, K, y, ldy);
       case 7: return quant_micro512<7, L>(x, K, w, K, y, ldy);
       case 6: return quant_micro512<6, L>(x, K, w, K, y, ldy);
@@ -2422,7 +2429,9 @@ torch::Tensor gguf_blocks_linear(torch::Tensor x, torch::Tensor packed, int64_t 
   auto y = torch::empty({M, n_pad}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for_block_panels(w, M, kQMaxRows, [&](auto l, int64_t p, const uint8_t* panel, int64_t m, int rows) {
+  const int64_t passes = (M + kQMaxRows - 1) / kQMaxRows;  // each pass dequantizes the panel again: few,
+  const int64_t pass_rows = (M + passes - 1) / passes;      // and of even size (13 rows: 7 and 6)
+  for_block_panels(w, M, pass_rows, [&](auto l, int64_t p, const uint8_t* panel, int64_t m, int rows) {
     quant_rows<decltype(l)>(rows, xp + m * K, K, panel, yp + m * n_pad + p * kQCols, n_pad);
   });
   return out_features == n_pad ? y : y.narrow(1, 0, out_features).contiguous();
