@@ -201,37 +201,99 @@ class SamplingParams:
         return bool(self.logit_bias) or self.has_penalties or self.min_tokens > 0
 
 
+class ThinkMarkers(NamedTuple):
+    """A reasoning model's thought markers, as one token each, for a grammar that waits while the
+    model thinks (structured output beside a reasoning parser, as vLLM applies it): the grammar
+    constrains only what follows `end`. `opens`: the output thinks only if its first token is
+    `start` (Qwen3's hybrid models; any other first token is the answer, constrained from there),
+    else it thinks from its start (the DeepSeek-R1 distills, whose template opens the thought)."""
+
+    start: int
+    end: int
+    opens: bool
+
+
 class Grammar:
-    """One request's position in its grammar."""
+    """One request's position in its grammar; with `think`, after the model's thought."""
 
-    __slots__ = ("matcher",)
+    __slots__ = ("matcher", "think", "_seen", "_free")
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, think: ThinkMarkers | None = None) -> None:
         self.matcher = matcher
+        self.think = think
+        self._seen = 0  # output tokens accepted
+        # How many of the first output tokens the grammar left free (the thought and its markers);
+        # None while the model may still be thinking.
+        self._free: int | None = 0 if think is None else None
 
     def fresh(self) -> Grammar:
         """The same grammar from its start (for another request, or another of n samples)."""
         matcher = self.matcher.deep_copy()
         matcher.reset()
-        return Grammar(matcher)
+        return Grammar(matcher, self.think)
+
+    def after_thinking(self, think: ThinkMarkers) -> Grammar:
+        """The same grammar from its start, constraining only the output after a thought."""
+        fresh = self.fresh()
+        return Grammar(fresh.matcher, think)
+
+    @property
+    def constrains(self) -> bool:
+        """Whether the next token is constrained at all (not inside a thought)."""
+        return self._free is not None or self._undecided
+
+    @property
+    def _undecided(self) -> bool:
+        return self._seen == 0 and self.think is not None and self.think.opens
+
+    @property
+    def also_allowed(self) -> int | None:
+        """A token allowed beside the grammar's own: the thought's opening, as the first token."""
+        return self.think.start if self._undecided and self.think is not None else None
 
     def accept(self, token_id: int) -> bool:
         """Advances by an output token; False if the grammar does not allow it."""
-        return self.matcher.consume_token(token_id)
+        undecided = self._undecided
+        self._seen += 1
+        if self._free is not None:
+            return self.matcher.consume_token(token_id)
+        assert self.think is not None
+        if undecided and token_id != self.think.start:  # no thought: all of it is the answer
+            self._free = 0
+            return self.matcher.consume_token(token_id)
+        if not undecided and token_id == self.think.end:
+            self._free = self._seen
+        return True
 
     def valid_prefix(self, token_ids: list[int]) -> int:
         """How many of `token_ids`, in order from here, the grammar allows (nothing advances)."""
-        return int(self.matcher.validate_tokens(token_ids))
+        if self._free is not None:
+            return int(self.matcher.validate_tokens(token_ids))
+        assert self.think is not None
+        for i, token in enumerate(token_ids):
+            if self._seen + i == 0 and self.think.opens:
+                if token != self.think.start:
+                    return int(self.matcher.validate_tokens(token_ids))
+            elif token == self.think.end:
+                return i + 1 + int(self.matcher.validate_tokens(token_ids[i + 1:]))
+        return len(token_ids)
 
     def rollback(self, num_tokens: int) -> None:
         """Undoes the last `num_tokens` tokens accepted."""
-        if num_tokens:
-            self.matcher.rollback(num_tokens)
+        if not num_tokens:
+            return
+        if self._free is not None:
+            taken = min(num_tokens, self._seen - self._free)
+            if taken:
+                self.matcher.rollback(taken)
+            if self._seen - num_tokens < self._free or (self._seen - num_tokens == 0 and self.think is not None):
+                self._free = None if self.think is not None else 0  # back inside the thought (or before it)
+        self._seen -= num_tokens
 
     @property
     def is_complete(self) -> bool:
         """The output matches the whole grammar and nothing may follow (but EOS)."""
-        return self.matcher.is_stopped()
+        return self._free is not None and self.matcher.is_stopped()
 
     @property
     def error(self) -> str:

@@ -1,22 +1,25 @@
 """`--reasoning-parser`: a chat's <think> ... </think> sent as the message's reasoning, apart from
-its content, streamed or whole, with tool calls read from the content alone."""
+its content, streamed or whole, with tool calls read from the content alone; structured output
+constrains the answer only, the thought running free."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
 
-from inflight import EngineConfig, LLMEngine
+from inflight import LLM, EngineConfig, LLMEngine, SamplingParams
 from inflight.model.loaded import LoadedModel
-from inflight.request import FinishReason
+from inflight.model.tokenizer import Tokenizer
+from inflight.request import FinishReason, Grammar, StructuredOutputs, ThinkMarkers
 from inflight.server.config import ServerConfig
 from inflight.server.launcher import RunningServer, serve_in_thread
 from inflight.server.protocol import UsageInfo
-from inflight.server.reasoning import ReasoningSplitter
+from inflight.server.reasoning import ReasoningSplitter, think_markers
 from inflight.server.serving import _ChatFormat
 from inflight.server.stream import Delta
 
@@ -110,3 +113,120 @@ def test_the_parser_over_http_streamed_and_whole(servers: tuple[RunningServer, R
                     reasoning += choice["delta"].get("reasoning", "")
                     content += choice["delta"].get("content", "") or ""
     assert (reasoning, content) == (text, "")
+
+
+# --- structured output beside a reasoning parser: the thought free, the answer constrained -------
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"], "additionalProperties": False}
+ASK = [{"role": "user", "content": "Describe a famous scientist as JSON with name and age."}]
+
+
+def _run(llm: LLM, grammar: Grammar | None, max_tokens: int = 72) -> list[int]:
+    engine = llm.engine
+    request = engine.add_request(messages=ASK, params=SamplingParams(max_tokens=max_tokens, temperature=0),
+                                 grammar=grammar)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.block_manager.num_used_blocks == 0
+    return list(request.output_token_ids)
+
+
+def _markers_the_model_writes(free: list[int], at: int) -> int:
+    """A token of the free output first seen at or after `at`: the thought's end stands in for
+    </think> (the embedded model has no thought markers of its own)."""
+    return next(t for i, t in enumerate(free) if i >= at and t not in free[:i])
+
+
+@pytest.fixture(scope="module")
+def json_grammar(loaded: LoadedModel, make_llm: Callable[..., LLM]) -> tuple[LLM, Grammar, list[int]]:
+    llm = make_llm()
+    return llm, llm.engine.compile_grammar(StructuredOutputs(json=PERSON)), _run(llm, None)
+
+
+@pytest.mark.parametrize("opens", [False, True], ids=["deepseek_r1", "qwen3"])
+def test_the_grammar_waits_for_the_thought_to_end(json_grammar, opens: bool) -> None:
+    """The output runs as it would unconstrained up to the thought's end, and the answer after it
+    matches the schema; for qwen3 the thought must open with the first token."""
+    llm, grammar, free = json_grammar
+    end = _markers_the_model_writes(free, 6)
+    cut = free.index(end) + 1
+    start = free[0] if opens else llm.engine.tokenizer.hf.convert_tokens_to_ids("<|im_start|>")
+    out = _run(llm, grammar.after_thinking(ThinkMarkers(start, end, opens)))
+    assert out[:cut] == free[:cut]
+    answer = llm.engine.tokenizer.decode(out[cut:])
+    assert json.loads(answer).keys() == {"name", "age"}, answer
+    constrained = _run(llm, grammar.fresh())
+    assert constrained != out
+
+
+def test_a_qwen3_output_that_does_not_open_a_thought_is_all_answer(json_grammar) -> None:
+    """A first token other than <think> starts the answer: the output is the grammar's own."""
+    llm, grammar, free = json_grammar
+    tokenizer = llm.engine.tokenizer.hf
+    start, end = tokenizer.convert_tokens_to_ids("<|im_start|>"), _markers_the_model_writes(free, 6)
+    assert _run(llm, grammar.after_thinking(ThinkMarkers(start, end, True))) == _run(llm, grammar.fresh())
+
+
+def test_speculation_keeps_a_thinking_grammars_tokens(loaded: LoadedModel, make_llm: Callable[..., LLM],
+                                                      json_grammar) -> None:
+    """Proposals across the thought's end are cut where the answer's grammar refuses them and
+    rolled back with the thought's state: the same tokens as without speculation."""
+    llm, grammar, free = json_grammar
+    markers = ThinkMarkers(free[0], _markers_the_model_writes(free, 6), True)
+    expected = _run(llm, grammar.after_thinking(markers))
+    spec = make_llm(speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                                        "adaptive": False})
+    assert _run(spec, grammar.after_thinking(markers)) == expected
+    assert sum(s.num_spec_tokens for s in spec.engine.step_records) > 0
+
+
+def test_a_thinking_grammars_state_through_accept_validate_and_rollback(json_grammar) -> None:
+    llm, _, _ = json_grammar
+    tokenizer = llm.engine.tokenizer
+    grammar = llm.engine.compile_grammar(StructuredOutputs(regex="yes|no"))
+    (yes,), (maybe,) = tokenizer.encode("yes", False), tokenizer.encode("maybe", False)
+    start, end, word = (tokenizer.encode(t, False)[0] for t in (" Hmm", " So", " think"))
+    g = grammar.after_thinking(ThinkMarkers(start, end, opens=True))
+    assert g.constrains and g.also_allowed == start  # the first token: the grammar's or <think>
+    assert g.valid_prefix([yes]) == 1 and g.valid_prefix([maybe]) == 0
+    assert g.valid_prefix([start, word, maybe, end, yes, yes]) == 5 and g.valid_prefix([start, word]) == 2
+    assert g.accept(start) and not g.constrains and g.also_allowed is None
+    assert g.accept(maybe) and g.accept(end) and g.constrains and not g.is_complete
+    assert g.valid_prefix([maybe]) == 0 and g.valid_prefix([yes]) == 1
+    assert g.accept(yes) and g.is_complete
+    g.rollback(2)  # back inside the thought
+    assert not g.constrains and g.valid_prefix([maybe, end, yes]) == 3
+    g.rollback(2)  # back before it
+    assert g.also_allowed == start
+    assert g.accept(yes) and g.is_complete  # no thought: the first token is the answer's
+    g.rollback(1)
+    assert g.also_allowed == start and g.accept(start) and not g.constrains  # undecided again: may still think
+    g.rollback(1)
+    assert not g.accept(maybe)
+    r1 = grammar.after_thinking(ThinkMarkers(start, end, opens=False))
+    assert not r1.constrains and r1.valid_prefix([yes, maybe, end, yes]) == 4
+    assert r1.fresh().think == r1.think
+
+
+def test_think_markers_are_the_vocabularys_tokens_or_none(loaded: LoadedModel) -> None:
+    assert think_markers("qwen3", loaded.tokenizer) is None  # the embedded model has none
+    hf = copy.deepcopy(loaded.tokenizer.hf)
+    hf.add_tokens(["<think>", "</think>"])
+    markers = think_markers("deepseek_r1", Tokenizer(hf))
+    assert markers == ThinkMarkers(len(hf) - 2, len(hf) - 1, opens=False)
+    assert think_markers("qwen3", Tokenizer(hf)).opens
+
+
+def test_a_structured_chat_beside_deepseek_r1_on_a_model_without_markers_is_a_400(
+        servers: tuple[RunningServer, RunningServer]) -> None:
+    """Its answer could not be told from its thought: refused, naming the field, not constrained
+    whole into what the parser would call reasoning."""
+    _, parsing = servers
+    body = {"model": "SmolLM2-135M-Instruct.Q4_1", "messages": ASK, "max_tokens": 12,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}}
+    resp = httpx.post(parsing.url + "/v1/chat/completions", json=body, timeout=60)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "response_format" and "</think>" in error["message"]

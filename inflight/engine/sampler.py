@@ -63,7 +63,7 @@ class Sampler:
     def _edited(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """The logits with each request's edits and grammar mask, a copy if any applies."""
         edits = any(r.sampling_params.edits_logits for r in requests)
-        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+        constrained = [i for i, r in enumerate(requests) if r.grammar is not None and r.grammar.constrains]
         if edits or constrained:
             logits = logits.clone()
             if edits:

@@ -124,6 +124,10 @@ class TokenMasks:
         mask = torch.zeros((len(grammars), words), dtype=torch.int32)
         self._executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)],
                                                mask.data_ptr(), words * 4, len(grammars))
+        for i, g in enumerate(grammars):
+            if (token := g.also_allowed) is not None and token < vocab_size:
+                bit = token % _BITS
+                mask[i, token // _BITS] |= (1 << bit) if bit < _BITS - 1 else -(1 << bit)  # int32: bit 31 is the sign
         return mask
 
     def apply(self, logits: torch.Tensor, rows: Sequence[int], grammars: Sequence[Grammar]) -> None:

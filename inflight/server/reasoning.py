@@ -11,11 +11,24 @@ a chat completion generates inside <think> ... </think> goes to the message's `r
 
 A thought cut short by `max_tokens` is all reasoning. Streamed and whole outputs are split by the
 same code (`ReasoningSplitter`), so their parts are equal; a marker may arrive split over deltas.
+
+Structured output (a JSON schema, a regex, a tool call's arguments) constrains the answer only, as
+vLLM applies it beside a reasoning parser: the thought runs free and the grammar starts after
+</think> (`think_markers`; the engine's `Grammar.after_thinking`). That needs the markers as
+tokens of the vocabulary, as Qwen3's and the R1 distills' are; without them a qwen3 output cannot
+open a thought and is constrained whole, and deepseek_r1's structured requests are refused (its
+answer would begin after a </think> the model cannot write as one token).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from inflight.request import ThinkMarkers
 from inflight.server.tools import partial_suffix
+
+if TYPE_CHECKING:
+    from inflight.model.tokenizer import Tokenizer
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 _START, _END = "<think>", "</think>"
@@ -74,3 +87,15 @@ class ReasoningSplitter:
         splitter = cls(parser)
         (r1, c1), (r2, c2) = splitter.feed(text), splitter.end()
         return (r1 + r2) or None, (c1 + c2) or None
+
+
+def think_markers(parser: str, tokenizer: Tokenizer) -> ThinkMarkers | None:
+    """The parser's thought markers as the vocabulary's tokens, or None where <think> or </think>
+    is not one token of it."""
+    ids = []
+    for marker in (_START, _END):
+        token = tokenizer.hf.convert_tokens_to_ids(marker)
+        if not isinstance(token, int) or tokenizer.encode(marker, add_special_tokens=False) != [token]:
+            return None
+        ids.append(token)
+    return ThinkMarkers(ids[0], ids[1], opens=parser == "qwen3")

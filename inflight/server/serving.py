@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 from inflight.engine.slo import LateRequestError
 from inflight.errors import EngineOverloadedError, InvalidRequestError
 from inflight.model.tokenizer import Tokenizer
-from inflight.request import FinishReason, Grammar, SamplingParams, TokenLogprobs
+from inflight.request import FinishReason, Grammar, SamplingParams, ThinkMarkers, TokenLogprobs
 from inflight.server.async_engine import (
     AsyncEngine,
     EngineFailedError,
@@ -61,7 +61,7 @@ from inflight.server.protocol import (
     UsageInfo,
     template_tools,
 )
-from inflight.server.reasoning import ReasoningSplitter
+from inflight.server.reasoning import ReasoningSplitter, think_markers
 from inflight.server.stream import Delta, RequestStream
 from inflight.server.tools import ToolCallReader, ToolMode, tool_call_format
 
@@ -337,6 +337,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.config = config
         self.model_name = config.served_model_name or engine.model_name
+        self._think_markers: ThinkMarkers | None = None  # looked up at the first structured chat beside a parser
 
     async def completion(self, req: CompletionRequest, http: Request) -> Response:
         """One engine request per prompt of the batch (so that they batch), choices in order."""
@@ -392,7 +393,10 @@ class OpenAIServing:
         token_ids = self._truncated(token_ids, req)
         params = self._sampling_params(req, req.requested_max_tokens, len(token_ids), "messages", req.num_logprobs,
                                        req.prompt_logprobs)
-        streams = await self._submit([(token_ids, params)], arrival, "chatcmpl", req.priority, await self._grammar(req))
+        grammar = await self._grammar(req)
+        if grammar is not None and self.config.reasoning_parser is not None:
+            grammar = self._after_thinking(grammar, req)
+        streams = await self._submit([(token_ids, params)], arrival, "chatcmpl", req.priority, grammar)
         fmt = _ChatFormat(streams[0].request_id, self.model_name, tokenizer, tools, self.config.reasoning_parser,
                           req.prompt_logprobs)
         return await self._respond(streams, fmt, req, http)
@@ -533,6 +537,19 @@ class OpenAIServing:
             return await asyncio.to_thread(self.engine.compile_grammar, req.constraint)
         except InvalidRequestError as exc:
             raise invalid(str(exc), req.constraint_field) from None
+
+    def _after_thinking(self, grammar: Grammar, req: ChatCompletionRequest) -> Grammar:
+        """A chat's grammar beside the reasoning parser: the answer constrained, the thought free."""
+        parser = self.config.reasoning_parser
+        assert parser is not None
+        markers = self._think_markers = self._think_markers or think_markers(parser, self.engine.tokenizer)
+        if markers is not None:
+            return grammar.after_thinking(markers)
+        if parser == "qwen3":  # no thought can open: the output is all answer
+            return grammar
+        raise invalid(f"structured output beside --reasoning-parser {parser} needs <think> and </think> as tokens "
+                      "of the model's vocabulary, and this model has none: its answer cannot be told from "
+                      "its thought", req.constraint_field)
 
     async def _submit(self, work: list[tuple[list[int], SamplingParams]], arrival: float, prefix: str,
                       priority: int, grammar: Grammar | None = None) -> list[RequestStream]:
