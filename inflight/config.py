@@ -96,7 +96,7 @@ class ModelConfig:
     # Gemma 2's soft-capping: attention scores and final logits become cap * tanh(x / cap).
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
-    # Routed experts (Mixtral, Qwen3-MoE, OLMoE, Granite MoE): each token's MLP is the weighted sum of the
+    # Routed experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE): each token's MLP is the weighted sum of the
     # `num_experts_per_tok` experts (of `num_experts`, each `moe_intermediate_size` wide) its
     # router scores highest, their weights renormalized to sum to 1 where `norm_topk_prob`; in the
     # layers `moe_layers` marks (None: every layer), the others a dense MLP. 0 experts: dense.
@@ -105,6 +105,9 @@ class ModelConfig:
     moe_intermediate_size: int | None = None
     norm_topk_prob: bool = True
     moe_layers: tuple[bool, ...] | None = None
+    # Qwen2-MoE's shared expert: in every expert layer an MLP of this width that every token
+    # runs beside its routed experts, its output scaled by a sigmoid gate; None: none.
+    shared_expert_intermediate_size: int | None = None
     # The sampling settings the checkpoint ships (a Hugging Face generation_config.json, a GGUF
     # file's general.sampling.* keys) under SamplingParams' names, max_new_tokens as max_tokens:
     # what an engine uses where a request leaves a setting unset (`EngineConfig.generation_config`).

@@ -25,7 +25,7 @@ the same sources first (low priority: the build takes a while):
     nice -n 19 cmake --build build --target llama-quantize -j2 && cd -
     /tmp/conv/bin/python tests/converter_fixtures.py /tmp/lcp/llama_cpp_python-0.3.36/vendor/llama.cpp --quantized
 
-OLMo 2's, Qwen3-MoE's and OLMoE's converters ask for a byte-level BPE tokenizer they recognize by hash;
+OLMo 2's, Qwen2-MoE's, Qwen3-MoE's and OLMoE's converters ask for a byte-level BPE tokenizer they recognize by hash;
 here they take the SentencePiece vocabulary instead (`_convert` patches that one method), which
 changes no weight or setting.
 """
@@ -80,6 +80,9 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral": ("Mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
     "qwen3_moe": ("Qwen3Moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                "norm_topk_prob": True}),
+    # Qwen2-MoE: q/k/v biases, routed experts beside a shared one gated by a sigmoid
+    "qwen2_moe": ("Qwen2Moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                               "shared_expert_intermediate_size": 64}),
     # Granite MoE: its multipliers, experts stacked in the checkpoint (gate and up fused in the file)
     "granitemoe": ("GraniteMoe", {"num_local_experts": 4, "num_experts_per_tok": 2, "embedding_multiplier": 12.0,
                                   "residual_multiplier": 0.22, "attention_multiplier": 0.1, "logits_scaling": 8.0}),

@@ -209,13 +209,16 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
     gemma = arch.startswith("gemma")
-    gguf_arch = {"gemma3_text": "gemma3", "mixtral": "llama", "qwen3_moe": "qwen3moe"}.get(arch, arch)
+    gguf_arch = {"gemma3_text": "gemma3", "mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}.get(
+        arch, arch)
     w = gguf.GGUFWriter(str(path), gguf_arch)
     if getattr(cfg, "num_experts_per_tok", None):
         w.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
         if getattr(cfg, "moe_intermediate_size", None):
             w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if getattr(cfg, "shared_expert_intermediate_size", None):
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -284,6 +287,8 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
             kind = "ffn_down_exps.weight" if name.endswith("down_proj") else "ffn_gate_inp.weight"
             w.add_tensor(prefix + kind, tensor.detach().float().numpy())
             continue
+        if name.endswith("mlp.shared_expert_gate.weight"):  # [1, hidden], which llama.cpp declares a vector
+            tensor = tensor.reshape(-1)
         if name.startswith("model.layers."):
             _, _, index, rest = name.split(".", 3)
             gguf_name = f"blk.{index}.{to_gguf[rest]}"
@@ -343,6 +348,10 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
         model = transformers.GraniteMoeForCausalLM(transformers.GraniteMoeConfig(
             **common, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=12.0, residual_multiplier=0.22,
             attention_multiplier=0.125, logits_scaling=8.0))
+    elif arch == "qwen2_moe":  # q/k/v biases, 6 experts, 3 per token, beside a shared one; the second layer dense
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **common, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=96,
+            shared_expert_intermediate_size=160, mlp_only_layers=[1]))
     elif arch == "olmoe":  # 6 experts, 3 per token, their weights not renormalized
         model = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
             **common, num_experts=6, num_experts_per_tok=3, norm_topk_prob=False))
@@ -356,7 +365,7 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3", "gemma2", "gemma3_text",
-                                  "mixtral", "qwen3_moe", "olmoe", "granitemoe"])
+                                  "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
 def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arch):
     """Qwen3 (q and k RMS-normalized per head before rotary, head_dim beyond hidden / heads),
     Qwen2 (q/k/v biases), OLMo 2 (attention's and the MLP's outputs normalized instead of their
@@ -588,7 +597,7 @@ def test_routed_experts_run_each_chosen_expert_once_over_its_tokens(normalize):
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3",
                                   "phi3_longrope", "qwen3_yarn", "gemma2", "gemma3_text", "mixtral", "qwen3_moe",
-                                  "olmoe", "granitemoe"])
+                                  "qwen2_moe", "olmoe", "granitemoe"])
 def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_path, monkeypatch, arch):
     """The GGUF file llama.cpp's `convert_hf_to_gguf.py` made of a tiny checkpoint of each
     architecture (tests/converter_fixtures.py; its names, row orders, norm offsets, stacked
@@ -644,7 +653,7 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "olmo2", "smollm3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe",
-                                  "olmoe", "granitemoe"])
+                                  "qwen2_moe", "olmoe", "granitemoe"])
 def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arch):
     """Through the engine as a user runs it: the directory's own tokenizer and chat template, a
     batch of chats (longer than Gemma's 24-token window) in small prefill chunks, the prefix cache
@@ -791,7 +800,7 @@ def test_llama_cpp_k_quant_files_match_transformers(name):
 
 @pytest.mark.parametrize("arch,dtype", [("llama256", torch.bfloat16), ("llama256", torch.float16),
                                         ("gemma2", torch.bfloat16), ("qwen3_moe", torch.bfloat16),
-                                        ("granitemoe", torch.float16)])
+                                        ("qwen2_moe", torch.bfloat16), ("granitemoe", torch.float16)])
 def test_a_16_bit_checkpoint_stays_16_bit_and_computes_its_fp32_logits_bit_for_bit(tmp_path, arch, dtype):
     """A checkpoint stored in bf16 or fp16 (as models are published), loaded as the engine loads it
     on CPU in fp32: its matmuls' weights stay in 16 bits (2 bytes a weight, no fp32 form; a tied
@@ -821,7 +830,7 @@ def test_a_16_bit_checkpoint_stays_16_bit_and_computes_its_fp32_logits_bit_for_b
     linears = [m for layer in kept.layers for f in ("qkv", "o", "gate_up", "down") if (m := getattr(layer, f))]
     linears.append(kept.lm_head)
     experts = [m for layer in kept.layers if layer.experts is not None and layer.experts.router is not None
-               for m in (*layer.experts.gate_up, *layer.experts.down)]
+               for m in (*layer.experts.gate_up, *layer.experts.down, *(layer.experts.shared or ())[:2])]
     assert all(m.blocks is not None and m.weight.numel() == 0 for m in experts)
     linears += experts
     assert all(linear.blocks is not None and linear.weight.numel() == 0 for linear in linears)
@@ -832,6 +841,49 @@ def test_a_16_bit_checkpoint_stays_16_bit_and_computes_its_fp32_logits_bit_for_b
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     ids = list(range(3, 60))
     torch.testing.assert_close(inflight_logits(kept, ids), hf_logits(reference, ids), atol=3e-4, rtol=1e-4)
+
+
+def test_16_bit_rows_that_are_not_whole_blocks_are_widened(tmp_path):
+    """The packing holds 16-bit rows in blocks of 32 weights: a matrix whose rows are not (a down
+    projection 48 wide), from a checkpoint or a GGUF file, is widened to fp32 at load, the others
+    stay 16-bit, and the logits are those of the same values in fp32."""
+    import gguf
+    import transformers
+
+    from inflight.model.linear import blocks_usable
+    from inflight.model.loader import load_blocks, load_embedding
+
+    if not blocks_usable():
+        pytest.skip("these kernels read no stored blocks (built without AVX2)")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=TINY["vocab"], hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=256, tie_word_embeddings=False)).eval()
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "hf", safe_serialization=True)
+    write_gguf_from_hf(tmp_path / "f32.gguf", "llama", model.float())
+    reader = gguf.GGUFReader(tmp_path / "f32.gguf")  # the same file with every matrix in F16
+    writer = gguf.GGUFWriter(str(tmp_path / "f16.gguf"), "llama")
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            array = field.types[0] == gguf.GGUFValueType.ARRAY
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
+    for t in reader.tensors:
+        data = np.asarray(t.data, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist())))
+        writer.add_tensor(t.name, data.astype(np.float16) if data.ndim == 2 else data)
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file, writer.close):
+        step()
+    ids = list(range(3, 43))
+    for path in (tmp_path / "hf", tmp_path / "f16.gguf"):
+        source = resolve_model(str(path))
+        config, weights = load_checkpoint(source, torch.float32)
+        _, shapes = load_checkpoint(source, torch.float32, keep_blocks=True)
+        blocks = load_blocks(source, config)
+        assert "model.layers.0.mlp.gate_proj.weight" in blocks and "model.layers.0.mlp.down_proj.weight" not in blocks
+        kept = LlamaModel(config, shapes, torch.device("cpu"), gguf_blocks=blocks,
+                          embedding=load_embedding(source, config))
+        assert kept.layers[0].down.blocks is None and kept.layers[0].gate_up.blocks is not None
+        dense = LlamaModel(config, weights, torch.device("cpu"))
+        assert torch.equal(inflight_logits(kept, ids), inflight_logits(dense, ids))
 
 
 def requantized(source: Path, path: Path, kind: str) -> Path:
@@ -861,7 +913,8 @@ def requantized(source: Path, path: Path, kind: str) -> Path:
 
 
 @pytest.mark.parametrize("name", ["mix-a", "mix-b", "mix-c", "phi3_longrope-Q8_0", "qwen3-Q4_1", "gemma2-Q8_0",
-                                  "mixtral-Q4_1", "qwen3_moe-Q8_0", "granitemoe-Q4_0", "olmo2-Q4_0", "qwen2-Q5_1",
+                                  "mixtral-Q4_1", "qwen3_moe-Q8_0", "qwen2_moe-Q4_1", "granitemoe-Q4_0", "olmo2-Q4_0",
+                                  "qwen2-Q5_1",
                                   *QUANTIZED_FIXTURES])
 def test_matrices_kept_in_gguf_blocks_compute_the_fp32_logits_bit_for_bit(tmp_path, name):
     """Loaded as the engine loads it on CPU, a GGUF file's matrices of `loader.BLOCK_TYPES` stay in

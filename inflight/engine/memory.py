@@ -147,7 +147,8 @@ def activation_bytes(model: ModelConfig, scheduler: SchedulerConfig, dtype: torc
     prompt logprobs ask for every token's). The PyTorch attention path's score matrices are not
     counted (the compiled kernels keep none)."""
     tokens = scheduler.max_num_tokens
-    mlp = max(model.intermediate_size, (model.moe_intermediate_size or 0) * max(model.num_experts_per_tok, 1))
+    mlp = max(model.intermediate_size, (model.moe_intermediate_size or 0) * max(model.num_experts_per_tok, 1)
+              + (model.shared_expert_intermediate_size or 0))
     width = 4 * model.hidden_size + (model.num_heads + 2 * model.num_kv_heads) * model.head_dim + 3 * mlp
     return tokens * width * dtype.itemsize + 2 * tokens * model.vocab_size * 4
 

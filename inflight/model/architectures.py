@@ -45,9 +45,18 @@ class ExpertNames:
     # `model.layers.N.`: name -> the parts ("gate", "up", "down") they hold, in row order (Granite
     # MoE's input_linear holds gate and up). The loader splits them into the names above.
     stacked: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # A shared expert every token runs (Qwen2-MoE): its gate, up and down projections, and the
+    # one-row matmul whose sigmoid scales its output; () and None: none.
+    shared: tuple[str, str, str] | tuple[()] = ()
+    shared_gate: str | None = None
 
     def of(self, expert: int) -> tuple[str, str, str]:
         return self.gate.format(e=expert), self.up.format(e=expert), self.down.format(e=expert)
+
+    @property
+    def shared_matmuls(self) -> list[tuple[str, ...]]:
+        """The shared expert's matmuls as the model fuses them: gate and up, then down."""
+        return [self.shared[:2], self.shared[2:]] if self.shared else []
 
     def part(self, expert: int, part: str) -> str:
         """Expert `expert`'s weight `part`: "gate", "up" or "down"."""
@@ -121,6 +130,10 @@ _GRANITE_MOE_EXPERTS = ExpertNames(
              "block_sparse_moe.output_linear.weight": ("down",)})
 _QWEN3_MOE_EXPERTS = ExpertNames("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight",
                                  "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight")
+_QWEN2_MOE_EXPERTS = dataclasses.replace(
+    _QWEN3_MOE_EXPERTS, shared_gate="mlp.shared_expert_gate.weight",
+    shared=("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
+            "mlp.shared_expert.down_proj.weight"))
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     Architecture("llama"),
@@ -144,6 +157,15 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     # Granite MoE: Granite's multipliers, every MLP routed, its experts stacked in the checkpoint
     Architecture("granitemoe", plan=with_routed_experts(LLAMA_LAYER), experts=_GRANITE_MOE_EXPERTS,
                  experts_always_renormalized=True),
+    # Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2's layer, routed experts beside a shared
+    # one; llama.cpp does not renormalize the chosen experts' weights for its files (nor does the
+    # config's default)
+    Architecture("qwen2_moe", plan=with_routed_experts(LLAMA_LAYER), gguf_interleaved_qk=False,
+                 experts=_QWEN2_MOE_EXPERTS, gguf_expert_weights_norm=False,
+                 gguf_names={"ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+                             "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+                             "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+                             "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight"}),
     Architecture("qwen3_moe", plan=with_routed_experts(QK_NORM_LAYER), extra_weights=_QK_NORM,
                  gguf_interleaved_qk=False, experts=_QWEN3_MOE_EXPERTS),
     # OLMoE: Llama's layer with q and k normalized over the whole projection (the scales' length
@@ -154,7 +176,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
 
 # llama.cpp's architecture names that differ from Hugging Face's model_type; and those it gives
 # to files with routed experts (`expert_count`), which Hugging Face names apart.
-GGUF_ARCHITECTURES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
+GGUF_ARCHITECTURES = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 GGUF_EXPERT_ARCHITECTURES = {"llama": "mixtral", "mistral": "mixtral"}
 
 # llama.cpp's stacked expert tensors (`blk.N.` + these, [experts, rows, cols]) -> which of an

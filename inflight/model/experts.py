@@ -1,6 +1,8 @@
-"""A layer's MLP as routed experts (Mixtral, Qwen3-MoE, OLMoE, Granite MoE): a router scores every expert for each
-token, the token goes through its `top_k` best, and their outputs are summed weighted by the
-router's softmax over the experts (renormalized over the chosen ones where the model says so).
+"""A layer's MLP as routed experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE): a router scores every
+expert for each token, the token goes through its `top_k` best, and their outputs are summed
+weighted by the router's softmax over the experts (renormalized over the chosen ones where the
+model says so). Qwen2-MoE adds a shared expert every token runs, its output scaled by the sigmoid
+of a one-row matmul of the token.
 
 The step's tokens are grouped by expert, so each expert runs one matmul over all the tokens that
 chose it, never one per token: a decode step of 64 requests with 8 of 128 experts each reads
@@ -18,13 +20,16 @@ from inflight.model.linear import Linear
 
 class RoutedExperts:
     def __init__(self, router: Linear | None, gate_up: Sequence[Linear], down: Sequence[Linear], top_k: int,
-                 normalize: bool) -> None:
+                 normalize: bool, shared: tuple[Linear, Linear, Linear] | None = None) -> None:
         """`gate_up[e]` and `down[e]`: expert e's fused gate/up and down matmuls. Without a
-        `router`, the one expert is a dense MLP (a layer of a MoE model that has no experts)."""
+        `router`, the one expert is a dense MLP (a layer of a MoE model that has no experts).
+        `shared`: a shared expert's gate/up and down matmuls and its gate (one output)."""
         if len(gate_up) != len(down) or not gate_up or (router is None and len(gate_up) != 1):
             raise ValueError("one gate/up and one down matmul per expert, and a router unless there is one")
+        if shared is not None and (router is None or shared[2].out_features != 1):
+            raise ValueError("a shared expert sits beside routed ones, gated by one output")
         self.router, self.gate_up, self.down = router, list(gate_up), list(down)
-        self.top_k, self.normalize = top_k, normalize
+        self.top_k, self.normalize, self.shared = top_k, normalize, shared
 
     @property
     def num_experts(self) -> int:
@@ -51,6 +56,9 @@ class RoutedExperts:
             start += count
             y = self.down[expert](act(self.gate_up[expert](x.index_select(0, rows))))
             out.index_add_(0, rows, y * pair_weights.index_select(0, pairs).unsqueeze(1))
+        if self.shared is not None:
+            gate_up, down, gate = self.shared
+            out += torch.sigmoid(gate(x)) * down(act(gate_up(x)))
         return out
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@ from inflight.errors import ModelLoadError
 from inflight.model.architectures import ARCHITECTURES, Architecture
 
 # Architectures whose attention always has q, k and v biases, whatever the config says.
-_QKV_BIAS_ARCHITECTURES = ("qwen2",)
+_QKV_BIAS_ARCHITECTURES = ("qwen2",)  # and Qwen2-MoE where its qkv_bias says (its default)
 
 
 def _read_json_object(path: Path, what: str) -> dict[str, Any]:
@@ -100,7 +100,7 @@ READ_KEYS = frozenset({
     "attn_logit_softcapping", "final_logit_softcapping", "hidden_act", "hidden_activation", "num_local_experts",
     "partial_rotary_factor", "original_max_position_embeddings",
     "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers",
-    "decoder_sparse_step",
+    "decoder_sparse_step", "shared_expert_intermediate_size", "qkv_bias",
 })
 # Config keys without effect on a forward pass in inference: training settings, bookkeeping,
 # generation defaults; and `mlp_bias`, whose biases are read from the checkpoint where they are.
@@ -263,7 +263,8 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         rope_theta=rotary.theta,
         max_position_embeddings=rotary.max_positions,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=arch in _QKV_BIAS_ARCHITECTURES or bool(raw.get("attention_bias", False)),
+        attention_bias=arch in _QKV_BIAS_ARCHITECTURES or bool(raw.get("attention_bias", False))
+        or bool(raw.get("qkv_bias", False)),
         rope_scaling=rope_scaling,
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
@@ -286,6 +287,8 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         norm_topk_prob=(not num_experts or (row is not None and row.experts_always_renormalized)
                         or bool(raw.get("norm_topk_prob", False))),
         moe_layers=_moe_layers(raw) if num_experts else None,
+        shared_expert_intermediate_size=int(raw["shared_expert_intermediate_size"])
+        if num_experts and raw.get("shared_expert_intermediate_size") else None,
     )
 
 

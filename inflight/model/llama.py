@@ -152,7 +152,7 @@ class DecoderLayer(NamedTuple):
     # Which of the model's rotary tables rotates q and k (`ROPE_*`; SmolLM3's NoPE layers: none).
     rope: int = 0
     window: int | None = None  # the layer's attention window (None: full attention)
-    experts: RoutedExperts | None = None  # the MLP of a routed-experts plan (Mixtral, Qwen3-MoE, OLMoE, Granite MoE)
+    experts: RoutedExperts | None = None  # the MLP of a routed-experts plan (Mixtral, Qwen2/3-MoE, OLMoE, Granite MoE)
 
 
 NORMS = ("input_norm", "post_norm", "attn_out_norm", "mlp_out_norm")
@@ -304,8 +304,13 @@ class LlamaModel:
             gate, up, down_name = names.of(e)
             gate_up.append(linear(prefix + gate, prefix + up))
             down.append(linear(prefix + down_name))
+        shared = None
+        if names.shared:
+            shared_gate, shared_up, shared_down = (prefix + n for n in names.shared)
+            assert names.shared_gate is not None
+            shared = (linear(shared_gate, shared_up), linear(shared_down), linear(prefix + names.shared_gate))
         return RoutedExperts(linear(prefix + names.router), gate_up, down, config.num_experts_per_tok,
-                             config.norm_topk_prob)
+                             config.norm_topk_prob, shared)
 
     @staticmethod
     def _layer_extras(arch: Architecture, take: Callable[[str], torch.Tensor], prefix: str) -> dict[str, Any]:

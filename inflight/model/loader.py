@@ -549,9 +549,13 @@ def _gguf_config(reader: Any) -> ModelConfig:
         # llama.cpp's converter interleaves the rotated halves of these architectures' full heads
         raise ModelLoadError(f"{arch}.rope.dimension_count = {rotary_dims} rotates part of each {head_dim}-wide "
                              f"head, which inflight does not compute for {arch} files")
-    for key in ("expert_shared_count", "expert_shared_feed_forward_length"):
-        if gguf_field(reader, f"{arch}.{key}"):
-            raise ModelLoadError(f"{arch}.{key} changes the model's arithmetic in a way inflight does not compute yet")
+    shared = row.experts is not None and bool(row.experts.shared)  # Qwen2-MoE's one shared expert
+    for key, allowed in (("expert_shared_count", 1 if shared else 0),
+                         ("expert_shared_feed_forward_length", None if shared else 0)):
+        value = gguf_field(reader, f"{arch}.{key}")
+        if value and (allowed is not None and int(value) > allowed):
+            raise ModelLoadError(f"{arch}.{key} = {value} changes the model's arithmetic in a way inflight does "
+                                 "not compute yet")
     if num_experts and row.experts is None:
         raise ModelLoadError(f"{arch}.expert_count = {num_experts}: inflight runs no routed experts for {arch}")
     tensor_names = {t.name for t in reader.tensors}
@@ -633,6 +637,9 @@ def _gguf_config(reader: Any) -> ModelConfig:
         moe_intermediate_size=int(w) if (w := gguf_field(reader, f"{arch}.expert_feed_forward_length")) else None,
         norm_topk_prob=bool(gguf_field(reader, f"{arch}.expert_weights_norm", row.gguf_expert_weights_norm)),
         moe_layers=_gguf_moe_layers(tensor_names, num_layers) if num_experts else None,
+        # llama.cpp's default where the file does not say: the dense MLP's width
+        shared_expert_intermediate_size=int(gguf_field(reader, f"{arch}.expert_shared_feed_forward_length")
+                                            or get("feed_forward_length")) if shared and num_experts else None,
     )
 
 
@@ -722,6 +729,8 @@ def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 def _gguf_weights(tensors: list[GGUFTensor], config: ModelConfig, keep_blocks: bool) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     kept = _blocks_kept(tensors, config) if keep_blocks else frozenset()
+    experts_row = architecture(config.architecture).experts
+    shared_gate = experts_row.shared_gate if experts_row is not None else None
     if keep_blocks and _embedding_by_row(tensors, config):  # `load_embedding`
         kept |= {"token_embd.weight"}
     for tensor in tensors:
@@ -745,6 +754,8 @@ def _gguf_weights(tensors: list[GGUFTensor], config: ModelConfig, keep_blocks: b
             weights.update(experts(value))
             continue
         name = _gguf_to_hf_name(tensor.name, config.architecture)
+        if value.dim() == 1 and name == f"model.layers.{name.split('.')[2]}.{shared_gate}":
+            value = value.unsqueeze(0)  # a matrix of one row, which llama.cpp declares a vector
         weights[name] = _hf_row_order(name, value, config)
     return weights
 
@@ -795,7 +806,7 @@ def _blocks_kept(tensors: list[GGUFTensor], config: ModelConfig) -> frozenset[st
     run on fp32 weights."""
     arch = config.architecture
     candidates = {t.name: t.tensor_type.name for t in tensors
-                  if t.tensor_type.name in BLOCK_TYPES and len(t.shape) == 2
+                  if t.tensor_type.name in BLOCK_TYPES and len(t.shape) == 2 and _whole_blocks(t)
                   and _gguf_expert_names(t.name, config) is None}
     rows = {t.name: int(t.shape[1]) for t in tensors if t.name in candidates}
     by_hf = {_gguf_to_hf_name(name, arch): name for name in candidates}
@@ -805,15 +816,17 @@ def _blocks_kept(tensors: list[GGUFTensor], config: ModelConfig) -> frozenset[st
     def fusable(parts: list[str], types: dict[str, str], rows: dict[str, int]) -> bool:
         return len({types[p] for p in parts}) == 1 or all(rows[p] % PANEL_ROWS == 0 for p in parts[:-1])
 
+    row = architecture(arch)
+    layer_matmuls = [*row.matmuls.values(), *(row.experts.shared_matmuls if row.experts is not None else [])]
     for i in range(config.num_layers):
-        for names in architecture(arch).matmuls.values():
+        for names in layer_matmuls:
             parts = [by_hf.get(f"model.layers.{i}.{n}") for n in names]
             found = [p for p in parts if p]
             if len(found) == len(parts) and fusable(found, candidates, rows):
                 kept.update(found)
     # stacked experts [experts, rows, K]: rows per expert in the second place of GGUF's shape
     experts = {t.name: t.tensor_type.name for t in tensors if t.tensor_type.name in BLOCK_TYPES
-               and len(t.shape) == 3 and _gguf_expert_names(t.name, config) is not None}
+               and len(t.shape) == 3 and _whole_blocks(t) and _gguf_expert_names(t.name, config) is not None}
     expert_rows = {t.name: int(t.shape[1]) for t in tensors if t.name in experts}
     for i in range(config.num_layers):
         for group in (("ffn_gate_exps", "ffn_up_exps"), ("ffn_gate_up_exps",), ("ffn_down_exps",)):
@@ -821,6 +834,11 @@ def _blocks_kept(tensors: list[GGUFTensor], config: ModelConfig) -> frozenset[st
             if all(p in experts for p in stacks) and fusable(stacks, experts, expert_rows):
                 kept.update(stacks)
     return frozenset(kept)
+
+
+def _whole_blocks(tensor: GGUFTensor) -> bool:
+    """Whether the packing can hold the tensor's rows (16-bit ones: whole blocks of 32 weights)."""
+    return tensor.tensor_type.name not in SIXTEEN_BITS or int(tensor.shape[0]) % SIXTEEN_BIT_BLOCK == 0
 
 
 def load_blocks(source: ModelSource, config: ModelConfig) -> dict[str, tuple[str, torch.Tensor]]:
@@ -934,6 +952,9 @@ def _hf_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 
 SIXTEEN_BITS = ("BF16", "F16")  # safetensors' names, which are GGUF's too
+# The packing holds 16-bit rows in blocks of this many weights: a matrix whose rows are not whole
+# blocks (an MLP 48 wide) is widened to fp32 instead. (A quantized type's rows are whole blocks.)
+SIXTEEN_BIT_BLOCK = 32
 
 
 def _hf_kept(path: Path, config: ModelConfig) -> dict[str, str]:
@@ -941,7 +962,8 @@ def _hf_kept(path: Path, config: ModelConfig) -> dict[str, str]:
     type: the LM head (the embedding, where tied) and each layer's matmuls (q/k/v and gate/up
     fused) whose parts are all BF16 or all F16, and each routed expert's gate/up and down alike
     (or the checkpoint's stacks of them, `ExpertNames.stacked`). Routers run on fp32 weights."""
-    dtypes = _hf_dtypes(path)
+    shapes = _hf_shapes(path)
+    dtypes = {name: dtype for name, dtype in _hf_dtypes(path).items() if shapes[name][-1] % SIXTEEN_BIT_BLOCK == 0}
     head = "lm_head.weight" if "lm_head.weight" in dtypes else "model.embed_tokens.weight"
     kept = {head: dtypes[head]} if dtypes.get(head) in SIXTEEN_BITS else {}
     arch = architecture(config.architecture)
@@ -953,6 +975,7 @@ def _hf_kept(path: Path, config: ModelConfig) -> dict[str, str]:
                 gate, up, down = (prefix + n for n in arch.experts.of(e))
                 groups += [[gate, up], [down]]
             groups += [[prefix + n] for n in arch.experts.stacked]  # split into each expert's by `load_blocks`
+            groups += [[prefix + n for n in names] for names in arch.experts.shared_matmuls]
         for parts in groups:
             if all(dtypes.get(p) in SIXTEEN_BITS for p in parts) and len({dtypes[p] for p in parts}) == 1:
                 kept.update((p, dtypes[p]) for p in parts)
