@@ -149,6 +149,7 @@ def test_gguf_block_matmul_equals_the_fp32_one_bit_for_bit(kind, out_features, i
             assert torch.equal(both(x[:rows]), expected), rows
             assert torch.equal(shape_only(x[:rows]), expected), rows
         # Each kernel over any number of rows: the register one in passes (of up to 5, or 12), the panel one whole.
+        assert kernels.gguf_blocks_linear(x[:0], both.blocks, out_features).shape == (0, out_features)  # no rows
         for rows in (3, 8, 12, 13, 23):
             expected = kernels.packed_linear(x[:rows], fp32_only.weight, None, out_features)
             assert torch.equal(kernels.gguf_blocks_linear(x[:rows], both.blocks, out_features), expected)

@@ -2429,8 +2429,8 @@ torch::Tensor gguf_blocks_linear(torch::Tensor x, torch::Tensor packed, int64_t 
   auto y = torch::empty({M, n_pad}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t passes = (M + kQMaxRows - 1) / kQMaxRows;  // each pass dequantizes the panel again: few,
-  const int64_t pass_rows = (M + passes - 1) / passes;      // and of even size (13 rows: 7 and 6)
+  const int64_t passes = std::max<int64_t>(1, (M + kQMaxRows - 1) / kQMaxRows);  // each dequantizes the panel
+  const int64_t pass_rows = std::max<int64_t>(1, (M + passes - 1) / passes);    // again: few, and even (13: 7, 6)
   for_block_panels(w, M, pass_rows, [&](auto l, int64_t p, const uint8_t* panel, int64_t m, int rows) {
     quant_rows<decltype(l)>(rows, xp + m * K, K, panel, yp + m * n_pad + p * kQCols, n_pad);
   });
