@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -328,22 +328,29 @@ class LlamaModel:
             return None
         if not self.attention.reads_pool_in_place(self.dtype):
             return None
-        if any(getattr(layer, f).backend != "inflight" for layer in layers for f in MATMULS):
+        experts = [_expert_matmuls(layer.experts) if layer.experts is not None else [] for layer in layers]
+        if any(m is not None and m.backend != "inflight" for layer, own in zip(layers, experts, strict=True)
+               for m in [*(getattr(layer, f) for f in MATMULS), *own]):
             return None
         norms = _norm_fields(self.plan)
         plan = [(step.op, int(step.src), int(step.dst), _param_index(step, norms), [int(r) for r in release])
                 for step, release in zip(self.plan, released_after(self.plan), strict=True)]
-        matmuls = [getattr(layer, f) for layer in layers for f in MATMULS]
+        matmuls = [getattr(layer, f) for layer in layers for f in MATMULS]  # None: the MLP is the experts'
         qk_norms = [scale for layer in layers for scale in layer.qk_norm or ()] if Op.QK_NORM in {
             step.op for step in self.plan} else []
         cfg = self.config
-        return kernels.DecoderStack(
+        stack = kernels.DecoderStack(
             plan, int(OUTPUT), len(layers), [getattr(layer, f) for layer in layers for f in norms], qk_norms,
-            [m.weight for m in matmuls], [m.blocks for m in matmuls], [m.bias for m in matmuls],
-            [m.out_features for m in matmuls], [layer.window or 0 for layer in layers],
+            *_stack_linears(matmuls), [layer.window or 0 for layer in layers],
             [layer.rope for layer in layers], [layer.residual_scale for layer in layers], cfg.num_heads,
             cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, self.attention.scale, self.attention.softcap or 0.0,
         )
+        if Op.ROUTED_EXPERTS in {step.op for step in self.plan}:
+            for i, (layer, own) in enumerate(zip(layers, experts, strict=True)):
+                assert layer.experts is not None
+                stack.set_experts(i, *_stack_linears(own), layer.experts.router is not None,
+                                  layer.experts.shared is not None, layer.experts.top_k, layer.experts.normalize)
+        return stack
 
     def _rope_tables(self, config: ModelConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """cos and sin `[max_positions, head_dim]` of each rotary the layers read (`ROPE_*`):
@@ -463,6 +470,23 @@ class LlamaModel:
                 if tables is not None else (None,) * 4),
             attn_meta.block_size,
         )
+
+
+def _expert_matmuls(experts: RoutedExperts) -> list[Linear]:
+    """A routed-experts MLP's matmuls in `DecoderStack.set_experts`' order."""
+    return [*([experts.router] if experts.router is not None else []), *experts.gate_up, *experts.down,
+            *(experts.shared or ())]
+
+
+def _stack_linears(matmuls: Sequence[Linear | None]) -> tuple[list[torch.Tensor], list[torch.Tensor | None],
+                                                              list[torch.Tensor | None], list[int]]:
+    """Matmuls as `DecoderStack` takes them: packed weights, blocks, biases, out_features (None, a
+    matmul the plan does not read, as an empty weight)."""
+    empty = torch.empty(0)
+    return ([m.weight if m is not None else empty for m in matmuls],
+            [m.blocks if m is not None else None for m in matmuls],
+            [m.bias if m is not None else None for m in matmuls],
+            [m.out_features if m is not None else 0 for m in matmuls])
 
 
 def _norm_fields(plan: tuple[Step, ...]) -> tuple[str, ...]:

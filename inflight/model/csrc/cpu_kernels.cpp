@@ -3685,15 +3685,60 @@ struct StackLinear {
 // The ops of inflight/model/layer_plan.py's Op, as a plan names them.
 enum class PlanOp {
   kAddRmsNorm, kMatmul, kRotaryStoreKv, kAttention, kSiluAndMul, kGeluTanhAndMul, kQkNorm, kAddResidual, kRmsNorm,
-  kScale
+  kScale, kRoutedExperts
 };
 const std::vector<std::pair<std::string, PlanOp>> kPlanOps = {
     {"add_rms_norm", PlanOp::kAddRmsNorm},   {"matmul", PlanOp::kMatmul},
     {"rotary_store_kv", PlanOp::kRotaryStoreKv}, {"attention", PlanOp::kAttention},
     {"silu_and_mul", PlanOp::kSiluAndMul},   {"gelu_tanh_and_mul", PlanOp::kGeluTanhAndMul},
     {"qk_norm", PlanOp::kQkNorm},            {"add_residual", PlanOp::kAddResidual},
-    {"rms_norm", PlanOp::kRmsNorm},          {"scale", PlanOp::kScale}};
+    {"rms_norm", PlanOp::kRmsNorm},          {"scale", PlanOp::kScale},
+    {"routed_experts", PlanOp::kRoutedExperts}};
 constexpr int64_t kMaxRegs = 8;
+
+torch::Tensor run_linear(const StackLinear& lin, const torch::Tensor& x) {
+  Range r(lin.label);
+  return linear_forward(x, lin.packed, lin.blocks, lin.bias, lin.out_features);
+}
+
+// A layer's routed-experts MLP (model/experts.py's RoutedExperts, the same ATen ops in the same
+// order, so the same values bit for bit): each token through the top_k experts its router scores
+// highest, weighted by the softmax over all of them (renormalized over the chosen where
+// `normalize`), each expert one matmul over the tokens that chose it; a shared expert every token
+// runs, scaled by the sigmoid of its one-output gate, added after. Without a router, a dense MLP
+// (a layer of a MoE model that has no experts).
+struct StackExperts {
+  c10::optional<StackLinear> router;
+  std::vector<StackLinear> gate_up, down, shared;  // shared: gate/up, down and gate, or none
+  int64_t top_k = 1;
+  bool normalize = false;
+
+  torch::Tensor forward(const torch::Tensor& x) const {
+    if (!router) return run_linear(down[0], silu_and_mul(run_linear(gate_up[0], x)));
+    const int64_t num_experts = static_cast<int64_t>(gate_up.size());
+    Range r("routed experts");
+    auto [weights, chosen] = torch::topk(torch::softmax(run_linear(*router, x).to(torch::kFloat), -1), top_k, -1);
+    if (normalize) weights = weights / weights.sum(-1, true);
+    weights = weights.to(x.scalar_type());
+    auto out = torch::zeros_like(x);
+    const torch::Tensor flat = chosen.flatten();
+    const torch::Tensor order = torch::argsort(flat, /*stable=*/true, /*dim=*/0);
+    const torch::Tensor rows_of = torch::div(order, top_k, "floor");
+    const torch::Tensor pair_weights = weights.flatten();
+    const torch::Tensor counts = torch::bincount(flat, {}, num_experts);
+    const int64_t* count = counts.data_ptr<int64_t>();
+    for (int64_t e = 0, start = 0; e < num_experts; ++e) {
+      if (count[e] == 0) continue;
+      const torch::Tensor pairs = order.narrow(0, start, count[e]), rows = rows_of.narrow(0, start, count[e]);
+      start += count[e];
+      const torch::Tensor y = run_linear(down[e], silu_and_mul(run_linear(gate_up[e], x.index_select(0, rows))));
+      out.index_add_(0, rows, y * pair_weights.index_select(0, pairs).unsqueeze(1));
+    }
+    if (!shared.empty())
+      out += torch::sigmoid(run_linear(shared[2], x)) * run_linear(shared[1], silu_and_mul(run_linear(shared[0], x)));
+    return out;
+  }
+};
 
 struct PlanStep {
   PlanOp op;
@@ -3759,6 +3804,39 @@ class DecoderStack {
   }
 
   int64_t num_layers() const { return num_layers_; }
+
+  // Layer `layer`'s routed-experts MLP (the plan's routed_experts step), its matmuls as the
+  // constructor's are given, in order: the router where `routed`, each expert's gate/up, each
+  // one's down, then where `shared` the shared expert's gate/up, down and gate.
+  void set_experts(int64_t layer, std::vector<torch::Tensor> packed, std::vector<c10::optional<torch::Tensor>> blocks,
+                   std::vector<c10::optional<torch::Tensor>> biases, std::vector<int64_t> out_features, bool routed,
+                   bool shared, int64_t top_k, bool normalize) {
+    TORCH_CHECK(layer >= 0 && layer < num_layers_, "no such layer: ", layer);
+    const int64_t n = static_cast<int64_t>(packed.size());
+    TORCH_CHECK(static_cast<int64_t>(blocks.size()) == n && static_cast<int64_t>(biases.size()) == n &&
+                    static_cast<int64_t>(out_features.size()) == n,
+                "blocks, biases and out_features for every matmul");
+    const int64_t experts = (n - (routed ? 1 : 0) - (shared ? 3 : 0)) / 2;
+    TORCH_CHECK(experts >= 1 && n == (routed ? 1 : 0) + 2 * experts + (shared ? 3 : 0) && (routed || experts == 1) &&
+                    (routed || !shared) && top_k >= 1 && top_k <= experts,
+                "a router, each expert's gate/up and down, and a shared expert's three matmuls, or one dense MLP");
+    if (experts_.empty()) experts_.resize(num_layers_);
+    StackExperts made;
+    std::vector<StackLinear> all;
+    for (int64_t i = 0; i < n; ++i)
+      all.push_back({packed[i], blocks[i], biases[i], out_features[i], "matmul -> " + std::to_string(out_features[i])});
+    int64_t at = 0;
+    if (routed) made.router = all[at++];
+    made.gate_up.assign(all.begin() + at, all.begin() + at + experts);
+    made.down.assign(all.begin() + at + experts, all.begin() + at + 2 * experts);
+    at += 2 * experts;
+    if (shared) {
+      made.shared.assign(all.begin() + at, all.end());
+      TORCH_CHECK(made.shared[2].out_features == 1, "a shared expert's gate has one output");
+    }
+    made.top_k = top_k, made.normalize = normalize;
+    experts_[layer] = std::move(made);
+  }
 
   // Runs every layer over the step's packed tokens. hidden [N, hidden_size], the embeddings, is
   // the residual stream and is updated in place; returns register `output` after the last
@@ -3863,6 +3941,11 @@ class DecoderStack {
             reg[step.dst] = src.mul(residual_scales_[i]);
             break;
           }
+          case PlanOp::kRoutedExperts: {
+            TORCH_CHECK(!experts_.empty() && !experts_[i].gate_up.empty(), "layer ", i, " has no experts set");
+            reg[step.dst] = experts_[i].forward(src);
+            break;
+          }
         }
         for (int64_t r : step.release) reg[r].reset();
       }
@@ -3876,6 +3959,7 @@ class DecoderStack {
   std::vector<int64_t> windows_, rope_tables_;
   std::vector<double> residual_scales_;
   std::vector<StackLinear> linears_;
+  std::vector<StackExperts> experts_;  // per layer, where the plan routes to experts (set_experts)
   std::vector<PlanStep> plan_;
   int64_t num_layers_, output_, norms_per_layer_ = 0, matmuls_per_layer_ = 0;
   int64_t num_heads_, num_kv_heads_, head_dim_;
@@ -3970,5 +4054,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, std::vector<double>, int64_t,
                     int64_t, int64_t, double, double, double>())
       .def("forward", &DecoderStack::forward, "Runs every layer; returns the last MLP output (hidden updated in place)",
-           py::call_guard<py::gil_scoped_release>());
+           py::call_guard<py::gil_scoped_release>())
+      .def("set_experts", &DecoderStack::set_experts,
+           "A layer's routed-experts MLP: its matmuls (router, gate/ups, downs, shared), whether routed and shared, "
+           "top_k and whether the chosen weights are renormalized");
 }
