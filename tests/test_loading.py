@@ -1274,3 +1274,34 @@ def test_gguf_index_cache_gives_the_same_weights(tmp_path, monkeypatch):
     loader._read_gguf.cache_clear()
     assert load_checkpoint(source, torch.float32)[0] == config
     loader._read_gguf.cache_clear()
+
+
+def test_rotary_tables_cover_the_served_context_and_grow_alike(tmp_path):
+    """A 131072-position model serving 256 tokens builds its rotary tables for those (not 67 MB
+    of them at head_dim 128); a step past them grows the tables, and every position's values are
+    the same however far the tables reach, in what steps they grew and on how many threads they
+    were built, so the logits are too."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=TINY["vocab"], hidden_size=256, intermediate_size=128,
+                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                      max_position_embeddings=131072, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
+    cfg, weights = load_checkpoint(resolve_model(str(tmp_path)), torch.float32)
+    served = LlamaModel(cfg, weights, torch.device("cpu"))
+    served.use_context(256)
+    assert [cos.shape for cos, _ in served.rope_tables] == [(256, 128)] * 3
+    ids = [3 + i % 200 for i in range(600)]
+    logits = inflight_logits(served, ids)  # past the 256 positions: grown to 640
+    assert served.rope_tables[0][0].shape[0] == 640
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        whole = LlamaModel(cfg, weights, torch.device("cpu"))
+        whole.use_context(2048)
+    finally:
+        torch.set_num_threads(threads)
+    for (cos, sin), (cos_whole, sin_whole) in zip(served.rope_tables, whole.rope_tables, strict=True):
+        assert torch.equal(cos, cos_whole[:640]) and torch.equal(sin, sin_whole[:640])
+    assert torch.equal(inflight_logits(whole, ids), logits)

@@ -174,7 +174,8 @@ def plan_memory(config: EngineConfig, source: ModelSource, dtype: torch.dtype, d
     model = load_model_config(source)
     weights = weight_footprint(source, dtype, packed=packed,
                                blocks=keeps_blocks(dtype, device),
-                               int8=config.quantization == "int8")
+                               int8=config.quantization == "int8",
+                               positions=config.scheduler.max_model_len if device.type == "cpu" else None)
     cache = config.cache
     kv_dtype = select_kv_dtype(cache.kv_cache_dtype, dtype)
     per_block = 2 * model.num_layers * model.num_kv_heads * model.head_dim * cache.block_size * kv_dtype.itemsize

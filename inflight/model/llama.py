@@ -25,6 +25,7 @@ from inflight.model.experts import RoutedExperts
 from inflight.model.kernels import cpu_kernels
 from inflight.model.layer_plan import OUTPUT, Op, Reg, Step, compiled_ops, released_after, with_scaled_residual
 from inflight.model.linear import Linear, linear_backend
+from inflight.model.loader import ROPE_CHUNK, rope_table_positions
 from inflight.model.token_ops import CpuKernelTokenOps, KVStore, TorchTokenOps
 
 if TYPE_CHECKING:
@@ -270,7 +271,12 @@ class LlamaModel:
         shape = (config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps)
         self.ops = CpuKernelTokenOps(*shape, kernels) if kernels is not None else TorchTokenOps(*shape)
         self._long_context = False
-        self.rope_tables = self._rope_tables(config)
+        # Rotary tables cover the positions an engine serves (`use_context`), grown where a step
+        # reaches past them: a 131072-position model's full tables would take 134 MB (head_dim
+        # 128) mostly unread at a 2048-token context. Not on a GPU, whose steps would wait on the
+        # check: every position there.
+        self.rope_tables: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._ensure_rope(config.max_position_embeddings if device.type != "cpu" else 0)
         self.plan: tuple[Step, ...] = arch.plan if config.residual_scale == 1 else with_scaled_residual(arch.plan)
         self.decoder_stack = self._decoder_stack(kernels)
 
@@ -352,30 +358,47 @@ class LlamaModel:
                                   layer.experts.shared is not None, layer.experts.top_k, layer.experts.normalize)
         return stack
 
-    def _rope_tables(self, config: ModelConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """cos and sin `[max_positions, head_dim]` of each rotary the layers read (`ROPE_*`):
-        tables of every position, built once (the local one only where a layer reads it)."""
-        length = config.max_position_embeddings
-        table = self._rope_table(rope_inv_freq(config, self._long_context), length, rope_attention_factor(config))
+    def _ensure_rope(self, positions: int) -> None:
+        """Rotary tables covering at least `positions` positions (`loader.rope_table_positions`)."""
+        have = self.rope_tables[0][0].shape[0] if self.rope_tables else 0
+        if self.rope_tables and positions <= have:
+            return
+        length = rope_table_positions(positions)
+        grown = self._rope_tables(self.config, have, length)
+        if have:
+            grown = [(torch.cat([cos, more_cos]), torch.cat([sin, more_sin]))
+                     for (cos, sin), (more_cos, more_sin) in zip(self.rope_tables, grown, strict=True)]
+        self.rope_tables = grown
+
+    def _rope_tables(self, config: ModelConfig, first: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """cos and sin `[end - first, head_dim]` of positions [first, end) of each rotary the layers
+        read (`ROPE_*`; the local one only where a layer reads it)."""
+        table = self._rope_table(rope_inv_freq(config, self._long_context), first, end, rope_attention_factor(config))
         identity = (torch.ones_like(table[0]), torch.zeros_like(table[1])) if any(
             layer.rope == ROPE_NONE for layer in self.layers) else table
         local = table
         if any(layer.rope == ROPE_LOCAL for layer in self.layers):
             assert config.local_rope_theta is not None
             unscaled = dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
-            local = self._rope_table(rope_inv_freq(unscaled), length)
+            local = self._rope_table(rope_inv_freq(unscaled), first, end)
         return [table, identity, local]
 
-    def _rope_table(self, inv_freq: torch.Tensor, length: int,
+    def _rope_table(self, inv_freq: torch.Tensor, first: int, end: int,
                     factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(length, device=self.device, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq.to(self.device))
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos(), emb.sin()
-        if factor != 1:  # on the rotated dims only: a partial rotary's others (frequency 0) pass through
-            scale = torch.where(torch.cat([inv_freq, inv_freq]).to(self.device) != 0, factor, 1.0)
-            cos, sin = cos * scale, sin * scale
-        return cos.to(self.dtype).contiguous(), sin.to(self.dtype).contiguous()
+        # Chunk by chunk, each small enough for one thread: a position's values never depend on
+        # how far the table reaches or how many threads built it.
+        chunks = []
+        for start in range(first, end, ROPE_CHUNK):
+            positions = torch.arange(start, start + ROPE_CHUNK, device=self.device, dtype=torch.float32)
+            freqs = torch.outer(positions, inv_freq.to(self.device))
+            emb = torch.cat([freqs, freqs], dim=-1)
+            cos, sin = emb.cos(), emb.sin()
+            if factor != 1:  # on the rotated dims only: a partial rotary's others (frequency 0) pass through
+                scale = torch.where(torch.cat([inv_freq, inv_freq]).to(self.device) != 0, factor, 1.0)
+                cos, sin = cos * scale, sin * scale
+            chunks.append((cos, sin))
+        return (torch.cat([c for c, _ in chunks]).to(self.dtype).contiguous(),
+                torch.cat([s for _, s in chunks]).to(self.dtype).contiguous())
 
     def use_context(self, max_model_len: int) -> None:
         """Sets the rotary for an engine serving contexts of up to `max_model_len` tokens: a
@@ -383,7 +406,8 @@ class LlamaModel:
         long_context = uses_long_factors(self.config, max_model_len)
         if long_context != self._long_context:
             self._long_context = long_context
-            self.rope_tables = self._rope_tables(self.config)
+            self.rope_tables = []  # the other factors: built again
+        self._ensure_rope(min(max_model_len, self.config.max_position_embeddings))
 
     @torch.inference_mode()
     def forward(
@@ -396,6 +420,8 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Runs one step over packed tokens and returns fp32 logits `[len(logits_indices), vocab]`:
         the LM head runs only on the rows whose next token is wanted."""
+        if positions.device.type == "cpu" and positions.numel():
+            self._ensure_rope(int(positions.max()) + 1)  # a step past what use_context asked for
         hidden = self.embed_tokens.index_select(0, input_ids)
         if self.config.embedding_scale != 1:
             hidden = hidden * self.config.embedding_scale

@@ -199,8 +199,19 @@ _SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4
                       "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
 
 
+# The model's rotary tables are built for the positions an engine serves, in chunks of this many
+# positions (128 x a 128-wide head: one thread's work, so a position's values never depend on how
+# far the tables reach or how many threads built them).
+ROPE_CHUNK = 128
+
+
+def rope_table_positions(positions: int) -> int:
+    """The rows of rotary tables that cover `positions` positions: whole chunks."""
+    return -(-max(positions, 1) // ROPE_CHUNK) * ROPE_CHUNK
+
+
 def weight_footprint(source: ModelSource, dtype: torch.dtype, packed: bool, blocks: bool,
-                     int8: bool = False) -> WeightFootprint:
+                     int8: bool = False, positions: int | None = None) -> WeightFootprint:
     """The memory `load_checkpoint` and the model's construction take, as they work today: the
     weights widened to fp32 (and converted to `dtype`), the matmul weights laid out again for
     the kernel (`packed`: a prepacked backend, `linear.Linear`), the tied LM head as its own
@@ -209,7 +220,8 @@ def weight_footprint(source: ModelSource, dtype: torch.dtype, packed: bool, bloc
     (`--quantization int8`) the matmuls' matrices, the LM head's too, are held as int8 instead
     (a byte a weight and 8 bytes a column per 64 weights of a row: `INT8_BYTES`), those kept as
     stored repacked one fused matrix at a time just before and widened a block panel of rows at
-    a time; a tied head is quantized apart from the embedding, which stays as without.
+    a time; a tied head is quantized apart from the embedding, which stays as without. The rotary
+    tables cover `positions` (an engine's max_model_len; None: every position the model serves).
     The files themselves (GGUF and safetensors alike) are mapped: page cache, which the system
     can drop, not counted. The freed forms stay with the process after load (glibc keeps them for
     reuse, `engine.memory.keep_freed_memory`), so this is close to its resident size too."""
@@ -256,8 +268,11 @@ def weight_footprint(source: ModelSource, dtype: torch.dtype, packed: bool, bloc
     if repacked:
         repacked_bytes = sum(n * PACKED_BYTES[kind] for n, kind in repacked)
         parts.append(("matrices as stored, repacked for the matmuls", int(repacked_bytes)))
-    tables = 2 if config.local_rope_theta else 1  # cos and sin of every position, per rotary
-    parts.append(("rotary tables", tables * 2 * config.max_position_embeddings * config.head_dim * 4))
+    # cos and sin of each position served (in whole chunks), per rotary: the model's, the NoPE
+    # layers' identity, the local layers' own
+    tables = 1 + (config.rope_layers is not None and not all(config.rope_layers)) + bool(config.local_rope_theta)
+    served = min(positions or config.max_position_embeddings, config.max_position_embeddings)
+    parts.append(("rotary tables", tables * 2 * rope_table_positions(served) * config.head_dim * 4))
     parts.append(("allocator and layout slack (10%)", sum(b for _, b in parts) // 10))
     # What the first model's construction adds to a process whatever its size (kernel and
     # thread buffers, a checkpoint directory's reading): 18-52 MB in tests/test_memory.py's two
