@@ -235,3 +235,26 @@ def test_simulated_fleet_runs_the_same_rule() -> None:
     assert one.metrics == simulate(target, base, requests, "plain").metrics
     space = list(SearchSpace((512,), (64,), (True,), replicas=(1, 2), routers=("prefix", "pow2")))
     assert [(o["replicas"], o.get("router")) for o in space] == [(1, "prefix"), (2, "prefix"), (2, "pow2")]
+
+
+def test_the_ingress_hashes_the_prompt_the_replica_computes(loaded) -> None:
+    """The routing hint's tokens are the replica's: a chat rendered with its template options
+    (no generation prompt, the last message continued, template kwargs), a prompt cut to its
+    last truncate_prompt_tokens."""
+    from inflight.fleet.ingress import prompt_tokens
+
+    tokenizer = loaded.tokenizer
+    messages = [{"role": "user", "content": "Name a city."}, {"role": "assistant", "content": "Par"}]
+    plain = tokenizer.apply_chat_template(messages, True)
+    for options, expected in [
+        ({}, plain),
+        ({"add_generation_prompt": False}, tokenizer.apply_chat_template(messages, False)),
+        ({"add_generation_prompt": False, "continue_final_message": True},
+         tokenizer.apply_chat_template(messages, False, None, None, True)),
+        ({"truncate_prompt_tokens": 5}, plain[-5:]),
+    ]:
+        body = json.dumps({"model": "m", "messages": messages, **options}).encode()
+        assert prompt_tokens("/v1/chat/completions", body, tokenizer, None) == expected, options
+    body = json.dumps({"model": "m", "prompt": [5, 6, 7, 8], "truncate_prompt_tokens": 2}).encode()
+    assert prompt_tokens("/v1/completions", body, tokenizer, None) == [7, 8]
+    assert plain != tokenizer.apply_chat_template(messages, False)  # the options change the tokens
