@@ -337,7 +337,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.config = config
         self.model_name = config.served_model_name or engine.model_name
-        self._think_markers: ThinkMarkers | None = None  # looked up at the first structured chat beside a parser
+        self._think_markers: ThinkMarkers | None = None  # the tokenizer's, once found (`_after_thinking`)
 
     async def completion(self, req: CompletionRequest, http: Request) -> Response:
         """One engine request per prompt of the batch (so that they batch), choices in order."""
