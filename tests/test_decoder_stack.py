@@ -105,6 +105,7 @@ def test_every_architecture_runs_compiled_as_the_python_loop(tmp_path, arch):
     for a, b in zip(compiled, python, strict=True):
         assert torch.equal(a, b)
     assert {(s.num_decode_tokens > 0, s.num_prefill_tokens > 0) for s in steps} >= {(True, True), (True, False)}
+    assert any(s.num_decode_tokens == 1 and not s.num_prefill_tokens for s in steps)  # a token alone
 
 
 def test_the_plan_names_the_layers_weights():

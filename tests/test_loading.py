@@ -595,6 +595,34 @@ def test_routed_experts_run_each_chosen_expert_once_over_its_tokens(normalize):
     assert len(calls) == len(chosen_experts) and sum(calls) == tokens * top_k
 
 
+def test_a_token_alone_through_routed_experts_is_its_row_of_a_batch():
+    """One token takes a path of its own (its experts in id order, no grouping) in both
+    interpreters; its output is bit for bit its row of a batch through the grouped path, a shared
+    expert beside the routed ones included: a request's tokens do not depend on who shares its
+    step."""
+    from inflight.model.experts import RoutedExperts
+    from inflight.model.kernels import cpu_kernels
+    from inflight.model.linear import Linear
+    from inflight.model.token_ops import CpuKernelTokenOps
+
+    if cpu_kernels() is None:
+        pytest.skip("no compiled CPU kernels here")
+    torch.manual_seed(0)
+    hidden, width, num_experts, top_k = 64, 48, 6, 3
+    ops = CpuKernelTokenOps(2, 1, 32, 1e-6, cpu_kernels())
+
+    def linear(rows: int, cols: int) -> Linear:
+        return Linear(torch.randn(rows, cols) * 0.2, None, "inflight")
+
+    for shared in (None, (linear(2 * width, hidden), linear(hidden, width), linear(1, hidden))):
+        experts = RoutedExperts(linear(num_experts, hidden), [linear(2 * width, hidden) for _ in range(num_experts)],
+                                [linear(hidden, width) for _ in range(num_experts)], top_k, False, shared)
+        x = torch.randn(24, hidden)
+        batch = experts(x, ops.silu_and_mul)
+        for t in range(len(x)):
+            assert torch.equal(experts(x[t:t + 1], ops.silu_and_mul), batch[t:t + 1]), t
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3",
                                   "phi3_longrope", "qwen3_yarn", "gemma2", "gemma3_text", "mixtral", "qwen3_moe",
                                   "qwen2_moe", "olmoe", "granitemoe"])

@@ -42,6 +42,10 @@ class RoutedExperts:
             return self.down[0](act(self.gate_up[0](x)))
         weights, chosen = self.route(x)
         out = torch.zeros_like(x)
+        if x.shape[0] == 1:  # one token: its experts in id order, the same sums as grouping them below
+            for expert, weight in sorted(zip(chosen[0].tolist(), weights[0].tolist(), strict=True)):
+                out += self.down[expert](act(self.gate_up[expert](x))) * weight
+            return self._with_shared(x, out, act)
         # Every (token, choice) pair, sorted by expert: each expert's tokens are one slice.
         flat = chosen.flatten()
         order = torch.argsort(flat, stable=True)
@@ -56,6 +60,11 @@ class RoutedExperts:
             start += count
             y = self.down[expert](act(self.gate_up[expert](x.index_select(0, rows))))
             out.index_add_(0, rows, y * pair_weights.index_select(0, pairs).unsqueeze(1))
+        return self._with_shared(x, out, act)
+
+    def _with_shared(self, x: torch.Tensor, out: torch.Tensor,
+                     act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """`out` (the routed experts' sum) plus the shared expert's output, where there is one."""
         if self.shared is not None:
             gate_up, down, gate = self.shared
             out += torch.sigmoid(gate(x)) * down(act(gate_up(x)))

@@ -3715,12 +3715,31 @@ struct StackExperts {
 
   torch::Tensor forward(const torch::Tensor& x) const {
     if (!router) return run_linear(down[0], silu_and_mul(run_linear(gate_up[0], x)));
-    const int64_t num_experts = static_cast<int64_t>(gate_up.size());
     Range r("routed experts");
     auto [weights, chosen] = torch::topk(torch::softmax(run_linear(*router, x).to(torch::kFloat), -1), top_k, -1);
     if (normalize) weights = weights / weights.sum(-1, true);
     weights = weights.to(x.scalar_type());
     auto out = torch::zeros_like(x);
+    if (x.size(0) == 1 && x.scalar_type() == torch::kFloat) {  // one token: its experts in id order, as below
+      const torch::Tensor ids = chosen.contiguous(), ws = weights.contiguous();
+      std::vector<std::pair<int64_t, float>> picks;
+      for (int64_t k = 0; k < top_k; ++k) picks.emplace_back(ids.data_ptr<int64_t>()[k], ws.data_ptr<float>()[k]);
+      std::sort(picks.begin(), picks.end());
+      for (const auto& [e, w] : picks)
+        out.add_(run_linear(down[e], silu_and_mul(run_linear(gate_up[e], x))).mul_(w));
+    } else {
+      add_routed(x, weights, chosen, out);
+    }
+    if (!shared.empty())
+      out += torch::sigmoid(run_linear(shared[2], x)) * run_linear(shared[1], silu_and_mul(run_linear(shared[0], x)));
+    return out;
+  }
+
+  // Every (token, choice) pair grouped by expert: each expert one matmul over its tokens, its
+  // outputs weighted into `out` in expert order.
+  void add_routed(const torch::Tensor& x, const torch::Tensor& weights, const torch::Tensor& chosen,
+                  torch::Tensor& out) const {
+    const int64_t num_experts = static_cast<int64_t>(gate_up.size());
     const torch::Tensor flat = chosen.flatten();
     const torch::Tensor order = torch::argsort(flat, /*stable=*/true, /*dim=*/0);
     const torch::Tensor rows_of = torch::div(order, top_k, "floor");
@@ -3734,9 +3753,6 @@ struct StackExperts {
       const torch::Tensor y = run_linear(down[e], silu_and_mul(run_linear(gate_up[e], x.index_select(0, rows))));
       out.index_add_(0, rows, y * pair_weights.index_select(0, pairs).unsqueeze(1));
     }
-    if (!shared.empty())
-      out += torch::sigmoid(run_linear(shared[2], x)) * run_linear(shared[1], silu_and_mul(run_linear(shared[0], x)));
-    return out;
   }
 };
 
