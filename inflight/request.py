@@ -234,8 +234,7 @@ class Grammar:
 
     def after_thinking(self, think: ThinkMarkers) -> Grammar:
         """The same grammar from its start, constraining only the output after a thought."""
-        fresh = self.fresh()
-        return Grammar(fresh.matcher, think)
+        return Grammar(self.fresh().matcher, think)
 
     @property
     def constrains(self) -> bool:

@@ -60,22 +60,17 @@ def prompt_tokens(path: str, body: bytes, tokenizer: Tokenizer, chat_template: s
             completion = CompletionRequest.model_validate_json(body)
             prompt = completion.prompts[0]
             ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            return _truncated(ids, completion.truncate_prompt_tokens)
+            return completion.truncated(ids, None)  # the replica's context is not known here
         if path == "/v1/chat/completions":
             chat = ChatCompletionRequest.model_validate_json(body)
             messages = [m.to_template() for m in chat.messages]
             ids = tokenizer.apply_chat_template(messages, chat.add_generation_prompt, chat.template_tools(),
                                                 chat_template, chat.continue_final_message, chat.chat_template_kwargs)
-            return _truncated(ids, chat.truncate_prompt_tokens)
+            return chat.truncated(ids, None)
     except (ValidationError, InflightError, ValueError, IndexError):
         return None
     return None
 
-
-def _truncated(ids: list[int], keep: int | None) -> list[int]:
-    """The prompt's last `keep` tokens, as the replica cuts it (-1, the replica's context, is left
-    whole: a routing hint need not know it)."""
-    return ids[-keep:] if keep is not None and keep > 0 and len(ids) > keep else ids
 
 
 class ReplicaGone(Exception):

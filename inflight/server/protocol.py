@@ -214,6 +214,15 @@ class GenerationRequest(_Strict):
     _constraint: StructuredOutputs | None = PrivateAttr(None)
     _constraint_field: str | None = PrivateAttr(None)
 
+    def truncated(self, token_ids: list[int], max_model_len: int | None) -> list[int]:
+        """The prompt's last `truncate_prompt_tokens` tokens (-1: `max_model_len`'s worth, or the
+        whole prompt where that is not known), as vLLM cuts it; the whole prompt where the request
+        does not ask."""
+        keep = self.truncate_prompt_tokens
+        if keep == -1:
+            keep = max_model_len
+        return token_ids[-keep:] if keep is not None and len(token_ids) > keep else token_ids
+
     @model_validator(mode="after")
     def _check_supported(self) -> GenerationRequest:
         for name, message in _UNSUPPORTED.items():

@@ -354,7 +354,7 @@ class OpenAIServing:
         if not all(token_ids):
             raise invalid("the prompt is empty", "prompt")
         whole = token_ids
-        token_ids = [self._truncated(ids, req) for ids in token_ids]
+        token_ids = [req.truncated(ids, self.engine.max_model_len) for ids in token_ids]
         # The prompt's logprobs for echo (its `logprobs` alternatives) and for vLLM's prompt_logprobs
         # (its own count): one computation, of the larger count; each reports its own.
         asked = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
@@ -390,7 +390,7 @@ class OpenAIServing:
                 self.config.chat_template, req.continue_final_message, req.chat_template_kwargs)
         except InvalidRequestError as exc:
             raise invalid(str(exc), "messages") from None
-        token_ids = self._truncated(token_ids, req)
+        token_ids = req.truncated(token_ids, self.engine.max_model_len)
         params = self._sampling_params(req, req.requested_max_tokens, len(token_ids), "messages", req.num_logprobs,
                                        req.prompt_logprobs)
         grammar = await self._grammar(req)
@@ -457,15 +457,6 @@ class OpenAIServing:
         if num_chars > limit:
             raise invalid(f"the prompt is too long: {num_chars} characters cannot fit in max_model_len "
                           f"({self.engine.max_model_len}) tokens (the limit is {limit} characters)", param)
-
-    def _truncated(self, token_ids: list[int], req: GenerationRequest) -> list[int]:
-        """The prompt's last `truncate_prompt_tokens` tokens (-1: max_model_len's worth), as vLLM
-        cuts it; the whole prompt where the request does not ask."""
-        keep = req.truncate_prompt_tokens
-        if keep is None:
-            return token_ids
-        keep = self.engine.max_model_len if keep == -1 else keep
-        return token_ids[-keep:] if len(token_ids) > keep else token_ids
 
     def _sampling_params(self, req: GenerationRequest, max_tokens: int | None, num_prompt_tokens: int,
                          prompt_param: str, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
