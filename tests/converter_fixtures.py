@@ -70,6 +70,8 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
                                                    "original_max_position_embeddings": 16,
                                                    "short_factor": [1.0, 1.1, 1.3, 1.6],
                                                    "long_factor": [2.0, 3.0, 5.0, 8.0]}}),
+    # Gemma: a GeGLU; its config says hidden_act "gelu", which transformers reads as the tanh GeGLU
+    "gemma": ("Gemma", {"head_dim": 16, "tie_word_embeddings": True, "hidden_act": "gelu"}),
     "gemma2": ("Gemma2", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8, "tie_word_embeddings": True,
                           "attn_logit_softcapping": 0.5, "final_logit_softcapping": 3.0,
                           "attn_implementation": "eager"}),

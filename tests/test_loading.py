@@ -209,6 +209,7 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
     gemma = arch.startswith("gemma")
+    sandwich = arch in ("gemma2", "gemma3_text")  # Gemma 1's post_attention_layernorm comes before its MLP
     gguf_arch = {"gemma3_text": "gemma3", "mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}.get(
         arch, arch)
     w = gguf.GGUFWriter(str(path), gguf_arch)
@@ -263,7 +264,7 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     to_gguf.update({hf: g for g, hf in architecture(arch).gguf_names.items()})
     # Hugging Face's post_attention_layernorm is llama.cpp's ffn_norm where it comes before the
     # MLP (Qwen) and its post_attention_norm where it normalizes attention's output (OLMo 2).
-    to_gguf["post_attention_layernorm.weight"] = "post_attention_norm.weight" if arch == "olmo2" or gemma else (
+    to_gguf["post_attention_layernorm.weight"] = "post_attention_norm.weight" if arch == "olmo2" or sandwich else (
         "ffn_norm.weight")
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
@@ -326,6 +327,9 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
         model = transformers.GraniteForCausalLM(transformers.GraniteConfig(
             **common, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=1.0,
             logits_scaling=8.0))
+    elif arch == "gemma":  # a GeGLU in Llama's layer, head_dim past hidden / heads
+        model = transformers.GemmaForCausalLM(transformers.GemmaConfig(
+            **{**common, "tie_word_embeddings": True}, head_dim=96, attn_implementation="eager"))
     elif arch == "gemma2":  # local and global layers alternating, the window shorter than the prompts
         model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
             **{**common, "tie_word_embeddings": True}, head_dim=64, query_pre_attn_scalar=64, sliding_window=24,
@@ -364,24 +368,28 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
     return model.eval()
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3", "gemma2", "gemma3_text",
-                                  "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3", "gemma", "gemma2",
+                                  "gemma3_text", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
 def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arch):
-    """Qwen3 (q and k RMS-normalized per head before rotary, head_dim beyond hidden / heads),
-    Qwen2 (q/k/v biases), OLMo 2 (attention's and the MLP's outputs normalized instead of their
-    inputs, q and k over the whole projection), Granite (embedding, residual and attention
-    multipliers, logits scaling), SmolLM3 (every fourth layer without rotary), Phi-3 (q, k, v
-    and gate, up stored fused), Gemma 2 (sandwich norms, GeGLU, soft-capping, local and global
-    layers), Gemma 3 (q/k norm, the local layers' own rotary base), Mixtral, Qwen3-MoE, OLMoE and
-    Granite MoE (routed experts; a dense layer among them; OLMoE's weights not renormalized;
-    Granite MoE's stacked in the checkpoint, here gate and up in one GGUF tensor), each from a
-    Hugging Face directory (fp32, and bf16 or fp16) and from a GGUF file in llama.cpp's layout,
-    against transformers: reading the same GGUF where it can (Qwen, Phi-3), else the model the
-    file was written from."""
+    """Qwen3 (q and k RMS-normalized per head before rotary, head_dim beyond hidden / heads), Qwen2 (q/k/v
+    biases), OLMo 2 (attention's and the MLP's outputs normalized instead of their inputs, q and k
+    over the whole projection), Granite (embedding, residual and attention multipliers, logits
+    scaling), SmolLM3 (every fourth layer without rotary), Phi-3 (q, k, v and gate, up stored
+    fused), Gemma (a GeGLU, scaled embeddings, (1 + w) norms; its config's legacy `hidden_act:
+    "gelu"` meaning the tanh approximation, as transformers reads it), Gemma 2 (sandwich norms,
+    GeGLU, soft-capping, local and global layers), Gemma 3 (q/k norm, the local layers' own rotary
+    base), Mixtral, Qwen3-MoE, OLMoE and Granite MoE (routed experts; a dense layer among them;
+    OLMoE's weights not renormalized; Granite MoE's stacked in the checkpoint, here gate and up in
+    one GGUF tensor), each from a Hugging Face directory (fp32, and bf16 or fp16) and from a GGUF
+    file in llama.cpp's layout, against transformers: reading the same GGUF where it can (Qwen,
+    Phi-3), else the model the file was written from."""
     from transformers import AutoModelForCausalLM
 
     model = tiny_hf_model(arch)
     model.eval().save_pretrained(tmp_path / "hf", safe_serialization=True)
+    if arch == "gemma":  # as Google's configs say it (transformers saves the name it reads it as)
+        config_json = tmp_path / "hf" / "config.json"
+        config_json.write_text(json.dumps({**json.loads(config_json.read_text()), "hidden_act": "gelu"}))
     write_gguf_from_hf(tmp_path / "tiny.gguf", arch, model)
     ids = list(range(5, 5 + 90))
     transformers_reads_gguf = arch in ("qwen2", "qwen3", "phi3")
@@ -394,8 +402,8 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
     for source, reference in [(tmp_path / "hf", model), (tmp_path / "tiny.gguf", from_gguf),
                               (tmp_path / "half", rounded)]:
         config, weights = load_checkpoint(resolve_model(str(source)), torch.float32)
-        assert (config.architecture, config.head_dim) == (arch, 128 if arch == "qwen3" else 64)
-        if arch.startswith("gemma"):  # the windows and rotary bases as transformers has them
+        assert (config.architecture, config.head_dim) == (arch, {"qwen3": 128, "gemma": 96}.get(arch, 64))
+        if arch in ("gemma2", "gemma3_text"):  # the windows and rotary bases as transformers has them
             assert config.sliding_window_layers == tuple(t == "sliding_attention" for t in model.config.layer_types)
             assert config.local_rope_theta == (10_000.0 if arch == "gemma3_text" else None)
         ours = LlamaModel(config, weights, torch.device("cpu"))
@@ -624,8 +632,8 @@ def test_a_token_alone_through_routed_experts_is_its_row_of_a_batch():
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3",
-                                  "phi3_longrope", "qwen3_yarn", "gemma2", "gemma3_text", "mixtral", "qwen3_moe",
-                                  "qwen2_moe", "olmoe", "granitemoe"])
+                                  "phi3_longrope", "qwen3_yarn", "gemma", "gemma2", "gemma3_text", "mixtral",
+                                  "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
 def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_path, monkeypatch, arch):
     """The GGUF file llama.cpp's `convert_hf_to_gguf.py` made of a tiny checkpoint of each
     architecture (tests/converter_fixtures.py; its names, row orders, norm offsets, stacked
@@ -680,8 +688,8 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
     hf.save_pretrained(path)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "olmo2", "smollm3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe",
-                                  "qwen2_moe", "olmoe", "granitemoe"])
+@pytest.mark.parametrize("arch", ["qwen3", "olmo2", "smollm3", "gemma", "gemma2", "gemma3_text", "mixtral",
+                                  "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
 def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arch):
     """Through the engine as a user runs it: the directory's own tokenizer and chat template, a
     batch of chats (longer than Gemma's 24-token window) in small prefill chunks, the prefix cache

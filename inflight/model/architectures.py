@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from inflight.errors import ModelLoadError
 from inflight.model.layer_plan import (
+    GEGLU_LAYER,
     LLAMA_LAYER,
     POST_NORM_LAYER,
     QK_NORM_LAYER,
@@ -88,6 +89,9 @@ class Architecture:
     # each RMSNorm scale as (scale - 1), which llama.cpp's converter adds back.
     scaled_embedding: bool = False
     hf_norm_offset: float = 0.0
+    # Gemma's published configs say `hidden_act: "gelu"` for the tanh approximation, which
+    # transformers computes for them (its legacy reading); True: that name means this plan's GeGLU.
+    hf_gelu_means_tanh: bool = False
     # Which layers slide where a config does not list them (`layer_types`): every n-th layer is
     # global, the others local (Gemma 2: 2, Gemma 3: 6); llama.cpp's default for its GGUF files.
     window_pattern: int | None = None
@@ -149,6 +153,9 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                              "ffn_up.weight": "mlp.gate_up_proj.weight"}),
     Architecture("qwen3", plan=QK_NORM_LAYER, extra_weights=_QK_NORM, gguf_interleaved_qk=False),
     Architecture("olmo2", plan=POST_NORM_LAYER, norms=_POST_NORMS, extra_weights=_QK_NORM, gguf_interleaved_qk=False),
+    # Gemma (1, 1.1, CodeGemma): Llama's layer with a GeGLU, Gemma's embedding scale and norm offset
+    Architecture("gemma", plan=GEGLU_LAYER, gguf_interleaved_qk=False, scaled_embedding=True, hf_norm_offset=1.0,
+                 hf_gelu_means_tanh=True),
     _GEMMA2,
     dataclasses.replace(_GEMMA2, name="gemma3_text", plan=SANDWICH_QK_NORM_LAYER, extra_weights=_QK_NORM,
                         window_pattern=6, gguf_local_rope_theta=10000.0, gguf_wide_query_scale_layers=(62,)),

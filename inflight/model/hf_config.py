@@ -124,8 +124,8 @@ def refuse_unsupported(raw: dict[str, Any], path: Path) -> None:
     """Raises ModelLoadError naming the first config key whose value changes the arithmetic in a
     way inflight does not compute: silence would serve a different model."""
     arch = ARCHITECTURES[raw.get("model_type", "llama")]
-    neutral = {**_NEUTRAL, "hidden_act": _ACTIVATION_NAMES[arch.activation],
-               "hidden_activation": _ACTIVATION_NAMES[arch.activation]}
+    names = _ACTIVATION_NAMES[arch.activation] + (("gelu",) if arch.hf_gelu_means_tanh else ())
+    neutral = {**_NEUTRAL, "hidden_act": names, "hidden_activation": _ACTIVATION_NAMES[arch.activation]}
     for key, values in neutral.items():
         if key in raw and raw[key] not in values:
             raise ModelLoadError(f"{path}: {key} = {raw[key]!r} changes the model's arithmetic in a way "

@@ -89,6 +89,10 @@ LLAMA_LAYER: tuple[Step, ...] = (
     Step(Op.MATMUL, Reg.ACT, Reg.DELTA, "down"),
 )
 
+# Gemma's (1): Llama's layer, the MLP a GeGLU.
+GEGLU_LAYER: tuple[Step, ...] = tuple(
+    Step(Op.GELU_TANH_AND_MUL, step.src, step.dst) if step.op == Op.SILU_AND_MUL else step for step in LLAMA_LAYER)
+
 # Qwen3's: q and k normalized per head before the rotary embedding.
 QK_NORM_LAYER: tuple[Step, ...] = (
     *LLAMA_LAYER[:2],
