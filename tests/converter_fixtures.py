@@ -25,9 +25,9 @@ the same sources first (low priority: the build takes a while):
     nice -n 19 cmake --build build --target llama-quantize -j2 && cd -
     /tmp/conv/bin/python tests/converter_fixtures.py /tmp/lcp/llama_cpp_python-0.3.36/vendor/llama.cpp --quantized
 
-OLMo 2's, Qwen2-MoE's, Qwen3-MoE's and OLMoE's converters ask for a byte-level BPE tokenizer they recognize by hash;
-here they take the SentencePiece vocabulary instead (`_convert` patches that one method), which
-changes no weight or setting.
+OLMo 2's, Qwen2-MoE's, Qwen3-MoE's and OLMoE's converters ask for a byte-level BPE tokenizer they recognize by hash,
+GLM-4's for its own special tokens; here they take the SentencePiece vocabulary instead (`_convert`
+patches those methods), which changes no weight or setting.
 """
 
 from __future__ import annotations
@@ -79,6 +79,8 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
                                "tie_word_embeddings": True, "num_hidden_layers": 6, "rope_parameters": {
                                    "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}),
+    # GLM-4: sandwich norms, q/k/v biases, half of each head rotated as interleaved pairs
+    "glm4": ("Glm4", {"head_dim": 16, "pad_token_id": 0}),
     "mixtral": ("Mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
     "qwen3_moe": ("Qwen3Moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                "norm_topk_prob": True}),
@@ -141,6 +143,8 @@ def _convert(llama_cpp: Path, arch: str, vocab: Path, work: Path, out: Path) -> 
     runner = ("import runpy, sys; sys.argv = sys.argv[1:]; sys.path.insert(0, sys.argv[0].rsplit('/', 1)[0]);"
               "from conversion.base import TextModel; "
               "TextModel._set_vocab_gpt2 = lambda self: self._set_vocab_sentencepiece(); "
+              "from conversion.glm import Glm4Model; "
+              "Glm4Model.set_vocab = lambda self: self._set_vocab_sentencepiece(); "
               "runpy.run_path(sys.argv[0], run_name='__main__')")
     subprocess.run([sys.executable, "-c", runner, str(llama_cpp / "convert_hf_to_gguf.py"), str(hf),
                     "--outfile", str(out), "--outtype", "f32"], check=True)

@@ -229,6 +229,8 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        w.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
@@ -330,6 +332,9 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
     elif arch == "gemma":  # a GeGLU in Llama's layer, head_dim past hidden / heads
         model = transformers.GemmaForCausalLM(transformers.GemmaConfig(
             **{**common, "tie_word_embeddings": True}, head_dim=96, attn_implementation="eager"))
+    elif arch == "glm4":  # sandwich norms, q/k/v biases, half of each head rotated as interleaved pairs
+        model = transformers.Glm4ForCausalLM(transformers.Glm4Config(**common, head_dim=64, pad_token_id=0,
+                                                                     partial_rotary_factor=0.25))
     elif arch == "gemma2":  # local and global layers alternating, the window shorter than the prompts
         model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
             **{**common, "tie_word_embeddings": True}, head_dim=64, query_pre_attn_scalar=64, sliding_window=24,
@@ -369,7 +374,7 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3", "gemma", "gemma2",
-                                  "gemma3_text", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
+                                  "gemma3_text", "glm4", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
 def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arch):
     """Qwen3 (q and k RMS-normalized per head before rotary, head_dim beyond hidden / heads), Qwen2 (q/k/v
     biases), OLMo 2 (attention's and the MLP's outputs normalized instead of their inputs, q and k
@@ -378,11 +383,13 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
     fused), Gemma (a GeGLU, scaled embeddings, (1 + w) norms; its config's legacy `hidden_act:
     "gelu"` meaning the tanh approximation, as transformers reads it), Gemma 2 (sandwich norms,
     GeGLU, soft-capping, local and global layers), Gemma 3 (q/k norm, the local layers' own rotary
-    base), Mixtral, Qwen3-MoE, OLMoE and Granite MoE (routed experts; a dense layer among them;
-    OLMoE's weights not renormalized; Granite MoE's stacked in the checkpoint, here gate and up in
-    one GGUF tensor), each from a Hugging Face directory (fp32, and bf16 or fp16) and from a GGUF
-    file in llama.cpp's layout, against transformers: reading the same GGUF where it can (Qwen,
-    Phi-3), else the model the file was written from."""
+    base), GLM-4 (sandwich norms around a SwiGLU, part of each head rotated as interleaved pairs:
+    half where a config does not say, as transformers defaults it), Mixtral, Qwen3-MoE, OLMoE and
+    Granite MoE (routed experts; a dense layer among them; OLMoE's weights not renormalized; Granite
+    MoE's stacked in the checkpoint, here gate and up in one GGUF tensor), each from a Hugging Face
+    directory (fp32, and bf16 or fp16) and from a GGUF file in llama.cpp's layout, against
+    transformers: reading the same GGUF where it can (Qwen, Phi-3), else the model the file was
+    written from."""
     from transformers import AutoModelForCausalLM
 
     model = tiny_hf_model(arch)
@@ -390,6 +397,12 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
     if arch == "gemma":  # as Google's configs say it (transformers saves the name it reads it as)
         config_json = tmp_path / "hf" / "config.json"
         config_json.write_text(json.dumps({**json.loads(config_json.read_text()), "hidden_act": "gelu"}))
+    if arch == "glm4":  # a quarter of each head rotated (transformers keeps it in rope_parameters), else half
+        raw = json.loads((tmp_path / "hf" / "config.json").read_text())
+        assert raw["rope_parameters"]["partial_rotary_factor"] == 0.25
+        from inflight.model.hf_config import parse_hf_config
+
+        assert parse_hf_config({**raw, "rope_parameters": {"rope_theta": 10_000.0}}).rotary_dim == 32
     write_gguf_from_hf(tmp_path / "tiny.gguf", arch, model)
     ids = list(range(5, 5 + 90))
     transformers_reads_gguf = arch in ("qwen2", "qwen3", "phi3")
@@ -403,6 +416,7 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
                               (tmp_path / "half", rounded)]:
         config, weights = load_checkpoint(resolve_model(str(source)), torch.float32)
         assert (config.architecture, config.head_dim) == (arch, {"qwen3": 128, "gemma": 96}.get(arch, 64))
+        assert config.rotary_dim == (16 if arch == "glm4" else None)
         if arch in ("gemma2", "gemma3_text"):  # the windows and rotary bases as transformers has them
             assert config.sliding_window_layers == tuple(t == "sliding_attention" for t in model.config.layer_types)
             assert config.local_rope_theta == (10_000.0 if arch == "gemma3_text" else None)
@@ -632,8 +646,8 @@ def test_a_token_alone_through_routed_experts_is_its_row_of_a_batch():
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3",
-                                  "phi3_longrope", "qwen3_yarn", "gemma", "gemma2", "gemma3_text", "mixtral",
-                                  "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
+                                  "phi3_longrope", "qwen3_yarn", "gemma", "gemma2", "gemma3_text", "glm4",
+                                  "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
 def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_path, monkeypatch, arch):
     """The GGUF file llama.cpp's `convert_hf_to_gguf.py` made of a tiny checkpoint of each
     architecture (tests/converter_fixtures.py; its names, row orders, norm offsets, stacked
@@ -688,7 +702,7 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
     hf.save_pretrained(path)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "olmo2", "smollm3", "gemma", "gemma2", "gemma3_text", "mixtral",
+@pytest.mark.parametrize("arch", ["qwen3", "olmo2", "smollm3", "gemma", "gemma2", "gemma3_text", "glm4", "mixtral",
                                   "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
 def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arch):
     """Through the engine as a user runs it: the directory's own tokenizer and chat template, a
@@ -835,8 +849,9 @@ def test_llama_cpp_k_quant_files_match_transformers(name):
 
 
 @pytest.mark.parametrize("arch,dtype", [("llama256", torch.bfloat16), ("llama256", torch.float16),
-                                        ("gemma2", torch.bfloat16), ("qwen3_moe", torch.bfloat16),
-                                        ("qwen2_moe", torch.bfloat16), ("granitemoe", torch.float16)])
+                                        ("gemma2", torch.bfloat16), ("glm4", torch.bfloat16),
+                                        ("qwen3_moe", torch.bfloat16), ("qwen2_moe", torch.bfloat16),
+                                        ("granitemoe", torch.float16)])
 def test_a_16_bit_checkpoint_stays_16_bit_and_computes_its_fp32_logits_bit_for_bit(tmp_path, arch, dtype):
     """A checkpoint stored in bf16 or fp16 (as models are published), loaded as the engine loads it
     on CPU in fp32: its matmuls' weights stay in 16 bits (2 bytes a weight, no fp32 form; a tied
@@ -950,7 +965,7 @@ def requantized(source: Path, path: Path, kind: str) -> Path:
 
 @pytest.mark.parametrize("name", ["mix-a", "mix-b", "mix-c", "phi3_longrope-Q8_0", "qwen3-Q4_1", "gemma2-Q8_0",
                                   "mixtral-Q4_1", "qwen3_moe-Q8_0", "qwen2_moe-Q4_1", "granitemoe-Q4_0", "olmo2-Q4_0",
-                                  "qwen2-Q5_1",
+                                  "qwen2-Q5_1", "glm4-Q8_0",
                                   *QUANTIZED_FIXTURES])
 def test_matrices_kept_in_gguf_blocks_compute_the_fp32_logits_bit_for_bit(tmp_path, name):
     """Loaded as the engine loads it on CPU, a GGUF file's matrices of `loader.BLOCK_TYPES` stay in
@@ -1021,6 +1036,9 @@ def test_gguf_metadata_that_changes_the_arithmetic_is_refused_by_name(tmp_path):
     write_tiny_gguf(path, {}, rope_dims=TINY["hidden"] // TINY["heads"] // 2)
     with pytest.raises(ModelLoadError, match="llama.rope.dimension_count = 32 rotates part of each 64-wide head"):
         load_checkpoint(resolve_model(str(path)), torch.float32)
+    write_tiny_gguf(path, {}, metadata=lambda w: w.add_uint32("llama.nextn_predict_layers", 1))
+    with pytest.raises(ModelLoadError, match="llama.nextn_predict_layers = 1: the file's last 1 blocks"):
+        load_checkpoint(resolve_model(str(path)), torch.float32)
 
 
 def test_other_dtypes_load(loaded):
@@ -1057,9 +1075,11 @@ def test_tokenizer_matches_transformers(loaded):
 VOCABS = Path(__file__).parent / "fixtures" / "gguf-vocab"
 
 
-def vocab_gguf(tmp_path: Path, name: str, architecture: str | None = None) -> Path:
+def vocab_gguf(tmp_path: Path, name: str, architecture: str | None = None,
+               overrides: dict[str, str | bool] | None = None) -> Path:
     """llama.cpp's vocabulary-only GGUF `name` (tests/fixtures/gguf-vocab), unpacked; with
-    `architecture`, its tokenizer metadata written again under that `general.architecture`."""
+    `architecture`, its tokenizer metadata written again under that `general.architecture`, the
+    keys of `overrides` with their values there."""
     import gzip
 
     import gguf
@@ -1072,9 +1092,11 @@ def vocab_gguf(tmp_path: Path, name: str, architecture: str | None = None) -> Pa
     renamed = tmp_path / f"{name}-{architecture}.gguf"
     writer = gguf.GGUFWriter(str(renamed), architecture)
     for key, field in reader.fields.items():
-        if key.startswith("tokenizer."):
+        if key.startswith("tokenizer.") and key not in (overrides or {}):
             array = field.types[0] == gguf.GGUFValueType.ARRAY
             writer.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
+    for key, value in (overrides or {}).items():
+        (writer.add_bool if isinstance(value, bool) else writer.add_string)(key, value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
@@ -1111,6 +1133,25 @@ def test_gguf_vocabularies_give_their_hugging_face_tokenizers_ids(tmp_path, monk
     else:  # a BOS first; <|end|> one token between words
         ids = tokenizer.encode("hi<|end|>there")
         assert ids[0] == 1 and ids.count(32007) == 1 and len(ids) == 4
+
+
+@pytest.mark.parametrize("pre", ["glm4", "glm5"])
+def test_a_glm_vocabulary_splits_text_as_llama_3s_and_adds_no_bos(tmp_path, monkeypatch, pre):
+    """GLM-4's files name a pre-tokenizer transformers' GGUF reader has no split for; llama.cpp
+    splits their text with Llama 3's expression (and takes a word held whole, as Llama 3 does),
+    and adds no BOS, even where the file says to: Llama 3's vocabulary under GLM's names gives
+    Llama 3's ids on llama.cpp's test texts (numbers in groups of three among them), nothing
+    before them."""
+    from inflight.model.loader import ModelSource
+    from inflight.model.tokenizer import Tokenizer
+
+    monkeypatch.setattr("inflight.model.tokenizer.tokenizer_cache_dir", lambda: tmp_path / "cache")
+    texts = (VOCABS / "llama-bpe.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    expected = (VOCABS / "llama-bpe.out").read_text(encoding="utf-8").split("\n")
+    overrides = {"tokenizer.ggml.pre": pre, "tokenizer.ggml.add_bos_token": True}
+    tokenizer = Tokenizer.load(ModelSource(vocab_gguf(tmp_path, "llama-bpe", "glm4", overrides), "gguf"))
+    for text, ids in zip(texts, expected, strict=False):
+        assert tokenizer.encode(text) == [int(i) for i in ids.split()], text
 
 
 def test_a_llama3_vocabulary_takes_a_word_it_holds_whole(tmp_path, monkeypatch):

@@ -18,6 +18,7 @@ from inflight.model.layer_plan import (
     QK_NORM_LAYER,
     SANDWICH_NORM_LAYER,
     SANDWICH_QK_NORM_LAYER,
+    SANDWICH_SWIGLU_LAYER,
     Op,
     Step,
     with_routed_experts,
@@ -83,6 +84,12 @@ class Architecture:
     # Llama-style architectures it rotates as "normal" rope; those in NeoX order are stored as
     # Hugging Face has them.
     gguf_interleaved_qk: bool = True
+    # The checkpoint (and llama.cpp's file alike) rotates each head's dims as interleaved pairs
+    # (2i, 2i + 1), GPT-J's way (GLM-4): the loader moves them to the halves one rotary kernel turns.
+    interleaved_rotary: bool = False
+    # The share of each head the rotary turns where a config does not say (transformers' default
+    # for the architecture: GLM-4's half).
+    hf_partial_rotary_factor: float = 1.0
     # llama.cpp tensor names this architecture uses for other weights than `GGUF_LAYER_NAMES` says.
     gguf_names: dict[str, str] = field(default_factory=dict)
     # Gemma's: the embeddings multiplied by sqrt(hidden_size); its Hugging Face checkpoints store
@@ -159,6 +166,16 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     _GEMMA2,
     dataclasses.replace(_GEMMA2, name="gemma3_text", plan=SANDWICH_QK_NORM_LAYER, extra_weights=_QK_NORM,
                         window_pattern=6, gguf_local_rope_theta=10000.0, gguf_wide_query_scale_layers=(62,)),
+    # GLM-4 (GLM-4-9B/32B-0414, GLM-Z1): sandwich norms around a SwiGLU MLP (gate and up stored fused),
+    # q/k/v biases, half of each head rotated as interleaved pairs
+    Architecture("glm4", plan=SANDWICH_SWIGLU_LAYER,
+                 norms={"input_norm": "input_layernorm.weight", "attn_out_norm": "post_self_attn_layernorm.weight",
+                        "post_norm": "post_attention_layernorm.weight", "mlp_out_norm": "post_mlp_layernorm.weight"},
+                 matmuls={**_LLAMA_MATMULS, "gate_up": ("mlp.gate_up_proj.weight",)},
+                 gguf_interleaved_qk=False, interleaved_rotary=True, hf_partial_rotary_factor=0.5,
+                 gguf_names={"ffn_up.weight": "mlp.gate_up_proj.weight",
+                             "post_attention_norm.weight": "post_self_attn_layernorm.weight",
+                             "post_ffw_norm.weight": "post_mlp_layernorm.weight"}),
     Architecture("mixtral", plan=with_routed_experts(LLAMA_LAYER), experts=_MIXTRAL_EXPERTS,
                  experts_always_renormalized=True),
     # Granite MoE: Granite's multipliers, every MLP routed, its experts stacked in the checkpoint

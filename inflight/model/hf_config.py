@@ -241,7 +241,8 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
     rotary = rotary_settings(raw)
     rope_scaling, local_rope = rotary.scaling, rotary.local
     head_dim = int(raw.get("head_dim") or hidden // num_heads)
-    partial = raw.get("partial_rotary_factor") or (rope_scaling or {}).get("partial_rotary_factor") or 1.0
+    partial = (raw.get("partial_rotary_factor") or _rope_parameters(raw)[0].get("partial_rotary_factor")
+               or (row.hf_partial_rotary_factor if row is not None else 1.0))
     window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
     attention_scale = raw.get("attention_multiplier")
     if raw.get("query_pre_attn_scalar") is not None:

@@ -89,10 +89,6 @@ LLAMA_LAYER: tuple[Step, ...] = (
     Step(Op.MATMUL, Reg.ACT, Reg.DELTA, "down"),
 )
 
-# Gemma's (1): Llama's layer, the MLP a GeGLU.
-GEGLU_LAYER: tuple[Step, ...] = tuple(
-    Step(Op.GELU_TANH_AND_MUL, step.src, step.dst) if step.op == Op.SILU_AND_MUL else step for step in LLAMA_LAYER)
-
 # Qwen3's: q and k normalized per head before the rotary embedding.
 QK_NORM_LAYER: tuple[Step, ...] = (
     *LLAMA_LAYER[:2],
@@ -128,6 +124,15 @@ SANDWICH_NORM_LAYER: tuple[Step, ...] = (
     Step(Op.MATMUL, Reg.ACT, Reg.DELTA, "down"),
     Step(Op.RMS_NORM, Reg.DELTA, Reg.DELTA, "mlp_out_norm"),
 )
+
+# Gemma's (1): Llama's layer, the MLP a GeGLU.
+GEGLU_LAYER: tuple[Step, ...] = tuple(
+    Step(Op.GELU_TANH_AND_MUL, step.src, step.dst) if step.op == Op.SILU_AND_MUL else step for step in LLAMA_LAYER)
+
+# GLM-4's: Gemma 2's sandwich norms around a SwiGLU MLP.
+SANDWICH_SWIGLU_LAYER: tuple[Step, ...] = tuple(
+    Step(Op.SILU_AND_MUL, step.src, step.dst) if step.op == Op.GELU_TANH_AND_MUL else step
+    for step in SANDWICH_NORM_LAYER)
 
 # Gemma 3's: Gemma 2's with q and k normalized per head before the rotary embedding.
 SANDWICH_QK_NORM_LAYER: tuple[Step, ...] = (

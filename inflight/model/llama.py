@@ -122,15 +122,18 @@ def uses_long_factors(config: ModelConfig, max_model_len: int) -> bool:
             and max_model_len > int(scaling["original_max_position_embeddings"]))
 
 
-def pair_rotary_dims(rows: torch.Tensor, num_heads: int, head_dim: int, rotary_dim: int) -> torch.Tensor:
+def pair_rotary_dims(rows: torch.Tensor, num_heads: int, head_dim: int, rotary_dim: int,
+                     interleaved: bool = False) -> torch.Tensor:
     """The q or k rows `[heads * head_dim, ...]` of a partial rotary (the first `rotary_dim` dims
-    of each head rotated as pairs (i, i + rotary_dim / 2)) reordered within each head so that
-    those pairs sit at (i, i + head_dim / 2), the pass-through dims in the rest: the same order
-    for q and k, so their dot products are unchanged, and one rotary kernel serves both."""
+    of each head rotated as pairs (i, i + rotary_dim / 2), or (2i, 2i + 1) where `interleaved`)
+    reordered within each head so that those pairs sit at (i, i + head_dim / 2), the
+    pass-through dims in the rest: the same order for q and k, so their dot products are
+    unchanged, and one rotary kernel serves both."""
     half, rot = head_dim // 2, rotary_dim // 2
     rest = (head_dim - rotary_dim) // 2
-    order = [*range(rot), *range(rotary_dim, rotary_dim + rest), *range(rot, rotary_dim),
-             *range(rotary_dim + rest, head_dim)]
+    first, second = (range(0, rotary_dim, 2), range(1, rotary_dim, 2)) if interleaved else (
+        range(rot), range(rot, rotary_dim))
+    order = [*first, *range(rotary_dim, rotary_dim + rest), *second, *range(rotary_dim + rest, head_dim)]
     assert len(order) == head_dim and half == rot + rest
     index = torch.tensor([h * head_dim + i for h in range(num_heads) for i in order])
     return rows.index_select(0, index)
@@ -200,8 +203,8 @@ class LlamaModel:
             return found if all(b in weights for b in found) else None
 
         blocks = gguf_blocks or {}
-        if config.rotary_dim is not None and config.rotary_dim < config.head_dim:
-            arch = architecture(config.architecture)
+        arch = architecture(config.architecture)
+        if (config.rotary_dim is not None and config.rotary_dim < config.head_dim) or arch.interleaved_rotary:
             weights = self._pair_rotary_dims(config, arch, weights)
             paired = self._pair_rotary_dims(config, arch, {name: raw for name, (_, raw) in blocks.items()})
             blocks = {name: (kind, paired[name]) for name, (kind, _) in blocks.items()}  # rows alike
@@ -233,7 +236,6 @@ class LlamaModel:
                 self.packed[names[0]] = made.blocks
             return made
 
-        arch = architecture(config.architecture)
         self.final_norm = take("model.norm.weight")
         # With int8 the LM head too, as llama.cpp's Q8_0 files hold it: +0.16% perplexity on the
         # embedded model, the task's scores unchanged, a 64-request decode step's head 5.6 ms
@@ -285,8 +287,8 @@ class LlamaModel:
                           weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The checkpoint with every layer's q and k rows (and biases) in `pair_rotary_dims`'
         order, in separate or fused q/k/v projections."""
-        heads, kv_heads, dim, rot = config.num_heads, config.num_kv_heads, config.head_dim, config.rotary_dim
-        assert rot is not None
+        heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
+        rot, interleaved = config.rotary_dim or dim, arch.interleaved_rotary
         out = dict(weights)
         for i in range(config.num_layers):
             for name in arch.matmuls["qkv"]:
@@ -297,10 +299,11 @@ class LlamaModel:
                     t = weights[full]
                     if len(arch.matmuls["qkv"]) == 1:  # fused: q, k, v rows one after another
                         q, k, v = t.split([heads * dim, kv_heads * dim, kv_heads * dim])
-                        out[full] = torch.cat([pair_rotary_dims(q, heads, dim, rot),
-                                               pair_rotary_dims(k, kv_heads, dim, rot), v])
+                        out[full] = torch.cat([pair_rotary_dims(q, heads, dim, rot, interleaved),
+                                               pair_rotary_dims(k, kv_heads, dim, rot, interleaved), v])
                     elif "q_proj" in name or "k_proj" in name:
-                        out[full] = pair_rotary_dims(t, heads if "q_proj" in name else kv_heads, dim, rot)
+                        out[full] = pair_rotary_dims(t, heads if "q_proj" in name else kv_heads, dim, rot,
+                                                     interleaved)
         return out
 
     @staticmethod

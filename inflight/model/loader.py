@@ -571,6 +571,10 @@ def _gguf_config(reader: Any) -> ModelConfig:
         if value and (allowed is not None and int(value) > allowed):
             raise ModelLoadError(f"{arch}.{key} = {value} changes the model's arithmetic in a way inflight does "
                                  "not compute yet")
+    nextn = gguf_field(reader, f"{arch}.nextn_predict_layers")
+    if nextn:  # GLM's multi-token-prediction layers, counted in block_count
+        raise ModelLoadError(f"{arch}.nextn_predict_layers = {nextn}: the file's last {nextn} blocks predict tokens "
+                             "further ahead, which inflight does not run")
     if num_experts and row.experts is None:
         raise ModelLoadError(f"{arch}.expert_count = {num_experts}: inflight runs no routed experts for {arch}")
     tensor_names = {t.name for t in reader.tensors}

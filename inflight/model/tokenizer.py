@@ -31,7 +31,12 @@ _IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falco
 # `llama-vocab.cpp`: Llama 3's family; files of older converters carry no `add_bos_token`).
 _ADDS_BOS = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
                        "jina-v5-nano", "tekken", "chameleon"})
-_INDEX_VERSION = 3  # of the cached conversion: 2, inflight's own rebuild (`gguf_tokenizer`); 3, _ADDS_BOS
+# Pre-tokenizer types transformers' GGUF reader has no split for -> the type whose split llama.cpp
+# gives them (`llama-vocab.cpp`): GLM's are Llama 3's. llama.cpp adds no BOS to GLM's, whatever
+# their files say.
+_SPLIT_AS = {"glm4": "llama-bpe", "glm5": "llama-bpe", "chatglm-bpe": "llama-bpe"}
+_NO_BOS = frozenset({"glm4", "glm5", "chatglm-bpe"})
+_INDEX_VERSION = 4  # of the cached conversion: 2, inflight's own rebuild (`gguf_tokenizer`); 3, _ADDS_BOS; 4, GLM's
 
 
 def gguf_tokenizer(path: Path) -> Any:
@@ -45,11 +50,16 @@ def gguf_tokenizer(path: Path) -> Any:
       before the model sees the text, so leading and repeated spaces keep their own tokens;
     - a byte-level BPE of a pre-tokenizer in `_IGNORE_MERGES` (Llama 3's) takes a word it holds
       whole as one token;
-    - one of a pre-tokenizer in `_ADDS_BOS` adds a BOS unless the file says otherwise."""
-    from tokenizers import normalizers
+    - one of a pre-tokenizer in `_ADDS_BOS` adds a BOS unless the file says otherwise, one in
+      `_NO_BOS` none;
+    - one of a pre-tokenizer in `_SPLIT_AS` splits text as llama.cpp splits it."""
+    from tokenizers import Regex, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_SENTENCEPIECE_BUILDERS
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_PRE_TOKENIZER_SPLITS,
+        GGUF_SENTENCEPIECE_BUILDERS,
+    )
 
     architecture, vocabulary, config = get_gguf_tokenizer(str(path))
     backend, _ = convert_gguf_tokenizer(architecture, vocabulary)
@@ -57,10 +67,17 @@ def gguf_tokenizer(path: Path) -> Any:
     if kind == "llama" and vocabulary.get("add_prefix_space", True) and architecture not in GGUF_SENTENCEPIECE_BUILDERS:
         backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
         backend.pre_tokenizer = None
-    if kind == "gpt2" and vocabulary.get("pre_tokenizer_type") in _IGNORE_MERGES:
+    pre = vocabulary.get("pre_tokenizer_type")
+    if kind == "gpt2" and pre in _IGNORE_MERGES:
         backend.model.ignore_merges = True
-    if kind == "gpt2" and config.get("add_bos_token") is None and vocabulary.get("pre_tokenizer_type") in _ADDS_BOS:
+    if kind == "gpt2" and pre in _SPLIT_AS and pre not in GGUF_PRE_TOKENIZER_SPLITS:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(GGUF_PRE_TOKENIZER_SPLITS[_SPLIT_AS[pre]]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if kind == "gpt2" and config.get("add_bos_token") is None and pre in _ADDS_BOS:
         config["add_bos_token"] = True
+    if kind == "gpt2" and pre in _NO_BOS:
+        config["add_bos_token"] = False
     return PreTrainedTokenizerFast(tokenizer_object=backend, **{k: v for k, v in config.items() if v is not None})
 
 
