@@ -81,6 +81,8 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}),
     # GLM-4: sandwich norms, q/k/v biases, half of each head rotated as interleaved pairs
     "glm4": ("Glm4", {"head_dim": 16, "pad_token_id": 0}),
+    # ERNIE 4.5: Llama's layer, each head rotated as interleaved pairs
+    "ernie4_5": ("Ernie4_5", {"head_dim": 16}),
     "mixtral": ("Mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
     "qwen3_moe": ("Qwen3Moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                "norm_topk_prob": True}),

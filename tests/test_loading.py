@@ -335,6 +335,8 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
     elif arch == "glm4":  # sandwich norms, q/k/v biases, half of each head rotated as interleaved pairs
         model = transformers.Glm4ForCausalLM(transformers.Glm4Config(**common, head_dim=64, pad_token_id=0,
                                                                      partial_rotary_factor=0.25))
+    elif arch == "ernie4_5":  # Llama's layer rotating interleaved pairs; every matmul with a bias
+        model = transformers.Ernie4_5ForCausalLM(transformers.Ernie4_5Config(**common, head_dim=64, use_bias=True))
     elif arch == "gemma2":  # local and global layers alternating, the window shorter than the prompts
         model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
             **{**common, "tie_word_embeddings": True}, head_dim=64, query_pre_attn_scalar=64, sliding_window=24,
@@ -374,7 +376,8 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3", "gemma", "gemma2",
-                                  "gemma3_text", "glm4", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
+                                  "gemma3_text", "glm4", "ernie4_5", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe",
+                                  "granitemoe"])
 def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arch):
     """Qwen3 (q and k RMS-normalized per head before rotary, head_dim beyond hidden / heads), Qwen2 (q/k/v
     biases), OLMo 2 (attention's and the MLP's outputs normalized instead of their inputs, q and k
@@ -384,7 +387,8 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
     "gelu"` meaning the tanh approximation, as transformers reads it), Gemma 2 (sandwich norms,
     GeGLU, soft-capping, local and global layers), Gemma 3 (q/k norm, the local layers' own rotary
     base), GLM-4 (sandwich norms around a SwiGLU, part of each head rotated as interleaved pairs:
-    half where a config does not say, as transformers defaults it), Mixtral, Qwen3-MoE, OLMoE and
+    half where a config does not say, as transformers defaults it), ERNIE 4.5 (every head rotated as
+    interleaved pairs, a bias on every matmul), Mixtral, Qwen3-MoE, OLMoE and
     Granite MoE (routed experts; a dense layer among them; OLMoE's weights not renormalized; Granite
     MoE's stacked in the checkpoint, here gate and up in one GGUF tensor), each from a Hugging Face
     directory (fp32, and bf16 or fp16) and from a GGUF file in llama.cpp's layout, against
@@ -647,7 +651,7 @@ def test_a_token_alone_through_routed_experts_is_its_row_of_a_batch():
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3",
                                   "phi3_longrope", "qwen3_yarn", "gemma", "gemma2", "gemma3_text", "glm4",
-                                  "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
+                                  "ernie4_5", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
 def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_path, monkeypatch, arch):
     """The GGUF file llama.cpp's `convert_hf_to_gguf.py` made of a tiny checkpoint of each
     architecture (tests/converter_fixtures.py; its names, row orders, norm offsets, stacked
@@ -702,8 +706,8 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
     hf.save_pretrained(path)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "olmo2", "smollm3", "gemma", "gemma2", "gemma3_text", "glm4", "mixtral",
-                                  "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
+@pytest.mark.parametrize("arch", ["qwen3", "olmo2", "smollm3", "gemma", "gemma2", "gemma3_text", "glm4", "ernie4_5",
+                                  "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
 def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arch):
     """Through the engine as a user runs it: the directory's own tokenizer and chat template, a
     batch of chats (longer than Gemma's 24-token window) in small prefill chunks, the prefix cache

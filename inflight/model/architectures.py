@@ -176,6 +176,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                  gguf_names={"ffn_up.weight": "mlp.gate_up_proj.weight",
                              "post_attention_norm.weight": "post_self_attn_layernorm.weight",
                              "post_ffw_norm.weight": "post_mlp_layernorm.weight"}),
+    # ERNIE 4.5 (its dense models): Llama's layer, each head rotated as interleaved pairs
+    Architecture("ernie4_5", gguf_interleaved_qk=False, interleaved_rotary=True),
     Architecture("mixtral", plan=with_routed_experts(LLAMA_LAYER), experts=_MIXTRAL_EXPERTS,
                  experts_always_renormalized=True),
     # Granite MoE: Granite's multipliers, every MLP routed, its experts stacked in the checkpoint

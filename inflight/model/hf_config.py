@@ -100,7 +100,7 @@ READ_KEYS = frozenset({
     "attn_logit_softcapping", "final_logit_softcapping", "hidden_act", "hidden_activation", "num_local_experts",
     "partial_rotary_factor", "original_max_position_embeddings",
     "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers",
-    "decoder_sparse_step", "shared_expert_intermediate_size", "qkv_bias",
+    "decoder_sparse_step", "shared_expert_intermediate_size", "qkv_bias", "use_bias",
 })
 # Config keys without effect on a forward pass in inference: training settings, bookkeeping,
 # generation defaults; and `mlp_bias`, whose biases are read from the checkpoint where they are.
@@ -265,7 +265,7 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         max_position_embeddings=rotary.max_positions,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=arch in _QKV_BIAS_ARCHITECTURES or bool(raw.get("attention_bias", False))
-        or bool(raw.get("qkv_bias", False)),
+        or bool(raw.get("qkv_bias", False)) or bool(raw.get("use_bias", False)),
         rope_scaling=rope_scaling,
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
