@@ -428,6 +428,49 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
         torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(reference, ids), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("layout", ["language_model.model.", "model.language_model."])
+def test_a_multimodal_checkpoint_serves_its_text_model_as_transformers_computes(tmp_path, layout):
+    """Gemma 3's 4B and larger are published as vision-language checkpoints: the decoder's tensors
+    under `language_model.model.` (or `model.language_model.`, as newer transformers save them)
+    beside a vision tower and a projector, and a config.json whose `text_config` gives a few keys
+    over its class's defaults (Google's name five). The text model's logits are transformers' on
+    the same directory (the rotary bases and norm eps the class defaults to among them); the
+    vision weights are not read."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    sparse = {"model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 6,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "query_pre_attn_scalar": 32,
+              "vocab_size": 300, "sliding_window": 16, "rope_scaling": {"factor": 8.0, "rope_type": "linear"}}
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=transformers.Gemma3TextConfig(**sparse), vision_config=vision,
+                                       mm_tokens_per_image=4, image_token_index=299, boi_token_index=297,
+                                       eoi_token_index=298)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # norm scales away from their initial 0 (Gemma's 1 + w), so a dropped one shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "text_config": sparse}))
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert any(name.startswith("vision_tower.") for name in tensors)
+    if layout == "model.language_model.":
+        tensors = {name.replace("language_model.model.", layout): t for name, t in tensors.items()}
+        save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    reference = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert reference.config.text_config.rope_parameters["full_attention"]["rope_theta"] == 1e6
+    config, weights = load_checkpoint(resolve_model(str(tmp_path)), torch.float32)
+    assert (config.architecture, config.rope_theta, config.local_rope_theta) == ("gemma3_text", 1e6, 10_000.0)
+    assert not any("vision" in name or "projector" in name for name in weights)
+    ours = LlamaModel(config, weights, torch.device("cpu"))
+    ids = list(range(5, 5 + 60))
+    torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(reference, ids), atol=1e-4, rtol=1e-4)
+
+
 def test_phi_longrope_and_partial_rotary_match_transformers(tmp_path, loaded):
     """Phi-4-mini's shape of Phi-3: a rotary over the first 3/4 of each head only, and longrope
     (short factors within the original 32 positions, long ones past it, cos and sin scaled). An

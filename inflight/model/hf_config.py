@@ -18,7 +18,7 @@ from inflight.model.architectures import ARCHITECTURES, Architecture
 _QKV_BIAS_ARCHITECTURES = ("qwen2",)  # and Qwen2-MoE where its qkv_bias says (its default)
 
 
-def _read_json_object(path: Path, what: str) -> dict[str, Any]:
+def read_json_object(path: Path, what: str) -> dict[str, Any]:
     """A JSON file's object; ModelLoadError naming the file where it is not one."""
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
@@ -34,12 +34,14 @@ def read_hf_config(path: Path, architectures: Sequence[str] | None = None,
     """`path` is a config.json; raises ModelLoadError if it cannot be read, lacks a field, or
     (given `architectures`) names another `model_type`. `overrides` replace the decoder's keys
     (`--hf-overrides`) before anything is read."""
-    raw = _read_json_object(path, "a model config")
+    raw = read_json_object(path, "a model config")
     if overrides:
         if isinstance(raw.get("text_config"), dict):
             raw["text_config"] = {**raw["text_config"], **overrides}
         else:
             raw.update(overrides)
+    if isinstance(raw.get("text_config"), dict):
+        raw = {**raw, "text_config": _complete_text_config(raw["text_config"])}
     arch = (raw.get("text_config") or raw).get("model_type", "llama")
     if architectures is not None and arch not in architectures:
         raise ModelLoadError(f"unsupported architecture {arch!r}; supported: {', '.join(architectures)}")
@@ -49,6 +51,21 @@ def read_hf_config(path: Path, architectures: Sequence[str] | None = None,
         return parse_hf_config(raw)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ModelLoadError(f"incomplete or invalid {path}: {type(exc).__name__}: {exc}") from None
+
+
+def _complete_text_config(text: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config's decoder settings as transformers reads them: its text config class
+    built from the keys config.json gives (Gemma 3's 4B and larger give five, the rest are the
+    class's defaults), rotary settings normalized as the class normalizes them. A `model_type`
+    transformers does not know: the keys as given."""
+    from transformers import AutoConfig
+
+    kind = text.get("model_type")
+    try:
+        built = AutoConfig.for_model(kind, **{k: v for k, v in text.items() if k != "model_type"})
+    except (KeyError, ValueError, TypeError):
+        return text
+    return {**built.to_dict(), "model_type": kind}
 
 
 # generation_config.json's sampling settings and SamplingParams' names for them (vLLM's set:
@@ -65,7 +82,7 @@ def read_generation_config(directory: Path) -> tuple[tuple[int, ...], dict[str, 
     path = directory / "generation_config.json"
     if not path.is_file():
         return (), {}
-    raw = _read_json_object(path, "a generation config")
+    raw = read_json_object(path, "a generation config")
     eos = raw.get("eos_token_id")
     eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
     if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in eos):

@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -40,6 +40,7 @@ from inflight.model.hf_config import (
     override_rotary,
     read_generation_config,
     read_hf_config,
+    read_json_object,
     served_positions,
     window_pattern,
 )
@@ -302,9 +303,9 @@ def _tensor_table(source: ModelSource) -> dict[str, tuple[int, int, int]]:
         return {t.name: (int(np.prod(t.shape, dtype=np.int64)), int(t.data.nbytes), len(t.shape))
                 for t in _open_gguf(source.path).tensors if t.name not in ROPE_TENSORS}
     table: dict[str, tuple[int, int, int]] = {}
-    for name, (_, dtype, shape) in _hf_header(source.path).items():
-        n = int(np.prod(shape, dtype=np.int64))
-        table[name] = (n, n * _SAFETENSORS_BYTES.get(dtype, 4), len(shape))
+    for name, stored in _hf_header(source.path).items():
+        n = int(np.prod(stored.shape, dtype=np.int64))
+        table[name] = (n, n * _SAFETENSORS_BYTES.get(stored.dtype, 4), len(stored.shape))
     return table
 
 
@@ -929,19 +930,43 @@ def _hf_weights(path: Path, left_stored: frozenset[str]) -> dict[str, torch.Tens
     return {**{name: t.float() for name, t in read.items()}, **shapes}
 
 
-def _hf_header(path: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
-    """name -> (its safetensors file, dtype, shape) of every tensor but the rotary tables, from
-    the files' headers."""
+# A multimodal checkpoint's decoder (Gemma 3's 4B and larger, Mistral Small 3.1): the prefixes its
+# tensors' names carry, as older and newer transformers save them, and the text model's own.
+_TEXT_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                        ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+
+
+def _text_model_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor under the text model's name; None for the others (the
+    vision tower's, the projector's: inflight serves the text)."""
+    for prefix, ours in _TEXT_MODEL_PREFIXES:
+        if name.startswith(prefix):
+            return ours + name.removeprefix(prefix)
+    return None
+
+
+class _Stored(NamedTuple):
+    file: Path
+    name: str  # as the file names it
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def _hf_header(path: Path) -> dict[str, _Stored]:
+    """name -> where and how each tensor but the rotary tables is stored, from the files'
+    headers; a multimodal checkpoint's decoder under the text model's names, alone."""
     from safetensors import SafetensorError, safe_open
 
-    header: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
+    multimodal = "text_config" in read_json_object(path / "config.json", "a model config")
+    header: dict[str, _Stored] = {}
     for file in sorted(path.glob("*.safetensors")):
         try:
             with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    if "rotary_emb" not in name:
-                        piece = f.get_slice(name)
-                        header[name] = (file, piece.get_dtype(), tuple(piece.get_shape()))
+                for stored in f.keys():
+                    name = _text_model_name(stored) if multimodal else stored
+                    if name is not None and "rotary_emb" not in name:
+                        piece = f.get_slice(stored)
+                        header[name] = _Stored(file, stored, piece.get_dtype(), tuple(piece.get_shape()))
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"cannot read {file}: {exc}") from None
     return header
@@ -951,23 +976,23 @@ def _hf_read(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
     """These tensors, as stored."""
     from safetensors import SafetensorError, safe_open
 
-    files = {name: file for name, (file, _, _) in _hf_header(path).items()}
+    header = _hf_header(path)
     read: dict[str, torch.Tensor] = {}
-    for file in sorted({files[name] for name in names}):
+    for file in sorted({header[name].file for name in names}):
         try:
             with safe_open(file, framework="pt") as f:
-                read.update((name, f.get_tensor(name)) for name in names if files[name] == file)
+                read.update((name, f.get_tensor(header[name].name)) for name in names if header[name].file == file)
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"cannot read {file}: {exc}") from None
     return read
 
 
 def _hf_dtypes(path: Path) -> dict[str, str]:
-    return {name: dtype for name, (_, dtype, _) in _hf_header(path).items()}
+    return {name: stored.dtype for name, stored in _hf_header(path).items()}
 
 
 def _hf_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    return {name: shape for name, (_, _, shape) in _hf_header(path).items()}
+    return {name: stored.shape for name, stored in _hf_header(path).items()}
 
 
 SIXTEEN_BITS = ("BF16", "F16")  # safetensors' names, which are GGUF's too
