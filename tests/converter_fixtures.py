@@ -59,6 +59,9 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
                              "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
                                                  "original_max_position_embeddings": 16}}),
     "olmo2": ("Olmo2", {}),
+    # OLMo 3: three sliding layers to one global, YaRN past 16 positions on the global ones only
+    "olmo3": ("Olmo3", {"num_hidden_layers": 4, "sliding_window": 8,
+                        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}),
     "granite": ("Granite", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.1,
                             "logits_scaling": 8.0}),
     "smollm3": ("SmolLM3", {"num_hidden_layers": 4, "pad_token_id": 0}),

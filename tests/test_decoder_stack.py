@@ -72,8 +72,8 @@ def test_compiled_layers_equal_python_loop(make_llm, model, options):
     assert min(s.num_requests for s in steps) == 1
 
 
-@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3_text", "glm4", "ernie4_5", "olmo2", "granite", "smollm3",
-                                  "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3_text", "glm4", "ernie4_5", "olmo2", "olmo3", "granite",
+                                  "smollm3", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
 def test_every_architecture_runs_compiled_as_the_python_loop(tmp_path, arch):
     """Each architecture's plan (sandwich and post norms, q/k norm, GeGLU, scaled residuals,
     NoPE layers, sliding windows with their own rotary base, soft-capping, routed experts with a

@@ -210,8 +210,8 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
     gemma = arch.startswith("gemma")
     sandwich = arch in ("gemma2", "gemma3_text")  # Gemma 1's post_attention_layernorm comes before its MLP
-    gguf_arch = {"gemma3_text": "gemma3", "mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}.get(
-        arch, arch)
+    gguf_arch = {"gemma3_text": "gemma3", "mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe",
+                 "olmo3": "olmo2"}.get(arch, arch)
     w = gguf.GGUFWriter(str(path), gguf_arch)
     if getattr(cfg, "num_experts_per_tok", None):
         w.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
@@ -243,7 +243,8 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
                          ("beta_slow", w.add_rope_scaling_yarn_beta_slow)]:
             if rope.get(key) is not None:
                 add(rope[key])
-    if (local := cfg.rope_parameters.get("sliding_attention")) is not None:
+    # (OLMo 3's files of older converters lack it: the local layers take the global base unscaled)
+    if (local := cfg.rope_parameters.get("sliding_attention")) is not None and arch != "olmo3":
         w.add_rope_freq_base_swa(local["rope_theta"])
     if getattr(cfg, "sliding_window", None):
         w.add_sliding_window(cfg.sliding_window)
@@ -266,8 +267,8 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     to_gguf.update({hf: g for g, hf in architecture(arch).gguf_names.items()})
     # Hugging Face's post_attention_layernorm is llama.cpp's ffn_norm where it comes before the
     # MLP (Qwen) and its post_attention_norm where it normalizes attention's output (OLMo 2).
-    to_gguf["post_attention_layernorm.weight"] = "post_attention_norm.weight" if arch == "olmo2" or sandwich else (
-        "ffn_norm.weight")
+    post_norms = arch in ("olmo2", "olmo3") or sandwich
+    to_gguf["post_attention_layernorm.weight"] = "post_attention_norm.weight" if post_norms else "ffn_norm.weight"
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
     for name, tensor in model.state_dict().items():
@@ -332,6 +333,10 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
     elif arch == "gemma":  # a GeGLU in Llama's layer, head_dim past hidden / heads
         model = transformers.GemmaForCausalLM(transformers.GemmaConfig(
             **{**common, "tie_word_embeddings": True}, head_dim=96, attn_implementation="eager"))
+    elif arch == "olmo3":  # three sliding layers to one global; YaRN past 64 positions on the global ones only
+        model = transformers.Olmo3ForCausalLM(transformers.Olmo3Config(
+            **{**common, "num_hidden_layers": 4}, sliding_window=24,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}))
     elif arch == "glm4":  # sandwich norms, q/k/v biases, half of each head rotated as interleaved pairs
         model = transformers.Glm4ForCausalLM(transformers.Glm4Config(**common, head_dim=64, pad_token_id=0,
                                                                      partial_rotary_factor=0.25))
@@ -375,7 +380,7 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
     return model.eval()
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3", "gemma", "gemma2",
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "olmo3", "granite", "smollm3", "phi3", "gemma", "gemma2",
                                   "gemma3_text", "glm4", "ernie4_5", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe",
                                   "granitemoe"])
 def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arch):
@@ -401,6 +406,12 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
     if arch == "gemma":  # as Google's configs say it (transformers saves the name it reads it as)
         config_json = tmp_path / "hf" / "config.json"
         config_json.write_text(json.dumps({**json.loads(config_json.read_text()), "hidden_act": "gelu"}))
+    if arch == "olmo3":  # as AllenAI's configs say it: one rope_scaling and rope_theta, the local layers' left implied
+        config_json = tmp_path / "hf" / "config.json"
+        raw = json.loads(config_json.read_text())
+        rope = raw.pop("rope_parameters")
+        config_json.write_text(json.dumps({**raw, "rope_theta": rope["full_attention"]["rope_theta"], "rope_scaling": {
+            k: v for k, v in rope["full_attention"].items() if k != "rope_theta"}}))
     if arch == "glm4":  # a quarter of each head rotated (transformers keeps it in rope_parameters), else half
         raw = json.loads((tmp_path / "hf" / "config.json").read_text())
         assert raw["rope_parameters"]["partial_rotary_factor"] == 0.25
@@ -419,11 +430,13 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
     for source, reference in [(tmp_path / "hf", model), (tmp_path / "tiny.gguf", from_gguf),
                               (tmp_path / "half", rounded)]:
         config, weights = load_checkpoint(resolve_model(str(source)), torch.float32)
-        assert (config.architecture, config.head_dim) == (arch, {"qwen3": 128, "gemma": 96}.get(arch, 64))
+        named = "olmo2" if arch == "olmo3" and source.suffix == ".gguf" else arch  # llama.cpp's name for OLMo 3
+        assert (config.architecture, config.head_dim) == (named, {"qwen3": 128, "gemma": 96}.get(arch, 64))
         assert config.rotary_dim == (16 if arch == "glm4" else None)
-        if arch in ("gemma2", "gemma3_text"):  # the windows and rotary bases as transformers has them
+        if arch in ("gemma2", "gemma3_text", "olmo3"):  # the windows and rotary bases as transformers has them
             assert config.sliding_window_layers == tuple(t == "sliding_attention" for t in model.config.layer_types)
-            assert config.local_rope_theta == (10_000.0 if arch == "gemma3_text" else None)
+            local = None if arch == "gemma2" else model.config.rope_parameters["sliding_attention"]["rope_theta"]
+            assert config.local_rope_theta == local
         ours = LlamaModel(config, weights, torch.device("cpu"))
         torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(reference, ids), atol=1e-4, rtol=1e-4)
 
@@ -694,7 +707,7 @@ def test_a_token_alone_through_routed_experts_is_its_row_of_a_batch():
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3",
                                   "phi3_longrope", "qwen3_yarn", "gemma", "gemma2", "gemma3_text", "glm4",
-                                  "ernie4_5", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
+                                  "ernie4_5", "olmo3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
 def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_path, monkeypatch, arch):
     """The GGUF file llama.cpp's `convert_hf_to_gguf.py` made of a tiny checkpoint of each
     architecture (tests/converter_fixtures.py; its names, row orders, norm offsets, stacked
@@ -715,7 +728,8 @@ def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_pat
     model = tiny_model(arch)
     config, weights = load_checkpoint(resolve_model(str(FIXTURES / f"{arch}.gguf")), torch.float32)
     # llama.cpp's converter calls Mistral llama
-    assert config.architecture == {"mistral": "llama", "phi3_longrope": "phi3", "qwen3_yarn": "qwen3"}.get(arch, arch)
+    assert config.architecture == {"mistral": "llama", "phi3_longrope": "phi3", "qwen3_yarn": "qwen3",
+                                   "olmo3": "olmo2"}.get(arch, arch)
     # The fixture holds this very checkpoint (else it was made from another initialization).
     assert torch.equal(weights["model.embed_tokens.weight"], model.model.embed_tokens.weight.detach())
     ids = list(range(3, 3 + 40))
@@ -749,8 +763,8 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
     hf.save_pretrained(path)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "olmo2", "smollm3", "gemma", "gemma2", "gemma3_text", "glm4", "ernie4_5",
-                                  "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
+@pytest.mark.parametrize("arch", ["qwen3", "olmo2", "olmo3", "smollm3", "gemma", "gemma2", "gemma3_text", "glm4",
+                                  "ernie4_5", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
 def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arch):
     """Through the engine as a user runs it: the directory's own tokenizer and chat template, a
     batch of chats (longer than Gemma's 24-token window) in small prefill chunks, the prefix cache

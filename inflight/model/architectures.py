@@ -107,6 +107,10 @@ class Architecture:
     # the models whose queries are scaled by (hidden / heads) ** -0.5 instead of head_dim ** -0.5
     # (Gemma's 27B).
     gguf_local_rope_theta: float | None = None
+    # The local layers rotate without the global layers' rope scaling, at the global base where
+    # nothing sets theirs (OLMo 3's: transformers' default for its configs, llama.cpp's rule for its
+    # olmo2 files with a window); False: they share the global layers' rotary.
+    local_rope_unscaled: bool = False
     gguf_wide_query_scale_layers: tuple[int, ...] = ()
     # The checkpoint names of a routed-experts MLP (the plan's `experts` step); its dense layers,
     # if any, read `matmuls`' gate_up and down.
@@ -159,7 +163,12 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                  gguf_names={"attn_qkv.weight": "self_attn.qkv_proj.weight",
                              "ffn_up.weight": "mlp.gate_up_proj.weight"}),
     Architecture("qwen3", plan=QK_NORM_LAYER, extra_weights=_QK_NORM, gguf_interleaved_qk=False),
-    Architecture("olmo2", plan=POST_NORM_LAYER, norms=_POST_NORMS, extra_weights=_QK_NORM, gguf_interleaved_qk=False),
+    # OLMo 3's files say olmo2: its windows, every fourth layer global where a file does not list them
+    Architecture("olmo2", plan=POST_NORM_LAYER, norms=_POST_NORMS, extra_weights=_QK_NORM, gguf_interleaved_qk=False,
+                 window_pattern=4, local_rope_unscaled=True),
+    # OLMo 3: OLMo 2's layer, three sliding layers to one global, the sliding ones without rope scaling
+    Architecture("olmo3", plan=POST_NORM_LAYER, norms=_POST_NORMS, extra_weights=_QK_NORM, gguf_interleaved_qk=False,
+                 window_pattern=4, local_rope_unscaled=True),
     # Gemma (1, 1.1, CodeGemma): Llama's layer with a GeGLU, Gemma's embedding scale and norm offset
     Architecture("gemma", plan=GEGLU_LAYER, gguf_interleaved_qk=False, scaled_embedding=True, hf_norm_offset=1.0,
                  hf_gelu_means_tanh=True),

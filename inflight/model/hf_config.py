@@ -294,7 +294,7 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         residual_scale=float(raw.get("residual_multiplier") or 1.0),
         logit_scale=float(raw.get("logits_scaling") or 1.0),
         rope_layers=_rope_layers(raw),
-        local_rope_theta=float(local_rope["rope_theta"]) if local_rope is not None and window is not None else None,
+        local_rope_theta=_local_rope_theta(local_rope, rotary.theta, row) if window is not None else None,
         attn_logit_softcap=_positive(raw.get("attn_logit_softcapping")),
         final_logit_softcap=_positive(raw.get("final_logit_softcapping")),
         num_experts=num_experts,
@@ -308,6 +308,15 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         shared_expert_intermediate_size=int(raw["shared_expert_intermediate_size"])
         if num_experts and raw.get("shared_expert_intermediate_size") else None,
     )
+
+
+def _local_rope_theta(local: dict[str, Any] | None, theta: float, row: Architecture | None) -> float | None:
+    """The sliding layers' own rotary base (they rotate unscaled at it), from their entry of the
+    rotary settings, else the global base where the architecture's local layers rotate unscaled
+    (OLMo 3); None: they share the global layers' rotary."""
+    if local is not None:
+        return float(local.get("rope_theta") or theta)
+    return theta if row is not None and row.local_rope_unscaled else None
 
 
 def _moe_layers(raw: dict[str, Any]) -> tuple[bool, ...] | None:

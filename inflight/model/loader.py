@@ -618,6 +618,8 @@ def _gguf_config(reader: Any) -> ModelConfig:
     if window_layers is not None and all(window_layers):
         window_layers = None
     local_theta = gguf_field(reader, f"{arch}.rope.freq_base_swa", row.gguf_local_rope_theta)
+    if local_theta is None and row.local_rope_unscaled:  # llama.cpp's rule (OLMo 3's olmo2 files)
+        local_theta = gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)
     scale = gguf_field(reader, f"{arch}.attention.scale")
     if row.gguf_wide_query_scale_layers:  # llama.cpp's rule for Gemma, whose files do not say
         scale = (hidden / num_heads if num_layers in row.gguf_wide_query_scale_layers else head_dim) ** -0.5
