@@ -53,6 +53,10 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
                                             "original_max_position_embeddings": 16}}),
     "mistral": ("Mistral", {"sliding_window": None}),
     "qwen2": ("Qwen2", {}),
+    # Ministral 3: YaRN past 16 positions with DeepSeek's mscales, queries scaled by position past them
+    "ministral3": ("Ministral3", {"head_dim": 16, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.7, "llama_4_scaling_beta": 0.1}}),
     "qwen3": ("Qwen3", {"head_dim": 32}),
     # Qwen3 past its original context: YaRN over an original 16 positions
     "qwen3_yarn": ("Qwen3", {"head_dim": 32, "max_position_embeddings": 64,

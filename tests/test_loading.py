@@ -211,7 +211,7 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     gemma = arch.startswith("gemma")
     sandwich = arch in ("gemma2", "gemma3_text")  # Gemma 1's post_attention_layernorm comes before its MLP
     gguf_arch = {"gemma3_text": "gemma3", "mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe",
-                 "olmo3": "olmo2"}.get(arch, arch)
+                 "olmo3": "olmo2", "ministral3": "mistral3"}.get(arch, arch)
     w = gguf.GGUFWriter(str(path), gguf_arch)
     if getattr(cfg, "num_experts_per_tok", None):
         w.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
@@ -238,6 +238,9 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if arch == "ministral3":  # as llama.cpp's converter writes Ministral 3's
+            w.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
+            w.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
         for key, add in [("attention_factor", w.add_rope_scaling_yarn_attn_factor),
                          ("beta_fast", w.add_rope_scaling_yarn_beta_fast),
                          ("beta_slow", w.add_rope_scaling_yarn_beta_slow)]:
@@ -298,7 +301,7 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
             gguf_name = f"blk.{index}.{to_gguf[rest]}"
         else:
             gguf_name = top[name]
-        llama_style = arch in ("granite", "granitemoe", "smollm3", "mixtral")
+        llama_style = arch in ("granite", "granitemoe", "smollm3", "mixtral", "ministral3")
         if llama_style and name.endswith(("q_proj.weight", "k_proj.weight")):
             tensor = interleaved(tensor, cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
         w.add_tensor(gguf_name, tensor.detach().float().numpy())
@@ -333,6 +336,11 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
     elif arch == "gemma":  # a GeGLU in Llama's layer, head_dim past hidden / heads
         model = transformers.GemmaForCausalLM(transformers.GemmaConfig(
             **{**common, "tie_word_embeddings": True}, head_dim=96, attn_implementation="eager"))
+    elif arch == "ministral3":  # YaRN past 64 positions (DeepSeek's mscales), queries scaled by position past 64
+        rope = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 64,
+                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.7, "llama_4_scaling_beta": 0.1}
+        model = transformers.Ministral3ForCausalLM(transformers.Ministral3Config(**common, head_dim=64,
+                                                                                 rope_parameters=rope))
     elif arch == "olmo3":  # three sliding layers to one global; YaRN past 64 positions on the global ones only
         model = transformers.Olmo3ForCausalLM(transformers.Olmo3Config(
             **{**common, "num_hidden_layers": 4}, sliding_window=24,
@@ -380,7 +388,8 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
     return model.eval()
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "olmo3", "granite", "smollm3", "phi3", "gemma", "gemma2",
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "olmo3", "granite", "smollm3", "phi3", "ministral3",
+                                  "gemma", "gemma2",
                                   "gemma3_text", "glm4", "ernie4_5", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe",
                                   "granitemoe"])
 def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arch):
@@ -419,7 +428,8 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
 
         assert parse_hf_config({**raw, "rope_parameters": {"rope_theta": 10_000.0}}).rotary_dim == 32
     write_gguf_from_hf(tmp_path / "tiny.gguf", arch, model)
-    ids = list(range(5, 5 + 90))
+    # (Ministral 3 is served up to its original context, where its queries' scaling is 1)
+    ids = list(range(5, 5 + (64 if arch == "ministral3" else 90)))
     transformers_reads_gguf = arch in ("qwen2", "qwen3", "phi3")
     from_gguf = model if not transformers_reads_gguf else AutoModelForCausalLM.from_pretrained(
         tmp_path, gguf_file="tiny.gguf", dtype=torch.float32).eval()
@@ -433,6 +443,8 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
         named = "olmo2" if arch == "olmo3" and source.suffix == ".gguf" else arch  # llama.cpp's name for OLMo 3
         assert (config.architecture, config.head_dim) == (named, {"qwen3": 128, "gemma": 96}.get(arch, 64))
         assert config.rotary_dim == (16 if arch == "glm4" else None)
+        if arch == "ministral3":  # YaRN stretches 64 positions to 256; the queries' scaling starts at 64
+            assert config.max_position_embeddings == 64
         if arch in ("gemma2", "gemma3_text", "olmo3"):  # the windows and rotary bases as transformers has them
             assert config.sliding_window_layers == tuple(t == "sliding_attention" for t in model.config.layer_types)
             local = None if arch == "gemma2" else model.config.rope_parameters["sliding_attention"]["rope_theta"]
@@ -613,8 +625,7 @@ def test_hf_overrides_switch_yarn_on_as_a_config_json_edit_would(tmp_path, loade
     assert LLMEngine(config, llm.engine.parts.loaded).model_config.rope_scaling is None
 
 
-@pytest.mark.parametrize(("key", "value"), [("yarn_ext_factor", 0.5), ("yarn_log_multiplier", 0.1),
-                                            ("attn_factor", 2.5)])
+@pytest.mark.parametrize(("key", "value"), [("yarn_ext_factor", 0.5), ("attn_factor", 2.5)])
 def test_yarn_settings_llama_cpp_writes_in_other_conventions_are_refused_by_name(tmp_path, key, value):
     import gguf
 
@@ -707,7 +718,8 @@ def test_a_token_alone_through_routed_experts_is_its_row_of_a_batch():
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3",
                                   "phi3_longrope", "qwen3_yarn", "gemma", "gemma2", "gemma3_text", "glm4",
-                                  "ernie4_5", "olmo3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
+                                  "ernie4_5", "olmo3", "ministral3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe",
+                                  "granitemoe"])
 def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_path, monkeypatch, arch):
     """The GGUF file llama.cpp's `convert_hf_to_gguf.py` made of a tiny checkpoint of each
     architecture (tests/converter_fixtures.py; its names, row orders, norm offsets, stacked
@@ -741,6 +753,9 @@ def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_pat
         ours.use_context(config.max_position_embeddings)
     if arch == "qwen3_yarn":
         assert config.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    if arch == "ministral3":  # served up to its original 16 positions, where its queries' scaling is 1
+        assert config.max_position_embeddings == 16
+        ids = ids[:16]
     torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
 
 

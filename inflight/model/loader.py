@@ -38,6 +38,7 @@ from inflight.model.architectures import (
 from inflight.model.hf_config import (
     nope_every,
     override_rotary,
+    query_scaled_past,
     read_generation_config,
     read_hf_config,
     read_json_object,
@@ -517,7 +518,7 @@ def _gguf_yarn(reader: Any, arch: str) -> dict[str, Any]:
     def field(key: str) -> Any:
         return gguf_field(reader, f"{arch}.rope.scaling.{key}")
 
-    for key, neutral in (("yarn_ext_factor", 1.0), ("yarn_log_multiplier", 0.0), ("attn_factor", 1.0)):
+    for key, neutral in (("yarn_ext_factor", 1.0), ("attn_factor", 1.0)):
         if field(key) is not None and float(field(key)) != neutral:
             raise ModelLoadError(f"{arch}.rope.scaling.{key} = {float(field(key)):g} beside YaRN changes the rotary "
                                  "embedding in a way inflight does not compute")
@@ -527,6 +528,8 @@ def _gguf_yarn(reader: Any, arch: str) -> dict[str, Any]:
                              f"{arch}.rope.scaling.original_context_length")
     found = {"beta_fast": field("yarn_beta_fast"), "beta_slow": field("yarn_beta_slow"),
              "attention_factor": field("yarn_attn_factor")}
+    if field("yarn_log_multiplier"):  # read as llama.cpp reads it: DeepSeek's mscale_all_dim, mscale 1
+        found.update(mscale=1.0, mscale_all_dim=field("yarn_log_multiplier"))
     return {"rope_type": "yarn", "factor": float(field("factor")), "original_max_position_embeddings": int(original),
             **{key: float(value) for key, value in found.items() if value is not None}}
 
@@ -582,7 +585,7 @@ def _gguf_config(reader: Any) -> ModelConfig:
     vocab = gguf_field(reader, f"{arch}.vocab_size")
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    rope_scaling = None
+    rope_scaling: dict[str, Any] | None = None
     scaling_type = gguf_field(reader, f"{arch}.rope.scaling.type")
     if scaling_type == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
@@ -621,6 +624,11 @@ def _gguf_config(reader: Any) -> ModelConfig:
     if local_theta is None and row.local_rope_unscaled:  # llama.cpp's rule (OLMo 3's olmo2 files)
         local_theta = gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)
     scale = gguf_field(reader, f"{arch}.attention.scale")
+    # a file converted from Qwen3's config with its card's YaRN settings says 40960
+    served = served_positions(int(get("context_length", 4096)), rope_scaling)
+    scaled_past = query_scaled_past(  # llama.cpp's floor scale: YaRN's original context, else the trained one
+        int((rope_scaling or {}).get("original_max_position_embeddings") or get("context_length", 4096)),
+        gguf_field(reader, f"{arch}.attention.temperature_scale"))
     if row.gguf_wide_query_scale_layers:  # llama.cpp's rule for Gemma, whose files do not say
         scale = (hidden / num_heads if num_layers in row.gguf_wide_query_scale_layers else head_dim) ** -0.5
     return ModelConfig(
@@ -634,8 +642,7 @@ def _gguf_config(reader: Any) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
-        # a file converted from Qwen3's config with its card's YaRN settings says 40960
-        max_position_embeddings=served_positions(int(get("context_length", 4096)), rope_scaling),
+        max_position_embeddings=min(served, scaled_past or served),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         rope_scaling=rope_scaling,
