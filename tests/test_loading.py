@@ -21,7 +21,7 @@ from inflight.engine.block_manager import BlockManager
 from inflight.engine.runner import ModelRunner
 from inflight.engine.sampler import Sampler
 from inflight.engine.scheduler import ScheduledRequest
-from inflight.model.architectures import ARCHITECTURES
+from inflight.model.architectures import ARCHITECTURES, GGUF_LAYER_NAMES
 from inflight.model.llama import LlamaModel
 from inflight.model.loader import load_checkpoint, resolve_model
 from inflight.model.tokenizer import IncrementalDetokenizer
@@ -494,6 +494,89 @@ def test_a_multimodal_checkpoint_serves_its_text_model_as_transformers_computes(
     ours = LlamaModel(config, weights, torch.device("cpu"))
     ids = list(range(5, 5 + 60))
     torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(reference, ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_vl", "qwen2_5_vl", "qwen2_5_vl flat"])
+def test_a_vl_models_language_model_serves_text_as_transformers_computes(tmp_path, kind):
+    """Qwen3-VL's and Qwen2.5-VL's checkpoints (the language model under `model.language_model.`,
+    or Qwen2.5-VL's own `model.` beside `visual.`, a vision tower beside it) serve text: Qwen3's
+    and Qwen2's layers whose rotary in sections for an image's grid (`mrope_section`, interleaved
+    in Qwen3-VL) is, with every section at the token's position, the plain rotary; the logits are
+    transformers' for text ids, also from Qwen2.5-VL's first config.json (the decoder's keys beside
+    `vision_config`, its rope type "mrope"). And llama.cpp's qwen3vl and qwen2vl files of the same
+    language model (the sections in their metadata) give the same logits as the checkpoint."""
+    import gguf
+    import transformers
+
+    torch.manual_seed(0)
+    kind, _, flat = kind.partition(" ")
+    qwen3 = kind == "qwen3_vl"
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=256,
+                rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [6, 5, 5],
+                                 **({"mrope_interleaved": True} if qwen3 else {})})
+    vision = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2)
+    ids = {"image_token_id": 299, "video_token_id": 298, "vision_start_token_id": 297}
+    if qwen3:
+        config = transformers.Qwen3VLConfig(text_config={**text, "head_dim": 32}, vision_config={
+            **vision, "deepstack_visual_indexes": [0], "num_position_embeddings": 16}, **ids)
+        model = transformers.Qwen3VLForConditionalGeneration(config).eval()
+    else:
+        config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config={**vision, "fullatt_block_indexes": [0]},
+                                               **ids)
+        model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
+    with torch.no_grad():  # norm scales and biases away from their initial 1 and 0, so a dropped one shows
+        for name, p in model.named_parameters():
+            if "language_model" in name and (name.endswith("bias") or "norm" in name):
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    if flat:  # as Qwen2.5-VL's were published
+        raw = json.loads((tmp_path / "hf" / "config.json").read_text())
+        decoder = raw.pop("text_config")
+        rope = decoder.pop("rope_parameters")
+        decoder.update(rope_theta=rope.pop("rope_theta"), rope_scaling={"type": "mrope", **rope})
+        (tmp_path / "hf" / "config.json").write_text(json.dumps({**raw, **decoder, "model_type": "qwen2_5_vl"}))
+        assert transformers.AutoConfig.from_pretrained(tmp_path / "hf").text_config.rms_norm_eps == 1e-5
+    config_ours, weights = load_checkpoint(resolve_model(str(tmp_path / "hf")), torch.float32)
+    assert config_ours.architecture == f"{kind}_text" and config_ours.attention_bias == (not qwen3)
+    ours = LlamaModel(config_ours, weights, torch.device("cpu"))
+    prompt = list(range(5, 5 + 60))
+    expected = hf_logits(model, prompt)
+    torch.testing.assert_close(inflight_logits(ours, prompt), expected, atol=1e-4, rtol=1e-4)
+
+    # llama.cpp's file of the language model: Qwen's tensor names under qwen3vl / qwen2vl
+    path = tmp_path / "text.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3vl" if qwen3 else "qwen2vl")
+    w.add_block_count(2)
+    w.add_context_length(256)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(96)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_key_length(32)
+    w.add_value_length(32)
+    w.add_rope_freq_base(5e6)
+    w.add_rope_dimension_sections([6, 5, 5, 0])
+    w.add_layer_norm_rms_eps(config_ours.rms_norm_eps)
+    w.add_vocab_size(300)
+    names = {hf: g for g, hf in GGUF_LAYER_NAMES.items()} | {"post_attention_layernorm.weight": "ffn_norm.weight"}
+    for name, tensor in weights.items():
+        if name.startswith("model.layers."):
+            _, _, index, rest = name.split(".", 3)
+            name = f"blk.{index}.{names[rest]}"
+        else:
+            name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                    "lm_head.weight": "output.weight"}[name]
+        w.add_tensor(name, tensor.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    config_gguf, weights_gguf = load_checkpoint(resolve_model(str(path)), torch.float32)
+    assert config_gguf.architecture == f"{kind}_text"
+    from_file = LlamaModel(config_gguf, weights_gguf, torch.device("cpu"))
+    torch.testing.assert_close(inflight_logits(from_file, prompt), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_phi_longrope_and_partial_rotary_match_transformers(tmp_path, loaded):

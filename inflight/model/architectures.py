@@ -167,6 +167,12 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                  gguf_names={"attn_qkv.weight": "self_attn.qkv_proj.weight",
                              "ffn_up.weight": "mlp.gate_up_proj.weight"}),
     Architecture("qwen3", plan=QK_NORM_LAYER, extra_weights=_QK_NORM, gguf_interleaved_qk=False),
+    # Qwen2.5-VL's and Qwen3-VL's language models (their vision-language checkpoints serve the text;
+    # llama.cpp's qwen2vl and qwen3vl files): Qwen2's and Qwen3's layers. Their rotary in sections
+    # for an image's grid (`mrope_section`) is, for text alone, every section at the token's
+    # position: the plain rotary.
+    Architecture("qwen2_5_vl_text", gguf_interleaved_qk=False),
+    Architecture("qwen3_vl_text", plan=QK_NORM_LAYER, extra_weights=_QK_NORM, gguf_interleaved_qk=False),
     # OLMo 3's files say olmo2: its windows, every fourth layer global where a file does not list them
     Architecture("olmo2", plan=POST_NORM_LAYER, norms=_POST_NORMS, extra_weights=_QK_NORM, gguf_interleaved_qk=False,
                  window_pattern=4, local_rope_unscaled=True),
@@ -216,7 +222,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
 # llama.cpp's architecture names that differ from Hugging Face's model_type; and those it gives
 # to files with routed experts (`expert_count`), which Hugging Face names apart.
 GGUF_ARCHITECTURES = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
-                      "mistral3": "ministral3"}
+                      "mistral3": "ministral3", "qwen2vl": "qwen2_5_vl_text", "qwen3vl": "qwen3_vl_text"}
 GGUF_EXPERT_ARCHITECTURES = {"llama": "mixtral", "mistral": "mixtral"}
 
 # llama.cpp's stacked expert tensors (`blk.N.` + these, [experts, rows, cols]) -> which of an

@@ -16,7 +16,7 @@ from inflight.errors import ModelLoadError
 from inflight.model.architectures import ARCHITECTURES, Architecture
 
 # Architectures whose attention always has q, k and v biases, whatever the config says.
-_QKV_BIAS_ARCHITECTURES = ("qwen2",)  # and Qwen2-MoE where its qkv_bias says (its default)
+_QKV_BIAS_ARCHITECTURES = ("qwen2", "qwen2_5_vl_text")  # and Qwen2-MoE where its qkv_bias says (its default)
 
 
 def read_json_object(path: Path, what: str) -> dict[str, Any]:
@@ -41,8 +41,8 @@ def read_hf_config(path: Path, architectures: Sequence[str] | None = None,
             raw["text_config"] = {**raw["text_config"], **overrides}
         else:
             raw.update(overrides)
-    if isinstance(raw.get("text_config"), dict):
-        raw = {**raw, "text_config": _complete_text_config(raw["text_config"])}
+    if is_multimodal(raw):
+        raw = {**raw, "text_config": _complete_text_config(raw)}
     arch = (raw.get("text_config") or raw).get("model_type", "llama")
     if architectures is not None and arch not in architectures:
         raise ModelLoadError(f"unsupported architecture {arch!r}; supported: {', '.join(architectures)}")
@@ -54,19 +54,26 @@ def read_hf_config(path: Path, architectures: Sequence[str] | None = None,
         raise ModelLoadError(f"incomplete or invalid {path}: {type(exc).__name__}: {exc}") from None
 
 
-def _complete_text_config(text: dict[str, Any]) -> dict[str, Any]:
-    """A multimodal config's decoder settings as transformers reads them: its text config class
-    built from the keys config.json gives (Gemma 3's 4B and larger give five, the rest are the
-    class's defaults), rotary settings normalized as the class normalizes them. A `model_type`
-    transformers does not know: the keys as given."""
+def is_multimodal(raw: dict[str, Any]) -> bool:
+    """Whether a config.json describes a vision-language model, whose decoder inflight serves."""
+    return isinstance(raw.get("text_config"), dict) or isinstance(raw.get("vision_config"), dict)
+
+
+def _complete_text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config's decoder settings as transformers reads them: its config class built
+    from config.json, and the decoder's settings taken from it: the keys `text_config` gives over
+    the text config class's defaults (Gemma 3's 4B and larger give five), or the decoder's keys
+    beside `vision_config` (Qwen2.5-VL's first configs), rotary settings normalized as the class
+    normalizes them. A `model_type` transformers does not know: `text_config` as given, else
+    config.json's own keys."""
     from transformers import AutoConfig
 
-    kind = text.get("model_type")
     try:
-        built = AutoConfig.for_model(kind, **{k: v for k, v in text.items() if k != "model_type"})
+        built = AutoConfig.for_model(raw.get("model_type"), **{k: v for k, v in raw.items() if k != "model_type"})
+        text = built.get_text_config()
     except (KeyError, ValueError, TypeError):
-        return text
-    return {**built.to_dict(), "model_type": kind}
+        return raw.get("text_config") or raw
+    return {**text.to_dict(), "model_type": text.model_type}
 
 
 # generation_config.json's sampling settings and SamplingParams' names for them (vLLM's set:
@@ -135,7 +142,9 @@ ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "low_freq_fa
                        "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate",
                        # Ministral 3's: its queries' scaling past the original context (`query_scaled_past`),
                        # and the positions it serves, which the config's own key says too
-                       "llama_4_scaling_beta", "max_position_embeddings"})
+                       "llama_4_scaling_beta", "max_position_embeddings",
+                       # a VL model's rotary in sections for an image's grid: for text, the plain one
+                       "mrope_section", "mrope_interleaved"})
 ROPE_TYPES = (None, "default", "linear", "llama3", "longrope", "su", "yarn")
 # Each activation of a plan's MLP under the names configs give it.
 _ACTIVATION_NAMES = {"silu": (None, "silu", "swish"), "gelu_pytorch_tanh": (None, "gelu_pytorch_tanh", "gelu_tanh")}

@@ -36,6 +36,7 @@ from inflight.model.architectures import (
     architecture,
 )
 from inflight.model.hf_config import (
+    is_multimodal,
     nope_every,
     override_rotary,
     query_scaled_past,
@@ -939,10 +940,12 @@ def _hf_weights(path: Path, left_stored: frozenset[str]) -> dict[str, torch.Tens
     return {**{name: t.float() for name, t in read.items()}, **shapes}
 
 
-# A multimodal checkpoint's decoder (Gemma 3's 4B and larger, Mistral Small 3.1): the prefixes its
-# tensors' names carry, as older and newer transformers save them, and the text model's own.
+# A multimodal checkpoint's decoder (Gemma 3's 4B and larger, Mistral Small 3.1, Qwen-VL): the
+# prefixes its tensors' names carry, as older and newer transformers save them (Qwen2.5-VL's: the
+# text model's own beside `visual.`), and the text model's own.
 _TEXT_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
-                        ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+                        ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."),
+                        *((f"model.{part}.", f"model.{part}.") for part in ("embed_tokens", "layers", "norm")))
 
 
 def _text_model_name(name: str) -> str | None:
@@ -966,7 +969,7 @@ def _hf_header(path: Path) -> dict[str, _Stored]:
     headers; a multimodal checkpoint's decoder under the text model's names, alone."""
     from safetensors import SafetensorError, safe_open
 
-    multimodal = "text_config" in read_json_object(path / "config.json", "a model config")
+    multimodal = is_multimodal(read_json_object(path / "config.json", "a model config"))
     header: dict[str, _Stored] = {}
     for file in sorted(path.glob("*.safetensors")):
         try:
