@@ -496,6 +496,31 @@ def test_a_multimodal_checkpoint_serves_its_text_model_as_transformers_computes(
     torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(reference, ids), atol=1e-4, rtol=1e-4)
 
 
+def test_smolvlms_language_model_serves_text_as_transformers_computes(tmp_path):
+    """SmolVLM's checkpoints (Idefics3: a Llama under `model.text_model.`, a vision model and a
+    connector beside it) serve text: the logits are transformers' for text ids."""
+    import transformers
+
+    torch.manual_seed(0)
+    text = dict(model_type="llama", vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256, rope_theta=1e5,
+                pad_token_id=0)
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    model = transformers.Idefics3ForConditionalGeneration(transformers.Idefics3Config(
+        text_config=text, vision_config=vision, image_token_id=299, scale_factor=1)).eval()
+    with torch.no_grad():  # norm scales away from their initial 1, so a dropped one shows
+        for name, p in model.named_parameters():
+            if "text_model" in name and "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    config, weights = load_checkpoint(resolve_model(str(tmp_path)), torch.float32)
+    assert (config.architecture, config.rope_theta) == ("llama", 1e5)
+    ours = LlamaModel(config, weights, torch.device("cpu"))
+    ids = list(range(5, 5 + 60))
+    torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("kind", ["qwen3_vl", "qwen2_5_vl", "qwen2_5_vl flat"])
 def test_a_vl_models_language_model_serves_text_as_transformers_computes(tmp_path, kind):
     """Qwen3-VL's and Qwen2.5-VL's checkpoints (the language model under `model.language_model.`,

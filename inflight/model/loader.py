@@ -940,10 +940,11 @@ def _hf_weights(path: Path, left_stored: frozenset[str]) -> dict[str, torch.Tens
     return {**{name: t.float() for name, t in read.items()}, **shapes}
 
 
-# A multimodal checkpoint's decoder (Gemma 3's 4B and larger, Mistral Small 3.1, Qwen-VL): the
-# prefixes its tensors' names carry, as older and newer transformers save them (Qwen2.5-VL's: the
-# text model's own beside `visual.`), and the text model's own.
+# A multimodal checkpoint's decoder (Gemma 3's 4B and larger, Mistral Small 3.1, Qwen-VL, SmolVLM):
+# the prefixes its tensors' names carry, as older and newer transformers save them (Qwen2.5-VL's:
+# the text model's own beside `visual.`; Idefics3's `text_model.`), and the text model's own.
 _TEXT_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                        ("model.text_model.", "model."),
                         ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."),
                         *((f"model.{part}.", f"model.{part}.") for part in ("embed_tokens", "layers", "norm")))
 
