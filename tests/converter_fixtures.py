@@ -25,9 +25,10 @@ the same sources first (low priority: the build takes a while):
     nice -n 19 cmake --build build --target llama-quantize -j2 && cd -
     /tmp/conv/bin/python tests/converter_fixtures.py /tmp/lcp/llama_cpp_python-0.3.36/vendor/llama.cpp --quantized
 
-OLMo 2's, Qwen2-MoE's, Qwen3-MoE's and OLMoE's converters ask for a byte-level BPE tokenizer they recognize by hash,
-GLM-4's for its own special tokens; here they take the SentencePiece vocabulary instead (`_convert`
-patches those methods), which changes no weight or setting.
+OLMo 2's, Qwen2-MoE's, Qwen3-MoE's and OLMoE's converters ask for a byte-level BPE tokenizer they
+recognize by hash, GLM-4's for its own special tokens, EXAONE 4's for a byte-level BPE of its own;
+here they take the SentencePiece vocabulary instead (`_convert` patches those methods), which
+changes no weight or setting.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
                              "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
                                                  "original_max_position_embeddings": 16}}),
     "olmo2": ("Olmo2", {}),
+    # EXAONE 4 as its 1.2B: OLMo 2's layer, q/k normalized per head, no window
+    "exaone4": ("Exaone4", {"sliding_window": None, "layer_types": ["full_attention"] * 2}),
     # OLMo 3: three sliding layers to one global, YaRN past 16 positions on the global ones only
     "olmo3": ("Olmo3", {"num_hidden_layers": 4, "sliding_window": 8,
                         "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}),
@@ -154,6 +157,8 @@ def _convert(llama_cpp: Path, arch: str, vocab: Path, work: Path, out: Path) -> 
               "TextModel._set_vocab_gpt2 = lambda self: self._set_vocab_sentencepiece(); "
               "from conversion.glm import Glm4Model; "
               "Glm4Model.set_vocab = lambda self: self._set_vocab_sentencepiece(); "
+              "from conversion.exaone import Exaone4Model; "
+              "Exaone4Model.set_vocab = lambda self: self._set_vocab_sentencepiece(); "
               "runpy.run_path(sys.argv[0], run_name='__main__')")
     subprocess.run([sys.executable, "-c", runner, str(llama_cpp / "convert_hf_to_gguf.py"), str(hf),
                     "--outfile", str(out), "--outtype", "f32"], check=True)

@@ -270,7 +270,7 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     to_gguf.update({hf: g for g, hf in architecture(arch).gguf_names.items()})
     # Hugging Face's post_attention_layernorm is llama.cpp's ffn_norm where it comes before the
     # MLP (Qwen) and its post_attention_norm where it normalizes attention's output (OLMo 2).
-    post_norms = arch in ("olmo2", "olmo3") or sandwich
+    post_norms = arch in ("olmo2", "olmo3", "exaone4") or sandwich
     to_gguf["post_attention_layernorm.weight"] = "post_attention_norm.weight" if post_norms else "ffn_norm.weight"
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
@@ -341,6 +341,9 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
                 "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.7, "llama_4_scaling_beta": 0.1}
         model = transformers.Ministral3ForCausalLM(transformers.Ministral3Config(**common, head_dim=64,
                                                                                  rope_parameters=rope))
+    elif arch == "exaone4":  # OLMo 2's layer, q/k normalized per head; no window, as the 1.2B
+        model = transformers.Exaone4ForCausalLM(transformers.Exaone4Config(
+            **common, sliding_window=None, layer_types=["full_attention"] * common["num_hidden_layers"]))
     elif arch == "olmo3":  # three sliding layers to one global; YaRN past 64 positions on the global ones only
         model = transformers.Olmo3ForCausalLM(transformers.Olmo3Config(
             **{**common, "num_hidden_layers": 4}, sliding_window=24,
@@ -388,10 +391,9 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
     return model.eval()
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "olmo3", "granite", "smollm3", "phi3", "ministral3",
-                                  "gemma", "gemma2",
-                                  "gemma3_text", "glm4", "ernie4_5", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe",
-                                  "granitemoe"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "olmo3", "exaone4", "granite", "smollm3", "phi3",
+                                  "ministral3", "gemma", "gemma2", "gemma3_text", "glm4", "ernie4_5", "mixtral",
+                                  "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
 def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arch):
     """Qwen3 (q and k RMS-normalized per head before rotary, head_dim beyond hidden / heads), Qwen2 (q/k/v
     biases), OLMo 2 (attention's and the MLP's outputs normalized instead of their inputs, q and k
@@ -494,6 +496,33 @@ def test_a_multimodal_checkpoint_serves_its_text_model_as_transformers_computes(
     ours = LlamaModel(config, weights, torch.device("cpu"))
     ids = list(range(5, 5 + 60))
     torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(reference, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_exaone4_slides_three_layers_of_four_and_its_global_ones_rotate_nothing(tmp_path):
+    """EXAONE 4's 32B shape: three sliding-window layers to one global, the global ones without
+    rotary (transformers rotates a layer only where the model has no window or the layer slides):
+    the logits are transformers' over a prompt past the window. llama.cpp slides only such files
+    of 64 layers, whatever a file says: a 4-layer file with a window is read without one."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.Exaone4ForCausalLM(transformers.Exaone4Config(
+        vocab_size=TINY["vocab"], hidden_size=128, intermediate_size=TINY["intermediate"], num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256, sliding_window=24)).eval()
+    assert model.config.layer_types == ["sliding_attention"] * 3 + ["full_attention"]
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    config, weights = load_checkpoint(resolve_model(str(tmp_path / "hf")), torch.float32)
+    assert config.rope_layers == (True, True, True, False) and config.sliding_window == 24
+    ours = LlamaModel(config, weights, torch.device("cpu"))
+    ids = list(range(5, 5 + 90))
+    torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+    write_gguf_from_hf(tmp_path / "tiny.gguf", "exaone4", model)
+    config, _ = load_checkpoint(resolve_model(str(tmp_path / "tiny.gguf")), torch.float32)
+    assert (config.sliding_window, config.rope_layers) == (None, None)
 
 
 def test_smolvlms_language_model_serves_text_as_transformers_computes(tmp_path):
@@ -826,8 +855,8 @@ def test_a_token_alone_through_routed_experts_is_its_row_of_a_batch():
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3",
                                   "phi3_longrope", "qwen3_yarn", "gemma", "gemma2", "gemma3_text", "glm4",
-                                  "ernie4_5", "olmo3", "ministral3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe",
-                                  "granitemoe"])
+                                  "ernie4_5", "olmo3", "exaone4", "ministral3", "mixtral", "qwen3_moe", "qwen2_moe",
+                                  "olmoe", "granitemoe"])
 def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_path, monkeypatch, arch):
     """The GGUF file llama.cpp's `convert_hf_to_gguf.py` made of a tiny checkpoint of each
     architecture (tests/converter_fixtures.py; its names, row orders, norm offsets, stacked

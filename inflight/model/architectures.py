@@ -111,6 +111,11 @@ class Architecture:
     # nothing sets theirs (OLMo 3's: transformers' default for its configs, llama.cpp's rule for its
     # olmo2 files with a window); False: they share the global layers' rotary.
     local_rope_unscaled: bool = False
+    # Where a model slides, its global layers rotate nothing (EXAONE 4's); False: they rotate.
+    nope_where_global: bool = False
+    # llama.cpp slides the layers of this architecture's files of these layer counts only, whatever
+    # a file says (EXAONE 4's 32B); None: wherever a file says.
+    gguf_window_layer_counts: tuple[int, ...] | None = None
     gguf_wide_query_scale_layers: tuple[int, ...] = ()
     # The checkpoint names of a routed-experts MLP (the plan's `experts` step); its dense layers,
     # if any, read `matmuls`' gate_up and down.
@@ -176,6 +181,10 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     # OLMo 3's files say olmo2: its windows, every fourth layer global where a file does not list them
     Architecture("olmo2", plan=POST_NORM_LAYER, norms=_POST_NORMS, extra_weights=_QK_NORM, gguf_interleaved_qk=False,
                  window_pattern=4, local_rope_unscaled=True),
+    # EXAONE 4: OLMo 2's layer (q/k normalized per head); where it slides (its 32B: three layers of
+    # four), the global layers rotate nothing
+    Architecture("exaone4", plan=POST_NORM_LAYER, norms=_POST_NORMS, extra_weights=_QK_NORM, gguf_interleaved_qk=False,
+                 window_pattern=4, nope_where_global=True, gguf_window_layer_counts=(64,)),
     # OLMo 3: OLMo 2's layer, three sliding layers to one global, the sliding ones without rope scaling
     Architecture("olmo3", plan=POST_NORM_LAYER, norms=_POST_NORMS, extra_weights=_QK_NORM, gguf_interleaved_qk=False,
                  window_pattern=4, local_rope_unscaled=True),

@@ -308,7 +308,8 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
             raw.get("embedding_multiplier") or 1.0),
         residual_scale=float(raw.get("residual_multiplier") or 1.0),
         logit_scale=float(raw.get("logits_scaling") or 1.0),
-        rope_layers=_rope_layers(raw),
+        rope_layers=_rope_layers(raw, row, _window_layers(raw, row) if window is not None else None,
+                                 window is not None),
         local_rope_theta=_local_rope_theta(local_rope, rotary.theta, row) if window is not None else None,
         attn_logit_softcap=_positive(raw.get("attn_logit_softcapping")),
         final_logit_softcap=_positive(raw.get("final_logit_softcapping")),
@@ -377,10 +378,15 @@ def _window_layers(raw: dict[str, Any], row: Architecture | None) -> tuple[bool,
     return tuple(t == "sliding_attention" for t in types)
 
 
-def _rope_layers(raw: dict[str, Any]) -> tuple[bool, ...] | None:
+def _rope_layers(raw: dict[str, Any], row: Architecture | None = None, sliding: tuple[bool, ...] | None = None,
+                 slides: bool = False) -> tuple[bool, ...] | None:
     """SmolLM3's `no_rope_layers` (1: the layer uses rotary, 0: it does not), or its default of a
-    NoPE layer every `no_rope_layer_interval` layers; None for a model whose layers all rotate."""
+    NoPE layer every `no_rope_layer_interval` layers; where an architecture's global layers rotate
+    nothing once it slides (`slides`; `sliding`: which layers do, None: all), the sliding ones;
+    None for a model whose layers all rotate."""
     layers = int(raw["num_hidden_layers"])
+    if row is not None and row.nope_where_global and slides:
+        return sliding
     if raw.get("no_rope_layers") is not None:
         return tuple(bool(x) for x in raw["no_rope_layers"][:layers])
     if raw.get("model_type") == "smollm3":

@@ -613,6 +613,8 @@ def _gguf_config(reader: Any) -> ModelConfig:
             **{key: [float(x) for x in np.asarray(_dequantize(t), dtype=np.float32).ravel()]
                for key, t in factors.items()}}
     window = gguf_field(reader, f"{arch}.attention.sliding_window")
+    if row.gguf_window_layer_counts is not None and num_layers not in row.gguf_window_layer_counts:
+        window = None  # llama.cpp's rule: these files slide at those sizes only
     window_layers = None
     pattern = gguf_field(reader, f"{arch}.attention.sliding_window_pattern", row.window_pattern)
     if window and isinstance(pattern, list):  # one flag per layer
@@ -657,7 +659,8 @@ def _gguf_config(reader: Any) -> ModelConfig:
             gguf_field(reader, f"{arch}.embedding_scale") or 1.0),
         residual_scale=float(gguf_field(reader, f"{arch}.residual_scale") or 1.0),
         logit_scale=float(gguf_field(reader, f"{arch}.logit_scale") or 1.0),
-        rope_layers=nope_every(nope, num_layers) if (nope := row.gguf_nope_interval) else None,
+        rope_layers=nope_every(nope, num_layers) if (nope := row.gguf_nope_interval) else (
+            window_layers if row.nope_where_global and window else None),
         local_rope_theta=float(local_theta) if window and local_theta else None,
         attn_logit_softcap=float(cap) if (cap := gguf_field(reader, f"{arch}.attn_logit_softcapping")) else None,
         final_logit_softcap=float(cap) if (cap := gguf_field(reader, f"{arch}.final_logit_softcapping")) else None,
