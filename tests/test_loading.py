@@ -525,26 +525,38 @@ def test_exaone4_slides_three_layers_of_four_and_its_global_ones_rotate_nothing(
     assert (config.sliding_window, config.rope_layers) == (None, None)
 
 
-def test_smolvlms_language_model_serves_text_as_transformers_computes(tmp_path):
+@pytest.mark.parametrize("kind", ["smolvlm", "ministral3"])
+def test_other_vision_language_checkpoints_serve_their_language_model(tmp_path, kind):
     """SmolVLM's checkpoints (Idefics3: a Llama under `model.text_model.`, a vision model and a
-    connector beside it) serve text: the logits are transformers' for text ids."""
+    connector beside it) and Ministral 3's (Mistral3ForConditionalGeneration: its decoder under
+    `language_model.model.`, a Pixtral vision tower and a projector beside it) serve text: the
+    logits are transformers' for text ids (Ministral 3's within its original 64 positions)."""
     import transformers
 
     torch.manual_seed(0)
-    text = dict(model_type="llama", vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256, rope_theta=1e5,
-                pad_token_id=0)
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=256)
     vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                   patch_size=14)
-    model = transformers.Idefics3ForConditionalGeneration(transformers.Idefics3Config(
-        text_config=text, vision_config=vision, image_token_id=299, scale_factor=1)).eval()
+    if kind == "smolvlm":
+        model = transformers.Idefics3ForConditionalGeneration(transformers.Idefics3Config(
+            text_config={**text, "model_type": "llama", "rope_theta": 1e5, "pad_token_id": 0}, vision_config=vision,
+            image_token_id=299, scale_factor=1))
+    else:
+        rope = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 64,
+                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}
+        model = transformers.Mistral3ForConditionalGeneration(transformers.Mistral3Config(
+            text_config={**text, "model_type": "ministral3", "head_dim": 32, "rope_parameters": rope},
+            vision_config={**vision, "head_dim": 16}, image_token_index=299, spatial_merge_size=1))
+    model.eval()
     with torch.no_grad():  # norm scales away from their initial 1, so a dropped one shows
         for name, p in model.named_parameters():
-            if "text_model" in name and "norm" in name:
+            if ("text_model" in name or "language_model" in name) and "norm" in name:
                 p.add_(torch.randn_like(p) * 0.3)
     model.save_pretrained(tmp_path, safe_serialization=True)
     config, weights = load_checkpoint(resolve_model(str(tmp_path)), torch.float32)
-    assert (config.architecture, config.rope_theta) == ("llama", 1e5)
+    assert config.architecture == {"smolvlm": "llama"}.get(kind, kind)
+    assert config.rope_theta == (1e5 if kind == "smolvlm" else 1e6)
     ours = LlamaModel(config, weights, torch.device("cpu"))
     ids = list(range(5, 5 + 60))
     torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
