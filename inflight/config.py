@@ -93,6 +93,9 @@ class ModelConfig:
     # The rotary base of the sliding-window layers, without rope scaling (Gemma 3's
     # rope_local_base_freq); None: the same rotary as the other layers.
     local_rope_theta: float | None = None
+    # Llama 4's and Ministral 3's queries scaled by position: (beta, original context), each query
+    # times 1 + beta * ln(1 + floor(position / original)); None: unscaled.
+    query_scaling: tuple[float, int] | None = None
     # Gemma 2's soft-capping: attention scores and final logits become cap * tanh(x / cap).
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None

@@ -339,7 +339,7 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
     elif arch == "ministral3":  # YaRN past 64 positions (DeepSeek's mscales), queries scaled by position past 64
         rope = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 64,
                 "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.7, "llama_4_scaling_beta": 0.1}
-        model = transformers.Ministral3ForCausalLM(transformers.Ministral3Config(**common, head_dim=64,
+        model = transformers.Ministral3ForCausalLM(transformers.Ministral3Config(**common, head_dim=64, pad_token_id=0,
                                                                                  rope_parameters=rope))
     elif arch == "exaone4":  # OLMo 2's layer, q/k normalized per head; no window, as the 1.2B
         model = transformers.Exaone4ForCausalLM(transformers.Exaone4Config(
@@ -430,8 +430,7 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
 
         assert parse_hf_config({**raw, "rope_parameters": {"rope_theta": 10_000.0}}).rotary_dim == 32
     write_gguf_from_hf(tmp_path / "tiny.gguf", arch, model)
-    # (Ministral 3 is served up to its original context, where its queries' scaling is 1)
-    ids = list(range(5, 5 + (64 if arch == "ministral3" else 90)))
+    ids = list(range(5, 5 + 90))
     transformers_reads_gguf = arch in ("qwen2", "qwen3", "phi3")
     from_gguf = model if not transformers_reads_gguf else AutoModelForCausalLM.from_pretrained(
         tmp_path, gguf_file="tiny.gguf", dtype=torch.float32).eval()
@@ -446,13 +445,17 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
         assert (config.architecture, config.head_dim) == (named, {"qwen3": 128, "gemma": 96}.get(arch, 64))
         assert config.rotary_dim == (16 if arch == "glm4" else None)
         if arch == "ministral3":  # YaRN stretches 64 positions to 256; the queries' scaling starts at 64
-            assert config.max_position_embeddings == 64
+            assert (config.max_position_embeddings, config.query_scaling) == (256, (pytest.approx(0.1), 64))
         if arch in ("gemma2", "gemma3_text", "olmo3"):  # the windows and rotary bases as transformers has them
             assert config.sliding_window_layers == tuple(t == "sliding_attention" for t in model.config.layer_types)
             local = None if arch == "gemma2" else model.config.rope_parameters["sliding_attention"]["rope_theta"]
             assert config.local_rope_theta == local
         ours = LlamaModel(config, weights, torch.device("cpu"))
         torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(reference, ids), atol=1e-4, rtol=1e-4)
+        if arch == "ministral3":  # served within its original context: compiled, the scaling left out (it is 1)
+            within = inflight_logits(ours, ids[:64])
+            ours.use_context(64)
+            assert torch.equal(inflight_logits(ours, ids[:64]), within)
 
 
 @pytest.mark.parametrize("layout", ["language_model.model.", "model.language_model."])
@@ -530,7 +533,7 @@ def test_other_vision_language_checkpoints_serve_their_language_model(tmp_path, 
     """SmolVLM's checkpoints (Idefics3: a Llama under `model.text_model.`, a vision model and a
     connector beside it) and Ministral 3's (Mistral3ForConditionalGeneration: its decoder under
     `language_model.model.`, a Pixtral vision tower and a projector beside it) serve text: the
-    logits are transformers' for text ids (Ministral 3's within its original 64 positions)."""
+    logits are transformers' for text ids (Ministral 3's past its original 64 positions too)."""
     import transformers
 
     torch.manual_seed(0)
@@ -558,7 +561,7 @@ def test_other_vision_language_checkpoints_serve_their_language_model(tmp_path, 
     assert config.architecture == {"smolvlm": "llama"}.get(kind, kind)
     assert config.rope_theta == (1e5 if kind == "smolvlm" else 1e6)
     ours = LlamaModel(config, weights, torch.device("cpu"))
-    ids = list(range(5, 5 + 60))
+    ids = list(range(5, 5 + 90))
     torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
 
 
@@ -902,9 +905,8 @@ def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_pat
         ours.use_context(config.max_position_embeddings)
     if arch == "qwen3_yarn":
         assert config.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
-    if arch == "ministral3":  # served up to its original 16 positions, where its queries' scaling is 1
-        assert config.max_position_embeddings == 16
-        ids = ids[:16]
+    if arch == "ministral3":  # queries scaled by position past the original 16
+        assert config.query_scaling == (pytest.approx(0.1), 16)
     torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
 
 
@@ -928,7 +930,7 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "olmo2", "olmo3", "smollm3", "gemma", "gemma2", "gemma3_text", "glm4",
-                                  "ernie4_5", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
+                                  "ernie4_5", "ministral3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
 def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arch):
     """Through the engine as a user runs it: the directory's own tokenizer and chat template, a
     batch of chats (longer than Gemma's 24-token window) in small prefill chunks, the prefix cache

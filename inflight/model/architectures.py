@@ -161,9 +161,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     Architecture("granite"),  # Llama's layer; its multipliers are the config's scales (ModelConfig)
     Architecture("smollm3", gguf_nope_interval=4),  # Llama's layer; NoPE layers as the config's rope_layers
     Architecture("qwen2", gguf_interleaved_qk=False),
-    # Ministral 3 (3B, 8B, 14B; inside Mistral3ForConditionalGeneration): Mistral's layer, YaRN; its
-    # queries scaled by position past the original context (llama_4_scaling_beta) are not computed:
-    # it serves up to that context
+    # Ministral 3 (3B, 8B, 14B; inside Mistral3ForConditionalGeneration): Mistral's layer, YaRN, its
+    # queries scaled by position past the original context (`ModelConfig.query_scaling`)
     Architecture("ministral3"),
     # Phi-3: q, k and v, and gate and up, stored fused, in Hugging Face's order (NeoX rotary).
     Architecture("phi3", matmuls={**_LLAMA_MATMULS, "qkv": ("self_attn.qkv_proj.weight",),

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -140,7 +139,7 @@ NO_EFFECT_KEYS = frozenset({
 ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
                        "original_max_position_embeddings", "partial_rotary_factor", "short_factor", "long_factor",
                        "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate",
-                       # Ministral 3's: its queries' scaling past the original context (`query_scaled_past`),
+                       # Ministral 3's: its queries' scaling past the original context (`query_scaling`),
                        # and the positions it serves, which the config's own key says too
                        "llama_4_scaling_beta", "max_position_embeddings",
                        # a VL model's rotary in sections for an image's grid: for text, the plain one
@@ -278,8 +277,8 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
     if raw.get("query_pre_attn_scalar") is not None:
         attention_scale = float(raw["query_pre_attn_scalar"]) ** -0.5
     num_experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
-    scaled_past = query_scaled_past((rope_scaling or {}).get("original_max_position_embeddings"),
-                                    _rope_parameters(raw)[0].get("llama_4_scaling_beta"))
+    query = query_scaling((rope_scaling or {}).get("original_max_position_embeddings"),
+                          _rope_parameters(raw)[0].get("llama_4_scaling_beta"))
     eos = raw.get("eos_token_id")
     eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
     return ModelConfig(
@@ -294,7 +293,7 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         rotary_dim=int(head_dim * float(partial)) if float(partial) != 1 else None,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=rotary.theta,
-        max_position_embeddings=min(rotary.max_positions, scaled_past or rotary.max_positions),
+        max_position_embeddings=rotary.max_positions,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=arch in _QKV_BIAS_ARCHITECTURES or bool(raw.get("attention_bias", False))
         or bool(raw.get("qkv_bias", False)) or bool(raw.get("use_bias", False)),
@@ -311,6 +310,7 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         rope_layers=_rope_layers(raw, row, _window_layers(raw, row) if window is not None else None,
                                  window is not None),
         local_rope_theta=_local_rope_theta(local_rope, rotary.theta, row) if window is not None else None,
+        query_scaling=query,
         attn_logit_softcap=_positive(raw.get("attn_logit_softcapping")),
         final_logit_softcap=_positive(raw.get("final_logit_softcapping")),
         num_experts=num_experts,
@@ -326,18 +326,14 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
     )
 
 
-def query_scaled_past(original: int | None, beta: float | None) -> int | None:
-    """Where a model's queries start being scaled by position (Llama 4's and Ministral 3's
-    1 + beta * log(1 + floor(position / original))), which inflight does not compute: it serves such
-    a model up to its original context (positions before it are scaled by 1); None: never."""
+def query_scaling(original: int | None, beta: float | None) -> tuple[float, int] | None:
+    """A model's queries' scaling by position (Llama 4's and Ministral 3's: times
+    1 + beta * ln(1 + floor(position / original))) as `ModelConfig.query_scaling`; None: none."""
     if not beta:
         return None
     if not original:
         raise ValueError("a query scaling by position (llama_4_scaling_beta) needs original_max_position_embeddings")
-    logging.getLogger(__name__).info(
-        "queries scaled by position past %d (llama_4_scaling_beta %g) are not computed: the model serves %d "
-        "positions", original, beta, original)
-    return int(original)
+    return float(beta), int(original)
 
 
 def _local_rope_theta(local: dict[str, Any] | None, theta: float, row: Architecture | None) -> float | None:

@@ -273,6 +273,10 @@ class LlamaModel:
         shape = (config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps)
         self.ops = CpuKernelTokenOps(*shape, kernels) if kernels is not None else TorchTokenOps(*shape)
         self._long_context = False
+        # Whether the queries' scaling by position (`ModelConfig.query_scaling`) is computed: where
+        # the engine serves past the original context (`use_context`; before it the scaling is 1).
+        # The compiled stack has no such step: the layers then run in Python, over the same kernels.
+        self._query_scaled = self._scales_queries(config.max_position_embeddings)
         # Rotary tables cover the positions an engine serves (`use_context`), grown where a step
         # reaches past them: a 131072-position model's full tables would take 134 MB (head_dim
         # 128) mostly unread at a 2048-token context. Not on a GPU, whose steps would wait on the
@@ -403,9 +407,16 @@ class LlamaModel:
         return (torch.cat([c for c, _ in chunks]).to(self.dtype).contiguous(),
                 torch.cat([s for _, s in chunks]).to(self.dtype).contiguous())
 
+    def _scales_queries(self, max_model_len: int) -> bool:
+        scaling = self.config.query_scaling
+        return scaling is not None and max_model_len > scaling[1]
+
     def use_context(self, max_model_len: int) -> None:
         """Sets the rotary for an engine serving contexts of up to `max_model_len` tokens: a
-        longrope model's long or short factors (`uses_long_factors`); nothing for others."""
+        longrope model's long or short factors (`uses_long_factors`), and whether queries are
+        scaled by position (`ModelConfig.query_scaling`) past the original context; nothing for
+        others."""
+        self._query_scaled = self._scales_queries(max_model_len)
         long_context = uses_long_factors(self.config, max_model_len)
         if long_context != self._long_context:
             self._long_context = long_context
@@ -428,7 +439,7 @@ class LlamaModel:
         hidden = self.embed_tokens.index_select(0, input_ids)
         if self.config.embedding_scale != 1:
             hidden = hidden * self.config.embedding_scale
-        if self.decoder_stack is not None:
+        if self.decoder_stack is not None and not self._query_scaled:
             mlp = self._compiled_layers(hidden, positions, kv_caches, attn_meta)
         else:
             mlp = self._layers(hidden, positions, kv_caches, attn_meta)
@@ -448,6 +459,11 @@ class LlamaModel:
         ops, attention = self.ops, self.attention
         reg: list[Any] = [None] * len(Reg)
         steps = list(zip(self.plan, released_after(self.plan), strict=True))
+        query_scale = None
+        if self._query_scaled:  # as transformers computes it: fp32 position / original, floor, log
+            assert self.config.query_scaling is not None
+            beta, original = self.config.query_scaling
+            query_scale = (1 + beta * torch.log(1 + torch.floor(positions / original))).to(hidden.dtype)[:, None, None]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             cos, sin = self.rope_tables[layer.rope]
             for (op, src, dst, param), release in steps:
@@ -459,6 +475,8 @@ class LlamaModel:
                     reg[dst] = ops.rms_norm(hidden, weight) if x is None else ops.add_rms_norm_(hidden, x, weight)
                 elif op == Op.ROTARY_STORE_KV:  # the register holds the rotated (q, k, v) heads from here
                     reg[dst] = ops.rotary(x, positions, cos, sin, KVStore(k_cache, v_cache, attn_meta.slot_mapping))
+                    if query_scale is not None:
+                        reg[dst][0].mul_(query_scale)
                 elif op == Op.ATTENTION:
                     q, k, v = x
                     reg[dst] = attention.forward(q, k, v, k_cache, v_cache, attn_meta, kv_stored=True,

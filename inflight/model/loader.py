@@ -39,7 +39,7 @@ from inflight.model.hf_config import (
     is_multimodal,
     nope_every,
     override_rotary,
-    query_scaled_past,
+    query_scaling,
     read_generation_config,
     read_hf_config,
     read_json_object,
@@ -341,8 +341,9 @@ class GGUFIndex:
     mapping: np.memmap | None = None  # the whole file, which every tensor's data views
 
 
-_INDEX_VERSION = 11  # 2: refusals; 3: Granite; 4: NoPE; 5: windows; 6: Gemma; 7: MoE; 8: rotary_dim; 9: rope_freqs;
-# 10: longrope factors; 11: end-of-generation tokens, sampling defaults, split files refused
+_INDEX_VERSION = 12  # 2: refusals; 3: Granite; 4: NoPE; 5: windows; 6: Gemma; 7: MoE; 8: rotary_dim; 9: rope_freqs;
+# 10: longrope factors; 11: end-of-generation tokens, sampling defaults, split files refused; 12: OLMo 3's local
+# rotary, EXAONE 4's windows, YaRN's log multiplier, the queries' scaling by position, MTP layers refused
 
 
 def cache_dir() -> Path:
@@ -627,9 +628,7 @@ def _gguf_config(reader: Any) -> ModelConfig:
     if local_theta is None and row.local_rope_unscaled:  # llama.cpp's rule (OLMo 3's olmo2 files)
         local_theta = gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)
     scale = gguf_field(reader, f"{arch}.attention.scale")
-    # a file converted from Qwen3's config with its card's YaRN settings says 40960
-    served = served_positions(int(get("context_length", 4096)), rope_scaling)
-    scaled_past = query_scaled_past(  # llama.cpp's floor scale: YaRN's original context, else the trained one
+    query = query_scaling(  # llama.cpp's floor scale: YaRN's original context, else the trained one
         int((rope_scaling or {}).get("original_max_position_embeddings") or get("context_length", 4096)),
         gguf_field(reader, f"{arch}.attention.temperature_scale"))
     if row.gguf_wide_query_scale_layers:  # llama.cpp's rule for Gemma, whose files do not say
@@ -645,7 +644,8 @@ def _gguf_config(reader: Any) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
-        max_position_embeddings=min(served, scaled_past or served),
+        # a file converted from Qwen3's config with its card's YaRN settings says 40960
+        max_position_embeddings=served_positions(int(get("context_length", 4096)), rope_scaling),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         rope_scaling=rope_scaling,
@@ -662,6 +662,7 @@ def _gguf_config(reader: Any) -> ModelConfig:
         rope_layers=nope_every(nope, num_layers) if (nope := row.gguf_nope_interval) else (
             window_layers if row.nope_where_global and window else None),
         local_rope_theta=float(local_theta) if window and local_theta else None,
+        query_scaling=query,
         attn_logit_softcap=float(cap) if (cap := gguf_field(reader, f"{arch}.attn_logit_softcapping")) else None,
         final_logit_softcap=float(cap) if (cap := gguf_field(reader, f"{arch}.final_logit_softcapping")) else None,
         rotary_dim=int(rotary_dims) if partial else None,
