@@ -501,6 +501,34 @@ def test_a_multimodal_checkpoint_serves_its_text_model_as_transformers_computes(
     torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(reference, ids), atol=1e-4, rtol=1e-4)
 
 
+def test_ministral_alternates_global_and_sliding_layers_as_transformers_computes(tmp_path):
+    """Ministral 8B's layers: one global to three sliding-window ones, as its `layer_types` say
+    (its config class has no default pattern): the logits are transformers' over a prompt past the
+    window, from the checkpoint and a 16-bit copy."""
+    import transformers
+
+    torch.manual_seed(0)
+    types = ["full_attention", "sliding_attention", "sliding_attention", "sliding_attention"]
+    model = transformers.MinistralForCausalLM(transformers.MinistralConfig(
+        vocab_size=TINY["vocab"], hidden_size=128, intermediate_size=TINY["intermediate"], num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=256, sliding_window=24,
+        layer_types=types, pad_token_id=0)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(tmp_path / "half", safe_serialization=True)
+    rounded = transformers.MinistralForCausalLM.from_pretrained(tmp_path / "half", dtype=torch.float32).eval()
+    ids = list(range(5, 5 + 90))
+    for source, reference in [(tmp_path / "hf", model), (tmp_path / "half", rounded)]:
+        config, weights = load_checkpoint(resolve_model(str(source)), torch.float32)
+        assert (config.architecture, config.sliding_window) == ("ministral", 24)
+        assert config.sliding_window_layers == (False, True, True, True)
+        ours = LlamaModel(config, weights, torch.device("cpu"))
+        torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(reference, ids), atol=1e-4, rtol=1e-4)
+
+
 def test_exaone4_slides_three_layers_of_four_and_its_global_ones_rotate_nothing(tmp_path):
     """EXAONE 4's 32B shape: three sliding-window layers to one global, the global ones without
     rotary (transformers rotates a layer only where the model has no window or the layer slides):

@@ -158,6 +158,8 @@ _QWEN2_MOE_EXPERTS = dataclasses.replace(
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     Architecture("llama"),
     Architecture("mistral"),
+    # Ministral (8B-2410): Mistral's layer, global and sliding-window layers as its layer_types say
+    Architecture("ministral"),
     Architecture("granite"),  # Llama's layer; its multipliers are the config's scales (ModelConfig)
     Architecture("smollm3", gguf_nope_interval=4),  # Llama's layer; NoPE layers as the config's rope_layers
     Architecture("qwen2", gguf_interleaved_qk=False),
