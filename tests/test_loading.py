@@ -404,12 +404,15 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
     GeGLU, soft-capping, local and global layers), Gemma 3 (q/k norm, the local layers' own rotary
     base), GLM-4 (sandwich norms around a SwiGLU, part of each head rotated as interleaved pairs:
     half where a config does not say, as transformers defaults it), ERNIE 4.5 (every head rotated as
-    interleaved pairs, a bias on every matmul), Mixtral, Qwen3-MoE, OLMoE and
-    Granite MoE (routed experts; a dense layer among them; OLMoE's weights not renormalized; Granite
-    MoE's stacked in the checkpoint, here gate and up in one GGUF tensor), each from a Hugging Face
-    directory (fp32, and bf16 or fp16) and from a GGUF file in llama.cpp's layout, against
-    transformers: reading the same GGUF where it can (Qwen, Phi-3), else the model the file was
-    written from."""
+    interleaved pairs, a bias on every matmul), OLMo 3 (three sliding layers to one global, YaRN on
+    the global ones only, from AllenAI's one-rope config and a file without the local base), EXAONE
+    4 (OLMo 2's layer, q/k normalized per head), Ministral 3 (YaRN with DeepSeek's mscales, queries
+    scaled by position past the original context, and compiled within it as the same logits bit for
+    bit), Mixtral, Qwen3-MoE, OLMoE and Granite MoE (routed experts; a dense layer among them;
+    OLMoE's weights not renormalized; Granite MoE's stacked in the checkpoint, here gate and up in
+    one GGUF tensor), each from a Hugging Face directory (fp32, and bf16 or fp16) and from a GGUF
+    file in llama.cpp's layout, against transformers: reading the same GGUF where it can (Qwen,
+    Phi-3), else the model the file was written from."""
     from transformers import AutoModelForCausalLM
 
     model = tiny_hf_model(arch)
