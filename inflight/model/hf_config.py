@@ -70,7 +70,7 @@ def _complete_text_config(raw: dict[str, Any]) -> dict[str, Any]:
     try:
         built = AutoConfig.for_model(raw.get("model_type"), **{k: v for k, v in raw.items() if k != "model_type"})
         text = built.get_text_config()
-    except (KeyError, ValueError, TypeError):
+    except Exception:  # transformers raises many kinds (an unknown type, a field its validation refuses)
         return raw.get("text_config") or raw
     return {**text.to_dict(), "model_type": text.model_type}
 
