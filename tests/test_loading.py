@@ -211,9 +211,10 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     gemma = arch.startswith("gemma")
     sandwich = arch in ("gemma2", "gemma3_text")  # Gemma 1's post_attention_layernorm comes before its MLP
     gguf_arch = {"gemma3_text": "gemma3", "mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe",
-                 "olmo3": "olmo2", "ministral3": "mistral3"}.get(arch, arch)
+                 "olmo3": "olmo2", "ministral3": "mistral3", "granitemoehybrid": "granite"}.get(arch, arch)
     w = gguf.GGUFWriter(str(path), gguf_arch)
-    if getattr(cfg, "num_experts_per_tok", None):
+    if getattr(cfg, "num_experts_per_tok", None) and (getattr(cfg, "num_local_experts", None)
+                                                      or getattr(cfg, "num_experts", None)):
         w.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
         if getattr(cfg, "moe_intermediate_size", None):
@@ -223,7 +224,7 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_feed_forward_length(getattr(cfg, "shared_intermediate_size", None) or cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_key_length(head_dim)
@@ -294,6 +295,16 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
             kind = "ffn_down_exps.weight" if name.endswith("down_proj") else "ffn_gate_inp.weight"
             w.add_tensor(prefix + kind, tensor.detach().float().numpy())
             continue
+        if name.endswith("shared_mlp.input_linear.weight"):  # Granite 4.0's gate and up, split as llama.cpp's
+            prefix = name.removesuffix("shared_mlp.input_linear.weight").replace("model.layers.", "blk.")
+            gate, up = tensor.chunk(2, dim=0)
+            w.add_tensor(prefix + "ffn_gate.weight", gate.contiguous().float().numpy())
+            w.add_tensor(prefix + "ffn_up.weight", up.contiguous().float().numpy())
+            continue
+        if name.endswith("shared_mlp.output_linear.weight"):
+            w.add_tensor(name.replace("model.layers.", "blk.").replace("shared_mlp.output_linear", "ffn_down"),
+                         tensor.detach().float().numpy())
+            continue
         if name.endswith("mlp.shared_expert_gate.weight"):  # [1, hidden], which llama.cpp declares a vector
             tensor = tensor.reshape(-1)
         if name.startswith("model.layers."):
@@ -301,7 +312,7 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
             gguf_name = f"blk.{index}.{to_gguf[rest]}"
         else:
             gguf_name = top[name]
-        llama_style = arch in ("granite", "granitemoe", "smollm3", "mixtral", "ministral3")
+        llama_style = arch in ("granite", "granitemoe", "granitemoehybrid", "smollm3", "mixtral", "ministral3")
         if llama_style and name.endswith(("q_proj.weight", "k_proj.weight")):
             tensor = interleaved(tensor, cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
         w.add_tensor(gguf_name, tensor.detach().float().numpy())
@@ -341,6 +352,11 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
                 "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.7, "llama_4_scaling_beta": 0.1}
         model = transformers.Ministral3ForCausalLM(transformers.Ministral3Config(**common, head_dim=64, pad_token_id=0,
                                                                                  rope_parameters=rope))
+    elif arch == "granitemoehybrid":  # Granite 4.0 micro: attention layers alone, its shared MLP, rotary
+        model = transformers.GraniteMoeHybridForCausalLM(transformers.GraniteMoeHybridConfig(
+            **common, layer_types=["attention"] * common["num_hidden_layers"], num_local_experts=0,
+            shared_intermediate_size=160, position_embedding_type="rope", embedding_multiplier=12.0,
+            residual_multiplier=0.22, attention_multiplier=0.125, logits_scaling=8.0))
     elif arch == "exaone4":  # OLMo 2's layer, q/k normalized per head; no window, as the 1.2B
         model = transformers.Exaone4ForCausalLM(transformers.Exaone4Config(
             **common, sliding_window=None, layer_types=["full_attention"] * common["num_hidden_layers"]))
@@ -391,7 +407,8 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
     return model.eval()
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "olmo3", "exaone4", "granite", "smollm3", "phi3",
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "olmo3", "exaone4", "granite", "granitemoehybrid",
+                                  "smollm3", "phi3",
                                   "ministral3", "gemma", "gemma2", "gemma3_text", "glm4", "ernie4_5", "mixtral",
                                   "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
 def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arch):
@@ -444,7 +461,8 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
     for source, reference in [(tmp_path / "hf", model), (tmp_path / "tiny.gguf", from_gguf),
                               (tmp_path / "half", rounded)]:
         config, weights = load_checkpoint(resolve_model(str(source)), torch.float32)
-        named = "olmo2" if arch == "olmo3" and source.suffix == ".gguf" else arch  # llama.cpp's name for OLMo 3
+        # llama.cpp's names for OLMo 3 and Granite 4.0's attention-only models
+        named = {"olmo3": "olmo2", "granitemoehybrid": "granite"}.get(arch, arch) if source.suffix == ".gguf" else arch
         assert (config.architecture, config.head_dim) == (named, {"qwen3": 128, "gemma": 96}.get(arch, 64))
         assert config.rotary_dim == (16 if arch == "glm4" else None)
         if arch == "ministral3":  # YaRN stretches 64 positions to 256; the queries' scaling starts at 64
@@ -530,6 +548,34 @@ def test_ministral_alternates_global_and_sliding_layers_as_transformers_computes
         assert config.sliding_window_layers == (False, True, True, True)
         ours = LlamaModel(config, weights, torch.device("cpu"))
         torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(reference, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_granite_4_without_rope_rotates_nothing_and_its_mamba_layers_or_experts_are_refused(tmp_path):
+    """Granite 4.0's attention-only models rotate only where `position_embedding_type` says "rope"
+    (transformers' default is none): without it every layer is NoPE, and the logits are still
+    transformers'. Its hybrid models' Mamba layers, and routed experts beside the shared MLP, are
+    refused by name."""
+    import transformers
+
+    torch.manual_seed(0)
+    settings = dict(vocab_size=TINY["vocab"], hidden_size=128, intermediate_size=TINY["intermediate"],
+                    num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                    shared_intermediate_size=160, num_local_experts=0, layer_types=["attention"] * 2,
+                    embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.125,
+                    logits_scaling=8.0)
+    model = transformers.GraniteMoeHybridForCausalLM(transformers.GraniteMoeHybridConfig(**settings)).eval()
+    model.save_pretrained(tmp_path / "nope", safe_serialization=True)
+    config, weights = load_checkpoint(resolve_model(str(tmp_path / "nope")), torch.float32)
+    assert config.rope_layers == (False, False) and config.intermediate_size == 160
+    ours = LlamaModel(config, weights, torch.device("cpu"))
+    ids = list(range(5, 5 + 60))
+    torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+    raw = json.loads((tmp_path / "nope" / "config.json").read_text())
+    for key, value, refused in [("layer_types", ["mamba", "attention"], "layer_types \\['attention', 'mamba'\\]"),
+                                ("num_local_experts", 4, "num_local_experts = 4: inflight runs no routed experts")]:
+        (tmp_path / "nope" / "config.json").write_text(json.dumps({**raw, key: value}))
+        with pytest.raises(ModelLoadError, match=refused):
+            load_checkpoint(resolve_model(str(tmp_path / "nope")), torch.float32)
 
 
 def test_exaone4_slides_three_layers_of_four_and_its_global_ones_rotate_nothing(tmp_path):

@@ -113,6 +113,11 @@ class Architecture:
     local_rope_unscaled: bool = False
     # Where a model slides, its global layers rotate nothing (EXAONE 4's); False: they rotate.
     nope_where_global: bool = False
+    # The config key of the MLP's width (Granite 4.0's shared MLP: shared_intermediate_size).
+    hf_intermediate_key: str = "intermediate_size"
+    # Whether the layers rotate only where the config's `position_embedding_type` is "rope"
+    # (Granite 4.0's; transformers' default, None, is no rotary at all); False: they rotate.
+    hf_position_embedding_type: bool = False
     # llama.cpp slides the layers of this architecture's files of these layer counts only, whatever
     # a file says (EXAONE 4's 32B); None: wherever a file says.
     gguf_window_layer_counts: tuple[int, ...] | None = None
@@ -209,6 +214,12 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     Architecture("ernie4_5", gguf_interleaved_qk=False, interleaved_rotary=True),
     Architecture("mixtral", plan=with_routed_experts(LLAMA_LAYER), experts=_MIXTRAL_EXPERTS,
                  experts_always_renormalized=True),
+    # Granite 4.0's attention-only models (granite-4.0-micro; the hybrid ones' Mamba layers are
+    # refused): Granite's multipliers and layer, the MLP its shared one (gate and up stored fused),
+    # rotary only where position_embedding_type says rope. llama.cpp's converter writes these as granite.
+    Architecture("granitemoehybrid", matmuls={**_LLAMA_MATMULS, "gate_up": ("shared_mlp.input_linear.weight",),
+                                              "down": ("shared_mlp.output_linear.weight",)},
+                 hf_intermediate_key="shared_intermediate_size", hf_position_embedding_type=True),
     # Granite MoE: Granite's multipliers, every MLP routed, its experts stacked in the checkpoint
     Architecture("granitemoe", plan=with_routed_experts(LLAMA_LAYER), experts=_GRANITE_MOE_EXPERTS,
                  experts_always_renormalized=True),

@@ -125,6 +125,7 @@ READ_KEYS = frozenset({
     "partial_rotary_factor", "original_max_position_embeddings",
     "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers",
     "decoder_sparse_step", "shared_expert_intermediate_size", "qkv_bias", "use_bias",
+    "shared_intermediate_size", "position_embedding_type",
 })
 # Config keys without effect on a forward pass in inference: training settings, bookkeeping,
 # generation defaults; and `mlp_bias`, whose biases are read from the checkpoint where they are.
@@ -134,6 +135,9 @@ NO_EFFECT_KEYS = frozenset({
     "problem_type", "initializer_range", "use_cache", "pad_token_id", "attention_dropout", "resid_pdrop",
     "embd_pdrop", "mlp_bias", "output_router_logits", "router_aux_loss_coef",
     "router_jitter_noise",
+    # Granite 4.0's Mamba layers' settings: a config with such a layer is refused by its layer_types
+    "mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_d_head", "mamba_d_conv", "mamba_expand",
+    "mamba_chunk_size", "mamba_conv_bias", "mamba_proj_bias", "time_step_limit",
 })
 # Keys of `rope_scaling` / `rope_parameters`, and the rope types `rope_inv_freq` computes.
 ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
@@ -160,9 +164,13 @@ def refuse_unsupported(raw: dict[str, Any], path: Path) -> None:
             raise ModelLoadError(f"{path}: {key} = {raw[key]!r} changes the model's arithmetic in a way "
                                  "inflight does not compute yet")
     layer_types = set(raw.get("layer_types") or ())
-    if layer_types - {"full_attention", "sliding_attention"}:
+    if layer_types - {"full_attention", "sliding_attention", "attention"}:  # Granite 4.0's name for full
         raise ModelLoadError(f"{path}: layer_types {sorted(layer_types)}: inflight computes full and "
                              "sliding-window attention layers only")
+    experts = raw.get("num_local_experts") or raw.get("num_experts")
+    if experts and arch.experts is None:
+        raise ModelLoadError(f"{path}: {'num_local_experts' if raw.get('num_local_experts') else 'num_experts'} = "
+                             f"{experts}: inflight runs no routed experts for {arch.name}")
     _refuse_rope(raw, path)
 
 
@@ -285,7 +293,7 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         architecture=arch,
         vocab_size=int(raw["vocab_size"]),
         hidden_size=hidden,
-        intermediate_size=int(raw["intermediate_size"]),
+        intermediate_size=int(raw[row.hf_intermediate_key if row is not None else "intermediate_size"]),
         num_layers=int(raw["num_hidden_layers"]),
         num_heads=num_heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
@@ -383,6 +391,8 @@ def _rope_layers(raw: dict[str, Any], row: Architecture | None = None, sliding: 
     layers = int(raw["num_hidden_layers"])
     if row is not None and row.nope_where_global and slides:
         return sliding
+    if row is not None and row.hf_position_embedding_type and raw.get("position_embedding_type") != "rope":
+        return (False,) * layers
     if raw.get("no_rope_layers") is not None:
         return tuple(bool(x) for x in raw["no_rope_layers"][:layers])
     if raw.get("model_type") == "smollm3":
