@@ -278,15 +278,17 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
     rotary = rotary_settings(raw)
     rope_scaling, local_rope = rotary.scaling, rotary.local
     head_dim = int(raw.get("head_dim") or hidden // num_heads)
-    partial = (raw.get("partial_rotary_factor") or _rope_parameters(raw)[0].get("partial_rotary_factor")
+    rope_given = _rope_parameters(raw)[0]  # as config.json gives them (a default type's too)
+    partial = (raw.get("partial_rotary_factor") or rope_given.get("partial_rotary_factor")
                or (row.hf_partial_rotary_factor if row is not None else 1.0))
     window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+    sliding = _window_layers(raw, row) if window is not None else None
     attention_scale = raw.get("attention_multiplier")
     if raw.get("query_pre_attn_scalar") is not None:
         attention_scale = float(raw["query_pre_attn_scalar"]) ** -0.5
     num_experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
     query = query_scaling((rope_scaling or {}).get("original_max_position_embeddings"),
-                          _rope_parameters(raw)[0].get("llama_4_scaling_beta"))
+                          rope_given.get("llama_4_scaling_beta"))
     eos = raw.get("eos_token_id")
     eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
     return ModelConfig(
@@ -309,14 +311,13 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
         sliding_window=int(window) if window is not None else None,
-        sliding_window_layers=_window_layers(raw, row) if window is not None else None,
+        sliding_window_layers=sliding,
         attention_scale=float(attention_scale) if attention_scale is not None else None,
         embedding_scale=hidden ** 0.5 if row is not None and row.scaled_embedding else float(
             raw.get("embedding_multiplier") or 1.0),
         residual_scale=float(raw.get("residual_multiplier") or 1.0),
         logit_scale=float(raw.get("logits_scaling") or 1.0),
-        rope_layers=_rope_layers(raw, row, _window_layers(raw, row) if window is not None else None,
-                                 window is not None),
+        rope_layers=_rope_layers(raw, row, sliding, window is not None),
         local_rope_theta=_local_rope_theta(local_rope, rotary.theta, row) if window is not None else None,
         query_scaling=query,
         attn_logit_softcap=_positive(raw.get("attn_logit_softcapping")),

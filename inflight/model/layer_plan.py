@@ -125,14 +125,18 @@ SANDWICH_NORM_LAYER: tuple[Step, ...] = (
     Step(Op.RMS_NORM, Reg.DELTA, Reg.DELTA, "mlp_out_norm"),
 )
 
+
+def with_activation(plan: Sequence[Step], activation: str) -> tuple[Step, ...]:
+    """`plan` with its gated MLP's activation step (SwiGLU's or GeGLU's) replaced by `activation`."""
+    gated = (Op.SILU_AND_MUL, Op.GELU_TANH_AND_MUL)
+    return tuple(Step(activation, step.src, step.dst) if step.op in gated else step for step in plan)
+
+
 # Gemma's (1): Llama's layer, the MLP a GeGLU.
-GEGLU_LAYER: tuple[Step, ...] = tuple(
-    Step(Op.GELU_TANH_AND_MUL, step.src, step.dst) if step.op == Op.SILU_AND_MUL else step for step in LLAMA_LAYER)
+GEGLU_LAYER = with_activation(LLAMA_LAYER, Op.GELU_TANH_AND_MUL)
 
 # GLM-4's: Gemma 2's sandwich norms around a SwiGLU MLP.
-SANDWICH_SWIGLU_LAYER: tuple[Step, ...] = tuple(
-    Step(Op.SILU_AND_MUL, step.src, step.dst) if step.op == Op.GELU_TANH_AND_MUL else step
-    for step in SANDWICH_NORM_LAYER)
+SANDWICH_SWIGLU_LAYER = with_activation(SANDWICH_NORM_LAYER, Op.SILU_AND_MUL)
 
 # Gemma 3's: Gemma 2's with q and k normalized per head before the rotary embedding.
 SANDWICH_QK_NORM_LAYER: tuple[Step, ...] = (
