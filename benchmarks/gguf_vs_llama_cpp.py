@@ -39,7 +39,8 @@ model too).
 
 Making the models (random N(0, 0.02) weights, norms 1.0 in F32, Llama 3's tokenizer from
 tests/fixtures/gguf-vocab/llama-bpe.gguf.gz; Q8_0 (and with `--bf16`, BF16) written by gguf-py,
-Q4_K_M by llama.cpp's own `llama-quantize --allow-requantize` from the Q8_0 file):
+Q4_K_M (and any other of `--quantize-types`: IQ4_XS, ...) by llama.cpp's own `llama-quantize
+--allow-requantize` from the Q8_0 file):
 
     .venv/bin/python benchmarks/gguf_vs_llama_cpp.py --make-models /tmp/ggufs --sizes 1b,8b \\
         --llama-quantize /tmp/lcp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-quantize
@@ -104,7 +105,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 
 def make_models(out_dir: Path, sizes: list[str], llama_quantize: str | None, threads: int, seed: int,
-                pool_blocks: int, bf16: bool = False) -> None:
+                pool_blocks: int, bf16: bool = False, quantize_types: tuple[str, ...] = ("Q4_K_M",)) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     for size in sizes:
         shape = SHAPES[size]
@@ -118,19 +119,22 @@ def make_models(out_dir: Path, sizes: list[str], llama_quantize: str | None, thr
             print(f"wrote {made} ({made.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s",
                   file=sys.stderr)
         q8 = out_dir / f"{shape['name']}-Q8_0.gguf"
-        q4 = out_dir / f"{shape['name']}-Q4_K_M.gguf"
-        if q4.is_file():
-            print(f"{q4} exists; kept", file=sys.stderr)
-        elif llama_quantize is None:
-            print(f"no --llama-quantize: {q4} not made", file=sys.stderr)
-        else:
+        for quant in quantize_types:  # llama-quantize's names: Q4_K_M, IQ4_XS, ...
+            made = out_dir / f"{shape['name']}-{quant}.gguf"
+            if made.is_file():
+                print(f"{made} exists; kept", file=sys.stderr)
+                continue
+            if llama_quantize is None:
+                print(f"no --llama-quantize: {made} not made", file=sys.stderr)
+                continue
             t = time.perf_counter()
-            tmp = q4.with_suffix(".tmp")
-            with open(q4.with_suffix(".quantize.log"), "w") as log:
-                subprocess.run([llama_quantize, "--allow-requantize", str(q8), str(tmp), "Q4_K_M", str(threads)],
+            tmp = made.with_suffix(".tmp")
+            with open(made.with_suffix(".quantize.log"), "w") as log:
+                subprocess.run([llama_quantize, "--allow-requantize", str(q8), str(tmp), quant, str(threads)],
                                check=True, stdout=log, stderr=subprocess.STDOUT)
-            os.replace(tmp, q4)
-            print(f"wrote {q4} ({q4.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+            os.replace(tmp, made)
+            print(f"wrote {made} ({made.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s",
+                  file=sys.stderr)
 
 
 def write_model(path: Path, shape: dict[str, Any], seed: int, pool_blocks: int = 0, kind: str = "Q8_0") -> None:
@@ -496,6 +500,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="1b", help="with --make-models: 1b, 8b or 1b,8b")
     p.add_argument("--llama-quantize", metavar="PATH", help="with --make-models: llama.cpp's llama-quantize")
     p.add_argument("--bf16", action="store_true", help="with --make-models: also a BF16 file of each size")
+    p.add_argument("--quantize-types", default="Q4_K_M",
+                   help="with --make-models: llama-quantize's types to make of each Q8_0 file (default Q4_K_M; "
+                        "e.g. Q4_K_M,IQ4_XS)")
     p.add_argument("--pool-blocks", type=int, default=0,
                    help="with --make-models: draw the Q8_0 blocks from a pool of this many (default 0: all quantized)")
     p.add_argument("--kv-cache-dtype", default="float16",
@@ -508,7 +515,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.make_models:
         make_models(Path(args.make_models), [s.strip() for s in args.sizes.split(",") if s.strip()],
-                    args.llama_quantize, args.threads, args.seed, args.pool_blocks, args.bf16)
+                    args.llama_quantize, args.threads, args.seed, args.pool_blocks, args.bf16,
+                    tuple(t.strip() for t in args.quantize_types.split(",") if t.strip()))
         return 0
     if not args.model:
         p.error("give --model FILE (or --make-models DIR)")

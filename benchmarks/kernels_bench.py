@@ -30,7 +30,7 @@ With `--against REV`, instead: the kernels of this checkout beside those of git 
 the model's body matmuls chained at 8, 16, 32, 64 and 512 rows, the same body as Q4_1 blocks at 1,
 3, 5, 8, 12 and 16 rows (as a step reads them: in registers or a dequantized panel at a time, each
 build's choice), two 1B-shaped layers' fp32 matmuls at 64 rows, the same body as int8 W8A8 at 16,
-64 and 512 rows, two 1B-shaped layers of Q4_K and of Q6_K blocks times int8 activations at 1, 4
+64 and 512 rows, two 1B-shaped layers of Q4_K, Q6_K and Q8_0 blocks times int8 activations at 1, 4
 and 16 rows (each build packs its own), decode attention of 64 requests of 100-400 tokens, and prefill
 attention of one step's 8 prompts of 17-300 tokens and of 5 new tokens after 450. On a host whose
 speed drifts, that is how a change to a kernel is measured.
@@ -183,7 +183,7 @@ def gguf_block_matmuls() -> None:
 # Where each type keeps its fp16 scales in a block (bytes), and a magnitude that keeps the weights
 # near 0.1 once a K-quant's sub-block scales multiply in.
 _SCALES_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],
-              "Q5_K": [0, 2], "Q6_K": [208], "Q3_K": [108], "Q2_K": [80, 82]}
+              "Q5_K": [0, 2], "Q6_K": [208], "Q3_K": [108], "Q2_K": [80, 82], "IQ4_NL": [0], "IQ4_XS": [0]}
 
 
 def _stored_rows(kind: str, rows: int, cols: int, rng: object) -> torch.Tensor:
@@ -195,7 +195,7 @@ def _stored_rows(kind: str, rows: int, cols: int, rng: object) -> torch.Tensor:
         return (torch.randn(rows, cols) * 0.02).to(torch.float16 if kind == "F16" else torch.bfloat16).view(torch.uint8)
     weights, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
     blocks = rng.integers(0, 256, size=(rows, cols // weights, block_bytes), dtype=np.uint8)  # type: ignore[attr-defined]
-    scale = np.frombuffer(np.float16(0.002 if kind.endswith("_K") else 0.01).tobytes(), np.uint8)
+    scale = np.frombuffer(np.float16(0.002 if weights == 256 else 0.01).tobytes(), np.uint8)  # K-quants, IQ4_XS
     for at in _SCALES_AT[kind]:
         blocks[..., at:at + 2] = scale
     return torch.from_numpy(blocks.reshape(rows, -1))
@@ -500,9 +500,9 @@ def compare(rev: str, rounds: int = 4) -> None:
 
         cases.append((f"body int8 W8A8 matmuls chained, {rows} rows",
                       {name: functools.partial(chain8, m, int8[name]) for name, m in mods.items()}))
-    # Q4_K and Q6_K blocks times int8 activations (`--quantization int8-activations`), two
+    # Q4_K, Q6_K and Q8_0 blocks times int8 activations (`--quantization int8-activations`), two
     # 1B-shaped layers each.
-    for kind in ("Q4_K", "Q6_K"):
+    for kind in ("Q4_K", "Q6_K", "Q8_0"):
         rows_of = [(_stored_rows(kind, n, k, rng), k, n) for _ in range(2) for k, n in BLOCK_SHAPES]
         a8 = {name: [(m.pack_gguf_blocks([raw], [kind], k, True), k, n)  # type: ignore[attr-defined]
                      for raw, k, n in rows_of] for name, m in mods.items()}

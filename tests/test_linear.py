@@ -75,8 +75,15 @@ def test_inflight_kernel_results_do_not_depend_on_the_threads(out_features):
 # Where each type keeps its fp16 scales in a block (bytes), and the magnitude that keeps the
 # weights near 0.1 once a K-quant's sub-block scales (up to 63, 127, 32 or 15) multiply in.
 SCALE_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],
-            "Q5_K": [0, 2], "Q6_K": [208], "Q3_K": [108], "Q2_K": [80, 82]}
+            "Q5_K": [0, 2], "Q6_K": [208], "Q3_K": [108], "Q2_K": [80, 82], "IQ4_NL": [0], "IQ4_XS": [0]}
 BLOCK_KINDS = [*SCALE_AT, "F16", "BF16"]
+
+
+def super_block(kind: str) -> int:
+    """The weights of one of `kind`'s blocks as stored (256: a K-quant's or IQ4_XS's super-block)."""
+    import gguf
+
+    return 32 if kind in ("F16", "BF16") else gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][0]
 
 
 def random_blocks(kind: str, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +106,7 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int) -> tuple[torch.Ten
     block_weights, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     shape = (rows, cols // block_weights)
     blocks = rng.integers(0, 256, size=(*shape, block_bytes), dtype=np.uint8)  # quants and sub-block scales
-    low, high = (0.0001, 0.005) if kind.endswith("_K") else (0.001, 0.1)
+    low, high = (0.0001, 0.005) if block_weights == 256 else (0.001, 0.1)  # a K-quant's or IQ4_XS's super-block
     for at in SCALE_AT[kind]:  # d, and the minimum or dmin
         sign = -1 if at == 2 and kind in ("Q4_1", "Q5_1") else 1  # a minimum below zero
         scale = (sign * rng.uniform(low, high, size=shape)).astype(np.float16)
@@ -119,8 +126,8 @@ def test_gguf_block_matmul_equals_the_fp32_one_bit_for_bit(kind, out_features, i
     kernels = cpu_kernels()
     if not available("inflight"):
         pytest.skip("inflight kernel not available here")
-    if kind.endswith("_K") and in_features % 256:
-        pytest.skip("K-quant rows are made of 256-weight super-blocks")
+    if in_features % super_block(kind):
+        pytest.skip("K-quant and IQ4_XS rows are made of 256-weight super-blocks")
     blocks, weight = random_blocks(kind, out_features, in_features, seed=out_features)
     bias = torch.randn(out_features) if with_bias else None
     fp32_only = Linear(weight, bias, "inflight")

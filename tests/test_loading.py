@@ -1045,17 +1045,23 @@ def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arc
 # --- GGUF files of every supported tensor type ------------------------------------------------
 
 def _k_quant_bytes(rng: np.random.Generator, rows: int, cols: int, kind: str) -> np.ndarray:
-    """Random K-quant blocks with sane fp16 scales (gguf can dequantize but not quantize these)."""
+    """Random K-quant (and IQ4) blocks with sane fp16 scales (gguf can dequantize but not quantize these)."""
     nblocks = cols // 256
     if kind == "Q4_K":  # d, dmin (f16), 12 bytes of 6-bit scales, 128 bytes of nibbles
         blocks = rng.integers(0, 256, size=(rows, nblocks, 144), dtype=np.uint8)
         blocks[..., 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
         blocks[..., 2:4] = np.frombuffer(np.float16(0.005).tobytes(), np.uint8)
-    else:  # Q6_K: 128 low nibbles, 64 high bits, 16 int8 scales, d (f16)
+    elif kind == "Q6_K":  # 128 low nibbles, 64 high bits, 16 int8 scales, d (f16)
         blocks = rng.integers(0, 256, size=(rows, nblocks, 210), dtype=np.uint8)
         blocks[..., 192:208] = rng.integers(0, 8, size=16, dtype=np.uint8)
         blocks[..., 208:210] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
-    return blocks.reshape(rows, nblocks * blocks.shape[-1])
+    elif kind == "IQ4_XS":  # d (f16), 2 bytes of high scale bits, 4 of low ones, 128 bytes of 4-bit indices
+        blocks = rng.integers(0, 256, size=(rows, nblocks, 136), dtype=np.uint8)
+        blocks[..., 0:2] = np.frombuffer(np.float16(0.0004).tobytes(), np.uint8)
+    else:  # IQ4_NL, blocks of 32: d (f16), 16 bytes of 4-bit indices
+        blocks = rng.integers(0, 256, size=(rows, cols // 32, 18), dtype=np.uint8)
+        blocks[..., 0:2] = np.frombuffer(np.float16(0.0005).tobytes(), np.uint8)
+    return blocks.reshape(rows, -1)
 
 
 def write_tiny_gguf(path: Path, types: dict[str, str], seed: int = 0, extra: tuple[str, ...] = (),
@@ -1082,7 +1088,7 @@ def write_tiny_gguf(path: Path, types: dict[str, str], seed: int = 0, extra: tup
 
     def add(name: str, shape: tuple[int, ...], kind: str = "F32", scale: float = 0.05) -> None:
         qtype = gguf.GGMLQuantizationType[kind]
-        if kind in ("Q4_K", "Q6_K"):
+        if kind in ("Q4_K", "Q6_K", "IQ4_XS", "IQ4_NL"):
             w.add_tensor(name, _k_quant_bytes(rng, shape[0], shape[1], kind), raw_dtype=qtype)
             return
         data = (rng.standard_normal(shape) * scale).astype(np.float32)
@@ -1116,7 +1122,9 @@ def write_tiny_gguf(path: Path, types: dict[str, str], seed: int = 0, extra: tup
 @pytest.mark.parametrize("types", [
     {"embd": "F16", "q": "BF16", "k": "Q8_0", "v": "Q4_0", "o": "Q4_1", "gate": "Q4_K", "up": "Q6_K", "down": "F16"},
     {"embd": "Q8_0", "q": "Q4_K", "k": "Q6_K", "v": "Q8_0", "o": "F32", "gate": "Q4_0", "up": "Q4_1", "down": "Q8_0"},
-], ids=["mix-a", "mix-b"])
+    {"embd": "Q6_K", "q": "IQ4_XS", "k": "IQ4_XS", "v": "IQ4_NL", "o": "IQ4_NL", "gate": "IQ4_XS", "up": "IQ4_XS",
+     "down": "IQ4_NL"},
+], ids=["mix-a", "mix-b", "mix-iq4"])
 def test_gguf_tensor_types_match_transformers(tmp_path, types):
     from transformers import AutoModelForCausalLM
 
@@ -1131,12 +1139,13 @@ def test_gguf_tensor_types_match_transformers(tmp_path, types):
 
 
 # llama.cpp's own quantizer's files (tests/fixtures/quantized)
-QUANTIZED_FIXTURES = ["llama256-Q4_K_M", "llama256-Q5_K_M", "llama256-Q6_K", "llama256-Q3_K_M", "llama256-Q2_K"]
+QUANTIZED_FIXTURES = ["llama256-Q4_K_M", "llama256-Q5_K_M", "llama256-Q6_K", "llama256-Q3_K_M", "llama256-Q2_K",
+                      "llama256-IQ4_XS", "llama256-IQ4_NL"]
 
 
 @pytest.mark.parametrize("name", QUANTIZED_FIXTURES)
 def test_llama_cpp_k_quant_files_match_transformers(name):
-    """llama.cpp's own quantizer's files (K-quant mixes), loaded as the engine loads them, their
+    """llama.cpp's own quantizer's files (K-quant mixes, IQ4_XS, IQ4_NL), loaded as the engine loads them, their
     matrices kept in their blocks: the logits transformers computes from the same file."""
     from converter_fixtures import QUANTIZED
     from transformers import AutoModelForCausalLM
@@ -1267,9 +1276,9 @@ def requantized(source: Path, path: Path, kind: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name", ["mix-a", "mix-b", "mix-c", "phi3_longrope-Q8_0", "qwen3-Q4_1", "gemma2-Q8_0",
-                                  "mixtral-Q4_1", "qwen3_moe-Q8_0", "qwen2_moe-Q4_1", "granitemoe-Q4_0", "olmo2-Q4_0",
-                                  "qwen2-Q5_1", "glm4-Q8_0",
+@pytest.mark.parametrize("name", ["mix-a", "mix-b", "mix-c", "mix-iq4", "phi3_longrope-Q8_0", "qwen3-Q4_1",
+                                  "gemma2-Q8_0", "mixtral-Q4_1", "qwen3_moe-Q8_0", "qwen2_moe-Q4_1", "granitemoe-Q4_0",
+                                  "olmo2-Q4_0", "qwen2-Q5_1", "glm4-Q8_0",
                                   *QUANTIZED_FIXTURES])
 def test_matrices_kept_in_gguf_blocks_compute_the_fp32_logits_bit_for_bit(tmp_path, name):
     """Loaded as the engine loads it on CPU, a GGUF file's matrices of `loader.BLOCK_TYPES` stay in
@@ -1279,7 +1288,7 @@ def test_matrices_kept_in_gguf_blocks_compute_the_fp32_logits_bit_for_bit(tmp_pa
     few rows and of many are exactly those of the fully dequantized model. Phi-3's partial rotary
     reorders the blocks' rows as it does the weights'. Routed experts stay in their blocks too,
     each expert's rows a view of the stack's (a MoE model's widened experts would outweigh
-    the rest). The llama256 files are llama.cpp's own quantizer's K-quant mixes: every matrix
+    the rest). The llama256 files are llama.cpp's own quantizer's K-quant mixes and IQ4 files: every matrix
     stays in its blocks."""
     from converter_fixtures import FIXTURES, QUANTIZED
 
@@ -1295,7 +1304,10 @@ def test_matrices_kept_in_gguf_blocks_compute_the_fp32_logits_bit_for_bit(tmp_pa
                                "mix-b": {"embd": "Q8_0", "q": "Q8_0", "k": "Q8_0", "v": "Q8_0", "o": "F32",
                                          "gate": "Q4_0", "up": "Q4_1", "down": "Q8_0"},
                                "mix-c": {"embd": "Q6_K", "q": "Q4_K", "k": "Q4_K", "v": "Q4_K", "o": "Q4_0",
-                                         "gate": "Q4_K", "up": "Q4_K", "down": "Q5_0"}}[name])
+                                         "gate": "Q4_K", "up": "Q4_K", "down": "Q5_0"},
+                               # llama.cpp's IQ4_XS: its 32-weight fallback IQ4_NL beside it, a fused q/k/v of both
+                               "mix-iq4": {"embd": "IQ4_XS", "q": "IQ4_XS", "k": "IQ4_XS", "v": "IQ4_NL",
+                                           "o": "IQ4_NL", "gate": "IQ4_XS", "up": "IQ4_NL", "down": "IQ4_XS"}}[name])
     elif name in QUANTIZED_FIXTURES:
         path = QUANTIZED / f"{name}.gguf"
     else:

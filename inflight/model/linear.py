@@ -95,7 +95,8 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # GGUF types the block matmuls read as integers (all but the 16-bit ones).
-INTEGER_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+INTEGER_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                       "IQ4_NL", "IQ4_XS")
 
 
 def check_bf16_activations(blocks: dict[str, tuple[str, torch.Tensor]], kept: bool) -> None:

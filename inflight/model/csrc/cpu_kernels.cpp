@@ -1597,6 +1597,8 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
 //   Q8K16     256  16         no      int8    1.070           Q6_K (0.8203), Q3_K (0.4297)
 //   Q4K16m    256  16         yes     4-bit   0.641           Q2_K (0.3281)
 //   Q6K16     256  16         no      6-bit   0.820           Q6_K, Q3_K with int8 activations only
+//   IQ4x32    32   -          no      table   0.5625          IQ4_NL (0.5625)
+//   IQ4K      256  32         no      table   0.539           IQ4_XS (0.5312)
 //   F16x32    32   -          -       fp16    2               F16
 //   BF16x32   32   -          -       bf16    2               BF16
 //
@@ -1606,6 +1608,11 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
 // byte i = 4 c + kk holding, for k-row kk of the group, column c's pair in bits 0-1, column
 // 4 + c's in bits 2-3, 8 + c's in 4-5 and 12 + c's in 6-7 (a8_unpack's order: one 16-byte
 // broadcast and a shift per half). The fp32 matmuls keep Q6_K in Q8K16, which they unpack faster.
+//
+// IQ4x32 and IQ4K hold IQ4_NL's and IQ4_XS's 4-bit indices as the 4-bit layouts hold nibbles; a
+// kernel turns 16 of them into their int8 values (kIQ4Values, w = d * value) with one byte
+// shuffle, then reads them as the int8 layouts' values. IQ4_XS's sub-block scales are signed
+// (6 bits, minus 32): d = D * scale times a value of at most 7 bits is exact in fp32, as gguf's.
 
 #if defined(__AVX2__)
 namespace {
@@ -1631,7 +1638,7 @@ constexpr int kQMaxRows = 5;
 constexpr int64_t kQRegisterRows = 5;
 #endif
 
-enum class Values { kNibble, kInt8, kSixBit, kHalf, kBFloat16, kBFloat16Pairs };
+enum class Values { kNibble, kInt8, kSixBit, kHalf, kBFloat16, kBFloat16Pairs, kNibbleTable };
 
 // K weights a block, in sub-blocks of Sub (Sub < K: a K-quant's super-block, with integer
 // scales per sub-block, signed where SignedScales).
@@ -1640,11 +1647,13 @@ struct Layout {
   static constexpr int64_t kK = K, kSub = Sub, kSubBlocks = K / Sub;
   static constexpr bool kMin = Min, kSuper = Sub < K, kSignedScales = SignedScales;
   static constexpr Values kValues = V;
-  static constexpr bool kScaled = V == Values::kNibble || V == Values::kInt8 || V == Values::kSixBit;
+  static constexpr bool kScaled =
+      V == Values::kNibble || V == Values::kInt8 || V == Values::kSixBit || V == Values::kNibbleTable;
+  static constexpr bool kFourBit = V == Values::kNibble || V == Values::kNibbleTable;  // 8 bytes a k-row
   static constexpr int64_t kFloatScaleBytes = kScaled ? (Min ? 2 : 1) * kQCols * 2 : 0;  // d (m) or D (Dmin), fp16
   static constexpr int64_t kScaleBytes = kFloatScaleBytes + (kSuper ? (Min ? 2 : 1) * kSubBlocks * kQCols : 0);
   static constexpr int64_t kSubValueBytes =
-      Sub * kQCols * (V == Values::kNibble ? 2 : V == Values::kSixBit ? 3 : V == Values::kInt8 ? 4 : 8) / 4;
+      Sub * kQCols * (kFourBit ? 2 : V == Values::kSixBit ? 3 : V == Values::kInt8 ? 4 : 8) / 4;
   static constexpr int64_t kBlockBytes = kScaleBytes + kSubBlocks * kSubValueBytes;
 };
 using Q4x32m = Layout<32, 32, true, Values::kNibble>;
@@ -1660,8 +1669,23 @@ using BF16x32 = Layout<32, 32, false, Values::kBFloat16>;
 // BF16 for bf16 activations (gguf_blocks_bf16_linear): k-rows in pairs, column c's weights at k and
 // k + 1 side by side in one 32-bit lane (k's in the low half), as vdpbf16ps multiplies them.
 using BF16P = Layout<32, 32, false, Values::kBFloat16Pairs>;
+using IQ4x32 = Layout<32, 32, false, Values::kNibbleTable>;
+using IQ4K = Layout<256, 32, false, Values::kNibbleTable, true>;
 
-enum class LayoutId : int64_t { kQ4x32m, kQ8x32, kQ8x32m, kQ4K, kQ8K, kQ8K16, kQ4K16m, kF16x32, kBF16x32, kQ6K16, kBF16P, kCount };
+// IQ4_NL's (and IQ4_XS's) 16 values, which its 4-bit indices select.
+constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// The same plus 128 (1..241), unsigned: the int8-activation matmuls' form where vpdpbusd takes them.
+struct IQ4Biased {
+  uint8_t v[16];
+  constexpr IQ4Biased() : v() {
+    for (int i = 0; i < 16; ++i) v[i] = static_cast<uint8_t>(kIQ4Values[i] + 128);
+  }
+};
+constexpr IQ4Biased kIQ4Biased{};
+
+enum class LayoutId : int64_t {
+  kQ4x32m, kQ8x32, kQ8x32m, kQ4K, kQ8K, kQ8K16, kQ4K16m, kF16x32, kBF16x32, kQ6K16, kBF16P, kIQ4x32, kIQ4K, kCount
+};
 
 // fn(layout), called with a value of the layout's type.
 template <class F>
@@ -1678,6 +1702,8 @@ void with_layout(LayoutId id, F&& fn) {
     case LayoutId::kBF16x32: return fn(BF16x32{});
     case LayoutId::kQ6K16: return fn(Q6K16{});
     case LayoutId::kBF16P: return fn(BF16P{});
+    case LayoutId::kIQ4x32: return fn(IQ4x32{});
+    case LayoutId::kIQ4K: return fn(IQ4K{});
     default: TORCH_CHECK(false, "unknown block layout");
   }
 }
@@ -1689,7 +1715,7 @@ int64_t panel_bytes(LayoutId id, int64_t K) {
   return bytes;
 }
 
-enum class GgufType { kQ4_0, kQ4_1, kQ4_K, kQ5_0, kQ8_0, kQ5_1, kQ5_K, kQ6_K, kQ3_K, kQ2_K, kF16, kBF16 };
+enum class GgufType { kQ4_0, kQ4_1, kQ4_K, kQ5_0, kQ8_0, kQ5_1, kQ5_K, kQ6_K, kQ3_K, kQ2_K, kF16, kBF16, kIQ4_NL, kIQ4_XS };
 
 // A GGUF type as stored: the bytes and weights of one of its blocks (a super-block of 256 for
 // the K-quants), and the layout it is packed into.
@@ -1706,10 +1732,12 @@ FileType file_type(const std::string& name) {
       {"Q8_0", {GgufType::kQ8_0, LayoutId::kQ8x32, 34, 32}},    {"Q5_1", {GgufType::kQ5_1, LayoutId::kQ8x32m, 24, 32}},
       {"Q5_K", {GgufType::kQ5_K, LayoutId::kQ8K, 176, 256}},   {"Q6_K", {GgufType::kQ6_K, LayoutId::kQ8K16, 210, 256}},
       {"Q3_K", {GgufType::kQ3_K, LayoutId::kQ8K16, 110, 256}},  {"Q2_K", {GgufType::kQ2_K, LayoutId::kQ4K16m, 84, 256}},
-      {"F16", {GgufType::kF16, LayoutId::kF16x32, 64, 32}},     {"BF16", {GgufType::kBF16, LayoutId::kBF16x32, 64, 32}}};
+      {"F16", {GgufType::kF16, LayoutId::kF16x32, 64, 32}},     {"BF16", {GgufType::kBF16, LayoutId::kBF16x32, 64, 32}},
+      {"IQ4_NL", {GgufType::kIQ4_NL, LayoutId::kIQ4x32, 18, 32}}, {"IQ4_XS", {GgufType::kIQ4_XS, LayoutId::kIQ4K, 136, 256}}};
   for (const auto& [known, type] : types)
     if (known == name) return type;
-  TORCH_CHECK(false, "unsupported block type ", name, " (Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, F16, BF16)");
+  TORCH_CHECK(false, "unsupported block type ", name,
+              " (Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, IQ4_NL, IQ4_XS, F16, BF16)");
 }
 
 float half_at(const uint8_t* p);
@@ -1746,6 +1774,15 @@ void read_block(const FileType& file, const uint8_t* row, int64_t b, float& d, f
       for (int e = 0; e < 32; ++e) q[e] = e < 16 ? quants[e] & 0x0F : quants[e - 16] >> 4;
       return;
     }
+    case GgufType::kIQ4_NL: {  // d, 16 bytes of 4-bit indices (low nibbles first): w = d * kIQ4Values[q]
+      const uint8_t* in = row + b * file.bytes;
+      d = half_at(in);
+      for (int e = 0; e < 32; ++e) q[e] = e < 16 ? in[2 + e] & 0x0F : in[2 + e - 16] >> 4;
+      return;
+    }
+    case GgufType::kIQ4_XS:
+      TORCH_CHECK(false, "IQ4_XS is read by super-block");
+      return;
     case GgufType::kQ5_0:
     case GgufType::kQ5_1: {  // d, (Q5_1: m,) 32 fifth bits, 16 bytes of nibbles; Q5_0: w = d (q - 16)
       const uint8_t* in = row + b * file.bytes;
@@ -1850,6 +1887,14 @@ void read_super_block(const FileType& file, const uint8_t* row, int64_t b, float
       D = half_at(in + 80), Dmin = half_at(in + 82);
       for (int s = 0; s < 16; ++s) scale[s] = in[s] & 0x0F, minimum[s] = in[s] >> 4;
       return;
+    case GgufType::kIQ4_XS: {
+      // d, 16 bits of high scale pairs, 4 bytes of low scale nibbles, 128 bytes of indices: 8
+      // sub-blocks of 32, w = (d (scale - 32)) kIQ4Values[q]
+      D = half_at(in);
+      const int high = in[2] | (in[3] << 8);
+      for (int s = 0; s < 8; ++s) scale[s] = (((in[4 + s / 2] >> (4 * (s % 2))) & 0x0F) | (((high >> (2 * s)) & 3) << 4)) - 32;
+      return;
+    }
     default:
       TORCH_CHECK(false, "not a K-quant");
   }
@@ -1899,6 +1944,14 @@ void read_super_values(const FileType& file, const uint8_t* row, int64_t b, uint
       }
       return;
     }
+    case GgufType::kIQ4_XS:
+      // Sub-block s: 16 bytes at 8 + 16 s, the low nibbles its first 16 indices, the high ones the rest.
+      for (int s = 0; s < 8; ++s)
+        for (int e = 0; e < 16; ++e) {
+          q[s * 32 + e] = in[8 + s * 16 + e] & 0x0F;
+          q[s * 32 + 16 + e] = in[8 + s * 16 + e] >> 4;
+        }
+      return;
     default: {  // Q3_K, Q2_K: sub-blocks of 16, one at a time
       float d, m;
       for (int64_t sub = 0; sub < 16; ++sub) read_block(file, row, b * 16 + sub, d, m, q + sub * 16);
@@ -1980,6 +2033,13 @@ inline void block_row(const uint8_t* q, int64_t kk, const BlockScales<L>& s, __m
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kk * 8));
     q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(bytes, low)));
     q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low)));
+  } else if constexpr (L::kValues == Values::kNibbleTable) {  // the indices' values, by one byte shuffle
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kk * 8));
+    const __m128i indices = _mm_and_si128(_mm_unpacklo_epi64(bytes, _mm_srli_epi16(bytes, 4)), low);
+    const __m128i values = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values)), indices);
+    q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(values));
+    q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(values, 8)));
   } else if constexpr (L::kValues == Values::kInt8) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kk * 16));
     q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
@@ -2078,7 +2138,7 @@ struct BlockScales512 {
 // The layouts block_row512 reads (the others, the int8- and bf16-activation packings', are not
 // read by the fp32 block matmul).
 template <class L>
-constexpr bool kRow512 = L::kValues == Values::kNibble || L::kValues == Values::kInt8 ||
+constexpr bool kRow512 = L::kFourBit || L::kValues == Values::kInt8 ||
                          L::kValues == Values::kHalf || L::kValues == Values::kBFloat16;
 
 template <class L>
@@ -2089,6 +2149,12 @@ inline __m512 block_row512(const uint8_t* q, int64_t kk, const BlockScales512<L>
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kk * 8));
     const __m128i values = _mm_and_si128(_mm_unpacklo_epi64(bytes, _mm_srli_epi16(bytes, 4)), low);
     v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(values));
+  } else if constexpr (L::kValues == Values::kNibbleTable) {  // the same indices, then their values
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kk * 8));
+    const __m128i indices = _mm_and_si128(_mm_unpacklo_epi64(bytes, _mm_srli_epi16(bytes, 4)), low);
+    const __m128i values = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values)), indices);
+    v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(values));
   } else if constexpr (L::kValues == Values::kInt8) {
     v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kk * 16))));
   } else if constexpr (L::kValues == Values::kHalf) {
@@ -2379,7 +2445,7 @@ torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor> parts, std::vector<std
               }
               uint8_t* q = out + L::kScaleBytes + sub * L::kSubValueBytes;
               for (int64_t e = 0; e < L::kSub; ++e) {
-                if constexpr (L::kValues == Values::kNibble) {
+                if constexpr (L::kFourBit) {
                   q[e * 8 + j % 8] |= j < 8 ? sub_values[e] : static_cast<uint8_t>(sub_values[e] << 4);
                 } else if constexpr (L::kValues == Values::kInt8) {
                   q[e * kQCols + j] = sub_values[e];
@@ -2544,7 +2610,10 @@ torch::Tensor gguf_blocks_dequantize(torch::Tensor packed) {
 // int16 (at most 2 * 128 * 127, no saturation), vpmaddwd into int32; unsigned quants (4-bit, 5-bit,
 // Q6_K's shifted by 32) into vpmaddubsw as they are, several groups' pairs summed in int16 first.
 // Where the CPU has vpdpbusd on 256 bits (AVX-512 VNNI, AVX-VNNI), it takes the place of those
-// three instructions (the INFLIGHT_EMULATE_AVX_VNNI build tests that branch on any AVX2 CPU).
+// three instructions, and signed quants go in as q + 128, unsigned, 128 sum qx taken off after
+// (but Q8_0's and Q5_0's with a single row; the INFLIGHT_EMULATE_AVX_VNNI build tests that branch
+// on any AVX2 CPU). Integer sums either
+// way: the same dot, bit for bit.
 
 namespace {
 
@@ -2583,10 +2652,10 @@ inline __m256i four_bytes(const int8_t* p) {
 
 // Quants of k-rows [4 g, 4 g + 4) of a sub-block's values q, for the panel's columns 0-7 (c0)
 // and 8-15 (c1): four consecutive k of one column in each 32-bit lane, as int8 (unsigned 0..15
-// for the 4-bit layouts).
-template <class L>
+// for the 4-bit layouts; IQ4's signed values for its indices, or with kBiased those plus 128).
+template <class L, bool kBiased = false>
 inline void a8_unpack(const uint8_t* q, int64_t g, __m256i& c0, __m256i& c1) {
-  if constexpr (L::kValues == Values::kNibble || L::kValues == Values::kSixBit) {
+  if constexpr (L::kFourBit || L::kValues == Values::kSixBit) {
     // 8 bytes a k-row, byte j: column j in its low nibble, column j + 8 in its high one. Dwords
     // [k0 c0-3, k0 c4-7, k1 c0-3, ...] -> [k0..k3 c0-3 | k0..k3 c4-7], then a 4 x 4 byte transpose.
     const __m256i rows = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * 32));
@@ -2597,6 +2666,11 @@ inline void a8_unpack(const uint8_t* q, int64_t g, __m256i& c0, __m256i& c1) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     c0 = _mm256_and_si256(both, low);
     c1 = _mm256_and_si256(_mm256_srli_epi16(both, 4), low);
+    if constexpr (L::kValues == Values::kNibbleTable) {  // indices -> their signed values
+      const void* values = kBiased ? static_cast<const void*>(kIQ4Biased.v) : static_cast<const void*>(kIQ4Values);
+      const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(static_cast<const __m128i*>(values)));
+      c0 = _mm256_shuffle_epi8(table, c0), c1 = _mm256_shuffle_epi8(table, c1);
+    }
     if constexpr (L::kValues == Values::kSixBit) {
       // The group's 16 bytes of high pairs in both lanes; bits 4-5 of each byte from bits 0-1
       // (columns 0-3, low lane of c0), 2-3 (4-7), 4-5 (8-11, low lane of c1) or 6-7 (12-15).
@@ -2622,14 +2696,14 @@ inline void a8_unpack(const uint8_t* q, int64_t g, __m256i& c0, __m256i& c1) {
 
 // y[r][0, 16) = the panel times MR rows of quantized activations (qx [MR][K], sx [MR][K / 32],
 // isum [MR][K / 16]: the sums of qx over each 16 k), in the arithmetic above.
-template <int MR, class L>
+template <int MR, class L, bool kBiasInt8 = false>
 void a8_micro(const int8_t* __restrict xq, const float* __restrict sx, const int32_t* __restrict isum, int64_t K,
               const uint8_t* __restrict panel, float* __restrict y, int64_t ldy) {
   static_assert(L::kScaled && L::kSub % 16 == 0 && kA8Group % L::kSub == 0, "a quantized layout");
   const int64_t groups = K / kA8Group, sums = K / 16;
   [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   // The quants' range: 4-bit 0..15; Q5_K's and Q5_1's 0..31; Q6_K's (q - 32) and Q3_K's (q - 4),
-  // the signed layout of sub-blocks of 16, shifted by 32 into 0..63; Q8_0's and Q5_0's signed.
+  // the signed layout of sub-blocks of 16, shifted by 32 into 0..63; Q8_0's, Q5_0's and IQ4's signed.
   // Q6K16 holds those quants as q (0..63) already, not shifted at the unpack.
   constexpr bool kShifted = std::is_same_v<L, Q8K16> || std::is_same_v<L, Q6K16>;
   constexpr int kShift = kShifted ? 32 : 0;
@@ -2639,6 +2713,18 @@ void a8_micro(const int8_t* __restrict xq, const float* __restrict sx, const int
   [[maybe_unused]] constexpr int64_t kFlush = kUnsignedMax > 0 ? std::min<int64_t>(L::kSub / 4, 32767 / (2 * kUnsignedMax * 127)) : 1;
   static_assert(kUnsignedMax == 0 || (L::kSub / 4) % kFlush == 0, "whole flushes a sub-block");
   [[maybe_unused]] const __m256i shift = _mm256_set1_epi8(static_cast<char>(kUnpackShift));
+#if defined(INFLIGHT_DPBUSD256)
+  // Signed quants (IQ4's values; Q8_0's and Q5_0's where kBiasInt8) go into vpdpbusd biased by
+  // 128, unsigned (its int32 sums cannot saturate, as vpmaddubsw's int16 pairs would), less 128
+  // sum qx after: no |qw| and no sign per row. IQ4's table has them made; q + 128 is q with its
+  // top bit flipped, which pays in steps of many rows only (a8_rows): else |qw| times qx
+  // carrying qw's sign.
+  constexpr int kBias = kUnsignedMax == 0 && (L::kValues == Values::kNibbleTable || kBiasInt8) ? 128 : 0;
+  constexpr bool kUnsigned = kUnsignedMax > 0 || kBias > 0;
+  [[maybe_unused]] const __m256i top_bit = _mm256_set1_epi8(static_cast<char>(0x80));
+#else
+  constexpr int kBias = 0;  // vpmaddubsw: signed quants as |qw| times qx carrying qw's sign
+#endif
   constexpr int64_t kAhead = L::kSuper ? 1 : 4;
   for (int64_t b = 0; b < K / L::kK; ++b) {
     const uint8_t* blk = panel + b * L::kBlockBytes;
@@ -2653,24 +2739,26 @@ void a8_micro(const int8_t* __restrict xq, const float* __restrict sx, const int
       // With one row, the odd groups go into a second pair of sums, so that the row's vpdpbusd
       // chains overlap instead of waiting on each other's latency (integer sums: the same totals).
       __m256i b0 = _mm256_setzero_si256(), b1 = _mm256_setzero_si256();
-      for (int64_t g = 0; g < L::kSub / 4; ++g) {  // vpdpbusd: unsigned quants as they are, signed as |qw|
+      for (int64_t g = 0; g < L::kSub / 4; ++g) {  // vpdpbusd: unsigned quants as they are, signed biased or as |qw|
         __m256i c0, c1;
-        a8_unpack<L>(q, g, c0, c1);
+        a8_unpack<L, (kBias > 0)>(q, g, c0, c1);  // unsigned: as they are, shifted or biased
         if constexpr (kUnpackShift) c0 = _mm256_add_epi8(c0, shift), c1 = _mm256_add_epi8(c1, shift);
-        const __m256i m0 = kUnsignedMax > 0 ? c0 : _mm256_abs_epi8(c0), m1 = kUnsignedMax > 0 ? c1 : _mm256_abs_epi8(c1);
+        if constexpr (kBias > 0 && L::kValues == Values::kInt8)
+          c0 = _mm256_xor_si256(c0, top_bit), c1 = _mm256_xor_si256(c1, top_bit);
+        const __m256i m0 = kUnsigned ? c0 : _mm256_abs_epi8(c0), m1 = kUnsigned ? c1 : _mm256_abs_epi8(c1);
         if constexpr (MR == 1) {
           if (g % 2 == 1) {
             const __m256i xb = four_bytes(xq + k0 + 4 * g);
-            b0 = dpbusd256(b0, m0, kUnsignedMax > 0 ? xb : _mm256_sign_epi8(xb, c0));
-            b1 = dpbusd256(b1, m1, kUnsignedMax > 0 ? xb : _mm256_sign_epi8(xb, c1));
+            b0 = dpbusd256(b0, m0, kUnsigned ? xb : _mm256_sign_epi8(xb, c0));
+            b1 = dpbusd256(b1, m1, kUnsigned ? xb : _mm256_sign_epi8(xb, c1));
             continue;
           }
         }
         #pragma GCC unroll 16
         for (int r = 0; r < MR; ++r) {
           const __m256i xb = four_bytes(xq + r * K + k0 + 4 * g);
-          a0[r] = dpbusd256(a0[r], m0, kUnsignedMax > 0 ? xb : _mm256_sign_epi8(xb, c0));
-          a1[r] = dpbusd256(a1[r], m1, kUnsignedMax > 0 ? xb : _mm256_sign_epi8(xb, c1));
+          a0[r] = dpbusd256(a0[r], m0, kUnsigned ? xb : _mm256_sign_epi8(xb, c0));
+          a1[r] = dpbusd256(a1[r], m1, kUnsigned ? xb : _mm256_sign_epi8(xb, c1));
         }
       }
       if constexpr (MR == 1) a0[0] = _mm256_add_epi32(a0[0], b0), a1[0] = _mm256_add_epi32(a1[0], b1);
@@ -2699,7 +2787,7 @@ void a8_micro(const int8_t* __restrict xq, const float* __restrict sx, const int
             a1[r] = _mm256_add_epi32(a1[r], _mm256_madd_epi16(h1[r], ones));
           }
         }
-      } else {  // signed quants of up to 8 bits (Q8_0, Q5_0)
+      } else {  // signed quants of up to 8 bits (Q8_0, Q5_0, IQ4_NL, IQ4_XS)
         for (int64_t g = 0; g < L::kSub / 4; ++g) {
           __m256i c0, c1;
           a8_unpack<L>(q, g, c0, c1);
@@ -2713,10 +2801,12 @@ void a8_micro(const int8_t* __restrict xq, const float* __restrict sx, const int
         }
       }
 #endif
-      if constexpr (kShift)  // sum (q + 32) qx - 32 sum qx: the sub-block is 16 k, one sum
+      if constexpr (kShift || kBias)  // sum (q + shift) qx - shift sum qx over the sub-block (16 or 32 k)
         #pragma GCC unroll 16
         for (int r = 0; r < MR; ++r) {
-          const __m256i off = _mm256_set1_epi32(kShift * isum[r * sums + k0 / 16]);
+          int32_t total = isum[r * sums + k0 / 16];
+          if constexpr (L::kSub == 32) total += isum[r * sums + k0 / 16 + 1];
+          const __m256i off = _mm256_set1_epi32((kShift + kBias) * total);
           a0[r] = _mm256_sub_epi32(a0[r], off), a1[r] = _mm256_sub_epi32(a1[r], off);
         }
       const BlockScales<L> s(blk, sub);
@@ -2746,10 +2836,27 @@ void a8_micro(const int8_t* __restrict xq, const float* __restrict sx, const int
   }
 }
 
+// Steps of more rows than this take Q8_0's and Q5_0's quants biased by 128 into vpdpbusd (a8_micro):
+// two 1B-shaped layers of Q8_0 1.14-1.17x at 16 rows and 1.29-1.31x at 64, but 0.89-0.95x at 4
+// (bound by memory there), 0.98-1.06x at 8 (2 AMD EPYC Zen 4 cores, alternated both ways).
+constexpr int64_t kA8BiasRows = 8;
+
 template <class L>
-void a8_rows(int rows, const int8_t* xq, const float* sx, const int32_t* isum, int64_t K, const uint8_t* w, float* y,
-             int64_t ldy) {
+void a8_rows(int rows, [[maybe_unused]] bool many, const int8_t* xq, const float* sx, const int32_t* isum, int64_t K, const uint8_t* w,
+             float* y, int64_t ldy) {
   if constexpr (L::kScaled) {
+#if defined(INFLIGHT_DPBUSD256)
+    if constexpr (L::kValues == Values::kInt8 && !L::kMin && !std::is_same_v<L, Q8K16>) {  // signed int8
+      if (many) {
+        switch (rows) {
+          case 4: return a8_micro<4, L, true>(xq, sx, isum, K, w, y, ldy);
+          case 3: return a8_micro<3, L, true>(xq, sx, isum, K, w, y, ldy);
+          case 2: return a8_micro<2, L, true>(xq, sx, isum, K, w, y, ldy);
+          default: return a8_micro<1, L, true>(xq, sx, isum, K, w, y, ldy);
+        }
+      }
+    }
+#endif
     switch (rows) {
       case 4: return a8_micro<4, L>(xq, sx, isum, K, w, y, ldy);
       case 3: return a8_micro<3, L>(xq, sx, isum, K, w, y, ldy);
@@ -2810,7 +2917,7 @@ torch::Tensor gguf_blocks_a8_linear(torch::Tensor x, torch::Tensor packed, int64
   const int32_t* up = isum.data_ptr<int32_t>();
   float* yp = y.data_ptr<float>();
   for_block_panels(w, M, kA8MaxRows, [&](auto l, int64_t p, const uint8_t* panel, int64_t m, int rows) {
-    a8_rows<decltype(l)>(rows, qp + m * K, sp + m * (K / kA8Group), up + m * (K / 16), K, panel,
+    a8_rows<decltype(l)>(rows, M > kA8BiasRows, qp + m * K, sp + m * (K / kA8Group), up + m * (K / 16), K, panel,
                          yp + m * n_pad + p * kQCols, n_pad);
   });
   return out_features == n_pad ? y : y.narrow(1, 0, out_features).contiguous();
@@ -2858,8 +2965,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> gguf_blocks_integers(tor
               dp[n * (K / sub) + k0 / sub] = dv[c], mp[n * (K / sub) + k0 / sub] = mv[c];
               for (int64_t e = 0; e < L::kSub; ++e) {
                 int v;
-                if constexpr (L::kValues == Values::kNibble) {
+                if constexpr (L::kFourBit) {
                   v = (values[e * 8 + c % 8] >> (c < 8 ? 0 : 4)) & 0x0F;
+                  if constexpr (L::kValues == Values::kNibbleTable) v = kIQ4Values[v];
                 } else if constexpr (L::kValues == Values::kSixBit) {
                   v = six_bit(values, e, c) - 32;
                 } else {
