@@ -2696,7 +2696,7 @@ inline void a8_unpack(const uint8_t* q, int64_t g, __m256i& c0, __m256i& c1) {
 
 // y[r][0, 16) = the panel times MR rows of quantized activations (qx [MR][K], sx [MR][K / 32],
 // isum [MR][K / 16]: the sums of qx over each 16 k), in the arithmetic above.
-template <int MR, class L, bool kBiasInt8 = false>
+template <int MR, class L, bool kBiasInt8>
 void a8_micro(const int8_t* __restrict xq, const float* __restrict sx, const int32_t* __restrict isum, int64_t K,
               const uint8_t* __restrict panel, float* __restrict y, int64_t ldy) {
   static_assert(L::kScaled && L::kSub % 16 == 0 && kA8Group % L::kSub == 0, "a quantized layout");
@@ -2841,28 +2841,26 @@ void a8_micro(const int8_t* __restrict xq, const float* __restrict sx, const int
 // (bound by memory there), 0.98-1.06x at 8 (2 AMD EPYC Zen 4 cores, alternated both ways).
 constexpr int64_t kA8BiasRows = 8;
 
+template <class L, bool kBiasInt8>
+void a8_pass(int rows, const int8_t* xq, const float* sx, const int32_t* isum, int64_t K, const uint8_t* w, float* y,
+             int64_t ldy) {
+  switch (rows) {
+    case 4: return a8_micro<4, L, kBiasInt8>(xq, sx, isum, K, w, y, ldy);
+    case 3: return a8_micro<3, L, kBiasInt8>(xq, sx, isum, K, w, y, ldy);
+    case 2: return a8_micro<2, L, kBiasInt8>(xq, sx, isum, K, w, y, ldy);
+    default: return a8_micro<1, L, kBiasInt8>(xq, sx, isum, K, w, y, ldy);
+  }
+}
+
 template <class L>
-void a8_rows(int rows, [[maybe_unused]] bool many, const int8_t* xq, const float* sx, const int32_t* isum, int64_t K, const uint8_t* w,
-             float* y, int64_t ldy) {
+void a8_rows(int rows, [[maybe_unused]] bool many, const int8_t* xq, const float* sx, const int32_t* isum, int64_t K,
+             const uint8_t* w, float* y, int64_t ldy) {
   if constexpr (L::kScaled) {
 #if defined(INFLIGHT_DPBUSD256)
-    if constexpr (L::kValues == Values::kInt8 && !L::kMin && !std::is_same_v<L, Q8K16>) {  // signed int8
-      if (many) {
-        switch (rows) {
-          case 4: return a8_micro<4, L, true>(xq, sx, isum, K, w, y, ldy);
-          case 3: return a8_micro<3, L, true>(xq, sx, isum, K, w, y, ldy);
-          case 2: return a8_micro<2, L, true>(xq, sx, isum, K, w, y, ldy);
-          default: return a8_micro<1, L, true>(xq, sx, isum, K, w, y, ldy);
-        }
-      }
-    }
+    if constexpr (L::kValues == Values::kInt8 && !L::kMin && !std::is_same_v<L, Q8K16>)  // signed int8
+      if (many) return a8_pass<L, true>(rows, xq, sx, isum, K, w, y, ldy);
 #endif
-    switch (rows) {
-      case 4: return a8_micro<4, L>(xq, sx, isum, K, w, y, ldy);
-      case 3: return a8_micro<3, L>(xq, sx, isum, K, w, y, ldy);
-      case 2: return a8_micro<2, L>(xq, sx, isum, K, w, y, ldy);
-      default: return a8_micro<1, L>(xq, sx, isum, K, w, y, ldy);
-    }
+    return a8_pass<L, false>(rows, xq, sx, isum, K, w, y, ldy);
   }
   TORCH_CHECK(false, "a 16-bit layout has no integer matmul");
 }
