@@ -7,6 +7,8 @@ tokens independent of who shares the step. Run on every kernel build that has th
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from inflight import LLM, SamplingParams
 from inflight.errors import InflightError
 from inflight.model.kernels import cpu_kernels
 from inflight.model.linear import Linear, check_int8_activations
+from inflight.model.loaded import LoadedModel
 from tests.test_linear import SCALE_AT, random_blocks
 
 kernels = cpu_kernels()
@@ -135,6 +138,19 @@ def test_a_models_tokens_do_not_depend_on_the_batch() -> None:
     together = llm.generate(prompts, params)
     assert [out.token_ids for out in together[:2]] == alone
     assert all(len(out.token_ids) == 12 for out in together)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8-activations"])
+def test_a_load_says_how_its_stored_blocks_are_multiplied(caplog: pytest.LogCaptureFixture, quantization: str) -> None:
+    """The embedded GGUF keeps its 30 layers' 7 matrices in Q4_1 and its tied LM head (the
+    embedding, one matrix) in Q8_0 as stored: the load says so, and by default names the option
+    that multiplies them as llama.cpp does."""
+    with caplog.at_level(logging.INFO, logger="inflight.model.loaded"):
+        LoadedModel.load(None, torch.float32, torch.device("cpu"), quantization=quantization)
+    said = [r.getMessage() for r in caplog.records if r.name == "inflight.model.loaded"]
+    assert len(said) == 1 and "(210 Q4_1, 1 Q8_0)" in said[0]
+    assert ("--quantization int8-activations" in said[0]) == (quantization == "none")
+    assert ("multiply int8 activations" in said[0]) == (quantization == "int8-activations")
 
 
 def test_the_option_is_refused_in_one_line_where_it_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:

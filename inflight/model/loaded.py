@@ -3,6 +3,8 @@ several engines (benchmark sweeps and tests build many engines over one model)."
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -11,10 +13,17 @@ import torch
 from inflight.config import EngineConfig
 from inflight.model import packed_cache
 from inflight.model.kernels import cpu_kernels
-from inflight.model.linear import check_bf16_activations, check_int8_activations, keeps_blocks
+from inflight.model.linear import (
+    INTEGER_BLOCK_TYPES,
+    check_bf16_activations,
+    check_int8_activations,
+    keeps_blocks,
+)
 from inflight.model.llama import LlamaModel
 from inflight.model.loader import load_blocks, load_checkpoint, load_embedding, release_file_pages, resolve_model
 from inflight.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,7 @@ class LoadedModel:
                 check_int8_activations(blocks, keep_blocks)
             if quantization == "bf16-activations":
                 check_bf16_activations(blocks, keep_blocks)
+            _say_arithmetic(blocks, quantization)
             llama = LlamaModel(config, weights, device, gguf_blocks=blocks, embedding=embedding,
                                int8=quantization == "int8", int8_activations=quantization == "int8-activations",
                                bf16_activations=quantization == "bf16-activations", packed=kept)
@@ -65,3 +75,19 @@ class LoadedModel:
                 packed_cache.keep(cache, llama.packed)
             release_file_pages(source)
             return cls(source.name, llama, tokenizer.result(), quantization, hf_overrides)
+
+
+def _say_arithmetic(blocks: dict[str, tuple[str, torch.Tensor]], quantization: str) -> None:
+    """One log line on how the matrices kept as quantized blocks are multiplied, and, where they
+    compute as the dequantized model (the default), the option that computes as llama.cpp does."""
+    stored = {id(raw): kind for kind, raw in blocks.values()}  # a tied LM head is the embedding's matrix
+    kinds = Counter(kind for kind in stored.values() if kind in INTEGER_BLOCK_TYPES)
+    if not kinds:
+        return
+    counts = ", ".join(f"{n} {kind}" for kind, n in kinds.most_common())
+    if quantization == "int8-activations":
+        logger.info("matrices kept as stored (%s) multiply int8 activations, as llama.cpp does", counts)
+    elif quantization == "none":
+        logger.info("matrices kept as stored (%s) multiply fp32 activations, bit for bit the dequantized model; "
+                    "--quantization int8-activations multiplies them by int8 activations as llama.cpp does, faster on "
+                    "CPU (docs/models.md)", counts)
