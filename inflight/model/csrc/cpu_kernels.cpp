@@ -2023,6 +2023,14 @@ inline int six_bit(const uint8_t* q, int64_t kk, int64_t c) {
   return low | (high << 4);
 }
 
+// The int8 values of k-row kk's 16 IQ4 indices (q: a sub-block's indices as the 4-bit layouts
+// hold nibbles: columns 0-7 in the low nibbles, 8-15 in the high ones).
+inline __m128i iq4_row_values(const uint8_t* q, int64_t kk) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kk * 8));
+  const __m128i indices = _mm_and_si128(_mm_unpacklo_epi64(bytes, _mm_srli_epi16(bytes, 4)), _mm_set1_epi8(0x0F));
+  return _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values)), indices);
+}
+
 // The 16 weights of k-row kk of a block (q: the block's values), as fp32: the one place both
 // block matmuls compute them, so both give the loader's fp32 values.
 template <class L>
@@ -2033,11 +2041,8 @@ inline void block_row(const uint8_t* q, int64_t kk, const BlockScales<L>& s, __m
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kk * 8));
     q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(bytes, low)));
     q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low)));
-  } else if constexpr (L::kValues == Values::kNibbleTable) {  // the indices' values, by one byte shuffle
-    const __m128i low = _mm_set1_epi8(0x0F);
-    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kk * 8));
-    const __m128i indices = _mm_and_si128(_mm_unpacklo_epi64(bytes, _mm_srli_epi16(bytes, 4)), low);
-    const __m128i values = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values)), indices);
+  } else if constexpr (L::kValues == Values::kNibbleTable) {
+    const __m128i values = iq4_row_values(q, kk);
     q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(values));
     q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(values, 8)));
   } else if constexpr (L::kValues == Values::kInt8) {
@@ -2149,12 +2154,8 @@ inline __m512 block_row512(const uint8_t* q, int64_t kk, const BlockScales512<L>
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kk * 8));
     const __m128i values = _mm_and_si128(_mm_unpacklo_epi64(bytes, _mm_srli_epi16(bytes, 4)), low);
     v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(values));
-  } else if constexpr (L::kValues == Values::kNibbleTable) {  // the same indices, then their values
-    const __m128i low = _mm_set1_epi8(0x0F);
-    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kk * 8));
-    const __m128i indices = _mm_and_si128(_mm_unpacklo_epi64(bytes, _mm_srli_epi16(bytes, 4)), low);
-    const __m128i values = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values)), indices);
-    v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(values));
+  } else if constexpr (L::kValues == Values::kNibbleTable) {
+    v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(iq4_row_values(q, kk)));
   } else if constexpr (L::kValues == Values::kInt8) {
     v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kk * 16))));
   } else if constexpr (L::kValues == Values::kHalf) {
@@ -2611,9 +2612,8 @@ torch::Tensor gguf_blocks_dequantize(torch::Tensor packed) {
 // Q6_K's shifted by 32) into vpmaddubsw as they are, several groups' pairs summed in int16 first.
 // Where the CPU has vpdpbusd on 256 bits (AVX-512 VNNI, AVX-VNNI), it takes the place of those
 // three instructions, and signed quants go in as q + 128, unsigned, 128 sum qx taken off after
-// (but Q8_0's and Q5_0's with a single row; the INFLIGHT_EMULATE_AVX_VNNI build tests that branch
-// on any AVX2 CPU). Integer sums either
-// way: the same dot, bit for bit.
+// (Q8_0's and Q5_0's only in steps of more than kA8BiasRows rows); integer sums either way, so the
+// same dot bit for bit. The INFLIGHT_EMULATE_AVX_VNNI build tests that branch on any AVX2 CPU.
 
 namespace {
 
