@@ -2837,8 +2837,8 @@ void a8_micro(const int8_t* __restrict xq, const float* __restrict sx, const int
 }
 
 // Steps of more rows than this take Q8_0's and Q5_0's quants biased by 128 into vpdpbusd (a8_micro):
-// two 1B-shaped layers of Q8_0 1.14-1.17x at 16 rows and 1.29-1.31x at 64, but 0.89-0.95x at 4
-// (bound by memory there), 0.98-1.06x at 8 (2 AMD EPYC Zen 4 cores, alternated both ways).
+// two 1B-shaped layers of Q8_0 1.14x at 16 rows and 1.28x at 64 (`kernels_bench.py --against`, 2 AMD
+// EPYC Zen 4 cores); a variant biased from 2 rows on ran 0.89-0.95x at 4 (bound by memory there).
 constexpr int64_t kA8BiasRows = 8;
 
 template <class L, bool kBiasInt8>
