@@ -183,7 +183,9 @@ def gguf_block_matmuls() -> None:
 # Where each type keeps its fp16 scales in a block (bytes), and a magnitude that keeps the weights
 # near 0.1 once a K-quant's sub-block scales multiply in.
 _SCALES_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],
-              "Q5_K": [0, 2], "Q6_K": [208], "Q3_K": [108], "Q2_K": [80, 82], "IQ4_NL": [0], "IQ4_XS": [0]}
+              "Q5_K": [0, 2], "Q6_K": [208], "Q3_K": [108], "Q2_K": [80, 82], "IQ4_NL": [0], "IQ4_XS": [0],
+              "IQ1_S": [0], "IQ2_XXS": [0], "IQ2_XS": [0], "IQ2_S": [0], "IQ3_XXS": [0], "IQ3_S": [0],
+              "TQ1_0": [52], "TQ2_0": [64], "IQ1_M": []}
 
 
 def _stored_rows(kind: str, rows: int, cols: int, rng: object) -> torch.Tensor:
@@ -198,6 +200,11 @@ def _stored_rows(kind: str, rows: int, cols: int, rng: object) -> torch.Tensor:
     scale = np.frombuffer(np.float16(0.002 if weights == 256 else 0.01).tobytes(), np.uint8)  # K-quants, IQ4_XS
     for at in _SCALES_AT[kind]:
         blocks[..., at:at + 2] = scale
+    if kind == "IQ1_M":  # its d in the top nibbles of the four scale words at 48
+        words = blocks[..., 48:56].copy().view(np.uint16)
+        for j in range(4):
+            words[..., j] = (words[..., j] & 0x0FFF) | (((scale.view(np.uint16)[0] >> (4 * j)) & 0x0F) << 12)
+        blocks[..., 48:56] = words.view(np.uint8)
     return torch.from_numpy(blocks.reshape(rows, -1))
 
 

@@ -14,6 +14,7 @@ import torch
 
 from inflight import LLM, SamplingParams
 from inflight.errors import InflightError
+from inflight.model.grid_quants import GRID_TYPES
 from inflight.model.kernels import cpu_kernels
 from inflight.model.linear import Linear, check_int8_activations
 from inflight.model.loaded import LoadedModel
@@ -25,7 +26,8 @@ pytestmark = pytest.mark.skipif(kernels is None or not kernels.gguf_blocks_avail
 
 ROWS = [1, 4, 5, 6, 16, 64, 300]
 GROUP = 32  # k per activation scale
-SUB = {"Q6_K": 16, "Q3_K": 16, "Q2_K": 16}  # weights a sub-block (a scale each); 32 for the others
+# weights a sub-block (a scale each); 32 for the others (the grid and ternary types: their int8 form's 16)
+SUB = {"Q6_K": 16, "Q3_K": 16, "Q2_K": 16, **dict.fromkeys(GRID_TYPES, 16)}
 MINIMA = {"Q4_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K"}  # layouts with w = d * q + m (Q4_0: m = -8 d)
 
 

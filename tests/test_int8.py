@@ -105,7 +105,7 @@ def test_linear_reads_the_int8_weight_and_adds_the_bias_after() -> None:
         Linear(weight, bias, "torch", int8=True)
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q6_K", "BF16"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q6_K", "BF16", "IQ3_XXS"])
 def test_a_matrix_kept_as_stored_is_quantized_as_its_fp32_form(kind: str) -> None:
     """An int8 load never widens the whole model: a matrix the loader leaves in its blocks (only
     its shape given) is widened alone, from the blocks, and quantized to exactly the int8 weight

@@ -22,6 +22,7 @@ from inflight.engine.runner import ModelRunner
 from inflight.engine.sampler import Sampler
 from inflight.engine.scheduler import ScheduledRequest
 from inflight.model.architectures import ARCHITECTURES, GGUF_LAYER_NAMES
+from inflight.model.grid_quants import GRID_TYPES
 from inflight.model.llama import LlamaModel
 from inflight.model.loader import load_checkpoint, resolve_model
 from inflight.model.tokenizer import IncrementalDetokenizer
@@ -1058,10 +1059,22 @@ def _k_quant_bytes(rng: np.random.Generator, rows: int, cols: int, kind: str) ->
     elif kind == "IQ4_XS":  # d (f16), 2 bytes of high scale bits, 4 of low ones, 128 bytes of 4-bit indices
         blocks = rng.integers(0, 256, size=(rows, nblocks, 136), dtype=np.uint8)
         blocks[..., 0:2] = np.frombuffer(np.float16(0.0004).tobytes(), np.uint8)
-    else:  # IQ4_NL, blocks of 32: d (f16), 16 bytes of 4-bit indices
+    elif kind == "IQ4_NL":  # blocks of 32: d (f16), 16 bytes of 4-bit indices
         blocks = rng.integers(0, 256, size=(rows, cols // 32, 18), dtype=np.uint8)
         blocks[..., 0:2] = np.frombuffer(np.float16(0.0005).tobytes(), np.uint8)
+    else:  # the grid and ternary types (IQ1-IQ3, TQ): random indices, signs and scales, d of 1e-4 to 3e-4
+        from tests.test_linear import random_blocks
+
+        return random_blocks(kind, rows, cols, seed=int(rng.integers(1 << 31)), d_range=(1e-4, 3e-4))[0].numpy()
     return blocks.reshape(rows, -1)
+
+
+# The grid types as llama.cpp's IQ2/IQ3 mixes put them side by side (IQ3_M: IQ3_S with IQ4_XS; IQ2_M:
+# IQ2_S with IQ3_S), a fused q/k/v of three; and the ternary ones.
+MIX_GRID = {"embd": "IQ4_XS", "q": "IQ2_XXS", "k": "IQ3_XXS", "v": "IQ3_S", "o": "IQ2_XS", "gate": "IQ1_S",
+            "up": "IQ1_M", "down": "IQ2_S"}
+MIX_TERNARY = {"embd": "TQ2_0", "q": "TQ1_0", "k": "TQ2_0", "v": "TQ2_0", "o": "TQ1_0", "gate": "TQ2_0", "up": "TQ1_0",
+               "down": "IQ4_XS"}
 
 
 def write_tiny_gguf(path: Path, types: dict[str, str], seed: int = 0, extra: tuple[str, ...] = (),
@@ -1088,7 +1101,7 @@ def write_tiny_gguf(path: Path, types: dict[str, str], seed: int = 0, extra: tup
 
     def add(name: str, shape: tuple[int, ...], kind: str = "F32", scale: float = 0.05) -> None:
         qtype = gguf.GGMLQuantizationType[kind]
-        if kind in ("Q4_K", "Q6_K", "IQ4_XS", "IQ4_NL"):
+        if kind in ("Q4_K", "Q6_K", "IQ4_XS", "IQ4_NL", *GRID_TYPES):
             w.add_tensor(name, _k_quant_bytes(rng, shape[0], shape[1], kind), raw_dtype=qtype)
             return
         data = (rng.standard_normal(shape) * scale).astype(np.float32)
@@ -1124,7 +1137,9 @@ def write_tiny_gguf(path: Path, types: dict[str, str], seed: int = 0, extra: tup
     {"embd": "Q8_0", "q": "Q4_K", "k": "Q6_K", "v": "Q8_0", "o": "F32", "gate": "Q4_0", "up": "Q4_1", "down": "Q8_0"},
     {"embd": "Q6_K", "q": "IQ4_XS", "k": "IQ4_XS", "v": "IQ4_NL", "o": "IQ4_NL", "gate": "IQ4_XS", "up": "IQ4_XS",
      "down": "IQ4_NL"},
-], ids=["mix-a", "mix-b", "mix-iq4"])
+    MIX_GRID,
+    MIX_TERNARY,
+], ids=["mix-a", "mix-b", "mix-iq4", "mix-grid", "mix-ternary"])
 def test_gguf_tensor_types_match_transformers(tmp_path, types):
     from transformers import AutoModelForCausalLM
 
@@ -1276,9 +1291,9 @@ def requantized(source: Path, path: Path, kind: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name", ["mix-a", "mix-b", "mix-c", "mix-iq4", "phi3_longrope-Q8_0", "qwen3-Q4_1",
-                                  "gemma2-Q8_0", "mixtral-Q4_1", "qwen3_moe-Q8_0", "qwen2_moe-Q4_1", "granitemoe-Q4_0",
-                                  "olmo2-Q4_0", "qwen2-Q5_1", "glm4-Q8_0",
+@pytest.mark.parametrize("name", ["mix-a", "mix-b", "mix-c", "mix-iq4", "mix-grid", "mix-ternary",
+                                  "phi3_longrope-Q8_0", "qwen3-Q4_1", "gemma2-Q8_0", "mixtral-Q4_1", "qwen3_moe-Q8_0",
+                                  "qwen2_moe-Q4_1", "granitemoe-Q4_0", "olmo2-Q4_0", "qwen2-Q5_1", "glm4-Q8_0",
                                   *QUANTIZED_FIXTURES])
 def test_matrices_kept_in_gguf_blocks_compute_the_fp32_logits_bit_for_bit(tmp_path, name):
     """Loaded as the engine loads it on CPU, a GGUF file's matrices of `loader.BLOCK_TYPES` stay in
@@ -1307,7 +1322,8 @@ def test_matrices_kept_in_gguf_blocks_compute_the_fp32_logits_bit_for_bit(tmp_pa
                                          "gate": "Q4_K", "up": "Q4_K", "down": "Q5_0"},
                                # llama.cpp's IQ4_XS: its 32-weight fallback IQ4_NL beside it, a fused q/k/v of both
                                "mix-iq4": {"embd": "IQ4_XS", "q": "IQ4_XS", "k": "IQ4_XS", "v": "IQ4_NL",
-                                           "o": "IQ4_NL", "gate": "IQ4_XS", "up": "IQ4_NL", "down": "IQ4_XS"}}[name])
+                                           "o": "IQ4_NL", "gate": "IQ4_XS", "up": "IQ4_NL", "down": "IQ4_XS"},
+                               "mix-grid": MIX_GRID, "mix-ternary": MIX_TERNARY}[name])
     elif name in QUANTIZED_FIXTURES:
         path = QUANTIZED / f"{name}.gguf"
     else:

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from inflight.errors import ModelLoadError
+from inflight.model.grid_quants import GRID_TYPES, INT8_KIND, int8_blocks
 from inflight.model.kernels import cpu_kernels
 
 BACKENDS = ("inflight", "onednn", "torch")
@@ -96,7 +97,17 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # GGUF types the block matmuls read as integers (all but the 16-bit ones).
 INTEGER_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-                       "IQ4_NL", "IQ4_XS")
+                       "IQ4_NL", "IQ4_XS", *GRID_TYPES)
+
+
+def pack_gguf_blocks(kernels: ModuleType, parts: list[torch.Tensor], kinds: list[str], k: int,
+                     int8_activations: bool = False, bf16_activations: bool = False) -> torch.Tensor:
+    """The kernels' packing of a matrix's parts (GGUF rows of `kinds`, `loader.BLOCK_TYPES`), the
+    grid and ternary types' first decoded into int8 blocks (`grid_quants`)."""
+    decoded = [int8_blocks(kind, part) if kind in GRID_TYPES else part for kind, part in zip(kinds, parts, strict=True)]
+    return kernels.pack_gguf_blocks([p.contiguous() for p in decoded],
+                                    [INT8_KIND if kind in GRID_TYPES else kind for kind in kinds], k,
+                                    int8_activations, bf16_activations)
 
 
 def check_bf16_activations(blocks: dict[str, tuple[str, torch.Tensor]], kept: bool) -> None:
@@ -184,8 +195,7 @@ class Linear:
         parts = [raw] if isinstance(raw, torch.Tensor) else raw
         kinds = [kinds] * len(parts) if isinstance(kinds, str) else list(kinds)
         try:
-            return self._kernels.pack_gguf_blocks([p.contiguous() for p in parts], kinds, self.in_features,
-                                                  int8_activations, bf16_activations)
+            return pack_gguf_blocks(self._kernels, parts, kinds, self.in_features, int8_activations, bf16_activations)
         except RuntimeError as err:  # blocks the packing cannot hold (a Q4_0 scale past fp16's range)
             raise ModelLoadError(str(err).splitlines()[0]) from None
 

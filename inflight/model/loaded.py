@@ -12,6 +12,7 @@ import torch
 
 from inflight.config import EngineConfig
 from inflight.model import packed_cache
+from inflight.model.grid_quants import GRID_TYPES
 from inflight.model.kernels import cpu_kernels
 from inflight.model.linear import (
     INTEGER_BLOCK_TYPES,
@@ -85,6 +86,8 @@ def _say_arithmetic(blocks: dict[str, tuple[str, torch.Tensor]], quantization: s
     if not kinds:
         return
     counts = ", ".join(f"{n} {kind}" for kind, n in kinds.most_common())
+    if any(kind in GRID_TYPES for kind in kinds):
+        counts += "; the grid and ternary types as int8 values decoded from their blocks"
     if quantization == "int8-activations":
         logger.info("matrices kept as stored (%s) multiply int8 activations, as llama.cpp does", counts)
     elif quantization == "none":

@@ -1599,6 +1599,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
 //   Q6K16     256  16         no      6-bit   0.820           Q6_K, Q3_K with int8 activations only
 //   IQ4x32    32   -          no      table   0.5625          IQ4_NL (0.5625)
 //   IQ4K      256  32         no      table   0.539           IQ4_XS (0.5312)
+//   I8K16     256  16         no      int8    1.078           IQ1_S-IQ3_S, TQ1_0, TQ2_0 (0.195-0.430), decoded
 //   F16x32    32   -          -       fp16    2               F16
 //   BF16x32   32   -          -       bf16    2               BF16
 //
@@ -1613,6 +1614,11 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
 // kernel turns 16 of them into their int8 values (kIQ4Values, w = d * value) with one byte
 // shuffle, then reads them as the int8 layouts' values. IQ4_XS's sub-block scales are signed
 // (6 bits, minus 32): d = D * scale times a value of at most 7 bits is exact in fp32, as gguf's.
+//
+// I8K16 holds what model/grid_quants.py decodes the grid and ternary types into (they index
+// codebooks, which no kernel here reads): per 256 weights D = d / 8 in fp32 (no exact fp16 form
+// where d is small), per 16 an odd int8 scale of at most 31, int8 values of at most 124; D * scale
+// times a value is exact in fp32, as gguf's d * (scale / 8) * value.
 
 #if defined(__AVX2__)
 namespace {
@@ -1641,16 +1647,17 @@ constexpr int64_t kQRegisterRows = 5;
 enum class Values { kNibble, kInt8, kSixBit, kHalf, kBFloat16, kBFloat16Pairs, kNibbleTable };
 
 // K weights a block, in sub-blocks of Sub (Sub < K: a K-quant's super-block, with integer
-// scales per sub-block, signed where SignedScales).
-template <int64_t K, int64_t Sub, bool Min, Values V, bool SignedScales = false>
+// scales per sub-block, signed where SignedScales); D (d) in fp32 where FloatD, else in fp16.
+template <int64_t K, int64_t Sub, bool Min, Values V, bool SignedScales = false, bool FloatD = false>
 struct Layout {
+  static_assert(!(FloatD && Min), "fp32 scales without minima only");
   static constexpr int64_t kK = K, kSub = Sub, kSubBlocks = K / Sub;
-  static constexpr bool kMin = Min, kSuper = Sub < K, kSignedScales = SignedScales;
+  static constexpr bool kMin = Min, kSuper = Sub < K, kSignedScales = SignedScales, kFloatD = FloatD;
   static constexpr Values kValues = V;
   static constexpr bool kScaled =
       V == Values::kNibble || V == Values::kInt8 || V == Values::kSixBit || V == Values::kNibbleTable;
   static constexpr bool kFourBit = V == Values::kNibble || V == Values::kNibbleTable;  // 8 bytes a k-row
-  static constexpr int64_t kFloatScaleBytes = kScaled ? (Min ? 2 : 1) * kQCols * 2 : 0;  // d (m) or D (Dmin), fp16
+  static constexpr int64_t kFloatScaleBytes = kScaled ? (Min ? 2 : 1) * kQCols * (FloatD ? 4 : 2) : 0;  // d (m) or D (Dmin)
   static constexpr int64_t kScaleBytes = kFloatScaleBytes + (kSuper ? (Min ? 2 : 1) * kSubBlocks * kQCols : 0);
   static constexpr int64_t kSubValueBytes =
       Sub * kQCols * (kFourBit ? 2 : V == Values::kSixBit ? 3 : V == Values::kInt8 ? 4 : 8) / 4;
@@ -1671,6 +1678,9 @@ using BF16x32 = Layout<32, 32, false, Values::kBFloat16>;
 using BF16P = Layout<32, 32, false, Values::kBFloat16Pairs>;
 using IQ4x32 = Layout<32, 32, false, Values::kNibbleTable>;
 using IQ4K = Layout<256, 32, false, Values::kNibbleTable, true>;
+// The grid and ternary types (IQ1-IQ3, TQ), decoded at load into int8 values (model/grid_quants.py):
+// D = d / 8 has no exact fp16 form where d is small, so it is kept in fp32.
+using I8K16 = Layout<256, 16, false, Values::kInt8, true, true>;
 
 // IQ4_NL's (and IQ4_XS's) 16 values, which its 4-bit indices select.
 constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -1684,7 +1694,8 @@ struct IQ4Biased {
 constexpr IQ4Biased kIQ4Biased{};
 
 enum class LayoutId : int64_t {
-  kQ4x32m, kQ8x32, kQ8x32m, kQ4K, kQ8K, kQ8K16, kQ4K16m, kF16x32, kBF16x32, kQ6K16, kBF16P, kIQ4x32, kIQ4K, kCount
+  kQ4x32m, kQ8x32, kQ8x32m, kQ4K, kQ8K, kQ8K16, kQ4K16m, kF16x32, kBF16x32, kQ6K16, kBF16P, kIQ4x32, kIQ4K, kI8K16,
+  kCount
 };
 
 // fn(layout), called with a value of the layout's type.
@@ -1704,6 +1715,7 @@ void with_layout(LayoutId id, F&& fn) {
     case LayoutId::kBF16P: return fn(BF16P{});
     case LayoutId::kIQ4x32: return fn(IQ4x32{});
     case LayoutId::kIQ4K: return fn(IQ4K{});
+    case LayoutId::kI8K16: return fn(I8K16{});
     default: TORCH_CHECK(false, "unknown block layout");
   }
 }
@@ -1715,7 +1727,10 @@ int64_t panel_bytes(LayoutId id, int64_t K) {
   return bytes;
 }
 
-enum class GgufType { kQ4_0, kQ4_1, kQ4_K, kQ5_0, kQ8_0, kQ5_1, kQ5_K, kQ6_K, kQ3_K, kQ2_K, kF16, kBF16, kIQ4_NL, kIQ4_XS };
+// kI8K16: not a GGUF type but the int8 form model/grid_quants.py decodes IQ1-IQ3 and TQ into: per
+// 256 weights D (fp32), 16 int8 scales, 256 int8 values (w = D * scale * value).
+enum class GgufType { kQ4_0, kQ4_1, kQ4_K, kQ5_0, kQ8_0, kQ5_1, kQ5_K, kQ6_K, kQ3_K, kQ2_K, kF16, kBF16, kIQ4_NL, kIQ4_XS,
+                      kI8K16 };
 
 // A GGUF type as stored: the bytes and weights of one of its blocks (a super-block of 256 for
 // the K-quants), and the layout it is packed into.
@@ -1733,11 +1748,12 @@ FileType file_type(const std::string& name) {
       {"Q5_K", {GgufType::kQ5_K, LayoutId::kQ8K, 176, 256}},   {"Q6_K", {GgufType::kQ6_K, LayoutId::kQ8K16, 210, 256}},
       {"Q3_K", {GgufType::kQ3_K, LayoutId::kQ8K16, 110, 256}},  {"Q2_K", {GgufType::kQ2_K, LayoutId::kQ4K16m, 84, 256}},
       {"F16", {GgufType::kF16, LayoutId::kF16x32, 64, 32}},     {"BF16", {GgufType::kBF16, LayoutId::kBF16x32, 64, 32}},
-      {"IQ4_NL", {GgufType::kIQ4_NL, LayoutId::kIQ4x32, 18, 32}}, {"IQ4_XS", {GgufType::kIQ4_XS, LayoutId::kIQ4K, 136, 256}}};
+      {"IQ4_NL", {GgufType::kIQ4_NL, LayoutId::kIQ4x32, 18, 32}}, {"IQ4_XS", {GgufType::kIQ4_XS, LayoutId::kIQ4K, 136, 256}},
+      {"I8K16", {GgufType::kI8K16, LayoutId::kI8K16, 276, 256}}};
   for (const auto& [known, type] : types)
     if (known == name) return type;
   TORCH_CHECK(false, "unsupported block type ", name,
-              " (Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, IQ4_NL, IQ4_XS, F16, BF16)");
+              " (Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, IQ4_NL, IQ4_XS, F16, BF16, I8K16)");
 }
 
 float half_at(const uint8_t* p);
@@ -1895,6 +1911,10 @@ void read_super_block(const FileType& file, const uint8_t* row, int64_t b, float
       for (int s = 0; s < 8; ++s) scale[s] = (((in[4 + s / 2] >> (4 * (s % 2))) & 0x0F) | (((high >> (2 * s)) & 3) << 4)) - 32;
       return;
     }
+    case GgufType::kI8K16:
+      std::memcpy(&D, in, sizeof(float));
+      for (int s = 0; s < 16; ++s) scale[s] = static_cast<int8_t>(in[4 + s]);
+      return;
     default:
       TORCH_CHECK(false, "not a K-quant");
   }
@@ -1952,6 +1972,9 @@ void read_super_values(const FileType& file, const uint8_t* row, int64_t b, uint
           q[s * 32 + 16 + e] = in[8 + s * 16 + e] >> 4;
         }
       return;
+    case GgufType::kI8K16:
+      std::memcpy(q, in + 20, 256);
+      return;
     default: {  // Q3_K, Q2_K: sub-blocks of 16, one at a time
       float d, m;
       for (int64_t sub = 0; sub < 16; ++sub) read_block(file, row, b * 16 + sub, d, m, q + sub * 16);
@@ -1993,8 +2016,13 @@ template <class L>
 struct BlockScales {
   __m256 d0 = _mm256_setzero_ps(), d1 = _mm256_setzero_ps(), m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
   BlockScales(const uint8_t* blk, int64_t sub) {
-    if constexpr (L::kScaled) {
+    if constexpr (L::kFloatD) {
+      const float* D = reinterpret_cast<const float*>(blk);
+      d0 = _mm256_loadu_ps(D), d1 = _mm256_loadu_ps(D + 8);
+    } else if constexpr (L::kScaled) {
       d0 = halves(blk), d1 = halves(blk + 16);
+    }
+    if constexpr (L::kScaled) {
       if constexpr (L::kMin) m0 = halves(blk + 32), m1 = halves(blk + 48);
       if constexpr (L::kSuper) {
         const uint8_t* integers = blk + L::kFloatScaleBytes + sub * kQCols;
@@ -2124,7 +2152,8 @@ struct BlockScales512 {
   __m512 d = _mm512_setzero_ps(), m = _mm512_setzero_ps();
   BlockScales512(const uint8_t* blk, int64_t sub) {
     if constexpr (L::kScaled) {
-      d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+      d = L::kFloatD ? _mm512_loadu_ps(reinterpret_cast<const float*>(blk))
+                     : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
       if constexpr (L::kMin) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
       if constexpr (L::kSuper) {
         const uint8_t* integers = blk + L::kFloatScaleBytes + sub * kQCols;
@@ -2423,7 +2452,11 @@ torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor> parts, std::vector<std
               float D, Dmin = 0.0f;
               int scale[16], minimum[16] = {};
               read_super_block(file, in, b, D, Dmin, scale, minimum);
-              scales[j] = exact_half(D);
+              if constexpr (L::kFloatD) {
+                std::memcpy(out + j * sizeof(float), &D, sizeof(float));
+              } else {
+                scales[j] = exact_half(D);
+              }
               if constexpr (L::kMin) scales[kQCols + j] = exact_half(Dmin);
               uint8_t* integers = out + L::kFloatScaleBytes;
               for (int64_t sub = 0; sub < L::kSubBlocks; ++sub) {
@@ -2612,7 +2645,7 @@ torch::Tensor gguf_blocks_dequantize(torch::Tensor packed) {
 // Q6_K's shifted by 32) into vpmaddubsw as they are, several groups' pairs summed in int16 first.
 // Where the CPU has vpdpbusd on 256 bits (AVX-512 VNNI, AVX-VNNI), it takes the place of those
 // three instructions, and signed quants go in as q + 128, unsigned, 128 sum qx taken off after
-// (Q8_0's and Q5_0's only in steps of more than kA8BiasRows rows); integer sums either way, so the
+// (Q8_0's, Q5_0's and I8K16's only in steps of more than kA8BiasRows rows); integer sums either way, so the
 // same dot bit for bit. The INFLIGHT_EMULATE_AVX_VNNI build tests that branch on any AVX2 CPU.
 
 namespace {
@@ -2703,7 +2736,7 @@ void a8_micro(const int8_t* __restrict xq, const float* __restrict sx, const int
   const int64_t groups = K / kA8Group, sums = K / 16;
   [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   // The quants' range: 4-bit 0..15; Q5_K's and Q5_1's 0..31; Q6_K's (q - 32) and Q3_K's (q - 4),
-  // the signed layout of sub-blocks of 16, shifted by 32 into 0..63; Q8_0's, Q5_0's and IQ4's signed.
+  // the signed layout of sub-blocks of 16, shifted by 32 into 0..63; Q8_0's, Q5_0's, IQ4's and I8K16's signed.
   // Q6K16 holds those quants as q (0..63) already, not shifted at the unpack.
   constexpr bool kShifted = std::is_same_v<L, Q8K16> || std::is_same_v<L, Q6K16>;
   constexpr int kShift = kShifted ? 32 : 0;
@@ -2714,7 +2747,7 @@ void a8_micro(const int8_t* __restrict xq, const float* __restrict sx, const int
   static_assert(kUnsignedMax == 0 || (L::kSub / 4) % kFlush == 0, "whole flushes a sub-block");
   [[maybe_unused]] const __m256i shift = _mm256_set1_epi8(static_cast<char>(kUnpackShift));
 #if defined(INFLIGHT_DPBUSD256)
-  // Signed quants (IQ4's values; Q8_0's and Q5_0's where kBiasInt8) go into vpdpbusd biased by
+  // Signed quants (IQ4's values; Q8_0's, Q5_0's and I8K16's where kBiasInt8) go into vpdpbusd biased by
   // 128, unsigned (its int32 sums cannot saturate, as vpmaddubsw's int16 pairs would), less 128
   // sum qx after: no |qw| and no sign per row. IQ4's table has them made; q + 128 is q with its
   // top bit flipped, which pays in steps of many rows only (a8_rows): else |qw| times qx
@@ -2787,7 +2820,7 @@ void a8_micro(const int8_t* __restrict xq, const float* __restrict sx, const int
             a1[r] = _mm256_add_epi32(a1[r], _mm256_madd_epi16(h1[r], ones));
           }
         }
-      } else {  // signed quants of up to 8 bits (Q8_0, Q5_0, IQ4_NL, IQ4_XS)
+      } else {  // signed quants of up to 8 bits (Q8_0, Q5_0, IQ4_NL, IQ4_XS, I8K16)
         for (int64_t g = 0; g < L::kSub / 4; ++g) {
           __m256i c0, c1;
           a8_unpack<L>(q, g, c0, c1);
@@ -2836,7 +2869,7 @@ void a8_micro(const int8_t* __restrict xq, const float* __restrict sx, const int
   }
 }
 
-// Steps of more rows than this take Q8_0's and Q5_0's quants biased by 128 into vpdpbusd (a8_micro):
+// Steps of more rows than this take Q8_0's, Q5_0's and I8K16's quants biased by 128 into vpdpbusd (a8_micro):
 // two 1B-shaped layers of Q8_0 1.14x at 16 rows and 1.28x at 64 (`kernels_bench.py --against`, 2 AMD
 // EPYC Zen 4 cores); a variant biased from 2 rows on ran 0.89-0.95x at 4 (bound by memory there).
 constexpr int64_t kA8BiasRows = 8;
