@@ -45,7 +45,7 @@ VOCAB = 320
 
 # the types `llama-quantize` makes of the llama256 checkpoint, by its own names: each keeps output.weight
 # in Q6_K, and the _M mixes and Q2_K widen some more tensors
-QUANT_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL")
+QUANT_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL", "IQ3_M", "TQ1_0", "TQ2_0")
 
 # architecture -> (transformers class prefix, the config's settings beyond the shared ones)
 ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {

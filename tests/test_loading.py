@@ -1155,13 +1155,14 @@ def test_gguf_tensor_types_match_transformers(tmp_path, types):
 
 # llama.cpp's own quantizer's files (tests/fixtures/quantized)
 QUANTIZED_FIXTURES = ["llama256-Q4_K_M", "llama256-Q5_K_M", "llama256-Q6_K", "llama256-Q3_K_M", "llama256-Q2_K",
-                      "llama256-IQ4_XS", "llama256-IQ4_NL"]
+                      "llama256-IQ4_XS", "llama256-IQ4_NL", "llama256-IQ3_M", "llama256-TQ1_0", "llama256-TQ2_0"]
 
 
 @pytest.mark.parametrize("name", QUANTIZED_FIXTURES)
 def test_llama_cpp_k_quant_files_match_transformers(name):
-    """llama.cpp's own quantizer's files (K-quant mixes, IQ4_XS, IQ4_NL), loaded as the engine loads them, their
-    matrices kept in their blocks: the logits transformers computes from the same file."""
+    """llama.cpp's own quantizer's files (K-quant mixes, IQ4_XS, IQ4_NL, IQ3_M, TQ1_0, TQ2_0), loaded as the engine
+    loads them, their matrices kept in their blocks (IQ3_M's IQ3_S and the TQ types decoded into int8 ones): the
+    logits transformers computes from the same file."""
     from converter_fixtures import QUANTIZED
     from transformers import AutoModelForCausalLM
 
@@ -1303,7 +1304,7 @@ def test_matrices_kept_in_gguf_blocks_compute_the_fp32_logits_bit_for_bit(tmp_pa
     few rows and of many are exactly those of the fully dequantized model. Phi-3's partial rotary
     reorders the blocks' rows as it does the weights'. Routed experts stay in their blocks too,
     each expert's rows a view of the stack's (a MoE model's widened experts would outweigh
-    the rest). The llama256 files are llama.cpp's own quantizer's K-quant mixes and IQ4 files: every matrix
+    the rest). The llama256 files are llama.cpp's own quantizer's K-quant, IQ and TQ files: every matrix
     stays in its blocks."""
     from converter_fixtures import FIXTURES, QUANTIZED
 
