@@ -1069,8 +1069,8 @@ def _k_quant_bytes(rng: np.random.Generator, rows: int, cols: int, kind: str) ->
     return blocks.reshape(rows, -1)
 
 
-# The grid types as llama.cpp's IQ2/IQ3 mixes put them side by side (IQ3_M: IQ3_S with IQ4_XS; IQ2_M:
-# IQ2_S with IQ3_S), a fused q/k/v of three; and the ternary ones.
+# The grid types side by side and beside other types, as llama.cpp's IQ2 and IQ3 mixes put them (its
+# IQ3_M: IQ3_S beside Q4_K), a fused q/k/v of three grid types; and the ternary ones.
 MIX_GRID = {"embd": "IQ4_XS", "q": "IQ2_XXS", "k": "IQ3_XXS", "v": "IQ3_S", "o": "IQ2_XS", "gate": "IQ1_S",
             "up": "IQ1_M", "down": "IQ2_S"}
 MIX_TERNARY = {"embd": "TQ2_0", "q": "TQ1_0", "k": "TQ2_0", "v": "TQ2_0", "o": "TQ1_0", "gate": "TQ2_0", "up": "TQ1_0",

@@ -2,15 +2,16 @@
 IQ3_S, TQ1_0 and TQ2_0, for the block matmuls (`csrc`: the I8K16 layout).
 
 These types store 1.56 to 3.44 bits a weight as indices into codebooks (grids of 4 or 8 values),
-signs and a 3- or 4-bit scale per 16 or 32 weights (TQ: ternary digits, one scale per 256). Every weight they stand for is a small integer times
-its sub-block's scale: w = d * s * v / 8, with d the super-block's fp16 scale, s an odd integer of
-at most 31 and |v| at most 124 (IQ2's grid values times their signs, IQ3_XXS's doubled, IQ3_S's and
-the ternary types' times 8, IQ1's 8 g +- 1 for its grid value g and its delta of 1/8). Each such
-product is exact in fp32, as gguf-py's dequantization computes it, so (d / 8, s, v) in fp32, int8
-and int8 holds every weight bit for bit. The values come from gguf-py's own dequantization (its
-grids, not a copy of them) divided by the scales read here; a block whose quotients are not
-integers of int8's range is refused, never rounded. Kept so, a weight takes 1.08 bytes (the int8
-layout's size) instead of fp32's 4: an 8B model of these types fits in about 9 GB.
+signs and a 3- or 4-bit scale per 16 or 32 weights (TQ: ternary digits, one scale per 256). Every
+weight they stand for is a small integer times its sub-block's scale: w = d * s * v / 8, with d the
+super-block's fp16 scale, s an odd integer of at most 31 and |v| at most 124 (IQ2's grid values
+times their signs, IQ3_XXS's doubled, IQ3_S's and the ternary types' times 8, IQ1's 8 g +- 1 for
+its grid value g and its delta of 1/8). Each such product is exact in fp32, as gguf-py's
+dequantization computes it, so (d / 8, s, v) in fp32, int8 and int8 holds every weight bit for bit.
+The values come from gguf-py's own dequantization (its grids, not a copy of them) divided by the
+scales read here; a block whose quotients are not integers of int8's range is refused, never
+rounded. Kept so, a weight takes 1.08 bytes (the int8 layout's size) instead of fp32's 4: an 8B
+model of these types fits in about 9 GB.
 
 Decoding runs once per load (gguf-py's numpy, 3-32 ns a weight by type, and the check); for a
 file of 512 MiB or more `packed_cache` keeps the packing for the next load.
