@@ -13,7 +13,7 @@ scales read here; a block whose quotients are not integers of int8's range is re
 rounded. Kept so, a weight takes 1.08 bytes (the int8 layout's size) instead of fp32's 4: an 8B
 model of these types fits in about 9 GB.
 
-Decoding runs once per load (gguf-py's numpy, 3-32 ns a weight by type, and the check); for a
+Decoding runs once per load, on one thread (gguf-py's numpy: docs/models.md gives its time); for a
 file of 512 MiB or more `packed_cache` keeps the packing for the next load.
 """
 
@@ -53,26 +53,28 @@ def _nibbles(scales: np.ndarray) -> np.ndarray:
 def _d_and_scales(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each super-block's d (fp32, from its fp16) and its 16 sub-blocks' odd integer scales s, such
     that every weight of sub-block j is d * s[j] / 8 times an integer (see the module's text)."""
+    d = _fp16(blocks, 0)
     if kind in ("IQ2_XXS", "IQ3_XXS"):  # 4-bit ls in the top of a uint32 per 32 weights
-        words = _u32(blocks, 2, 16)[:, 1::2] if kind == "IQ2_XXS" else _u32(blocks, 66, 8)
-        per32 = 2 * (words >> 28).astype(np.int32) + 1
-        return _fp16(blocks, 0), np.repeat(per32, 2, axis=1)
-    if kind in ("IQ2_XS", "IQ2_S"):  # 4-bit ls per 16 weights, low nibble first
+        ls = (_u32(blocks, 2, 16)[:, 1::2] if kind == "IQ2_XXS" else _u32(blocks, 66, 8)) >> 28
+    elif kind in ("IQ2_XS", "IQ2_S"):  # 4-bit ls per 16 weights, low nibble first
         at = 66 if kind == "IQ2_XS" else 74
-        return _fp16(blocks, 0), 2 * _nibbles(blocks[:, at:at + 8]).astype(np.int32) + 1
-    if kind == "IQ3_S":  # d (1 + 2 ls) per 32 weights
-        return _fp16(blocks, 0), np.repeat(2 * _nibbles(blocks[:, 106:110]).astype(np.int32) + 1, 2, axis=1)
-    if kind == "IQ1_S":  # 2 ls + 1 from bits 12-14 of qh, per 32 weights
-        return _fp16(blocks, 0), np.repeat(2 * ((_u16(blocks, 34, 8) >> 12) & 7).astype(np.int32) + 1, 2, axis=1)
-    if kind == "IQ1_M":  # d in the top nibbles of the four scale words; 3-bit scales per 16 weights
+        ls = _nibbles(blocks[:, at:at + 8])
+    elif kind == "IQ3_S":  # 4-bit ls per 32 weights, low nibble first
+        ls = _nibbles(blocks[:, 106:110])
+    elif kind == "IQ1_S":  # 3-bit ls in bits 12-14 of qh, per 32 weights
+        ls = (_u16(blocks, 34, 8) >> 12) & 7
+    elif kind == "IQ1_M":  # d in the top nibbles of the four scale words; 3-bit ls per 16 weights
         words = _u16(blocks, 48, 4)
         bits = (words[:, 0] >> 12) | ((words[:, 1] >> 8) & 0xF0) | ((words[:, 2] >> 4) & 0xF00) | (words[:, 3] & 0xF000)
-        scales = (words[:, :, None] >> np.array([0, 3, 6, 9], dtype=np.uint16)) & 7
         d = bits.astype(np.uint16).view(np.float16).astype(np.float32)
-        return d, 2 * scales.reshape(len(blocks), -1).astype(np.int32) + 1
-    if kind in ("TQ1_0", "TQ2_0"):  # d * t, t in {-1, 0, 1} (TQ2_0's 2 bits also allow 2)
-        return _fp16(blocks, 52 if kind == "TQ1_0" else 64), np.ones((len(blocks), _SUBS), np.int32)
-    raise ValueError(f"not a grid or ternary type: {kind}")
+        ls = ((words[:, :, None] >> np.array([0, 3, 6, 9], dtype=np.uint16)) & 7).reshape(len(blocks), -1)
+    elif kind in ("TQ1_0", "TQ2_0"):  # d * t, t in {-1, 0, 1} (TQ2_0's 2 bits also allow 2): s = 1
+        d = _fp16(blocks, 52 if kind == "TQ1_0" else 64)
+        ls = np.zeros((len(blocks), _SUBS), np.int32)
+    else:
+        raise ValueError(f"not a grid or ternary type: {kind}")
+    s = 2 * ls.astype(np.int32) + 1  # every type's scale is 2 ls + 1 (IQ2's (0.5 + ls) / 4 times 8, ...)
+    return d, s if s.shape[1] == _SUBS else np.repeat(s, _SUBS // s.shape[1], axis=1)  # per 32: each half alike
 
 
 def int8_blocks(kind: str, raw: torch.Tensor) -> torch.Tensor:
@@ -88,7 +90,7 @@ def int8_blocks(kind: str, raw: torch.Tensor) -> torch.Tensor:
     blocks = raw.numpy().reshape(-1, block_bytes)
     out = np.empty((len(blocks), 4 + _SUBS + _SUPER), np.uint8)
 
-    for first in range(0, len(blocks), _CHUNK):  # (in parallel no faster: gguf-py's many small numpy calls)
+    for first in range(0, len(blocks), _CHUNK):
         part = blocks[first:first + _CHUNK]
         d, scales = _d_and_scales(kind, part)
         big_d = d * np.float32(0.125)
