@@ -171,6 +171,24 @@ def test_chat_takes_a_conversation_or_several_as_vllm_does(make_llm):
         llm.chat(["Say hello."], params)
 
 
+def test_generate_takes_vllms_prompt_dicts(make_llm):
+    """vLLM's TextPrompt and TokensPrompt ({"prompt": ...}, {"prompt_token_ids": ...}), alone or in
+    a list: the same outputs as the text or ids themselves; another key is refused by name."""
+    llm = make_llm()
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    text = llm.generate(PROMPTS[0], params)[0]
+    ids = llm.generate(text.prompt_token_ids, params)[0]
+    assert llm.generate({"prompt": PROMPTS[0]}, params)[0].token_ids == text.token_ids
+    both = llm.generate([{"prompt": PROMPTS[1]}, {"prompt_token_ids": text.prompt_token_ids}], params)
+    assert both[0].token_ids == llm.generate(PROMPTS[1], params)[0].token_ids
+    assert both[1].token_ids == ids.token_ids and both[1].prompt_token_ids == text.prompt_token_ids
+    with pytest.raises(ValueError, match="multi_modal_data"):
+        llm.generate({"prompt": PROMPTS[0], "multi_modal_data": {}}, params)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate([{"prompt": PROMPTS[0]}, {"prompt_token_ids": "not ids"}], params)
+    assert not llm.engine.has_unfinished()  # a refused batch adds none of its prompts
+
+
 def test_penalties_change_repetitive_output(make_llm):
     llm = make_llm()
     prompt = "one one one one one one one one"

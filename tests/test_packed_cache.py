@@ -95,6 +95,29 @@ def test_a_changed_file_another_form_or_a_bad_cache_file_packs_again(cache: Path
         assert greedy(load(str(model))) == greedy(second)
 
 
+def test_the_copies_of_deleted_or_changed_files_are_removed_when_another_is_kept(cache: Path,
+                                                                                 tmp_path: Path) -> None:
+    """A kept copy no load can map again (its model file deleted, or changed since, in any form)
+    is removed when the next copy is written; the copies of files still as they were stay."""
+    models = {name: tmp_path / f"{name}.gguf" for name in ("deleted", "changed", "same", "next")}
+    for model in models.values():
+        shutil.copy(resolve_model(None).path, model)
+    kept = {}
+    for name in ("deleted", "changed", "same"):
+        load(str(models[name]), quantization="int8" if name == "changed" else "none")
+        (kept[name],) = set(cache.glob("*.bin")) - set(kept.values())
+    foreign = cache / "notes.bin"
+    foreign.write_bytes(b"not a packed-weights file")
+    models["deleted"].unlink()
+    stat = models["changed"].stat()
+    os.utime(models["changed"], ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert all(path.exists() for path in kept.values())  # nothing happens until a copy is written
+    load(str(models["next"]))
+    assert not kept["deleted"].exists() and not kept["changed"].exists()
+    assert kept["same"].exists() and foreign.exists() and len(list(cache.glob("*.bin"))) == 3
+    assert not kept["deleted"].with_suffix(".lock").exists()
+
+
 def test_the_cache_can_be_turned_off_and_small_files_are_not_kept(cache: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("INFLIGHT_PACKED_CACHE", "off")

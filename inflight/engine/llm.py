@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +12,9 @@ from inflight.model.loaded import LoadedModel
 from inflight.model.tokenizer import ChatMessage
 from inflight.request import FinishReason, RequestTimings, SamplingParams, TokenLogprobs
 
-Prompt = str | Sequence[int] | Sequence[ChatMessage]
+# A string, token ids, a chat conversation, or vLLM's prompt dicts: {"prompt": text} (its
+# TextPrompt) or {"prompt_token_ids": ids} (its TokensPrompt).
+Prompt = str | Sequence[int] | Sequence[ChatMessage] | Mapping[str, Any]
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,8 @@ class LLM:
         priority: int | Sequence[int] = 0,
     ) -> list[CompletionOutput]:
         """Runs every prompt to completion, all in one continuous batch. A prompt is a string,
-        a list of token ids, or a chat conversation (a list of {"role", "content"} dicts).
+        a list of token ids, a chat conversation (a list of {"role", "content"} dicts), or one of
+        vLLM's prompt dicts: {"prompt": text} or {"prompt_token_ids": ids}.
         Without `params`, the model's own sampling defaults (its generation config; vLLM's
         `get_default_sampling_params`). `priority`: one for all prompts or one each (lower is more
         urgent; the priority scheduling policy only)."""
@@ -68,6 +71,7 @@ class LLM:
         if len(priorities) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(priorities)} priorities")
         engine = self.engine
+        batch = [_unwrap(prompt) for prompt in batch]  # checked before any is added
         requests = []
         for prompt, p, rank in zip(batch, param_list, priorities, strict=True):
             if _is_chat(prompt):
@@ -116,10 +120,28 @@ class LLM:
 
 def _is_chat(prompt: Any) -> bool:
     return isinstance(prompt, Sequence) and not isinstance(prompt, str) and bool(prompt) \
-        and isinstance(prompt[0], dict)
+        and isinstance(prompt[0], Mapping) and "role" in prompt[0]
+
+
+def _unwrap(prompt: Any) -> Any:
+    """The text or token ids of vLLM's prompt dicts (TextPrompt, TokensPrompt); any other prompt
+    as it is. A dict with another key (multi-modal data, embeddings) is refused by name."""
+    if not isinstance(prompt, Mapping):
+        return prompt
+    keys = set(prompt)
+    if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+        return prompt["prompt"]
+    ids = prompt.get("prompt_token_ids")
+    if keys == {"prompt_token_ids"} and isinstance(ids, Sequence) and not isinstance(ids, str) \
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        return list(ids)
+    if keys - {"prompt", "prompt_token_ids"}:
+        raise ValueError(f"a prompt dict with {', '.join(sorted(keys - {'prompt', 'prompt_token_ids'}))}: "
+                         "inflight takes {'prompt': text} or {'prompt_token_ids': [ids]} (text only)")
+    raise ValueError("a prompt dict holds one of 'prompt' (a string) or 'prompt_token_ids' (a list of ints)")
 
 
 def _is_single(prompts: Any) -> bool:
-    if isinstance(prompts, str) or _is_chat(prompts):
+    if isinstance(prompts, str | Mapping) or _is_chat(prompts):
         return True
     return isinstance(prompts, Sequence) and bool(prompts) and isinstance(prompts[0], int)

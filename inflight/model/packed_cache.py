@@ -14,7 +14,8 @@ a restart costs a page-table walk instead of a repacking, and processes serving 
 The copy is written in a thread of its own (`keep`), so the first load returns once the model
 is packed and the engine serves while the copy goes to disk; a process exits only once its copy
 is whole, and a copy left half-written by a killed process is removed by the next one written
-beside it. `INFLIGHT_PACKED_CACHE=off` turns it off. The cache is only ever a copy of what this
+beside it, as are the copies of model files since deleted or changed (no load maps them again).
+`INFLIGHT_PACKED_CACHE=off` turns it off. The cache is only ever a copy of what this
 build packs from this file (its key names both), and a file that cannot be read, written or
 trusted is ignored: the model is then packed as without it.
 """
@@ -169,6 +170,41 @@ def _remove_abandoned(directory: Path) -> None:
             continue
 
 
+def _source_gone(kept: Path) -> bool:
+    """Whether `kept` is a packed-weights file of a model file since deleted or changed: no load
+    can use it again (its key names the file's path, size and mtime). A file that is not one of
+    ours, or cannot be read, is not."""
+    try:
+        with open(kept, "rb") as f:
+            head = f.read(16)
+            if head[:8] != _MAGIC:
+                return False
+            key = json.loads(json.loads(f.read(int.from_bytes(head[8:16], "little")))["key"])  # `locate`'s
+        where, size, mtime_ns = key[:3]
+        source = Path(where)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    try:
+        stat = source.stat()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return (stat.st_size, stat.st_mtime_ns) != (size, mtime_ns)
+
+
+def _remove_orphans(directory: Path) -> None:
+    """Removes the kept files of model files since deleted or changed, each several GB that no
+    load would map again (a file changed or another form of it is replaced when next kept; a
+    deleted one's copy would stay for good)."""
+    for kept in directory.glob("*.bin"):
+        if _source_gone(kept):
+            for path in (kept, kept.with_suffix(".lock")):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            logger.info("packed weights %s removed: their model file is gone or changed", kept)
+
+
 def write(entry: CacheEntry, tensors: dict[str, torch.Tensor]) -> None:
     """Keeps `tensors` (1-D uint8 or int8 packings) for the next load: written whole to a
     temporary file, then renamed over the entry, and the files kept for earlier versions of the
@@ -208,6 +244,7 @@ def _write(entry: CacheEntry, tensors: dict[str, torch.Tensor]) -> None:
             start = -(-(16 + len(header)) // _ALIGN) * _ALIGN
         offset = start + size
         _remove_abandoned(entry.path.parent)
+        _remove_orphans(entry.path.parent)
         if shutil.disk_usage(entry.path.parent).free < 2 * offset:
             logger.info("packed weights not kept: %s lacks %.1f GB of room", entry.path.parent, 2 * offset / 1e9)
             return
