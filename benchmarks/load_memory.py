@@ -66,10 +66,12 @@ def main() -> int:
         print(f"{source.name} ({source.kind}, quantization {args.quantization}, "
               f"{footprint.num_parameters / 1e6:.0f}M parameters, "
               f"file(s) {sum(p.stat().st_size for p in _files(source)) / 1e6:.0f} MB)")
-        mapped = packed_cache.locate(source, args.quantization, cpu_kernels())
-        print(f"  load: {runs[0]['seconds']:.1f} s first (its packed weights on disk {runs[0]['kept_after']:.1f} s "
-              f"after it began), {runs[1]['seconds']:.1f} s cached "
-              f"({'packed weights mapped from ' + str(mapped.path) if mapped else 'no packed-weights cache'}), "
+        entry = packed_cache.locate(source, args.quantization, cpu_kernels())
+        kept = entry is not None and packed_cache.kept_bytes(entry) > 0  # not where the disk lacked room
+        print(f"  load: {runs[0]['seconds']:.1f} s first ("
+              + (f"its packed weights on disk {runs[0]['kept_after']:.1f} s after it began" if kept
+                 else "no packed weights kept") + f"), {runs[1]['seconds']:.1f} s cached ("
+              + (f"packed weights mapped from {entry.path}" if kept and entry else "packed again") + "), "
               f"{runs[2]['seconds']:.1f} s packing again (INFLIGHT_PACKED_CACHE=off)")
         for name, run in (("cached", runs[1]), ("packing again", runs[2])):
             print(f"  {name}: resident peak +{run['peak'] / 1e6:.0f} MB (mapped pages included), anonymous memory "

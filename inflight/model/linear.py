@@ -104,7 +104,8 @@ def pack_gguf_blocks(kernels: ModuleType, parts: list[torch.Tensor], kinds: list
                      int8_activations: bool = False, bf16_activations: bool = False) -> torch.Tensor:
     """The kernels' packing of a matrix's parts (GGUF rows of `kinds`, `loader.BLOCK_TYPES`), the
     grid and ternary types' first decoded into int8 blocks (`grid_quants`)."""
-    decoded = [int8_blocks(kind, part) if kind in GRID_TYPES else part for kind, part in zip(kinds, parts, strict=True)]
+    decoded = [int8_blocks(kind, part, kernels) if kind in GRID_TYPES else part
+               for kind, part in zip(kinds, parts, strict=True)]
     return kernels.pack_gguf_blocks([p.contiguous() for p in decoded],
                                     [INT8_KIND if kind in GRID_TYPES else kind for kind in kinds], k,
                                     int8_activations, bf16_activations)

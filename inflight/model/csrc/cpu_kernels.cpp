@@ -4135,6 +4135,187 @@ std::string isa() {
 #endif
 }
 
+// GGUF's grid and ternary quants (IQ1_S ... IQ3_S, TQ1_0, TQ2_0) decoded into the I8K16 blocks
+// the block matmuls read (model/grid_quants.py says why every weight is w = D s v exactly): per
+// 256 weights the fp32 D = d / 8, 16 int8 sub-block scales s = 2 ls + 1 and 256 int8 values v.
+// The formats are llama.cpp's (ggml-common.h); the codebooks are passed in as gguf-py holds them:
+// grid [entries, width] of int8 (IQ2's 8..43, IQ3_XXS's 4..62, IQ3_S's 1..15, IQ1's -1..1) and
+// ksigns, IQ2's 128 sign bytes (bit j set: the j-th of 8 weights negative). raw: uint8 [blocks,
+// block bytes] -> out, uint8 [blocks, 276]; returns the number of the first block whose d is inf or
+// NaN, else -1 (the caller refuses such a block).
+namespace {
+
+enum class GridKind { kIQ2_XXS, kIQ2_XS, kIQ2_S, kIQ3_XXS, kIQ3_S, kIQ1_S, kIQ1_M, kTQ1_0, kTQ2_0 };
+
+// Each type's name, block bytes and codebook shape (entries, width; 0 for none): every index its
+// bits can form is a row of the codebook.
+struct GridFormat {
+  const char* name;
+  GridKind kind;
+  int64_t bytes, entries, width;
+};
+constexpr GridFormat kGridFormats[] = {
+    {"IQ2_XXS", GridKind::kIQ2_XXS, 66, 256, 8}, {"IQ2_XS", GridKind::kIQ2_XS, 74, 512, 8},
+    {"IQ2_S", GridKind::kIQ2_S, 82, 1024, 8},    {"IQ3_XXS", GridKind::kIQ3_XXS, 98, 256, 4},
+    {"IQ3_S", GridKind::kIQ3_S, 110, 512, 4},    {"IQ1_S", GridKind::kIQ1_S, 50, 2048, 8},
+    {"IQ1_M", GridKind::kIQ1_M, 56, 2048, 8},    {"TQ1_0", GridKind::kTQ1_0, 54, 0, 0},
+    {"TQ2_0", GridKind::kTQ2_0, 66, 0, 0}};
+
+struct GridTables {
+  const int8_t* grid;
+  int64_t width;
+  const uint8_t* ksigns;
+};
+
+inline uint16_t read_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+inline uint32_t read_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// 8 weights from the grid row `index` (width 8) times `mult`, negative where `signs` has the bit.
+inline void grid8(const GridTables& t, uint32_t index, uint8_t signs, int mult, int8_t* v) {
+  const int8_t* g = t.grid + index * t.width;
+  for (int j = 0; j < 8; ++j) v[j] = static_cast<int8_t>((signs >> j & 1 ? -mult : mult) * g[j]);
+}
+
+// One super-block of `kind` at b: its d (as stored, fp16 bits; IQ1_M's assembled), ls per 16
+// weights, and the values.
+void decode_grid_block(GridKind kind, const uint8_t* b, const GridTables& t, uint16_t& d_bits,
+                       int ls[16], int8_t v[256]) {
+  d_bits = read_u16(b);
+  if (kind == GridKind::kIQ2_XXS) {  // per 32: 4 grid bytes, then a word of 4 x 7 sign bits and ls in its top 4
+    for (int ib = 0; ib < 8; ++ib) {
+      const uint8_t* q = b + 2 + 8 * ib;
+      const uint32_t aux = read_u32(q + 4);
+      ls[2 * ib] = ls[2 * ib + 1] = static_cast<int>(aux >> 28);
+      for (int l = 0; l < 4; ++l) grid8(t, q[l], t.ksigns[(aux >> 7 * l) & 127], 1, v + 32 * ib + 8 * l);
+    }
+  } else if (kind == GridKind::kIQ2_XS) {  // per 8: 9 index bits, 7 sign bits; 4-bit ls per 16
+    for (int g = 0; g < 32; ++g) {
+      const uint16_t q = read_u16(b + 2 + 2 * g);
+      grid8(t, q & 511, t.ksigns[q >> 9], 1, v + 8 * g);
+    }
+    for (int j = 0; j < 16; ++j) ls[j] = (b[66 + j / 2] >> 4 * (j % 2)) & 15;
+  } else if (kind == GridKind::kIQ2_S) {  // per 8: an index byte, 2 high bits in qh, a sign byte; ls per 16
+    for (int g = 0; g < 32; ++g) {
+      const uint32_t index = b[2 + g] | ((b[66 + g / 4] >> 2 * (g % 4)) & 3u) << 8;
+      grid8(t, index, b[34 + g], 1, v + 8 * g);
+    }
+    for (int j = 0; j < 16; ++j) ls[j] = (b[74 + j / 2] >> 4 * (j % 2)) & 15;
+  } else if (kind == GridKind::kIQ3_XXS) {  // per 4: an index byte (grid of 4); per 32 a word as IQ2_XXS's
+    for (int ib = 0; ib < 8; ++ib) {
+      const uint32_t aux = read_u32(b + 66 + 4 * ib);
+      ls[2 * ib] = ls[2 * ib + 1] = static_cast<int>(aux >> 28);
+      for (int l = 0; l < 4; ++l) {
+        const uint8_t signs = t.ksigns[(aux >> 7 * l) & 127];
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t index = b[2 + 8 * ib + 2 * l + h];
+          for (int j = 0; j < 4; ++j)
+            v[32 * ib + 8 * l + 4 * h + j] =
+                static_cast<int8_t>((signs >> (4 * h + j) & 1 ? -2 : 2) * t.grid[index * t.width + j]);
+        }
+      }
+    }
+  } else if (kind == GridKind::kIQ3_S) {  // per 4: an index byte and a bit of qh; a sign bit a weight; ls per 32
+    for (int i = 0; i < 64; ++i) {
+      const uint32_t index = b[2 + i] | ((b[66 + i / 8] >> (i % 8)) & 1u) << 8;
+      for (int j = 0; j < 4; ++j) {
+        const int w = 4 * i + j;
+        v[w] = static_cast<int8_t>((b[74 + w / 8] >> (w % 8) & 1 ? -8 : 8) * t.grid[index * t.width + j]);
+      }
+    }
+    for (int j = 0; j < 16; ++j) ls[j] = (b[106 + j / 4] >> 4 * (j / 2 % 2)) & 15;
+  } else if (kind == GridKind::kIQ1_S) {  // per 32: a word of 4 x 3 index bits, ls in bits 12-14, the delta's sign in 15
+    for (int ib = 0; ib < 8; ++ib) {
+      const uint16_t h = read_u16(b + 34 + 2 * ib);
+      ls[2 * ib] = ls[2 * ib + 1] = (h >> 12) & 7;
+      const int delta = h & 0x8000 ? -1 : 1;
+      for (int l = 0; l < 4; ++l) {
+        const uint32_t index = b[2 + 4 * ib + l] | ((h >> 3 * l) & 7u) << 8;
+          for (int j = 0; j < 8; ++j)
+          v[32 * ib + 8 * l + j] = static_cast<int8_t>(8 * t.grid[index * t.width + j] + delta);
+      }
+    }
+  } else if (kind == GridKind::kIQ1_M) {  // per 8: an index byte and a nibble (3 index bits, the delta's sign)
+    const uint8_t* sc = b + 48;
+    uint16_t words[4];
+    for (int k = 0; k < 4; ++k) words[k] = read_u16(sc + 2 * k);
+    d_bits = static_cast<uint16_t>((words[0] >> 12) | ((words[1] >> 8) & 0xF0) | ((words[2] >> 4) & 0xF00) |
+                                   (words[3] & 0xF000));
+    for (int j = 0; j < 16; ++j) ls[j] = (words[j / 4] >> 3 * (j % 4)) & 7;
+    for (int g = 0; g < 32; ++g) {
+      const int nibble = (b[32 + g / 2] >> 4 * (g % 2)) & 15;
+      const uint32_t index = b[g] | (nibble & 7u) << 8;
+      const int delta = nibble & 8 ? -1 : 1;
+      for (int j = 0; j < 8; ++j) v[8 * g + j] = static_cast<int8_t>(8 * t.grid[index * t.width + j] + delta);
+    }
+  } else if (kind == GridKind::kTQ1_0) {  // base-3 digits: 5 a byte (32 + 16 bytes), 4 a byte (4 bytes); d last
+    d_bits = read_u16(b + 52);
+    static constexpr uint8_t kPow3[5] = {1, 3, 9, 27, 81};
+    auto digit = [](uint8_t byte, uint8_t pow) {  // the byte times 3^p (mod 256), its top trit
+      return static_cast<int8_t>(8 * ((static_cast<uint8_t>(byte * pow) * 3 >> 8) - 1));
+    };
+    for (int p = 0; p < 5; ++p) {
+      for (int i = 0; i < 32; ++i) v[32 * p + i] = digit(b[i], kPow3[p]);
+      for (int i = 0; i < 16; ++i) v[160 + 16 * p + i] = digit(b[32 + i], kPow3[p]);
+    }
+    for (int p = 0; p < 4; ++p)
+      for (int i = 0; i < 4; ++i) v[240 + 4 * p + i] = digit(b[48 + i], kPow3[p]);
+    std::fill(ls, ls + 16, 0);
+  } else {  // TQ2_0  // 2 bits a weight, 4 a byte across 32-byte runs; d last
+    d_bits = read_u16(b + 64);
+    for (int i = 0; i < 64; ++i)
+      for (int s = 0; s < 4; ++s)
+        v[128 * (i / 32) + 32 * s + i % 32] = static_cast<int8_t>(8 * (((b[i] >> 2 * s) & 3) - 1));
+    std::fill(ls, ls + 16, 0);
+  }
+}
+
+}  // namespace
+
+int64_t grid_int8_blocks(const std::string& kind, torch::Tensor raw, torch::Tensor grid, torch::Tensor ksigns,
+                         torch::Tensor out) {
+  TORCH_CHECK(raw.dtype() == torch::kUInt8 && raw.dim() == 2 && raw.is_contiguous(), "uint8 [blocks, bytes] blocks");
+  TORCH_CHECK(grid.dtype() == torch::kInt8 && grid.dim() == 2 && grid.is_contiguous(), "an int8 [entries, width] grid");
+  TORCH_CHECK(ksigns.dtype() == torch::kUInt8 && ksigns.numel() == 128, "128 sign bytes");
+  const GridFormat* format = nullptr;
+  for (const GridFormat& f : kGridFormats)
+    if (kind == f.name) format = &f;
+  TORCH_CHECK(format != nullptr, "not a grid or ternary type: ", kind);
+  TORCH_CHECK(format->entries == 0 || (grid.size(0) == format->entries && grid.size(1) == format->width),
+              kind, "'s codebook is ", format->entries, " x ", format->width);
+  const int64_t blocks = raw.size(0), bytes = raw.size(1);
+  TORCH_CHECK(bytes == format->bytes, "a ", kind, " block is ", format->bytes, " bytes");
+  const GridTables t{grid.data_ptr<int8_t>(), grid.size(1), ksigns.data_ptr<uint8_t>()};
+  TORCH_CHECK(out.dtype() == torch::kUInt8 && out.is_contiguous() && out.numel() == blocks * 276,
+              "uint8 [blocks, 276] out");
+  const uint8_t* in = raw.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, blocks, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      uint16_t d_bits;
+      int ls[16];
+      uint8_t* o = dst + i * 276;
+      decode_grid_block(format->kind, in + i * bytes, t, d_bits, ls, reinterpret_cast<int8_t*>(o + 20));
+      const float big_d = c10::detail::fp16_ieee_to_fp32_value(d_bits) * 0.125f;  // exact: a power of two
+      std::memcpy(o, &big_d, 4);
+      for (int j = 0; j < 16; ++j) o[4 + j] = static_cast<uint8_t>(2 * ls[j] + 1);
+    }
+  });
+  for (int64_t i = 0; i < blocks; ++i) {  // by its bits: this file is built with fast-math
+    uint32_t bits;
+    std::memcpy(&bits, dst + i * 276, 4);
+    if ((bits & 0x7F800000u) == 0x7F800000u) return i;
+  }
+  return -1;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "The instruction-set branch this build compiled: avx512, avx2+avx-vnni, avx2 or generic");
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -4184,6 +4365,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Pack GGUF rows (Q2_K..Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, BF16; one or more parts) for the block matmuls",
         py::arg("parts"), py::arg("kinds"), py::arg("k"), py::arg("int8_activations") = false,
         py::arg("bf16_activations") = false, py::call_guard<py::gil_scoped_release>());
+  m.def("grid_int8_blocks", &grid_int8_blocks,
+        "GGUF grid or ternary blocks (IQ1_S-IQ3_S, TQ1_0, TQ2_0) -> I8K16 blocks (fp32 d / 8, int8 scales, values)",
+        py::arg("kind"), py::arg("raw"), py::arg("grid"), py::arg("ksigns"), py::arg("out"));
   m.def("gguf_blocks_dequantize", &gguf_blocks_dequantize,
         "The fp32 [N, K] weight a pack_gguf_blocks packing stands for (its values, bit for bit)");
   m.def("gguf_blocks_linear", &gguf_blocks_linear, "x @ W.T with W as packed GGUF blocks (CPU, fp32)");
