@@ -185,7 +185,7 @@ def gguf_block_matmuls() -> None:
 _SCALES_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],
               "Q5_K": [0, 2], "Q6_K": [208], "Q3_K": [108], "Q2_K": [80, 82], "IQ4_NL": [0], "IQ4_XS": [0],
               "IQ1_S": [0], "IQ2_XXS": [0], "IQ2_XS": [0], "IQ2_S": [0], "IQ3_XXS": [0], "IQ3_S": [0],
-              "TQ1_0": [52], "TQ2_0": [64], "IQ1_M": []}
+              "TQ1_0": [52], "TQ2_0": [64], "IQ1_M": [], "MXFP4": []}
 
 
 def _stored_rows(kind: str, rows: int, cols: int, rng: object) -> torch.Tensor:
@@ -205,6 +205,8 @@ def _stored_rows(kind: str, rows: int, cols: int, rng: object) -> torch.Tensor:
         for j in range(4):
             words[..., j] = (words[..., j] & 0x0FFF) | (((scale.view(np.uint16)[0] >> (4 * j)) & 0x0F) << 12)
         blocks[..., 48:56] = words.view(np.uint8)
+    if kind == "MXFP4":  # E8M0: 2^(e - 128), values up to 12
+        blocks[..., 0] = rng.integers(118, 123, size=blocks.shape[:2])  # type: ignore[attr-defined]
     return torch.from_numpy(blocks.reshape(rows, -1))
 
 

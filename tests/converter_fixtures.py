@@ -17,7 +17,8 @@ and committed under `tests/fixtures/converted/`:
 `--quantized` in place of the architectures makes instead, under `tests/fixtures/quantized/`, the
 files llama.cpp's own quantizer writes, in the K-quants gguf-py cannot produce: a Llama-shaped
 checkpoint ("llama256") whose matrices have rows of 256 weights, the K-quants' block, converted to
-f32 (not kept) and quantized by `llama-quantize` to each of `QUANT_TYPES`. That tool is built from
+f32 (not kept) and quantized by `llama-quantize` to each of `QUANT_TYPES`, and the committed MoE fixtures
+quantized to `MOE_QUANT_TYPES` (MXFP4_MOE: the experts in MXFP4). That tool is built from
 the same sources first (low priority: the build takes a while):
 
     cd /tmp/lcp/llama_cpp_python-0.3.36/vendor/llama.cpp && nice -n 19 cmake -B build -DLLAMA_CURL=OFF \\
@@ -46,6 +47,9 @@ VOCAB = 320
 # the types `llama-quantize` makes of the llama256 checkpoint, by its own names: each keeps output.weight
 # in Q6_K, and the _M mixes and Q2_K widen some more tensors
 QUANT_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL", "IQ3_M", "TQ1_0", "TQ2_0")
+# the types `llama-quantize` makes of a committed MoE fixture (`converted/ARCH.gguf`, f32): MXFP4_MOE puts
+# the experts in MXFP4 and the other matrices in Q8_0
+MOE_QUANT_TYPES = {"qwen3_moe": ("MXFP4_MOE",)}
 
 # architecture -> (transformers class prefix, the config's settings beyond the shared ones)
 ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -182,6 +186,12 @@ def main(llama_cpp: Path, only: list[str]) -> int:
                 subprocess.run([str(llama_cpp / "build" / "bin" / "llama-quantize"), str(f32), str(out), kind],
                                check=True)
                 print(f"llama256 {kind}: {out} ({out.stat().st_size} bytes)")
+            for arch, kinds in MOE_QUANT_TYPES.items():
+                for kind in kinds:
+                    out = QUANTIZED / f"{arch}-{kind}.gguf"
+                    subprocess.run([str(llama_cpp / "build" / "bin" / "llama-quantize"), str(FIXTURES / f"{arch}.gguf"),
+                                    str(out), kind], check=True)
+                    print(f"{arch} {kind}: {out} ({out.stat().st_size} bytes)")
             return 0
         FIXTURES.mkdir(parents=True, exist_ok=True)
         for arch in only or ARCHITECTURES:

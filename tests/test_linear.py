@@ -74,11 +74,12 @@ def test_inflight_kernel_results_do_not_depend_on_the_threads(out_features):
 
 # Where each type keeps its fp16 scales in a block (bytes), and the magnitude that keeps the
 # weights near 0.1 once a K-quant's sub-block scales (up to 63, 127, 32 or 15) multiply in. IQ1_M
-# keeps its d in the top nibbles of its four scale words at 48 (random_blocks sets them).
+# keeps its d in the top nibbles of its four scale words at 48, MXFP4 a power of two's exponent in
+# its first byte (random_blocks sets them).
 SCALE_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],
             "Q5_K": [0, 2], "Q6_K": [208], "Q3_K": [108], "Q2_K": [80, 82], "IQ4_NL": [0], "IQ4_XS": [0],
             "IQ1_S": [0], "IQ1_M": [], "IQ2_XXS": [0], "IQ2_XS": [0], "IQ2_S": [0], "IQ3_XXS": [0], "IQ3_S": [0],
-            "TQ1_0": [52], "TQ2_0": [64]}
+            "TQ1_0": [52], "TQ2_0": [64], "MXFP4": []}
 BLOCK_KINDS = [*SCALE_AT, "F16", "BF16"]
 
 
@@ -121,6 +122,8 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int,
         for j in range(4):
             words[..., j] = (words[..., j] & 0x0FFF) | (((d >> (4 * j)) & 0x0F) << 12).astype(np.uint16)
         blocks[..., 48:56] = words.view(np.uint8)
+    if kind == "MXFP4":  # E8M0: the scale 2^(e - 128) of values up to 12, within the range's powers of two
+        blocks[..., 0] = rng.integers(int(np.log2(low)) + 128, int(np.log2(high)) + 128, size=shape, endpoint=True)
     raw = blocks.reshape(rows, -1)
     weight = gguf.quants.dequantize(raw, qtype).astype(np.float32)
     return torch.from_numpy(raw.copy()), torch.from_numpy(weight.reshape(rows, cols))
@@ -222,6 +225,33 @@ def test_a_grid_block_without_an_exact_int8_form_is_refused(kind):
         raw[3, start:start + 2] = np.frombuffer(np.float16(bad).tobytes(), np.uint8)
         with pytest.raises(ModelLoadError, match=f"a {kind} block \\(number 7\\) has no exact int8 form"):
             Linear(torch.empty(16, 512, device="meta"), None, "inflight", gguf_blocks=(kind, torch.from_numpy(raw)))
+
+
+def test_an_mxfp4_scale_without_an_fp16_form_is_refused_and_a_block_of_zeros_takes_any():
+    """MXFP4's d is a power of two, 2^(e - 128), kept in fp16 beside its 4-bit indices (the IQ4_NL
+    layout's size): exact from 2^-24 to 2^15. A block whose values are all zero needs no scale and
+    takes any e; a nonzero block outside that range is refused at load in one line, never rounded."""
+    import numpy as np
+
+    kernels = cpu_kernels()
+    if not available("inflight") or not kernels.gguf_blocks_available():
+        pytest.skip("the GGUF block kernels are not built here")
+    blocks, _ = random_blocks("MXFP4", 16, 512, seed=7)
+    raw = blocks.numpy().reshape(16, 16, 17).copy()
+    raw[2, 5, 0], raw[2, 5, 1:] = 0, np.array([0x80, 0x08] * 8, np.uint8)  # zeros (indices 0 and 8), e = 0
+    raw[9, 1, 0], raw[9, 1, 1:] = 255, 0  # zeros at the largest scale
+    raw = torch.from_numpy(raw.reshape(16, -1))
+    import gguf
+
+    weight = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType.MXFP4).reshape(16, 512))
+    assert not weight[2, 160:192].any() and not weight[9, 32:64].any()
+    packed = pack_gguf_blocks(kernels, [raw], ["MXFP4"], 512)
+    assert torch.equal(kernels.gguf_blocks_dequantize(packed), weight)
+    for e, power in ((103, -25), (144, 16)):
+        bad = raw.clone()
+        bad[4, 3 * 17] = e
+        with pytest.raises(ModelLoadError, match=f"an MXFP4 block scale of 2\\^{power} has no exact fp16 form"):
+            Linear(torch.empty(16, 512, device="meta"), None, "inflight", gguf_blocks=("MXFP4", bad))
 
 
 def test_a_fused_matrix_of_mixed_block_types_reads_each_part_in_its_own_layout():

@@ -97,7 +97,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # GGUF types the block matmuls read as integers (all but the 16-bit ones).
 INTEGER_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-                       "IQ4_NL", "IQ4_XS", *GRID_TYPES)
+                       "IQ4_NL", "IQ4_XS", "MXFP4", *GRID_TYPES)
 
 
 def pack_gguf_blocks(kernels: ModuleType, parts: list[torch.Tensor], kinds: list[str], k: int,

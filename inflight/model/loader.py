@@ -826,7 +826,7 @@ def _hf_row_order(name: str, value: torch.Tensor, config: ModelConfig) -> torch.
 # weight takes once packed for them (`csrc`: pack_gguf_blocks and its table of layouts).
 PACKED_BYTES = {"Q4_0": 0.625, "Q4_1": 0.625, "Q4_K": 0.578125, "Q5_0": 1.0625, "Q8_0": 1.0625, "Q5_1": 1.125,
                 "Q5_K": 1.078125, "Q6_K": 1.0703125, "Q3_K": 1.0703125, "Q2_K": 0.640625, "IQ4_NL": 0.5625,
-                "IQ4_XS": 0.5390625, "F16": 2.0, "BF16": 2.0,
+                "IQ4_XS": 0.5390625, "MXFP4": 0.5625, "F16": 2.0, "BF16": 2.0,
                 # the grid and ternary types, decoded into int8 blocks (`grid_quants`)
                 **dict.fromkeys(GRID_TYPES, 1.078125)}
 BLOCK_TYPES = tuple(PACKED_BYTES)

@@ -1599,6 +1599,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
 //   Q6K16     256  16         no      6-bit   0.820           Q6_K, Q3_K with int8 activations only
 //   IQ4x32    32   -          no      table   0.5625          IQ4_NL (0.5625)
 //   IQ4K      256  32         no      table   0.539           IQ4_XS (0.5312)
+//   MX4x32    32   -          no      table   0.5625          MXFP4 (0.5312)
 //   I8K16     256  16         no      int8    1.078           IQ1_S-IQ3_S, TQ1_0, TQ2_0 (0.195-0.430), decoded
 //   F16x32    32   -          -       fp16    2               F16
 //   BF16x32   32   -          -       bf16    2               BF16
@@ -1614,6 +1615,9 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
 // kernel turns 16 of them into their int8 values (kIQ4Values, w = d * value) with one byte
 // shuffle, then reads them as the int8 layouts' values. IQ4_XS's sub-block scales are signed
 // (6 bits, minus 32): d = D * scale times a value of at most 7 bits is exact in fp32, as gguf's.
+// MX4x32 is IQ4x32 over MXFP4's table (kMXFP4Values: FP4 e2m1 doubled), its d the block's power
+// of two 2^(e - 128) in fp16 (exact from 2^-24 to 2^15, where weights live; a block of zeros
+// takes d = 0, any other scale is refused at load).
 //
 // I8K16 holds what model/grid_quants.py decodes the grid and ternary types into (they index
 // codebooks, which no kernel here reads): per 256 weights D = d / 8 in fp32 (no exact fp16 form
@@ -1646,11 +1650,17 @@ constexpr int64_t kQRegisterRows = 5;
 
 enum class Values { kNibble, kInt8, kSixBit, kHalf, kBFloat16, kBFloat16Pairs, kNibbleTable };
 
+// The tables kNibbleTable's 4-bit indices select (`nibble_values`).
+enum class Table { kIQ4, kMXFP4 };
+
 // K weights a block, in sub-blocks of Sub (Sub < K: a K-quant's super-block, with integer
-// scales per sub-block, signed where SignedScales); D (d) in fp32 where FloatD, else in fp16.
-template <int64_t K, int64_t Sub, bool Min, Values V, bool SignedScales = false, bool FloatD = false>
+// scales per sub-block, signed where SignedScales); D (d) in fp32 where FloatD, else in fp16;
+// T: the values kNibbleTable's indices select.
+template <int64_t K, int64_t Sub, bool Min, Values V, bool SignedScales = false, bool FloatD = false,
+          Table T = Table::kIQ4>
 struct Layout {
   static_assert(!(FloatD && Min), "fp32 scales without minima only");
+  static constexpr Table kTable = T;
   static constexpr int64_t kK = K, kSub = Sub, kSubBlocks = K / Sub;
   static constexpr bool kMin = Min, kSuper = Sub < K, kSignedScales = SignedScales, kFloatD = FloatD;
   static constexpr Values kValues = V;
@@ -1678,24 +1688,35 @@ using BF16x32 = Layout<32, 32, false, Values::kBFloat16>;
 using BF16P = Layout<32, 32, false, Values::kBFloat16Pairs>;
 using IQ4x32 = Layout<32, 32, false, Values::kNibbleTable>;
 using IQ4K = Layout<256, 32, false, Values::kNibbleTable, true>;
+using MX4x32 = Layout<32, 32, false, Values::kNibbleTable, false, false, Table::kMXFP4>;
 // The grid and ternary types (IQ1-IQ3, TQ), decoded at load into int8 values (model/grid_quants.py):
 // D = d / 8 has no exact fp16 form where d is small, so it is kept in fp32.
 using I8K16 = Layout<256, 16, false, Values::kInt8, true, true>;
 
 // IQ4_NL's (and IQ4_XS's) 16 values, which its 4-bit indices select.
 constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-// The same plus 128 (1..241), unsigned: the int8-activation matmuls' form where vpdpbusd takes them.
-struct IQ4Biased {
+// MXFP4's: FP4 (e2m1) doubled, so that w = 2^(e - 128) * value (ggml's kvalues_mxfp4).
+constexpr int8_t kMXFP4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+template <Table T>
+constexpr const int8_t* nibble_values() {
+  return T == Table::kIQ4 ? kIQ4Values : kMXFP4Values;
+}
+
+// A table plus 128 (unsigned): the int8-activation matmuls' form where vpdpbusd takes them.
+template <Table T>
+struct BiasedValues {
   uint8_t v[16];
-  constexpr IQ4Biased() : v() {
-    for (int i = 0; i < 16; ++i) v[i] = static_cast<uint8_t>(kIQ4Values[i] + 128);
+  constexpr BiasedValues() : v() {
+    for (int i = 0; i < 16; ++i) v[i] = static_cast<uint8_t>(nibble_values<T>()[i] + 128);
   }
 };
-constexpr IQ4Biased kIQ4Biased{};
+template <Table T>
+constexpr BiasedValues<T> kBiasedValues{};
 
 enum class LayoutId : int64_t {
   kQ4x32m, kQ8x32, kQ8x32m, kQ4K, kQ8K, kQ8K16, kQ4K16m, kF16x32, kBF16x32, kQ6K16, kBF16P, kIQ4x32, kIQ4K, kI8K16,
-  kCount
+  kMX4x32, kCount
 };
 
 // fn(layout), called with a value of the layout's type.
@@ -1716,6 +1737,7 @@ void with_layout(LayoutId id, F&& fn) {
     case LayoutId::kIQ4x32: return fn(IQ4x32{});
     case LayoutId::kIQ4K: return fn(IQ4K{});
     case LayoutId::kI8K16: return fn(I8K16{});
+    case LayoutId::kMX4x32: return fn(MX4x32{});
     default: TORCH_CHECK(false, "unknown block layout");
   }
 }
@@ -1730,7 +1752,7 @@ int64_t panel_bytes(LayoutId id, int64_t K) {
 // kI8K16: not a GGUF type but the int8 form model/grid_quants.py decodes IQ1-IQ3 and TQ into: per
 // 256 weights D (fp32), 16 int8 scales, 256 int8 values (w = D * scale * value).
 enum class GgufType { kQ4_0, kQ4_1, kQ4_K, kQ5_0, kQ8_0, kQ5_1, kQ5_K, kQ6_K, kQ3_K, kQ2_K, kF16, kBF16, kIQ4_NL, kIQ4_XS,
-                      kI8K16 };
+                      kI8K16, kMXFP4 };
 
 // A GGUF type as stored: the bytes and weights of one of its blocks (a super-block of 256 for
 // the K-quants), and the layout it is packed into.
@@ -1749,11 +1771,11 @@ FileType file_type(const std::string& name) {
       {"Q3_K", {GgufType::kQ3_K, LayoutId::kQ8K16, 110, 256}},  {"Q2_K", {GgufType::kQ2_K, LayoutId::kQ4K16m, 84, 256}},
       {"F16", {GgufType::kF16, LayoutId::kF16x32, 64, 32}},     {"BF16", {GgufType::kBF16, LayoutId::kBF16x32, 64, 32}},
       {"IQ4_NL", {GgufType::kIQ4_NL, LayoutId::kIQ4x32, 18, 32}}, {"IQ4_XS", {GgufType::kIQ4_XS, LayoutId::kIQ4K, 136, 256}},
-      {"I8K16", {GgufType::kI8K16, LayoutId::kI8K16, 276, 256}}};
+      {"I8K16", {GgufType::kI8K16, LayoutId::kI8K16, 276, 256}}, {"MXFP4", {GgufType::kMXFP4, LayoutId::kMX4x32, 17, 32}}};
   for (const auto& [known, type] : types)
     if (known == name) return type;
   TORCH_CHECK(false, "unsupported block type ", name,
-              " (Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, IQ4_NL, IQ4_XS, F16, BF16, I8K16)");
+              " (Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, IQ4_NL, IQ4_XS, MXFP4, F16, BF16, I8K16)");
 }
 
 float half_at(const uint8_t* p);
@@ -1794,6 +1816,19 @@ void read_block(const FileType& file, const uint8_t* row, int64_t b, float& d, f
       const uint8_t* in = row + b * file.bytes;
       d = half_at(in);
       for (int e = 0; e < 32; ++e) q[e] = e < 16 ? in[2 + e] & 0x0F : in[2 + e - 16] >> 4;
+      return;
+    }
+    case GgufType::kMXFP4: {  // e (E8M0), 16 bytes of indices as IQ4_NL's: w = 2^(e - 128) * kMXFP4Values[q]
+      const uint8_t* in = row + b * file.bytes;
+      bool zeros = true;  // indices 0 and 8 are both 0
+      for (int e = 0; e < 32; ++e) {
+        q[e] = e < 16 ? in[1 + e] & 0x0F : in[1 + e - 16] >> 4;
+        zeros = zeros && (q[e] & 7) == 0;
+      }
+      const int exponent = static_cast<int>(in[0]) - 128;
+      TORCH_CHECK(zeros || (exponent >= -24 && exponent <= 15), "an MXFP4 block scale of 2^", exponent,
+                  " has no exact fp16 form (2^-24 to 2^15 are kept)");
+      d = zeros ? 0.0f : std::ldexp(1.0f, exponent);
       return;
     }
     case GgufType::kIQ4_XS:
@@ -2053,10 +2088,11 @@ inline int six_bit(const uint8_t* q, int64_t kk, int64_t c) {
 
 // The int8 values of k-row kk's 16 IQ4 indices (q: a sub-block's indices as the 4-bit layouts
 // hold nibbles: columns 0-7 in the low nibbles, 8-15 in the high ones).
+template <Table T>
 inline __m128i iq4_row_values(const uint8_t* q, int64_t kk) {
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kk * 8));
   const __m128i indices = _mm_and_si128(_mm_unpacklo_epi64(bytes, _mm_srli_epi16(bytes, 4)), _mm_set1_epi8(0x0F));
-  return _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values)), indices);
+  return _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(nibble_values<T>())), indices);
 }
 
 // The 16 weights of k-row kk of a block (q: the block's values), as fp32: the one place both
@@ -2070,7 +2106,7 @@ inline void block_row(const uint8_t* q, int64_t kk, const BlockScales<L>& s, __m
     q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(bytes, low)));
     q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low)));
   } else if constexpr (L::kValues == Values::kNibbleTable) {
-    const __m128i values = iq4_row_values(q, kk);
+    const __m128i values = iq4_row_values<L::kTable>(q, kk);
     q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(values));
     q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(values, 8)));
   } else if constexpr (L::kValues == Values::kInt8) {
@@ -2184,7 +2220,7 @@ inline __m512 block_row512(const uint8_t* q, int64_t kk, const BlockScales512<L>
     const __m128i values = _mm_and_si128(_mm_unpacklo_epi64(bytes, _mm_srli_epi16(bytes, 4)), low);
     v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(values));
   } else if constexpr (L::kValues == Values::kNibbleTable) {
-    v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(iq4_row_values(q, kk)));
+    v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(iq4_row_values<L::kTable>(q, kk)));
   } else if constexpr (L::kValues == Values::kInt8) {
     v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kk * 16))));
   } else if constexpr (L::kValues == Values::kHalf) {
@@ -2700,7 +2736,8 @@ inline void a8_unpack(const uint8_t* q, int64_t g, __m256i& c0, __m256i& c1) {
     c0 = _mm256_and_si256(both, low);
     c1 = _mm256_and_si256(_mm256_srli_epi16(both, 4), low);
     if constexpr (L::kValues == Values::kNibbleTable) {  // indices -> their signed values
-      const void* values = kBiased ? static_cast<const void*>(kIQ4Biased.v) : static_cast<const void*>(kIQ4Values);
+      const void* values = kBiased ? static_cast<const void*>(kBiasedValues<L::kTable>.v)
+                                   : static_cast<const void*>(nibble_values<L::kTable>());
       const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(static_cast<const __m128i*>(values)));
       c0 = _mm256_shuffle_epi8(table, c0), c1 = _mm256_shuffle_epi8(table, c1);
     }
@@ -2820,7 +2857,7 @@ void a8_micro(const int8_t* __restrict xq, const float* __restrict sx, const int
             a1[r] = _mm256_add_epi32(a1[r], _mm256_madd_epi16(h1[r], ones));
           }
         }
-      } else {  // signed quants of up to 8 bits (Q8_0, Q5_0, IQ4_NL, IQ4_XS, I8K16)
+      } else {  // signed quants of up to 8 bits (Q8_0, Q5_0, IQ4_NL, IQ4_XS, MXFP4, I8K16)
         for (int64_t g = 0; g < L::kSub / 4; ++g) {
           __m256i c0, c1;
           a8_unpack<L>(q, g, c0, c1);
@@ -2998,7 +3035,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> gguf_blocks_integers(tor
                 int v;
                 if constexpr (L::kFourBit) {
                   v = (values[e * 8 + c % 8] >> (c < 8 ? 0 : 4)) & 0x0F;
-                  if constexpr (L::kValues == Values::kNibbleTable) v = kIQ4Values[v];
+                  if constexpr (L::kValues == Values::kNibbleTable) v = nibble_values<L::kTable>()[v];
                 } else if constexpr (L::kValues == Values::kSixBit) {
                   v = six_bit(values, e, c) - 32;
                 } else {
