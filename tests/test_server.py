@@ -586,7 +586,6 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("not an object", "/completions", b"[1, 2]", 400, None),
     ("not utf-8", "/completions", b"\xff\xfe", 400, None),
     ("missing prompt", "/completions", {"model": "M"}, 400, "prompt"),
-    ("missing model", "/completions", {"prompt": "hi"}, 400, "model"),
     ("missing messages", "/chat/completions", {"model": "M"}, 400, "messages"),
     ("top_logprobs out of range", "/chat/completions",
      {"model": "M", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50}, 400,
@@ -688,6 +687,23 @@ def _assert_error_body(resp: httpx.Response, status: int, param: str | None = No
 def test_bad_request_gets_an_openai_error(server: RunningServer, model: str, name: str, path: str, body: Any,
                                           status: int, param: str | None) -> None:
     _assert_error_body(_send(server.url, path, body, model, timeout=30), status, param)
+
+
+def test_a_request_names_the_served_model_or_none(server: RunningServer, model: str) -> None:
+    """As vLLM's and llama.cpp's servers: a missing or empty `model` means the served one (curl users
+    leave it out), another name is a 404 model_not_found."""
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+    for path, body in (("/completions", {"prompt": "Hello", "max_tokens": 2, "temperature": 0}),
+                       ("/chat/completions", chat)):
+        named = _send(server.url, path, {**body, "model": model}, model, timeout=30)
+        assert named.status_code == 200, named.text
+        for unnamed in (body, {**body, "model": ""}):
+            resp = _send(server.url, path, unnamed, model, timeout=30)
+            assert resp.status_code == 200 and resp.json()["model"] == model, resp.text
+            assert resp.json()["choices"][0] == named.json()["choices"][0]
+        other = _send(server.url, path, {**body, "model": "not-" + model}, model, timeout=30)
+        _assert_error_body(other, 404, "model")
+        assert other.json()["error"]["code"] == "model_not_found"
 
 
 def test_a_limit_is_reported_under_the_clients_own_field_name(server: RunningServer, model: str) -> None:

@@ -166,7 +166,7 @@ _TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents
 class GenerationRequest(_Strict):
     """Fields shared by completions and chat completions."""
 
-    model: str
+    model: str | None = None  # absent or empty: the served model (vLLM's and llama.cpp's servers alike)
     max_tokens: Int | None = None
     temperature: float | None = None
     top_p: float | None = None

@@ -402,8 +402,7 @@ class OpenAIServing:
         return await self._respond(streams, fmt, req, http)
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
-        if req.model is not None:
-            self._check_model(req.model)
+        self._check_model(req.model)
         tokenizer = self.engine.tokenizer
         try:
             if req.messages is not None:
@@ -421,8 +420,7 @@ class OpenAIServing:
                                 token_strs=tokenizer.token_strings(ids) if req.return_token_strs else None)
 
     async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
-        if req.model is not None:
-            self._check_model(req.model)
+        self._check_model(req.model)
         vocab = self.engine.vocab_size
         if any(t >= vocab for t in req.tokens):
             raise invalid(f"token ids must be in [0, {vocab})", "tokens")
@@ -446,8 +444,9 @@ class OpenAIServing:
             return found, None
         return mode, req.named_function
 
-    def _check_model(self, model: str) -> None:
-        if model != self.model_name:
+    def _check_model(self, model: str | None) -> None:
+        """A request names the served model, or none (vLLM's servers take a missing or empty one)."""
+        if model and model != self.model_name:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            "model", "model_not_found")
 
