@@ -195,8 +195,8 @@ def _source_gone(kept: Path) -> bool:
 
 def _remove_orphans(directory: Path) -> None:
     """Removes the kept files of model files since deleted or changed, each several GB that no
-    load would map again (a file changed or another form of it is replaced when next kept; a
-    deleted one's copy would stay for good)."""
+    load would map again (the copy a changed file's next load writes replaces the one of its own
+    form only; a deleted file's copies, and a changed one's other forms, would stay for good)."""
     for kept in directory.glob("*.bin"):
         if _source_gone(kept):
             for path in (kept, kept.with_suffix(".lock")):

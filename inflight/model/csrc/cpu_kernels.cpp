@@ -4275,8 +4275,7 @@ void decode_grid_block(GridKind kind, const uint8_t* b, const GridTables& t, uin
       const int delta = h & 0x8000 ? -1 : 1;
       for (int l = 0; l < 4; ++l) {
         const uint32_t index = b[2 + 4 * ib + l] | ((h >> 3 * l) & 7u) << 8;
-          for (int j = 0; j < 8; ++j)
-          v[32 * ib + 8 * l + j] = static_cast<int8_t>(8 * t.grid[index * t.width + j] + delta);
+        for (int j = 0; j < 8; ++j) v[32 * ib + 8 * l + j] = static_cast<int8_t>(8 * t.grid[index * t.width + j] + delta);
       }
     }
   } else if (kind == GridKind::kIQ1_M) {  // per 8: an index byte and a nibble (3 index bits, the delta's sign)
@@ -4305,7 +4304,7 @@ void decode_grid_block(GridKind kind, const uint8_t* b, const GridTables& t, uin
     for (int p = 0; p < 4; ++p)
       for (int i = 0; i < 4; ++i) v[240 + 4 * p + i] = digit(b[48 + i], kPow3[p]);
     std::fill(ls, ls + 16, 0);
-  } else {  // TQ2_0  // 2 bits a weight, 4 a byte across 32-byte runs; d last
+  } else {  // TQ2_0: 2 bits a weight, 4 a byte across 32-byte runs; d last
     d_bits = read_u16(b + 64);
     for (int i = 0; i < 64; ++i)
       for (int s = 0; s < 4; ++s)
@@ -4399,12 +4398,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Steps of up to this many rows read GGUF blocks in registers, larger ones a dequantized panel at a time");
   // Without the GIL: a model's tokenizer loads in another thread meanwhile (LoadedModel.load).
   m.def("pack_gguf_blocks", &pack_gguf_blocks,
-        "Pack GGUF rows (Q2_K..Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, BF16; one or more parts) for the block matmuls",
+        "Pack GGUF rows (Q2_K..Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, IQ4_XS, MXFP4, F16, BF16, I8K16; one or "
+        "more parts) for the block matmuls",
         py::arg("parts"), py::arg("kinds"), py::arg("k"), py::arg("int8_activations") = false,
         py::arg("bf16_activations") = false, py::call_guard<py::gil_scoped_release>());
   m.def("grid_int8_blocks", &grid_int8_blocks,
         "GGUF grid or ternary blocks (IQ1_S-IQ3_S, TQ1_0, TQ2_0) -> I8K16 blocks (fp32 d / 8, int8 scales, values)",
-        py::arg("kind"), py::arg("raw"), py::arg("grid"), py::arg("ksigns"), py::arg("out"));
+        py::arg("kind"), py::arg("raw"), py::arg("grid"), py::arg("ksigns"), py::arg("out"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("gguf_blocks_dequantize", &gguf_blocks_dequantize,
         "The fp32 [N, K] weight a pack_gguf_blocks packing stands for (its values, bit for bit)");
   m.def("gguf_blocks_linear", &gguf_blocks_linear, "x @ W.T with W as packed GGUF blocks (CPU, fp32)");
