@@ -189,6 +189,20 @@ def test_generate_takes_vllms_prompt_dicts(make_llm):
     assert not llm.engine.has_unfinished()  # a refused batch adds none of its prompts
 
 
+def test_vllms_quickstart_loop_reads_the_outputs(make_llm):
+    """vLLM's quickstart (`output.prompt`, `output.outputs[0].text`) over inflight's outputs: each
+    one is also the `RequestOutput` of its sample; with n > 1 each sample is listed apart."""
+    llm = make_llm()
+    prompts = [PROMPTS[0], {"prompt": PROMPTS[1]}]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert [(o.prompt, o.outputs[0].text, o.finished) for o in outputs] == \
+        [(PROMPTS[0], outputs[0].text, True), (PROMPTS[1], outputs[1].text, True)]
+    assert all(o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == 4 for o in outputs)
+    assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].prompt is None  # token ids, as vLLM's
+    samples = llm.generate(PROMPTS[2], SamplingParams(n=2, max_tokens=3, temperature=1.0, seed=1))
+    assert [(o.prompt, o.index) for o in samples] == [(PROMPTS[2], 0), (PROMPTS[2], 1)]
+
+
 def test_penalties_change_repetitive_output(make_llm):
     llm = make_llm()
     prompt = "one one one one one one one one"

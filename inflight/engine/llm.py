@@ -19,7 +19,10 @@ Prompt = str | Sequence[int] | Sequence[ChatMessage] | Mapping[str, Any]
 
 @dataclass(frozen=True)
 class CompletionOutput:
-    """The result of one prompt."""
+    """The result of one prompt (of one sample of it, with SamplingParams(n > 1)). It also reads as
+    vLLM's `RequestOutput` of that one sample (`prompt`, `outputs`, `finished`), so that vLLM's
+    loop, `for output in llm.generate(...): output.outputs[0].text`, runs as it is; where vLLM
+    groups a prompt's n samples in one `RequestOutput`, inflight lists each apart."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -33,6 +36,17 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None = None  # one per token, with SamplingParams(logprobs=k)
     # One per prompt token after the first, with SamplingParams(prompt_logprobs=k).
     prompt_logprobs: list[TokenLogprobs] | None = None
+    prompt: str | None = None  # the prompt where it was given as text (else None, as vLLM's)
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's `RequestOutput.outputs`: this sample."""
+        return [self]
+
+    @property
+    def finished(self) -> bool:
+        """vLLM's `RequestOutput.finished`: `generate` returns finished requests only."""
+        return True
 
 
 class LLM:
@@ -79,6 +93,7 @@ class LLM:
             else:
                 requests.append(engine.add_request(prompt, p, priority=rank))  # type: ignore[arg-type]
         mine = {r.request_id for r in requests}
+        given = {r.request_id: prompt for r, prompt in zip(requests, batch, strict=True) if isinstance(prompt, str)}
         texts: dict[str, str] = {}
         while engine.has_unfinished():
             for out in engine.step():
@@ -100,6 +115,7 @@ class LLM:
                 index=r.sample_index,
                 logprobs=list(r.output_logprobs) if r.sampling_params.logprobs is not None else None,
                 prompt_logprobs=list(r.prompt_logprobs) if r.sampling_params.prompt_logprobs is not None else None,
+                prompt=given.get(r.request_id.split("#")[0]),
             )
             for r in requests
         ]
