@@ -112,7 +112,7 @@ def test_hostile_bodies_get_a_clean_answer(server: RunningServer, name: str, pat
 def test_the_schema_carries_the_servers_limits(server: RunningServer) -> None:
     schema = httpx.get(server.url + "/openapi.json").json()
     body = schema["components"]["schemas"]["CompletionRequest"]["properties"]
-    assert body["model"]["enum"] == [server.engine.model_name]
+    assert body["model"]["anyOf"][0]["enum"] == [server.engine.model_name, ""]  # "" or none: the served model
     assert body["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 1, "maximum": MAX_MODEL_LEN - 1}
     text, token_ids, *_ = body["prompt"]["oneOf"]
     assert text["minLength"] == 1 and text["maxLength"] == server.engine.max_prompt_chars

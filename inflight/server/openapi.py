@@ -87,8 +87,8 @@ def _with_request_limits(props: dict[str, Any]) -> None:
 def _with_limits(body: dict[str, Any], limits: ServedLimits) -> dict[str, Any]:
     props = body["properties"]
     _with_request_limits(props)
-    model = props["model"]  # any other name gets 404 (optional for the token utilities)
-    (model["anyOf"][0] if "anyOf" in model else model)["enum"] = [limits.model_name]
+    model = props["model"]  # optional: absent, null or "" is the served model; any other name gets 404
+    (model["anyOf"][0] if "anyOf" in model else model)["enum"] = [limits.model_name, ""]
     for name in ("max_tokens", "max_completion_tokens"):
         if name in props:  # the prompt takes at least one token of the context
             props[name]["anyOf"][0]["maximum"] = limits.max_model_len - 1
