@@ -193,10 +193,11 @@ def test_vllms_quickstart_loop_reads_the_outputs(make_llm):
     """vLLM's quickstart (`output.prompt`, `output.outputs[0].text`) over inflight's outputs: each
     one is also the `RequestOutput` of its sample; with n > 1 each sample is listed apart."""
     llm = make_llm()
-    prompts = [PROMPTS[0], {"prompt": PROMPTS[1]}]
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    outputs = llm.generate([PROMPTS[0], {"prompt": PROMPTS[1]}], params)
+    alone = [llm.generate(p, params)[0].text for p in PROMPTS[:2]]
     assert [(o.prompt, o.outputs[0].text, o.finished) for o in outputs] == \
-        [(PROMPTS[0], outputs[0].text, True), (PROMPTS[1], outputs[1].text, True)]
+        [(PROMPTS[0], alone[0], True), (PROMPTS[1], alone[1], True)]
     assert all(o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == 4 for o in outputs)
     assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].prompt is None  # token ids, as vLLM's
     samples = llm.generate(PROMPTS[2], SamplingParams(n=2, max_tokens=3, temperature=1.0, seed=1))

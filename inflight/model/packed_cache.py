@@ -84,14 +84,14 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _header(f: BinaryIO, entry: CacheEntry) -> dict[str, Any]:
+def _header(f: BinaryIO, entry: CacheEntry | None = None) -> dict[str, Any]:
     """A kept file's header (its key and, by name, each packing's dtype, offset and bytes), read
-    from the start of `f`; ValueError where it is not one or carries another key."""
+    from the start of `f`; ValueError where it is not one or (given `entry`) carries another key."""
     head = f.read(16)
     if head[:8] != _MAGIC:
         raise ValueError("not a packed-weights file")
     header = json.loads(f.read(int.from_bytes(head[8:16], "little")))
-    if not isinstance(header, dict) or header.get("key") != entry.key:
+    if not isinstance(header, dict) or (entry is not None and header.get("key") != entry.key):
         raise ValueError("kept for another file or build")
     return header
 
@@ -176,10 +176,7 @@ def _source_gone(kept: Path) -> bool:
     ours, or cannot be read, is not."""
     try:
         with open(kept, "rb") as f:
-            head = f.read(16)
-            if head[:8] != _MAGIC:
-                return False
-            key = json.loads(json.loads(f.read(int.from_bytes(head[8:16], "little")))["key"])  # `locate`'s
+            key = json.loads(_header(f)["key"])  # `locate`'s: [path, size, mtime_ns, build, form]
         where, size, mtime_ns = key[:3]
         source = Path(where)
     except (OSError, ValueError, KeyError, TypeError):
