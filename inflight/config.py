@@ -111,6 +111,9 @@ class ModelConfig:
     # Qwen2-MoE's shared expert: in every expert layer an MLP of this width that every token
     # runs beside its routed experts, its output scaled by a sigmoid gate; None: none.
     shared_expert_intermediate_size: int | None = None
+    # gpt-oss's experts' activation, (alpha, limit): (clamp(up, -limit, limit) + 1) * g *
+    # sigmoid(alpha * g), g the gate clamped above at limit; None: SwiGLU's silu(gate) * up.
+    clamped_swiglu: tuple[float, float] | None = None
     # The sampling settings the checkpoint ships (a Hugging Face generation_config.json, a GGUF
     # file's general.sampling.* keys) under SamplingParams' names, max_new_tokens as max_tokens:
     # what an engine uses where a request leaves a setting unset (`EngineConfig.generation_config`).

@@ -49,7 +49,7 @@ VOCAB = 320
 QUANT_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL", "IQ3_M", "TQ1_0", "TQ2_0")
 # the types `llama-quantize` makes of a committed MoE fixture (`converted/ARCH.gguf`, f32): MXFP4_MOE puts
 # the experts in MXFP4 and the other matrices in Q8_0
-MOE_QUANT_TYPES = {"qwen3_moe": ("MXFP4_MOE",)}
+MOE_QUANT_TYPES = {"qwen3_moe": ("MXFP4_MOE",), "gpt_oss": ("MXFP4_MOE",)}
 
 # architecture -> (transformers class prefix, the config's settings beyond the shared ones)
 ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -108,6 +108,13 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
                                   "residual_multiplier": 0.22, "attention_multiplier": 0.1, "logits_scaling": 8.0}),
     # the converter writes OLMoE's eps of 1e-5 whatever the checkpoint says
     "olmoe": ("Olmoe", {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False, "rms_norm_eps": 1e-5}),
+    # gpt-oss: attention sinks, sliding and global layers in turn, YaRN past 16 positions (its ramp truncated, as
+    # llama.cpp computes every file), experts stacked [experts, in, out] with gate and up interleaved, with biases
+    "gpt_oss": ("GptOss", {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "num_hidden_layers": 4,
+                           "sliding_window": 8, "attn_implementation": "eager", "rope_parameters": {
+                               "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                               "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+                               "truncate": True}}),
 }
 
 # the quantized fixtures' checkpoint: every row 256 weights long (head_dim 64), as the K-quants' blocks need

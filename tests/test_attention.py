@@ -38,20 +38,26 @@ def scattered_pool(kv_heads: int, dim: int, num_blocks: int = 40,
 
 
 def dense_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query [H, D] against a contiguous context [L, KV, D] (its last `window` positions;
-    scores soft-capped by `softcap`, as transformers' Gemma 2 computes them), computed in float64
-    from the same fp32 inputs so that each path's own rounding is what a comparison sees."""
+    scores soft-capped by `softcap`, as transformers' Gemma 2 computes them; with `sinks` [H],
+    each head's sink a score more in its softmax, weighing no value, as transformers' gpt-oss
+    computes them), in float64 from the same fp32 inputs so that each path's own rounding is what
+    a comparison sees."""
     q, keys, values = q.double(), keys.double(), values.double()
     if window is not None:
         keys, values = keys[-window:], values[-window:]
     group = q.shape[0] // keys.shape[1]
     k = keys.repeat_interleave(group, dim=1).transpose(0, 1)
     v = values.repeat_interleave(group, dim=1).transpose(0, 1)
-    if softcap is None:
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q.unsqueeze(1), k, v).squeeze(1).float()
     scores = (q.unsqueeze(1) @ k.transpose(1, 2)) * q.shape[-1] ** -0.5
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if sinks is not None:
+        with_sinks = torch.cat([scores, sinks.double().view(-1, 1, 1)], dim=-1)
+        return (torch.softmax(with_sinks, dim=-1)[..., :-1] @ v).squeeze(1).float()
     return (torch.softmax(scores, dim=-1) @ v).squeeze(1).float()
 
 
@@ -75,7 +81,7 @@ HEAD_SHAPES = [(HEADS, KV_HEADS, DIM), (4, 4, 64), (8, 1, 64), (4, 2, 128), (6, 
 
 
 def check_decode(kernel, heads: int, kv_heads: int, dim: int, lens: list[int], window: int | None = None,
-                 softcap: float | None = None) -> None:
+                 softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
     """The decode path against the dense reference, for requests of these context lengths
     whose blocks are scattered through the pool."""
     k_cache, v_cache, order = scattered_pool(kv_heads, dim, sum(-(-n // BLOCK) for n in lens) + 8, seed=0)
@@ -89,9 +95,9 @@ def check_decode(kernel, heads: int, kv_heads: int, dim: int, lens: list[int], w
     attention = PagedAttention(heads, kv_heads, dim, kernel, windows=[window], softcap=softcap)
     meta = attention.build_metadata([SeqSlice(n - 1, 1, t) for n, t in zip(lens, tables, strict=True)], len(lens),
                                     torch.zeros(0, dtype=torch.long), BLOCK, torch.float32, torch.device("cpu"))
-    out = attention._decode(q, k_cache, v_cache, meta, window)
+    out = attention._decode(q, k_cache, v_cache, meta, window, sinks)
     for i, (keys, values) in enumerate(contexts):
-        expected = dense_reference(q[i], keys, values, window, softcap)
+        expected = dense_reference(q[i], keys, values, window, softcap, sinks)
         torch.testing.assert_close(out[i], expected, **(KERNEL_TOL if kernel is not None else TORCH_TOL))
 
 
@@ -168,7 +174,7 @@ def test_prefill_kernel_matches_dense_reference(heads, kv_heads, dim, window, so
 
 
 def check_prefill_kernel(segments: list[tuple[int, int]], heads: int, kv_heads: int, dim: int, window: int | None,
-                         softcap: float | None, num_blocks: int, seed: int) -> None:
+                         softcap: float | None, num_blocks: int, seed: int, sinks: torch.Tensor | None = None) -> None:
     """The prefill kernel on `segments` (cached tokens, new tokens), each in blocks scattered over
     a random pool, against the dense reference, row by row."""
     kernels = cpu_kernels()
@@ -186,11 +192,12 @@ def check_prefill_kernel(segments: list[tuple[int, int]], heads: int, kv_heads: 
     q = torch.randn(sum(lens), heads, dim) * 2
     out = kernels.paged_prefill_attention(
         q, k_cache, v_cache, torch.tensor([t + [0] * (width - len(t)) for t in tables]), starts,
-        torch.tensor(lens), torch.tensor([c for c, _ in segments]), BLOCK, dim ** -0.5, window or 0, softcap or 0.0)
+        torch.tensor(lens), torch.tensor([c for c, _ in segments]), BLOCK, dim ** -0.5, window or 0, softcap or 0.0,
+        sinks)
     for (cached, new), start, slots in zip(segments, starts.tolist(), slots_of, strict=True):
         for i in range(new):
             visible = slots[: cached + i + 1]
-            expected = dense_reference(q[start + i], k_cache[visible], v_cache[visible], window, softcap)
+            expected = dense_reference(q[start + i], k_cache[visible], v_cache[visible], window, softcap, sinks)
             torch.testing.assert_close(out[start + i], expected, **KERNEL_TOL)
 
 
@@ -205,6 +212,61 @@ def test_prefill_kernel_splits_a_long_context_of_few_new_tokens(segments, heads,
     softmax statistics; every row still attends causally to what it sees, windows included."""
     with on_threads(threads):
         check_prefill_kernel(segments, heads, kv_heads, dim, window, softcap, num_blocks=160, seed=3)
+
+
+def head_sinks(heads: int) -> torch.Tensor:
+    """Attention sinks of the scores' size here (about N(0, 2)): each takes a share of its head's
+    weight that ranges from little to most."""
+    return torch.randn(heads, generator=torch.Generator().manual_seed(5)) * 3
+
+
+@pytest.mark.parametrize("window", [None, 21])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(HEADS, KV_HEADS, DIM), (8, 1, 64), (6, 3, 40)])
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_decode_with_attention_sinks_matches_dense_reference(use_kernel, heads, kv_heads, dim, window):
+    """gpt-oss's sinks (a score per head that joins the softmax's sum and weighs no value) in the
+    decode paths: contexts of one part, and on two threads contexts cut into parts folded together
+    on one thread or after the threads' work, each part's maximum then the fold's."""
+    kernel = cpu_kernels() if use_kernel else None
+    if use_kernel and kernel is None:
+        pytest.skip("no C++ compiler for the CPU kernel")
+    check_decode(kernel, heads, kv_heads, dim, [1, 15, 17, 130], window, sinks=head_sinks(heads))
+    if kernel is not None:
+        with on_threads(2):
+            for lens in ([300], [1, 200], [64, 17, 90], [300] * 6):
+                check_decode(kernel, heads, kv_heads, dim, lens, window, sinks=head_sinks(heads))
+
+
+@pytest.mark.parametrize("window", [None, 21])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(HEADS, KV_HEADS, DIM), (8, 1, 64), (6, 3, 40)])
+def test_prefill_kernel_with_attention_sinks_matches_dense_reference(heads, kv_heads, dim, window):
+    """The sinks in the prefill kernel: whole prompts and chunks, a context past a part (folded
+    in the item), and on two threads a few new tokens after a long context (parts folded after)."""
+    sinks = head_sinks(heads)
+    check_prefill_kernel([(0, 2), (0, 37), (20, 7), (5, 1), (300, 45)], heads, kv_heads, dim, window, None,
+                         num_blocks=96, seed=2, sinks=sinks)
+    with on_threads(2):
+        check_prefill_kernel([(700, 5)], heads, kv_heads, dim, window, None, num_blocks=96, seed=3, sinks=sinks)
+
+
+@pytest.mark.parametrize("cached,new", [(20, 7), (0, 30)], ids=["cached-prefix", "whole-prompt"])
+def test_gathered_prefill_with_attention_sinks_matches_dense_reference(cached, new):
+    """The PyTorch path's prefill with sinks: after cached tokens, and a whole prompt."""
+    torch.manual_seed(1)
+    attention = PagedAttention(HEADS, KV_HEADS, DIM, windows=[None])
+    sinks = head_sinks(HEADS)
+    k_cache, v_cache = torch.zeros(8 * BLOCK, KV_HEADS, DIM), torch.zeros(8 * BLOCK, KV_HEADS, DIM)
+    blocks = [5, 2]
+    keys, values = torch.randn(cached + new, KV_HEADS, DIM), torch.randn(cached + new, KV_HEADS, DIM)
+    slots = torch.tensor([blocks[t // BLOCK] * BLOCK + t % BLOCK for t in range(cached + new)])
+    k_cache[slots[:cached]], v_cache[slots[:cached]] = keys[:cached], values[:cached]
+    q = torch.randn(new, HEADS, DIM) * 2
+    meta = attention.build_metadata([SeqSlice(cached, new, blocks)], 0, slots[cached:], BLOCK, torch.float32,
+                                    torch.device("cpu"))
+    out = attention.forward(q, keys[cached:], values[cached:], k_cache, v_cache, meta, sinks=sinks)
+    for i in range(new):
+        expected = dense_reference(q[i], keys[:cached + i + 1], values[:cached + i + 1], sinks=sinks)
+        torch.testing.assert_close(out.view(new, HEADS, DIM)[i], expected, **TORCH_TOL)
 
 
 # A request's attention must not depend on who shares its step: the engine promises a request the

@@ -162,7 +162,8 @@ def test_every_bias_the_checkpoint_has_is_applied_and_no_weight_is_left_out(tmp_
 @pytest.mark.parametrize(("key", "value"), [
     ("hidden_act", "gelu_pytorch_tanh"), ("use_bidirectional_attention", True),
     ("layer_types", ["full_attention", "chunked_attention"]), ("rope_scaling", {"rope_type": "dynamic", "factor": 4.0}),
-    ("quantization_config", {"quant_method": "gptq", "bits": 4}), ("clip_qkv", 8.0)])
+    ("quantization_config", {"quant_method": "gptq", "bits": 4}), ("quantization_config", {"quant_method": "mxfp4"}),
+    ("clip_qkv", 8.0)])
 def test_a_config_key_that_changes_the_arithmetic_is_refused_by_name(tmp_path, key, value):
     import transformers
 
@@ -212,7 +213,8 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     gemma = arch.startswith("gemma")
     sandwich = arch in ("gemma2", "gemma3_text")  # Gemma 1's post_attention_layernorm comes before its MLP
     gguf_arch = {"gemma3_text": "gemma3", "mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe",
-                 "olmo3": "olmo2", "ministral3": "mistral3", "granitemoehybrid": "granite"}.get(arch, arch)
+                 "olmo3": "olmo2", "ministral3": "mistral3", "granitemoehybrid": "granite",
+                 "gpt_oss": "gpt-oss"}.get(arch, arch)
     w = gguf.GGUFWriter(str(path), gguf_arch)
     if getattr(cfg, "num_experts_per_tok", None) and (getattr(cfg, "num_local_experts", None)
                                                       or getattr(cfg, "num_experts", None)):
@@ -272,7 +274,7 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     to_gguf.update({hf: g for g, hf in architecture(arch).gguf_names.items()})
     # Hugging Face's post_attention_layernorm is llama.cpp's ffn_norm where it comes before the
     # MLP (Qwen) and its post_attention_norm where it normalizes attention's output (OLMo 2).
-    post_norms = arch in ("olmo2", "olmo3", "exaone4") or sandwich
+    post_norms = arch in ("olmo2", "olmo3", "exaone4", "gpt_oss") or sandwich  # (gpt-oss's: before its MLP)
     to_gguf["post_attention_layernorm.weight"] = "post_attention_norm.weight" if post_norms else "ffn_norm.weight"
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
@@ -282,6 +284,18 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         moe = "block_sparse_moe." if arch == "granitemoe" else "mlp."
+        if arch == "gpt_oss" and ".mlp." in name:  # [experts, in, out] stacks, gate and up interleaved: split
+            prefix = name.split("mlp.")[0].replace("model.layers.", "blk.")
+            kind = name.split("mlp.")[1]
+            if kind.startswith("router."):
+                w.add_tensor(prefix + "ffn_gate_inp." + kind.removeprefix("router."), tensor.detach().float().numpy())
+                continue
+            is_bias = kind.endswith("_bias")
+            t = tensor.detach().float() if is_bias else tensor.detach().float().transpose(1, 2)
+            parts = {"gate": t[:, ::2], "up": t[:, 1::2]} if "gate_up" in kind else {"down": t}
+            for part, value in parts.items():
+                w.add_tensor(f"{prefix}ffn_{part}_exps.{'bias' if is_bias else 'weight'}", value.contiguous().numpy())
+            continue
         if name.endswith(moe + "experts.gate_up_proj"):  # [experts, 2 * width, hidden]: stacked as llama.cpp's
             prefix = name.removesuffix(moe + "experts.gate_up_proj").replace("model.layers.", "blk.")
             if arch == "granitemoe":  # gate and up in one tensor, as llama.cpp's --fuse-gate-up-exps writes
@@ -399,11 +413,19 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
     elif arch == "olmoe":  # 6 experts, 3 per token, their weights not renormalized
         model = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
             **common, num_experts=6, num_experts_per_tok=3, norm_topk_prob=False))
+    elif arch == "gpt_oss":  # sliding and global layers in turn, sinks, YaRN past 64 positions; 4 experts, 2 per
+        # token, their SwiGLU clamped where these small weights reach (gpt-oss's limit, 7, is past them)
+        rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+        model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**{
+            **common, "num_hidden_layers": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 64,
+            "sliding_window": 24, "swiglu_limit": 0.3, "rope_parameters": rope, "attn_implementation": "eager",
+            **fields}))
     else:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
-    with torch.no_grad():  # norm scales and biases away from their initial 1 and 0, so a dropped one shows
+    with torch.no_grad():  # norm scales, biases and sinks away from their initial 1 and 0, so a dropped one shows
         for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
+            if name.endswith("bias") or "norm" in name or name.endswith("sinks"):
                 p.add_(torch.randn_like(p) * 0.3)
     return model.eval()
 
@@ -411,7 +433,7 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "olmo3", "exaone4", "granite", "granitemoehybrid",
                                   "smollm3", "phi3",
                                   "ministral3", "gemma", "gemma2", "gemma3_text", "glm4", "ernie4_5", "mixtral",
-                                  "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
+                                  "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gpt_oss"])
 def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arch):
     """Qwen3 (q and k RMS-normalized per head before rotary, head_dim beyond hidden / heads), Qwen2 (q/k/v
     biases), OLMo 2 (attention's and the MLP's outputs normalized instead of their inputs, q and k
@@ -428,9 +450,13 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
     scaled by position past the original context, and compiled within it as the same logits bit for
     bit), Mixtral, Qwen3-MoE, OLMoE and Granite MoE (routed experts; a dense layer among them;
     OLMoE's weights not renormalized; Granite MoE's stacked in the checkpoint, here gate and up in
-    one GGUF tensor), each from a Hugging Face directory (fp32, and bf16 or fp16) and from a GGUF
-    file in llama.cpp's layout, against transformers: reading the same GGUF where it can (Qwen,
-    Phi-3), else the model the file was written from."""
+    one GGUF tensor), gpt-oss (attention sinks, biases on attention and on its experts stacked
+    `[experts, in, out]` with gate and up interleaved, a clamped SwiGLU, the softmax over the
+    chosen experts, sliding layers in turn, YaRN untruncated), each from a Hugging Face directory
+    (fp32, and bf16 or fp16) and from a GGUF file in llama.cpp's layout, against transformers:
+    reading the same GGUF where it can (Qwen, Phi-3), else the model the file was written from
+    (for gpt-oss with YaRN's ramp truncated and the SwiGLU clamped at 7, as llama.cpp computes
+    every file)."""
     from transformers import AutoModelForCausalLM
 
     model = tiny_hf_model(arch)
@@ -455,6 +481,9 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
     transformers_reads_gguf = arch in ("qwen2", "qwen3", "phi3")
     from_gguf = model if not transformers_reads_gguf else AutoModelForCausalLM.from_pretrained(
         tmp_path, gguf_file="tiny.gguf", dtype=torch.float32).eval()
+    if arch == "gpt_oss":  # the same weights as llama.cpp computes every file: YaRN's ramp truncated, limit 7
+        from_gguf = tiny_hf_model(arch, rope_parameters={**model.config.rope_parameters, "truncate": True},
+                                  swiglu_limit=7.0)
     # As checkpoints are published: 16-bit, widened to fp32 at load (transformers' reading alike).
     half = torch.float16 if arch in ("qwen3", "olmo2", "phi3", "gemma2", "mixtral") else torch.bfloat16
     copy.deepcopy(model).to(half).save_pretrained(tmp_path / "half", safe_serialization=True)
@@ -949,7 +978,7 @@ def test_a_token_alone_through_routed_experts_is_its_row_of_a_batch():
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3",
                                   "phi3_longrope", "qwen3_yarn", "gemma", "gemma2", "gemma3_text", "glm4",
                                   "ernie4_5", "olmo3", "exaone4", "ministral3", "mixtral", "qwen3_moe", "qwen2_moe",
-                                  "olmoe", "granitemoe"])
+                                  "olmoe", "granitemoe", "gpt_oss"])
 def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_path, monkeypatch, arch):
     """The GGUF file llama.cpp's `convert_hf_to_gguf.py` made of a tiny checkpoint of each
     architecture (tests/converter_fixtures.py; its names, row orders, norm offsets, stacked
@@ -1008,7 +1037,8 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "olmo2", "olmo3", "smollm3", "gemma", "gemma2", "gemma3_text", "glm4",
-                                  "ernie4_5", "ministral3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
+                                  "ernie4_5", "ministral3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe",
+                                  "gpt_oss"])
 def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arch):
     """Through the engine as a user runs it: the directory's own tokenizer and chat template, a
     batch of chats (longer than Gemma's 24-token window) in small prefill chunks, the prefix cache
@@ -1163,7 +1193,7 @@ QUANTIZED_FIXTURES = ["llama256-Q4_K_M", "llama256-Q5_K_M", "llama256-Q6_K", "ll
 # ... and of MoE fixtures: transformers 5's GGUF reader mistakes the shape of a stack of MXFP4 experts, so
 # these are held to the dequantized model only (as `requantized`'s MoE files; MXFP4 itself against
 # transformers: the mix-mxfp4 model)
-QUANTIZED_MOE_FIXTURES = ["qwen3_moe-MXFP4_MOE"]
+QUANTIZED_MOE_FIXTURES = ["qwen3_moe-MXFP4_MOE", "gpt_oss-MXFP4_MOE"]
 
 
 @pytest.mark.parametrize("name", QUANTIZED_FIXTURES)
@@ -1188,14 +1218,15 @@ def test_llama_cpp_k_quant_files_match_transformers(name):
 @pytest.mark.parametrize("arch,dtype", [("llama256", torch.bfloat16), ("llama256", torch.float16),
                                         ("gemma2", torch.bfloat16), ("glm4", torch.bfloat16),
                                         ("qwen3_moe", torch.bfloat16), ("qwen2_moe", torch.bfloat16),
-                                        ("granitemoe", torch.float16)])
+                                        ("granitemoe", torch.float16), ("gpt_oss", torch.bfloat16)])
 def test_a_16_bit_checkpoint_stays_16_bit_and_computes_its_fp32_logits_bit_for_bit(tmp_path, arch, dtype):
     """A checkpoint stored in bf16 or fp16 (as models are published), loaded as the engine loads it
     on CPU in fp32: its matmuls' weights stay in 16 bits (2 bytes a weight, no fp32 form; a tied
     head reads the embedding's; each routed expert's too, Granite MoE's as views of its stacked
-    experts), widened in registers, and the embedding stays as stored, its
-    rows widened as read. Widening is exact, so the logits equal bit for bit those of the same
-    values held in fp32, and transformers' on that checkpoint within fp32 summation noise."""
+    experts, gpt-oss's as copies of its stacks' transposed, interleaved parts), widened in
+    registers, and the embedding stays as stored, its rows widened as read. Widening is exact,
+    so the logits equal bit for bit those of the same values held in fp32, and transformers' on
+    that checkpoint within fp32 summation noise."""
     from converter_fixtures import tiny_model
     from transformers import AutoModelForCausalLM
 

@@ -51,6 +51,13 @@ class ExpertNames:
     # one-row matmul whose sigmoid scales its output; () and None: none.
     shared: tuple[str, str, str] | tuple[()] = ()
     shared_gate: str | None = None
+    # Stacks of every expert's biases, `[experts, rows]`, split as `stacked` splits the weights
+    # (gpt-oss's gate_up_proj_bias: gate and up).
+    stacked_biases: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # gpt-oss's stacks: each expert's matrix stored as `[in, out]` (x @ W), and its parts
+    # interleaved along the out dim (gate, up, gate, up, ...) instead of one after another.
+    stacked_transposed: bool = False
+    stacked_interleaved: bool = False
 
     def of(self, expert: int) -> tuple[str, str, str]:
         return self.gate.format(e=expert), self.up.format(e=expert), self.down.format(e=expert)
@@ -63,6 +70,15 @@ class ExpertNames:
     def part(self, expert: int, part: str) -> str:
         """Expert `expert`'s weight `part`: "gate", "up" or "down"."""
         return self.of(expert)[("gate", "up", "down").index(part)]
+
+    def stacks(self, name: str) -> tuple[tuple[str, ...], bool] | None:
+        """The parts a checkpoint's stacked tensor `name` (under `model.layers.N.`) holds and
+        whether they are biases; None for any other tensor."""
+        if name in self.stacked:
+            return self.stacked[name], False
+        if name in self.stacked_biases:
+            return self.stacked_biases[name], True
+        return None
 
 
 @dataclass(frozen=True)
@@ -131,6 +147,9 @@ class Architecture:
     # Whether the chosen experts' weights are renormalized whatever a config.json says (Mixtral's
     # and Granite MoE's: a softmax over the chosen experts' scores); False: as its norm_topk_prob.
     experts_always_renormalized: bool = False
+    # gpt-oss's experts' clamped SwiGLU (`ModelConfig.clamped_swiglu`): its (alpha, limit) where a
+    # config does not say (transformers' defaults, llama.cpp's fixed values); None: SwiGLU.
+    clamped_swiglu: tuple[float, float] | None = None
 
     @property
     def activation(self) -> str:
@@ -159,6 +178,15 @@ _QWEN2_MOE_EXPERTS = dataclasses.replace(
     _QWEN3_MOE_EXPERTS, shared_gate="mlp.shared_expert_gate.weight",
     shared=("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
             "mlp.shared_expert.down_proj.weight"))
+
+# gpt-oss's: its router has a bias, and its experts' weights and biases are stacked as
+# `[experts, in, out]`, gate and up interleaved (llama.cpp's converter splits them apart).
+_GPT_OSS_EXPERTS = ExpertNames(
+    "mlp.router.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+    "mlp.experts.{e}.down_proj.weight",
+    stacked={"mlp.experts.gate_up_proj": ("gate", "up"), "mlp.experts.down_proj": ("down",)},
+    stacked_biases={"mlp.experts.gate_up_proj_bias": ("gate", "up"), "mlp.experts.down_proj_bias": ("down",)},
+    stacked_transposed=True, stacked_interleaved=True)
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     Architecture("llama"),
@@ -238,12 +266,20 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     # says which), every MLP routed, the chosen experts' weights not renormalized.
     Architecture("olmoe", plan=with_routed_experts(QK_NORM_LAYER), extra_weights=_QK_NORM,
                  gguf_interleaved_qk=False, experts=_QWEN3_MOE_EXPERTS, gguf_expert_weights_norm=False),
+    # gpt-oss: Llama's layer with biases on every attention matmul and learned attention sinks (a
+    # score per head that joins each softmax's sum), sliding and global layers alternating, YaRN;
+    # every MLP routed, the softmax over the chosen experts' scores, their clamped SwiGLU with biases
+    Architecture("gpt_oss", plan=with_routed_experts(LLAMA_LAYER), extra_weights={"sinks": ("self_attn.sinks",)},
+                 gguf_interleaved_qk=False, window_pattern=2, experts=_GPT_OSS_EXPERTS,
+                 experts_always_renormalized=True, clamped_swiglu=(1.702, 7.0),
+                 gguf_names={"attn_sinks.weight": "self_attn.sinks"}),
 ]}
 
 # llama.cpp's architecture names that differ from Hugging Face's model_type; and those it gives
 # to files with routed experts (`expert_count`), which Hugging Face names apart.
 GGUF_ARCHITECTURES = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
-                      "mistral3": "ministral3", "qwen2vl": "qwen2_5_vl_text", "qwen3vl": "qwen3_vl_text"}
+                      "mistral3": "ministral3", "qwen2vl": "qwen2_5_vl_text", "qwen3vl": "qwen3_vl_text",
+                      "gpt-oss": "gpt_oss"}
 GGUF_EXPERT_ARCHITECTURES = {"llama": "mixtral", "mistral": "mixtral"}
 
 # llama.cpp's stacked expert tensors (`blk.N.` + these, [experts, rows, cols]) -> which of an
@@ -253,7 +289,10 @@ GGUF_EXPERT_NAMES: dict[str, tuple[str, ...]] = {
     "ffn_down_exps.weight": ("down",),
     # gate and up in one tensor: what llama.cpp's converter writes with --fuse-gate-up-exps (and
     # for Granite's sliding-window MoE models)
-    "ffn_gate_up_exps.weight": ("gate", "up")}
+    "ffn_gate_up_exps.weight": ("gate", "up"),
+    # their biases, `[experts, rows]` (gpt-oss's)
+    "ffn_gate_inp.bias": ("router",), "ffn_gate_exps.bias": ("gate",), "ffn_up_exps.bias": ("up",),
+    "ffn_down_exps.bias": ("down",)}
 
 # llama.cpp's tensor names (`blk.N.` + these) -> Hugging Face's (`model.layers.N.` + these).
 GGUF_LAYER_NAMES = {

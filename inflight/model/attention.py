@@ -192,31 +192,35 @@ class PagedAttention:
         meta: AttentionMetadata,
         kv_stored: bool = False,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: `[num_tokens, num_heads, head_dim]`, k/v: `[num_tokens, num_kv_heads, head_dim]`.
         Returns `[num_tokens, num_heads * head_dim]`. `kv_stored`: the caller has already
         written k/v into their slots (fused with the rotary embedding). `window`: the layer's,
-        one of `windows`. The caches may hold a narrower type than q (`--kv-cache-dtype`):
-        attention then reads every K and V, the step's own too, as the pool holds them."""
+        one of `windows`. `sinks`: the layer's attention sinks `[num_heads]` (gpt-oss), a score
+        per head that joins each softmax's sum without a value. The caches may hold a narrower
+        type than q (`--kv-cache-dtype`): attention then reads every K and V, the step's own
+        too, as the pool holds them."""
         if not kv_stored:
             k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
             v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         num_decodes = meta.num_decode_tokens
         if num_decodes == q.shape[0]:  # a decode-only step: the decode path's result is the output
-            return self._decode(q, k_cache, v_cache, meta, window).view(q.shape[0], self.num_heads * self.head_dim)
+            decoded = self._decode(q, k_cache, v_cache, meta, window, sinks)
+            return decoded.view(q.shape[0], self.num_heads * self.head_dim)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if num_decodes:
-            out[:num_decodes] = self._decode(q[:num_decodes], k_cache, v_cache, meta, window)
+            out[:num_decodes] = self._decode(q[:num_decodes], k_cache, v_cache, meta, window, sinks)
         tables = meta.prefill_tables
         if tables is not None and self.reads_pool_in_place(q.dtype):
             out[num_decodes:] = self.kernels.paged_prefill_attention(  # type: ignore[attr-defined]
                 q[num_decodes:].contiguous(), k_cache, v_cache, tables.block_tables, tables.query_starts,
                 tables.query_lens, tables.context_starts, meta.block_size, self.scale, window or 0,
-                self.softcap or 0.0,
+                self.softcap or 0.0, sinks,
             )
         else:
             for seg in meta.prefills:
-                out[seg.start:seg.end] = self._prefill(q, k, v, k_cache, v_cache, seg, meta.block_size, window)
+                out[seg.start:seg.end] = self._prefill(q, k, v, k_cache, v_cache, seg, meta.block_size, window, sinks)
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
     def _gather(self, cache: torch.Tensor, block_table: torch.Tensor, block_size: int,
@@ -228,12 +232,12 @@ class PagedAttention:
         return gathered.view(*block_table.shape[:-1], -1, self.num_kv_heads, self.head_dim)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                window: int | None) -> torch.Tensor:
+                window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
         assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
         if self.reads_pool_in_place(q.dtype):
             return self.kernels.paged_decode_attention(  # type: ignore[attr-defined]
                 q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                meta.block_size, self.scale, window or 0, self.softcap or 0.0,
+                meta.block_size, self.scale, window or 0, self.softcap or 0.0, sinks,
             )
         batch = meta.decode_block_tables.shape[0]
         keys = self._gather(k_cache, meta.decode_block_tables, meta.block_size, q.dtype)
@@ -241,7 +245,9 @@ class PagedAttention:
         # One query per request: the query heads sharing a KV head stand in the "query length"
         # dimension of their group, so GQA needs no repeated K/V.
         grouped_q = q.view(batch, self.num_kv_heads, self.group_size, self.head_dim)
-        out = self._attend(grouped_q, keys.transpose(1, 2), values.transpose(1, 2), meta.decode_masks[window], False)
+        grouped_sinks = sinks.view(self.num_kv_heads, self.group_size, 1) if sinks is not None else None
+        out = self._attend(grouped_q, keys.transpose(1, 2), values.transpose(1, 2), meta.decode_masks[window], False,
+                           grouped_sinks)
         return out.reshape(batch, self.num_heads, self.head_dim)
 
     def _prefill(
@@ -254,6 +260,7 @@ class PagedAttention:
         seg: PrefillSegment,
         block_size: int,
         window: int | None,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         query = q[seg.start:seg.end].transpose(0, 1).unsqueeze(0)
         mask = seg.masks[window]
@@ -264,28 +271,34 @@ class PagedAttention:
             keys = self._gather(k_cache, seg.block_table, block_size, q.dtype)
             values = self._gather(v_cache, seg.block_table, block_size, q.dtype)
         out = self._attend(query, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0), mask,
-                           mask is None)
+                           mask is None, sinks.view(-1, 1, 1) if sinks is not None else None)
         return out[0].transpose(0, 1)
 
     def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-                causal: bool) -> torch.Tensor:
+                causal: bool, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """softmax(q.k * scale, masked) . v over `[..., heads, tokens, dim]` (keys and values with
-        one head per group of query heads); with `softcap`, the scores are capped first, which
-        SDPA cannot do."""
+        one head per group of query heads); with `softcap`, the scores are capped first, and with
+        `sinks` (a score per query head, shaped to broadcast against `[..., heads, queries, 1]`)
+        the softmax's sum takes each head's sink too: neither can SDPA do."""
         gqa = query.shape[-3] != keys.shape[-3]
-        if self.softcap is None:
+        if self.softcap is None and sinks is None:
             return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal,
                                                   scale=self._sdpa_scale, enable_gqa=gqa)
         if gqa:
             group = query.shape[-3] // keys.shape[-3]
             keys, values = keys.repeat_interleave(group, -3), values.repeat_interleave(group, -3)
         scores = query @ keys.transpose(-1, -2) * self.scale
-        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         if causal:
             mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
-        return torch.softmax(scores.float(), dim=-1).to(values.dtype) @ values
+        if sinks is None:
+            return torch.softmax(scores.float(), dim=-1).to(values.dtype) @ values
+        sink = sinks.float().expand(*scores.shape[:-1], 1)  # one more score per row, without a value
+        weights = torch.softmax(torch.cat([scores.float(), sink], dim=-1), dim=-1)[..., :-1]
+        return weights.to(values.dtype) @ values
 
 
 def _num_blocks(num_tokens: int, block_size: int) -> int:

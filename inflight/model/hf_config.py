@@ -125,7 +125,7 @@ READ_KEYS = frozenset({
     "partial_rotary_factor", "original_max_position_embeddings",
     "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers",
     "decoder_sparse_step", "shared_expert_intermediate_size", "qkv_bias", "use_bias",
-    "shared_intermediate_size", "position_embedding_type",
+    "shared_intermediate_size", "position_embedding_type", "swiglu_alpha", "swiglu_limit",
 })
 # Config keys without effect on a forward pass in inference: training settings, bookkeeping,
 # generation defaults; and `mlp_bias`, whose biases are read from the checkpoint where they are.
@@ -135,6 +135,9 @@ NO_EFFECT_KEYS = frozenset({
     "problem_type", "initializer_range", "use_cache", "pad_token_id", "attention_dropout", "resid_pdrop",
     "embd_pdrop", "mlp_bias", "output_router_logits", "router_aux_loss_coef",
     "router_jitter_noise",
+    # gpt-oss's published configs: the experts per token again (transformers reads
+    # num_experts_per_tok) and the original context again (YaRN's, in rope_scaling)
+    "experts_per_token", "initial_context_length",
     # Granite 4.0's Mamba layers' settings: a config with such a layer is refused by its layer_types
     "mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_d_head", "mamba_d_conv", "mamba_expand",
     "mamba_chunk_size", "mamba_conv_bias", "mamba_proj_bias", "time_step_limit",
@@ -159,6 +162,11 @@ def refuse_unsupported(raw: dict[str, Any], path: Path) -> None:
     arch = ARCHITECTURES[raw.get("model_type", "llama")]
     names = _ACTIVATION_NAMES[arch.activation] + (("gelu",) if arch.hf_gelu_means_tanh else ())
     neutral = {**_NEUTRAL, "hidden_act": names, "hidden_activation": _ACTIVATION_NAMES[arch.activation]}
+    quantization = raw.get("quantization_config")
+    if isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4":  # gpt-oss's published form
+        raise ModelLoadError(f"{path}: quantization_config mxfp4: inflight does not read MXFP4 weights from "
+                             "safetensors yet; a GGUF file of the model keeps them in MXFP4 (llama.cpp's "
+                             "convert_hf_to_gguf.py writes one), or a 16-bit checkpoint of it loads")
     for key, values in neutral.items():
         if key in raw and raw[key] not in values:
             raise ModelLoadError(f"{path}: {key} = {raw[key]!r} changes the model's arithmetic in a way "
@@ -332,6 +340,9 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         moe_layers=_moe_layers(raw) if num_experts else None,
         shared_expert_intermediate_size=int(raw["shared_expert_intermediate_size"])
         if num_experts and raw.get("shared_expert_intermediate_size") else None,
+        clamped_swiglu=(float(raw.get("swiglu_alpha") or row.clamped_swiglu[0]),
+                        float(raw.get("swiglu_limit") or row.clamped_swiglu[1]))
+        if row is not None and row.clamped_swiglu is not None else None,
     )
 
 

@@ -157,6 +157,7 @@ class DecoderLayer(NamedTuple):
     rope: int = 0
     window: int | None = None  # the layer's attention window (None: full attention)
     experts: RoutedExperts | None = None  # the MLP of a routed-experts plan (Mixtral, Qwen2/3-MoE, OLMoE, Granite MoE)
+    sinks: tuple[torch.Tensor] | None = None  # attention sinks, a score per query head (gpt-oss)
 
 
 NORMS = ("input_norm", "post_norm", "attn_out_norm", "mlp_out_norm")
@@ -250,8 +251,8 @@ class LlamaModel:
                 fused = {field: names for field, names in fused.items() if field not in ("gate_up", "down")}
             matmuls: dict[str, Any] = {field: linear(*names, bias=biases(*names)) for field, names in fused.items()}
             if arch.experts is not None:
-                matmuls["experts"] = self._experts(arch.experts, config, linear, p) if sparse else RoutedExperts(
-                    None, [matmuls.pop("gate_up")], [matmuls.pop("down")], 1, False)
+                matmuls["experts"] = self._experts(arch.experts, config, linear, biases, p) if sparse else (
+                    RoutedExperts(None, [matmuls.pop("gate_up")], [matmuls.pop("down")], 1, False))
             local = config.sliding_window is not None and (
                 config.sliding_window_layers is None or config.sliding_window_layers[i])
             rotates = config.rope_layers is None or config.rope_layers[i]
@@ -272,6 +273,10 @@ class LlamaModel:
                                         softcap=config.attn_logit_softcap)
         shape = (config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps)
         self.ops = CpuKernelTokenOps(*shape, kernels) if kernels is not None else TorchTokenOps(*shape)
+        # The experts' activation of a gate/up matmul's output (gpt-oss's clamped SwiGLU, else SwiGLU's).
+        swiglu = config.clamped_swiglu
+        self._expert_act: Callable[[torch.Tensor], torch.Tensor] = (
+            self.ops.silu_and_mul if swiglu is None else lambda x: self.ops.clamped_swiglu(x, *swiglu))
         self._long_context = False
         # Whether the queries' scaling by position (`ModelConfig.query_scaling`) is computed: where
         # the engine serves past the original context (`use_context`; before it the scaling is 1).
@@ -311,18 +316,24 @@ class LlamaModel:
         return out
 
     @staticmethod
-    def _experts(names: ExpertNames, config: ModelConfig, linear: Callable[..., Linear], prefix: str) -> RoutedExperts:
+    def _experts(names: ExpertNames, config: ModelConfig, linear: Callable[..., Linear],
+                 biases: Callable[..., tuple[str, ...] | None], prefix: str) -> RoutedExperts:
+        """A layer's routed experts; each matmul with its bias where the checkpoint has one (gpt-oss)."""
+        def matmul(*names: str) -> Linear:
+            full = [prefix + n for n in names]
+            return linear(*full, bias=biases(*full))
+
         gate_up, down = [], []
         for e in range(config.num_experts):
             gate, up, down_name = names.of(e)
-            gate_up.append(linear(prefix + gate, prefix + up))
-            down.append(linear(prefix + down_name))
+            gate_up.append(matmul(gate, up))
+            down.append(matmul(down_name))
         shared = None
         if names.shared:
-            shared_gate, shared_up, shared_down = (prefix + n for n in names.shared)
+            shared_gate, shared_up, shared_down = names.shared
             assert names.shared_gate is not None
-            shared = (linear(shared_gate, shared_up), linear(shared_down), linear(prefix + names.shared_gate))
-        return RoutedExperts(linear(prefix + names.router), gate_up, down, config.num_experts_per_tok,
+            shared = (matmul(shared_gate, shared_up), matmul(shared_down), matmul(names.shared_gate))
+        return RoutedExperts(matmul(names.router), gate_up, down, config.num_experts_per_tok,
                              config.norm_topk_prob, shared)
 
     @staticmethod
@@ -359,10 +370,14 @@ class LlamaModel:
             cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, self.attention.scale, self.attention.softcap or 0.0,
         )
         if Op.ROUTED_EXPERTS in {step.op for step in self.plan}:
+            alpha, limit = cfg.clamped_swiglu or (0.0, 0.0)  # limit 0: SwiGLU
             for i, (layer, own) in enumerate(zip(layers, experts, strict=True)):
                 assert layer.experts is not None
                 stack.set_experts(i, *_stack_linears(own), layer.experts.router is not None,
-                                  layer.experts.shared is not None, layer.experts.top_k, layer.experts.normalize)
+                                  layer.experts.shared is not None, layer.experts.top_k, layer.experts.normalize,
+                                  alpha, limit)
+        if any(layer.sinks for layer in layers):
+            stack.set_sinks([layer.sinks[0] for layer in layers if layer.sinks])
         return stack
 
     def _ensure_rope(self, positions: int) -> None:
@@ -480,7 +495,7 @@ class LlamaModel:
                 elif op == Op.ATTENTION:
                     q, k, v = x
                     reg[dst] = attention.forward(q, k, v, k_cache, v_cache, attn_meta, kv_stored=True,
-                                                 window=layer.window)
+                                                 window=layer.window, sinks=layer.sinks[0] if layer.sinks else None)
                 elif op == Op.SILU_AND_MUL:
                     reg[dst] = ops.silu_and_mul(x)
                 elif op == Op.GELU_TANH_AND_MUL:
@@ -496,7 +511,7 @@ class LlamaModel:
                 elif op == Op.SCALE:
                     reg[dst] = x * weight
                 elif op == Op.ROUTED_EXPERTS:
-                    reg[dst] = weight(x, ops.silu_and_mul)
+                    reg[dst] = weight(x, self._expert_act)
                 else:
                     raise ValueError(f"no implementation of the plan's op {op!r}")
                 for r in release:

@@ -161,30 +161,37 @@ def load_checkpoint(source: ModelSource, dtype: torch.dtype,
 
 
 def _unstacked(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """`weights` with a checkpoint's stacked experts (`ExpertNames.stacked`) split into one
-    matrix per expert and part (views of the stack's rows), under the names the model reads."""
+    """`weights` with a checkpoint's stacked experts (`ExpertNames.stacked`, `stacked_biases`)
+    split into one matrix (or bias) per expert and part, under the names the model reads."""
     experts = architecture(config.architecture).experts
-    if experts is None or not experts.stacked:
+    if experts is None or not (experts.stacked or experts.stacked_biases):
         return weights
     out = {}
     for name, value in weights.items():
         layer, _, suffix = name.removeprefix("model.layers.").partition(".")
-        parts = experts.stacked.get(suffix) if name.startswith("model.layers.") else None
-        if parts is None:
+        found = experts.stacks(suffix) if name.startswith("model.layers.") else None
+        if found is None:
             out[name] = value
-        else:
-            out.update(_expert_matrices(value, parts, experts, f"model.layers.{layer}."))
+            continue
+        if experts.stacked_transposed and not found[1]:  # [experts, in, out] as [experts, out, in]
+            value = value.transpose(1, 2)
+        out.update(_expert_matrices(value, found[0], experts, f"model.layers.{layer}.",
+                                    interleaved=experts.stacked_interleaved))
     return out
 
 
-def _expert_matrices(stacked: torch.Tensor, parts: tuple[str, ...], names: ExpertNames,
-                     prefix: str) -> dict[str, torch.Tensor]:
-    """A `[experts, rows, cols]` stack of each expert's `parts` (gate, up, down, in row order)
-    as each expert's matrices (views of its rows), under their names in the layer `prefix`."""
+def _expert_matrices(stacked: torch.Tensor, parts: tuple[str, ...], names: ExpertNames, prefix: str,
+                     interleaved: bool = False) -> dict[str, torch.Tensor]:
+    """A `[experts, rows, cols]` stack of each expert's `parts` (gate, up, down, in row order;
+    `interleaved`: row by row in turn) as each expert's matrices, under their names in the layer
+    `prefix`; a `[experts, rows]` stack likewise as each expert's biases."""
     if stacked.shape[1] % len(parts):
         raise ModelLoadError(f"stacked experts of {stacked.shape[1]} rows do not hold {len(parts)} equal parts")
-    return {prefix + names.part(e, part): m.contiguous()
-            for part, piece in zip(parts, stacked.chunk(len(parts), dim=1), strict=True)
+    pieces = ([stacked[:, i::len(parts)] for i in range(len(parts))] if interleaved
+              else stacked.chunk(len(parts), dim=1))
+    suffix = ".weight" if stacked.dim() == 3 else ".bias"
+    return {prefix + names.part(e, part).removesuffix(".weight") + suffix: m.contiguous()
+            for part, piece in zip(parts, pieces, strict=True)
             for e, m in enumerate(piece.unbind(0))}
 
 
@@ -670,11 +677,13 @@ def _gguf_config(reader: Any) -> ModelConfig:
         num_experts=num_experts,
         num_experts_per_tok=int(get("expert_used_count")) if num_experts else 0,
         moe_intermediate_size=int(w) if (w := gguf_field(reader, f"{arch}.expert_feed_forward_length")) else None,
-        norm_topk_prob=bool(gguf_field(reader, f"{arch}.expert_weights_norm", row.gguf_expert_weights_norm)),
+        norm_topk_prob=row.experts_always_renormalized or bool(
+            gguf_field(reader, f"{arch}.expert_weights_norm", row.gguf_expert_weights_norm)),
         moe_layers=_gguf_moe_layers(tensor_names, num_layers) if num_experts else None,
         # llama.cpp's default where the file does not say: the dense MLP's width
         shared_expert_intermediate_size=int(gguf_field(reader, f"{arch}.expert_shared_feed_forward_length")
                                             or get("feed_forward_length")) if shared and num_experts else None,
+        clamped_swiglu=row.clamped_swiglu,  # llama.cpp's fixed values
     )
 
 
@@ -808,7 +817,8 @@ def _gguf_expert_names(name: str, config: ModelConfig) -> Callable[[torch.Tensor
         return None
     prefix = f"model.layers.{index}."
     if parts == ("router",):
-        return lambda value: {prefix + names.router: value}
+        router = names.router.removesuffix(".weight") + rest.removeprefix("ffn_gate_inp")
+        return lambda value: {prefix + router: value}
     return lambda value: _expert_matrices(value, parts, names, prefix)
 
 
@@ -1028,10 +1038,16 @@ def _hf_kept(path: Path, config: ModelConfig) -> dict[str, str]:
     fused) whose parts are all BF16 or all F16, and each routed expert's gate/up and down alike
     (or the checkpoint's stacks of them, `ExpertNames.stacked`). Routers run on fp32 weights."""
     shapes = _hf_shapes(path)
-    dtypes = {name: dtype for name, dtype in _hf_dtypes(path).items() if shapes[name][-1] % SIXTEEN_BIT_BLOCK == 0}
+    arch = architecture(config.architecture)
+    transposed = arch.experts is not None and arch.experts.stacked_transposed
+
+    def width(name: str) -> int:  # a matrix's input dim: its last, but a transposed stack's [experts, in, out]
+        stacked = transposed and name.split(".", 3)[-1] in arch.experts.stacked  # type: ignore[union-attr]
+        return shapes[name][1] if stacked else shapes[name][-1]
+
+    dtypes = {name: dtype for name, dtype in _hf_dtypes(path).items() if width(name) % SIXTEEN_BIT_BLOCK == 0}
     head = "lm_head.weight" if "lm_head.weight" in dtypes else "model.embed_tokens.weight"
     kept = {head: dtypes[head]} if dtypes.get(head) in SIXTEEN_BITS else {}
-    arch = architecture(config.architecture)
     for i in range(config.num_layers):
         prefix = f"model.layers.{i}."
         groups = [[prefix + n for n in names] for names in arch.matmuls.values()]

@@ -67,6 +67,13 @@ class TorchTokenOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
+    def clamped_swiglu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        """gpt-oss's experts' gate: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g the
+        gate clamped above at `limit`."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=limit)
+        return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
+
     def qk_norm_(self, qkv: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """q and k of the fused projection `[N, (H + 2 KV) * D]` RMS-normalized in place, by
         `scales` (q's, k's), in groups of each scale's length: a head (D) or the whole
@@ -120,6 +127,9 @@ class CpuKernelTokenOps(TorchTokenOps):
 
     def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.kernels.gelu_tanh_and_mul(gate_up.contiguous())
+
+    def clamped_swiglu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        return self.kernels.clamped_swiglu(gate_up.contiguous(), alpha, limit)
 
     def qk_norm_(self, qkv: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         self.kernels.qk_norm_(qkv, scales[0], scales[1], self.num_heads, self.num_kv_heads, self.head_dim, self.eps)

@@ -163,11 +163,15 @@ INFLIGHT_ONE_BODY void fold_parts(float* __restrict O, float* __restrict M, floa
   }
 }
 
-// The folded rows' results: out = O / L (zeros for a row that saw no token).
+// The folded rows' results: out = O / L (zeros for a row that saw no token). With `sinks` (gpt-oss's
+// attention sinks: a learned score per head that joins the softmax's sum and weighs no value),
+// out = O / (L + exp(sink - M)), row r's sink sinks[r % period].
 INFLIGHT_ONE_BODY void finish_parts(const float* __restrict O, const float* L, int64_t rows, int64_t dim,
-                                            float* __restrict out) {
+                                            float* __restrict out, const float* M = nullptr,
+                                            const float* sinks = nullptr, int64_t period = 1) {
   for (int64_t r = 0; r < rows; ++r) {
-    const float inv = L[r] > 0.f ? 1.f / L[r] : 0.f;
+    const float sink = sinks != nullptr && L[r] > 0.f ? std::exp(std::max(sinks[r % period] - M[r], -80.f)) : 0.f;
+    const float inv = L[r] > 0.f ? 1.f / (L[r] + sink) : 0.f;
 #pragma omp simd
     for (int64_t d = 0; d < dim; ++d) out[r * dim + d] = O[r * dim + d] * inv;
   }
@@ -531,6 +535,14 @@ void attend(const Pool& pool, const int64_t* table, int64_t t_begin, const Query
                     then_bytes);
 }
 
+// The attention sinks' scores, one float per query head, or null where there are none.
+inline const float* head_sinks(const c10::optional<torch::Tensor>& sinks, int64_t num_heads) {
+  if (!sinks.has_value() || !sinks->defined() || sinks->numel() == 0) return nullptr;
+  TORCH_CHECK(sinks->dtype() == torch::kFloat32 && sinks->is_contiguous() && sinks->numel() == num_heads,
+              "attention sinks: one float32 score per query head");
+  return sinks->data_ptr<float>();
+}
+
 // A request's context is cut into parts of at least this many blocks (128 tokens of 16), at most
 // two a thread: enough parts that a single stream spreads over the threads, few enough that a
 // part's fixed costs (its softmax pass, its fold) stay small against reading its K/V. With 4, a
@@ -555,7 +567,8 @@ constexpr int64_t kMinPartBlocks = 8;
 // of decoding one token at a time.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens,
-                                     int64_t block_size, double scale, int64_t window, double softcap) {
+                                     int64_t block_size, double scale, int64_t window, double softcap,
+                                     c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(q.dtype() == torch::kFloat32, "float32 queries only");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs only");
   TORCH_CHECK(block_tables.dtype() == torch::kInt64 && context_lens.dtype() == torch::kInt64, "int64 tables only");
@@ -563,6 +576,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t num_kv_heads = k_cache.size(1);
   TORCH_CHECK(num_heads % num_kv_heads == 0 && k_cache.size(2) == dim, "head shapes do not match");
   const int64_t group = num_heads / num_kv_heads;
+  const float* sink = head_sinks(sinks, num_heads);
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
   auto out = torch::empty_like(q);
@@ -705,7 +719,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       }
       if (!g.kept)
         finish_parts(O.data() + row_floats, L.data() + it.row_begin * num_heads, rows * num_heads, dim,
-                     op + g.first_row * head_floats + row_floats);
+                     op + g.first_row * head_floats + row_floats, M.data() + it.row_begin * num_heads, sink, num_heads);
     }
   });
   if (kept) {
@@ -718,7 +732,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
           fold_parts(O.data(), M.data(), L.data(), part_out.data() + slot * head_floats, part_m.data() + slot * num_heads,
                      part_l.data() + slot * num_heads, num_heads, dim);
         }
-        finish_parts(O.data(), L.data(), num_heads, dim, op + (g.first_row + j) * head_floats);
+        finish_parts(O.data(), L.data(), num_heads, dim, op + (g.first_row + j) * head_floats, M.data(), sink,
+                     num_heads);
       }
   }
   return out;
@@ -808,8 +823,8 @@ inline void transpose_keys(const float* const* krow, int64_t nt, int64_t dim_rt,
 
 template <int64_t kDim>
 void prefill_item(const Pool& pool, const int64_t* table, int64_t ctx_start, const float* q, int64_t num_heads,
-                  int64_t group, int64_t dim_rt, float scale, int64_t window, float softcap, const PrefillItem& it,
-                  PrefillScratch& sc, float* out, float* part_o, float* part_m, float* part_l) {
+                  int64_t group, int64_t dim_rt, float scale, int64_t window, float softcap, const float* sinks,
+                  const PrefillItem& it, PrefillScratch& sc, float* out, float* part_o, float* part_m, float* part_l) {
   const int64_t dim = kDim > 0 ? kDim : dim_rt;
   const int64_t bs = pool.block_size, stride = pool.slot_stride, rows = it.rows_tokens * group;
   float* qs = sc.qs.data();
@@ -913,9 +928,11 @@ void prefill_item(const Pool& pool, const int64_t* table, int64_t ctx_start, con
   if (folded) fold_parts(sc.fo.data(), sc.fm.data(), sc.fl.data(), o, sc.m.data(), sc.l.data(), rows, dim);
   const float* result = folded ? sc.fo.data() : o;
   const float* weights = folded ? sc.fl.data() : sc.l.data();
+  const float* maxima = folded ? sc.fm.data() : sc.m.data();
   for (int64_t tq = 0; tq < it.rows_tokens; ++tq)  // a token's rows: its heads of this KV head's group
     finish_parts(result + tq * group * dim, weights + tq * group, group, dim,
-                 out + ((it.first + tq) * num_heads + it.kv_head * group) * dim);
+                 out + ((it.first + tq) * num_heads + it.kv_head * group) * dim, maxima + tq * group,
+                 sinks != nullptr ? sinks + it.kv_head * group : nullptr, group);
 }
 
 }  // namespace
@@ -929,7 +946,7 @@ void prefill_item(const Pool& pool, const int64_t* table, int64_t ctx_start, con
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor block_tables, torch::Tensor q_starts, torch::Tensor q_lens,
                                       torch::Tensor ctx_starts, int64_t block_size, double scale, int64_t window,
-                                      double softcap) {
+                                      double softcap, c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(q.dtype() == torch::kFloat32, "float32 queries only");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs only");
   for (const auto& t : {block_tables, q_starts, q_lens, ctx_starts})
@@ -937,6 +954,7 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
   const int64_t num_heads = q.size(1), dim = q.size(2), num_kv_heads = k_cache.size(1);
   TORCH_CHECK(num_heads % num_kv_heads == 0 && k_cache.size(2) == dim, "head shapes do not match");
   const int64_t group = num_heads / num_kv_heads, num_segments = q_starts.numel();
+  const float* sink = head_sinks(sinks, num_heads);
   const int64_t tokens_per_item = std::max<int64_t>(1, kMaxQueryRows / group);
   const int64_t* starts = q_starts.data_ptr<int64_t>();
   const int64_t* lens = q_lens.data_ptr<int64_t>();
@@ -1005,14 +1023,14 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
       float* os = op + starts[it.segment] * num_heads * dim;
       const int64_t* table = tables + it.segment * max_blocks;
       if (dim == 64)
-        prefill_item<64>(pool, table, ctx[it.segment], qs, num_heads, group, dim, fscale, window, fcap, it, scratch,
-                        os, part_o.data(), part_m.data(), part_l.data());
+        prefill_item<64>(pool, table, ctx[it.segment], qs, num_heads, group, dim, fscale, window, fcap, sink, it,
+                        scratch, os, part_o.data(), part_m.data(), part_l.data());
       else if (dim == 128)
-        prefill_item<128>(pool, table, ctx[it.segment], qs, num_heads, group, dim, fscale, window, fcap, it, scratch,
-                        os, part_o.data(), part_m.data(), part_l.data());
+        prefill_item<128>(pool, table, ctx[it.segment], qs, num_heads, group, dim, fscale, window, fcap, sink, it,
+                        scratch, os, part_o.data(), part_m.data(), part_l.data());
       else
-        prefill_item<0>(pool, table, ctx[it.segment], qs, num_heads, group, dim, fscale, window, fcap, it, scratch,
-                        os, part_o.data(), part_m.data(), part_l.data());
+        prefill_item<0>(pool, table, ctx[it.segment], qs, num_heads, group, dim, fscale, window, fcap, sink, it,
+                        scratch, os, part_o.data(), part_m.data(), part_l.data());
     }
   });
   for (const SplitItem& sp : split) {  // each split item's parts folded into its rows
@@ -1025,7 +1043,8 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
                  part_l.data() + i * item_rows, rows, dim);
     for (int64_t tq = 0; tq < it.rows_tokens; ++tq)  // a token's rows: its heads of this KV head's group
       finish_parts(O.data() + tq * group * dim, L.data() + tq * group, group, dim,
-                   op + ((starts[it.segment] + it.first + tq) * num_heads + it.kv_head * group) * dim);
+                   op + ((starts[it.segment] + it.first + tq) * num_heads + it.kv_head * group) * dim,
+                   M.data() + tq * group, sink != nullptr ? sink + it.kv_head * group : nullptr, group);
   }
   return out;
 }
@@ -1197,6 +1216,31 @@ torch::Tensor act_and_mul(const torch::Tensor& gate_up, Act act) {
 // SwiGLU's gate: silu(gate) * up.
 torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   return act_and_mul(gate_up, [](float x) { return x / (1.f + std::exp(std::min(-x, 80.f))); });  // no inf under fast-math
+}
+
+// gpt-oss's experts' gate: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
+torch::Tensor clamped_swiglu(torch::Tensor gate_up, double alpha, double limit) {
+  TORCH_CHECK(gate_up.dtype() == torch::kFloat32 && gate_up.dim() == 2 && gate_up.is_contiguous() &&
+                  gate_up.size(1) % 2 == 0,
+              "float32 contiguous [N, 2 * width] rows only");
+  const int64_t inter = gate_up.size(1) / 2;
+  const float a = static_cast<float>(alpha), lim = static_cast<float>(limit);
+  auto out = torch::empty({gate_up.size(0), inter}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, gate_up.size(0), row_grain(2 * inter), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = gp + r * 2 * inter;
+      const float* u = g + inter;
+      float* o = op + r * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) {
+        const float x = std::min(g[i], lim), y = std::min(std::max(u[i], -lim), lim);
+        o[i] = (y + 1.f) * (x / (1.f + std::exp(std::min(-a * x, 80.f))));
+      }
+    }
+  });
+  return out;
 }
 
 // GeGLU's gate (Gemma): gelu(gate) * up, GELU in its tanh form.
@@ -3888,9 +3932,14 @@ struct StackExperts {
   std::vector<StackLinear> gate_up, down, shared;  // shared: gate/up, down and gate, or none
   int64_t top_k = 1;
   bool normalize = false;
+  double swiglu_alpha = 0, swiglu_limit = 0;  // limit > 0: gpt-oss's clamped SwiGLU (clamped_swiglu), else silu
+
+  torch::Tensor act(const torch::Tensor& gate_up_out) const {
+    return swiglu_limit > 0 ? clamped_swiglu(gate_up_out, swiglu_alpha, swiglu_limit) : silu_and_mul(gate_up_out);
+  }
 
   torch::Tensor forward(const torch::Tensor& x) const {
-    if (!router) return run_linear(down[0], silu_and_mul(run_linear(gate_up[0], x)));
+    if (!router) return run_linear(down[0], act(run_linear(gate_up[0], x)));
     Range r("routed experts");
     auto [weights, chosen] = torch::topk(torch::softmax(run_linear(*router, x).to(torch::kFloat), -1), top_k, -1);
     if (normalize) weights = weights / weights.sum(-1, true);
@@ -3902,12 +3951,12 @@ struct StackExperts {
       for (int64_t k = 0; k < top_k; ++k) picks.emplace_back(ids.data_ptr<int64_t>()[k], ws.data_ptr<float>()[k]);
       std::sort(picks.begin(), picks.end());
       for (const auto& [e, w] : picks)
-        out.add_(run_linear(down[e], silu_and_mul(run_linear(gate_up[e], x))).mul_(w));
+        out.add_(run_linear(down[e], act(run_linear(gate_up[e], x))).mul_(w));
     } else {
       add_routed(x, weights, chosen, out);
     }
     if (!shared.empty())
-      out += torch::sigmoid(run_linear(shared[2], x)) * run_linear(shared[1], silu_and_mul(run_linear(shared[0], x)));
+      out += torch::sigmoid(run_linear(shared[2], x)) * run_linear(shared[1], act(run_linear(shared[0], x)));
     return out;
   }
 
@@ -3926,7 +3975,7 @@ struct StackExperts {
       if (count[e] == 0) continue;
       const torch::Tensor pairs = order.narrow(0, start, count[e]), rows = rows_of.narrow(0, start, count[e]);
       start += count[e];
-      const torch::Tensor y = run_linear(down[e], silu_and_mul(run_linear(gate_up[e], x.index_select(0, rows))));
+      const torch::Tensor y = run_linear(down[e], act(run_linear(gate_up[e], x.index_select(0, rows))));
       out.index_add_(0, rows, y * pair_weights.index_select(0, pairs).unsqueeze(1));
     }
   }
@@ -4002,7 +4051,7 @@ class DecoderStack {
   // one's down, then where `shared` the shared expert's gate/up, down and gate.
   void set_experts(int64_t layer, std::vector<torch::Tensor> packed, std::vector<c10::optional<torch::Tensor>> blocks,
                    std::vector<c10::optional<torch::Tensor>> biases, std::vector<int64_t> out_features, bool routed,
-                   bool shared, int64_t top_k, bool normalize) {
+                   bool shared, int64_t top_k, bool normalize, double swiglu_alpha, double swiglu_limit) {
     TORCH_CHECK(layer >= 0 && layer < num_layers_, "no such layer: ", layer);
     const int64_t n = static_cast<int64_t>(packed.size());
     TORCH_CHECK(static_cast<int64_t>(blocks.size()) == n && static_cast<int64_t>(biases.size()) == n &&
@@ -4027,7 +4076,15 @@ class DecoderStack {
       TORCH_CHECK(made.shared[2].out_features == 1, "a shared expert's gate has one output");
     }
     made.top_k = top_k, made.normalize = normalize;
+    made.swiglu_alpha = swiglu_alpha, made.swiglu_limit = swiglu_limit;
     experts_[layer] = std::move(made);
+  }
+
+  // Each layer's attention sinks (gpt-oss's: a score per query head, `finish_parts`), or none.
+  void set_sinks(std::vector<torch::Tensor> sinks) {
+    TORCH_CHECK(sinks.empty() || static_cast<int64_t>(sinks.size()) == num_layers_, "sinks for every layer, or none");
+    for (const auto& t : sinks) head_sinks(t, num_heads_);  // checked once, here
+    sinks_ = std::move(sinks);
   }
 
   // Runs every layer over the step's packed tokens. hidden [N, hidden_size], the embeddings, is
@@ -4092,12 +4149,12 @@ class DecoderStack {
             if (num_decodes > 0)
               decoded = paged_decode_attention(q.narrow(0, 0, num_decodes).contiguous(), k_caches[i], v_caches[i],
                                                *decode_tables, *decode_lens, block_size, attention_scale_,
-                                               windows_[i], softcap_);
+                                               windows_[i], softcap_, layer_sinks(i));
             if (num_decodes < tokens)
               prefilled = paged_prefill_attention(q.narrow(0, num_decodes, tokens - num_decodes).contiguous(),
                                                   k_caches[i], v_caches[i], *prefill_tables, *query_starts,
                                                   *query_lens, *context_starts, block_size, attention_scale_,
-                                                  windows_[i], softcap_);
+                                                  windows_[i], softcap_, layer_sinks(i));
             const torch::Tensor attn =
                 !prefilled.defined() ? decoded : !decoded.defined() ? prefilled : torch::cat({decoded, prefilled});
             reg[step.dst] = attn.view({tokens, num_heads_ * head_dim_});
@@ -4147,7 +4204,11 @@ class DecoderStack {
   }
 
  private:
-  std::vector<torch::Tensor> norms_, qk_norms_;
+  c10::optional<torch::Tensor> layer_sinks(int64_t layer) const {
+    return sinks_.empty() ? c10::optional<torch::Tensor>() : c10::optional<torch::Tensor>(sinks_[layer]);
+  }
+
+  std::vector<torch::Tensor> norms_, qk_norms_, sinks_;
   std::vector<int64_t> windows_, rope_tables_;
   std::vector<double> residual_scales_;
   std::vector<StackLinear> linears_;
@@ -4357,11 +4418,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Paged decode attention (CPU, fp32 arithmetic over an fp32 or 16-bit pool)", py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("block_size"), py::arg("scale"),
-        py::arg("window") = 0, py::arg("softcap") = 0.0);
+        py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "Paged causal prefill attention (CPU, fp32 arithmetic over an fp32 or 16-bit pool)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("q_starts"), py::arg("q_lens"),
-        py::arg("ctx_starts"), py::arg("block_size"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
+        py::arg("ctx_starts"), py::arg("block_size"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0,
+        py::arg("sinks") = py::none());
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU, fp32)");
   m.def("add_rms_norm_", &add_rms_norm_, "hidden += delta, then RMSNorm (CPU, fp32)");
   m.def("rotary_qk_", &rotary_qk_, "Rotary embedding of the q and k heads of a fused qkv, in place (and KV store)",
@@ -4370,6 +4432,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("slot_mapping") = py::none());
   m.def("argmax_rows", &argmax_rows, "First index of the largest value (or first NaN) of each row (CPU, fp32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU, fp32)");
+  m.def("clamped_swiglu", &clamped_swiglu, "gpt-oss's (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)");
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up (CPU, fp32)");
   m.def("qk_norm_", &qk_norm_, "RMSNorm of the q and k of a fused qkv in groups of each scale's length, in place");
   m.def("gemm_panel_width", &gemm_panel_width, "Output columns per packed weight panel (32 with AVX-512)");
@@ -4434,5 +4497,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("set_experts", &DecoderStack::set_experts,
            "A layer's routed-experts MLP: its matmuls (router, gate/ups, downs, shared), whether routed and shared, "
-           "top_k and whether the chosen weights are renormalized");
+           "top_k, whether the chosen weights are renormalized, and the clamped SwiGLU's alpha and limit (0: silu)")
+      .def("set_sinks", &DecoderStack::set_sinks, "Each layer's attention sinks (a score per query head), or none");
 }
