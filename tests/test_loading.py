@@ -1262,6 +1262,72 @@ def test_a_16_bit_checkpoint_stays_16_bit_and_computes_its_fp32_logits_bit_for_b
     torch.testing.assert_close(inflight_logits(kept, ids), hf_logits(reference, ids), atol=3e-4, rtol=1e-4)
 
 
+def hf_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` `[..., rows, K]` as transformers' MXFP4 stores it (gpt-oss's checkpoints): blocks
+    `[..., rows, K / 32, 16]` of two FP4 e2m1 codes a byte, the low nibble first, and E8M0 scales
+    `[..., rows, K / 32]`, each group's the power of two that brings its largest value within 6,
+    the values rounded to the nearest of FP4's."""
+    fp4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    groups = weight.reshape(*weight.shape[:-1], -1, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=2.0 ** -100) / 6)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent).unsqueeze(-1)
+    codes = (scaled.abs().unsqueeze(-1) - fp4).abs().argmin(-1) + 8 * (scaled < 0)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8), (exponent + 127).to(torch.uint8)
+
+
+def test_gpt_oss_mxfp4_checkpoint_keeps_its_experts_in_mxfp4_as_transformers_computes(tmp_path):
+    """gpt-oss as OpenAI publishes it: the experts' stacks in MXFP4 (`X_blocks`, `X_scales`,
+    `quantization_config` mxfp4), the rest 16-bit. Loaded as the engine loads it on CPU, each
+    expert's gate, up and down stay MXFP4 (llama.cpp's blocks, made from the file one expert's
+    part at a time as the model packs it), and the logits equal bit for bit those of the
+    checkpoint dequantized, which are transformers' on the same directory (it dequantizes MXFP4
+    on a CPU); elsewhere (no kernels, another dtype) the stacks are dequantized."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from inflight.model.linear import blocks_usable
+    from inflight.model.loader import load_blocks, load_embedding, weight_footprint
+
+    if not blocks_usable():
+        pytest.skip("these kernels read no stored blocks (built without AVX2)")
+    tiny_hf_model("gpt_oss").to(torch.bfloat16).save_pretrained(tmp_path, safe_serialization=True)
+    [file] = tmp_path.glob("*.safetensors")
+    tensors = load_file(file)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        # stored [experts, in, out]; quantized along `in`, rows of `out` (gate and up interleaved)
+        blocks, scales = hf_mxfp4(tensors.pop(name).float().transpose(1, 2))
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+
+    source = resolve_model(str(tmp_path))
+    config, weights = load_checkpoint(source, torch.float32)
+    _, shapes = load_checkpoint(source, torch.float32, keep_blocks=True)
+    blocks = load_blocks(source, config)
+    experts = {name for name, (kind, _) in blocks.items() if kind == "MXFP4"}
+    assert len(experts) == config.num_layers * config.num_experts * 3  # gate, up and down of each
+    assert all(shapes[name].is_meta for name in experts)
+    dense = LlamaModel(config, weights, torch.device("cpu"))
+    kept = LlamaModel(config, shapes, torch.device("cpu"), gguf_blocks=blocks,
+                      embedding=load_embedding(source, config))
+    assert all(m.blocks is not None and m.weight.numel() == 0
+               for layer in kept.layers for m in (*layer.experts.gate_up, *layer.experts.down))
+    for model in (dense, kept):
+        model.use_context(config.max_position_embeddings)
+    for ids in (list(range(3, 6)), list(range(3, 43))):  # in registers, and a panel at a time
+        assert torch.equal(inflight_logits(kept, ids), inflight_logits(dense, ids))
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = list(range(5, 95))
+    torch.testing.assert_close(inflight_logits(kept, ids), hf_logits(reference, ids), atol=1e-4, rtol=1e-4)
+    # counted at the packed size, not widened
+    footprint = dict(weight_footprint(source, torch.float32, packed=True, blocks=True).parts)
+    expert_weights = config.num_layers * config.num_experts * 3 * config.hidden_size * config.intermediate_size
+    assert footprint["matrices as stored, repacked for the matmuls"] >= 0.5625 * expert_weights
+
+
 def test_16_bit_rows_that_are_not_whole_blocks_are_widened(tmp_path):
     """The packing holds 16-bit rows in blocks of 32 weights: a matrix whose rows are not (a down
     projection 48 wide), from a checkpoint or a GGUF file, is widened to fp32 at load, the others

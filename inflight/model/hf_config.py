@@ -163,10 +163,9 @@ def refuse_unsupported(raw: dict[str, Any], path: Path) -> None:
     names = _ACTIVATION_NAMES[arch.activation] + (("gelu",) if arch.hf_gelu_means_tanh else ())
     neutral = {**_NEUTRAL, "hidden_act": names, "hidden_activation": _ACTIVATION_NAMES[arch.activation]}
     quantization = raw.get("quantization_config")
-    if isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4":  # gpt-oss's published form
-        raise ModelLoadError(f"{path}: quantization_config mxfp4: inflight does not read MXFP4 weights from "
-                             "safetensors yet; a GGUF file of the model keeps them in MXFP4 (llama.cpp's "
-                             "convert_hf_to_gguf.py writes one), or a 16-bit checkpoint of it loads")
+    if (isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4"
+            and arch.experts is not None and arch.experts.stacked):  # gpt-oss's published form: its
+        del neutral["quantization_config"]  # stacks' `_blocks` and `_scales` are read as MXFP4 (loader)
     for key, values in neutral.items():
         if key in raw and raw[key] not in values:
             raise ModelLoadError(f"{path}: {key} = {raw[key]!r} changes the model's arithmetic in a way "

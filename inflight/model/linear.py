@@ -36,6 +36,7 @@ LM head) to int8 per output channel (W8A8).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from types import ModuleType
 
 import torch
@@ -111,7 +112,7 @@ def pack_gguf_blocks(kernels: ModuleType, parts: list[torch.Tensor], kinds: list
                                     int8_activations, bf16_activations)
 
 
-def check_bf16_activations(blocks: dict[str, tuple[str, torch.Tensor]], kept: bool) -> None:
+def check_bf16_activations(blocks: Mapping[str, tuple[str, object]], kept: bool) -> None:
     """`--quantization bf16-activations` needs the block kernels and a checkpoint with matrices
     stored in bf16; refused in one line otherwise, never ignored."""
     if not kept:
@@ -122,7 +123,7 @@ def check_bf16_activations(blocks: dict[str, tuple[str, torch.Tensor]], kept: bo
                              "GGUF BF16); this checkpoint stores none")
 
 
-def check_int8_activations(blocks: dict[str, tuple[str, torch.Tensor]], kept: bool) -> None:
+def check_int8_activations(blocks: Mapping[str, tuple[str, object]], kept: bool) -> None:
     """`--quantization int8-activations` needs the block kernels and a checkpoint with quantized
     blocks (`load_blocks`' result); refused in one line otherwise, never ignored."""
     if not kept:

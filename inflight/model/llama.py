@@ -29,7 +29,7 @@ from inflight.model.loader import ROPE_CHUNK, rope_table_positions
 from inflight.model.token_ops import CpuKernelTokenOps, KVStore, TorchTokenOps
 
 if TYPE_CHECKING:
-    from inflight.model.loader import GGUFRows, WidenedRows
+    from inflight.model.loader import GGUFRows, StoredRows, WidenedRows
 
 
 def rope_inv_freq(config: ModelConfig, long_context: bool = False) -> torch.Tensor:
@@ -171,7 +171,7 @@ class LlamaModel:
     """Holds the weights (QKV and gate/up fused) and runs one packed forward step."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
-                 gguf_blocks: dict[str, tuple[str, torch.Tensor]] | None = None,
+                 gguf_blocks: dict[str, tuple[str, StoredRows]] | None = None,
                  embedding: GGUFRows | WidenedRows | None = None, int8: bool = False,
                  int8_activations: bool = False, bf16_activations: bool = False,
                  packed: dict[str, torch.Tensor] | None = None) -> None:
@@ -207,7 +207,8 @@ class LlamaModel:
         arch = architecture(config.architecture)
         if (config.rotary_dim is not None and config.rotary_dim < config.head_dim) or arch.interleaved_rotary:
             weights = self._pair_rotary_dims(config, arch, weights)
-            paired = self._pair_rotary_dims(config, arch, {name: raw for name, (_, raw) in blocks.items()})
+            paired = self._pair_rotary_dims(config, arch, {name: raw() if callable(raw) else raw
+                                                           for name, (_, raw) in blocks.items()})
             blocks = {name: (kind, paired[name]) for name, (kind, _) in blocks.items()}  # rows alike
         self.embed_tokens: torch.Tensor | GGUFRows | WidenedRows = take("model.embed_tokens.weight")
         if embedding is not None:
@@ -230,7 +231,7 @@ class LlamaModel:
             parts = [part for n in names if (part := blocks.get(n)) is not None]
             quantized = None
             if len(parts) == len(names):  # packed from where they lie (`loader._blocks_kept` says which fuse)
-                quantized = ([kind for kind, _ in parts], [raw for _, raw in parts])
+                quantized = ([kind for kind, _ in parts], [raw() if callable(raw) else raw for _, raw in parts])
             made = Linear(weight, b, backend, gguf_blocks=quantized, int8=int8, int8_activations=int8_activations,
                           bf16_activations=bf16_activations, packed=(packed or {}).get(names[0]))
             if made.blocks is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -78,7 +79,7 @@ class LoadedModel:
             return cls(source.name, llama, tokenizer.result(), quantization, hf_overrides)
 
 
-def _say_arithmetic(blocks: dict[str, tuple[str, torch.Tensor]], quantization: str) -> None:
+def _say_arithmetic(blocks: Mapping[str, tuple[str, object]], quantization: str) -> None:
     """One log line on how the matrices kept as quantized blocks are multiplied, and, where they
     compute as the dequantized model (the default), the option that computes as llama.cpp does."""
     stored = {id(raw): kind for kind, raw in blocks.values()}  # a tied LM head is the embedding's matrix

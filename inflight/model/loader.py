@@ -207,7 +207,7 @@ class WeightFootprint:
 
 
 _SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
-                      "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
+                      "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1, "MXFP4": 17 / 32}
 
 
 # The model's rotary tables are built for the positions an engine serves, in chunks of this many
@@ -315,7 +315,7 @@ def _tensor_table(source: ModelSource) -> dict[str, tuple[int, int, int]]:
     table: dict[str, tuple[int, int, int]] = {}
     for name, stored in _hf_header(source.path).items():
         n = int(np.prod(stored.shape, dtype=np.int64))
-        table[name] = (n, n * _SAFETENSORS_BYTES.get(stored.dtype, 4), len(stored.shape))
+        table[name] = (n, int(n * _SAFETENSORS_BYTES.get(stored.dtype, 4)), len(stored.shape))
     return table
 
 
@@ -889,17 +889,25 @@ def _whole_blocks(tensor: GGUFTensor) -> bool:
     return tensor.tensor_type.name not in SIXTEEN_BITS or int(tensor.shape[0]) % SIXTEEN_BIT_BLOCK == 0
 
 
-def load_blocks(source: ModelSource, config: ModelConfig) -> dict[str, tuple[str, torch.Tensor]]:
+# A matrix's stored rows, or what makes them when the model packs it (a checkpoint's MXFP4 experts).
+StoredRows = torch.Tensor | Callable[[], torch.Tensor]
+
+
+def load_blocks(source: ModelSource, config: ModelConfig) -> dict[str, tuple[str, StoredRows]]:
     """The matrices the matmuls read as stored, as (type, raw rows): uint8 `[rows, K / block
     weights * block bytes]` under their HF names (a tied LM head under both names), the same
     values as the fp32 weights (`csrc`, `gguf_blocks_linear`, `gguf_blocks_gemm`). From a GGUF
     file, those of a type in `BLOCK_TYPES`, read in place, rows in the order of the dequantized
-    weight; from a checkpoint, its BF16 and F16 matrices (`_hf_kept`), as GGUF's 16-bit types."""
-    blocks: dict[str, tuple[str, torch.Tensor]] = {}
+    weight; from a checkpoint, its BF16 and F16 matrices (`_hf_kept`), as GGUF's 16-bit types, and
+    its MXFP4 stacks of experts as llama.cpp's MXFP4 blocks, each made when the model packs it."""
+    blocks: dict[str, tuple[str, StoredRows]] = {}
     if source.kind != "gguf":
         stored = _hf_kept(source.path, config)
-        read = _hf_read(source.path, list(stored))
+        read = _hf_read(source.path, [name for name, kind in stored.items() if kind != "MXFP4"])
         for name, kind in stored.items():  # a stack of experts: each one's rows, a view
+            if kind == "MXFP4":
+                blocks.update(_mxfp4_expert_rows(source.path, name, config))
+                continue
             blocks.update((part, (kind, raw.view(torch.uint8)))
                           for part, raw in _unstacked({name: read[name]}, config).items())
         if "lm_head.weight" not in _hf_dtypes(source.path) and "model.embed_tokens.weight" in blocks:
@@ -924,6 +932,31 @@ def load_blocks(source: ModelSource, config: ModelConfig) -> dict[str, tuple[str
     if config.tie_word_embeddings and "model.embed_tokens.weight" in blocks:
         blocks["lm_head.weight"] = blocks["model.embed_tokens.weight"]
     return blocks
+
+
+def _mxfp4_expert_rows(path: Path, name: str, config: ModelConfig) -> dict[str, tuple[str, StoredRows]]:
+    """A checkpoint's MXFP4 stack of experts `name` as each expert's part's rows in llama.cpp's
+    MXFP4 blocks, made when the model packs that matrix (one expert's read from the mapped file
+    then), so that no more than one expert's rows are ever held beside the packed ones."""
+    experts = architecture(config.architecture).experts
+    assert experts is not None
+    stored = _hf_header(path)[name]
+    layer, _, suffix = name.removeprefix("model.layers.").partition(".")
+    parts = experts.stacked[suffix]
+    step = len(parts) if experts.stacked_interleaved else 1
+
+    def rows(e: int, i: int) -> torch.Tensor:
+        blocks, scales = _mxfp4_read(stored, e)
+        if experts.stacked_interleaved:
+            blocks, scales = blocks[i::step], scales[i::step]
+        else:
+            size = blocks.shape[0] // len(parts)
+            blocks, scales = blocks[i * size:(i + 1) * size], scales[i * size:(i + 1) * size]
+        return mxfp4_ggml_rows(blocks, scales).contiguous()
+
+    num = stored.shape[0]
+    return {f"model.layers.{layer}.{experts.part(e, part)}": ("MXFP4", functools.partial(rows, e, i))
+            for e in range(num) for i, part in enumerate(parts)}
 
 
 def _gguf_to_hf_name(name: str, arch: str) -> str:
@@ -981,6 +1014,33 @@ class _Stored(NamedTuple):
     name: str  # as the file names it
     dtype: str
     shape: tuple[int, ...]
+    # An MXFP4 tensor (dtype "MXFP4", its logical shape): the file of its `name + "_scales"`
+    # (`name + "_blocks"` in `file`).
+    scales_file: Path | None = None
+
+
+# transformers' MXFP4 (gpt-oss's checkpoints, `quantization_config` mxfp4): a tensor `X` stored as
+# `X_blocks` `[..., rows, groups, 16]` (32 FP4 e2m1 codes a group, two a byte, the low nibble first)
+# and `X_scales` `[..., rows, groups]` (E8M0: 2^(e - 127)); gpt-oss's stacks of experts alone.
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_dequantized(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """An MXFP4 tensor's values in fp32, `[..., rows, groups * 32]` (exact: each is an FP4 value
+    times a power of two)."""
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()  # element 2j: the low nibble of byte j
+    values = torch.tensor(_FP4_VALUES)[codes].reshape(*blocks.shape[:-1], 32)
+    values = values * torch.exp2(scales.float() - 127).unsqueeze(-1)
+    return values.reshape(*blocks.shape[:-2], -1)
+
+
+def mxfp4_ggml_rows(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """An MXFP4 tensor's rows as llama.cpp's MXFP4 blocks, `[..., rows, groups * 17]` uint8: the
+    scale byte (the same E8M0; llama.cpp's table is the FP4 values doubled, its scale halved),
+    then byte j holding element j in its low nibble and element j + 16 in its high one."""
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).reshape(*blocks.shape[:-1], 32)
+    packed = codes[..., :16] | (codes[..., 16:] << 4)
+    return torch.cat([scales.unsqueeze(-1), packed], dim=-1).reshape(*blocks.shape[:-2], -1)
 
 
 def _hf_header(path: Path) -> dict[str, _Stored]:
@@ -1000,15 +1060,60 @@ def _hf_header(path: Path) -> dict[str, _Stored]:
                         header[name] = _Stored(file, stored, piece.get_dtype(), tuple(piece.get_shape()))
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"cannot read {file}: {exc}") from None
-    return header
+    return _mxfp4_entries(header, path)
+
+
+def _mxfp4_entries(header: dict[str, _Stored], path: Path) -> dict[str, _Stored]:
+    """`header` with each MXFP4 pair `X_blocks`, `X_scales` as one entry `X` of its logical shape
+    (a stack of experts `[experts, in, out]` where the architecture stores it so)."""
+    pairs = [name.removesuffix("_blocks") for name, s in header.items()
+             if name.endswith("_blocks") and name.removesuffix("_blocks") + "_scales" in header and s.dtype == "U8"]
+    if not pairs:
+        return header
+    raw = read_json_object(path / "config.json", "a model config")
+    row = ARCHITECTURES.get((raw.get("text_config") or raw).get("model_type", "llama"))
+    experts = row.experts if row is not None else None
+    out = dict(header)
+    for name in pairs:
+        blocks, scales = out.pop(name + "_blocks"), out.pop(name + "_scales")
+        layer_part = name.split(".", 3)[-1] if name.startswith("model.layers.") else None
+        if experts is None or layer_part not in experts.stacked or len(blocks.shape) != 4 or \
+                blocks.shape[-1] != 16 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
+            raise ModelLoadError(f"{path}: {name}: inflight reads MXFP4 tensors as stacks of routed experts "
+                                 "[experts, rows, groups, 16] (gpt-oss's) only")
+        shape = (blocks.shape[0], blocks.shape[1], blocks.shape[2] * 32)
+        if experts.stacked_transposed:
+            shape = (shape[0], shape[2], shape[1])
+        out[name] = _Stored(blocks.file, blocks.name.removesuffix("_blocks"), "MXFP4", shape, scales.file)
+    return out
+
+
+def _mxfp4_read(stored: _Stored, index: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MXFP4 entry's blocks and scales as stored (`index`: one expert's of a stack)."""
+    from safetensors import SafetensorError, safe_open
+
+    parts = []
+    for file, suffix in ((stored.file, "_blocks"), (stored.scales_file, "_scales")):
+        assert file is not None
+        try:
+            with safe_open(file, framework="pt") as f:
+                parts.append(f.get_tensor(stored.name + suffix) if index is None
+                             else f.get_slice(stored.name + suffix)[index])
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"cannot read {file}: {exc}") from None
+    return parts[0], parts[1]
 
 
 def _hf_read(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
-    """These tensors, as stored."""
+    """These tensors, as stored; an MXFP4 one dequantized to fp32, in its logical shape."""
     from safetensors import SafetensorError, safe_open
 
     header = _hf_header(path)
     read: dict[str, torch.Tensor] = {}
+    for name in [n for n in names if header[n].dtype == "MXFP4"]:
+        value = mxfp4_dequantized(*_mxfp4_read(header[name]))
+        read[name] = value if tuple(value.shape) == header[name].shape else value.transpose(1, 2)
+    names = [n for n in names if n not in read]
     for file in sorted({header[name].file for name in names}):
         try:
             with safe_open(file, framework="pt") as f:
@@ -1027,6 +1132,7 @@ def _hf_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 
 SIXTEEN_BITS = ("BF16", "F16")  # safetensors' names, which are GGUF's too
+HF_KEPT_TYPES = (*SIXTEEN_BITS, "MXFP4")  # a checkpoint's matrices the matmuls read as stored
 # The packing holds 16-bit rows in blocks of this many weights: a matrix whose rows are not whole
 # blocks (an MLP 48 wide) is widened to fp32 instead. (A quantized type's rows are whole blocks.)
 SIXTEEN_BIT_BLOCK = 32
@@ -1058,7 +1164,7 @@ def _hf_kept(path: Path, config: ModelConfig) -> dict[str, str]:
             groups += [[prefix + n] for n in arch.experts.stacked]  # split into each expert's by `load_blocks`
             groups += [[prefix + n for n in names] for names in arch.experts.shared_matmuls]
         for parts in groups:
-            if all(dtypes.get(p) in SIXTEEN_BITS for p in parts) and len({dtypes[p] for p in parts}) == 1:
+            if all(dtypes.get(p) in HF_KEPT_TYPES for p in parts) and len({dtypes[p] for p in parts}) == 1:
                 kept.update((p, dtypes[p]) for p in parts)
     return kept
 
