@@ -19,7 +19,7 @@ from inflight.request import FinishReason, Grammar, StructuredOutputs, ThinkMark
 from inflight.server.config import ServerConfig
 from inflight.server.launcher import RunningServer, serve_in_thread
 from inflight.server.protocol import UsageInfo
-from inflight.server.reasoning import ReasoningSplitter, think_markers
+from inflight.server.reasoning import ReasoningSplitter, reasoning_splitter, split_reasoning, think_markers
 from inflight.server.serving import _ChatFormat
 from inflight.server.stream import Delta
 
@@ -46,7 +46,7 @@ def test_a_streamed_output_splits_as_the_whole_one_however_it_is_cut(text, qwen3
     """Every way of cutting the output into two or three deltas (markers split included) gives
     the whole output's reasoning and content."""
     for parser, expected in (("qwen3", qwen3), ("deepseek_r1", deepseek_r1)):
-        assert ReasoningSplitter.split(parser, text) == expected
+        assert split_reasoning(parser, text) == expected
         for n in (1, 2):
             for cuts in itertools.combinations(range(1, len(text)), n):
                 splitter = ReasoningSplitter(parser)
@@ -54,6 +54,35 @@ def test_a_streamed_output_splits_as_the_whole_one_however_it_is_cut(text, qwen3
                 reasoning = "".join(r for r, _ in parts) or None
                 content = "".join(c for _, c in parts) or None
                 assert (reasoning, content) == expected, (parser, cuts)
+
+
+# gpt-oss's harmony (its markers are special tokens, which its chats keep): output -> (reasoning, content)
+HARMONY = [
+    ("<|channel|>analysis<|message|>User asks. Answer Paris.<|end|><|start|>assistant<|channel|>final<|message|>"
+     "Paris.", ("User asks. Answer Paris.", "Paris.")),
+    ("<|channel|>final<|message|>Paris.<|return|>", (None, "Paris.")),  # a request that keeps its stop token
+    ("<|channel|>analysis<|message|>a <|end of thought", ("a <|end of thought", None)),  # cut by max_tokens
+    ("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>fin", ("a", None)),  # a header cut short
+    ("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>commentary<|message|>Looking it up."
+     "<|end|><|start|>assistant<|channel|>final<|message|>Paris.", ("a", "Looking it up.Paris.")),
+    ("<|channel|>commentary to=functions.weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>",
+     (None, '{"city": "Paris"}')),
+    ("Paris, <|the|> capital.", (None, "Paris, <|the|> capital.")),  # no markup: all content
+    ("<|im_start|>Paris", (None, "<|im_start|>Paris")), ("<|st", (None, None)),
+    ("", (None, None)),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), HARMONY)
+def test_a_harmony_output_splits_by_channel_however_it_is_cut(text, expected):
+    """openai_gptoss: the analysis channel's text is the reasoning, the others' the content, the
+    markup neither, streamed in any two or three deltas (markers split included) as whole."""
+    assert split_reasoning("openai_gptoss", text) == expected
+    for n in (1, 2):
+        for cuts in itertools.combinations(range(1, len(text)), n):
+            splitter = reasoning_splitter("openai_gptoss")
+            parts = [splitter.feed(p) for p in _pieces(text, cuts)] + [splitter.end()]
+            assert ("".join(r for r, _ in parts) or None, "".join(c for _, c in parts) or None) == expected, cuts
 
 
 def _deltas(pieces: list[str]) -> list[Delta]:
@@ -113,6 +142,26 @@ def test_the_parser_over_http_streamed_and_whole(servers: tuple[RunningServer, R
                     reasoning += choice["delta"].get("reasoning", "")
                     content += choice["delta"].get("content", "") or ""
     assert (reasoning, content) == (text, "")
+
+
+def test_harmony_chats_keep_their_special_tokens_for_the_parser(loaded: LoadedModel):
+    """openai_gptoss over HTTP: a chat's text keeps its special tokens, which the parser reads (an
+    output opening with another special token is content, markers and all; without the parser
+    the tokens are skipped); a structured output beside it is a 400 naming the field."""
+    special = loaded.tokenizer.hf.convert_tokens_to_ids("<|im_start|>")
+    body = {"model": "SmolLM2-135M-Instruct.Q4_1", "messages": [{"role": "user", "content": "Name a city."}],
+            "max_tokens": 3, "temperature": 0, "logit_bias": {str(special): 100}}
+    with serve_in_thread(LLMEngine(EngineConfig.from_kwargs(num_kv_blocks=64), loaded),
+                         ServerConfig(shutdown_timeout_s=5, reasoning_parser="openai_gptoss")) as server:
+        message = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+        assert (message["content"], message["reasoning"]) == ("<|im_start|>" * 3, None)
+        refused = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            **body, "response_format": {"type": "json_object"}})
+        assert refused.status_code == 400 and "openai_gptoss" in refused.json()["error"]["message"]
+    pieces = ["<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|chan", "nel|>final<|message|>Paris."]
+    whole = _ChatFormat("chatcmpl-1", "m", loaded.tokenizer, None, "openai_gptoss").response(
+        [_deltas(pieces)], UsageInfo.of(7, 2)).model_dump()["choices"][0]["message"]
+    assert (whole["reasoning"], whole["reasoning_content"], whole["content"]) == ("Think.", "Think.", "Paris.")
 
 
 # --- structured output beside a reasoning parser: the thought free, the answer constrained -------

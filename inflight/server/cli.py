@@ -56,7 +56,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="chat completions' <think> ... </think> sent as the message's reasoning, apart from its "
                         "content (vLLM's option): qwen3 (when the output opens a thought), deepseek_r1 (the "
-                        "output thinks until </think>)")
+                        "output thinks until </think>), openai_gptoss (gpt-oss's harmony: its analysis channel)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_options(p)
     p.set_defaults(func=cmd_serve)

@@ -1,13 +1,18 @@
 """A reasoning model's thinking, told apart from its answer (vLLM's `--reasoning-parser`): the text
 a chat completion generates inside <think> ... </think> goes to the message's `reasoning` (and
 `reasoning_content`, its older name, which llama.cpp's and SGLang's servers use), the rest to its
-`content`. Two parsers, by vLLM's names:
+`content`. Three parsers, by vLLM's names:
 
 - `qwen3`: an output that starts with <think> thinks until </think>; one that does not (Qwen3 with
   `chat_template_kwargs: {"enable_thinking": false}`, whose template closes an empty thought in
   the prompt) is all answer;
 - `deepseek_r1`: the output thinks until </think> whether or not it opens with <think> (the
-  DeepSeek-R1 distills and Qwen3's thinking-only models open the thought in the prompt).
+  DeepSeek-R1 distills and Qwen3's thinking-only models open the thought in the prompt);
+- `openai_gptoss`: gpt-oss's harmony format, messages of `<|channel|>NAME<|message|>TEXT<|end|>`
+  (a later one opened by `<|start|>assistant`): the `analysis` channel's text is the reasoning,
+  the others' (`final`, `commentary`) the content, the markup neither. Its markers are special
+  tokens, so its chats are detokenized with them (`HARMONY_PARSERS`). A call in harmony's
+  `commentary` channel (`to=functions.NAME`) is not read as a tool call: its text is content.
 
 A thought cut short by `max_tokens` is all reasoning. Streamed and whole outputs are split by the
 same code (`ReasoningSplitter`), so their parts are equal; a marker may arrive split over deltas.
@@ -30,8 +35,29 @@ from inflight.server.tools import partial_suffix
 if TYPE_CHECKING:
     from inflight.model.tokenizer import Tokenizer
 
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "openai_gptoss")
+# The parsers whose markers are special tokens: their chats' text keeps them (skip_special_tokens off).
+HARMONY_PARSERS = ("openai_gptoss",)
 _START, _END = "<think>", "</think>"
+_HARMONY_MESSAGE, _HARMONY_HEADS = "<|message|>", ("<|start|>", "<|channel|>")
+_HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+
+
+def _opens_header(text: str) -> bool:
+    """Whether `text` begins a harmony message's header (or may, as far as it goes)."""
+    return any(text.startswith(head) or head.startswith(text) for head in _HARMONY_HEADS)
+
+
+def reasoning_splitter(parser: str) -> ReasoningSplitter | HarmonySplitter:
+    """The splitter of a `--reasoning-parser`."""
+    return HarmonySplitter() if parser in HARMONY_PARSERS else ReasoningSplitter(parser)
+
+
+def split_reasoning(parser: str, text: str) -> tuple[str | None, str | None]:
+    """A whole output's reasoning and content, each None where there is none."""
+    splitter = reasoning_splitter(parser)
+    (r1, c1), (r2, c2) = splitter.feed(text), splitter.end()
+    return (r1 + r2) or None, (c1 + c2) or None
 
 
 class ReasoningSplitter:
@@ -81,17 +107,64 @@ class ReasoningSplitter:
             self._state = "thinking" if self._thinks_unopened else "answering"
         return (held, "") if self._state == "thinking" else ("", held)
 
-    @classmethod
-    def split(cls, parser: str, text: str) -> tuple[str | None, str | None]:
-        """A whole output's reasoning and content, each None where there is none."""
-        splitter = cls(parser)
-        (r1, c1), (r2, c2) = splitter.feed(text), splitter.end()
-        return (r1 + r2) or None, (c1 + c2) or None
+
+
+class HarmonySplitter:
+    """Splits one choice's harmony text (gpt-oss), delta by delta, into (reasoning, content)
+    pieces: each message's header (`<|start|>assistant<|channel|>NAME ...`) is read up to
+    `<|message|>` and dropped, its text goes where its channel says up to the marker that ends it
+    (`<|end|>`; `<|return|>` and `<|call|>` too, where a request keeps its stop tokens). An
+    output that does not open with markup is all content."""
+
+    def __init__(self) -> None:
+        self._state = "header"  # then "reasoning", "content" (a message's text), or "plain"
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self._held += text
+        out = {"reasoning": "", "content": ""}
+        while self._held:
+            if self._state == "plain":
+                out["content"] += self._held
+                self._held = ""
+            elif self._state == "header":
+                if not _opens_header(self._held):
+                    self._state = "plain"  # text without markup
+                    continue
+                at = self._held.find(_HARMONY_MESSAGE)
+                if at < 0:
+                    break  # the header goes on
+                channel = self._held[:at].partition("<|channel|>")[2].split(" ", 1)[0].split("<|", 1)[0]
+                self._state = "reasoning" if channel == "analysis" else "content"
+                self._held = self._held[at + len(_HARMONY_MESSAGE):]
+            else:
+                ends = [(at, marker) for marker in _HARMONY_ENDS if (at := self._held.find(marker)) >= 0]
+                if ends:
+                    at, marker = min(ends)
+                    out[self._state] += self._held[:at]
+                    self._held = self._held[at + len(marker):]
+                    self._state = "header"
+                    continue
+                keep = max(partial_suffix(self._held, marker) for marker in _HARMONY_ENDS)
+                out[self._state] += self._held[:len(self._held) - keep]
+                self._held = self._held[len(self._held) - keep:]
+                break
+        return out["reasoning"], out["content"]
+
+    def end(self) -> tuple[str, str]:
+        """What is still held once the output has ended: a message's text cut short goes where
+        its channel says; a header cut short is markup, dropped."""
+        held, self._held = self._held, ""
+        if self._state == "reasoning":
+            return held, ""
+        return ("", "") if self._state == "header" and _opens_header(held) else ("", held)
 
 
 def think_markers(parser: str, tokenizer: Tokenizer) -> ThinkMarkers | None:
     """The parser's thought markers as the vocabulary's tokens, or None where <think> or </think>
-    is not one token of it."""
+    is not one token of it (harmony's: none, its answer opening with several tokens)."""
+    if parser in HARMONY_PARSERS:
+        return None
     ids = []
     for marker in (_START, _END):
         token = tokenizer.hf.convert_tokens_to_ids(marker)

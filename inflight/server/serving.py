@@ -10,6 +10,7 @@ ran on the event loop. The tokenizer is only read, so this is safe beside the en
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from collections.abc import AsyncIterator, Callable
@@ -61,7 +62,14 @@ from inflight.server.protocol import (
     UsageInfo,
     template_tools,
 )
-from inflight.server.reasoning import ReasoningSplitter, think_markers
+from inflight.server.reasoning import (
+    HARMONY_PARSERS,
+    HarmonySplitter,
+    ReasoningSplitter,
+    reasoning_splitter,
+    split_reasoning,
+    think_markers,
+)
 from inflight.server.stream import Delta, RequestStream
 from inflight.server.tools import ToolCallReader, ToolMode, tool_call_format
 
@@ -203,13 +211,15 @@ class _ChatFormat:
         self.reasoning_parser = reasoning_parser
         self.prompt_top = prompt_top  # vLLM's prompt_logprobs, if asked: the response's, not a choice's
         self._readers: dict[int, ToolCallReader] = {}
-        self._splitters: dict[int, ReasoningSplitter] = {}
+        self._splitters: dict[int, ReasoningSplitter | HarmonySplitter] = {}
 
     def _split(self, index: int, text: str, finished: bool) -> tuple[str | None, str]:
         """A streamed piece's thinking (None without a parser) and answer."""
         if self.reasoning_parser is None:
             return None, text
-        splitter = self._splitters.setdefault(index, ReasoningSplitter(self.reasoning_parser))
+        if index not in self._splitters:
+            self._splitters[index] = reasoning_splitter(self.reasoning_parser)
+        splitter = self._splitters[index]
         reasoning, content = splitter.feed(text)
         if finished:
             more_reasoning, more_content = splitter.end()
@@ -279,7 +289,7 @@ class _ChatFormat:
         calls: list[ToolCall] = []
         reasoning = None
         if self.reasoning_parser is not None:
-            reasoning, content = ReasoningSplitter.split(self.reasoning_parser, text)
+            reasoning, content = split_reasoning(self.reasoning_parser, text)
         if reader is not None:
             content, calls = reader.whole(content or "")
             reader.num_calls = len(calls)
@@ -393,6 +403,8 @@ class OpenAIServing:
         token_ids = req.truncated(token_ids, self.engine.max_model_len)
         params = self._sampling_params(req, req.requested_max_tokens, len(token_ids), "messages", req.num_logprobs,
                                        req.prompt_logprobs)
+        if self.config.reasoning_parser in HARMONY_PARSERS:  # its markers are special tokens: the parser reads them
+            params = dataclasses.replace(params, skip_special_tokens=False)
         grammar = await self._grammar(req)
         if grammar is not None and self.config.reasoning_parser is not None:
             grammar = self._after_thinking(grammar, req)
@@ -537,6 +549,10 @@ class OpenAIServing:
             return grammar.after_thinking(markers)
         if parser == "qwen3":  # no thought can open: the output is all answer
             return grammar
+        if parser in HARMONY_PARSERS:
+            raise invalid(f"structured output beside --reasoning-parser {parser} is not supported: harmony's answer "
+                          "opens with several tokens (<|channel|>final<|message|>), which no grammar waits for yet",
+                          req.constraint_field)
         raise invalid(f"structured output beside --reasoning-parser {parser} needs <think> and </think> as tokens "
                       "of the model's vocabulary, and this model has none: its answer cannot be told from "
                       "its thought", req.constraint_field)
