@@ -48,6 +48,9 @@ Q4_K_M (and any other of `--quantize-types`: IQ4_XS, ...) by llama.cpp's own `ll
   1b: Llama-3.2-1B-shaped (hidden 2048, 16 layers, 32 heads, 8 KV heads, FFN 8192, vocab 128256,
       tied embeddings, rope theta 500000, no llama3 rope scaling), 1.3 GB in Q8_0
   8b: Llama-3.1-8B-shaped (hidden 4096, 32 layers, 32/8 heads, FFN 14336, untied output), 8.5 GB
+  gpt-oss-20b: gpt-oss-20b's 24 layers (hidden 2880, 64/8 heads of 64, sinks, a window of 128 every
+      other layer, 32 experts of 2880, 4 a token) as llama.cpp's MXFP4_MOE leaves them (experts
+      MXFP4 with random codes, the rest Q8_0), Llama 3's vocabulary; 11.7 GB, no llama-quantize
 
 llama-cpp-python in its own environment (compiles llama.cpp for this CPU; ~10+ min on 2 cores):
 
@@ -97,6 +100,12 @@ SHAPES: dict[str, dict[str, Any]] = {
            "ffn": 8192, "vocab": 128256, "tied": True},
     "8b": {"name": "llama-3.1-8b-shaped", "hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8,
            "ffn": 14336, "vocab": 128256, "tied": False},
+    # gpt-oss-20b's layers (64 heads of 64 over 8 KV heads, sinks, a window of 128 every other layer, 32
+    # experts of 2880, 4 a token) as llama.cpp's MXFP4_MOE writes them; Llama 3's vocabulary (128256 in
+    # place of its 201088: the tokenizer of the fixture)
+    "gpt-oss-20b": {"name": "gpt-oss-20b-shaped", "arch": "gpt-oss", "hidden": 2880, "layers": 24, "heads": 64,
+                    "kv_heads": 8, "head_dim": 64, "experts": 32, "experts_used": 4, "ffn": 2880, "vocab": 128256,
+                    "window": 128, "tied": False},
 }
 
 
@@ -109,6 +118,16 @@ def make_models(out_dir: Path, sizes: list[str], llama_quantize: str | None, thr
     out_dir.mkdir(parents=True, exist_ok=True)
     for size in sizes:
         shape = SHAPES[size]
+        if shape.get("arch") == "gpt-oss":
+            made = out_dir / f"{shape['name']}-MXFP4_MOE.gguf"
+            if made.is_file():
+                print(f"{made} exists; kept", file=sys.stderr)
+                continue
+            t = time.perf_counter()
+            write_gpt_oss_model(made, shape, seed, pool_blocks)
+            print(f"wrote {made} ({made.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s",
+                  file=sys.stderr)
+            continue
         for kind in ("Q8_0", "BF16") if bf16 else ("Q8_0",):
             made = out_dir / f"{shape['name']}-{kind}.gguf"
             if made.is_file():
@@ -143,17 +162,10 @@ def write_model(path: Path, shape: dict[str, Any], seed: int, pool_blocks: int =
     llama.cpp's ggml-vocab-llama-bpe.gguf. With `pool_blocks`, gguf-py quantizes that many 32-weight
     blocks of N(0, 0.02) once and every matrix is made of blocks drawn from them at random (with
     replacement): the same distribution, minutes instead of an hour for the 8B on 2 cores."""
-    import gzip
-    import shutil
-
     import gguf
     import numpy as np
 
-    vocab_file = Path(tempfile.gettempdir()) / "ggml-vocab-llama-bpe.gguf"
-    if not vocab_file.is_file():
-        with gzip.open(VOCAB_FIXTURE) as src, open(vocab_file, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-    vocab = gguf.GGUFReader(vocab_file)
+    vocab = _llama_bpe_vocab()
 
     h, n_layers, heads, kv_heads = shape["hidden"], shape["layers"], shape["heads"], shape["kv_heads"]
     head_dim = h // heads
@@ -228,6 +240,120 @@ def write_model(path: Path, shape: dict[str, Any], seed: int, pool_blocks: int =
             gguf.quants.quantize(slab, q8).tofile(fout)
         w.write_padding(fout, dims[0] * (dims[1] // block * block_bytes))
     w.close()
+
+
+def write_gpt_oss_model(path: Path, shape: dict[str, Any], seed: int, pool_blocks: int = 0) -> None:
+    """A gpt-oss-shaped GGUF file as llama.cpp's `llama-quantize ... MXFP4_MOE` leaves one: the
+    experts' stacks in MXFP4 (random codes, each block's scale 2^-10..2^-6: weights up to 0.012-0.19),
+    the other matrices Q8_0 (as `write_model`'s), the router, biases, sinks and norms F32 (biases and
+    sinks N(0, 0.02), norms 1)."""
+    import gguf
+    import numpy as np
+
+    vocab = _llama_bpe_vocab()
+    h, n_layers, heads, kv_heads, hd = (shape[k] for k in ("hidden", "layers", "heads", "kv_heads", "head_dim"))
+    experts, ffn = shape["experts"], shape["ffn"]
+    q8, mx = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.MXFP4
+    arch = "gpt-oss"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(shape["name"] + " (random weights)")
+    w.add_block_count(n_layers)
+    w.add_context_length(131072)
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(ffn)
+    w.add_expert_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_freq_base(150000.0)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(32.0)
+    w.add_rope_scaling_orig_ctx_len(4096)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_expert_count(experts)
+    w.add_expert_used_count(shape["experts_used"])
+    w.add_sliding_window(shape["window"])
+    w.add_vocab_size(shape["vocab"])
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for key, field in vocab.fields.items():
+        if key.startswith("tokenizer."):
+            array = field.types[0] == gguf.GGUFValueType.ARRAY
+            w.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
+
+    # (name, numpy-order dims, type): F32 vectors and matrices, Q8_0 matrices, MXFP4 stacks
+    tensors: list[tuple[str, tuple[int, ...], Any]] = [("token_embd.weight", (shape["vocab"], h), q8)]
+    for i in range(n_layers):
+        b = f"blk.{i}."
+        tensors += [
+            (b + "attn_norm.weight", (h,), None), (b + "post_attention_norm.weight", (h,), None),
+            (b + "attn_q.weight", (heads * hd, h), q8), (b + "attn_q.bias", (heads * hd,), None),
+            (b + "attn_k.weight", (kv_heads * hd, h), q8), (b + "attn_k.bias", (kv_heads * hd,), None),
+            (b + "attn_v.weight", (kv_heads * hd, h), q8), (b + "attn_v.bias", (kv_heads * hd,), None),
+            (b + "attn_output.weight", (h, heads * hd), q8), (b + "attn_output.bias", (h,), None),
+            (b + "attn_sinks.weight", (heads,), None),
+            (b + "ffn_gate_inp.weight", (experts, h), None), (b + "ffn_gate_inp.bias", (experts,), None),
+            (b + "ffn_gate_exps.weight", (experts, ffn, h), mx), (b + "ffn_gate_exps.bias", (experts, ffn), None),
+            (b + "ffn_up_exps.weight", (experts, ffn, h), mx), (b + "ffn_up_exps.bias", (experts, ffn), None),
+            (b + "ffn_down_exps.weight", (experts, h, ffn), mx), (b + "ffn_down_exps.bias", (experts, h), None),
+        ]
+    tensors += [("output_norm.weight", (h,), None), ("output.weight", (shape["vocab"], h), q8)]
+    for name, dims, kind in tensors:
+        if kind is None:
+            w.add_tensor_info(name, dims, np.dtype(np.float32), 4 * int(np.prod(dims)))
+        else:
+            block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+            stored = (*dims[:-1], dims[-1] // block * block_bytes)
+            w.add_tensor_info(name, stored, np.dtype(np.uint8), int(np.prod(stored)), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    fout = w.fout[0]
+    rng = np.random.default_rng(seed)
+    pool = None
+    if pool_blocks:
+        pool = np.concatenate([gguf.quants.quantize(rng.standard_normal((1 << 15, 32), dtype=np.float32) * 0.02, q8)
+                               for _ in range(0, pool_blocks, 1 << 15)])
+    for name, dims, kind in tensors:
+        w.write_padding(fout, fout.tell())
+        if kind is None:
+            data = (np.ones(dims, dtype=np.float32) if name.endswith("norm.weight")
+                    else rng.standard_normal(dims, dtype=np.float32) * 0.02)
+            data.tofile(fout)
+            w.write_padding(fout, data.nbytes)
+            continue
+        rows, k = int(np.prod(dims[:-1])), dims[-1]
+        rows_at_once = max(1, (16 << 20) // k)
+        for start in range(0, rows, rows_at_once):
+            n = min(rows_at_once, rows - start)
+            if kind == mx:  # a scale byte (2^(e - 128), e 118..122) then 16 bytes of random codes a block
+                blocks = rng.integers(0, 256, (n * k // 32, 17), dtype=np.uint8)
+                blocks[:, 0] = rng.integers(118, 123, n * k // 32, dtype=np.uint8)
+                blocks.tofile(fout)
+            elif pool is not None:
+                pool[rng.integers(0, len(pool), n * k // 32)].tofile(fout)
+            else:
+                slab = rng.standard_normal((n, k), dtype=np.float32)
+                slab *= 0.02
+                gguf.quants.quantize(slab, q8).tofile(fout)
+        block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+        w.write_padding(fout, rows * (k // block * block_bytes))
+    w.close()
+
+
+def _llama_bpe_vocab() -> Any:
+    """llama.cpp's ggml-vocab-llama-bpe.gguf (the fixture, unpacked once into the temp dir), read."""
+    import gzip
+    import shutil
+
+    import gguf
+
+    vocab_file = Path(tempfile.gettempdir()) / "ggml-vocab-llama-bpe.gguf"
+    if not vocab_file.is_file():
+        with gzip.open(VOCAB_FIXTURE) as src, open(vocab_file, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    return gguf.GGUFReader(vocab_file)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -497,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "gguf-vs-llama-cpp"),
                    help="the children's jobs, results and logs (kept; one set per file and engine)")
     p.add_argument("--make-models", metavar="DIR", help="write the GGUF files to DIR and exit")
-    p.add_argument("--sizes", default="1b", help="with --make-models: 1b, 8b or 1b,8b")
+    p.add_argument("--sizes", default="1b", help="with --make-models: 1b, 8b, gpt-oss-20b or several, comma-separated")
     p.add_argument("--llama-quantize", metavar="PATH", help="with --make-models: llama.cpp's llama-quantize")
     p.add_argument("--bf16", action="store_true", help="with --make-models: also a BF16 file of each size")
     p.add_argument("--quantize-types", default="Q4_K_M",
