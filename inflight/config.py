@@ -114,6 +114,8 @@ class ModelConfig:
     # gpt-oss's experts' activation, (alpha, limit): (clamp(up, -limit, limit) + 1) * g *
     # sigmoid(alpha * g), g the gate clamped above at limit; None: SwiGLU's silu(gate) * up.
     clamped_swiglu: tuple[float, float] | None = None
+    # Whether the MLP is gated (gate, up and down matrices); False: up and down alone (Arcee's).
+    gated_mlp: bool = True
     # The sampling settings the checkpoint ships (a Hugging Face generation_config.json, a GGUF
     # file's general.sampling.* keys) under SamplingParams' names, max_new_tokens as max_tokens:
     # what an engine uses where a request leaves a setting unset (`EngineConfig.generation_config`).

@@ -108,6 +108,10 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
                                   "residual_multiplier": 0.22, "attention_multiplier": 0.1, "logits_scaling": 8.0}),
     # the converter writes OLMoE's eps of 1e-5 whatever the checkpoint says
     "olmoe": ("Olmoe", {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False, "rms_norm_eps": 1e-5}),
+    # Seed-OSS as its 36B: q/k/v biases (llama.cpp's reads no o bias)
+    "seed_oss": ("SeedOss", {"head_dim": 16, "attention_bias": True, "attention_out_bias": False}),
+    # Arcee: an ungated MLP, down(relu(up(x)) ** 2)
+    "arcee": ("Arcee", {}),
     # gpt-oss: attention sinks, sliding and global layers in turn, YaRN past 16 positions (its ramp truncated, as
     # llama.cpp computes every file), experts stacked [experts, in, out] with gate and up interleaved, with biases
     "gpt_oss": ("GptOss", {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "num_hidden_layers": 4,

@@ -274,7 +274,8 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     to_gguf.update({hf: g for g, hf in architecture(arch).gguf_names.items()})
     # Hugging Face's post_attention_layernorm is llama.cpp's ffn_norm where it comes before the
     # MLP (Qwen) and its post_attention_norm where it normalizes attention's output (OLMo 2).
-    post_norms = arch in ("olmo2", "olmo3", "exaone4", "gpt_oss") or sandwich  # (gpt-oss's: before its MLP)
+    # (gpt-oss's and Seed-OSS's: before the MLP, under llama.cpp's name for a post-attention norm)
+    post_norms = arch in ("olmo2", "olmo3", "exaone4", "gpt_oss", "seed_oss") or sandwich
     to_gguf["post_attention_layernorm.weight"] = "post_attention_norm.weight" if post_norms else "ffn_norm.weight"
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
@@ -327,7 +328,7 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
             gguf_name = f"blk.{index}.{to_gguf[rest]}"
         else:
             gguf_name = top[name]
-        llama_style = arch in ("granite", "granitemoe", "granitemoehybrid", "smollm3", "mixtral", "ministral3")
+        llama_style = arch in ("granite", "granitemoe", "granitemoehybrid", "smollm3", "mixtral", "ministral3", "arcee")
         if llama_style and name.endswith(("q_proj.weight", "k_proj.weight")):
             tensor = interleaved(tensor, cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
         w.add_tensor(gguf_name, tensor.detach().float().numpy())
@@ -413,6 +414,11 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
     elif arch == "olmoe":  # 6 experts, 3 per token, their weights not renormalized
         model = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
             **common, num_experts=6, num_experts_per_tok=3, norm_topk_prob=False))
+    elif arch == "seed_oss":  # q/k/v biases, and o's
+        model = transformers.SeedOssForCausalLM(transformers.SeedOssConfig(
+            **common, head_dim=64, attention_bias=True, attention_out_bias=True))
+    elif arch == "arcee":  # an ungated MLP: down(relu(up(x)) ** 2)
+        model = transformers.ArceeForCausalLM(transformers.ArceeConfig(**common))
     elif arch == "gpt_oss":  # sliding and global layers in turn, sinks, YaRN past 64 positions; 4 experts, 2 per
         # token, their SwiGLU clamped where these small weights reach (gpt-oss's limit, 7, is past them)
         rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "original_max_position_embeddings": 64,
@@ -433,7 +439,7 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "olmo3", "exaone4", "granite", "granitemoehybrid",
                                   "smollm3", "phi3",
                                   "ministral3", "gemma", "gemma2", "gemma3_text", "glm4", "ernie4_5", "mixtral",
-                                  "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gpt_oss"])
+                                  "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gpt_oss", "seed_oss", "arcee"])
 def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arch):
     """Qwen3 (q and k RMS-normalized per head before rotary, head_dim beyond hidden / heads), Qwen2 (q/k/v
     biases), OLMo 2 (attention's and the MLP's outputs normalized instead of their inputs, q and k
@@ -450,9 +456,10 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
     scaled by position past the original context, and compiled within it as the same logits bit for
     bit), Mixtral, Qwen3-MoE, OLMoE and Granite MoE (routed experts; a dense layer among them;
     OLMoE's weights not renormalized; Granite MoE's stacked in the checkpoint, here gate and up in
-    one GGUF tensor), gpt-oss (attention sinks, biases on attention and on its experts stacked
-    `[experts, in, out]` with gate and up interleaved, a clamped SwiGLU, the softmax over the
-    chosen experts, sliding layers in turn, YaRN untruncated), each from a Hugging Face directory
+    one GGUF tensor), Seed-OSS (q/k/v and o biases), Arcee (an ungated MLP of relu squared),
+    gpt-oss (attention sinks, biases on attention and on its experts stacked `[experts, in, out]`
+    with gate and up interleaved, a clamped SwiGLU, the softmax over the chosen experts, sliding
+    layers in turn, YaRN untruncated), each from a Hugging Face directory
     (fp32, and bf16 or fp16) and from a GGUF file in llama.cpp's layout, against transformers:
     reading the same GGUF where it can (Qwen, Phi-3), else the model the file was written from
     (for gpt-oss with YaRN's ramp truncated and the SwiGLU clamped at 7, as llama.cpp computes
@@ -978,7 +985,7 @@ def test_a_token_alone_through_routed_experts_is_its_row_of_a_batch():
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3",
                                   "phi3_longrope", "qwen3_yarn", "gemma", "gemma2", "gemma3_text", "glm4",
                                   "ernie4_5", "olmo3", "exaone4", "ministral3", "mixtral", "qwen3_moe", "qwen2_moe",
-                                  "olmoe", "granitemoe", "gpt_oss"])
+                                  "olmoe", "granitemoe", "gpt_oss", "seed_oss", "arcee"])
 def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_path, monkeypatch, arch):
     """The GGUF file llama.cpp's `convert_hf_to_gguf.py` made of a tiny checkpoint of each
     architecture (tests/converter_fixtures.py; its names, row orders, norm offsets, stacked
@@ -1038,7 +1045,7 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
 
 @pytest.mark.parametrize("arch", ["qwen3", "olmo2", "olmo3", "smollm3", "gemma", "gemma2", "gemma3_text", "glm4",
                                   "ernie4_5", "ministral3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe",
-                                  "gpt_oss"])
+                                  "gpt_oss", "seed_oss", "arcee"])
 def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arch):
     """Through the engine as a user runs it: the directory's own tokenizer and chat template, a
     batch of chats (longer than Gemma's 24-token window) in small prefill chunks, the prefix cache

@@ -16,6 +16,7 @@ from inflight.model.layer_plan import (
     LLAMA_LAYER,
     POST_NORM_LAYER,
     QK_NORM_LAYER,
+    RELU_SQUARED_LAYER,
     SANDWICH_NORM_LAYER,
     SANDWICH_QK_NORM_LAYER,
     SANDWICH_SWIGLU_LAYER,
@@ -152,9 +153,16 @@ class Architecture:
     clamped_swiglu: tuple[float, float] | None = None
 
     @property
+    def gated_mlp(self) -> bool:
+        """Whether the MLP has a gate (an ungated one's gate/up matmul holds the up projection alone)."""
+        return Op.RELU_SQUARED not in {step.op for step in self.plan}
+
+    @property
     def activation(self) -> str:
         """The MLP's activation, as Hugging Face configs name it."""
-        return "gelu_pytorch_tanh" if any(step.op == Op.GELU_TANH_AND_MUL for step in self.plan) else "silu"
+        ops = {step.op for step in self.plan}
+        return ("gelu_pytorch_tanh" if Op.GELU_TANH_AND_MUL in ops else "relu2" if Op.RELU_SQUARED in ops
+                else "silu")
 
 
 _POST_NORMS = {"attn_out_norm": "post_attention_layernorm.weight", "mlp_out_norm": "post_feedforward_layernorm.weight"}
@@ -196,6 +204,10 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     Architecture("granite"),  # Llama's layer; its multipliers are the config's scales (ModelConfig)
     Architecture("smollm3", gguf_nope_interval=4),  # Llama's layer; NoPE layers as the config's rope_layers
     Architecture("qwen2", gguf_interleaved_qk=False),
+    # Seed-OSS (ByteDance's 36B): Llama's layer, q/k/v biases (and o's where attention_out_bias)
+    Architecture("seed_oss", gguf_interleaved_qk=False),
+    # Arcee AFM-4.5B: Llama's layer with an ungated MLP, down(relu(up(x)) ** 2)
+    Architecture("arcee", plan=RELU_SQUARED_LAYER, matmuls={**_LLAMA_MATMULS, "gate_up": ("mlp.up_proj.weight",)}),
     # Ministral 3 (3B, 8B, 14B; inside Mistral3ForConditionalGeneration): Mistral's layer, YaRN, its
     # queries scaled by position past the original context (`ModelConfig.query_scaling`)
     Architecture("ministral3"),

@@ -134,6 +134,8 @@ NO_EFFECT_KEYS = frozenset({
     "return_dict", "output_hidden_states", "output_attentions", "chunk_size_feed_forward", "is_encoder_decoder",
     "problem_type", "initializer_range", "use_cache", "pad_token_id", "attention_dropout", "resid_pdrop",
     "embd_pdrop", "mlp_bias", "output_router_logits", "router_aux_loss_coef",
+    # Seed-OSS's: o's bias read from the checkpoint where it is (as mlp_bias'), its dropout
+    "attention_out_bias", "residual_dropout",
     "router_jitter_noise",
     # gpt-oss's published configs: the experts per token again (transformers reads
     # num_experts_per_tok) and the original context again (YaRN's, in rope_scaling)
@@ -153,7 +155,8 @@ ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "low_freq_fa
                        "mrope_section", "mrope_interleaved"})
 ROPE_TYPES = (None, "default", "linear", "llama3", "longrope", "su", "yarn")
 # Each activation of a plan's MLP under the names configs give it.
-_ACTIVATION_NAMES = {"silu": (None, "silu", "swish"), "gelu_pytorch_tanh": (None, "gelu_pytorch_tanh", "gelu_tanh")}
+_ACTIVATION_NAMES = {"silu": (None, "silu", "swish"), "gelu_pytorch_tanh": (None, "gelu_pytorch_tanh", "gelu_tanh"),
+                     "relu2": (None, "relu2")}
 
 
 def refuse_unsupported(raw: dict[str, Any], path: Path) -> None:
@@ -339,6 +342,7 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         moe_layers=_moe_layers(raw) if num_experts else None,
         shared_expert_intermediate_size=int(raw["shared_expert_intermediate_size"])
         if num_experts and raw.get("shared_expert_intermediate_size") else None,
+        gated_mlp=row.gated_mlp if row is not None else True,
         clamped_swiglu=(float(raw.get("swiglu_alpha") or row.clamped_swiglu[0]),
                         float(raw.get("swiglu_limit") or row.clamped_swiglu[1]))
         if row is not None and row.clamped_swiglu is not None else None,

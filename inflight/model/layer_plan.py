@@ -56,6 +56,8 @@ class Op:
     SILU_AND_MUL = "silu_and_mul"
     # dst = gelu(first half of src), its tanh approximation, * second half (Gemma's GeGLU)
     GELU_TANH_AND_MUL = "gelu_tanh_and_mul"
+    # dst = relu(src) ** 2, the whole of src: an MLP without a gate (Arcee's, Nemotron's)
+    RELU_SQUARED = "relu_squared"
     # src's q and k RMS-normalized in place (dst is src) by `param`, a (q scale, k scale) pair, in
     # groups of each scale's length: one head (Qwen3) or the whole projection (OLMo 2)
     QK_NORM = "qk_norm"
@@ -127,13 +129,17 @@ SANDWICH_NORM_LAYER: tuple[Step, ...] = (
 
 
 def with_activation(plan: Sequence[Step], activation: str) -> tuple[Step, ...]:
-    """`plan` with its gated MLP's activation step (SwiGLU's or GeGLU's) replaced by `activation`."""
+    """`plan` with its gated MLP's activation step (SwiGLU's or GeGLU's) replaced by `activation`
+    (an ungated one, `RELU_SQUARED`, reads a gate/up matmul that holds the up projection alone)."""
     gated = (Op.SILU_AND_MUL, Op.GELU_TANH_AND_MUL)
     return tuple(Step(activation, step.src, step.dst) if step.op in gated else step for step in plan)
 
 
 # Gemma's (1): Llama's layer, the MLP a GeGLU.
 GEGLU_LAYER = with_activation(LLAMA_LAYER, Op.GELU_TANH_AND_MUL)
+
+# Arcee's (AFM): Llama's layer, the MLP ungated: down(relu(up(x)) ** 2).
+RELU_SQUARED_LAYER = with_activation(LLAMA_LAYER, Op.RELU_SQUARED)
 
 # GLM-4's: Gemma 2's sandwich norms around a SwiGLU MLP.
 SANDWICH_SWIGLU_LAYER = with_activation(SANDWICH_NORM_LAYER, Op.SILU_AND_MUL)

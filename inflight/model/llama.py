@@ -501,6 +501,8 @@ class LlamaModel:
                     reg[dst] = ops.silu_and_mul(x)
                 elif op == Op.GELU_TANH_AND_MUL:
                     reg[dst] = ops.gelu_tanh_and_mul(x)
+                elif op == Op.RELU_SQUARED:
+                    reg[dst] = ops.relu_squared(x)
                 elif op == Op.QK_NORM:
                     reg[dst] = ops.qk_norm_(x, weight)
                 elif op == Op.ADD_RESIDUAL:

@@ -684,6 +684,7 @@ def _gguf_config(reader: Any) -> ModelConfig:
         shared_expert_intermediate_size=int(gguf_field(reader, f"{arch}.expert_shared_feed_forward_length")
                                             or get("feed_forward_length")) if shared and num_experts else None,
         clamped_swiglu=row.clamped_swiglu,  # llama.cpp's fixed values
+        gated_mlp=row.gated_mlp,
     )
 
 

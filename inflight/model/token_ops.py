@@ -67,6 +67,9 @@ class TorchTokenOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
+    def relu_squared(self, up: torch.Tensor) -> torch.Tensor:
+        return torch.square(F.relu(up))
+
     def clamped_swiglu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
         """gpt-oss's experts' gate: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g the
         gate clamped above at `limit`."""
@@ -130,6 +133,9 @@ class CpuKernelTokenOps(TorchTokenOps):
 
     def clamped_swiglu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
         return self.kernels.clamped_swiglu(gate_up.contiguous(), alpha, limit)
+
+    def relu_squared(self, up: torch.Tensor) -> torch.Tensor:
+        return self.kernels.relu_squared(up.contiguous())
 
     def qk_norm_(self, qkv: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         self.kernels.qk_norm_(qkv, scales[0], scales[1], self.num_heads, self.num_kv_heads, self.head_dim, self.eps)

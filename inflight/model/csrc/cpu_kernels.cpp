@@ -1243,6 +1243,23 @@ torch::Tensor clamped_swiglu(torch::Tensor gate_up, double alpha, double limit) 
   return out;
 }
 
+// An ungated MLP's activation (Arcee's): relu(x) ** 2, every element.
+torch::Tensor relu_squared(torch::Tensor x) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "float32 contiguous rows only");
+  auto out = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t width = x.size(1);
+  at::parallel_for(0, x.size(0), row_grain(width), [&](int64_t begin, int64_t end) {
+#pragma omp simd
+    for (int64_t i = begin * width; i < end * width; ++i) {
+      const float r = std::max(xp[i], 0.f);
+      op[i] = r * r;
+    }
+  });
+  return out;
+}
+
 // GeGLU's gate (Gemma): gelu(gate) * up, GELU in its tanh form.
 torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up) {
   constexpr float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2 / pi)
@@ -3905,7 +3922,7 @@ struct StackLinear {
 // The ops of inflight/model/layer_plan.py's Op, as a plan names them.
 enum class PlanOp {
   kAddRmsNorm, kMatmul, kRotaryStoreKv, kAttention, kSiluAndMul, kGeluTanhAndMul, kQkNorm, kAddResidual, kRmsNorm,
-  kScale, kRoutedExperts
+  kScale, kRoutedExperts, kReluSquared
 };
 const std::vector<std::pair<std::string, PlanOp>> kPlanOps = {
     {"add_rms_norm", PlanOp::kAddRmsNorm},   {"matmul", PlanOp::kMatmul},
@@ -3913,7 +3930,7 @@ const std::vector<std::pair<std::string, PlanOp>> kPlanOps = {
     {"silu_and_mul", PlanOp::kSiluAndMul},   {"gelu_tanh_and_mul", PlanOp::kGeluTanhAndMul},
     {"qk_norm", PlanOp::kQkNorm},            {"add_residual", PlanOp::kAddResidual},
     {"rms_norm", PlanOp::kRmsNorm},          {"scale", PlanOp::kScale},
-    {"routed_experts", PlanOp::kRoutedExperts}};
+    {"routed_experts", PlanOp::kRoutedExperts}, {"relu_squared", PlanOp::kReluSquared}};
 constexpr int64_t kMaxRegs = 8;
 
 torch::Tensor run_linear(const StackLinear& lin, const torch::Tensor& x) {
@@ -4168,6 +4185,11 @@ class DecoderStack {
           case PlanOp::kGeluTanhAndMul: {
             Range r("token ops: gelu_tanh_and_mul");
             reg[step.dst] = gelu_tanh_and_mul(src);
+            break;
+          }
+          case PlanOp::kReluSquared: {
+            Range r("token ops: relu_squared");
+            reg[step.dst] = relu_squared(src.contiguous());
             break;
           }
           case PlanOp::kQkNorm: {
@@ -4434,6 +4456,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU, fp32)");
   m.def("clamped_swiglu", &clamped_swiglu, "gpt-oss's (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)");
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up (CPU, fp32)");
+  m.def("relu_squared", &relu_squared, "relu(x) ** 2 (CPU, fp32)");
   m.def("qk_norm_", &qk_norm_, "RMSNorm of the q and k of a fused qkv in groups of each scale's length, in place");
   m.def("gemm_panel_width", &gemm_panel_width, "Output columns per packed weight panel (32 with AVX-512)");
   m.def("gemm_max_rows", &gemm_max_rows, "The most rows the fp32 microkernel takes in one pass (this build)");
