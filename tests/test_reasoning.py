@@ -85,6 +85,44 @@ def test_a_harmony_output_splits_by_channel_however_it_is_cut(text, expected):
             assert ("".join(r for r, _ in parts) or None, "".join(c for _, c in parts) or None) == expected, cuts
 
 
+# ... where the request has tools: a message to a recipient becomes a Hermes call in the content
+HARMONY_CALLS = [
+    ("<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary "
+     "to=functions.weather <|constrain|>json<|message|>{\"city\": \"Paris\"}",  # <|call|>: a stop token
+     ("Need weather.", '<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_call>')),
+    ("<|start|>assistant to=functions.clock<|channel|>commentary json<|message|>{}<|call|>",
+     (None, '<tool_call>{"name": "clock", "arguments": {}}</tool_call>')),
+    ("<|channel|>final<|message|>Paris.", (None, "Paris.")),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), HARMONY_CALLS)
+def test_a_harmony_call_becomes_a_hermes_call_however_it_is_cut(text, expected):
+    assert split_reasoning("openai_gptoss", text, tool_calls=True) == expected
+    for cuts in itertools.combinations(range(1, len(text)), 2):
+        splitter = reasoning_splitter("openai_gptoss", tool_calls=True)
+        parts = [splitter.feed(p) for p in _pieces(text, cuts)] + [splitter.end()]
+        assert ("".join(r for r, _ in parts) or None, "".join(c for _, c in parts) or None) == expected, cuts
+
+
+def test_a_harmony_call_is_an_openai_tool_call(loaded: LoadedModel):
+    """Through the chat format with tools, whole and streamed: the call's name and arguments, the
+    thought as reasoning, finish_reason tool_calls."""
+    text = HARMONY_CALLS[0][0]
+    pieces = [text[:40], text[40:95], text[95:]]
+    whole = _ChatFormat("chatcmpl-1", "m", loaded.tokenizer, ("hermes", None), "openai_gptoss").response(
+        [_deltas(pieces)], UsageInfo.of(7, 3)).model_dump()["choices"][0]
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["reasoning"] == "Need weather."
+    [call] = whole["message"]["tool_calls"]
+    assert (call["function"]["name"], json.loads(call["function"]["arguments"])) == ("weather", {"city": "Paris"})
+    streamed = _ChatFormat("chatcmpl-1", "m", loaded.tokenizer, ("hermes", None), "openai_gptoss")
+    deltas = [c.model_dump()["choices"][0] for d in _deltas(pieces) if (c := streamed.chunk(0, d)) is not None]
+    calls = [c for d in deltas for c in d["delta"].get("tool_calls") or []]
+    assert [c["function"]["name"] for c in calls if c["function"].get("name")] == ["weather"]
+    assert json.loads("".join(c["function"].get("arguments") or "" for c in calls)) == {"city": "Paris"}
+    assert deltas[-1]["finish_reason"] == "tool_calls" and not any(d["delta"].get("content") for d in deltas)
+
+
 def _deltas(pieces: list[str]) -> list[Delta]:
     out, n = [], 0
     for i, text in enumerate(pieces):
@@ -158,6 +196,11 @@ def test_harmony_chats_keep_their_special_tokens_for_the_parser(loaded: LoadedMo
         refused = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
             **body, "response_format": {"type": "json_object"}})
         assert refused.status_code == 400 and "openai_gptoss" in refused.json()["error"]["message"]
+        # tools "auto": read from harmony's calls whatever the template (this one renders no tools)
+        tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+        with_tools = httpx.post(server.url + "/v1/chat/completions", json={**body, "tools": [tool]}, timeout=60)
+        assert with_tools.status_code == 200, with_tools.text
+        assert with_tools.json()["choices"][0]["message"]["content"] == "<|im_start|>" * 3
     pieces = ["<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|chan", "nel|>final<|message|>Paris."]
     whole = _ChatFormat("chatcmpl-1", "m", loaded.tokenizer, None, "openai_gptoss").response(
         [_deltas(pieces)], UsageInfo.of(7, 2)).model_dump()["choices"][0]["message"]

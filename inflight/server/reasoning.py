@@ -11,8 +11,10 @@ a chat completion generates inside <think> ... </think> goes to the message's `r
 - `openai_gptoss`: gpt-oss's harmony format, messages of `<|channel|>NAME<|message|>TEXT<|end|>`
   (a later one opened by `<|start|>assistant`): the `analysis` channel's text is the reasoning,
   the others' (`final`, `commentary`) the content, the markup neither. Its markers are special
-  tokens, so its chats are detokenized with them (`HARMONY_PARSERS`). A call in harmony's
-  `commentary` channel (`to=functions.NAME`) is not read as a tool call: its text is content.
+  tokens, so its chats are detokenized with them (`HARMONY_PARSERS`). A message to a recipient
+  (`to=functions.NAME`: a tool call) becomes, where the request has tools, the Hermes tags
+  `<tool_call>{"name": NAME, "arguments": TEXT}</tool_call>` in the content, which the tool reader
+  makes an OpenAI tool call of; without tools its text is content.
 
 A thought cut short by `max_tokens` is all reasoning. Streamed and whole outputs are split by the
 same code (`ReasoningSplitter`), so their parts are equal; a marker may arrive split over deltas.
@@ -27,10 +29,12 @@ answer would begin after a </think> the model cannot write as one token).
 
 from __future__ import annotations
 
+import json
+import re
 from typing import TYPE_CHECKING
 
 from inflight.request import ThinkMarkers
-from inflight.server.tools import partial_suffix
+from inflight.server.tools import HERMES_CLOSE, HERMES_OPEN, partial_suffix
 
 if TYPE_CHECKING:
     from inflight.model.tokenizer import Tokenizer
@@ -48,14 +52,17 @@ def _opens_header(text: str) -> bool:
     return any(text.startswith(head) or head.startswith(text) for head in _HARMONY_HEADS)
 
 
-def reasoning_splitter(parser: str) -> ReasoningSplitter | HarmonySplitter:
-    """The splitter of a `--reasoning-parser`."""
-    return HarmonySplitter() if parser in HARMONY_PARSERS else ReasoningSplitter(parser)
+_HARMONY_RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 
 
-def split_reasoning(parser: str, text: str) -> tuple[str | None, str | None]:
+def reasoning_splitter(parser: str, tool_calls: bool = False) -> ReasoningSplitter | HarmonySplitter:
+    """The splitter of a `--reasoning-parser`; `tool_calls`: harmony's calls as Hermes tags."""
+    return HarmonySplitter(tool_calls) if parser in HARMONY_PARSERS else ReasoningSplitter(parser)
+
+
+def split_reasoning(parser: str, text: str, tool_calls: bool = False) -> tuple[str | None, str | None]:
     """A whole output's reasoning and content, each None where there is none."""
-    splitter = reasoning_splitter(parser)
+    splitter = reasoning_splitter(parser, tool_calls)
     (r1, c1), (r2, c2) = splitter.feed(text), splitter.end()
     return (r1 + r2) or None, (c1 + c2) or None
 
@@ -114,11 +121,14 @@ class HarmonySplitter:
     pieces: each message's header (`<|start|>assistant<|channel|>NAME ...`) is read up to
     `<|message|>` and dropped, its text goes where its channel says up to the marker that ends it
     (`<|end|>`; `<|return|>` and `<|call|>` too, where a request keeps its stop tokens). An
-    output that does not open with markup is all content."""
+    output that does not open with markup is all content. With `tool_calls`, a message to a
+    recipient (`to=functions.NAME`) is written into the content as a Hermes tool call."""
 
-    def __init__(self) -> None:
+    def __init__(self, tool_calls: bool = False) -> None:
         self._state = "header"  # then "reasoning", "content" (a message's text), or "plain"
         self._held = ""
+        self._tool_calls = tool_calls
+        self._closing = ""  # what closes the current message's text in the content (a call's tags)
 
     def feed(self, text: str) -> tuple[str, str]:
         self._held += text
@@ -134,15 +144,21 @@ class HarmonySplitter:
                 at = self._held.find(_HARMONY_MESSAGE)
                 if at < 0:
                     break  # the header goes on
-                channel = self._held[:at].partition("<|channel|>")[2].split(" ", 1)[0].split("<|", 1)[0]
+                header = self._held[:at]
+                channel = header.partition("<|channel|>")[2].split(" ", 1)[0].split("<|", 1)[0]
                 self._state = "reasoning" if channel == "analysis" else "content"
+                recipient = _HARMONY_RECIPIENT.search(header)
+                if self._tool_calls and recipient is not None and channel != "analysis":
+                    name = recipient.group(1).removeprefix("functions.")
+                    out["content"] += f'{HERMES_OPEN}{{"name": {json.dumps(name)}, "arguments": '
+                    self._closing = f"}}{HERMES_CLOSE}"
                 self._held = self._held[at + len(_HARMONY_MESSAGE):]
             else:
                 ends = [(at, marker) for marker in _HARMONY_ENDS if (at := self._held.find(marker)) >= 0]
                 if ends:
                     at, marker = min(ends)
-                    out[self._state] += self._held[:at]
-                    self._held = self._held[at + len(marker):]
+                    out[self._state] += self._held[:at] + (self._closing if self._state == "content" else "")
+                    self._held, self._closing = self._held[at + len(marker):], ""
                     self._state = "header"
                     continue
                 keep = max(partial_suffix(self._held, marker) for marker in _HARMONY_ENDS)
@@ -157,6 +173,8 @@ class HarmonySplitter:
         held, self._held = self._held, ""
         if self._state == "reasoning":
             return held, ""
+        if self._state == "content":  # a call's text ends with the output (its <|call|> a stop token)
+            held, self._closing = held + self._closing, ""
         return ("", "") if self._state == "header" and _opens_header(held) else ("", held)
 
 

@@ -218,7 +218,7 @@ class _ChatFormat:
         if self.reasoning_parser is None:
             return None, text
         if index not in self._splitters:
-            self._splitters[index] = reasoning_splitter(self.reasoning_parser)
+            self._splitters[index] = reasoning_splitter(self.reasoning_parser, self.tools is not None)
         splitter = self._splitters[index]
         reasoning, content = splitter.feed(text)
         if finished:
@@ -289,7 +289,7 @@ class _ChatFormat:
         calls: list[ToolCall] = []
         reasoning = None
         if self.reasoning_parser is not None:
-            reasoning, content = split_reasoning(self.reasoning_parser, text)
+            reasoning, content = split_reasoning(self.reasoning_parser, text, self.tools is not None)
         if reader is not None:
             content, calls = reader.whole(content or "")
             reader.num_calls = len(calls)
@@ -393,7 +393,8 @@ class OpenAIServing:
         # alone bound the rendered prompt from below.
         self._check_num_chars(sum(len(m["content"]) for m in messages), "messages")
         tokenizer = self.engine.tokenizer
-        tools = self._tool_reading(req, self.config.chat_template or tokenizer.hf.chat_template)
+        tools = self._tool_reading(req, self.config.chat_template or tokenizer.hf.chat_template,
+                                   self.config.reasoning_parser)
         try:
             token_ids = await asyncio.to_thread(
                 tokenizer.apply_chat_template, messages, req.add_generation_prompt, req.template_tools(),
@@ -441,12 +442,16 @@ class OpenAIServing:
     # --- validation -----------------------------------------------------------------------------
 
     @staticmethod
-    def _tool_reading(req: ChatCompletionRequest, chat_template: str | None) -> tuple[ToolMode, str | None] | None:
+    def _tool_reading(req: ChatCompletionRequest, chat_template: str | None,
+                      reasoning_parser: str | None = None) -> tuple[ToolMode, str | None] | None:
         """How the chat's output becomes tool calls (None: it does not); a 400 for "auto" where
-        the model's chat template does not teach a tool-call format inflight reads."""
+        the model's chat template does not teach a tool-call format inflight reads. Under a
+        harmony parser the calls are harmony's, which its splitter writes as Hermes tags."""
         mode = req.tool_mode
         if mode == "none":
             return None
+        if mode == "auto" and reasoning_parser in HARMONY_PARSERS:
+            return "hermes", None
         if mode == "auto":
             found = tool_call_format(chat_template)
             if found is None:
