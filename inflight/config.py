@@ -116,6 +116,17 @@ class ModelConfig:
     clamped_swiglu: tuple[float, float] | None = None
     # Whether the MLP is gated (gate, up and down matrices); False: up and down alone (Arcee's).
     gated_mlp: bool = True
+    # How a router scores its experts: "softmax" over all (weights renormalized over the chosen
+    # where `norm_topk_prob`), or "sigmoid" (GLM-4.5's, DeepSeek's): each expert's sigmoid, the
+    # choice by those plus a per-expert bias the checkpoint holds, the chosen experts' sigmoids
+    # renormalized where `norm_topk_prob`; either way times `routed_scaling`.
+    expert_scoring: str = "softmax"
+    routed_scaling: float = 1.0
+    # Whether the plan's q/k norm steps run (GLM-4.5's `use_qk_norm`; a plan without them: moot).
+    qk_norm: bool = True
+    # Multi-token-prediction layers the checkpoint holds after the `num_layers` it runs (GLM-4.5's
+    # `num_nextn_predict_layers`): not read, as llama.cpp and transformers leave them.
+    mtp_layers: int = 0
     # The sampling settings the checkpoint ships (a Hugging Face generation_config.json, a GGUF
     # file's general.sampling.* keys) under SamplingParams' names, max_new_tokens as max_tokens:
     # what an engine uses where a request leaves a setting unset (`EngineConfig.generation_config`).

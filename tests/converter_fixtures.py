@@ -27,7 +27,7 @@ the same sources first (low priority: the build takes a while):
     /tmp/conv/bin/python tests/converter_fixtures.py /tmp/lcp/llama_cpp_python-0.3.36/vendor/llama.cpp --quantized
 
 OLMo 2's, Qwen2-MoE's, Qwen3-MoE's and OLMoE's converters ask for a byte-level BPE tokenizer they
-recognize by hash, GLM-4's for its own special tokens, EXAONE 4's for a byte-level BPE of its own;
+recognize by hash, GLM-4's and GLM-4.5's for their own special tokens, EXAONE 4's for a byte-level BPE of its own;
 here they take the SentencePiece vocabulary instead (`_convert` patches those methods), which
 changes no weight or setting.
 """
@@ -112,6 +112,12 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "seed_oss": ("SeedOss", {"head_dim": 16, "attention_bias": True, "attention_out_bias": False}),
     # Arcee: an ungated MLP, down(relu(up(x)) ** 2)
     "arcee": ("Arcee", {}),
+    # GLM-4.5-Air: q/k/v biases, half of each head rotated; a dense first layer, then 4 experts (2 a token) chosen by
+    # sigmoid scores plus a bias, scaled by 2.5, beside a shared one; one MTP layer counted (the file's last block)
+    "glm4_moe": ("Glm4Moe", {"head_dim": 16, "num_hidden_layers": 3, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                             "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                             "routed_scaling_factor": 2.5, "attention_bias": True, "use_qk_norm": False,
+                             "num_nextn_predict_layers": 1}),
     # gpt-oss: attention sinks, sliding and global layers in turn, YaRN past 16 positions (its ramp truncated, as
     # llama.cpp computes every file), experts stacked [experts, in, out] with gate and up interleaved, with biases
     "gpt_oss": ("GptOss", {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "num_hidden_layers": 4,
@@ -146,6 +152,9 @@ def tiny_model(arch: str) -> Any:
         for name, p in model.named_parameters():
             values = torch.randn(p.shape, generator=generator)
             p.copy_(1 + 0.3 * values if "norm" in name else 0.3 * values if name.endswith("bias") else 0.2 * values)
+        for name, b in model.named_buffers():  # GLM-4.5's bias for the choice of experts (the others: none)
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn(b.shape, generator=generator))
     return model.eval()
 
 
@@ -174,6 +183,8 @@ def _convert(llama_cpp: Path, arch: str, vocab: Path, work: Path, out: Path) -> 
               "Glm4Model.set_vocab = lambda self: self._set_vocab_sentencepiece(); "
               "from conversion.exaone import Exaone4Model; "
               "Exaone4Model.set_vocab = lambda self: self._set_vocab_sentencepiece(); "
+              "from conversion.glm import Glm4MoeModel; "
+              "Glm4MoeModel.set_vocab = lambda self: self._set_vocab_sentencepiece(); "
               "runpy.run_path(sys.argv[0], run_name='__main__')")
     subprocess.run([sys.executable, "-c", runner, str(llama_cpp / "convert_hf_to_gguf.py"), str(hf),
                     "--outfile", str(out), "--outtype", "f32"], check=True)

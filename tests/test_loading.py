@@ -163,7 +163,7 @@ def test_every_bias_the_checkpoint_has_is_applied_and_no_weight_is_left_out(tmp_
     ("hidden_act", "gelu_pytorch_tanh"), ("use_bidirectional_attention", True),
     ("layer_types", ["full_attention", "chunked_attention"]), ("rope_scaling", {"rope_type": "dynamic", "factor": 4.0}),
     ("quantization_config", {"quant_method": "gptq", "bits": 4}), ("quantization_config", {"quant_method": "mxfp4"}),
-    ("clip_qkv", 8.0)])
+    ("clip_qkv", 8.0), ("n_group", 8)])
 def test_a_config_key_that_changes_the_arithmetic_is_refused_by_name(tmp_path, key, value):
     import transformers
 
@@ -214,7 +214,7 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     sandwich = arch in ("gemma2", "gemma3_text")  # Gemma 1's post_attention_layernorm comes before its MLP
     gguf_arch = {"gemma3_text": "gemma3", "mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe",
                  "olmo3": "olmo2", "ministral3": "mistral3", "granitemoehybrid": "granite",
-                 "gpt_oss": "gpt-oss"}.get(arch, arch)
+                 "gpt_oss": "gpt-oss", "glm4_moe": "glm4moe"}.get(arch, arch)
     w = gguf.GGUFWriter(str(path), gguf_arch)
     if getattr(cfg, "num_experts_per_tok", None) and (getattr(cfg, "num_local_experts", None)
                                                       or getattr(cfg, "num_experts", None)):
@@ -224,7 +224,17 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
             w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         if getattr(cfg, "shared_expert_intermediate_size", None):
             w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    w.add_block_count(cfg.num_hidden_layers)
+        if arch == "glm4_moe":  # as llama.cpp's converter writes GLM-4.5's
+            w.add_expert_shared_count(cfg.n_shared_experts)
+            w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+            w.add_expert_weights_scale(cfg.routed_scaling_factor)
+            w.add_expert_weights_norm(cfg.norm_topk_prob)
+            w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    # GLM-4.5's multi-token-prediction layers: counted as blocks, written after the others
+    mtp = getattr(cfg, "num_nextn_predict_layers", 0) or 0
+    w.add_block_count(cfg.num_hidden_layers + mtp)
+    if mtp:
+        w.add_nextn_predict_layers(mtp)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(getattr(cfg, "shared_intermediate_size", None) or cfg.intermediate_size)
@@ -279,7 +289,15 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     to_gguf["post_attention_layernorm.weight"] = "post_attention_norm.weight" if post_norms else "ffn_norm.weight"
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
-    for name, tensor in model.state_dict().items():
+    state = dict(model.state_dict())
+    last = f"model.layers.{cfg.num_hidden_layers - 1}."
+    for i in range(cfg.num_hidden_layers, cfg.num_hidden_layers + mtp):  # an MTP block: the last layer's and its own
+        state.update({f"model.layers.{i}.{n.removeprefix(last)}": t for n, t in model.state_dict().items()
+                      if n.startswith(last)})
+        for own, shape in (("eh_proj.weight", (cfg.hidden_size, 2 * cfg.hidden_size)),
+                           ("enorm.weight", (cfg.hidden_size,)), ("hnorm.weight", (cfg.hidden_size,))):
+            w.add_tensor(f"blk.{i}.nextn.{own}", torch.randn(shape).numpy())
+    for name, tensor in state.items():
         if gemma and name.endswith("norm.weight"):  # as llama.cpp's Gemma converters store them
             tensor = tensor + 1
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -417,6 +435,17 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
     elif arch == "seed_oss":  # q/k/v biases, and o's
         model = transformers.SeedOssForCausalLM(transformers.SeedOssConfig(
             **common, head_dim=64, attention_bias=True, attention_out_bias=True))
+    elif arch == "glm4_moe":  # GLM-4.5: a dense first layer, then 6 experts (3 a token) chosen by sigmoid scores
+        # plus a bias, scaled by 2.5, beside a shared one; q/k/v biases and norms, a quarter of each head rotated
+        model = transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(**{
+            **common, "num_hidden_layers": 3, "head_dim": 64, "n_routed_experts": 6, "num_experts_per_tok": 3,
+            "moe_intermediate_size": 96, "n_shared_experts": 1, "first_k_dense_replace": 1,
+            "routed_scaling_factor": 2.5, "use_qk_norm": True, "attention_bias": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+            **fields}))
+        with torch.no_grad():  # a bias for the choice that changes it (the sigmoids differ by about 0.05)
+            for layer in model.model.layers[1:]:
+                layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(6) * 0.05)
     elif arch == "arcee":  # an ungated MLP: down(relu(up(x)) ** 2)
         model = transformers.ArceeForCausalLM(transformers.ArceeConfig(**common))
     elif arch == "gpt_oss":  # sliding and global layers in turn, sinks, YaRN past 64 positions; 4 experts, 2 per
@@ -439,7 +468,8 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "olmo2", "olmo3", "exaone4", "granite", "granitemoehybrid",
                                   "smollm3", "phi3",
                                   "ministral3", "gemma", "gemma2", "gemma3_text", "glm4", "ernie4_5", "mixtral",
-                                  "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gpt_oss", "seed_oss", "arcee"])
+                                  "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gpt_oss", "seed_oss", "arcee",
+                                  "glm4_moe"])
 def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arch):
     """Qwen3 (q and k RMS-normalized per head before rotary, head_dim beyond hidden / heads), Qwen2 (q/k/v
     biases), OLMo 2 (attention's and the MLP's outputs normalized instead of their inputs, q and k
@@ -477,6 +507,17 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
         rope = raw.pop("rope_parameters")
         config_json.write_text(json.dumps({**raw, "rope_theta": rope["full_attention"]["rope_theta"], "rope_scaling": {
             k: v for k, v in rope["full_attention"].items() if k != "rope_theta"}}))
+    if arch == "glm4_moe":  # GLM-4.5's checkpoints hold an MTP layer after the others, which is not run
+        from safetensors.torch import load_file, save_file
+
+        [file] = (tmp_path / "hf").glob("*.safetensors")
+        tensors = load_file(file)
+        last = f"model.layers.{model.config.num_hidden_layers - 1}."
+        extra = f"model.layers.{model.config.num_hidden_layers}."
+        tensors.update({extra + n.removeprefix(last): t.clone() for n, t in tensors.items() if n.startswith(last)})
+        tensors[extra + "eh_proj.weight"] = torch.randn(128, 256)
+        save_file(tensors, str(file), metadata={"format": "pt"})
+        assert model.config.num_nextn_predict_layers == 1
     if arch == "glm4":  # a quarter of each head rotated (transformers keeps it in rope_parameters), else half
         raw = json.loads((tmp_path / "hf" / "config.json").read_text())
         assert raw["rope_parameters"]["partial_rotary_factor"] == 0.25
@@ -501,7 +542,7 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
         # llama.cpp's names for OLMo 3 and Granite 4.0's attention-only models
         named = {"olmo3": "olmo2", "granitemoehybrid": "granite"}.get(arch, arch) if source.suffix == ".gguf" else arch
         assert (config.architecture, config.head_dim) == (named, {"qwen3": 128, "gemma": 96}.get(arch, 64))
-        assert config.rotary_dim == (16 if arch == "glm4" else None)
+        assert config.rotary_dim == (16 if arch in ("glm4", "glm4_moe") else None)
         if arch == "ministral3":  # YaRN stretches 64 positions to 256; the queries' scaling starts at 64
             assert (config.max_position_embeddings, config.query_scaling) == (256, (pytest.approx(0.1), 64))
         if arch in ("gemma2", "gemma3_text", "olmo3"):  # the windows and rotary bases as transformers has them
@@ -985,7 +1026,7 @@ def test_a_token_alone_through_routed_experts_is_its_row_of_a_batch():
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3",
                                   "phi3_longrope", "qwen3_yarn", "gemma", "gemma2", "gemma3_text", "glm4",
                                   "ernie4_5", "olmo3", "exaone4", "ministral3", "mixtral", "qwen3_moe", "qwen2_moe",
-                                  "olmoe", "granitemoe", "gpt_oss", "seed_oss", "arcee"])
+                                  "olmoe", "granitemoe", "gpt_oss", "seed_oss", "arcee", "glm4_moe"])
 def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_path, monkeypatch, arch):
     """The GGUF file llama.cpp's `convert_hf_to_gguf.py` made of a tiny checkpoint of each
     architecture (tests/converter_fixtures.py; its names, row orders, norm offsets, stacked
@@ -1045,7 +1086,7 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
 
 @pytest.mark.parametrize("arch", ["qwen3", "olmo2", "olmo3", "smollm3", "gemma", "gemma2", "gemma3_text", "glm4",
                                   "ernie4_5", "ministral3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe",
-                                  "gpt_oss", "seed_oss", "arcee"])
+                                  "gpt_oss", "seed_oss", "arcee", "glm4_moe"])
 def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arch):
     """Through the engine as a user runs it: the directory's own tokenizer and chat template, a
     batch of chats (longer than Gemma's 24-token window) in small prefill chunks, the prefix cache
@@ -1482,8 +1523,10 @@ def test_gguf_metadata_that_changes_the_arithmetic_is_refused_by_name(tmp_path):
     write_tiny_gguf(path, {}, rope_dims=TINY["hidden"] // TINY["heads"] // 2)
     with pytest.raises(ModelLoadError, match="llama.rope.dimension_count = 32 rotates part of each 64-wide head"):
         load_checkpoint(resolve_model(str(path)), torch.float32)
-    write_tiny_gguf(path, {}, metadata=lambda w: w.add_uint32("llama.nextn_predict_layers", 1))
-    with pytest.raises(ModelLoadError, match="llama.nextn_predict_layers = 1: the file's last 1 blocks"):
+    write_tiny_gguf(path, {}, metadata=lambda w: (w.add_uint32("llama.expert_group_count", 4),
+                                                  w.add_uint32("llama.expert_group_used_count", 2)))
+    with pytest.raises(ModelLoadError, match="expert_group_used_count = 2 of 4: inflight does not choose experts "
+                                             "within groups"):
         load_checkpoint(resolve_model(str(path)), torch.float32)
 
 

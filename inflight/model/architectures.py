@@ -59,6 +59,9 @@ class ExpertNames:
     # interleaved along the out dim (gate, up, gate, up, ...) instead of one after another.
     stacked_transposed: bool = False
     stacked_interleaved: bool = False
+    # A per-expert bias added to the scores for the choice alone (GLM-4.5's
+    # e_score_correction_bias, of a sigmoid router), under `model.layers.N.`; None: none.
+    choice_bias: str | None = None
 
     def of(self, expert: int) -> tuple[str, str, str]:
         return self.gate.format(e=expert), self.up.format(e=expert), self.down.format(e=expert)
@@ -151,6 +154,17 @@ class Architecture:
     # gpt-oss's experts' clamped SwiGLU (`ModelConfig.clamped_swiglu`): its (alpha, limit) where a
     # config does not say (transformers' defaults, llama.cpp's fixed values); None: SwiGLU.
     clamped_swiglu: tuple[float, float] | None = None
+    # How its router scores the experts (`ModelConfig.expert_scoring`): "softmax" or "sigmoid".
+    expert_scoring: str = "softmax"
+    # The config key that turns the plan's q/k norm on (GLM-4.5's use_qk_norm, false where
+    # absent); None: the plan's q/k norm always runs.
+    hf_qk_norm_key: str | None = None
+    # Whether the experts' weights are renormalized where a config does not say (transformers'
+    # default for the architecture: GLM-4.5's yes).
+    hf_norm_topk_prob: bool = False
+    # The shared expert's width where a GGUF file does not say: the routed experts' times the
+    # shared count (GLM-4.5's, as llama.cpp reads it); False: the dense MLP's (Qwen2-MoE's).
+    gguf_shared_width_from_experts: bool = False
 
     @property
     def gated_mlp(self) -> bool:
@@ -195,6 +209,13 @@ _GPT_OSS_EXPERTS = ExpertNames(
     stacked={"mlp.experts.gate_up_proj": ("gate", "up"), "mlp.experts.down_proj": ("down",)},
     stacked_biases={"mlp.experts.gate_up_proj_bias": ("gate", "up"), "mlp.experts.down_proj_bias": ("down",)},
     stacked_transposed=True, stacked_interleaved=True)
+
+# GLM-4.5's: a sigmoid router with a bias for the choice, each expert stored apart, and a shared
+# expert (ungated) beside them.
+_GLM4_MOE_EXPERTS = dataclasses.replace(
+    _QWEN3_MOE_EXPERTS, choice_bias="mlp.gate.e_score_correction_bias",
+    shared=("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight",
+            "mlp.shared_experts.down_proj.weight"))
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     Architecture("llama"),
@@ -278,6 +299,16 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     # says which), every MLP routed, the chosen experts' weights not renormalized.
     Architecture("olmoe", plan=with_routed_experts(QK_NORM_LAYER), extra_weights=_QK_NORM,
                  gguf_interleaved_qk=False, experts=_QWEN3_MOE_EXPERTS, gguf_expert_weights_norm=False),
+    # GLM-4.5, GLM-4.5-Air, GLM-4.6 (and their MTP layers left unread): q/k/v biases, q/k norm where
+    # use_qk_norm, half of each head rotated (NeoX's halves); the first layers dense, then routed
+    # experts chosen by sigmoid scores plus a bias, their weights scaled, beside a shared expert
+    Architecture("glm4_moe", plan=with_routed_experts(QK_NORM_LAYER), extra_weights=_QK_NORM, gguf_interleaved_qk=False,
+                 hf_partial_rotary_factor=0.5, experts=_GLM4_MOE_EXPERTS, expert_scoring="sigmoid",
+                 hf_qk_norm_key="use_qk_norm", hf_norm_topk_prob=True, gguf_shared_width_from_experts=True,
+                 gguf_names={"exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+                             "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+                             "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+                             "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight"}),
     # gpt-oss: Llama's layer with biases on every attention matmul and learned attention sinks (a
     # score per head that joins each softmax's sum), sliding and global layers alternating, YaRN;
     # every MLP routed, the softmax over the chosen experts' scores, their clamped SwiGLU with biases
@@ -291,7 +322,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
 # to files with routed experts (`expert_count`), which Hugging Face names apart.
 GGUF_ARCHITECTURES = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
                       "mistral3": "ministral3", "qwen2vl": "qwen2_5_vl_text", "qwen3vl": "qwen3_vl_text",
-                      "gpt-oss": "gpt_oss"}
+                      "gpt-oss": "gpt_oss", "glm4moe": "glm4_moe"}
 GGUF_EXPERT_ARCHITECTURES = {"llama": "mixtral", "mistral": "mixtral"}
 
 # llama.cpp's stacked expert tensors (`blk.N.` + these, [experts, rows, cols]) -> which of an

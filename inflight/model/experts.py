@@ -21,16 +21,22 @@ from inflight.model.linear import Linear
 
 class RoutedExperts:
     def __init__(self, router: Linear | None, gate_up: Sequence[Linear], down: Sequence[Linear], top_k: int,
-                 normalize: bool, shared: tuple[Linear, Linear, Linear] | None = None) -> None:
+                 normalize: bool, shared: tuple[Linear, Linear, Linear | None] | None = None,
+                 scoring: str = "softmax", choice_bias: torch.Tensor | None = None, scale: float = 1.0) -> None:
         """`gate_up[e]` and `down[e]`: expert e's fused gate/up and down matmuls. Without a
         `router`, the one expert is a dense MLP (a layer of a MoE model that has no experts).
-        `shared`: a shared expert's gate/up and down matmuls and its gate (one output)."""
+        `shared`: a shared expert's gate/up and down matmuls and its gate (one output; None: its
+        output added as it is). `scoring` ("softmax", "sigmoid"), `choice_bias` and `scale`: as
+        `ModelConfig.expert_scoring`, its bias for the choice, `routed_scaling`."""
         if len(gate_up) != len(down) or not gate_up or (router is None and len(gate_up) != 1):
             raise ValueError("one gate/up and one down matmul per expert, and a router unless there is one")
-        if shared is not None and (router is None or shared[2].out_features != 1):
-            raise ValueError("a shared expert sits beside routed ones, gated by one output")
+        if shared is not None and (router is None or (shared[2] is not None and shared[2].out_features != 1)):
+            raise ValueError("a shared expert sits beside routed ones, gated by one output or not at all")
+        if scoring not in ("softmax", "sigmoid") or (choice_bias is not None and scoring != "sigmoid"):
+            raise ValueError(f"experts scored by a softmax or by sigmoids (a bias for their choice), not {scoring!r}")
         self.router, self.gate_up, self.down = router, list(gate_up), list(down)
         self.top_k, self.normalize, self.shared = top_k, normalize, shared
+        self.scoring, self.choice_bias, self.scale = scoring, choice_bias, scale
 
     @property
     def num_experts(self) -> int:
@@ -68,16 +74,28 @@ class RoutedExperts:
         """`out` (the routed experts' sum) plus the shared expert's output, where there is one."""
         if self.shared is not None:
             gate_up, down, gate = self.shared
-            out += torch.sigmoid(gate(x)) * down(act(gate_up(x)))
+            shared = down(act(gate_up(x)))
+            out += shared if gate is None else torch.sigmoid(gate(x)) * shared
         return out
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's `top_k` experts `[tokens, top_k]` (best first) and their weights, in `x`'s
         dtype: the softmax over all experts in fp32, renormalized over the chosen where
-        `normalize`."""
+        `normalize`; or each expert's sigmoid, the choice by those plus `choice_bias`, the chosen
+        sigmoids renormalized where `normalize` (GLM-4.5's); times `scale`."""
         assert self.router is not None
-        probs = torch.softmax(self.router(x).float(), dim=-1)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
-        if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        logits = self.router(x).float()
+        if self.scoring == "sigmoid":
+            scores = torch.sigmoid(logits)
+            chosen = torch.topk(scores if self.choice_bias is None else scores + self.choice_bias, self.top_k,
+                                dim=-1).indices
+            weights = scores.gather(1, chosen)
+            if self.normalize:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        else:
+            weights, chosen = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+            if self.normalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.scale != 1:
+            weights = weights * self.scale
         return weights.to(x.dtype), chosen

@@ -126,6 +126,9 @@ READ_KEYS = frozenset({
     "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers",
     "decoder_sparse_step", "shared_expert_intermediate_size", "qkv_bias", "use_bias",
     "shared_intermediate_size", "position_embedding_type", "swiglu_alpha", "swiglu_limit",
+    # GLM-4.5's routed experts and layers
+    "n_routed_experts", "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace",
+    "use_qk_norm", "num_nextn_predict_layers",
 })
 # Config keys without effect on a forward pass in inference: training settings, bookkeeping,
 # generation defaults; and `mlp_bias`, whose biases are read from the checkpoint where they are.
@@ -177,7 +180,13 @@ def refuse_unsupported(raw: dict[str, Any], path: Path) -> None:
     if layer_types - {"full_attention", "sliding_attention", "attention"}:  # Granite 4.0's name for full
         raise ModelLoadError(f"{path}: layer_types {sorted(layer_types)}: inflight computes full and "
                              "sliding-window attention layers only")
-    experts = raw.get("num_local_experts") or raw.get("num_experts")
+    for key in ("n_group", "topk_group"):  # DeepSeek's group-limited choice
+        if (raw.get(key) or 1) != 1:
+            raise ModelLoadError(f"{path}: {key} = {raw[key]}: inflight does not choose experts within groups")
+    if (raw.get("n_shared_experts") or 0) > 0 and (arch.experts is None or not arch.experts.shared):
+        raise ModelLoadError(f"{path}: n_shared_experts = {raw['n_shared_experts']}: inflight runs no shared "
+                             f"experts for {arch.name}")
+    experts = raw.get("num_local_experts") or raw.get("num_experts") or raw.get("n_routed_experts")
     if experts and arch.experts is None:
         raise ModelLoadError(f"{path}: {'num_local_experts' if raw.get('num_local_experts') else 'num_experts'} = "
                              f"{experts}: inflight runs no routed experts for {arch.name}")
@@ -296,7 +305,7 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
     attention_scale = raw.get("attention_multiplier")
     if raw.get("query_pre_attn_scalar") is not None:
         attention_scale = float(raw["query_pre_attn_scalar"]) ** -0.5
-    num_experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
+    num_experts = int(raw.get("num_local_experts") or raw.get("num_experts") or raw.get("n_routed_experts") or 0)
     query = query_scaling((rope_scaling or {}).get("original_max_position_embeddings"),
                           rope_given.get("llama_4_scaling_beta"))
     eos = raw.get("eos_token_id")
@@ -338,10 +347,13 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         # as the architecture always does, else as the config says or its class's default (no);
         # without experts the field's default
         norm_topk_prob=(not num_experts or (row is not None and row.experts_always_renormalized)
-                        or bool(raw.get("norm_topk_prob", False))),
+                        or bool(raw.get("norm_topk_prob", row is not None and row.hf_norm_topk_prob))),
         moe_layers=_moe_layers(raw) if num_experts else None,
-        shared_expert_intermediate_size=int(raw["shared_expert_intermediate_size"])
-        if num_experts and raw.get("shared_expert_intermediate_size") else None,
+        shared_expert_intermediate_size=_shared_width(raw) if num_experts else None,
+        expert_scoring=row.expert_scoring if row is not None else "softmax",
+        routed_scaling=float(raw.get("routed_scaling_factor") or 1.0),
+        qk_norm=bool(raw.get(row.hf_qk_norm_key, False)) if row is not None and row.hf_qk_norm_key else True,
+        mtp_layers=int(raw.get("num_nextn_predict_layers") or 0),
         gated_mlp=row.gated_mlp if row is not None else True,
         clamped_swiglu=(float(raw.get("swiglu_alpha") or row.clamped_swiglu[0]),
                         float(raw.get("swiglu_limit") or row.clamped_swiglu[1]))
@@ -370,10 +382,21 @@ def _local_rope_theta(local: dict[str, Any] | None, theta: float, row: Architect
 
 def _moe_layers(raw: dict[str, Any]) -> tuple[bool, ...] | None:
     """Which layers route to experts: every `decoder_sparse_step`-th one not in `mlp_only_layers`
-    (Qwen3-MoE); None: every layer."""
+    (Qwen3-MoE) from the `first_k_dense_replace`-th on (GLM-4.5); None: every layer."""
     step, dense = int(raw.get("decoder_sparse_step") or 1), set(raw.get("mlp_only_layers") or ())
-    layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(int(raw["num_hidden_layers"])))
+    first = int(raw.get("first_k_dense_replace") or 0)
+    layers = tuple(i not in dense and (i + 1) % step == 0 and i >= first for i in range(int(raw["num_hidden_layers"])))
     return None if all(layers) else layers
+
+
+def _shared_width(raw: dict[str, Any]) -> int | None:
+    """A shared expert's width: Qwen2-MoE's `shared_expert_intermediate_size`, or GLM-4.5's
+    `n_shared_experts` experts' (moe_intermediate_size each) as one; None: no shared expert."""
+    if raw.get("shared_expert_intermediate_size"):
+        return int(raw["shared_expert_intermediate_size"])
+    if raw.get("n_shared_experts"):
+        return int(raw["n_shared_experts"]) * int(raw["moe_intermediate_size"])
+    return None
 
 
 def _positive(value: Any) -> float | None:

@@ -252,7 +252,7 @@ class LlamaModel:
                 fused = {field: names for field, names in fused.items() if field not in ("gate_up", "down")}
             matmuls: dict[str, Any] = {field: linear(*names, bias=biases(*names)) for field, names in fused.items()}
             if arch.experts is not None:
-                matmuls["experts"] = self._experts(arch.experts, config, linear, biases, p) if sparse else (
+                matmuls["experts"] = self._experts(arch.experts, config, linear, biases, take, p) if sparse else (
                     RoutedExperts(None, [matmuls.pop("gate_up")], [matmuls.pop("down")], 1, False))
             local = config.sliding_window is not None and (
                 config.sliding_window_layers is None or config.sliding_window_layers[i])
@@ -262,7 +262,7 @@ class LlamaModel:
                 residual_scale=config.residual_scale,
                 rope=ROPE_NONE if not rotates else ROPE_LOCAL if local and config.local_rope_theta else ROPE_GLOBAL,
                 window=config.sliding_window if local else None,
-                **self._layer_extras(arch, take, p),
+                **self._layer_extras(arch, take, p, config.qk_norm),
             ))
         unused = sorted(set(weights) - taken)
         if unused:  # a weight the plan does not read is a feature it would silently leave out
@@ -289,14 +289,16 @@ class LlamaModel:
         # check: every position there.
         self.rope_tables: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._ensure_rope(config.max_position_embeddings if device.type != "cpu" else 0)
-        self.plan: tuple[Step, ...] = arch.plan if config.residual_scale == 1 else with_scaled_residual(arch.plan)
+        plan = arch.plan if config.qk_norm else tuple(step for step in arch.plan if step.op != Op.QK_NORM)
+        self.plan: tuple[Step, ...] = plan if config.residual_scale == 1 else with_scaled_residual(plan)
         self.decoder_stack = self._decoder_stack(kernels)
 
     @staticmethod
     def _pair_rotary_dims(config: ModelConfig, arch: Architecture,
                           weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The checkpoint with every layer's q and k rows (and biases) in `pair_rotary_dims`'
-        order, in separate or fused q/k/v projections."""
+        order, in separate or fused q/k/v projections, and the scales of a q/k norm before the
+        rotary alike (GLM-4.5's: a head's, or the whole projection's)."""
         heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
         rot, interleaved = config.rotary_dim or dim, arch.interleaved_rotary
         out = dict(weights)
@@ -314,11 +316,17 @@ class LlamaModel:
                     elif "q_proj" in name or "k_proj" in name:
                         out[full] = pair_rotary_dims(t, heads if "q_proj" in name else kv_heads, dim, rot,
                                                      interleaved)
+            for name, count in zip(arch.extra_weights.get("qk_norm", ()), (heads, kv_heads), strict=False):
+                full = f"model.layers.{i}.{name}"
+                if full in weights:  # one head's scale, or every head's
+                    t = weights[full]
+                    out[full] = pair_rotary_dims(t, 1 if t.shape[0] == dim else count, dim, rot, interleaved)
         return out
 
     @staticmethod
     def _experts(names: ExpertNames, config: ModelConfig, linear: Callable[..., Linear],
-                 biases: Callable[..., tuple[str, ...] | None], prefix: str) -> RoutedExperts:
+                 biases: Callable[..., tuple[str, ...] | None], take: Callable[[str], torch.Tensor],
+                 prefix: str) -> RoutedExperts:
         """A layer's routed experts; each matmul with its bias where the checkpoint has one (gpt-oss)."""
         def matmul(*names: str) -> Linear:
             full = [prefix + n for n in names]
@@ -330,18 +338,23 @@ class LlamaModel:
             gate_up.append(matmul(gate, up))
             down.append(matmul(down_name))
         shared = None
-        if names.shared:
+        if names.shared:  # gated by a one-row matmul (Qwen2-MoE) or not (GLM-4.5)
             shared_gate, shared_up, shared_down = names.shared
-            assert names.shared_gate is not None
-            shared = (matmul(shared_gate, shared_up), matmul(shared_down), matmul(names.shared_gate))
+            shared = (matmul(shared_gate, shared_up), matmul(shared_down),
+                      matmul(names.shared_gate) if names.shared_gate is not None else None)
+        choice_bias = take(prefix + names.choice_bias).float() if names.choice_bias is not None else None
         return RoutedExperts(matmul(names.router), gate_up, down, config.num_experts_per_tok,
-                             config.norm_topk_prob, shared)
+                             config.norm_topk_prob, shared, scoring=config.expert_scoring,
+                             choice_bias=choice_bias, scale=config.routed_scaling)
 
     @staticmethod
-    def _layer_extras(arch: Architecture, take: Callable[[str], torch.Tensor], prefix: str) -> dict[str, Any]:
-        """The layer's norms and other weights as the architecture names them (`DecoderLayer` fields)."""
+    def _layer_extras(arch: Architecture, take: Callable[[str], torch.Tensor], prefix: str,
+                      qk_norm: bool = True) -> dict[str, Any]:
+        """The layer's norms and other weights as the architecture names them (`DecoderLayer` fields;
+        the q/k norm's only where it runs, `ModelConfig.qk_norm`)."""
         extras: dict[str, Any] = {name: take(prefix + suffix) for name, suffix in arch.norms.items()}
-        extras.update({name: tuple(take(prefix + n) for n in names) for name, names in arch.extra_weights.items()})
+        extras.update({name: tuple(take(prefix + n) for n in names) for name, names in arch.extra_weights.items()
+                       if qk_norm or name != "qk_norm"})
         return extras
 
     def _decoder_stack(self, kernels: ModuleType | None) -> Any:
@@ -374,9 +387,10 @@ class LlamaModel:
             alpha, limit = cfg.clamped_swiglu or (0.0, 0.0)  # limit 0: SwiGLU
             for i, (layer, own) in enumerate(zip(layers, experts, strict=True)):
                 assert layer.experts is not None
-                stack.set_experts(i, *_stack_linears(own), layer.experts.router is not None,
-                                  layer.experts.shared is not None, layer.experts.top_k, layer.experts.normalize,
-                                  alpha, limit)
+                shared = [m for m in layer.experts.shared or () if m is not None]
+                stack.set_experts(i, *_stack_linears(own), layer.experts.router is not None, len(shared),
+                                  layer.experts.top_k, layer.experts.normalize, alpha, limit,
+                                  layer.experts.scoring == "sigmoid", layer.experts.choice_bias, layer.experts.scale)
         if any(layer.sinks for layer in layers):
             stack.set_sinks([layer.sinks[0] for layer in layers if layer.sinks])
         return stack
@@ -540,7 +554,7 @@ class LlamaModel:
 def _expert_matmuls(experts: RoutedExperts) -> list[Linear]:
     """A routed-experts MLP's matmuls in `DecoderStack.set_experts`' order."""
     return [*([experts.router] if experts.router is not None else []), *experts.gate_up, *experts.down,
-            *(experts.shared or ())]
+            *(m for m in experts.shared or () if m is not None)]
 
 
 def _stack_linears(matmuls: Sequence[Linear | None]) -> tuple[list[torch.Tensor], list[torch.Tensor | None],

@@ -349,9 +349,10 @@ class GGUFIndex:
     mapping: np.memmap | None = None  # the whole file, which every tensor's data views
 
 
-_INDEX_VERSION = 12  # 2: refusals; 3: Granite; 4: NoPE; 5: windows; 6: Gemma; 7: MoE; 8: rotary_dim; 9: rope_freqs;
+_INDEX_VERSION = 13  # 2: refusals; 3: Granite; 4: NoPE; 5: windows; 6: Gemma; 7: MoE; 8: rotary_dim; 9: rope_freqs;
 # 10: longrope factors; 11: end-of-generation tokens, sampling defaults, split files refused; 12: OLMo 3's local
-# rotary, EXAONE 4's windows, YaRN's log multiplier, the queries' scaling by position, MTP layers refused
+# rotary, EXAONE 4's windows, YaRN's log multiplier, the queries' scaling by position, MTP layers refused; 13:
+# gpt-oss, GLM-4.5 (MTP layers left unread), Arcee
 
 
 def cache_dir() -> Path:
@@ -396,7 +397,8 @@ def _read_gguf(path: Path, mtime_ns: int, size: int) -> GGUFIndex:
         raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from None
     tensors = [GGUFTensor(t.name, t.tensor_type, tuple(int(d) for d in t.shape.tolist()), t.data)
                for t in reader.tensors]
-    index = GGUFIndex(_gguf_config(reader), tensors, reader.data)
+    config = _gguf_config(reader)
+    index = GGUFIndex(config, _trunk(tensors, config), reader.data)
     table = [{"name": t.name, "type": int(t.tensor_type), "shape": [int(d) for d in t.shape.tolist()],
               "offset": int(t.data_offset), "dtype": t.data.dtype.str, "array_shape": list(t.data.shape)}
              for t in reader.tensors]
@@ -419,7 +421,15 @@ def _index_from_saved(path: Path, saved: dict[str, Any]) -> GGUFIndex:
         start = int(t["offset"])
         data = mapped[start:start + count * dtype.itemsize].view(dtype).reshape(t["array_shape"])
         tensors.append(GGUFTensor(t["name"], gguf.GGMLQuantizationType(t["type"]), tuple(t["shape"]), data))
-    return GGUFIndex(ModelConfig(**config), tensors, mapped)
+    model_config = ModelConfig(**config)
+    return GGUFIndex(model_config, _trunk(tensors, model_config), mapped)
+
+
+def _trunk(tensors: list[GGUFTensor], config: ModelConfig) -> list[GGUFTensor]:
+    """The tensors but those of the multi-token-prediction blocks after the layers the model runs."""
+    if not config.mtp_layers:
+        return tensors
+    return [t for t in tensors if not (t.name.startswith("blk.") and int(t.name.split(".")[1]) >= config.num_layers)]
 
 
 def release_file_pages(source: ModelSource) -> None:
@@ -585,10 +595,15 @@ def _gguf_config(reader: Any) -> ModelConfig:
         if value and (allowed is not None and int(value) > allowed):
             raise ModelLoadError(f"{arch}.{key} = {value} changes the model's arithmetic in a way inflight does "
                                  "not compute yet")
-    nextn = gguf_field(reader, f"{arch}.nextn_predict_layers")
-    if nextn:  # GLM's multi-token-prediction layers, counted in block_count
-        raise ModelLoadError(f"{arch}.nextn_predict_layers = {nextn}: the file's last {nextn} blocks predict tokens "
-                             "further ahead, which inflight does not run")
+    groups, used = (int(gguf_field(reader, f"{arch}.{key}") or 1) for key in ("expert_group_count",
+                                                                               "expert_group_used_count"))
+    if used < groups:  # DeepSeek's group-limited choice
+        raise ModelLoadError(f"{arch}.expert_group_used_count = {used} of {groups}: inflight does not choose experts "
+                             "within groups")
+    # GLM's multi-token-prediction layers, counted in block_count: the file's last blocks, which
+    # predict tokens further ahead; llama.cpp skips them at load, and so does inflight (`_trunk`)
+    mtp_layers = int(gguf_field(reader, f"{arch}.nextn_predict_layers") or 0)
+    num_layers -= mtp_layers
     if num_experts and row.experts is None:
         raise ModelLoadError(f"{arch}.expert_count = {num_experts}: inflight runs no routed experts for {arch}")
     tensor_names = {t.name for t in reader.tensors}
@@ -681,11 +696,22 @@ def _gguf_config(reader: Any) -> ModelConfig:
             gguf_field(reader, f"{arch}.expert_weights_norm", row.gguf_expert_weights_norm)),
         moe_layers=_gguf_moe_layers(tensor_names, num_layers) if num_experts else None,
         # llama.cpp's default where the file does not say: the dense MLP's width
-        shared_expert_intermediate_size=int(gguf_field(reader, f"{arch}.expert_shared_feed_forward_length")
-                                            or get("feed_forward_length")) if shared and num_experts else None,
+        shared_expert_intermediate_size=int(gguf_field(reader, f"{arch}.expert_shared_feed_forward_length") or (
+            int(get("expert_feed_forward_length")) * int(gguf_field(reader, f"{arch}.expert_shared_count") or 1)
+            if row.gguf_shared_width_from_experts else get("feed_forward_length"))) if shared and num_experts else None,
         clamped_swiglu=row.clamped_swiglu,  # llama.cpp's fixed values
         gated_mlp=row.gated_mlp,
+        expert_scoring=_GGUF_GATING.get(int(gating), row.expert_scoring) if (
+            gating := gguf_field(reader, f"{arch}.expert_gating_func")) else row.expert_scoring,
+        routed_scaling=float(gguf_field(reader, f"{arch}.expert_weights_scale") or 1.0),
+        # where the plan's q/k norm is optional (GLM-4.5's), the file's tensors say
+        qk_norm=not row.hf_qk_norm_key or "blk.0.attn_q_norm.weight" in tensor_names,
+        mtp_layers=mtp_layers,
     )
+
+
+# llama.cpp's `expert_gating_func` values -> `ModelConfig.expert_scoring`
+_GGUF_GATING = {1: "softmax", 2: "sigmoid"}
 
 
 def _gguf_moe_layers(tensor_names: set[str], num_layers: int) -> tuple[bool, ...] | None:
@@ -1046,17 +1072,26 @@ def mxfp4_ggml_rows(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 def _hf_header(path: Path) -> dict[str, _Stored]:
     """name -> where and how each tensor but the rotary tables is stored, from the files'
-    headers; a multimodal checkpoint's decoder under the text model's names, alone."""
+    headers; a multimodal checkpoint's decoder under the text model's names, alone; a
+    checkpoint's multi-token-prediction layers (`num_nextn_predict_layers`, after the decoder's)
+    left out, as transformers leaves them."""
     from safetensors import SafetensorError, safe_open
 
-    multimodal = is_multimodal(read_json_object(path / "config.json", "a model config"))
+    raw = read_json_object(path / "config.json", "a model config")
+    multimodal = is_multimodal(raw)
+    text = raw.get("text_config") or raw
+    runs = int(text.get("num_hidden_layers") or 0) if text.get("num_nextn_predict_layers") else None
+
+    def mtp(name: str) -> bool:
+        return runs is not None and name.startswith("model.layers.") and int(name.split(".")[2]) >= runs
+
     header: dict[str, _Stored] = {}
     for file in sorted(path.glob("*.safetensors")):
         try:
             with safe_open(file, framework="pt") as f:
                 for stored in f.keys():
                     name = _text_model_name(stored) if multimodal else stored
-                    if name is not None and "rotary_emb" not in name:
+                    if name is not None and "rotary_emb" not in name and not mtp(name):
                         piece = f.get_slice(stored)
                         header[name] = _Stored(file, stored, piece.get_dtype(), tuple(piece.get_shape()))
         except (SafetensorError, OSError) as exc:

@@ -3941,14 +3941,17 @@ torch::Tensor run_linear(const StackLinear& lin, const torch::Tensor& x) {
 // A layer's routed-experts MLP (model/experts.py's RoutedExperts, the same ATen ops in the same
 // order, so the same values bit for bit): each token through the top_k experts its router scores
 // highest, weighted by the softmax over all of them (renormalized over the chosen where
-// `normalize`), each expert one matmul over the tokens that chose it; a shared expert every token
-// runs, scaled by the sigmoid of its one-output gate, added after. Without a router, a dense MLP
-// (a layer of a MoE model that has no experts).
+// `normalize`), or chosen by their sigmoids plus `choice_bias` and weighted by their sigmoids
+// (GLM-4.5's), times `scale`; each expert one matmul over the tokens that chose it; a shared
+// expert every token runs, scaled by the sigmoid of its one-output gate where it has one, added
+// after. Without a router, a dense MLP (a layer of a MoE model that has no experts).
 struct StackExperts {
   c10::optional<StackLinear> router;
-  std::vector<StackLinear> gate_up, down, shared;  // shared: gate/up, down and gate, or none
+  std::vector<StackLinear> gate_up, down, shared;  // shared: gate/up, down and (maybe) gate, or none
   int64_t top_k = 1;
-  bool normalize = false;
+  bool normalize = false, sigmoid = false;
+  c10::optional<torch::Tensor> choice_bias;
+  double scale = 1.0;
   double swiglu_alpha = 0, swiglu_limit = 0;  // limit > 0: gpt-oss's clamped SwiGLU (clamped_swiglu), else silu
 
   torch::Tensor act(const torch::Tensor& gate_up_out) const {
@@ -3958,8 +3961,18 @@ struct StackExperts {
   torch::Tensor forward(const torch::Tensor& x) const {
     if (!router) return run_linear(down[0], act(run_linear(gate_up[0], x)));
     Range r("routed experts");
-    auto [weights, chosen] = torch::topk(torch::softmax(run_linear(*router, x).to(torch::kFloat), -1), top_k, -1);
-    if (normalize) weights = weights / weights.sum(-1, true);
+    const torch::Tensor logits = run_linear(*router, x).to(torch::kFloat);
+    torch::Tensor weights, chosen;
+    if (sigmoid) {
+      const torch::Tensor scores = torch::sigmoid(logits);
+      chosen = std::get<1>(torch::topk(choice_bias ? scores + *choice_bias : scores, top_k, -1));
+      weights = scores.gather(1, chosen);
+      if (normalize) weights = weights / (weights.sum(-1, true) + 1e-20);
+    } else {
+      std::tie(weights, chosen) = torch::topk(torch::softmax(logits, -1), top_k, -1);
+      if (normalize) weights = weights / weights.sum(-1, true);
+    }
+    if (scale != 1.0) weights = weights * scale;
     weights = weights.to(x.scalar_type());
     auto out = torch::zeros_like(x);
     if (x.size(0) == 1 && x.scalar_type() == torch::kFloat) {  // one token: its experts in id order, as below
@@ -3972,8 +3985,10 @@ struct StackExperts {
     } else {
       add_routed(x, weights, chosen, out);
     }
-    if (!shared.empty())
+    if (shared.size() == 3)
       out += torch::sigmoid(run_linear(shared[2], x)) * run_linear(shared[1], act(run_linear(shared[0], x)));
+    else if (shared.size() == 2)
+      out += run_linear(shared[1], act(run_linear(shared[0], x)));
     return out;
   }
 
@@ -4065,19 +4080,24 @@ class DecoderStack {
 
   // Layer `layer`'s routed-experts MLP (the plan's routed_experts step), its matmuls as the
   // constructor's are given, in order: the router where `routed`, each expert's gate/up, each
-  // one's down, then where `shared` the shared expert's gate/up, down and gate.
+  // one's down, then the shared expert's `shared` matmuls: gate/up, down and (3) its gate.
+  // `sigmoid`, `choice_bias` and `scale`: how the router scores (StackExperts).
   void set_experts(int64_t layer, std::vector<torch::Tensor> packed, std::vector<c10::optional<torch::Tensor>> blocks,
                    std::vector<c10::optional<torch::Tensor>> biases, std::vector<int64_t> out_features, bool routed,
-                   bool shared, int64_t top_k, bool normalize, double swiglu_alpha, double swiglu_limit) {
+                   int64_t shared, int64_t top_k, bool normalize, double swiglu_alpha, double swiglu_limit,
+                   bool sigmoid, c10::optional<torch::Tensor> choice_bias, double scale) {
     TORCH_CHECK(layer >= 0 && layer < num_layers_, "no such layer: ", layer);
     const int64_t n = static_cast<int64_t>(packed.size());
     TORCH_CHECK(static_cast<int64_t>(blocks.size()) == n && static_cast<int64_t>(biases.size()) == n &&
                     static_cast<int64_t>(out_features.size()) == n,
                 "blocks, biases and out_features for every matmul");
-    const int64_t experts = (n - (routed ? 1 : 0) - (shared ? 3 : 0)) / 2;
-    TORCH_CHECK(experts >= 1 && n == (routed ? 1 : 0) + 2 * experts + (shared ? 3 : 0) && (routed || experts == 1) &&
-                    (routed || !shared) && top_k >= 1 && top_k <= experts,
-                "a router, each expert's gate/up and down, and a shared expert's three matmuls, or one dense MLP");
+    TORCH_CHECK(shared == 0 || shared == 2 || shared == 3, "a shared expert of 2 or 3 matmuls, or none");
+    const int64_t experts = (n - (routed ? 1 : 0) - shared) / 2;
+    TORCH_CHECK(experts >= 1 && n == (routed ? 1 : 0) + 2 * experts + shared && (routed || experts == 1) &&
+                    (routed || shared == 0) && top_k >= 1 && top_k <= experts,
+                "a router, each expert's gate/up and down, and a shared expert's matmuls, or one dense MLP");
+    TORCH_CHECK(!choice_bias || (choice_bias->dtype() == torch::kFloat32 && choice_bias->numel() == experts),
+                "a float32 choice bias per expert");
     if (experts_.empty()) experts_.resize(num_layers_);
     StackExperts made;
     std::vector<StackLinear> all;
@@ -4090,9 +4110,10 @@ class DecoderStack {
     at += 2 * experts;
     if (shared) {
       made.shared.assign(all.begin() + at, all.end());
-      TORCH_CHECK(made.shared[2].out_features == 1, "a shared expert's gate has one output");
+      TORCH_CHECK(shared == 2 || made.shared[2].out_features == 1, "a shared expert's gate has one output");
     }
-    made.top_k = top_k, made.normalize = normalize;
+    made.top_k = top_k, made.normalize = normalize, made.sigmoid = sigmoid, made.choice_bias = choice_bias;
+    made.scale = scale;
     made.swiglu_alpha = swiglu_alpha, made.swiglu_limit = swiglu_limit;
     experts_[layer] = std::move(made);
   }
@@ -4520,6 +4541,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("set_experts", &DecoderStack::set_experts,
            "A layer's routed-experts MLP: its matmuls (router, gate/ups, downs, shared), whether routed and shared, "
-           "top_k, whether the chosen weights are renormalized, and the clamped SwiGLU's alpha and limit (0: silu)")
+           "top_k, whether the chosen weights are renormalized, the clamped SwiGLU's alpha and limit (0: silu), "
+           "whether sigmoids score the experts, their bias for the choice, the weights' scale")
       .def("set_sinks", &DecoderStack::set_sinks, "Each layer's attention sinks (a score per query head), or none");
 }
