@@ -213,15 +213,7 @@ def write_model(path: Path, shape: dict[str, Any], seed: int, pool_blocks: int =
         else:
             row_bytes = dims[1] // block * block_bytes
             w.add_tensor_info(name, (dims[0], row_bytes), np.dtype(np.uint8), dims[0] * row_bytes, raw_dtype=q8)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    fout = w.fout[0]
-    rng = np.random.default_rng(seed)
-    pool = None
-    if pool_blocks:
-        pool = np.concatenate([gguf.quants.quantize(rng.standard_normal((1 << 15, block), dtype=np.float32) * 0.02, q8)
-                               for _ in range(0, pool_blocks, 1 << 15)])
+    fout, rng, pool = _start_data(w, seed, pool_blocks, q8, block)
     for _, dims in tensors:
         w.write_padding(fout, fout.tell())
         if len(dims) == 1:
@@ -306,15 +298,7 @@ def write_gpt_oss_model(path: Path, shape: dict[str, Any], seed: int, pool_block
             block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
             stored = (*dims[:-1], dims[-1] // block * block_bytes)
             w.add_tensor_info(name, stored, np.dtype(np.uint8), int(np.prod(stored)), raw_dtype=kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    fout = w.fout[0]
-    rng = np.random.default_rng(seed)
-    pool = None
-    if pool_blocks:
-        pool = np.concatenate([gguf.quants.quantize(rng.standard_normal((1 << 15, 32), dtype=np.float32) * 0.02, q8)
-                               for _ in range(0, pool_blocks, 1 << 15)])
+    fout, rng, pool = _start_data(w, seed, pool_blocks, q8, 32)
     for name, dims, kind in tensors:
         w.write_padding(fout, fout.tell())
         if kind is None:
@@ -340,6 +324,24 @@ def write_gpt_oss_model(path: Path, shape: dict[str, Any], seed: int, pool_block
         block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
         w.write_padding(fout, rows * (k // block * block_bytes))
     w.close()
+
+
+def _start_data(w: Any, seed: int, pool_blocks: int, kind: Any, block: int) -> tuple[Any, Any, Any]:
+    """The file's header, metadata and tensor table written; (its stream for the data, the seeded
+    generator, and with `pool_blocks` that many blocks of `block` weights of N(0, 0.02) quantized
+    to `kind` once, to draw the matrices' blocks from; else None)."""
+    import gguf
+    import numpy as np
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    pool = None
+    if pool_blocks:
+        pool = np.concatenate([gguf.quants.quantize(rng.standard_normal((1 << 15, block), dtype=np.float32) * 0.02,
+                                                    kind) for _ in range(0, pool_blocks, 1 << 15)])
+    return w.fout[0], rng, pool
 
 
 def _llama_bpe_vocab() -> Any:

@@ -140,13 +140,11 @@ def test_decode_kernel_gives_zeros_for_an_empty_context():
     torch.testing.assert_close(out[1], dense_reference(q[1], k_cache[slots], v_cache[slots]), **KERNEL_TOL)
 
 
-@pytest.mark.parametrize("window,softcap", ATTENDS)
-@pytest.mark.parametrize("cached,new", [(20, 7), (0, 30)], ids=["cached-prefix", "whole-prompt"])
-def test_gathered_prefill_matches_dense_reference(cached, new, window, softcap):
-    """The PyTorch path: a chunk after cached tokens (their blocks gathered) and a whole prompt
-    (its own new K/V), each with every window the layers have."""
+def gathered_prefill(attention: PagedAttention, cached: int, new: int) -> tuple[torch.Tensor, ...]:
+    """A request's `new` tokens after `cached` ones in blocks 5 and 2 of a pool, for the PyTorch
+    path: (q, the context's keys and values, the K and V pools holding the cached ones, the
+    step's metadata)."""
     torch.manual_seed(1)
-    attention = PagedAttention(HEADS, KV_HEADS, DIM, windows=[None, window], softcap=softcap)
     k_cache = torch.zeros(8 * BLOCK, KV_HEADS, DIM)
     v_cache = torch.zeros(8 * BLOCK, KV_HEADS, DIM)
     blocks = [5, 2]
@@ -156,6 +154,16 @@ def test_gathered_prefill_matches_dense_reference(cached, new, window, softcap):
     q = torch.randn(new, HEADS, DIM) * 2
     meta = attention.build_metadata([SeqSlice(cached, new, blocks)], 0, slots[cached:], BLOCK, torch.float32,
                                     torch.device("cpu"))
+    return q, keys, values, k_cache, v_cache, meta
+
+
+@pytest.mark.parametrize("window,softcap", ATTENDS)
+@pytest.mark.parametrize("cached,new", [(20, 7), (0, 30)], ids=["cached-prefix", "whole-prompt"])
+def test_gathered_prefill_matches_dense_reference(cached, new, window, softcap):
+    """The PyTorch path: a chunk after cached tokens (their blocks gathered) and a whole prompt
+    (its own new K/V), each with every window the layers have."""
+    attention = PagedAttention(HEADS, KV_HEADS, DIM, windows=[None, window], softcap=softcap)
+    q, keys, values, k_cache, v_cache, meta = gathered_prefill(attention, cached, new)
     for w in (None, window):
         out = attention.forward(q, keys[cached:], values[cached:], k_cache, v_cache, meta, window=w)
         for i in range(new):
@@ -252,17 +260,9 @@ def test_prefill_kernel_with_attention_sinks_matches_dense_reference(heads, kv_h
 @pytest.mark.parametrize("cached,new", [(20, 7), (0, 30)], ids=["cached-prefix", "whole-prompt"])
 def test_gathered_prefill_with_attention_sinks_matches_dense_reference(cached, new):
     """The PyTorch path's prefill with sinks: after cached tokens, and a whole prompt."""
-    torch.manual_seed(1)
     attention = PagedAttention(HEADS, KV_HEADS, DIM, windows=[None])
     sinks = head_sinks(HEADS)
-    k_cache, v_cache = torch.zeros(8 * BLOCK, KV_HEADS, DIM), torch.zeros(8 * BLOCK, KV_HEADS, DIM)
-    blocks = [5, 2]
-    keys, values = torch.randn(cached + new, KV_HEADS, DIM), torch.randn(cached + new, KV_HEADS, DIM)
-    slots = torch.tensor([blocks[t // BLOCK] * BLOCK + t % BLOCK for t in range(cached + new)])
-    k_cache[slots[:cached]], v_cache[slots[:cached]] = keys[:cached], values[:cached]
-    q = torch.randn(new, HEADS, DIM) * 2
-    meta = attention.build_metadata([SeqSlice(cached, new, blocks)], 0, slots[cached:], BLOCK, torch.float32,
-                                    torch.device("cpu"))
+    q, keys, values, k_cache, v_cache, meta = gathered_prefill(attention, cached, new)
     out = attention.forward(q, keys[cached:], values[cached:], k_cache, v_cache, meta, sinks=sinks)
     for i in range(new):
         expected = dense_reference(q[i], keys[:cached + i + 1], values[:cached + i + 1], sinks=sinks)

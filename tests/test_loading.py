@@ -1301,13 +1301,19 @@ def test_a_16_bit_checkpoint_stays_16_bit_and_computes_its_fp32_logits_bit_for_b
     assert all(m.blocks is not None and m.weight.numel() == 0 for m in experts)
     linears += experts
     assert all(linear.blocks is not None and linear.weight.numel() == 0 for linear in linears)
-    for model in (dense, kept):
-        model.use_context(config.max_position_embeddings)
-    for ids in (list(range(3, 6)), list(range(3, 43))):  # in registers, and a panel at a time
-        assert torch.equal(inflight_logits(kept, ids), inflight_logits(dense, ids))
+    assert_kept_computes_as_dense(kept, dense)
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     ids = list(range(3, 60))
     torch.testing.assert_close(inflight_logits(kept, ids), hf_logits(reference, ids), atol=3e-4, rtol=1e-4)
+
+
+def assert_kept_computes_as_dense(kept: LlamaModel, dense: LlamaModel) -> None:
+    """A model whose matrices stay as stored gives the logits of the same values held in fp32,
+    bit for bit, at a step of a few rows (in registers) and of many (a panel at a time)."""
+    for model in (dense, kept):
+        model.use_context(model.config.max_position_embeddings)
+    for ids in (list(range(3, 6)), list(range(3, 43))):
+        assert torch.equal(inflight_logits(kept, ids), inflight_logits(dense, ids))
 
 
 def hf_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1363,10 +1369,7 @@ def test_gpt_oss_mxfp4_checkpoint_keeps_its_experts_in_mxfp4_as_transformers_com
                       embedding=load_embedding(source, config))
     assert all(m.blocks is not None and m.weight.numel() == 0
                for layer in kept.layers for m in (*layer.experts.gate_up, *layer.experts.down))
-    for model in (dense, kept):
-        model.use_context(config.max_position_embeddings)
-    for ids in (list(range(3, 6)), list(range(3, 43))):  # in registers, and a panel at a time
-        assert torch.equal(inflight_logits(kept, ids), inflight_logits(dense, ids))
+    assert_kept_computes_as_dense(kept, dense)
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     ids = list(range(5, 95))
     torch.testing.assert_close(inflight_logits(kept, ids), hf_logits(reference, ids), atol=1e-4, rtol=1e-4)
@@ -1505,10 +1508,7 @@ def test_matrices_kept_in_gguf_blocks_compute_the_fp32_logits_bit_for_bit(tmp_pa
     assert all(linear.weight.numel() == 0 for linear in linears if linear.blocks is not None)
     if name in QUANTIZED_FIXTURES or name in QUANTIZED_MOE_FIXTURES:
         assert all(linear.blocks is not None for linear in linears)
-    for model in (dense, kept):
-        model.use_context(config.max_position_embeddings)
-    for ids in (list(range(3, 6)), list(range(3, 43))):  # in registers, and a panel at a time
-        assert torch.equal(inflight_logits(kept, ids), inflight_logits(dense, ids))
+    assert_kept_computes_as_dense(kept, dense)
 
 
 def test_a_gguf_tensor_inflight_does_not_know_is_refused(tmp_path):

@@ -17,7 +17,8 @@ a chat completion generates inside <think> ... </think> goes to the message's `r
   makes an OpenAI tool call of; without tools its text is content.
 
 A thought cut short by `max_tokens` is all reasoning. Streamed and whole outputs are split by the
-same code (`ReasoningSplitter`), so their parts are equal; a marker may arrive split over deltas.
+same code (`ReasoningSplitter`, `HarmonySplitter`), so their parts are equal; a marker may arrive
+split over deltas.
 
 Structured output (a JSON schema, a regex, a tool call's arguments) constrains the answer only, as
 vLLM applies it beside a reasoning parser: the thought runs free and the grammar starts after
@@ -45,14 +46,12 @@ HARMONY_PARSERS = ("openai_gptoss",)
 _START, _END = "<think>", "</think>"
 _HARMONY_MESSAGE, _HARMONY_HEADS = "<|message|>", ("<|start|>", "<|channel|>")
 _HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+_HARMONY_RECIPIENT = re.compile(r"\bto=([^\s<]+)")  # in a header: the message's addressee, a tool
 
 
 def _opens_header(text: str) -> bool:
     """Whether `text` begins a harmony message's header (or may, as far as it goes)."""
     return any(text.startswith(head) or head.startswith(text) for head in _HARMONY_HEADS)
-
-
-_HARMONY_RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 
 
 def reasoning_splitter(parser: str, tool_calls: bool = False) -> ReasoningSplitter | HarmonySplitter:
@@ -113,7 +112,6 @@ class ReasoningSplitter:
         if self._state == "opening":
             self._state = "thinking" if self._thinks_unopened else "answering"
         return (held, "") if self._state == "thinking" else ("", held)
-
 
 
 class HarmonySplitter:

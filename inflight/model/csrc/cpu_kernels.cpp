@@ -1190,9 +1190,9 @@ void rotary_qk_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, t
 
 namespace {
 
-// A gated MLP's activation: gate_up [N, 2I] (gate, then up) -> act(gate) * up [N, I].
-template <typename Act>
-torch::Tensor act_and_mul(const torch::Tensor& gate_up, Act act) {
+// A gated MLP's activation: gate_up [N, 2I] (gate, then up) -> gated(gate, up) [N, I].
+template <typename Gated>
+torch::Tensor act_and_mul(const torch::Tensor& gate_up, Gated gated) {
   TORCH_CHECK(gate_up.dtype() == torch::kFloat32 && gate_up.dim() == 2 && gate_up.is_contiguous() &&
               gate_up.size(1) % 2 == 0, "float32 [N, 2I] contiguous only");
   const int64_t inter = gate_up.size(1) / 2;
@@ -1205,7 +1205,7 @@ torch::Tensor act_and_mul(const torch::Tensor& gate_up, Act act) {
       const float* u = g + inter;
       float* o = op + r * inter;
 #pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) o[i] = act(g[i]) * u[i];
+      for (int64_t i = 0; i < inter; ++i) o[i] = gated(g[i], u[i]);
     }
   });
   return out;
@@ -1215,32 +1215,18 @@ torch::Tensor act_and_mul(const torch::Tensor& gate_up, Act act) {
 
 // SwiGLU's gate: silu(gate) * up.
 torch::Tensor silu_and_mul(torch::Tensor gate_up) {
-  return act_and_mul(gate_up, [](float x) { return x / (1.f + std::exp(std::min(-x, 80.f))); });  // no inf under fast-math
+  return act_and_mul(gate_up, [](float g, float u) {
+    return g / (1.f + std::exp(std::min(-g, 80.f))) * u;  // no inf under fast-math
+  });
 }
 
 // gpt-oss's experts' gate: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
 torch::Tensor clamped_swiglu(torch::Tensor gate_up, double alpha, double limit) {
-  TORCH_CHECK(gate_up.dtype() == torch::kFloat32 && gate_up.dim() == 2 && gate_up.is_contiguous() &&
-                  gate_up.size(1) % 2 == 0,
-              "float32 contiguous [N, 2 * width] rows only");
-  const int64_t inter = gate_up.size(1) / 2;
   const float a = static_cast<float>(alpha), lim = static_cast<float>(limit);
-  auto out = torch::empty({gate_up.size(0), inter}, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, gate_up.size(0), row_grain(2 * inter), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* g = gp + r * 2 * inter;
-      const float* u = g + inter;
-      float* o = op + r * inter;
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) {
-        const float x = std::min(g[i], lim), y = std::min(std::max(u[i], -lim), lim);
-        o[i] = (y + 1.f) * (x / (1.f + std::exp(std::min(-a * x, 80.f))));
-      }
-    }
+  return act_and_mul(gate_up, [a, lim](float g, float u) {
+    const float x = std::min(g, lim), y = std::min(std::max(u, -lim), lim);
+    return (y + 1.f) * (x / (1.f + std::exp(std::min(-a * x, 80.f))));
   });
-  return out;
 }
 
 // An ungated MLP's activation (Arcee's): relu(x) ** 2, every element.
@@ -1263,7 +1249,9 @@ torch::Tensor relu_squared(torch::Tensor x) {
 // GeGLU's gate (Gemma): gelu(gate) * up, GELU in its tanh form.
 torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up) {
   constexpr float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2 / pi)
-  return act_and_mul(gate_up, [](float x) { return 0.5f * x * (1.f + std::tanh(k0 * (x + k1 * x * x * x))); });
+  return act_and_mul(gate_up, [](float x, float u) {
+    return 0.5f * x * (1.f + std::tanh(k0 * (x + k1 * x * x * x))) * u;
+  });
 }
 
 // q and k of the fused projection qkv [N, (H + 2 KV) * D] RMS-normalized in place (Qwen3,
