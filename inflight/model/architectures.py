@@ -94,8 +94,8 @@ class Architecture:
     matmuls: dict[str, tuple[str, ...]] = field(default_factory=lambda: dict(_LLAMA_MATMULS))
     # DecoderLayer norm field -> its Hugging Face name under `model.layers.N.`.
     norms: dict[str, str] = field(default_factory=lambda: dict(_LLAMA_NORMS))
-    # DecoderLayer field -> the Hugging Face names of the weights it holds together (as a tuple),
-    # for the plan's steps beyond Llama's.
+    # DecoderLayer field -> the Hugging Face names of the weights it holds (one as itself, several
+    # together as a tuple), for the plan's steps beyond Llama's.
     extra_weights: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # llama.cpp's fixed NoPE pattern for the architecture's GGUF files: every n-th layer does not
     # rotate (SmolLM3: 4); None: every layer rotates.

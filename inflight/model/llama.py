@@ -157,7 +157,7 @@ class DecoderLayer(NamedTuple):
     rope: int = 0
     window: int | None = None  # the layer's attention window (None: full attention)
     experts: RoutedExperts | None = None  # the MLP of a routed-experts plan (Mixtral, Qwen2/3-MoE, OLMoE, Granite MoE)
-    sinks: tuple[torch.Tensor] | None = None  # attention sinks, a score per query head (gpt-oss)
+    sinks: torch.Tensor | None = None  # attention sinks, a score per query head (gpt-oss)
 
 
 NORMS = ("input_norm", "post_norm", "attn_out_norm", "mlp_out_norm")
@@ -301,6 +301,7 @@ class LlamaModel:
         rotary alike (GLM-4.5's: a head's, or the whole projection's)."""
         heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
         rot, interleaved = config.rotary_dim or dim, arch.interleaved_rotary
+        qk_norm = arch.extra_weights.get("qk_norm")  # q's and k's scales
         out = dict(weights)
         for i in range(config.num_layers):
             for name in arch.matmuls["qkv"]:
@@ -316,7 +317,7 @@ class LlamaModel:
                     elif "q_proj" in name or "k_proj" in name:
                         out[full] = pair_rotary_dims(t, heads if "q_proj" in name else kv_heads, dim, rot,
                                                      interleaved)
-            for name, count in zip(arch.extra_weights.get("qk_norm", ()), (heads, kv_heads), strict=False):
+            for name, count in zip(qk_norm, (heads, kv_heads), strict=True) if qk_norm else ():
                 full = f"model.layers.{i}.{name}"
                 if full in weights:  # one head's scale, or every head's
                     t = weights[full]
@@ -350,11 +351,14 @@ class LlamaModel:
     @staticmethod
     def _layer_extras(arch: Architecture, take: Callable[[str], torch.Tensor], prefix: str,
                       qk_norm: bool = True) -> dict[str, Any]:
-        """The layer's norms and other weights as the architecture names them (`DecoderLayer` fields;
-        the q/k norm's only where it runs, `ModelConfig.qk_norm`)."""
+        """The layer's norms and other weights as the architecture names them (`DecoderLayer` fields:
+        one weight as itself, several as a tuple; the q/k norm's only where it runs,
+        `ModelConfig.qk_norm`)."""
         extras: dict[str, Any] = {name: take(prefix + suffix) for name, suffix in arch.norms.items()}
-        extras.update({name: tuple(take(prefix + n) for n in names) for name, names in arch.extra_weights.items()
-                       if qk_norm or name != "qk_norm"})
+        for name, names in arch.extra_weights.items():
+            if qk_norm or name != "qk_norm":
+                held = tuple(take(prefix + n) for n in names)
+                extras[name] = held[0] if len(held) == 1 else held
         return extras
 
     def _decoder_stack(self, kernels: ModuleType | None) -> Any:
@@ -391,8 +395,8 @@ class LlamaModel:
                 stack.set_experts(i, *_stack_linears(own), layer.experts.router is not None, len(shared),
                                   layer.experts.top_k, layer.experts.normalize, alpha, limit,
                                   layer.experts.scoring == "sigmoid", layer.experts.choice_bias, layer.experts.scale)
-        if any(layer.sinks for layer in layers):
-            stack.set_sinks([layer.sinks[0] for layer in layers if layer.sinks])
+        if any(layer.sinks is not None for layer in layers):
+            stack.set_sinks([layer.sinks for layer in layers if layer.sinks is not None])
         return stack
 
     def _ensure_rope(self, positions: int) -> None:
@@ -510,7 +514,7 @@ class LlamaModel:
                 elif op == Op.ATTENTION:
                     q, k, v = x
                     reg[dst] = attention.forward(q, k, v, k_cache, v_cache, attn_meta, kv_stored=True,
-                                                 window=layer.window, sinks=layer.sinks[0] if layer.sinks else None)
+                                                 window=layer.window, sinks=layer.sinks)
                 elif op == Op.SILU_AND_MUL:
                     reg[dst] = ops.silu_and_mul(x)
                 elif op == Op.GELU_TANH_AND_MUL:

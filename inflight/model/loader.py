@@ -32,6 +32,7 @@ from inflight.model.architectures import (
     GGUF_EXPERT_ARCHITECTURES,
     GGUF_EXPERT_NAMES,
     GGUF_LAYER_NAMES,
+    Architecture,
     ExpertNames,
     architecture,
 )
@@ -187,12 +188,16 @@ def _expert_matrices(stacked: torch.Tensor, parts: tuple[str, ...], names: Exper
     `prefix`; a `[experts, rows]` stack likewise as each expert's biases."""
     if stacked.shape[1] % len(parts):
         raise ModelLoadError(f"stacked experts of {stacked.shape[1]} rows do not hold {len(parts)} equal parts")
-    pieces = ([stacked[:, i::len(parts)] for i in range(len(parts))] if interleaved
-              else stacked.chunk(len(parts), dim=1))
     suffix = ".weight" if stacked.dim() == 3 else ".bias"
     return {prefix + names.part(e, part).removesuffix(".weight") + suffix: m.contiguous()
-            for part, piece in zip(parts, pieces, strict=True)
-            for e, m in enumerate(piece.unbind(0))}
+            for i, part in enumerate(parts)
+            for e, m in enumerate(_part_rows(stacked.transpose(0, 1), i, len(parts), interleaved).unbind(1))}
+
+
+def _part_rows(rows: torch.Tensor, i: int, parts: int, interleaved: bool) -> torch.Tensor:
+    """Part `i` of `parts` that `rows` (along its first dim) hold one after another, or row by
+    row in turn where `interleaved`: a view."""
+    return rows[i::parts] if interleaved else rows.chunk(parts)[i]
 
 
 @dataclass(frozen=True, slots=True)
@@ -696,9 +701,7 @@ def _gguf_config(reader: Any) -> ModelConfig:
             gguf_field(reader, f"{arch}.expert_weights_norm", row.gguf_expert_weights_norm)),
         moe_layers=_gguf_moe_layers(tensor_names, num_layers) if num_experts else None,
         # llama.cpp's default where the file does not say: the dense MLP's width
-        shared_expert_intermediate_size=int(gguf_field(reader, f"{arch}.expert_shared_feed_forward_length") or (
-            int(get("expert_feed_forward_length")) * int(gguf_field(reader, f"{arch}.expert_shared_count") or 1)
-            if row.gguf_shared_width_from_experts else get("feed_forward_length"))) if shared and num_experts else None,
+        shared_expert_intermediate_size=_gguf_shared_width(reader, arch, row) if shared and num_experts else None,
         clamped_swiglu=row.clamped_swiglu,  # llama.cpp's fixed values
         gated_mlp=row.gated_mlp,
         expert_scoring=_GGUF_GATING.get(int(gating), row.expert_scoring) if (
@@ -708,6 +711,20 @@ def _gguf_config(reader: Any) -> ModelConfig:
         qk_norm=not row.hf_qk_norm_key or "blk.0.attn_q_norm.weight" in tensor_names,
         mtp_layers=mtp_layers,
     )
+
+
+def _gguf_shared_width(reader: Any, arch: str, row: Architecture) -> int:
+    """A file's shared expert's width: `expert_shared_feed_forward_length`, else llama.cpp's
+    default for the architecture: the routed experts' width times their shared count (GLM-4.5's)
+    or the dense MLP's (Qwen2-MoE's)."""
+    width = gguf_field(reader, f"{arch}.expert_shared_feed_forward_length")
+    if width:
+        return int(width)
+    key = "expert_feed_forward_length" if row.gguf_shared_width_from_experts else "feed_forward_length"
+    if gguf_field(reader, f"{arch}.{key}") is None:
+        raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
+    count = int(gguf_field(reader, f"{arch}.expert_shared_count") or 1) if row.gguf_shared_width_from_experts else 1
+    return count * int(gguf_field(reader, f"{arch}.{key}"))
 
 
 # llama.cpp's `expert_gating_func` values -> `ModelConfig.expert_scoring`
@@ -930,10 +947,11 @@ def load_blocks(source: ModelSource, config: ModelConfig) -> dict[str, tuple[str
     blocks: dict[str, tuple[str, StoredRows]] = {}
     if source.kind != "gguf":
         stored = _hf_kept(source.path, config)
+        header = _hf_header(source.path)
         read = _hf_read(source.path, [name for name, kind in stored.items() if kind != "MXFP4"])
         for name, kind in stored.items():  # a stack of experts: each one's rows, a view
             if kind == "MXFP4":
-                blocks.update(_mxfp4_expert_rows(source.path, name, config))
+                blocks.update(_mxfp4_expert_rows(header[name], name, config))
                 continue
             blocks.update((part, (kind, raw.view(torch.uint8)))
                           for part, raw in _unstacked({name: read[name]}, config).items())
@@ -961,29 +979,22 @@ def load_blocks(source: ModelSource, config: ModelConfig) -> dict[str, tuple[str
     return blocks
 
 
-def _mxfp4_expert_rows(path: Path, name: str, config: ModelConfig) -> dict[str, tuple[str, StoredRows]]:
-    """A checkpoint's MXFP4 stack of experts `name` as each expert's part's rows in llama.cpp's
-    MXFP4 blocks, made when the model packs that matrix (one expert's read from the mapped file
-    then), so that no more than one expert's rows are ever held beside the packed ones."""
+def _mxfp4_expert_rows(stored: _Stored, name: str, config: ModelConfig) -> dict[str, tuple[str, StoredRows]]:
+    """A checkpoint's MXFP4 stack of experts `name` (`stored`, its header entry) as each expert's
+    part's rows in llama.cpp's MXFP4 blocks, made when the model packs that matrix (one expert's
+    read from the mapped file then), so that no more than one expert's rows are ever held beside
+    the packed ones."""
     experts = architecture(config.architecture).experts
     assert experts is not None
-    stored = _hf_header(path)[name]
     layer, _, suffix = name.removeprefix("model.layers.").partition(".")
     parts = experts.stacked[suffix]
-    step = len(parts) if experts.stacked_interleaved else 1
 
     def rows(e: int, i: int) -> torch.Tensor:
-        blocks, scales = _mxfp4_read(stored, e)
-        if experts.stacked_interleaved:
-            blocks, scales = blocks[i::step], scales[i::step]
-        else:
-            size = blocks.shape[0] // len(parts)
-            blocks, scales = blocks[i * size:(i + 1) * size], scales[i * size:(i + 1) * size]
-        return mxfp4_ggml_rows(blocks, scales).contiguous()
+        ggml = mxfp4_ggml_rows(*_mxfp4_read(stored, e))
+        return _part_rows(ggml, i, len(parts), experts.stacked_interleaved).contiguous()
 
-    num = stored.shape[0]
     return {f"model.layers.{layer}.{experts.part(e, part)}": ("MXFP4", functools.partial(rows, e, i))
-            for e in range(num) for i, part in enumerate(parts)}
+            for e in range(stored.shape[0]) for i, part in enumerate(parts)}
 
 
 def _gguf_to_hf_name(name: str, arch: str) -> str:
@@ -1096,18 +1107,17 @@ def _hf_header(path: Path) -> dict[str, _Stored]:
                         header[name] = _Stored(file, stored, piece.get_dtype(), tuple(piece.get_shape()))
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"cannot read {file}: {exc}") from None
-    return _mxfp4_entries(header, path)
+    return _mxfp4_entries(header, path, text.get("model_type", "llama"))
 
 
-def _mxfp4_entries(header: dict[str, _Stored], path: Path) -> dict[str, _Stored]:
+def _mxfp4_entries(header: dict[str, _Stored], path: Path, model_type: str) -> dict[str, _Stored]:
     """`header` with each MXFP4 pair `X_blocks`, `X_scales` as one entry `X` of its logical shape
     (a stack of experts `[experts, in, out]` where the architecture stores it so)."""
     pairs = [name.removesuffix("_blocks") for name, s in header.items()
              if name.endswith("_blocks") and name.removesuffix("_blocks") + "_scales" in header and s.dtype == "U8"]
     if not pairs:
         return header
-    raw = read_json_object(path / "config.json", "a model config")
-    row = ARCHITECTURES.get((raw.get("text_config") or raw).get("model_type", "llama"))
+    row = ARCHITECTURES.get(model_type)
     experts = row.experts if row is not None else None
     out = dict(header)
     for name in pairs:
