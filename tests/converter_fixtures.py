@@ -26,8 +26,9 @@ the same sources first (low priority: the build takes a while):
     nice -n 19 cmake --build build --target llama-quantize -j2 && cd -
     /tmp/conv/bin/python tests/converter_fixtures.py /tmp/lcp/llama_cpp_python-0.3.36/vendor/llama.cpp --quantized
 
-OLMo 2's, Qwen2-MoE's, Qwen3-MoE's and OLMoE's converters ask for a byte-level BPE tokenizer they
-recognize by hash, GLM-4's and GLM-4.5's for their own special tokens, EXAONE 4's for a byte-level BPE of its own;
+OLMo 2's, Qwen2-MoE's, Qwen3-MoE's, OLMoE's, Phi-2's, StarCoder2's and Command R's converters ask for a
+byte-level BPE tokenizer they recognize by hash, GLM-4's and GLM-4.5's for their own special tokens, EXAONE 4's
+for a byte-level BPE of its own, StableLM's for Qwen's;
 here they take the SentencePiece vocabulary instead (`_convert` patches those methods), which
 changes no weight or setting.
 """
@@ -125,6 +126,19 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
                                "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
                                "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
                                "truncate": True}}),
+    # Phi-2: a parallel block on one LayerNorm, an ungated GELU, biases on every matmul and the LM head, 0.4 of each
+    # head rotated; its converter writes every head's own K and V and an MLP 4 times the width, as Phi-2 has them
+    "phi": ("Phi", {"num_key_value_heads": 2, "intermediate_size": 128, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.4}}),
+    # StableLM 2: LayerNorms, q/k/v biases, a quarter of each head rotated
+    "stablelm": ("StableLm", {"use_qkv_bias": True}),
+    # StarCoder2: LayerNorms, biases, an ungated GELU (llama.cpp's files carry no window: none here)
+    "starcoder2": ("Starcoder2", {"sliding_window": None}),
+    # Command R: a parallel block on a LayerNorm without bias, interleaved rotary pairs, the logits scaled, tied
+    "cohere": ("Cohere", {"logit_scale": 0.3, "tie_word_embeddings": True, "pad_token_id": 0}),
+    # Command R7B: three sliding layers to one global, which rotates nothing (its converter reads rotary_pct)
+    "cohere2": ("Cohere2", {"logit_scale": 0.3, "tie_word_embeddings": True, "pad_token_id": 0, "head_dim": 16,
+                            "num_hidden_layers": 4, "sliding_window": 8, "rotary_pct": 1.0}),
 }
 
 # the quantized fixtures' checkpoint: every row 256 weights long (head_dim 64), as the K-quants' blocks need
@@ -185,6 +199,8 @@ def _convert(llama_cpp: Path, arch: str, vocab: Path, work: Path, out: Path) -> 
               "Exaone4Model.set_vocab = lambda self: self._set_vocab_sentencepiece(); "
               "from conversion.glm import Glm4MoeModel; "
               "Glm4MoeModel.set_vocab = lambda self: self._set_vocab_sentencepiece(); "
+              "from conversion.stablelm import StableLMModel; "
+              "StableLMModel.set_vocab = lambda self: self._set_vocab_sentencepiece(); "
               "runpy.run_path(sys.argv[0], run_name='__main__')")
     subprocess.run([sys.executable, "-c", runner, str(llama_cpp / "convert_hf_to_gguf.py"), str(hf),
                     "--outfile", str(out), "--outtype", "f32"], check=True)

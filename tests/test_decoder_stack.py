@@ -14,7 +14,7 @@ import torch
 from conftest import PROMPTS
 
 from inflight import SamplingParams
-from inflight.model.layer_plan import LLAMA_LAYER, Op, Reg, Step
+from inflight.model.layer_plan import LLAMA_LAYER, NORM_OPS, PARALLEL_LAYER, Op, Reg, Step
 from inflight.model.llama import MATMULS, NORMS, DecoderLayer
 
 
@@ -74,13 +74,14 @@ def test_compiled_layers_equal_python_loop(make_llm, model, options):
 
 @pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3_text", "glm4", "ernie4_5", "olmo2", "olmo3", "granite",
                                   "smollm3", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe",
-                                  "gpt_oss", "arcee", "glm4_moe"])
+                                  "gpt_oss", "arcee", "glm4_moe", "phi", "stablelm", "starcoder2", "cohere2"])
 def test_every_architecture_runs_compiled_as_the_python_loop(tmp_path, arch):
     """Each architecture's plan (sandwich and post norms, q/k norm, GeGLU, scaled residuals,
     NoPE layers, sliding windows with their own rotary base, soft-capping, routed experts with a
     dense layer among them, renormalized or not, beside a shared expert; attention sinks and
     experts with a clamped SwiGLU; an ungated MLP of relu squared; experts chosen by sigmoids plus a
-    bias beside an ungated shared one) through the compiled
+    bias beside an ungated shared one; LayerNorms with and without biases, an ungated GELU, attention
+    and the MLP side by side) through the compiled
     stack: the Python loop's logits bit for bit, in chunked steps mixing prefills past the window
     with decodes."""
     from test_loading import save_word_tokenizer, tiny_hf_model
@@ -111,11 +112,12 @@ def test_every_architecture_runs_compiled_as_the_python_loop(tmp_path, arch):
     assert any(s.num_decode_tokens == 1 and not s.num_prefill_tokens for s in steps)  # a token alone
 
 
-def test_the_plan_names_the_layers_weights():
-    for step in LLAMA_LAYER:
+@pytest.mark.parametrize("plan", [LLAMA_LAYER, PARALLEL_LAYER], ids=["llama", "parallel"])
+def test_the_plan_names_the_layers_weights(plan):
+    for step in plan:
         assert step.param is None or step.param in DecoderLayer._fields
         assert (step.op == Op.MATMUL) == (step.param in MATMULS)
-        assert (step.op in (Op.ADD_RMS_NORM, Op.RMS_NORM)) == (step.param in NORMS)
+        assert (step.op in NORM_OPS) == (step.param in NORMS)
 
 
 def _with_plan(model, plan: tuple[Step, ...]):
@@ -166,8 +168,8 @@ def test_a_plan_with_an_op_the_kernels_lack_runs_in_python(model):
         undo()
     kernels = model.attention.kernels
     with pytest.raises(RuntimeError, match="no kernel for the plan's op soft_cap"):
-        kernels.DecoderStack([("soft_cap", 1, 1, -1, [])], int(Reg.DELTA), 1, [], [], [], [], [], [], [0], [0], [1.0],
-                             4, 4, 16, 1e-5, 0.25, 0.0)
+        kernels.DecoderStack([("soft_cap", 1, 1, -1, [])], int(Reg.DELTA), 1, [], [], [], [], [], [], [], [0], [0],
+                             [1.0], 4, 4, 16, 1e-5, 0.25, 0.0)
 
 
 class _Watched:

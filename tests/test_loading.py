@@ -163,7 +163,7 @@ def test_every_bias_the_checkpoint_has_is_applied_and_no_weight_is_left_out(tmp_
     ("hidden_act", "gelu_pytorch_tanh"), ("use_bidirectional_attention", True),
     ("layer_types", ["full_attention", "chunked_attention"]), ("rope_scaling", {"rope_type": "dynamic", "factor": 4.0}),
     ("quantization_config", {"quant_method": "gptq", "bits": 4}), ("quantization_config", {"quant_method": "mxfp4"}),
-    ("clip_qkv", 8.0), ("n_group", 8)])
+    ("clip_qkv", 8.0), ("n_group", 8), ("qk_layernorm", True), ("use_parallel_residual", True), ("use_qk_norm", True)])
 def test_a_config_key_that_changes_the_arithmetic_is_refused_by_name(tmp_path, key, value):
     import transformers
 
@@ -198,10 +198,12 @@ def test_every_config_key_of_each_architecture_is_read_or_known_to_change_nothin
             assert set(entry) <= hf_config.ROPE_KEYS
 
 
-def write_gguf_from_hf(path: Path, arch: str, model) -> None:
+def write_gguf_from_hf(path: Path, arch: str, model, fused_qkv: bool = False, matrices: str = "F32") -> None:
     """`model`'s config and fp32 weights as llama.cpp's converter writes them, under its tensor
     names: q and k rows in Hugging Face's order for NeoX-rotary architectures (Qwen2, Qwen3,
     OLMo 2), each head's rotary halves interleaved for the Llama-style ones (Granite, SmolLM3);
+    `fused_qkv`: q, k and v in one `attn_qkv` tensor (older conversions of Phi-2); `matrices`: the
+    layers' matrices in that GGUF type;
     Granite's multipliers as its scales."""
     import gguf
 
@@ -214,7 +216,7 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     sandwich = arch in ("gemma2", "gemma3_text")  # Gemma 1's post_attention_layernorm comes before its MLP
     gguf_arch = {"gemma3_text": "gemma3", "mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe",
                  "olmo3": "olmo2", "ministral3": "mistral3", "granitemoehybrid": "granite",
-                 "gpt_oss": "gpt-oss", "glm4_moe": "glm4moe"}.get(arch, arch)
+                 "gpt_oss": "gpt-oss", "glm4_moe": "glm4moe", "phi": "phi2", "cohere": "command-r"}.get(arch, arch)
     w = gguf.GGUFWriter(str(path), gguf_arch)
     if getattr(cfg, "num_experts_per_tok", None) and (getattr(cfg, "num_local_experts", None)
                                                       or getattr(cfg, "num_experts", None)):
@@ -269,7 +271,12 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
                      ("final_logit_softcapping", w.add_final_logit_softcapping)]:
         if getattr(cfg, key, None):
             add(getattr(cfg, key))
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if architecture(arch).layer_norm:  # a LayerNorm's epsilon, under its own key
+        w.add_layer_norm_eps(getattr(cfg, "layer_norm_eps", None) or cfg.norm_epsilon)
+    else:
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if getattr(cfg, "logit_scale", None) is not None:  # Command R's factor of the logits
+        w.add_logit_scale(cfg.logit_scale)
     w.add_vocab_size(cfg.vocab_size)
     w.add_pad_token_id(0)  # inside the tiny vocabulary (transformers' Phi-3 default is not)
     for key, scale in [("attention_multiplier", w.add_attention_scale), ("embedding_multiplier", w.add_embedding_scale),
@@ -287,9 +294,11 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
     # (gpt-oss's and Seed-OSS's: before the MLP, under llama.cpp's name for a post-attention norm)
     post_norms = arch in ("olmo2", "olmo3", "exaone4", "gpt_oss", "seed_oss") or sandwich
     to_gguf["post_attention_layernorm.weight"] = "post_attention_norm.weight" if post_norms else "ffn_norm.weight"
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
+    final = architecture(arch).final_norm
+    top = {"model.embed_tokens.weight": "token_embd.weight", f"{final}.weight": "output_norm.weight",
+           f"{final}.bias": "output_norm.bias", "lm_head.weight": "output.weight", "lm_head.bias": "output.bias"}
     state = dict(model.state_dict())
+    written: dict[str, np.ndarray] = {}  # the layers' tensors and the top ones, as llama.cpp names them
     last = f"model.layers.{cfg.num_hidden_layers - 1}."
     for i in range(cfg.num_hidden_layers, cfg.num_hidden_layers + mtp):  # an MTP block: the last layer's and its own
         state.update({f"model.layers.{i}.{n.removeprefix(last)}": t for n, t in model.state_dict().items()
@@ -349,11 +358,27 @@ def write_gguf_from_hf(path: Path, arch: str, model) -> None:
         llama_style = arch in ("granite", "granitemoe", "granitemoehybrid", "smollm3", "mixtral", "ministral3", "arcee")
         if llama_style and name.endswith(("q_proj.weight", "k_proj.weight")):
             tensor = interleaved(tensor, cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
-        w.add_tensor(gguf_name, tensor.detach().float().numpy())
+        written[gguf_name] = tensor.detach().float().numpy()
+    for i in range(cfg.num_hidden_layers if fused_qkv else 0):
+        for suffix in ("weight", "bias"):
+            if f"blk.{i}.attn_q.{suffix}" in written:
+                written[f"blk.{i}.attn_qkv.{suffix}"] = np.concatenate(
+                    [written.pop(f"blk.{i}.attn_{part}.{suffix}") for part in "qkv"])
+    for gguf_name, array in written.items():
+        if matrices != "F32" and array.ndim == 2 and gguf_name.startswith("blk."):
+            kind = gguf.GGMLQuantizationType[matrices]
+            w.add_tensor(gguf_name, gguf.quants.quantize(array, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(gguf_name, array)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _layer_norm_eps(settings: dict[str, Any], key: str = "layer_norm_eps") -> dict[str, Any]:
+    """A LayerNorm model's config settings: the norms' epsilon under its own key."""
+    return {**{k: v for k, v in settings.items() if k != "rms_norm_eps"}, key: settings["rms_norm_eps"]}
 
 
 def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
@@ -456,6 +481,26 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
             **common, "num_hidden_layers": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 64,
             "sliding_window": 24, "swiglu_limit": 0.3, "rope_parameters": rope, "attn_implementation": "eager",
             **fields}))
+    elif arch == "phi":  # Phi-2's parallel block on one LayerNorm, an ungated GELU, biases everywhere (the LM head's
+        # too), 0.4 of each head rotated (32 of its 80 dims, as Phi-2's)
+        # (its heads all keep their own K and V, its MLP 4 times the width: what llama.cpp's converter writes)
+        model = transformers.PhiForCausalLM(transformers.PhiConfig(**_layer_norm_eps({
+            **common, "hidden_size": 160, "num_key_value_heads": 2, "intermediate_size": 640}),
+                                                                   rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.4}))
+    elif arch == "stablelm":  # Llama's layer with LayerNorms, q/k/v biases, a quarter of each head rotated
+        model = transformers.StableLmForCausalLM(transformers.StableLmConfig(**_layer_norm_eps(common),
+                                                                             use_qkv_bias=True))
+    elif arch == "starcoder2":  # LayerNorms, biases everywhere, an ungated GELU, a window shorter than the prompts
+        model = transformers.Starcoder2ForCausalLM(transformers.Starcoder2Config(
+            **_layer_norm_eps(common, "norm_epsilon"), sliding_window=24))
+    elif arch == "cohere":  # a parallel block on one LayerNorm without bias, interleaved rotary pairs, logits scaled
+        model = transformers.CohereForCausalLM(transformers.CohereConfig(
+            **_layer_norm_eps({**common, "tie_word_embeddings": True}), logit_scale=0.3, pad_token_id=0))
+    elif arch == "cohere2":  # Command R's layer, three sliding layers to one global, which rotates nothing
+        model = transformers.Cohere2ForCausalLM(transformers.Cohere2Config(
+            **_layer_norm_eps({**common, "tie_word_embeddings": True, "num_hidden_layers": 4}), head_dim=64,
+            sliding_window=24, logit_scale=0.3, pad_token_id=0))
     else:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     with torch.no_grad():  # norm scales, biases and sinks away from their initial 1 and 0, so a dropped one shows
@@ -469,7 +514,7 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
                                   "smollm3", "phi3",
                                   "ministral3", "gemma", "gemma2", "gemma3_text", "glm4", "ernie4_5", "mixtral",
                                   "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gpt_oss", "seed_oss", "arcee",
-                                  "glm4_moe"])
+                                  "glm4_moe", "phi", "stablelm", "starcoder2", "cohere", "cohere2"])
 def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arch):
     """Qwen3 (q and k RMS-normalized per head before rotary, head_dim beyond hidden / heads), Qwen2 (q/k/v
     biases), OLMo 2 (attention's and the MLP's outputs normalized instead of their inputs, q and k
@@ -489,7 +534,12 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
     one GGUF tensor), Seed-OSS (q/k/v and o biases), Arcee (an ungated MLP of relu squared),
     gpt-oss (attention sinks, biases on attention and on its experts stacked `[experts, in, out]`
     with gate and up interleaved, a clamped SwiGLU, the softmax over the chosen experts, sliding
-    layers in turn, YaRN untruncated), each from a Hugging Face directory
+    layers in turn, YaRN untruncated), Phi-2 (attention and an ungated GELU MLP side by side on one
+    LayerNorm, biases on every matmul and the LM head, 0.4 of each head rotated), StableLM
+    (LayerNorms, q/k/v biases, a quarter of each head rotated), StarCoder2 (LayerNorms, biases, an
+    ungated GELU, a window), Command R (a parallel block on a LayerNorm without bias, interleaved
+    rotary pairs, the logits scaled) and Command R7B (Cohere2: three sliding layers to one global
+    that rotates nothing), each from a Hugging Face directory
     (fp32, and bf16 or fp16) and from a GGUF file in llama.cpp's layout, against transformers:
     reading the same GGUF where it can (Qwen, Phi-3), else the model the file was written from
     (for gpt-oss with YaRN's ramp truncated and the SwiGLU clamped at 7, as llama.cpp computes
@@ -541,8 +591,8 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
         config, weights = load_checkpoint(resolve_model(str(source)), torch.float32)
         # llama.cpp's names for OLMo 3 and Granite 4.0's attention-only models
         named = {"olmo3": "olmo2", "granitemoehybrid": "granite"}.get(arch, arch) if source.suffix == ".gguf" else arch
-        assert (config.architecture, config.head_dim) == (named, {"qwen3": 128, "gemma": 96}.get(arch, 64))
-        assert config.rotary_dim == (16 if arch in ("glm4", "glm4_moe") else None)
+        assert (config.architecture, config.head_dim) == (named, {"qwen3": 128, "gemma": 96, "phi": 80}.get(arch, 64))
+        assert config.rotary_dim == {"glm4": 16, "glm4_moe": 16, "phi": 32, "stablelm": 16}.get(arch)
         if arch == "ministral3":  # YaRN stretches 64 positions to 256; the queries' scaling starts at 64
             assert (config.max_position_embeddings, config.query_scaling) == (256, (pytest.approx(0.1), 64))
         if arch in ("gemma2", "gemma3_text", "olmo3"):  # the windows and rotary bases as transformers has them
@@ -555,6 +605,37 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
             within = inflight_logits(ours, ids[:64])
             ours.use_context(64)
             assert torch.equal(inflight_logits(ours, ids[:64]), within)
+
+
+@pytest.mark.parametrize("matrices", ["F32", "Q8_0"])
+def test_a_gguf_file_with_q_k_and_v_in_one_tensor_loads_as_the_file_with_them_apart(tmp_path, matrices):
+    """Older conversions of Phi-2 hold q, k and v (weights and biases) in one `attn_qkv` tensor,
+    which llama.cpp reads for every architecture: such a file gives the logits of the same model's
+    file with them apart, bit for bit, its matrices widened to fp32 or Q8_0 blocks packed as they
+    lie (the fused rows split into the three matmuls the model fuses again)."""
+    import gguf
+
+    from inflight.model.linear import blocks_usable
+    from inflight.model.loader import load_blocks, load_embedding
+
+    if matrices != "F32" and not blocks_usable():
+        pytest.skip("these kernels read no stored blocks (built without AVX2)")
+    model = tiny_hf_model("phi")
+    logits = {}
+    for fused in (False, True):
+        path = tmp_path / f"{fused}.gguf"
+        write_gguf_from_hf(path, "phi", model, fused_qkv=fused, matrices=matrices)
+        names = {t.name for t in gguf.GGUFReader(path).tensors}
+        assert ("blk.0.attn_qkv.weight" in names, "blk.0.attn_q.bias" in names) == (fused, not fused)
+        source = resolve_model(str(path))
+        config, shapes = load_checkpoint(source, torch.float32, keep_blocks=True)
+        ours = LlamaModel(config, shapes, torch.device("cpu"), gguf_blocks=load_blocks(source, config),
+                          embedding=load_embedding(source, config))
+        assert (ours.layers[0].qkv.blocks is not None) == (matrices == "Q8_0")  # packed from the file's blocks
+        logits[fused] = inflight_logits(ours, list(range(5, 45)))
+    assert torch.equal(logits[True], logits[False])
+    if matrices == "F32":
+        torch.testing.assert_close(logits[True], hf_logits(model, list(range(5, 45))), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("layout", ["language_model.model.", "model.language_model."])
@@ -1026,7 +1107,8 @@ def test_a_token_alone_through_routed_experts_is_its_row_of_a_batch():
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3",
                                   "phi3_longrope", "qwen3_yarn", "gemma", "gemma2", "gemma3_text", "glm4",
                                   "ernie4_5", "olmo3", "exaone4", "ministral3", "mixtral", "qwen3_moe", "qwen2_moe",
-                                  "olmoe", "granitemoe", "gpt_oss", "seed_oss", "arcee", "glm4_moe"])
+                                  "olmoe", "granitemoe", "gpt_oss", "seed_oss", "arcee", "glm4_moe", "phi", "stablelm",
+                                  "starcoder2", "cohere", "cohere2"])
 def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_path, monkeypatch, arch):
     """The GGUF file llama.cpp's `convert_hf_to_gguf.py` made of a tiny checkpoint of each
     architecture (tests/converter_fixtures.py; its names, row orders, norm offsets, stacked
@@ -1086,7 +1168,7 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
 
 @pytest.mark.parametrize("arch", ["qwen3", "olmo2", "olmo3", "smollm3", "gemma", "gemma2", "gemma3_text", "glm4",
                                   "ernie4_5", "ministral3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe",
-                                  "gpt_oss", "seed_oss", "arcee", "glm4_moe"])
+                                  "gpt_oss", "seed_oss", "arcee", "glm4_moe", "phi", "stablelm", "cohere2"])
 def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arch):
     """Through the engine as a user runs it: the directory's own tokenizer and chat template, a
     batch of chats (longer than Gemma's 24-token window) in small prefill chunks, the prefix cache

@@ -32,6 +32,25 @@ def test_norms_match(ops, rows):
     torch.testing.assert_close(h_cpu, h_ref)  # the residual stream itself was updated in place
 
 
+@pytest.mark.parametrize("rows", [0, 1, 5, 300])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_layer_norms_match(ops, rows, with_bias):
+    """LayerNorm (Phi-2's, StarCoder2's with a bias; Command R's without) against PyTorch's, on rows
+    whose mean is far from 0, so a norm that did not subtract it would show."""
+    reference, compiled = ops
+    torch.manual_seed(rows)
+    weight, bias = torch.randn(96), torch.randn(96) if with_bias else None
+    hidden, delta = torch.randn(rows, 96) * 3 + 5, torch.randn(rows, 96)
+    torch.testing.assert_close(compiled.layer_norm(hidden, weight, bias), reference.layer_norm(hidden, weight, bias))
+    h_ref, h_cpu = hidden.clone(), hidden.clone()
+    normed = compiled.add_layer_norm_(h_cpu, delta, weight, bias)
+    torch.testing.assert_close(normed, reference.add_layer_norm_(h_ref, delta, weight, bias))
+    torch.testing.assert_close(h_cpu, h_ref)  # the residual stream itself was updated in place
+    if rows:
+        with pytest.raises(RuntimeError, match="bias"):
+            compiled.layer_norm(hidden, weight, torch.randn(95))
+
+
 @pytest.mark.parametrize("rows", [1, 7, 200])
 def test_rotary_matches(ops, rows):
     reference, compiled = ops
@@ -70,6 +89,15 @@ def test_gelu_tanh_and_mul_matches(ops):
     torch.manual_seed(0)
     gate_up = torch.randn(33, 2 * 80) * 5
     torch.testing.assert_close(compiled.gelu_tanh_and_mul(gate_up), reference.gelu_tanh_and_mul(gate_up))
+
+
+def test_ungated_activations_match(ops):
+    """An ungated MLP's GELU (tanh; Phi-2's, StarCoder2's) and relu squared (Arcee's) against PyTorch."""
+    reference, compiled = ops
+    torch.manual_seed(0)
+    up = torch.randn(33, 80) * 5
+    torch.testing.assert_close(compiled.gelu_tanh(up), reference.gelu_tanh(up))
+    torch.testing.assert_close(compiled.relu_squared(up), reference.relu_squared(up))
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 8, 9, 100, 49152])

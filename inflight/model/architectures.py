@@ -13,13 +13,18 @@ from dataclasses import dataclass, field
 from inflight.errors import ModelLoadError
 from inflight.model.layer_plan import (
     GEGLU_LAYER,
+    LAYER_NORM_GELU_LAYER,
+    LAYER_NORM_LAYER,
     LLAMA_LAYER,
+    PARALLEL_GELU_LAYER,
+    PARALLEL_LAYER,
     POST_NORM_LAYER,
     QK_NORM_LAYER,
     RELU_SQUARED_LAYER,
     SANDWICH_NORM_LAYER,
     SANDWICH_QK_NORM_LAYER,
     SANDWICH_SWIGLU_LAYER,
+    UNGATED,
     Op,
     Step,
     with_routed_experts,
@@ -92,8 +97,11 @@ class Architecture:
     # DecoderLayer matmul field -> the Hugging Face names (under `model.layers.N.`) of the weights
     # fused into it, in order (a checkpoint that stores them fused names one).
     matmuls: dict[str, tuple[str, ...]] = field(default_factory=lambda: dict(_LLAMA_MATMULS))
-    # DecoderLayer norm field -> its Hugging Face name under `model.layers.N.`.
+    # DecoderLayer norm field -> its Hugging Face name under `model.layers.N.` (a LayerNorm's bias
+    # beside it, `.bias` for `.weight`, where the checkpoint has one).
     norms: dict[str, str] = field(default_factory=lambda: dict(_LLAMA_NORMS))
+    # The Hugging Face name of the norm after the last layer (its weight and bias under it).
+    final_norm: str = "model.norm"
     # DecoderLayer field -> the Hugging Face names of the weights it holds (one as itself, several
     # together as a tuple), for the plan's steps beyond Llama's.
     extra_weights: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -116,6 +124,8 @@ class Architecture:
     # each RMSNorm scale as (scale - 1), which llama.cpp's converter adds back.
     scaled_embedding: bool = False
     hf_norm_offset: float = 0.0
+    # A GGUF file's `logit_scale` multiplies the logits (Command R's); False: divides them (Granite's).
+    gguf_logit_scale_multiplies: bool = False
     # Gemma's published configs say `hidden_act: "gelu"` for the tanh approximation, which
     # transformers computes for them (its legacy reading); True: that name means this plan's GeGLU.
     hf_gelu_means_tanh: bool = False
@@ -169,13 +179,18 @@ class Architecture:
     @property
     def gated_mlp(self) -> bool:
         """Whether the MLP has a gate (an ungated one's gate/up matmul holds the up projection alone)."""
-        return Op.RELU_SQUARED not in {step.op for step in self.plan}
+        return not UNGATED & {step.op for step in self.plan}
+
+    @property
+    def layer_norm(self) -> bool:
+        """Whether its norms are LayerNorms (the final norm too); False: RMSNorms."""
+        return bool({Op.ADD_LAYER_NORM, Op.LAYER_NORM} & {step.op for step in self.plan})
 
     @property
     def activation(self) -> str:
         """The MLP's activation, as Hugging Face configs name it."""
         ops = {step.op for step in self.plan}
-        return ("gelu_pytorch_tanh" if Op.GELU_TANH_AND_MUL in ops else "relu2" if Op.RELU_SQUARED in ops
+        return ("gelu_pytorch_tanh" if {Op.GELU_TANH_AND_MUL, Op.GELU_TANH} & ops else "relu2" if Op.RELU_SQUARED in ops
                 else "silu")
 
 
@@ -216,6 +231,10 @@ _GLM4_MOE_EXPERTS = dataclasses.replace(
     _QWEN3_MOE_EXPERTS, choice_bias="mlp.gate.e_score_correction_bias",
     shared=("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight",
             "mlp.shared_experts.down_proj.weight"))
+
+_INPUT_NORM_ONLY = {"input_norm": "input_layernorm.weight"}  # a parallel block's one norm
+_COHERE = Architecture("cohere", plan=PARALLEL_LAYER, norms=_INPUT_NORM_ONLY, gguf_interleaved_qk=False,
+                       interleaved_rotary=True, gguf_logit_scale_multiplies=True)
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     Architecture("llama"),
@@ -309,6 +328,30 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                              "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
                              "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
                              "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight"}),
+    # Phi-2 (and Phi-1, Phi-1.5): attention and an ungated GELU MLP side by side on one LayerNorm,
+    # biases on every matmul and on the LM head, part of each head rotated (NeoX's halves)
+    Architecture("phi", plan=PARALLEL_GELU_LAYER, norms=_INPUT_NORM_ONLY, final_norm="model.final_layernorm",
+                 matmuls={**_LLAMA_MATMULS, "o": ("self_attn.dense.weight",), "gate_up": ("mlp.fc1.weight",),
+                          "down": ("mlp.fc2.weight",)},
+                 gguf_interleaved_qk=False, hf_partial_rotary_factor=0.5,
+                 gguf_names={"attn_output.weight": "self_attn.dense.weight", "attn_output.bias": "self_attn.dense.bias",
+                             "ffn_up.weight": "mlp.fc1.weight", "ffn_up.bias": "mlp.fc1.bias",
+                             "ffn_down.weight": "mlp.fc2.weight", "ffn_down.bias": "mlp.fc2.bias"}),
+    # StableLM (2 1.6B, 3B): Llama's layer with LayerNorms, q/k/v biases where use_qkv_bias, a quarter
+    # of each head rotated
+    Architecture("stablelm", plan=LAYER_NORM_LAYER, gguf_interleaved_qk=False, hf_partial_rotary_factor=0.25),
+    # StarCoder2: LayerNorms, biases on every matmul, an ungated GELU MLP
+    Architecture("starcoder2", plan=LAYER_NORM_GELU_LAYER,
+                 matmuls={**_LLAMA_MATMULS, "gate_up": ("mlp.c_fc.weight",), "down": ("mlp.c_proj.weight",)},
+                 gguf_interleaved_qk=False,
+                 gguf_names={"ffn_up.weight": "mlp.c_fc.weight", "ffn_up.bias": "mlp.c_fc.bias",
+                             "ffn_down.weight": "mlp.c_proj.weight", "ffn_down.bias": "mlp.c_proj.bias"}),
+    # Command R (Cohere): attention and a SwiGLU MLP side by side on one LayerNorm without bias, each
+    # head rotated as interleaved pairs, the logits scaled
+    _COHERE,
+    # Command R7B, Command A (Cohere2): Command R's layer, three sliding layers to one global, and
+    # the global ones rotate nothing
+    dataclasses.replace(_COHERE, name="cohere2", window_pattern=4, nope_where_global=True),
     # gpt-oss: Llama's layer with biases on every attention matmul and learned attention sinks (a
     # score per head that joins each softmax's sum), sliding and global layers alternating, YaRN;
     # every MLP routed, the softmax over the chosen experts' scores, their clamped SwiGLU with biases
@@ -322,7 +365,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
 # to files with routed experts (`expert_count`), which Hugging Face names apart.
 GGUF_ARCHITECTURES = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
                       "mistral3": "ministral3", "qwen2vl": "qwen2_5_vl_text", "qwen3vl": "qwen3_vl_text",
-                      "gpt-oss": "gpt_oss", "glm4moe": "glm4_moe"}
+                      "gpt-oss": "gpt_oss", "glm4moe": "glm4_moe", "phi2": "phi", "command-r": "cohere"}
 GGUF_EXPERT_ARCHITECTURES = {"llama": "mixtral", "mistral": "mixtral"}
 
 # llama.cpp's stacked expert tensors (`blk.N.` + these, [experts, rows, cols]) -> which of an
@@ -340,7 +383,9 @@ GGUF_EXPERT_NAMES: dict[str, tuple[str, ...]] = {
 # llama.cpp's tensor names (`blk.N.` + these) -> Hugging Face's (`model.layers.N.` + these).
 GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
+    "attn_norm.bias": "input_layernorm.bias",  # a LayerNorm's (StableLM's, StarCoder2's, Phi-2's)
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.bias": "post_attention_layernorm.bias",
     "post_attention_norm.weight": "post_attention_layernorm.weight",  # of attention's output (OLMo 2)
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",

@@ -112,6 +112,9 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "quantization_config": (None,),
     "pretraining_tp": (None, 1),
     "clip_qkv": (None,),
+    # Phi-2's and StableLM 2 12B's q/k LayerNorms (a scale per head), and StableLM 2 12B's parallel block
+    "qk_layernorm": (None, False),
+    "use_parallel_residual": (None, False),
 }
 # The config keys `parse_hf_config` reads: each one's effect on the arithmetic is computed.
 READ_KEYS = frozenset({
@@ -129,6 +132,9 @@ READ_KEYS = frozenset({
     # GLM-4.5's routed experts and layers
     "n_routed_experts", "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace",
     "use_qk_norm", "num_nextn_predict_layers",
+    # the LayerNorm models' epsilon (Phi-2's, StableLM's, Command R's; StarCoder2's), Command R's
+    # logits' factor, StableLM's q/k/v biases
+    "layer_norm_eps", "norm_epsilon", "logit_scale", "use_qkv_bias",
 })
 # Config keys without effect on a forward pass in inference: training settings, bookkeeping,
 # generation defaults; and `mlp_bias`, whose biases are read from the checkpoint where they are.
@@ -140,6 +146,8 @@ NO_EFFECT_KEYS = frozenset({
     # Seed-OSS's: o's bias read from the checkpoint where it is (as mlp_bias'), its dropout
     "attention_out_bias", "residual_dropout",
     "router_jitter_noise",
+    # StableLM's and StarCoder2's dropouts
+    "hidden_dropout", "embedding_dropout",
     # gpt-oss's published configs: the experts per token again (transformers reads
     # num_experts_per_tok) and the original context again (YaRN's, in rope_scaling)
     "experts_per_token", "initial_context_length",
@@ -158,7 +166,9 @@ ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "low_freq_fa
                        "mrope_section", "mrope_interleaved"})
 ROPE_TYPES = (None, "default", "linear", "llama3", "longrope", "su", "yarn")
 # Each activation of a plan's MLP under the names configs give it.
-_ACTIVATION_NAMES = {"silu": (None, "silu", "swish"), "gelu_pytorch_tanh": (None, "gelu_pytorch_tanh", "gelu_tanh"),
+_ACTIVATION_NAMES = {"silu": (None, "silu", "swish"),
+                     # (gelu_new: Phi's name for the same tanh form)
+                     "gelu_pytorch_tanh": (None, "gelu_pytorch_tanh", "gelu_tanh", "gelu_new"),
                      "relu2": (None, "relu2")}
 
 
@@ -180,6 +190,9 @@ def refuse_unsupported(raw: dict[str, Any], path: Path) -> None:
     if layer_types - {"full_attention", "sliding_attention", "attention"}:  # Granite 4.0's name for full
         raise ModelLoadError(f"{path}: layer_types {sorted(layer_types)}: inflight computes full and "
                              "sliding-window attention layers only")
+    if raw.get("use_qk_norm") and arch.hf_qk_norm_key != "use_qk_norm":  # Command R+'s per-head LayerNorms
+        raise ModelLoadError(f"{path}: use_qk_norm = true changes the model's arithmetic in a way inflight does not "
+                             f"compute yet for {arch.name}")
     for key in ("n_group", "topk_group"):  # DeepSeek's group-limited choice
         if (raw.get(key) or 1) != 1:
             raise ModelLoadError(f"{path}: {key} = {raw[key]}: inflight does not choose experts within groups")
@@ -320,12 +333,13 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
         head_dim=head_dim,
         rotary_dim=int(head_dim * float(partial)) if float(partial) != 1 else None,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=_norm_eps(raw, row),
         rope_theta=rotary.theta,
         max_position_embeddings=rotary.max_positions,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=arch in _QKV_BIAS_ARCHITECTURES or bool(raw.get("attention_bias", False))
-        or bool(raw.get("qkv_bias", False)) or bool(raw.get("use_bias", False)),
+        or bool(raw.get("qkv_bias", False)) or bool(raw.get("use_bias", False))
+        or bool(raw.get("use_qkv_bias", False)),
         rope_scaling=rope_scaling,
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
@@ -335,7 +349,8 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         embedding_scale=hidden ** 0.5 if row is not None and row.scaled_embedding else float(
             raw.get("embedding_multiplier") or 1.0),
         residual_scale=float(raw.get("residual_multiplier") or 1.0),
-        logit_scale=float(raw.get("logits_scaling") or 1.0),
+        # Granite's logits_scaling divides the logits, Command R's logit_scale multiplies them
+        logit_scale=float(raw.get("logits_scaling") or 1.0) / float(raw.get("logit_scale") or 1.0),
         rope_layers=_rope_layers(raw, row, sliding, window is not None),
         local_rope_theta=_local_rope_theta(local_rope, rotary.theta, row) if window is not None else None,
         query_scaling=query,
@@ -359,6 +374,16 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
                         float(raw.get("swiglu_limit") or row.clamped_swiglu[1]))
         if row is not None and row.clamped_swiglu is not None else None,
     )
+
+
+def _norm_eps(raw: dict[str, Any], row: Architecture | None) -> float:
+    """The norms' epsilon: an RMSNorm's `rms_norm_eps`, a LayerNorm's `layer_norm_eps` (StarCoder2's
+    `norm_epsilon`), the architecture's own kind first; else transformers' Llama default."""
+    rms, layer = ("rms_norm_eps",), ("layer_norm_eps", "norm_epsilon")
+    for key in layer + rms if row is not None and row.layer_norm else rms + layer:
+        if raw.get(key) is not None:
+            return float(raw[key])
+    return 1e-6
 
 
 def query_scaling(original: int | None, beta: float | None) -> tuple[float, int] | None:

@@ -38,6 +38,7 @@ class Reg(IntEnum):
     DELTA = 3   # what the next `add_rms_norm` adds to the residual stream
     GATE_UP = 4
     ACT = 5     # act(gate) * up
+    MLP = 6     # the MLP's output beside attention's, in a parallel block (Phi-2's, Command R's)
 
 
 class Op:
@@ -65,11 +66,28 @@ class Op:
     ADD_RESIDUAL = "add_residual"
     # dst = rms_norm(src) * `param`
     RMS_NORM = "rms_norm"
+    # ADD_RMS_NORM and RMS_NORM with a LayerNorm: (x - mean) / sqrt(var + eps) * `param`, plus its
+    # bias where the layer has one (`DecoderLayer.norm_biases`)
+    ADD_LAYER_NORM = "add_layer_norm"
+    LAYER_NORM = "layer_norm"
+    # dst = gelu(src), its tanh approximation, the whole of src: an MLP without a gate (Phi-2's,
+    # StarCoder2's)
+    GELU_TANH = "gelu_tanh"
+    # dst += src, in place: the step reads its destination too (a parallel block's two outputs summed)
+    ADD = "add"
     # dst = src * `param`, a number (Granite's residual multiplier)
     SCALE = "scale"
     # dst = the MLP of `param`'s routed experts over src: each token through the few experts its
     # router picks, their outputs weighted (Mixtral, Qwen3-MoE, OLMoE, Granite MoE)
     ROUTED_EXPERTS = "routed_experts"
+
+
+# The ops that read their destination register before writing it.
+READS_DST = frozenset({Op.ADD})
+# The MLP activations that read a gate/up matmul holding the up projection alone.
+UNGATED = frozenset({Op.RELU_SQUARED, Op.GELU_TANH})
+# The norms of the residual stream, RMSNorm's and LayerNorm's.
+NORM_OPS = frozenset({Op.ADD_RMS_NORM, Op.RMS_NORM, Op.ADD_LAYER_NORM, Op.LAYER_NORM})
 
 
 class Step(NamedTuple):
@@ -152,6 +170,33 @@ SANDWICH_QK_NORM_LAYER: tuple[Step, ...] = (
 )
 
 
+def with_layer_norm(plan: Sequence[Step]) -> tuple[Step, ...]:
+    """`plan` with every RMSNorm of the residual stream a LayerNorm (StableLM's, StarCoder2's)."""
+    layer_norm = {Op.ADD_RMS_NORM: Op.ADD_LAYER_NORM, Op.RMS_NORM: Op.LAYER_NORM}
+    return tuple(step._replace(op=layer_norm.get(step.op, step.op)) for step in plan)
+
+
+# StableLM's: Llama's layer with LayerNorms.
+LAYER_NORM_LAYER = with_layer_norm(LLAMA_LAYER)
+
+# StarCoder2's: LayerNorms, the MLP ungated: down(gelu(up(x))).
+LAYER_NORM_GELU_LAYER = with_activation(LAYER_NORM_LAYER, Op.GELU_TANH)
+
+# Command R's: attention and the MLP side by side on one LayerNorm of the residual stream, both
+# outputs added to it (a "parallel" block: x + attn(ln(x)) + mlp(ln(x))).
+PARALLEL_LAYER: tuple[Step, ...] = (
+    Step(Op.ADD_LAYER_NORM, Reg.DELTA, Reg.NORMED, "input_norm"),
+    *LLAMA_LAYER[1:5],
+    Step(Op.MATMUL, Reg.NORMED, Reg.GATE_UP, "gate_up"),
+    Step(Op.SILU_AND_MUL, Reg.GATE_UP, Reg.ACT),
+    Step(Op.MATMUL, Reg.ACT, Reg.MLP, "down"),
+    Step(Op.ADD, Reg.MLP, Reg.DELTA),
+)
+
+# Phi-2's: the parallel block with an ungated GELU MLP.
+PARALLEL_GELU_LAYER = with_activation(PARALLEL_LAYER, Op.GELU_TANH)
+
+
 def with_routed_experts(plan: Sequence[Step]) -> tuple[Step, ...]:
     """`plan` with its MLP (the steps from the gate/up matmul to the down matmul) replaced by one
     routed-experts step over the same input and into the same output."""
@@ -166,7 +211,7 @@ def with_scaled_residual(plan: Sequence[Step]) -> tuple[Step, ...]:
     `residual_scale` as it is complete: after the last step that writes `DELTA` before a step
     adds it to the residual stream (the plan repeating layer after layer, so the layer's last
     contribution is scaled before the model adds it after the last layer)."""
-    adds = (Op.ADD_RMS_NORM, Op.ADD_RESIDUAL)
+    adds = (Op.ADD_RMS_NORM, Op.ADD_LAYER_NORM, Op.ADD_RESIDUAL)
     n = len(plan)
     scaled: list[Step] = []
     for j, step in enumerate(plan):
@@ -199,7 +244,7 @@ def released_after(plan: Sequence[Step]) -> tuple[tuple[Reg, ...], ...]:
                 continue
             for k in range(1, n + 1):
                 later = plan[(j + k) % n]
-                if later.src == reg:
+                if later.src == reg or (later.op in READS_DST and later.dst == reg):
                     break
                 if later.dst == reg:
                     dead.append(reg)

@@ -1,6 +1,7 @@
 """The decoder of every architecture in `architectures.py` (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3,
-OLMo 2, Granite, SmolLM3, Phi-3, Gemma 2 and 3) on packed tokens: each runs its own layer plan,
-each layer with its own attention window and rotary table.
+OLMo 2, Granite, SmolLM3, Phi-2, Phi-3, StableLM, StarCoder2, Command R, Gemma 2 and 3, ...) on
+packed tokens: each runs its own layer plan, each layer with its own attention window and rotary
+table.
 
 Every token-wise operation runs on one flattened `[num_tokens, hidden]` tensor holding the new
 tokens of all requests in the step; only attention looks at request boundaries, through the
@@ -158,6 +159,7 @@ class DecoderLayer(NamedTuple):
     window: int | None = None  # the layer's attention window (None: full attention)
     experts: RoutedExperts | None = None  # the MLP of a routed-experts plan (Mixtral, Qwen2/3-MoE, OLMoE, Granite MoE)
     sinks: torch.Tensor | None = None  # attention sinks, a score per query head (gpt-oss)
+    norm_biases: dict[str, torch.Tensor] | None = None  # a LayerNorm's bias by its norm field, where it has one
 
 
 NORMS = ("input_norm", "post_norm", "attn_out_norm", "mlp_out_norm")
@@ -238,11 +240,15 @@ class LlamaModel:
                 self.packed[names[0]] = made.blocks
             return made
 
-        self.final_norm = take("model.norm.weight")
+        # The norms' kind: LayerNorms where the plan's are (the final norm too), else RMSNorms.
+        self._layer_norm = arch.layer_norm
+        self.final_norm = take(arch.final_norm + ".weight")
+        self.final_norm_bias = take(arch.final_norm + ".bias") if (
+            self._layer_norm and arch.final_norm + ".bias" in weights) else None
         # With int8 the LM head too, as llama.cpp's Q8_0 files hold it: +0.16% perplexity on the
         # embedded model, the task's scores unchanged, a 64-request decode step's head 5.6 ms
         # against 18.7 in fp32 (docs/models.md). A tied head is quantized from the embedding apart.
-        self.lm_head = linear("lm_head.weight")
+        self.lm_head = linear("lm_head.weight", bias=biases("lm_head.weight"))  # (Phi-2's has one)
         self.layers: list[DecoderLayer] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
@@ -262,7 +268,7 @@ class LlamaModel:
                 residual_scale=config.residual_scale,
                 rope=ROPE_NONE if not rotates else ROPE_LOCAL if local and config.local_rope_theta else ROPE_GLOBAL,
                 window=config.sliding_window if local else None,
-                **self._layer_extras(arch, take, p, config.qk_norm),
+                **self._layer_extras(arch, take, p, config.qk_norm, weights.__contains__),
             ))
         unused = sorted(set(weights) - taken)
         if unused:  # a weight the plan does not read is a feature it would silently leave out
@@ -350,11 +356,14 @@ class LlamaModel:
 
     @staticmethod
     def _layer_extras(arch: Architecture, take: Callable[[str], torch.Tensor], prefix: str,
-                      qk_norm: bool = True) -> dict[str, Any]:
-        """The layer's norms and other weights as the architecture names them (`DecoderLayer` fields:
-        one weight as itself, several as a tuple; the q/k norm's only where it runs,
-        `ModelConfig.qk_norm`)."""
+                      qk_norm: bool, present: Callable[[str], bool]) -> dict[str, Any]:
+        """The layer's norms (a LayerNorm's bias where the checkpoint has one) and other weights as
+        the architecture names them (`DecoderLayer` fields: one weight as itself, several as a
+        tuple; the q/k norm's only where it runs, `ModelConfig.qk_norm`)."""
         extras: dict[str, Any] = {name: take(prefix + suffix) for name, suffix in arch.norms.items()}
+        if arch.layer_norm:
+            biases = {name: prefix + suffix.removesuffix(".weight") + ".bias" for name, suffix in arch.norms.items()}
+            extras["norm_biases"] = {name: take(bias) for name, bias in biases.items() if present(bias)} or None
         for name, names in arch.extra_weights.items():
             if qk_norm or name != "qk_norm":
                 held = tuple(take(prefix + n) for n in names)
@@ -375,6 +384,7 @@ class LlamaModel:
                for m in [*(getattr(layer, f) for f in MATMULS), *own]):
             return None
         norms = _norm_fields(self.plan)
+        norm_biases = [(layer.norm_biases or {}).get(f) for layer in layers for f in norms]
         plan = [(step.op, int(step.src), int(step.dst), _param_index(step, norms), [int(r) for r in release])
                 for step, release in zip(self.plan, released_after(self.plan), strict=True)]
         matmuls = [getattr(layer, f) for layer in layers for f in MATMULS]  # None: the MLP is the experts'
@@ -382,7 +392,8 @@ class LlamaModel:
             step.op for step in self.plan} else []
         cfg = self.config
         stack = kernels.DecoderStack(
-            plan, int(OUTPUT), len(layers), [getattr(layer, f) for layer in layers for f in norms], qk_norms,
+            plan, int(OUTPUT), len(layers), [getattr(layer, f) for layer in layers for f in norms],
+            norm_biases if any(b is not None for b in norm_biases) else [], qk_norms,
             *_stack_linears(matmuls), [layer.window or 0 for layer in layers],
             [layer.rope for layer in layers], [layer.residual_scale for layer in layers], cfg.num_heads,
             cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, self.attention.scale, self.attention.softcap or 0.0,
@@ -479,7 +490,9 @@ class LlamaModel:
             mlp = self._layers(hidden, positions, kv_caches, attn_meta)
         # After the last layer only the rows that sample a token matter.
         hidden = hidden.index_select(0, logits_indices) + mlp.index_select(0, logits_indices)
-        logits = self.lm_head(self.ops.rms_norm(hidden, self.final_norm)).float()
+        normed = (self.ops.layer_norm(hidden, self.final_norm, self.final_norm_bias) if self._layer_norm
+                  else self.ops.rms_norm(hidden, self.final_norm))
+        logits = self.lm_head(normed).float()
         if self.config.logit_scale != 1:
             logits = logits / self.config.logit_scale
         if (cap := self.config.final_logit_softcap) is not None:
@@ -507,6 +520,13 @@ class LlamaModel:
                     reg[dst] = weight(x)
                 elif op == Op.ADD_RMS_NORM:
                     reg[dst] = ops.rms_norm(hidden, weight) if x is None else ops.add_rms_norm_(hidden, x, weight)
+                elif op in (Op.ADD_LAYER_NORM, Op.LAYER_NORM):
+                    bias = layer.norm_biases.get(param) if layer.norm_biases and param else None
+                    if op == Op.LAYER_NORM:
+                        reg[dst] = ops.layer_norm(x, weight, bias)
+                    else:
+                        reg[dst] = (ops.layer_norm(hidden, weight, bias) if x is None
+                                    else ops.add_layer_norm_(hidden, x, weight, bias))
                 elif op == Op.ROTARY_STORE_KV:  # the register holds the rotated (q, k, v) heads from here
                     reg[dst] = ops.rotary(x, positions, cos, sin, KVStore(k_cache, v_cache, attn_meta.slot_mapping))
                     if query_scale is not None:
@@ -521,6 +541,10 @@ class LlamaModel:
                     reg[dst] = ops.gelu_tanh_and_mul(x)
                 elif op == Op.RELU_SQUARED:
                     reg[dst] = ops.relu_squared(x)
+                elif op == Op.GELU_TANH:
+                    reg[dst] = ops.gelu_tanh(x)
+                elif op == Op.ADD:
+                    reg[dst].add_(x)
                 elif op == Op.QK_NORM:
                     reg[dst] = ops.qk_norm_(x, weight)
                 elif op == Op.ADD_RESIDUAL:

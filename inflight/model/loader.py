@@ -60,9 +60,11 @@ ROPE_FACTORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rop
 ROPE_TENSORS = frozenset({ROPE_FREQS, *ROPE_FACTORS.values()})
 _GGUF_TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    "output.bias": "lm_head.bias",  # Phi-2's
 }
+# the final norm's tensors, under `Architecture.final_norm`
+_GGUF_FINAL_NORM = "output_norm."
 
 
 @dataclass(frozen=True)
@@ -670,7 +672,9 @@ def _gguf_config(reader: Any) -> ModelConfig:
         num_heads=num_heads,
         num_kv_heads=int(get("attention.head_count_kv", num_heads)),
         head_dim=head_dim,
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        # a LayerNorm's epsilon under its own key (llama.cpp's f_norm_eps), an RMSNorm's under another
+        rms_norm_eps=float(get("attention.layer_norm_epsilon" if row.layer_norm else "attention.layer_norm_rms_epsilon",
+                               1e-5)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         # a file converted from Qwen3's config with its card's YaRN settings says 40960
         max_position_embeddings=served_positions(int(get("context_length", 4096)), rope_scaling),
@@ -686,7 +690,7 @@ def _gguf_config(reader: Any) -> ModelConfig:
         embedding_scale=hidden ** 0.5 if row.scaled_embedding else float(
             gguf_field(reader, f"{arch}.embedding_scale") or 1.0),
         residual_scale=float(gguf_field(reader, f"{arch}.residual_scale") or 1.0),
-        logit_scale=float(gguf_field(reader, f"{arch}.logit_scale") or 1.0),
+        logit_scale=_gguf_logit_divisor(gguf_field(reader, f"{arch}.logit_scale"), row),
         rope_layers=nope_every(nope, num_layers) if (nope := row.gguf_nope_interval) else (
             window_layers if row.nope_where_global and window else None),
         local_rope_theta=float(local_theta) if window and local_theta else None,
@@ -711,6 +715,14 @@ def _gguf_config(reader: Any) -> ModelConfig:
         qk_norm=not row.hf_qk_norm_key or "blk.0.attn_q_norm.weight" in tensor_names,
         mtp_layers=mtp_layers,
     )
+
+
+def _gguf_logit_divisor(scale: Any, row: Architecture) -> float:
+    """`ModelConfig.logit_scale`, the logits' divisor, from a file's `logit_scale`: the divisor
+    itself (Granite's), or the factor the logits are multiplied by (Command R's); 1 where absent."""
+    if not scale:
+        return 1.0
+    return 1.0 / float(scale) if row.gguf_logit_scale_multiplies else float(scale)
 
 
 def _gguf_shared_width(reader: Any, arch: str, row: Architecture) -> int:
@@ -830,8 +842,7 @@ def _gguf_weights(tensors: list[GGUFTensor], config: ModelConfig, keep_blocks: b
         experts = _gguf_expert_names(tensor.name, config)
         if tensor.name in kept:  # only its shape: the model reads the blocks, or the rows from the file
             meta = torch.empty(shape, device="meta")
-            weights.update(experts(meta) if experts is not None
-                           else {_gguf_to_hf_name(tensor.name, config.architecture): meta})
+            weights.update(experts(meta) if experts is not None else _gguf_rows_by_name(tensor.name, meta, config))
             continue
         array = _dequantize(tensor)
         array = np.asarray(array, dtype=np.float32)
@@ -841,11 +852,30 @@ def _gguf_weights(tensors: list[GGUFTensor], config: ModelConfig, keep_blocks: b
         if experts is not None:  # stacked experts: one weight each, as Hugging Face stores them
             weights.update(experts(value))
             continue
-        name = _gguf_to_hf_name(tensor.name, config.architecture)
-        if value.dim() == 1 and name == f"model.layers.{name.split('.')[2]}.{shared_gate}":
-            value = value.unsqueeze(0)  # a matrix of one row, which llama.cpp declares a vector
-        weights[name] = _hf_row_order(name, value, config)
+        for name, rows in _gguf_rows_by_name(tensor.name, value, config).items():
+            if rows.dim() == 1 and name.startswith("model.layers.") and name.endswith(f".{shared_gate}"):
+                rows = rows.unsqueeze(0)  # a matrix of one row, which llama.cpp declares a vector
+            weights[name] = rows
     return weights
+
+
+def _gguf_rows_by_name(name: str, rows: torch.Tensor, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """A GGUF tensor's rows (its values, or its stored blocks a row each) under Hugging Face's
+    names, in their row order (`_hf_row_order`): q, k and v apart where a file holds them in one
+    `attn_qkv` and the architecture's checkpoints keep them apart (older conversions of Phi-2 hold
+    them so; llama.cpp reads either for every architecture)."""
+    arch = architecture(config.architecture)
+    qkv = arch.matmuls["qkv"]
+    _, index, rest = name.split(".", 2) if name.startswith("blk.") else ("", "", name)
+    if rest in ("attn_qkv.weight", "attn_qkv.bias") and len(qkv) == 3 and rest not in arch.gguf_names:
+        sizes = [config.num_heads * config.head_dim] + [config.num_kv_heads * config.head_dim] * 2
+        if rows.shape[0] != sum(sizes):
+            raise ModelLoadError(f"{name}: {rows.shape[0]} rows, not the {sum(sizes)} of q, k and v")
+        suffix = rest.removeprefix("attn_qkv")
+        names = [f"model.layers.{index}.{part.removesuffix('.weight')}{suffix}" for part in qkv]
+        return {n: _hf_row_order(n, part, config) for n, part in zip(names, rows.split(sizes), strict=True)}
+    hf = _gguf_to_hf_name(name, config.architecture)
+    return {hf: _hf_row_order(hf, rows, config)}
 
 
 def _gguf_expert_names(name: str, config: ModelConfig) -> Callable[[torch.Tensor], dict[str, torch.Tensor]] | None:
@@ -901,7 +931,8 @@ def _blocks_kept(tensors: list[GGUFTensor], config: ModelConfig) -> frozenset[st
                   if t.tensor_type.name in BLOCK_TYPES and len(t.shape) == 2 and _whole_blocks(t)
                   and _gguf_expert_names(t.name, config) is None}
     rows = {t.name: int(t.shape[1]) for t in tensors if t.name in candidates}
-    by_hf = {_gguf_to_hf_name(name, arch): name for name in candidates}
+    by_hf = {hf: t.name for t in tensors if t.name in candidates
+             for hf in _gguf_rows_by_name(t.name, torch.empty(int(t.shape[1]), 0, device="meta"), config)}
     head = "output.weight" if "output.weight" in {t.name for t in tensors} else "token_embd.weight"  # tied
     kept = {head} & candidates.keys()
 
@@ -971,9 +1002,9 @@ def load_blocks(source: ModelSource, config: ModelConfig) -> dict[str, tuple[str
             stacked = data.reshape(int(tensor.shape[2]), int(tensor.shape[1]), -1)
             blocks.update((name, (tensor.tensor_type.name, raw)) for name, raw in experts(stacked).items())
             continue
-        name = _gguf_to_hf_name(tensor.name, config.architecture)
         rows = data.reshape(int(tensor.shape[1]), -1)
-        blocks[name] = (tensor.tensor_type.name, _hf_row_order(name, rows, config))
+        blocks.update((name, (tensor.tensor_type.name, part))
+                      for name, part in _gguf_rows_by_name(tensor.name, rows, config).items())
     if config.tie_word_embeddings and "model.embed_tokens.weight" in blocks:
         blocks["lm_head.weight"] = blocks["model.embed_tokens.weight"]
     return blocks
@@ -1000,6 +1031,8 @@ def _mxfp4_expert_rows(stored: _Stored, name: str, config: ModelConfig) -> dict[
 def _gguf_to_hf_name(name: str, arch: str) -> str:
     if name in _GGUF_TOP_NAMES:
         return _GGUF_TOP_NAMES[name]
+    if name in (_GGUF_FINAL_NORM + "weight", _GGUF_FINAL_NORM + "bias"):
+        return architecture(arch).final_norm + "." + name.removeprefix(_GGUF_FINAL_NORM)
     if name.startswith("blk."):
         _, index, rest = name.split(".", 2)
         layer_names = {**GGUF_LAYER_NAMES, **architecture(arch).gguf_names}

@@ -1,5 +1,6 @@
-"""The token-wise operations of a decoder layer: RMSNorm (with the residual add folded in, and
-over q and k), rotary embedding and the MLP's gate (SwiGLU's, GeGLU's).
+"""The token-wise operations of a decoder layer: RMSNorm and LayerNorm (with the residual add
+folded in; RMSNorm over q and k too), rotary embedding and the MLP's activation (SwiGLU's,
+GeGLU's, an ungated one's).
 
 `TorchTokenOps` is plain PyTorch and runs on any device and dtype. `CpuKernelTokenOps` does the
 same arithmetic in fp32 with the compiled CPU kernels (`kernels.py`), one call where PyTorch
@@ -40,6 +41,21 @@ class TorchTokenOps:
         hidden.add_(delta)
         return self.rms_norm(hidden, weight)
 
+    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """LayerNorm of each row, times `weight`, plus `bias` where there is one (computed in fp32,
+        as transformers' Command R computes it)."""
+        if x.dtype == torch.float32:
+            return F.layer_norm(x, (x.shape[-1],), weight, bias, self.eps)
+        normed = F.layer_norm(x.float(), (x.shape[-1],), weight.float(), None if bias is None else bias.float(),
+                              self.eps)
+        return normed.to(x.dtype)
+
+    def add_layer_norm_(self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+        """`hidden += delta` in place, then the LayerNorm of the result."""
+        hidden.add_(delta)
+        return self.layer_norm(hidden, weight, bias)
+
     def rotary(
         self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         kv_store: KVStore | None = None,
@@ -69,6 +85,9 @@ class TorchTokenOps:
 
     def relu_squared(self, up: torch.Tensor) -> torch.Tensor:
         return torch.square(F.relu(up))
+
+    def gelu_tanh(self, up: torch.Tensor) -> torch.Tensor:
+        return F.gelu(up, approximate="tanh")
 
     def clamped_swiglu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
         """gpt-oss's experts' gate: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g the
@@ -109,6 +128,13 @@ class CpuKernelTokenOps(TorchTokenOps):
     def add_rms_norm_(self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self.kernels.add_rms_norm_(hidden, delta.contiguous(), weight, self.eps)
 
+    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.kernels.layer_norm(x.contiguous(), weight, bias, self.eps)
+
+    def add_layer_norm_(self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+        return self.kernels.add_layer_norm_(hidden, delta.contiguous(), weight, bias, self.eps)
+
     def rotary(
         self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         kv_store: KVStore | None = None,
@@ -136,6 +162,9 @@ class CpuKernelTokenOps(TorchTokenOps):
 
     def relu_squared(self, up: torch.Tensor) -> torch.Tensor:
         return self.kernels.relu_squared(up.contiguous())
+
+    def gelu_tanh(self, up: torch.Tensor) -> torch.Tensor:
+        return self.kernels.gelu_tanh(up.contiguous())
 
     def qk_norm_(self, qkv: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         self.kernels.qk_norm_(qkv, scales[0], scales[1], self.num_heads, self.num_kv_heads, self.head_dim, self.eps)

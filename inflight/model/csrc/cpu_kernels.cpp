@@ -1077,30 +1077,63 @@ inline void rms_norm_row_in_place(float* x, const float* __restrict w, int64_t n
   for (int64_t i = 0; i < n; ++i) x[i] = w[i] * (x[i] * inv);
 }
 
+// LayerNorm of a row: (x - mean) / sqrt(var + eps) * w (+ b where b is not null), the variance
+// the biased one, both in two passes over the row as torch's layer_norm computes them.
+inline void layer_norm_row(const float* __restrict x, const float* __restrict w, const float* __restrict b,
+                           float* __restrict out, int64_t n, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += x[i];
+  const float mean = sum / static_cast<float>(n);
+  float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < n; ++i) squares += (x[i] - mean) * (x[i] - mean);
+  const float inv = 1.f / std::sqrt(squares / static_cast<float>(n) + eps);
+  if (b != nullptr) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) out[i] = w[i] * ((x[i] - mean) * inv) + b[i];
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) out[i] = w[i] * ((x[i] - mean) * inv);
+  }
+}
+
 void check_rows(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32, "float32 only");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(1), "bad shapes");
 }
 
+// A LayerNorm's bias as a pointer (null: none), checked against its weight.
+const float* norm_bias(const c10::optional<torch::Tensor>& bias, const torch::Tensor& weight) {
+  if (!bias || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == weight.numel(),
+              "a float32 bias as long as the weight");
+  return bias->data_ptr<float>();
+}
+
 }  // namespace
 
-// Llama's RMSNorm of each row of x [N, H]: w * x / sqrt(mean(x^2) + eps).
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+namespace {
+
+// norm_row(x, out) over each row of x [N, H] into a new tensor.
+template <typename NormRow>
+torch::Tensor norm_rows(const torch::Tensor& x, const torch::Tensor& weight, NormRow norm_row) {
   check_rows(x, weight);
   auto out = torch::empty_like(x);
   const int64_t n = x.size(1);
   const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, x.size(0), row_grain(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * n, wp, op + r * n, n, static_cast<float>(eps));
+    for (int64_t r = begin; r < end; ++r) norm_row(xp + r * n, op + r * n, n);
   });
   return out;
 }
 
 // The residual stream's update and the next norm in one pass: hidden += delta (in place), then
-// returns rms_norm(hidden) * weight.
-torch::Tensor add_rms_norm_(torch::Tensor hidden, torch::Tensor delta, torch::Tensor weight, double eps) {
+// norm_row(hidden, out) over each row into a new tensor.
+template <typename NormRow>
+torch::Tensor add_norm_rows(torch::Tensor& hidden, const torch::Tensor& delta, const torch::Tensor& weight,
+                            NormRow norm_row) {
   check_rows(hidden, weight);
   TORCH_CHECK(delta.sizes() == hidden.sizes() && delta.is_contiguous() && delta.dtype() == torch::kFloat32,
               "delta must match hidden");
@@ -1108,7 +1141,6 @@ torch::Tensor add_rms_norm_(torch::Tensor hidden, torch::Tensor delta, torch::Te
   const int64_t n = hidden.size(1);
   float* hp = hidden.data_ptr<float>();
   const float* dp = delta.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, hidden.size(0), row_grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -1116,10 +1148,48 @@ torch::Tensor add_rms_norm_(torch::Tensor hidden, torch::Tensor delta, torch::Te
       const float* d = dp + r * n;
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) h[i] += d[i];
-      rms_norm_row(h, wp, op + r * n, n, static_cast<float>(eps));
+      norm_row(h, op + r * n, n);
     }
   });
   return out;
+}
+
+}  // namespace
+
+// Llama's RMSNorm of each row of x [N, H]: w * x / sqrt(mean(x^2) + eps).
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  const float* wp = weight.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  return norm_rows(x, weight, [wp, e](const float* r, float* o, int64_t n) { rms_norm_row(r, wp, o, n, e); });
+}
+
+// hidden += delta (in place), then returns rms_norm(hidden) * weight.
+torch::Tensor add_rms_norm_(torch::Tensor hidden, torch::Tensor delta, torch::Tensor weight, double eps) {
+  const float* wp = weight.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  return add_norm_rows(hidden, delta, weight, [wp, e](const float* r, float* o, int64_t n) {
+    rms_norm_row(r, wp, o, n, e);
+  });
+}
+
+// LayerNorm of each row of x [N, H] (StableLM's, StarCoder2's, Phi-2's; Command R's without a
+// bias): weight * (x - mean) / sqrt(var + eps) + bias.
+torch::Tensor layer_norm(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias, double eps) {
+  const float* wp = weight.data_ptr<float>();
+  const float* bp = norm_bias(bias, weight);
+  const float e = static_cast<float>(eps);
+  return norm_rows(x, weight, [wp, bp, e](const float* r, float* o, int64_t n) { layer_norm_row(r, wp, bp, o, n, e); });
+}
+
+// add_rms_norm_ with a LayerNorm: hidden += delta (in place), then returns layer_norm(hidden).
+torch::Tensor add_layer_norm_(torch::Tensor hidden, torch::Tensor delta, torch::Tensor weight,
+                              c10::optional<torch::Tensor> bias, double eps) {
+  const float* wp = weight.data_ptr<float>();
+  const float* bp = norm_bias(bias, weight);
+  const float e = static_cast<float>(eps);
+  return add_norm_rows(hidden, delta, weight, [wp, bp, e](const float* r, float* o, int64_t n) {
+    layer_norm_row(r, wp, bp, o, n, e);
+  });
 }
 
 // Rotary embedding (the rotate-half form) applied in place to the query and key heads at the
@@ -1229,8 +1299,11 @@ torch::Tensor clamped_swiglu(torch::Tensor gate_up, double alpha, double limit) 
   });
 }
 
-// An ungated MLP's activation (Arcee's): relu(x) ** 2, every element.
-torch::Tensor relu_squared(torch::Tensor x) {
+namespace {
+
+// An ungated MLP's activation: x [N, I] -> act(x), every element.
+template <typename Act>
+torch::Tensor act_each(const torch::Tensor& x, Act act) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "float32 contiguous rows only");
   auto out = torch::empty_like(x);
   const float* xp = x.data_ptr<float>();
@@ -1238,20 +1311,33 @@ torch::Tensor relu_squared(torch::Tensor x) {
   const int64_t width = x.size(1);
   at::parallel_for(0, x.size(0), row_grain(width), [&](int64_t begin, int64_t end) {
 #pragma omp simd
-    for (int64_t i = begin * width; i < end * width; ++i) {
-      const float r = std::max(xp[i], 0.f);
-      op[i] = r * r;
-    }
+    for (int64_t i = begin * width; i < end * width; ++i) op[i] = act(xp[i]);
   });
   return out;
 }
 
+// GELU in its tanh form.
+inline float gelu_tanh_of(float x) {
+  constexpr float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2 / pi)
+  return 0.5f * x * (1.f + std::tanh(k0 * (x + k1 * x * x * x)));
+}
+
+}  // namespace
+
+// An ungated MLP's activation (Arcee's): relu(x) ** 2, every element.
+torch::Tensor relu_squared(torch::Tensor x) {
+  return act_each(x, [](float v) {
+    const float r = std::max(v, 0.f);
+    return r * r;
+  });
+}
+
+// An ungated MLP's activation (Phi-2's, StarCoder2's): gelu(x), its tanh form, every element.
+torch::Tensor gelu_tanh(torch::Tensor x) { return act_each(x, [](float v) { return gelu_tanh_of(v); }); }
+
 // GeGLU's gate (Gemma): gelu(gate) * up, GELU in its tanh form.
 torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up) {
-  constexpr float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2 / pi)
-  return act_and_mul(gate_up, [](float x, float u) {
-    return 0.5f * x * (1.f + std::tanh(k0 * (x + k1 * x * x * x))) * u;
-  });
+  return act_and_mul(gate_up, [](float x, float u) { return gelu_tanh_of(x) * u; });
 }
 
 // q and k of the fused projection qkv [N, (H + 2 KV) * D] RMS-normalized in place (Qwen3,
@@ -3910,7 +3996,7 @@ struct StackLinear {
 // The ops of inflight/model/layer_plan.py's Op, as a plan names them.
 enum class PlanOp {
   kAddRmsNorm, kMatmul, kRotaryStoreKv, kAttention, kSiluAndMul, kGeluTanhAndMul, kQkNorm, kAddResidual, kRmsNorm,
-  kScale, kRoutedExperts, kReluSquared
+  kScale, kRoutedExperts, kReluSquared, kAddLayerNorm, kLayerNorm, kGeluTanh, kAdd
 };
 const std::vector<std::pair<std::string, PlanOp>> kPlanOps = {
     {"add_rms_norm", PlanOp::kAddRmsNorm},   {"matmul", PlanOp::kMatmul},
@@ -3918,7 +4004,9 @@ const std::vector<std::pair<std::string, PlanOp>> kPlanOps = {
     {"silu_and_mul", PlanOp::kSiluAndMul},   {"gelu_tanh_and_mul", PlanOp::kGeluTanhAndMul},
     {"qk_norm", PlanOp::kQkNorm},            {"add_residual", PlanOp::kAddResidual},
     {"rms_norm", PlanOp::kRmsNorm},          {"scale", PlanOp::kScale},
-    {"routed_experts", PlanOp::kRoutedExperts}, {"relu_squared", PlanOp::kReluSquared}};
+    {"routed_experts", PlanOp::kRoutedExperts}, {"relu_squared", PlanOp::kReluSquared},
+    {"add_layer_norm", PlanOp::kAddLayerNorm}, {"layer_norm", PlanOp::kLayerNorm},
+    {"gelu_tanh", PlanOp::kGeluTanh},        {"add", PlanOp::kAdd}};
 constexpr int64_t kMaxRegs = 8;
 
 torch::Tensor run_linear(const StackLinear& lin, const torch::Tensor& x) {
@@ -4004,7 +4092,7 @@ struct StackExperts {
 struct PlanStep {
   PlanOp op;
   int64_t src, dst;
-  int64_t param;  // the index of the step's weight among its layer's norms (add_rms_norm, rms_norm) or matmuls
+  int64_t param;  // the index of the step's weight among its layer's norms (the norm ops) or matmuls
   std::vector<int64_t> release;  // registers dropped after the step (layer_plan.released_after)
 };
 
@@ -4021,23 +4109,25 @@ class DecoderStack {
   // plan: one layer's steps (op name, source register, destination register, weight index,
   // registers to release after it), as layer_plan.py writes them; every layer runs it, and
   // after the last one register `output` holds the result. norms holds each layer's norm
-  // weights, layer after layer, qk_norms each layer's q and k scales (where the plan has
+  // weights, layer after layer, norm_biases a LayerNorm's bias beside each (or none), qk_norms each layer's q and k scales (where the plan has
   // qk_norm); packed, blocks, biases and out_features each layer's matmuls (as
   // inflight.model.linear.Linear holds them). Per layer: its attention window (0: none), which of
   // forward's rotary tables it reads, and the factor of its `scale` steps.
   DecoderStack(const std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, std::vector<int64_t>>>& plan,
                int64_t output, int64_t num_layers, std::vector<torch::Tensor> norms,
-               std::vector<torch::Tensor> qk_norms, std::vector<torch::Tensor> packed,
+               std::vector<c10::optional<torch::Tensor>> norm_biases, std::vector<torch::Tensor> qk_norms, std::vector<torch::Tensor> packed,
                std::vector<c10::optional<torch::Tensor>> blocks, std::vector<c10::optional<torch::Tensor>> biases,
                std::vector<int64_t> out_features, std::vector<int64_t> windows, std::vector<int64_t> rope_tables,
                std::vector<double> residual_scales, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                double eps, double attention_scale, double softcap)
-      : norms_(std::move(norms)), qk_norms_(std::move(qk_norms)), windows_(std::move(windows)),
+      : norms_(std::move(norms)), norm_biases_(std::move(norm_biases)), qk_norms_(std::move(qk_norms)), windows_(std::move(windows)),
         rope_tables_(std::move(rope_tables)), residual_scales_(std::move(residual_scales)), num_layers_(num_layers),
         output_(output), num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps),
         attention_scale_(attention_scale), softcap_(softcap) {
     TORCH_CHECK(num_layers > 0 && norms_.size() % num_layers == 0 && packed.size() % num_layers == 0,
                 "the same number of norms and of matmuls in every layer");
+    TORCH_CHECK(norm_biases_.empty() || norm_biases_.size() == norms_.size(), "a bias for every norm, or none");
+    for (size_t i = 0; i < norm_biases_.size(); ++i) norm_bias(norm_biases_[i], norms_[i]);  // checked once, here
     TORCH_CHECK(blocks.size() == packed.size() && biases.size() == packed.size() && out_features.size() == packed.size(),
                 "blocks, biases and out_features for every matmul");
     TORCH_CHECK(static_cast<int64_t>(windows_.size()) == num_layers && static_cast<int64_t>(rope_tables_.size()) ==
@@ -4055,7 +4145,8 @@ class DecoderStack {
       TORCH_CHECK(found != kPlanOps.end(), "DecoderStack: no kernel for the plan's op ", name);
       TORCH_CHECK(src >= 0 && src < kMaxRegs && dst >= 0 && dst < kMaxRegs, "register out of range in op ", name);
       const PlanOp op = found->second;
-      if (op == PlanOp::kAddRmsNorm || op == PlanOp::kRmsNorm)
+      if (op == PlanOp::kAddRmsNorm || op == PlanOp::kRmsNorm || op == PlanOp::kAddLayerNorm ||
+          op == PlanOp::kLayerNorm)
         TORCH_CHECK(param >= 0 && param < norms_per_layer_, "no such norm: ", param);
       if (op == PlanOp::kMatmul) TORCH_CHECK(param >= 0 && param < matmuls_per_layer_, "no such matmul: ", param);
       if (op == PlanOp::kQkNorm) TORCH_CHECK(!qk_norms_.empty(), "a qk_norm step needs the layers' q and k scales");
@@ -4154,6 +4245,32 @@ class DecoderStack {
             }
             break;
           }
+          case PlanOp::kAddLayerNorm: {
+            const int64_t at = i * norms_per_layer_ + step.param;
+            if (src.defined()) {
+              Range r("token ops: add_layer_norm_");
+              reg[step.dst] = add_layer_norm_(hidden, src, norms_[at], norm_bias_at(at), eps_);
+            } else {
+              Range r("token ops: layer_norm");
+              reg[step.dst] = layer_norm(hidden, norms_[at], norm_bias_at(at), eps_);
+            }
+            break;
+          }
+          case PlanOp::kLayerNorm: {
+            Range r("token ops: layer_norm");
+            const int64_t at = i * norms_per_layer_ + step.param;
+            reg[step.dst] = layer_norm(src.contiguous(), norms_[at], norm_bias_at(at), eps_);
+            break;
+          }
+          case PlanOp::kGeluTanh: {
+            Range r("token ops: gelu_tanh");
+            reg[step.dst] = gelu_tanh(src.contiguous());
+            break;
+          }
+          case PlanOp::kAdd: {
+            reg[step.dst].add_(src);
+            break;
+          }
           case PlanOp::kMatmul: {
             const StackLinear& lin = linears_[i * matmuls_per_layer_ + step.param];
             Range r(lin.label);
@@ -4235,11 +4352,17 @@ class DecoderStack {
   }
 
  private:
+  c10::optional<torch::Tensor> norm_bias_at(int64_t at) const {
+    return norm_biases_.empty() ? c10::optional<torch::Tensor>() : norm_biases_[at];
+  }
+
   c10::optional<torch::Tensor> layer_sinks(int64_t layer) const {
     return sinks_.empty() ? c10::optional<torch::Tensor>() : c10::optional<torch::Tensor>(sinks_[layer]);
   }
 
-  std::vector<torch::Tensor> norms_, qk_norms_, sinks_;
+  std::vector<torch::Tensor> norms_;
+  std::vector<c10::optional<torch::Tensor>> norm_biases_;  // beside norms_ (LayerNorms'), or none
+  std::vector<torch::Tensor> qk_norms_, sinks_;
   std::vector<int64_t> windows_, rope_tables_;
   std::vector<double> residual_scales_;
   std::vector<StackLinear> linears_;
@@ -4457,6 +4580,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("sinks") = py::none());
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU, fp32)");
   m.def("add_rms_norm_", &add_rms_norm_, "hidden += delta, then RMSNorm (CPU, fp32)");
+  m.def("layer_norm", &layer_norm, "LayerNorm of each row, its bias optional (CPU, fp32)");
+  m.def("add_layer_norm_", &add_layer_norm_, "hidden += delta, then LayerNorm (CPU, fp32)");
   m.def("rotary_qk_", &rotary_qk_, "Rotary embedding of the q and k heads of a fused qkv, in place (and KV store)",
         py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("num_heads"),
         py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("k_cache") = py::none(), py::arg("v_cache") = py::none(),
@@ -4466,6 +4591,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("clamped_swiglu", &clamped_swiglu, "gpt-oss's (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)");
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up (CPU, fp32)");
   m.def("relu_squared", &relu_squared, "relu(x) ** 2 (CPU, fp32)");
+  m.def("gelu_tanh", &gelu_tanh, "gelu(x), its tanh form (CPU, fp32)");
   m.def("qk_norm_", &qk_norm_, "RMSNorm of the q and k of a fused qkv in groups of each scale's length, in place");
   m.def("gemm_panel_width", &gemm_panel_width, "Output columns per packed weight panel (32 with AVX-512)");
   m.def("gemm_max_rows", &gemm_max_rows, "The most rows the fp32 microkernel takes in one pass (this build)");
@@ -4521,7 +4647,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // registers its own DecoderStack.
   py::class_<DecoderStack>(m, "DecoderStack", py::module_local(), "A step's decoder layers in one call (CPU, fp32)")
       .def(py::init<const std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, std::vector<int64_t>>>&,
-                    int64_t, int64_t, std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                    int64_t, int64_t, std::vector<torch::Tensor>, std::vector<c10::optional<torch::Tensor>>,
+                    std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                     std::vector<c10::optional<torch::Tensor>>, std::vector<c10::optional<torch::Tensor>>,
                     std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, std::vector<double>, int64_t,
                     int64_t, int64_t, double, double, double>())
