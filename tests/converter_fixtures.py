@@ -134,6 +134,13 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "stablelm": ("StableLm", {"use_qkv_bias": True}),
     # StarCoder2: LayerNorms, biases, an ungated GELU (llama.cpp's files carry no window: none here)
     "starcoder2": ("Starcoder2", {"sliding_window": None}),
+    # ERNIE 4.5's MoE: a dense first layer, then 4 experts (2 a token) chosen by softmax scores plus a bias, beside
+    # two shared ones (as many as its converter's width for them, the dense MLP's over the KV heads, makes them)
+    "ernie4_5_moe": ("Ernie4_5_Moe", {"head_dim": 16, "num_hidden_layers": 3, "moe_num_experts": 4, "moe_k": 2,
+                                      "moe_intermediate_size": 32, "moe_num_shared_experts": 2,
+                                      "moe_layer_start_index": 1, "moe_layer_end_index": 2}),
+    # Nemotron: LayerNorms of (1 + w), an ungated MLP of relu squared, half of each head rotated
+    "nemotron": ("Nemotron", {"head_dim": 16}),
     # Command R: a parallel block on a LayerNorm without bias, interleaved rotary pairs, the logits scaled, tied
     "cohere": ("Cohere", {"logit_scale": 0.3, "tie_word_embeddings": True, "pad_token_id": 0}),
     # Command R7B: three sliding layers to one global, which rotates nothing (its converter reads rotary_pct)

@@ -212,11 +212,12 @@ def write_gguf_from_hf(path: Path, arch: str, model, fused_qkv: bool = False, ma
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
-    gemma = arch.startswith("gemma")
+    one_plus_norms = arch.startswith("gemma") or arch == "nemotron"  # (1 + w) norm scales
     sandwich = arch in ("gemma2", "gemma3_text")  # Gemma 1's post_attention_layernorm comes before its MLP
     gguf_arch = {"gemma3_text": "gemma3", "mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe",
                  "olmo3": "olmo2", "ministral3": "mistral3", "granitemoehybrid": "granite",
-                 "gpt_oss": "gpt-oss", "glm4_moe": "glm4moe", "phi": "phi2", "cohere": "command-r"}.get(arch, arch)
+                 "gpt_oss": "gpt-oss", "glm4_moe": "glm4moe", "phi": "phi2", "cohere": "command-r",
+                 "ernie4_5_moe": "ernie4_5-moe"}.get(arch, arch)
     w = gguf.GGUFWriter(str(path), gguf_arch)
     if getattr(cfg, "num_experts_per_tok", None) and (getattr(cfg, "num_local_experts", None)
                                                       or getattr(cfg, "num_experts", None)):
@@ -226,6 +227,8 @@ def write_gguf_from_hf(path: Path, arch: str, model, fused_qkv: bool = False, ma
             w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         if getattr(cfg, "shared_expert_intermediate_size", None):
             w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+        if arch == "ernie4_5_moe":  # as llama.cpp's converter writes ERNIE 4.5's
+            w.add_expert_shared_count(cfg.moe_num_shared_experts)
         if arch == "glm4_moe":  # as llama.cpp's converter writes GLM-4.5's
             w.add_expert_shared_count(cfg.n_shared_experts)
             w.add_leading_dense_block_count(cfg.first_k_dense_replace)
@@ -272,7 +275,8 @@ def write_gguf_from_hf(path: Path, arch: str, model, fused_qkv: bool = False, ma
         if getattr(cfg, key, None):
             add(getattr(cfg, key))
     if architecture(arch).layer_norm:  # a LayerNorm's epsilon, under its own key
-        w.add_layer_norm_eps(getattr(cfg, "layer_norm_eps", None) or cfg.norm_epsilon)
+        w.add_layer_norm_eps(next(getattr(cfg, key) for key in ("layer_norm_eps", "norm_epsilon", "norm_eps")
+                                  if getattr(cfg, key, None) is not None))
     else:
         w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if getattr(cfg, "logit_scale", None) is not None:  # Command R's factor of the logits
@@ -307,7 +311,7 @@ def write_gguf_from_hf(path: Path, arch: str, model, fused_qkv: bool = False, ma
                            ("enorm.weight", (cfg.hidden_size,)), ("hnorm.weight", (cfg.hidden_size,))):
             w.add_tensor(f"blk.{i}.nextn.{own}", torch.randn(shape).numpy())
     for name, tensor in state.items():
-        if gemma and name.endswith("norm.weight"):  # as llama.cpp's Gemma converters store them
+        if one_plus_norms and name.endswith("norm.weight"):  # as llama.cpp's Gemma and Nemotron converters store them
             tensor = tensor + 1
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -347,6 +351,10 @@ def write_gguf_from_hf(path: Path, arch: str, model, fused_qkv: bool = False, ma
         if name.endswith("shared_mlp.output_linear.weight"):
             w.add_tensor(name.replace("model.layers.", "blk.").replace("shared_mlp.output_linear", "ffn_down"),
                          tensor.detach().float().numpy())
+            continue
+        if name.endswith("mlp.gate.moe_statics.e_score_correction_bias"):  # ERNIE 4.5's [1, experts], a vector
+            prefix = name.removesuffix("mlp.gate.moe_statics.e_score_correction_bias").replace("model.layers.", "blk.")
+            w.add_tensor(prefix + "exp_probs_b.bias", tensor.detach().float().reshape(-1).numpy())
             continue
         if name.endswith("mlp.shared_expert_gate.weight"):  # [1, hidden], which llama.cpp declares a vector
             tensor = tensor.reshape(-1)
@@ -494,6 +502,14 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
     elif arch == "starcoder2":  # LayerNorms, biases everywhere, an ungated GELU, a window shorter than the prompts
         model = transformers.Starcoder2ForCausalLM(transformers.Starcoder2Config(
             **_layer_norm_eps(common, "norm_epsilon"), sliding_window=24))
+    elif arch == "ernie4_5_moe":  # interleaved rotary pairs; a dense first layer, then 6 experts (3 a token) chosen
+        # by softmax scores plus a bias (moved off 0 below, far enough to change the choice), beside a shared one
+        model = transformers.Ernie4_5_MoeForCausalLM(transformers.Ernie4_5_MoeConfig(
+            **{**common, "num_hidden_layers": 3}, head_dim=64, moe_num_experts=6, moe_k=3, moe_intermediate_size=96,
+            moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=2))
+    elif arch == "nemotron":  # LayerNorms of (1 + w), an ungated MLP of relu squared, half of each head rotated
+        model = transformers.NemotronForCausalLM(transformers.NemotronConfig(**_layer_norm_eps(common, "norm_eps"),
+                                                                             head_dim=64))
     elif arch == "cohere":  # a parallel block on one LayerNorm without bias, interleaved rotary pairs, logits scaled
         model = transformers.CohereForCausalLM(transformers.CohereConfig(
             **_layer_norm_eps({**common, "tie_word_embeddings": True}), logit_scale=0.3, pad_token_id=0))
@@ -514,7 +530,8 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
                                   "smollm3", "phi3",
                                   "ministral3", "gemma", "gemma2", "gemma3_text", "glm4", "ernie4_5", "mixtral",
                                   "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gpt_oss", "seed_oss", "arcee",
-                                  "glm4_moe", "phi", "stablelm", "starcoder2", "cohere", "cohere2"])
+                                  "glm4_moe", "phi", "stablelm", "starcoder2", "cohere", "cohere2", "nemotron",
+                                  "ernie4_5_moe"])
 def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arch):
     """Qwen3 (q and k RMS-normalized per head before rotary, head_dim beyond hidden / heads), Qwen2 (q/k/v
     biases), OLMo 2 (attention's and the MLP's outputs normalized instead of their inputs, q and k
@@ -538,8 +555,10 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
     LayerNorm, biases on every matmul and the LM head, 0.4 of each head rotated), StableLM
     (LayerNorms, q/k/v biases, a quarter of each head rotated), StarCoder2 (LayerNorms, biases, an
     ungated GELU, a window), Command R (a parallel block on a LayerNorm without bias, interleaved
-    rotary pairs, the logits scaled) and Command R7B (Cohere2: three sliding layers to one global
-    that rotates nothing), each from a Hugging Face directory
+    rotary pairs, the logits scaled), Command R7B (Cohere2: three sliding layers to one global
+    that rotates nothing), Nemotron (LayerNorms of (1 + w), relu squared, half of each head
+    rotated) and ERNIE 4.5's MoE (experts chosen by softmax scores plus a bias, beside a shared one),
+    each from a Hugging Face directory
     (fp32, and bf16 or fp16) and from a GGUF file in llama.cpp's layout, against transformers:
     reading the same GGUF where it can (Qwen, Phi-3), else the model the file was written from
     (for gpt-oss with YaRN's ramp truncated and the SwiGLU clamped at 7, as llama.cpp computes
@@ -568,6 +587,17 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
         tensors[extra + "eh_proj.weight"] = torch.randn(128, 256)
         save_file(tensors, str(file), metadata={"format": "pt"})
         assert model.config.num_nextn_predict_layers == 1
+    if arch == "ernie4_5_moe":  # ERNIE 4.5's checkpoints hold an MTP block of their own names, which is not run
+        from safetensors.torch import load_file, save_file
+
+        [file] = (tmp_path / "hf").glob("*.safetensors")
+        tensors = load_file(file)
+        tensors.update({"model.mtp_block.0.input_layernorm.weight": torch.randn(128),
+                        "model.mtp_emb_norm.0.weight": torch.randn(128),
+                        "model.mtp_linear_proj.0.weight": torch.randn(128, 256)})
+        save_file(tensors, str(file), metadata={"format": "pt"})
+        config_json = tmp_path / "hf" / "config.json"
+        config_json.write_text(json.dumps({**json.loads(config_json.read_text()), "num_nextn_predict_layers": 1}))
     if arch == "glm4":  # a quarter of each head rotated (transformers keeps it in rope_parameters), else half
         raw = json.loads((tmp_path / "hf" / "config.json").read_text())
         assert raw["rope_parameters"]["partial_rotary_factor"] == 0.25
@@ -592,7 +622,7 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
         # llama.cpp's names for OLMo 3 and Granite 4.0's attention-only models
         named = {"olmo3": "olmo2", "granitemoehybrid": "granite"}.get(arch, arch) if source.suffix == ".gguf" else arch
         assert (config.architecture, config.head_dim) == (named, {"qwen3": 128, "gemma": 96, "phi": 80}.get(arch, 64))
-        assert config.rotary_dim == {"glm4": 16, "glm4_moe": 16, "phi": 32, "stablelm": 16}.get(arch)
+        assert config.rotary_dim == {"glm4": 16, "glm4_moe": 16, "phi": 32, "stablelm": 16, "nemotron": 32}.get(arch)
         if arch == "ministral3":  # YaRN stretches 64 positions to 256; the queries' scaling starts at 64
             assert (config.max_position_embeddings, config.query_scaling) == (256, (pytest.approx(0.1), 64))
         if arch in ("gemma2", "gemma3_text", "olmo3"):  # the windows and rotary bases as transformers has them
@@ -1108,7 +1138,7 @@ def test_a_token_alone_through_routed_experts_is_its_row_of_a_batch():
                                   "phi3_longrope", "qwen3_yarn", "gemma", "gemma2", "gemma3_text", "glm4",
                                   "ernie4_5", "olmo3", "exaone4", "ministral3", "mixtral", "qwen3_moe", "qwen2_moe",
                                   "olmoe", "granitemoe", "gpt_oss", "seed_oss", "arcee", "glm4_moe", "phi", "stablelm",
-                                  "starcoder2", "cohere", "cohere2"])
+                                  "starcoder2", "cohere", "cohere2", "nemotron", "ernie4_5_moe"])
 def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_path, monkeypatch, arch):
     """The GGUF file llama.cpp's `convert_hf_to_gguf.py` made of a tiny checkpoint of each
     architecture (tests/converter_fixtures.py; its names, row orders, norm offsets, stacked
@@ -1168,7 +1198,8 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
 
 @pytest.mark.parametrize("arch", ["qwen3", "olmo2", "olmo3", "smollm3", "gemma", "gemma2", "gemma3_text", "glm4",
                                   "ernie4_5", "ministral3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe",
-                                  "gpt_oss", "seed_oss", "arcee", "glm4_moe", "phi", "stablelm", "cohere2"])
+                                  "gpt_oss", "seed_oss", "arcee", "glm4_moe", "phi", "stablelm", "cohere2",
+                                  "ernie4_5_moe"])
 def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arch):
     """Through the engine as a user runs it: the directory's own tokenizer and chat template, a
     batch of chats (longer than Gemma's 24-token window) in small prefill chunks, the prefix cache

@@ -15,6 +15,7 @@ from inflight.model.layer_plan import (
     GEGLU_LAYER,
     LAYER_NORM_GELU_LAYER,
     LAYER_NORM_LAYER,
+    LAYER_NORM_RELU_SQUARED_LAYER,
     LLAMA_LAYER,
     PARALLEL_GELU_LAYER,
     PARALLEL_LAYER,
@@ -121,7 +122,8 @@ class Architecture:
     # llama.cpp tensor names this architecture uses for other weights than `GGUF_LAYER_NAMES` says.
     gguf_names: dict[str, str] = field(default_factory=dict)
     # Gemma's: the embeddings multiplied by sqrt(hidden_size); its Hugging Face checkpoints store
-    # each RMSNorm scale as (scale - 1), which llama.cpp's converter adds back.
+    # each RMSNorm scale as (scale - 1), which llama.cpp's converter adds back (Nemotron's its
+    # LayerNorms' alike).
     scaled_embedding: bool = False
     hf_norm_offset: float = 0.0
     # A GGUF file's `logit_scale` multiplies the logits (Command R's); False: divides them (Granite's).
@@ -236,6 +238,9 @@ _INPUT_NORM_ONLY = {"input_norm": "input_layernorm.weight"}  # a parallel block'
 _COHERE = Architecture("cohere", plan=PARALLEL_LAYER, norms=_INPUT_NORM_ONLY, gguf_interleaved_qk=False,
                        interleaved_rotary=True, gguf_logit_scale_multiplies=True)
 
+# ERNIE 4.5's MoE models: GLM-4.5's names but its choice bias's (a softmax router's).
+_ERNIE_MOE_EXPERTS = dataclasses.replace(_GLM4_MOE_EXPERTS, choice_bias="mlp.moe_statics.e_score_correction_bias")
+
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     Architecture("llama"),
     Architecture("mistral"),
@@ -346,12 +351,27 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                  gguf_interleaved_qk=False,
                  gguf_names={"ffn_up.weight": "mlp.c_fc.weight", "ffn_up.bias": "mlp.c_fc.bias",
                              "ffn_down.weight": "mlp.c_proj.weight", "ffn_down.bias": "mlp.c_proj.bias"}),
+    # Nemotron (Nemotron-4 Minitron, Mistral-NeMo-Minitron's base): LayerNorms whose scales are stored
+    # as (scale - 1), an ungated MLP of relu squared, half of each head rotated
+    Architecture("nemotron", plan=LAYER_NORM_RELU_SQUARED_LAYER,
+                 matmuls={**_LLAMA_MATMULS, "gate_up": ("mlp.up_proj.weight",)}, gguf_interleaved_qk=False,
+                 hf_norm_offset=1.0, hf_partial_rotary_factor=0.5),
     # Command R (Cohere): attention and a SwiGLU MLP side by side on one LayerNorm without bias, each
     # head rotated as interleaved pairs, the logits scaled
     _COHERE,
     # Command R7B, Command A (Cohere2): Command R's layer, three sliding layers to one global, and
     # the global ones rotate nothing
     dataclasses.replace(_COHERE, name="cohere2", window_pattern=4, nope_where_global=True),
+    # ERNIE 4.5's MoE models (ERNIE-4.5-21B-A3B, 300B-A47B): ERNIE 4.5's layer; the first layers dense,
+    # then routed experts chosen by their softmax scores plus a bias, the chosen renormalized, beside
+    # a shared expert (its MTP layers left unread)
+    Architecture("ernie4_5_moe", plan=with_routed_experts(LLAMA_LAYER), gguf_interleaved_qk=False,
+                 interleaved_rotary=True, experts=_ERNIE_MOE_EXPERTS, experts_always_renormalized=True,
+                 gguf_shared_width_from_experts=True,
+                 gguf_names={"exp_probs_b.bias": "mlp.moe_statics.e_score_correction_bias",
+                             "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+                             "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+                             "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight"}),
     # gpt-oss: Llama's layer with biases on every attention matmul and learned attention sinks (a
     # score per head that joins each softmax's sum), sliding and global layers alternating, YaRN;
     # every MLP routed, the softmax over the chosen experts' scores, their clamped SwiGLU with biases
@@ -365,7 +385,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
 # to files with routed experts (`expert_count`), which Hugging Face names apart.
 GGUF_ARCHITECTURES = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
                       "mistral3": "ministral3", "qwen2vl": "qwen2_5_vl_text", "qwen3vl": "qwen3_vl_text",
-                      "gpt-oss": "gpt_oss", "glm4moe": "glm4_moe", "phi2": "phi", "command-r": "cohere"}
+                      "gpt-oss": "gpt_oss", "glm4moe": "glm4_moe", "phi2": "phi", "command-r": "cohere",
+                      "ernie4_5-moe": "ernie4_5_moe"}
 GGUF_EXPERT_ARCHITECTURES = {"llama": "mixtral", "mistral": "mixtral"}
 
 # llama.cpp's stacked expert tensors (`blk.N.` + these, [experts, rows, cols]) -> which of an

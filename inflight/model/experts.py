@@ -1,4 +1,5 @@
-"""A layer's MLP as routed experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, gpt-oss): a router
+"""A layer's MLP as routed experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, gpt-oss, GLM-4.5,
+ERNIE 4.5): a router
 scores every expert for each token, the token goes through its `top_k` best, and their outputs are
 summed weighted by the router's softmax over the experts (renormalized over the chosen ones where
 the model says so: gpt-oss's softmax over the chosen scores is that). Qwen2-MoE adds a shared
@@ -32,8 +33,8 @@ class RoutedExperts:
             raise ValueError("one gate/up and one down matmul per expert, and a router unless there is one")
         if shared is not None and (router is None or (shared[2] is not None and shared[2].out_features != 1)):
             raise ValueError("a shared expert sits beside routed ones, gated by one output or not at all")
-        if scoring not in ("softmax", "sigmoid") or (choice_bias is not None and scoring != "sigmoid"):
-            raise ValueError(f"experts scored by a softmax or by sigmoids (a bias for their choice), not {scoring!r}")
+        if scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"experts scored by a softmax or by sigmoids, not {scoring!r}")
         self.router, self.gate_up, self.down = router, list(gate_up), list(down)
         self.top_k, self.normalize, self.shared = top_k, normalize, shared
         self.scoring, self.choice_bias, self.scale = scoring, choice_bias, scale
@@ -81,8 +82,9 @@ class RoutedExperts:
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's `top_k` experts `[tokens, top_k]` (best first) and their weights, in `x`'s
         dtype: the softmax over all experts in fp32, renormalized over the chosen where
-        `normalize`; or each expert's sigmoid, the choice by those plus `choice_bias`, the chosen
-        sigmoids renormalized where `normalize` (GLM-4.5's); times `scale`."""
+        `normalize`; or each expert's sigmoid, the chosen sigmoids renormalized where `normalize`
+        (GLM-4.5's); either way the choice by the scores plus `choice_bias` where there is one
+        (GLM-4.5's, ERNIE 4.5's); times `scale`."""
         assert self.router is not None
         logits = self.router(x).float()
         if self.scoring == "sigmoid":
@@ -93,7 +95,12 @@ class RoutedExperts:
             if self.normalize:
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         else:
-            weights, chosen = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+            probs = torch.softmax(logits, dim=-1)
+            if self.choice_bias is None:
+                weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+            else:
+                chosen = torch.topk(probs + self.choice_bias, self.top_k, dim=-1).indices
+                weights = probs.gather(1, chosen)
             if self.normalize:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.scale != 1:

@@ -132,9 +132,12 @@ READ_KEYS = frozenset({
     # GLM-4.5's routed experts and layers
     "n_routed_experts", "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace",
     "use_qk_norm", "num_nextn_predict_layers",
-    # the LayerNorm models' epsilon (Phi-2's, StableLM's, Command R's; StarCoder2's), Command R's
+    # ERNIE 4.5's routed experts and layers
+    "moe_num_experts", "moe_k", "moe_num_shared_experts", "moe_layer_start_index", "moe_layer_end_index",
+    "moe_layer_interval",
+    # the LayerNorm models' epsilon (Phi-2's, StableLM's, Command R's; StarCoder2's; Nemotron's), Command R's
     # logits' factor, StableLM's q/k/v biases
-    "layer_norm_eps", "norm_epsilon", "logit_scale", "use_qkv_bias",
+    "layer_norm_eps", "norm_epsilon", "norm_eps", "logit_scale", "use_qkv_bias",
 })
 # Config keys without effect on a forward pass in inference: training settings, bookkeeping,
 # generation defaults; and `mlp_bias`, whose biases are read from the checkpoint where they are.
@@ -146,6 +149,9 @@ NO_EFFECT_KEYS = frozenset({
     # Seed-OSS's: o's bias read from the checkpoint where it is (as mlp_bias'), its dropout
     "attention_out_bias", "residual_dropout",
     "router_jitter_noise",
+    # ERNIE 4.5's floor under the sum its chosen experts' weights are renormalized by (1e-12: never reached by a
+    # softmax's top k)
+    "moe_norm_min",
     # StableLM's and StarCoder2's dropouts
     "hidden_dropout", "embedding_dropout",
     # gpt-oss's published configs: the experts per token again (transformers reads
@@ -196,10 +202,10 @@ def refuse_unsupported(raw: dict[str, Any], path: Path) -> None:
     for key in ("n_group", "topk_group"):  # DeepSeek's group-limited choice
         if (raw.get(key) or 1) != 1:
             raise ModelLoadError(f"{path}: {key} = {raw[key]}: inflight does not choose experts within groups")
-    if (raw.get("n_shared_experts") or 0) > 0 and (arch.experts is None or not arch.experts.shared):
-        raise ModelLoadError(f"{path}: n_shared_experts = {raw['n_shared_experts']}: inflight runs no shared "
-                             f"experts for {arch.name}")
-    experts = raw.get("num_local_experts") or raw.get("num_experts") or raw.get("n_routed_experts")
+    for key in ("n_shared_experts", "moe_num_shared_experts"):
+        if (raw.get(key) or 0) > 0 and (arch.experts is None or not arch.experts.shared):
+            raise ModelLoadError(f"{path}: {key} = {raw[key]}: inflight runs no shared experts for {arch.name}")
+    experts = _num_experts(raw)
     if experts and arch.experts is None:
         raise ModelLoadError(f"{path}: {'num_local_experts' if raw.get('num_local_experts') else 'num_experts'} = "
                              f"{experts}: inflight runs no routed experts for {arch.name}")
@@ -318,7 +324,7 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
     attention_scale = raw.get("attention_multiplier")
     if raw.get("query_pre_attn_scalar") is not None:
         attention_scale = float(raw["query_pre_attn_scalar"]) ** -0.5
-    num_experts = int(raw.get("num_local_experts") or raw.get("num_experts") or raw.get("n_routed_experts") or 0)
+    num_experts = _num_experts(raw)
     query = query_scaling((rope_scaling or {}).get("original_max_position_embeddings"),
                           rope_given.get("llama_4_scaling_beta"))
     eos = raw.get("eos_token_id")
@@ -357,7 +363,7 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         attn_logit_softcap=_positive(raw.get("attn_logit_softcapping")),
         final_logit_softcap=_positive(raw.get("final_logit_softcapping")),
         num_experts=num_experts,
-        num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0) if num_experts else 0,
+        num_experts_per_tok=int(raw.get("num_experts_per_tok") or raw.get("moe_k") or 0) if num_experts else 0,
         moe_intermediate_size=int(raw["moe_intermediate_size"]) if raw.get("moe_intermediate_size") else None,
         # as the architecture always does, else as the config says or its class's default (no);
         # without experts the field's default
@@ -378,8 +384,9 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
 
 def _norm_eps(raw: dict[str, Any], row: Architecture | None) -> float:
     """The norms' epsilon: an RMSNorm's `rms_norm_eps`, a LayerNorm's `layer_norm_eps` (StarCoder2's
-    `norm_epsilon`), the architecture's own kind first; else transformers' Llama default."""
-    rms, layer = ("rms_norm_eps",), ("layer_norm_eps", "norm_epsilon")
+    `norm_epsilon`, Nemotron's `norm_eps`), the architecture's own kind first; else transformers'
+    Llama default."""
+    rms, layer = ("rms_norm_eps",), ("layer_norm_eps", "norm_epsilon", "norm_eps")
     for key in layer + rms if row is not None and row.layer_norm else rms + layer:
         if raw.get(key) is not None:
             return float(raw[key])
@@ -405,13 +412,24 @@ def _local_rope_theta(local: dict[str, Any] | None, theta: float, row: Architect
     return theta if row is not None and row.local_rope_unscaled else None
 
 
+def _num_experts(raw: dict[str, Any]) -> int:
+    """The routed experts a config gives each MoE layer, under any of its architectures' keys."""
+    return int(raw.get("num_local_experts") or raw.get("num_experts") or raw.get("n_routed_experts")
+               or raw.get("moe_num_experts") or 0)
+
+
 def _moe_layers(raw: dict[str, Any]) -> tuple[bool, ...] | None:
-    """Which layers route to experts: every `decoder_sparse_step`-th one not in `mlp_only_layers`
-    (Qwen3-MoE) from the `first_k_dense_replace`-th on (GLM-4.5); None: every layer."""
-    step, dense = int(raw.get("decoder_sparse_step") or 1), set(raw.get("mlp_only_layers") or ())
-    first = int(raw.get("first_k_dense_replace") or 0)
-    layers = tuple(i not in dense and (i + 1) % step == 0 and i >= first for i in range(int(raw["num_hidden_layers"])))
-    return None if all(layers) else layers
+    """Which layers route to experts: every `decoder_sparse_step`-th one (ERNIE 4.5's
+    `moe_layer_interval`) not in `mlp_only_layers` (Qwen3-MoE) from the `first_k_dense_replace`-th
+    on (GLM-4.5; ERNIE 4.5's `moe_layer_start_index`, up to its `moe_layer_end_index`); None:
+    every layer."""
+    step = int(raw.get("decoder_sparse_step") or raw.get("moe_layer_interval") or 1)
+    dense = set(raw.get("mlp_only_layers") or ())
+    layers = int(raw["num_hidden_layers"])
+    first = int(raw.get("first_k_dense_replace") or raw.get("moe_layer_start_index") or 0)
+    last = layers - 1 if raw.get("moe_layer_end_index") is None else int(raw["moe_layer_end_index"])
+    routed = tuple(i not in dense and (i + 1) % step == 0 and first <= i <= last for i in range(layers))
+    return None if all(routed) else routed
 
 
 def _shared_width(raw: dict[str, Any]) -> int | None:
@@ -419,8 +437,9 @@ def _shared_width(raw: dict[str, Any]) -> int | None:
     `n_shared_experts` experts' (moe_intermediate_size each) as one; None: no shared expert."""
     if raw.get("shared_expert_intermediate_size"):
         return int(raw["shared_expert_intermediate_size"])
-    if raw.get("n_shared_experts"):
-        return int(raw["n_shared_experts"]) * int(raw["moe_intermediate_size"])
+    shared = raw.get("n_shared_experts") or raw.get("moe_num_shared_experts")  # GLM-4.5's, ERNIE 4.5's
+    if shared:
+        return int(shared) * int(raw["moe_intermediate_size"])
     return None
 
 

@@ -182,6 +182,9 @@ LAYER_NORM_LAYER = with_layer_norm(LLAMA_LAYER)
 # StarCoder2's: LayerNorms, the MLP ungated: down(gelu(up(x))).
 LAYER_NORM_GELU_LAYER = with_activation(LAYER_NORM_LAYER, Op.GELU_TANH)
 
+# Nemotron's: LayerNorms, the MLP ungated: down(relu(up(x)) ** 2).
+LAYER_NORM_RELU_SQUARED_LAYER = with_activation(LAYER_NORM_LAYER, Op.RELU_SQUARED)
+
 # Command R's: attention and the MLP side by side on one LayerNorm of the residual stream, both
 # outputs added to it (a "parallel" block: x + attn(ln(x)) + mlp(ln(x))).
 PARALLEL_LAYER: tuple[Step, ...] = (

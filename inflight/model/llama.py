@@ -349,7 +349,8 @@ class LlamaModel:
             shared_gate, shared_up, shared_down = names.shared
             shared = (matmul(shared_gate, shared_up), matmul(shared_down),
                       matmul(names.shared_gate) if names.shared_gate is not None else None)
-        choice_bias = take(prefix + names.choice_bias).float() if names.choice_bias is not None else None
+        # (ERNIE 4.5's is stored [1, experts])
+        choice_bias = take(prefix + names.choice_bias).float().reshape(-1) if names.choice_bias is not None else None
         return RoutedExperts(matmul(names.router), gate_up, down, config.num_experts_per_tok,
                              config.norm_topk_prob, shared, scoring=config.expert_scoring,
                              choice_bias=choice_bias, scale=config.routed_scaling)

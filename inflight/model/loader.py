@@ -595,8 +595,10 @@ def _gguf_config(reader: Any) -> ModelConfig:
         # llama.cpp's converter interleaves the rotated halves of these architectures' full heads
         raise ModelLoadError(f"{arch}.rope.dimension_count = {rotary_dims} rotates part of each {head_dim}-wide "
                              f"head, which inflight does not compute for {arch} files")
-    shared = row.experts is not None and bool(row.experts.shared)  # Qwen2-MoE's one shared expert
-    for key, allowed in (("expert_shared_count", 1 if shared else 0),
+    # Qwen2-MoE's one shared expert; GLM-4.5's and ERNIE 4.5's any number, stored as one MLP as wide as them all
+    shared = row.experts is not None and bool(row.experts.shared)
+    any_count = shared and row.gguf_shared_width_from_experts
+    for key, allowed in (("expert_shared_count", None if any_count else 1 if shared else 0),
                          ("expert_shared_feed_forward_length", None if shared else 0)):
         value = gguf_field(reader, f"{arch}.{key}")
         if value and (allowed is not None and int(value) > allowed):
@@ -1126,8 +1128,9 @@ def _hf_header(path: Path) -> dict[str, _Stored]:
     text = raw.get("text_config") or raw
     runs = int(text.get("num_hidden_layers") or 0) if text.get("num_nextn_predict_layers") else None
 
-    def mtp(name: str) -> bool:
-        return runs is not None and name.startswith("model.layers.") and int(name.split(".")[2]) >= runs
+    def mtp(name: str) -> bool:  # GLM-4.5's layers after the decoder's, ERNIE 4.5's blocks of their own
+        return runs is not None and ((name.startswith("model.layers.") and int(name.split(".")[2]) >= runs)
+                                     or name.startswith("model.mtp_"))
 
     header: dict[str, _Stored] = {}
     for file in sorted(path.glob("*.safetensors")):

@@ -4016,9 +4016,9 @@ torch::Tensor run_linear(const StackLinear& lin, const torch::Tensor& x) {
 
 // A layer's routed-experts MLP (model/experts.py's RoutedExperts, the same ATen ops in the same
 // order, so the same values bit for bit): each token through the top_k experts its router scores
-// highest, weighted by the softmax over all of them (renormalized over the chosen where
-// `normalize`), or chosen by their sigmoids plus `choice_bias` and weighted by their sigmoids
-// (GLM-4.5's), times `scale`; each expert one matmul over the tokens that chose it; a shared
+// highest (the scores plus `choice_bias` where there is one: GLM-4.5's, ERNIE 4.5's), weighted by
+// the softmax over all of them (renormalized over the chosen where `normalize`), or by their
+// sigmoids (GLM-4.5's), times `scale`; each expert one matmul over the tokens that chose it; a shared
 // expert every token runs, scaled by the sigmoid of its one-output gate where it has one, added
 // after. Without a router, a dense MLP (a layer of a MoE model that has no experts).
 struct StackExperts {
@@ -4045,7 +4045,13 @@ struct StackExperts {
       weights = scores.gather(1, chosen);
       if (normalize) weights = weights / (weights.sum(-1, true) + 1e-20);
     } else {
-      std::tie(weights, chosen) = torch::topk(torch::softmax(logits, -1), top_k, -1);
+      const torch::Tensor probs = torch::softmax(logits, -1);
+      if (choice_bias) {
+        chosen = std::get<1>(torch::topk(probs + *choice_bias, top_k, -1));
+        weights = probs.gather(1, chosen);
+      } else {
+        std::tie(weights, chosen) = torch::topk(probs, top_k, -1);
+      }
       if (normalize) weights = weights / weights.sum(-1, true);
     }
     if (scale != 1.0) weights = weights * scale;
