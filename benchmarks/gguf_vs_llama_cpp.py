@@ -48,6 +48,8 @@ Q4_K_M (and any other of `--quantize-types`: IQ4_XS, ...) by llama.cpp's own `ll
   1b: Llama-3.2-1B-shaped (hidden 2048, 16 layers, 32 heads, 8 KV heads, FFN 8192, vocab 128256,
       tied embeddings, rope theta 500000, no llama3 rope scaling), 1.3 GB in Q8_0
   8b: Llama-3.1-8B-shaped (hidden 4096, 32 layers, 32/8 heads, FFN 14336, untied output), 8.5 GB
+  phi-2: Phi-2's 32 layers (hidden 2560, 32 heads of 80 each with its own K and V, 32 dims of each
+      rotated, FFN 10240, ungated GELU, LayerNorms and biases), Llama 3's vocabulary; 3.2 GB in Q8_0
   gpt-oss-20b: gpt-oss-20b's 24 layers (hidden 2880, 64/8 heads of 64, sinks, a window of 128 every
       other layer, 32 experts of 2880, 4 a token) as llama.cpp's MXFP4_MOE leaves them (experts
       MXFP4 with random codes, the rest Q8_0), Llama 3's vocabulary; 11.7 GB, no llama-quantize
@@ -103,6 +105,10 @@ SHAPES: dict[str, dict[str, Any]] = {
     # gpt-oss-20b's layers (64 heads of 64 over 8 KV heads, sinks, a window of 128 every other layer, 32
     # experts of 2880, 4 a token) as llama.cpp's MXFP4_MOE writes them; Llama 3's vocabulary (128256 in
     # place of its 201088: the tokenizer of the fixture)
+    # Phi-2's layers (a parallel block on one LayerNorm, an ungated GELU, biases everywhere, 32 heads of 80 each
+    # with its own K and V, 32 of their dims rotated), Llama 3's vocabulary in place of its 51200
+    "phi-2": {"name": "phi-2-shaped", "arch": "phi2", "hidden": 2560, "layers": 32, "heads": 32, "kv_heads": 32,
+              "ffn": 10240, "vocab": 128256, "tied": False, "rotary": 32},
     "gpt-oss-20b": {"name": "gpt-oss-20b-shaped", "arch": "gpt-oss", "hidden": 2880, "layers": 24, "heads": 64,
                     "kv_heads": 8, "head_dim": 64, "experts": 32, "experts_used": 4, "ffn": 2880, "vocab": 128256,
                     "window": 128, "tied": False},
@@ -157,10 +163,11 @@ def make_models(out_dir: Path, sizes: list[str], llama_quantize: str | None, thr
 
 
 def write_model(path: Path, shape: dict[str, Any], seed: int, pool_blocks: int = 0, kind: str = "Q8_0") -> None:
-    """A Llama-shaped GGUF file of Q8_0 (or BF16) matrices (gguf-py's quantizer) and F32 norms, written one
-    slab of rows at a time (the 8B embedding alone is 2 GB in fp32), with the tokenizer.* keys of
-    llama.cpp's ggml-vocab-llama-bpe.gguf. With `pool_blocks`, gguf-py quantizes that many 32-weight
-    blocks of N(0, 0.02) once and every matrix is made of blocks drawn from them at random (with
+    """A Llama-shaped (or, for the "phi2" arch, Phi-2-shaped) GGUF file of Q8_0 (or BF16) matrices
+    (gguf-py's quantizer) and F32 norms (and biases, 0), written one slab of rows at a time (the 8B
+    embedding alone is 2 GB in fp32), with the tokenizer.* keys of llama.cpp's
+    ggml-vocab-llama-bpe.gguf. With `pool_blocks`, gguf-py quantizes that many 32-weight blocks of
+    N(0, 0.02) once and every matrix is made of blocks drawn from them at random (with
     replacement): the same distribution, minutes instead of an hour for the 8B on 2 cores."""
     import gguf
     import numpy as np
@@ -172,18 +179,22 @@ def write_model(path: Path, shape: dict[str, Any], seed: int, pool_blocks: int =
     q8 = gguf.GGMLQuantizationType[kind]
     block, block_bytes = gguf.GGML_QUANT_SIZES[q8]
 
-    w = gguf.GGUFWriter(str(path), "llama")
+    phi = shape.get("arch") == "phi2"
+    w = gguf.GGUFWriter(str(path), "phi2" if phi else "llama")
     w.add_name(shape["name"] + " (random weights)")
     w.add_block_count(n_layers)
-    w.add_context_length(8192)
+    w.add_context_length(2048 if phi else 8192)
     w.add_embedding_length(h)
     w.add_feed_forward_length(shape["ffn"])
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(500000.0)
-    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0 if phi else 500000.0)
+    if phi:
+        w.add_layer_norm_eps(1e-5)
+    else:
+        w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(shape["vocab"])
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(shape.get("rotary", head_dim))
     w.add_file_type(gguf.LlamaFileType[f"MOSTLY_{kind}"])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for key, field in vocab.fields.items():
@@ -193,20 +204,24 @@ def write_model(path: Path, shape: dict[str, Any], seed: int, pool_blocks: int =
 
     tensors: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (shape["vocab"], h))]
     for i in range(n_layers):
-        tensors += [
-            (f"blk.{i}.attn_norm.weight", (h,)),
-            (f"blk.{i}.attn_q.weight", (h, h)),
-            (f"blk.{i}.attn_k.weight", (kv_heads * head_dim, h)),
-            (f"blk.{i}.attn_v.weight", (kv_heads * head_dim, h)),
-            (f"blk.{i}.attn_output.weight", (h, h)),
-            (f"blk.{i}.ffn_norm.weight", (h,)),
-            (f"blk.{i}.ffn_gate.weight", (shape["ffn"], h)),
-            (f"blk.{i}.ffn_up.weight", (shape["ffn"], h)),
-            (f"blk.{i}.ffn_down.weight", (h, shape["ffn"])),
-        ]
+        matrices = [("attn_q", (h, h)), ("attn_k", (kv_heads * head_dim, h)), ("attn_v", (kv_heads * head_dim, h)),
+                    ("attn_output", (h, h))]
+        if phi:  # one LayerNorm, an ungated MLP, a bias beside each matrix and norm
+            matrices += [("ffn_up", (shape["ffn"], h)), ("ffn_down", (h, shape["ffn"]))]
+            tensors += [(f"blk.{i}.attn_norm.weight", (h,)), (f"blk.{i}.attn_norm.bias", (h,))]
+            for name, dims in matrices:
+                tensors += [(f"blk.{i}.{name}.weight", dims), (f"blk.{i}.{name}.bias", (dims[0],))]
+            continue
+        tensors += [(f"blk.{i}.attn_norm.weight", (h,)), *((f"blk.{i}.{n}.weight", d) for n, d in matrices),
+                    (f"blk.{i}.ffn_norm.weight", (h,)), (f"blk.{i}.ffn_gate.weight", (shape["ffn"], h)),
+                    (f"blk.{i}.ffn_up.weight", (shape["ffn"], h)), (f"blk.{i}.ffn_down.weight", (h, shape["ffn"]))]
     tensors.append(("output_norm.weight", (h,)))
+    if phi:
+        tensors.append(("output_norm.bias", (h,)))
     if not shape["tied"]:
         tensors.append(("output.weight", (shape["vocab"], h)))
+    if phi:
+        tensors.append(("output.bias", (shape["vocab"],)))
     for name, dims in tensors:
         if len(dims) == 1:
             w.add_tensor_info(name, dims, np.dtype(np.float32), 4 * dims[0])
@@ -214,10 +229,10 @@ def write_model(path: Path, shape: dict[str, Any], seed: int, pool_blocks: int =
             row_bytes = dims[1] // block * block_bytes
             w.add_tensor_info(name, (dims[0], row_bytes), np.dtype(np.uint8), dims[0] * row_bytes, raw_dtype=q8)
     fout, rng, pool = _start_data(w, seed, pool_blocks, q8, block)
-    for _, dims in tensors:
+    for name, dims in tensors:
         w.write_padding(fout, fout.tell())
-        if len(dims) == 1:
-            data = np.ones(dims, dtype=np.float32)
+        if len(dims) == 1:  # a norm's scales 1, a bias 0
+            data = np.ones(dims, dtype=np.float32) if "norm.weight" in name else np.zeros(dims, dtype=np.float32)
             data.tofile(fout)
             w.write_padding(fout, data.nbytes)
             continue
@@ -625,7 +640,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "gguf-vs-llama-cpp"),
                    help="the children's jobs, results and logs (kept; one set per file and engine)")
     p.add_argument("--make-models", metavar="DIR", help="write the GGUF files to DIR and exit")
-    p.add_argument("--sizes", default="1b", help="with --make-models: 1b, 8b, gpt-oss-20b or several, comma-separated")
+    p.add_argument("--sizes", default="1b",
+                   help="with --make-models: 1b, 8b, phi-2, gpt-oss-20b or several, comma-separated")
     p.add_argument("--llama-quantize", metavar="PATH", help="with --make-models: llama.cpp's llama-quantize")
     p.add_argument("--bf16", action="store_true", help="with --make-models: also a BF16 file of each size")
     p.add_argument("--quantize-types", default="Q4_K_M",
