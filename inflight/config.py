@@ -122,6 +122,9 @@ class ModelConfig:
     # renormalized where `norm_topk_prob`; either way times `routed_scaling`.
     expert_scoring: str = "softmax"
     routed_scaling: float = 1.0
+    # Apertus's xIELU, per layer: (alpha_p, alpha_n, beta, eps) as a GGUF file stores them (alpha_p and
+    # alpha_n before their softplus); None: read from the checkpoint's weights (or no xIELU).
+    xielu: tuple[tuple[float, float, float, float], ...] | None = None
     # Whether the plan's q/k norm steps run (GLM-4.5's `use_qk_norm`; a plan without them: moot).
     qk_norm: bool = True
     # Multi-token-prediction layers the checkpoint holds after the `num_layers` it runs (GLM-4.5's

@@ -139,6 +139,9 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "ernie4_5_moe": ("Ernie4_5_Moe", {"head_dim": 16, "num_hidden_layers": 3, "moe_num_experts": 4, "moe_k": 2,
                                       "moe_intermediate_size": 32, "moe_num_shared_experts": 2,
                                       "moe_layer_start_index": 1, "moe_layer_end_index": 2}),
+    # Apertus: q/k norm, an ungated MLP of xIELU (its numbers drawn as every other weight), llama3 rope scaling (its
+    # config's default, past 8192 positions: llama.cpp's converter writes it as rope_freqs)
+    "apertus": ("Apertus", {"head_dim": 16, "pad_token_id": 0}),
     # Nemotron: LayerNorms of (1 + w), an ungated MLP of relu squared, half of each head rotated
     "nemotron": ("Nemotron", {"head_dim": 16}),
     # Command R: a parallel block on a LayerNorm without bias, interleaved rotary pairs, the logits scaled, tied

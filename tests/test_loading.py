@@ -281,6 +281,10 @@ def write_gguf_from_hf(path: Path, arch: str, model, fused_qkv: bool = False, ma
         w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if getattr(cfg, "logit_scale", None) is not None:  # Command R's factor of the logits
         w.add_logit_scale(cfg.logit_scale)
+    if arch == "apertus":  # its xIELU numbers as llama.cpp's converter writes them: an array each, a number a layer
+        for part, add in (("alpha_p", w.add_xielu_alpha_p), ("alpha_n", w.add_xielu_alpha_n),
+                          ("beta", w.add_xielu_beta), ("eps", w.add_xielu_eps)):
+            add([float(getattr(layer.mlp.act_fn, part)) for layer in model.model.layers])
     w.add_vocab_size(cfg.vocab_size)
     w.add_pad_token_id(0)  # inside the tiny vocabulary (transformers' Phi-3 default is not)
     for key, scale in [("attention_multiplier", w.add_attention_scale), ("embedding_multiplier", w.add_embedding_scale),
@@ -351,6 +355,8 @@ def write_gguf_from_hf(path: Path, arch: str, model, fused_qkv: bool = False, ma
         if name.endswith("shared_mlp.output_linear.weight"):
             w.add_tensor(name.replace("model.layers.", "blk.").replace("shared_mlp.output_linear", "ffn_down"),
                          tensor.detach().float().numpy())
+            continue
+        if ".mlp.act_fn." in name:  # Apertus's xIELU numbers: metadata arrays, one number a layer (below)
             continue
         if name.endswith("mlp.gate.moe_statics.e_score_correction_bias"):  # ERNIE 4.5's [1, experts], a vector
             prefix = name.removesuffix("mlp.gate.moe_statics.e_score_correction_bias").replace("model.layers.", "blk.")
@@ -507,6 +513,14 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
         model = transformers.Ernie4_5_MoeForCausalLM(transformers.Ernie4_5_MoeConfig(
             **{**common, "num_hidden_layers": 3}, head_dim=64, moe_num_experts=6, moe_k=3, moe_intermediate_size=96,
             moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=2))
+    elif arch == "apertus":  # q/k norm, an ungated xIELU MLP (its numbers moved off their start below); its llama3
+        # rope scaling is the converter fixture's (llama.cpp writes it as rope_freqs, which this file writer does not)
+        model = transformers.ApertusForCausalLM(transformers.ApertusConfig(
+            **common, head_dim=64, rope_parameters={"rope_type": "default", "rope_theta": 12_000_000.0}))
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.act_fn.alpha_p.add_(torch.randn(1) * 0.3)
+                layer.mlp.act_fn.alpha_n.add_(torch.randn(1) * 0.3)
     elif arch == "nemotron":  # LayerNorms of (1 + w), an ungated MLP of relu squared, half of each head rotated
         model = transformers.NemotronForCausalLM(transformers.NemotronConfig(**_layer_norm_eps(common, "norm_eps"),
                                                                              head_dim=64))
@@ -531,7 +545,7 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
                                   "ministral3", "gemma", "gemma2", "gemma3_text", "glm4", "ernie4_5", "mixtral",
                                   "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gpt_oss", "seed_oss", "arcee",
                                   "glm4_moe", "phi", "stablelm", "starcoder2", "cohere", "cohere2", "nemotron",
-                                  "ernie4_5_moe"])
+                                  "ernie4_5_moe", "apertus"])
 def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arch):
     """Qwen3 (q and k RMS-normalized per head before rotary, head_dim beyond hidden / heads), Qwen2 (q/k/v
     biases), OLMo 2 (attention's and the MLP's outputs normalized instead of their inputs, q and k
@@ -557,8 +571,8 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
     ungated GELU, a window), Command R (a parallel block on a LayerNorm without bias, interleaved
     rotary pairs, the logits scaled), Command R7B (Cohere2: three sliding layers to one global
     that rotates nothing), Nemotron (LayerNorms of (1 + w), relu squared, half of each head
-    rotated) and ERNIE 4.5's MoE (experts chosen by softmax scores plus a bias, beside a shared one),
-    each from a Hugging Face directory
+    rotated), ERNIE 4.5's MoE (experts chosen by softmax scores plus a bias, beside a shared one) and
+    Apertus (an ungated MLP of xIELU, each layer's numbers its own), each from a Hugging Face directory
     (fp32, and bf16 or fp16) and from a GGUF file in llama.cpp's layout, against transformers:
     reading the same GGUF where it can (Qwen, Phi-3), else the model the file was written from
     (for gpt-oss with YaRN's ramp truncated and the SwiGLU clamped at 7, as llama.cpp computes
@@ -1138,7 +1152,7 @@ def test_a_token_alone_through_routed_experts_is_its_row_of_a_batch():
                                   "phi3_longrope", "qwen3_yarn", "gemma", "gemma2", "gemma3_text", "glm4",
                                   "ernie4_5", "olmo3", "exaone4", "ministral3", "mixtral", "qwen3_moe", "qwen2_moe",
                                   "olmoe", "granitemoe", "gpt_oss", "seed_oss", "arcee", "glm4_moe", "phi", "stablelm",
-                                  "starcoder2", "cohere", "cohere2", "nemotron", "ernie4_5_moe"])
+                                  "starcoder2", "cohere", "cohere2", "nemotron", "ernie4_5_moe", "apertus"])
 def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_path, monkeypatch, arch):
     """The GGUF file llama.cpp's `convert_hf_to_gguf.py` made of a tiny checkpoint of each
     architecture (tests/converter_fixtures.py; its names, row orders, norm offsets, stacked
@@ -1199,7 +1213,7 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
 @pytest.mark.parametrize("arch", ["qwen3", "olmo2", "olmo3", "smollm3", "gemma", "gemma2", "gemma3_text", "glm4",
                                   "ernie4_5", "ministral3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe",
                                   "gpt_oss", "seed_oss", "arcee", "glm4_moe", "phi", "stablelm", "cohere2",
-                                  "ernie4_5_moe"])
+                                  "ernie4_5_moe", "apertus"])
 def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arch):
     """Through the engine as a user runs it: the directory's own tokenizer and chat template, a
     batch of chats (longer than Gemma's 24-token window) in small prefill chunks, the prefix cache

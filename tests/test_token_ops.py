@@ -98,6 +98,9 @@ def test_ungated_activations_match(ops):
     up = torch.randn(33, 80) * 5
     torch.testing.assert_close(compiled.gelu_tanh(up), reference.gelu_tanh(up))
     torch.testing.assert_close(compiled.relu_squared(up), reference.relu_squared(up))
+    numbers = (0.7, 0.9, 0.5, -1e-6)  # Apertus's xIELU after the softplus: both branches, and x near 0
+    up[0, :8] = torch.tensor([0.0, -1e-7, 1e-7, -1e-6, -30.0, 30.0, -0.5, 0.5])
+    torch.testing.assert_close(compiled.xielu(up, *numbers), reference.xielu(up, *numbers))
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 8, 9, 100, 49152])

@@ -26,6 +26,7 @@ from inflight.model.layer_plan import (
     SANDWICH_QK_NORM_LAYER,
     SANDWICH_SWIGLU_LAYER,
     UNGATED,
+    XIELU_LAYER,
     Op,
     Step,
     with_routed_experts,
@@ -192,8 +193,9 @@ class Architecture:
     def activation(self) -> str:
         """The MLP's activation, as Hugging Face configs name it."""
         ops = {step.op for step in self.plan}
-        return ("gelu_pytorch_tanh" if {Op.GELU_TANH_AND_MUL, Op.GELU_TANH} & ops else "relu2" if Op.RELU_SQUARED in ops
-                else "silu")
+        if {Op.GELU_TANH_AND_MUL, Op.GELU_TANH} & ops:
+            return "gelu_pytorch_tanh"
+        return "relu2" if Op.RELU_SQUARED in ops else "xielu" if Op.XIELU in ops else "silu"
 
 
 _POST_NORMS = {"attn_out_norm": "post_attention_layernorm.weight", "mlp_out_norm": "post_feedforward_layernorm.weight"}
@@ -234,6 +236,9 @@ _GLM4_MOE_EXPERTS = dataclasses.replace(
     shared=("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight",
             "mlp.shared_experts.down_proj.weight"))
 
+# Apertus's xIELU's numbers, each a scalar, under `model.layers.N.`: alpha_p and alpha_n (before
+# their softplus), beta and eps.
+XIELU_WEIGHTS = ("mlp.act_fn.alpha_p", "mlp.act_fn.alpha_n", "mlp.act_fn.beta", "mlp.act_fn.eps")
 _INPUT_NORM_ONLY = {"input_norm": "input_layernorm.weight"}  # a parallel block's one norm
 _COHERE = Architecture("cohere", plan=PARALLEL_LAYER, norms=_INPUT_NORM_ONLY, gguf_interleaved_qk=False,
                        interleaved_rotary=True, gguf_logit_scale_multiplies=True)
@@ -356,6 +361,14 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     Architecture("nemotron", plan=LAYER_NORM_RELU_SQUARED_LAYER,
                  matmuls={**_LLAMA_MATMULS, "gate_up": ("mlp.up_proj.weight",)}, gguf_interleaved_qk=False,
                  hf_norm_offset=1.0, hf_partial_rotary_factor=0.5),
+    # Apertus (8B, 70B): Qwen3's q/k norm, an ungated MLP of xIELU with each layer's own four numbers
+    # (in a GGUF file: llama.cpp's `xielu.*` arrays), llama3 rope scaling
+    Architecture("apertus", plan=XIELU_LAYER,
+                 norms={"input_norm": "attention_layernorm.weight", "post_norm": "feedforward_layernorm.weight"},
+                 matmuls={**_LLAMA_MATMULS, "gate_up": ("mlp.up_proj.weight",)},
+                 extra_weights={**_QK_NORM, "xielu": XIELU_WEIGHTS}, gguf_interleaved_qk=False,
+                 gguf_names={"attn_norm.weight": "attention_layernorm.weight",
+                             "ffn_norm.weight": "feedforward_layernorm.weight"}),
     # Command R (Cohere): attention and a SwiGLU MLP side by side on one LayerNorm without bias, each
     # head rotated as interleaved pairs, the logits scaled
     _COHERE,

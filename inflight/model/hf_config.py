@@ -175,7 +175,7 @@ ROPE_TYPES = (None, "default", "linear", "llama3", "longrope", "su", "yarn")
 _ACTIVATION_NAMES = {"silu": (None, "silu", "swish"),
                      # (gelu_new: Phi's name for the same tanh form)
                      "gelu_pytorch_tanh": (None, "gelu_pytorch_tanh", "gelu_tanh", "gelu_new"),
-                     "relu2": (None, "relu2")}
+                     "relu2": (None, "relu2"), "xielu": (None, "xielu")}
 
 
 def refuse_unsupported(raw: dict[str, Any], path: Path) -> None:

@@ -75,6 +75,9 @@ class Op:
     GELU_TANH = "gelu_tanh"
     # dst += src, in place: the step reads its destination too (a parallel block's two outputs summed)
     ADD = "add"
+    # dst = xIELU(src), the whole of src, with the layer's own four numbers (`DecoderLayer.xielu`):
+    # Apertus's ungated MLP
+    XIELU = "xielu"
     # dst = src * `param`, a number (Granite's residual multiplier)
     SCALE = "scale"
     # dst = the MLP of `param`'s routed experts over src: each token through the few experts its
@@ -85,7 +88,7 @@ class Op:
 # The ops that read their destination register before writing it.
 READS_DST = frozenset({Op.ADD})
 # The MLP activations that read a gate/up matmul holding the up projection alone.
-UNGATED = frozenset({Op.RELU_SQUARED, Op.GELU_TANH})
+UNGATED = frozenset({Op.RELU_SQUARED, Op.GELU_TANH, Op.XIELU})
 # The norms of the residual stream, RMSNorm's and LayerNorm's.
 NORM_OPS = frozenset({Op.ADD_RMS_NORM, Op.RMS_NORM, Op.ADD_LAYER_NORM, Op.LAYER_NORM})
 
@@ -198,6 +201,10 @@ PARALLEL_LAYER: tuple[Step, ...] = (
 
 # Phi-2's: the parallel block with an ungated GELU MLP.
 PARALLEL_GELU_LAYER = with_activation(PARALLEL_LAYER, Op.GELU_TANH)
+
+
+# Apertus's: Qwen3's q/k norm, the MLP ungated: down(xielu(up(x))).
+XIELU_LAYER = with_activation(QK_NORM_LAYER, Op.XIELU)
 
 
 def with_routed_experts(plan: Sequence[Step]) -> tuple[Step, ...]:

@@ -140,6 +140,15 @@ def pair_rotary_dims(rows: torch.Tensor, num_heads: int, head_dim: int, rotary_d
     return rows.index_select(0, index)
 
 
+def xielu_numbers(alpha_p: float, alpha_n: float, beta: float, eps: float) -> tuple[float, float, float, float]:
+    """Apertus's xIELU's stored numbers as its formula reads them: (softplus(alpha_p),
+    beta + softplus(alpha_n), beta, eps), in fp32 as transformers computes them."""
+    f32 = torch.float32
+    a_p = torch.nn.functional.softplus(torch.tensor(alpha_p, dtype=f32))
+    a_n = torch.tensor(beta, dtype=f32) + torch.nn.functional.softplus(torch.tensor(alpha_n, dtype=f32))
+    return float(a_p), float(a_n), float(torch.tensor(beta, dtype=f32)), float(torch.tensor(eps, dtype=f32))
+
+
 class DecoderLayer(NamedTuple):
     """One decoder layer's weights, which the plan's steps name: the fused matmuls and the scales
     of the norms the architecture has."""
@@ -160,6 +169,7 @@ class DecoderLayer(NamedTuple):
     experts: RoutedExperts | None = None  # the MLP of a routed-experts plan (Mixtral, Qwen2/3-MoE, OLMoE, Granite MoE)
     sinks: torch.Tensor | None = None  # attention sinks, a score per query head (gpt-oss)
     norm_biases: dict[str, torch.Tensor] | None = None  # a LayerNorm's bias by its norm field, where it has one
+    xielu: tuple[float, float, float, float] | None = None  # Apertus's xIELU's numbers (`xielu_numbers`)
 
 
 NORMS = ("input_norm", "post_norm", "attn_out_norm", "mlp_out_norm")
@@ -268,7 +278,8 @@ class LlamaModel:
                 residual_scale=config.residual_scale,
                 rope=ROPE_NONE if not rotates else ROPE_LOCAL if local and config.local_rope_theta else ROPE_GLOBAL,
                 window=config.sliding_window if local else None,
-                **self._layer_extras(arch, take, p, config.qk_norm, weights.__contains__),
+                **self._layer_extras(arch, take, p, config.qk_norm, weights.__contains__,
+                                     config.xielu[i] if config.xielu else None),
             ))
         unused = sorted(set(weights) - taken)
         if unused:  # a weight the plan does not read is a feature it would silently leave out
@@ -357,16 +368,22 @@ class LlamaModel:
 
     @staticmethod
     def _layer_extras(arch: Architecture, take: Callable[[str], torch.Tensor], prefix: str,
-                      qk_norm: bool, present: Callable[[str], bool]) -> dict[str, Any]:
+                      qk_norm: bool, present: Callable[[str], bool],
+                      xielu: tuple[float, float, float, float] | None = None) -> dict[str, Any]:
         """The layer's norms (a LayerNorm's bias where the checkpoint has one) and other weights as
         the architecture names them (`DecoderLayer` fields: one weight as itself, several as a
-        tuple; the q/k norm's only where it runs, `ModelConfig.qk_norm`)."""
+        tuple; the q/k norm's only where it runs, `ModelConfig.qk_norm`); an xIELU's numbers as
+        `xielu_numbers` makes them, of `xielu` (a GGUF file's, `ModelConfig.xielu`) or else the
+        checkpoint's scalars."""
         extras: dict[str, Any] = {name: take(prefix + suffix) for name, suffix in arch.norms.items()}
         if arch.layer_norm:
             biases = {name: prefix + suffix.removesuffix(".weight") + ".bias" for name, suffix in arch.norms.items()}
             extras["norm_biases"] = {name: take(bias) for name, bias in biases.items() if present(bias)} or None
         for name, names in arch.extra_weights.items():
-            if qk_norm or name != "qk_norm":
+            if name == "xielu":
+                stored = xielu if xielu is not None else tuple(float(take(prefix + n)) for n in names)
+                extras[name] = xielu_numbers(*stored)
+            elif qk_norm or name != "qk_norm":
                 held = tuple(take(prefix + n) for n in names)
                 extras[name] = held[0] if len(held) == 1 else held
         return extras
@@ -409,6 +426,8 @@ class LlamaModel:
                                   layer.experts.scoring == "sigmoid", layer.experts.choice_bias, layer.experts.scale)
         if any(layer.sinks is not None for layer in layers):
             stack.set_sinks([layer.sinks for layer in layers if layer.sinks is not None])
+        if Op.XIELU in {step.op for step in self.plan}:
+            stack.set_xielu([number for layer in layers for number in layer.xielu or ()])
         return stack
 
     def _ensure_rope(self, positions: int) -> None:
@@ -544,6 +563,9 @@ class LlamaModel:
                     reg[dst] = ops.relu_squared(x)
                 elif op == Op.GELU_TANH:
                     reg[dst] = ops.gelu_tanh(x)
+                elif op == Op.XIELU:
+                    assert layer.xielu is not None
+                    reg[dst] = ops.xielu(x, *layer.xielu)
                 elif op == Op.ADD:
                     reg[dst].add_(x)
                 elif op == Op.QK_NORM:

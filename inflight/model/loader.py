@@ -716,7 +716,27 @@ def _gguf_config(reader: Any) -> ModelConfig:
         # where the plan's q/k norm is optional (GLM-4.5's), the file's tensors say
         qk_norm=not row.hf_qk_norm_key or "blk.0.attn_q_norm.weight" in tensor_names,
         mtp_layers=mtp_layers,
+        xielu=_gguf_xielu(reader, num_layers) if "xielu" in row.extra_weights else None,
     )
+
+
+# llama.cpp's keys of Apertus's xIELU numbers (a number for every layer, or one for all), in
+# `XIELU_WEIGHTS`' order
+_GGUF_XIELU_KEYS = ("xielu.alpha_p", "xielu.alpha_n", "xielu.beta", "xielu.eps")
+
+
+def _gguf_xielu(reader: Any, num_layers: int) -> tuple[tuple[float, float, float, float], ...]:
+    """A file's xIELU numbers per layer, as `ModelConfig.xielu` holds them."""
+    columns = []
+    for key in _GGUF_XIELU_KEYS:
+        value = gguf_field(reader, key)
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata lacks {key}")
+        values = [float(v) for v in value] if isinstance(value, list) else [float(value)] * num_layers
+        if len(values) < num_layers:
+            raise ModelLoadError(f"GGUF metadata {key} holds {len(values)} numbers for {num_layers} layers")
+        columns.append(values)
+    return tuple((p, n, b, e) for p, n, b, e in zip(*columns, strict=False))[:num_layers]
 
 
 def _gguf_logit_divisor(scale: Any, row: Architecture) -> float:
@@ -1230,6 +1250,8 @@ def _hf_kept(path: Path, config: ModelConfig) -> dict[str, str]:
     transposed = arch.experts is not None and arch.experts.stacked_transposed
 
     def width(name: str) -> int:  # a matrix's input dim: its last, but a transposed stack's [experts, in, out]
+        if not shapes[name]:  # a scalar (Apertus's xIELU numbers)
+            return 1
         stacked = transposed and name.split(".", 3)[-1] in arch.experts.stacked  # type: ignore[union-attr]
         return shapes[name][1] if stacked else shapes[name][-1]
 

@@ -89,6 +89,12 @@ class TorchTokenOps:
     def gelu_tanh(self, up: torch.Tensor) -> torch.Tensor:
         return F.gelu(up, approximate="tanh")
 
+    def xielu(self, up: torch.Tensor, alpha_p: float, alpha_n: float, beta: float, eps: float) -> torch.Tensor:
+        """Apertus's xIELU with its numbers after the softplus (`xielu_numbers`): alpha_p x^2 + beta x
+        where x > 0, else (expm1(min(x, eps)) - x) alpha_n + beta x."""
+        return torch.where(up > 0, alpha_p * up * up + beta * up,
+                           (torch.expm1(torch.clamp(up, max=eps)) - up) * alpha_n + beta * up)
+
     def clamped_swiglu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
         """gpt-oss's experts' gate: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g the
         gate clamped above at `limit`."""
@@ -165,6 +171,9 @@ class CpuKernelTokenOps(TorchTokenOps):
 
     def gelu_tanh(self, up: torch.Tensor) -> torch.Tensor:
         return self.kernels.gelu_tanh(up.contiguous())
+
+    def xielu(self, up: torch.Tensor, alpha_p: float, alpha_n: float, beta: float, eps: float) -> torch.Tensor:
+        return self.kernels.xielu(up.contiguous(), alpha_p, alpha_n, beta, eps)
 
     def qk_norm_(self, qkv: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         self.kernels.qk_norm_(qkv, scales[0], scales[1], self.num_heads, self.num_kv_heads, self.head_dim, self.eps)

@@ -1335,6 +1335,16 @@ torch::Tensor relu_squared(torch::Tensor x) {
 // An ungated MLP's activation (Phi-2's, StarCoder2's): gelu(x), its tanh form, every element.
 torch::Tensor gelu_tanh(torch::Tensor x) { return act_each(x, [](float v) { return gelu_tanh_of(v); }); }
 
+// Apertus's ungated MLP's activation, xIELU, with its numbers after their softplus: alpha_p x^2 +
+// beta x where x > 0, else (expm1(min(x, eps)) - x) alpha_n + beta x, every element.
+torch::Tensor xielu(torch::Tensor x, double alpha_p, double alpha_n, double beta, double eps) {
+  const float ap = static_cast<float>(alpha_p), an = static_cast<float>(alpha_n), b = static_cast<float>(beta),
+              e = static_cast<float>(eps);
+  return act_each(x, [ap, an, b, e](float v) {
+    return v > 0.f ? ap * v * v + b * v : (std::expm1(std::min(v, e)) - v) * an + b * v;
+  });
+}
+
 // GeGLU's gate (Gemma): gelu(gate) * up, GELU in its tanh form.
 torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up) {
   return act_and_mul(gate_up, [](float x, float u) { return gelu_tanh_of(x) * u; });
@@ -3996,7 +4006,7 @@ struct StackLinear {
 // The ops of inflight/model/layer_plan.py's Op, as a plan names them.
 enum class PlanOp {
   kAddRmsNorm, kMatmul, kRotaryStoreKv, kAttention, kSiluAndMul, kGeluTanhAndMul, kQkNorm, kAddResidual, kRmsNorm,
-  kScale, kRoutedExperts, kReluSquared, kAddLayerNorm, kLayerNorm, kGeluTanh, kAdd
+  kScale, kRoutedExperts, kReluSquared, kAddLayerNorm, kLayerNorm, kGeluTanh, kAdd, kXielu
 };
 const std::vector<std::pair<std::string, PlanOp>> kPlanOps = {
     {"add_rms_norm", PlanOp::kAddRmsNorm},   {"matmul", PlanOp::kMatmul},
@@ -4006,7 +4016,8 @@ const std::vector<std::pair<std::string, PlanOp>> kPlanOps = {
     {"rms_norm", PlanOp::kRmsNorm},          {"scale", PlanOp::kScale},
     {"routed_experts", PlanOp::kRoutedExperts}, {"relu_squared", PlanOp::kReluSquared},
     {"add_layer_norm", PlanOp::kAddLayerNorm}, {"layer_norm", PlanOp::kLayerNorm},
-    {"gelu_tanh", PlanOp::kGeluTanh},        {"add", PlanOp::kAdd}};
+    {"gelu_tanh", PlanOp::kGeluTanh},        {"add", PlanOp::kAdd},
+    {"xielu", PlanOp::kXielu}};
 constexpr int64_t kMaxRegs = 8;
 
 torch::Tensor run_linear(const StackLinear& lin, const torch::Tensor& x) {
@@ -4203,6 +4214,13 @@ class DecoderStack {
     experts_[layer] = std::move(made);
   }
 
+  // Each layer's xIELU numbers (Apertus's: alpha_p, alpha_n, beta, eps after their softplus), four a
+  // layer, layer after layer.
+  void set_xielu(std::vector<double> numbers) {
+    TORCH_CHECK(static_cast<int64_t>(numbers.size()) == 4 * num_layers_, "four xIELU numbers for every layer");
+    xielu_ = std::move(numbers);
+  }
+
   // Each layer's attention sinks (gpt-oss's: a score per query head, `finish_parts`), or none.
   void set_sinks(std::vector<torch::Tensor> sinks) {
     TORCH_CHECK(sinks.empty() || static_cast<int64_t>(sinks.size()) == num_layers_, "sinks for every layer, or none");
@@ -4275,6 +4293,13 @@ class DecoderStack {
           }
           case PlanOp::kAdd: {
             reg[step.dst].add_(src);
+            break;
+          }
+          case PlanOp::kXielu: {
+            TORCH_CHECK(static_cast<int64_t>(xielu_.size()) == 4 * num_layers_, "the layers' xIELU numbers are not set");
+            Range r("token ops: xielu");
+            const double* p = xielu_.data() + 4 * i;
+            reg[step.dst] = xielu(src.contiguous(), p[0], p[1], p[2], p[3]);
             break;
           }
           case PlanOp::kMatmul: {
@@ -4371,6 +4396,7 @@ class DecoderStack {
   std::vector<torch::Tensor> qk_norms_, sinks_;
   std::vector<int64_t> windows_, rope_tables_;
   std::vector<double> residual_scales_;
+  std::vector<double> xielu_;  // four a layer (set_xielu), where the plan has xielu
   std::vector<StackLinear> linears_;
   std::vector<StackExperts> experts_;  // per layer, where the plan routes to experts (set_experts)
   std::vector<PlanStep> plan_;
@@ -4598,6 +4624,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up (CPU, fp32)");
   m.def("relu_squared", &relu_squared, "relu(x) ** 2 (CPU, fp32)");
   m.def("gelu_tanh", &gelu_tanh, "gelu(x), its tanh form (CPU, fp32)");
+  m.def("xielu", &xielu, "xIELU(x) with its numbers after their softplus (CPU, fp32)");
   m.def("qk_norm_", &qk_norm_, "RMSNorm of the q and k of a fused qkv in groups of each scale's length, in place");
   m.def("gemm_panel_width", &gemm_panel_width, "Output columns per packed weight panel (32 with AVX-512)");
   m.def("gemm_max_rows", &gemm_max_rows, "The most rows the fp32 microkernel takes in one pass (this build)");
@@ -4664,5 +4691,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "A layer's routed-experts MLP: its matmuls (router, gate/ups, downs, shared), whether routed and shared, "
            "top_k, whether the chosen weights are renormalized, the clamped SwiGLU's alpha and limit (0: silu), "
            "whether sigmoids score the experts, their bias for the choice, the weights' scale")
-      .def("set_sinks", &DecoderStack::set_sinks, "Each layer's attention sinks (a score per query head), or none");
+      .def("set_sinks", &DecoderStack::set_sinks, "Each layer's attention sinks (a score per query head), or none")
+      .def("set_xielu", &DecoderStack::set_xielu, "Each layer's xIELU numbers, four a layer");
 }
