@@ -28,7 +28,7 @@ the same sources first (low priority: the build takes a while):
 
 OLMo 2's, Qwen2-MoE's, Qwen3-MoE's, OLMoE's, Phi-2's, StarCoder2's and Command R's converters ask for a
 byte-level BPE tokenizer they recognize by hash, GLM-4's and GLM-4.5's for their own special tokens, EXAONE 4's
-for a byte-level BPE of its own, StableLM's for Qwen's;
+for a byte-level BPE of its own, StableLM's for Qwen's, Hunyuan's for its tiktoken file;
 here they take the SentencePiece vocabulary instead (`_convert` patches those methods), which
 changes no weight or setting.
 """
@@ -142,6 +142,10 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     # Apertus: q/k norm, an ungated MLP of xIELU (its numbers drawn as every other weight), llama3 rope scaling (its
     # config's default, past 8192 positions: llama.cpp's converter writes it as rope_freqs)
     "apertus": ("Apertus", {"head_dim": 16, "pad_token_id": 0}),
+    # Hunyuan (dense): q/k norm after the rotary, its rope a fixed NTK alpha (its converter checks the base and the
+    # context of the published configs)
+    "hunyuan_v1_dense": ("HunYuanDenseV1", {"head_dim": 16, "max_position_embeddings": 32768, "rope_parameters": {
+        "rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}}),
     # Nemotron: LayerNorms of (1 + w), an ungated MLP of relu squared, half of each head rotated
     "nemotron": ("Nemotron", {"head_dim": 16}),
     # Command R: a parallel block on a LayerNorm without bias, interleaved rotary pairs, the logits scaled, tied
@@ -211,6 +215,8 @@ def _convert(llama_cpp: Path, arch: str, vocab: Path, work: Path, out: Path) -> 
               "Glm4MoeModel.set_vocab = lambda self: self._set_vocab_sentencepiece(); "
               "from conversion.stablelm import StableLMModel; "
               "StableLMModel.set_vocab = lambda self: self._set_vocab_sentencepiece(); "
+              "from conversion.hunyuan import HunYuanModel; "
+              "HunYuanModel.set_vocab = lambda self: self._set_vocab_sentencepiece(); "
               "runpy.run_path(sys.argv[0], run_name='__main__')")
     subprocess.run([sys.executable, "-c", runner, str(llama_cpp / "convert_hf_to_gguf.py"), str(hf),
                     "--outfile", str(out), "--outtype", "f32"], check=True)

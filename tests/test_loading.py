@@ -217,7 +217,7 @@ def write_gguf_from_hf(path: Path, arch: str, model, fused_qkv: bool = False, ma
     gguf_arch = {"gemma3_text": "gemma3", "mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe",
                  "olmo3": "olmo2", "ministral3": "mistral3", "granitemoehybrid": "granite",
                  "gpt_oss": "gpt-oss", "glm4_moe": "glm4moe", "phi": "phi2", "cohere": "command-r",
-                 "ernie4_5_moe": "ernie4_5-moe"}.get(arch, arch)
+                 "ernie4_5_moe": "ernie4_5-moe", "hunyuan_v1_dense": "hunyuan-dense"}.get(arch, arch)
     w = gguf.GGUFWriter(str(path), gguf_arch)
     if getattr(cfg, "num_experts_per_tok", None) and (getattr(cfg, "num_local_experts", None)
                                                       or getattr(cfg, "num_experts", None)):
@@ -247,7 +247,10 @@ def write_gguf_from_hf(path: Path, arch: str, model, fused_qkv: bool = False, ma
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("alpha"):  # Hunyuan's NTK alpha: the stretched base, as llama.cpp's converter writes it
+        w.add_rope_freq_base(rope["rope_theta"] * rope["alpha"] ** (head_dim / (head_dim - 2)))
+    else:
+        w.add_rope_freq_base(rope["rope_theta"])
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         w.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
     if rope.get("rope_type") == "linear":
@@ -521,6 +524,10 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
             for layer in model.model.layers:
                 layer.mlp.act_fn.alpha_p.add_(torch.randn(1) * 0.3)
                 layer.mlp.act_fn.alpha_n.add_(torch.randn(1) * 0.3)
+    elif arch == "hunyuan_v1_dense":  # q and k normalized per head after the rotary; its rope a fixed NTK alpha
+        model = transformers.HunYuanDenseV1ForCausalLM(transformers.HunYuanDenseV1Config(
+            **common, head_dim=64, rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
+                                                    "rope_theta": 10000.0}))
     elif arch == "nemotron":  # LayerNorms of (1 + w), an ungated MLP of relu squared, half of each head rotated
         model = transformers.NemotronForCausalLM(transformers.NemotronConfig(**_layer_norm_eps(common, "norm_eps"),
                                                                              head_dim=64))
@@ -545,7 +552,7 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
                                   "ministral3", "gemma", "gemma2", "gemma3_text", "glm4", "ernie4_5", "mixtral",
                                   "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gpt_oss", "seed_oss", "arcee",
                                   "glm4_moe", "phi", "stablelm", "starcoder2", "cohere", "cohere2", "nemotron",
-                                  "ernie4_5_moe", "apertus"])
+                                  "ernie4_5_moe", "apertus", "hunyuan_v1_dense"])
 def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arch):
     """Qwen3 (q and k RMS-normalized per head before rotary, head_dim beyond hidden / heads), Qwen2 (q/k/v
     biases), OLMo 2 (attention's and the MLP's outputs normalized instead of their inputs, q and k
@@ -572,7 +579,8 @@ def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arc
     rotary pairs, the logits scaled), Command R7B (Cohere2: three sliding layers to one global
     that rotates nothing), Nemotron (LayerNorms of (1 + w), relu squared, half of each head
     rotated), ERNIE 4.5's MoE (experts chosen by softmax scores plus a bias, beside a shared one) and
-    Apertus (an ungated MLP of xIELU, each layer's numbers its own), each from a Hugging Face directory
+    Apertus (an ungated MLP of xIELU, each layer's numbers its own) and Hunyuan (q/k norm after the
+    rotary, a fixed NTK alpha), each from a Hugging Face directory
     (fp32, and bf16 or fp16) and from a GGUF file in llama.cpp's layout, against transformers:
     reading the same GGUF where it can (Qwen, Phi-3), else the model the file was written from
     (for gpt-oss with YaRN's ramp truncated and the SwiGLU clamped at 7, as llama.cpp computes
@@ -1152,7 +1160,8 @@ def test_a_token_alone_through_routed_experts_is_its_row_of_a_batch():
                                   "phi3_longrope", "qwen3_yarn", "gemma", "gemma2", "gemma3_text", "glm4",
                                   "ernie4_5", "olmo3", "exaone4", "ministral3", "mixtral", "qwen3_moe", "qwen2_moe",
                                   "olmoe", "granitemoe", "gpt_oss", "seed_oss", "arcee", "glm4_moe", "phi", "stablelm",
-                                  "starcoder2", "cohere", "cohere2", "nemotron", "ernie4_5_moe", "apertus"])
+                                  "starcoder2", "cohere", "cohere2", "nemotron", "ernie4_5_moe", "apertus",
+                                  "hunyuan_v1_dense"])
 def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_path, monkeypatch, arch):
     """The GGUF file llama.cpp's `convert_hf_to_gguf.py` made of a tiny checkpoint of each
     architecture (tests/converter_fixtures.py; its names, row orders, norm offsets, stacked
@@ -1213,7 +1222,7 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
 @pytest.mark.parametrize("arch", ["qwen3", "olmo2", "olmo3", "smollm3", "gemma", "gemma2", "gemma3_text", "glm4",
                                   "ernie4_5", "ministral3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe",
                                   "gpt_oss", "seed_oss", "arcee", "glm4_moe", "phi", "stablelm", "cohere2",
-                                  "ernie4_5_moe", "apertus"])
+                                  "ernie4_5_moe", "apertus", "hunyuan_v1_dense"])
 def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arch):
     """Through the engine as a user runs it: the directory's own tokenizer and chat template, a
     batch of chats (longer than Gemma's 24-token window) in small prefill chunks, the prefix cache

@@ -57,6 +57,7 @@ def test_rotary_matches(ops, rows):
     torch.manual_seed(rows)
     width = (HEADS + 2 * KV_HEADS) * DIM
     qkv = torch.randn(rows, width)
+    original = qkv.clone()  # (the compiled rotary turns qkv in place)
     positions = torch.randint(0, 64, (rows,))
     angles = torch.outer(torch.arange(64.0), 1.0 / 10000 ** (torch.arange(0, DIM, 2) / DIM))
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
@@ -74,6 +75,15 @@ def test_rotary_matches(ops, rows):
     torch.testing.assert_close(stores[1].k_cache[slots], got[1])
     with pytest.raises(RuntimeError, match="rotary table"):
         compiled.rotary(qkv, torch.full((rows,), 64), cos, sin)
+    # The same in two steps (Hunyuan's q/k norm comes between): the rotary in place, then the store.
+    for ops, store in zip((reference, compiled), stores, strict=True):
+        store.k_cache.zero_(), store.v_cache.zero_()
+        q, k, v = ops.store_kv(ops.rotary_(original.clone(), positions, cos, sin), store)
+        for e, g in zip(expected, (q, k, v), strict=True):
+            torch.testing.assert_close(g, e)
+    torch.testing.assert_close(stores[1].k_cache, stores[0].k_cache)
+    torch.testing.assert_close(stores[1].k_cache[slots], expected[1])
+    torch.testing.assert_close(stores[1].v_cache[slots], expected[2])
 
 
 def test_silu_and_mul_matches(ops):

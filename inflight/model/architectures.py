@@ -20,6 +20,7 @@ from inflight.model.layer_plan import (
     PARALLEL_GELU_LAYER,
     PARALLEL_LAYER,
     POST_NORM_LAYER,
+    QK_NORM_AFTER_ROTARY_LAYER,
     QK_NORM_LAYER,
     RELU_SQUARED_LAYER,
     SANDWICH_NORM_LAYER,
@@ -127,6 +128,9 @@ class Architecture:
     # LayerNorms' alike).
     scaled_embedding: bool = False
     hf_norm_offset: float = 0.0
+    # A config's rope type "dynamic" with an `alpha` is NTK-aware scaling by a fixed alpha, the base
+    # stretched by alpha ** (d / (d - 2)) (Hunyuan's, as transformers reads it); False: refused.
+    hf_ntk_alpha: bool = False
     # A GGUF file's `logit_scale` multiplies the logits (Command R's); False: divides them (Granite's).
     gguf_logit_scale_multiplies: bool = False
     # Gemma's published configs say `hidden_act: "gelu"` for the tanh approximation, which
@@ -369,6 +373,12 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                  extra_weights={**_QK_NORM, "xielu": XIELU_WEIGHTS}, gguf_interleaved_qk=False,
                  gguf_names={"attn_norm.weight": "attention_layernorm.weight",
                              "ffn_norm.weight": "feedforward_layernorm.weight"}),
+    # Hunyuan's dense models (Hunyuan-0.5B to 7B): Llama's layer with q and k normalized per head after
+    # the rotary, its "dynamic" rope a fixed NTK alpha
+    Architecture("hunyuan_v1_dense", plan=QK_NORM_AFTER_ROTARY_LAYER, gguf_interleaved_qk=False, hf_ntk_alpha=True,
+                 extra_weights={"qk_norm": ("self_attn.query_layernorm.weight", "self_attn.key_layernorm.weight")},
+                 gguf_names={"attn_q_norm.weight": "self_attn.query_layernorm.weight",
+                             "attn_k_norm.weight": "self_attn.key_layernorm.weight"}),
     # Command R (Cohere): attention and a SwiGLU MLP side by side on one LayerNorm without bias, each
     # head rotated as interleaved pairs, the logits scaled
     _COHERE,
@@ -399,7 +409,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
 GGUF_ARCHITECTURES = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
                       "mistral3": "ministral3", "qwen2vl": "qwen2_5_vl_text", "qwen3vl": "qwen3_vl_text",
                       "gpt-oss": "gpt_oss", "glm4moe": "glm4_moe", "phi2": "phi", "command-r": "cohere",
-                      "ernie4_5-moe": "ernie4_5_moe"}
+                      "ernie4_5-moe": "ernie4_5_moe", "hunyuan-dense": "hunyuan_v1_dense"}
 GGUF_EXPERT_ARCHITECTURES = {"llama": "mixtral", "mistral": "mixtral"}
 
 # llama.cpp's stacked expert tensors (`blk.N.` + these, [experts, rows, cols]) -> which of an

@@ -1,10 +1,11 @@
-"""A layer's MLP as routed experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, gpt-oss, GLM-4.5,
-ERNIE 4.5): a router
-scores every expert for each token, the token goes through its `top_k` best, and their outputs are
-summed weighted by the router's softmax over the experts (renormalized over the chosen ones where
-the model says so: gpt-oss's softmax over the chosen scores is that). Qwen2-MoE adds a shared
-expert every token runs, its output scaled by the sigmoid of a one-row matmul of the token. The
-activation of each expert's gate/up output is the caller's (gpt-oss's clamped SwiGLU).
+"""A layer's MLP as routed experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, gpt-oss,
+GLM-4.5, ERNIE 4.5): a router scores every expert for each token, the token goes through its
+`top_k` best (by the scores plus a bias for the choice, GLM-4.5's and ERNIE 4.5's), and their
+outputs are summed weighted by the router's softmax over the experts (renormalized over the chosen
+ones where the model says so: gpt-oss's softmax over the chosen scores is that) or by their
+sigmoids (GLM-4.5's). Qwen2-MoE adds a shared expert every token runs, its output scaled by the
+sigmoid of a one-row matmul of the token (GLM-4.5's and ERNIE 4.5's, unscaled). The activation of
+each expert's gate/up output is the caller's (gpt-oss's clamped SwiGLU).
 
 The step's tokens are grouped by expert, so each expert runs one matmul over all the tokens that
 chose it, never one per token: a decode step of 64 requests with 8 of 128 experts each reads

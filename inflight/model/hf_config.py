@@ -154,6 +154,9 @@ NO_EFFECT_KEYS = frozenset({
     "moe_norm_min",
     # StableLM's and StarCoder2's dropouts
     "hidden_dropout", "embedding_dropout",
+    # Hunyuan's end-of-document token, a pretraining marker (its turns end at eos_token_id and the
+    # generation config's)
+    "eod_token_id",
     # gpt-oss's published configs: the experts per token again (transformers reads
     # num_experts_per_tok) and the original context again (YaRN's, in rope_scaling)
     "experts_per_token", "initial_context_length",
@@ -169,7 +172,9 @@ ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "low_freq_fa
                        # and the positions it serves, which the config's own key says too
                        "llama_4_scaling_beta", "max_position_embeddings",
                        # a VL model's rotary in sections for an image's grid: for text, the plain one
-                       "mrope_section", "mrope_interleaved"})
+                       "mrope_section", "mrope_interleaved",
+                       # Hunyuan's NTK alpha (`Architecture.hf_ntk_alpha`)
+                       "alpha"})
 ROPE_TYPES = (None, "default", "linear", "llama3", "longrope", "su", "yarn")
 # Each activation of a plan's MLP under the names configs give it.
 _ACTIVATION_NAMES = {"silu": (None, "silu", "swish"),
@@ -207,8 +212,8 @@ def refuse_unsupported(raw: dict[str, Any], path: Path) -> None:
             raise ModelLoadError(f"{path}: {key} = {raw[key]}: inflight runs no shared experts for {arch.name}")
     experts = _num_experts(raw)
     if experts and arch.experts is None:
-        raise ModelLoadError(f"{path}: {'num_local_experts' if raw.get('num_local_experts') else 'num_experts'} = "
-                             f"{experts}: inflight runs no routed experts for {arch.name}")
+        key = next(k for k in _EXPERT_COUNT_KEYS if raw.get(k))
+        raise ModelLoadError(f"{path}: {key} = {experts}: inflight runs no routed experts for {arch.name}")
     _refuse_rope(raw, path)
 
 
@@ -260,6 +265,15 @@ def _rope_parameters(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
         params = dict(params.get("full_attention") or {})
     if raw.get("rope_local_base_freq") is not None:
         local = {"rope_type": "default", "rope_theta": raw["rope_local_base_freq"]}
+    row = ARCHITECTURES.get(str(raw.get("model_type")))
+    kind = params.get("rope_type", params.get("type"))
+    if row is not None and row.hf_ntk_alpha and kind == "dynamic" and params.get("alpha"):
+        # Hunyuan's "dynamic" with a fixed alpha: NTK-aware scaling that only stretches the base, by
+        # alpha ** (d / (d - 2)) for heads of d, as transformers computes it for Hunyuan (and llama.cpp's
+        # converter writes the stretched base)
+        dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // int(raw["num_attention_heads"]))
+        theta = float(params.get("rope_theta") or raw.get("rope_theta") or 10000.0)
+        params = {"rope_type": "default", "rope_theta": theta * float(params["alpha"]) ** (dim / (dim - 2))}
     return params, local
 
 
@@ -412,10 +426,13 @@ def _local_rope_theta(local: dict[str, Any] | None, theta: float, row: Architect
     return theta if row is not None and row.local_rope_unscaled else None
 
 
+# The keys under which configs give the routed experts of each MoE layer (Mixtral's, Qwen's, GLM's, ERNIE's).
+_EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
 def _num_experts(raw: dict[str, Any]) -> int:
-    """The routed experts a config gives each MoE layer, under any of its architectures' keys."""
-    return int(raw.get("num_local_experts") or raw.get("num_experts") or raw.get("n_routed_experts")
-               or raw.get("moe_num_experts") or 0)
+    """The routed experts a config gives each MoE layer (0: none)."""
+    return int(next((raw[k] for k in _EXPERT_COUNT_KEYS if raw.get(k)), 0))
 
 
 def _moe_layers(raw: dict[str, Any]) -> tuple[bool, ...] | None:

@@ -53,6 +53,11 @@ class Op:
     ROTARY_STORE_KV = "rotary_store_kv"
     # dst = paged attention of src's q over this layer's KV pool
     ATTENTION = "attention"
+    # ROTARY_STORE_KV in two: the rotary embedding of src's q and k in place (dst is src), then each
+    # token's k and v written to its slot of this layer's KV pool; a step may come between
+    # (Hunyuan's q/k norm, after the rotary)
+    ROTARY = "rotary"
+    STORE_KV = "store_kv"
     # dst = silu(first half of src) * second half
     SILU_AND_MUL = "silu_and_mul"
     # dst = gelu(first half of src), its tanh approximation, * second half (Gemma's GeGLU)
@@ -117,6 +122,15 @@ QK_NORM_LAYER: tuple[Step, ...] = (
     *LLAMA_LAYER[:2],
     Step(Op.QK_NORM, Reg.QKV, Reg.QKV, "qk_norm"),
     *LLAMA_LAYER[2:],
+)
+
+# Hunyuan's (dense): q and k normalized per head after the rotary embedding, before K is stored.
+QK_NORM_AFTER_ROTARY_LAYER: tuple[Step, ...] = (
+    *LLAMA_LAYER[:2],
+    Step(Op.ROTARY, Reg.QKV, Reg.QKV),
+    Step(Op.QK_NORM, Reg.QKV, Reg.QKV, "qk_norm"),
+    Step(Op.STORE_KV, Reg.QKV, Reg.QKV),
+    *LLAMA_LAYER[3:],
 )
 
 # OLMo 2's: no norm before attention or the MLP, their outputs normalized instead (and q and k

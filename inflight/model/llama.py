@@ -551,6 +551,12 @@ class LlamaModel:
                     reg[dst] = ops.rotary(x, positions, cos, sin, KVStore(k_cache, v_cache, attn_meta.slot_mapping))
                     if query_scale is not None:
                         reg[dst][0].mul_(query_scale)
+                elif op == Op.ROTARY:  # in place: the register holds the fused projection still
+                    reg[dst] = ops.rotary_(x, positions, cos, sin)
+                    if query_scale is not None:
+                        reg[dst][:, :ops.q_size].view(-1, self.config.num_heads, self.config.head_dim).mul_(query_scale)
+                elif op == Op.STORE_KV:  # the register holds the (q, k, v) heads from here
+                    reg[dst] = ops.store_kv(x, KVStore(k_cache, v_cache, attn_meta.slot_mapping))
                 elif op == Op.ATTENTION:
                     q, k, v = x
                     reg[dst] = attention.forward(q, k, v, k_cache, v_cache, attn_meta, kv_stored=True,

@@ -75,6 +75,24 @@ class TorchTokenOps:
             kv_store.v_cache.index_copy_(0, kv_store.slot_mapping, v.to(kv_store.v_cache.dtype))
         return q, k, v
 
+    def rotary_(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The rotary embedding of the fused projection's q and k, in place; returns `qkv`."""
+        n = qkv.shape[0]
+        q, k, _ = self.rotary(qkv, positions, cos, sin)
+        qkv[:, :self.q_size].copy_(q.reshape(n, self.q_size))
+        qkv[:, self.q_size:self.q_size + self.kv_size].copy_(k.reshape(n, self.kv_size))
+        return qkv
+
+    def store_kv(self, qkv: torch.Tensor, kv_store: KVStore) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Writes each token's k and v of the fused projection to its slot of the KV pool; returns
+        q `[N, H, D]`, k and v `[N, KV, D]`, as `rotary` does."""
+        n = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = (t.reshape(n, -1, self.head_dim) for t in (q, k, v))
+        kv_store.k_cache.index_copy_(0, kv_store.slot_mapping, k.to(kv_store.k_cache.dtype))
+        kv_store.v_cache.index_copy_(0, kv_store.slot_mapping, v.to(kv_store.v_cache.dtype))
+        return q, k, v
+
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
@@ -154,6 +172,16 @@ class CpuKernelTokenOps(TorchTokenOps):
         # One view split once along the heads: a few microseconds, where split() and a view of
         # each part, or three slices, cost 10-20 (a decode step does this 30 times).
         heads = qkv.view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, k, v = heads.split_with_sizes(self.head_counts, dim=1)
+        return q, k, v
+
+    def rotary_(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        self.kernels.rotary_qk_(qkv, positions, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        return qkv
+
+    def store_kv(self, qkv: torch.Tensor, kv_store: KVStore) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self.kernels.store_kv_(qkv, self.num_heads, self.num_kv_heads, self.head_dim, *kv_store)
+        heads = qkv.view(qkv.shape[0], self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = heads.split_with_sizes(self.head_counts, dim=1)
         return q, k, v
 

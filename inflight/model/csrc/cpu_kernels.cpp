@@ -1192,6 +1192,47 @@ torch::Tensor add_layer_norm_(torch::Tensor hidden, torch::Tensor delta, torch::
   });
 }
 
+namespace {
+
+// Where a step's new K and V go: a layer's KV pool (k_cache, v_cache: [num_slots, KV, D], fp32 or
+// 16-bit) and a slot for each of `rows` tokens, checked once.
+struct KvSlots {
+  char* kp = nullptr;
+  char* vp = nullptr;
+  KvType kv = KvType::kF32;
+  int64_t slot_bytes = 0, kv_width = 0;
+  torch::Tensor slot_tensor;
+  const int64_t* slots = nullptr;
+
+  KvSlots(const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slot_mapping, int64_t rows,
+          int64_t num_kv_heads, int64_t head_dim)
+      : kv(kv_type(k_cache, v_cache)), kv_width(num_kv_heads * head_dim) {
+    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                k_cache.size(1) == num_kv_heads && k_cache.size(2) == head_dim, "bad KV pool");
+    slot_tensor = slot_mapping.contiguous();
+    TORCH_CHECK(slot_tensor.dtype() == torch::kInt64 && slot_tensor.numel() == rows, "slots must be int64 [N]");
+    slots = slot_tensor.data_ptr<int64_t>();
+    for (int64_t r = 0; r < rows; ++r)
+      TORCH_CHECK(slots[r] >= 0 && slots[r] < k_cache.size(0), "slot out of the KV pool");
+    kp = static_cast<char*>(k_cache.data_ptr());
+    vp = static_cast<char*>(v_cache.data_ptr());
+    slot_bytes = kv_width * k_cache.element_size();
+  }
+
+  // Row r's k and v (kv_width values each, v right after k) into its slot (a 16-bit pool rounded to
+  // nearest even, as torch's `.to()`).
+  void store(const float* k, int64_t r) const {
+    narrow_kv(k, kv, kp + slots[r] * slot_bytes, kv_width);
+    narrow_kv(k + kv_width, kv, vp + slots[r] * slot_bytes, kv_width);
+  }
+};
+
+void check_qkv(const torch::Tensor& qkv) {
+  TORCH_CHECK(qkv.dtype() == torch::kFloat32 && qkv.dim() == 2 && qkv.stride(1) == 1, "float32 [N, width] rows only");
+}
+
+}  // namespace
+
 // Rotary embedding (the rotate-half form) applied in place to the query and key heads at the
 // front of each row of the fused projection qkv [N, (H + 2 KV) * D]. cos/sin: [max_pos, D];
 // positions: [N] (int64). With a KV pool (k_cache, v_cache: [num_slots, KV, D]) and slots [N],
@@ -1200,9 +1241,9 @@ torch::Tensor add_layer_norm_(torch::Tensor hidden, torch::Tensor delta, torch::
 void rotary_qk_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, c10::optional<torch::Tensor> k_cache,
                 c10::optional<torch::Tensor> v_cache, c10::optional<torch::Tensor> slot_mapping) {
-  TORCH_CHECK(qkv.dtype() == torch::kFloat32 && cos.dtype() == torch::kFloat32 && sin.dtype() == torch::kFloat32,
-              "float32 only");
-  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && cos.is_contiguous() && sin.is_contiguous(), "bad layout");
+  check_qkv(qkv);
+  TORCH_CHECK(cos.dtype() == torch::kFloat32 && sin.dtype() == torch::kFloat32, "float32 only");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "bad layout");
   TORCH_CHECK(positions.dtype() == torch::kInt64 && positions.numel() == qkv.size(0), "positions must be int64 [N]");
   TORCH_CHECK(head_dim % 2 == 0 && cos.size(1) == head_dim, "head_dim mismatch");
   const int64_t rotated_heads = num_heads + num_kv_heads, half = head_dim / 2, row_stride = qkv.stride(0);
@@ -1211,27 +1252,10 @@ void rotary_qk_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, t
   const int64_t* pp = pos.data_ptr<int64_t>();
   for (int64_t r = 0; r < qkv.size(0); ++r)
     TORCH_CHECK(pp[r] >= 0 && pp[r] < max_pos, "position out of the rotary table");
-  const bool store = slot_mapping.has_value();
-  const int64_t kv_width = num_kv_heads * head_dim;
-  char* kp = nullptr;
-  char* vp = nullptr;
-  KvType kv = KvType::kF32;
-  int64_t slot_bytes = 0;
-  const int64_t* slots = nullptr;
-  torch::Tensor slot_tensor;
-  if (store) {
+  c10::optional<KvSlots> store;
+  if (slot_mapping.has_value()) {
     TORCH_CHECK(k_cache.has_value() && v_cache.has_value(), "a KV store needs both caches");
-    kv = kv_type(*k_cache, *v_cache);
-    TORCH_CHECK(k_cache->is_contiguous() && v_cache->is_contiguous() && k_cache->sizes() == v_cache->sizes() &&
-                k_cache->size(1) == num_kv_heads && k_cache->size(2) == head_dim, "bad KV pool");
-    slot_tensor = slot_mapping->contiguous();
-    TORCH_CHECK(slot_tensor.dtype() == torch::kInt64 && slot_tensor.numel() == qkv.size(0), "slots must be int64 [N]");
-    slots = slot_tensor.data_ptr<int64_t>();
-    for (int64_t r = 0; r < qkv.size(0); ++r)
-      TORCH_CHECK(slots[r] >= 0 && slots[r] < k_cache->size(0), "slot out of the KV pool");
-    kp = static_cast<char*>(k_cache->data_ptr());
-    vp = static_cast<char*>(v_cache->data_ptr());
-    slot_bytes = kv_width * k_cache->element_size();
+    store.emplace(*k_cache, *v_cache, *slot_mapping, qkv.size(0), num_kv_heads, head_dim);
   }
   float* base = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
@@ -1250,11 +1274,21 @@ void rotary_qk_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, t
           x[i + half] = x2 * c[i + half] + x1 * s[i + half];
         }
       }
-      if (store) {
-        narrow_kv(row + num_heads * head_dim, kv, kp + slots[r] * slot_bytes, kv_width);
-        narrow_kv(row + num_heads * head_dim + kv_width, kv, vp + slots[r] * slot_bytes, kv_width);
-      }
+      if (store) store->store(row + num_heads * head_dim, r);
     }
+  });
+}
+
+// Each row's k and v of the fused projection qkv [N, (H + 2 KV) * D] written to its slot of the KV
+// pool, as `rotary_qk_` writes them, without a rotary (Hunyuan's: q and k normalized after theirs).
+void store_kv_(torch::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, torch::Tensor k_cache,
+               torch::Tensor v_cache, torch::Tensor slot_mapping) {
+  check_qkv(qkv);
+  const KvSlots slots(k_cache, v_cache, slot_mapping, qkv.size(0), num_kv_heads, head_dim);
+  const float* base = qkv.data_ptr<float>();
+  const int64_t row_stride = qkv.stride(0);
+  at::parallel_for(0, qkv.size(0), row_grain(2 * num_kv_heads * head_dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) slots.store(base + r * row_stride + num_heads * head_dim, r);
   });
 }
 
@@ -4006,7 +4040,7 @@ struct StackLinear {
 // The ops of inflight/model/layer_plan.py's Op, as a plan names them.
 enum class PlanOp {
   kAddRmsNorm, kMatmul, kRotaryStoreKv, kAttention, kSiluAndMul, kGeluTanhAndMul, kQkNorm, kAddResidual, kRmsNorm,
-  kScale, kRoutedExperts, kReluSquared, kAddLayerNorm, kLayerNorm, kGeluTanh, kAdd, kXielu
+  kScale, kRoutedExperts, kReluSquared, kAddLayerNorm, kLayerNorm, kGeluTanh, kAdd, kXielu, kRotary, kStoreKv
 };
 const std::vector<std::pair<std::string, PlanOp>> kPlanOps = {
     {"add_rms_norm", PlanOp::kAddRmsNorm},   {"matmul", PlanOp::kMatmul},
@@ -4017,7 +4051,8 @@ const std::vector<std::pair<std::string, PlanOp>> kPlanOps = {
     {"routed_experts", PlanOp::kRoutedExperts}, {"relu_squared", PlanOp::kReluSquared},
     {"add_layer_norm", PlanOp::kAddLayerNorm}, {"layer_norm", PlanOp::kLayerNorm},
     {"gelu_tanh", PlanOp::kGeluTanh},        {"add", PlanOp::kAdd},
-    {"xielu", PlanOp::kXielu}};
+    {"xielu", PlanOp::kXielu},               {"rotary", PlanOp::kRotary},
+    {"store_kv", PlanOp::kStoreKv}};
 constexpr int64_t kMaxRegs = 8;
 
 torch::Tensor run_linear(const StackLinear& lin, const torch::Tensor& x) {
@@ -4293,6 +4328,19 @@ class DecoderStack {
           }
           case PlanOp::kAdd: {
             reg[step.dst].add_(src);
+            break;
+          }
+          case PlanOp::kRotary: {
+            Range r("token ops: rotary");
+            rotary_qk_(src, positions, cos[rope_tables_[i]], sin[rope_tables_[i]], num_heads_, num_kv_heads_,
+                       head_dim_, c10::nullopt, c10::nullopt, c10::nullopt);
+            reg[step.dst] = src;
+            break;
+          }
+          case PlanOp::kStoreKv: {
+            Range r("token ops: store_kv");
+            store_kv_(src, num_heads_, num_kv_heads_, head_dim_, k_caches[i], v_caches[i], slot_mapping);
+            reg[step.dst] = src;
             break;
           }
           case PlanOp::kXielu: {
@@ -4618,6 +4666,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("num_heads"),
         py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("k_cache") = py::none(), py::arg("v_cache") = py::none(),
         py::arg("slot_mapping") = py::none());
+  m.def("store_kv_", &store_kv_, "Each row's k and v of a fused qkv written to its slot of the KV pool");
   m.def("argmax_rows", &argmax_rows, "First index of the largest value (or first NaN) of each row (CPU, fp32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU, fp32)");
   m.def("clamped_swiglu", &clamped_swiglu, "gpt-oss's (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)");
