@@ -32,8 +32,9 @@ the model's body matmuls chained at 8, 16, 32, 64 and 512 rows, the same body as
 build's choice), two 1B-shaped layers' fp32 matmuls at 64 rows, the same body as int8 W8A8 at 16,
 64 and 512 rows, two 1B-shaped layers of Q4_K, Q6_K and Q8_0 blocks times int8 activations at 1, 4
 and 16 rows (Q8_0 also at 64; each build packs its own), decode attention of 64 requests of 100-400 tokens, and prefill
-attention of one step's 8 prompts of 17-300 tokens and of 5 new tokens after 450. On a host whose
-speed drifts, that is how a change to a kernel is measured.
+attention of one step's 8 prompts of 17-300 tokens and of 5 new tokens after 450, and the token-wise
+ops of 30 layers at 64 rows (the norms with the residual add, the rotary with the KV store, SwiGLU).
+On a host whose speed drifts, that is how a change to a kernel is measured.
 
     .venv/bin/python benchmarks/kernels_bench.py [--types [--type KIND ...] | --kv | --residency | --against REV]
 """
@@ -565,6 +566,25 @@ def compare(rev: str, rounds: int = 4) -> None:
 
     cases.append(("prefill attention, 5 new tokens after 450, 30 layers",
                   {name: functools.partial(short_chunk, m) for name, m in mods.items()}))
+    # The token-wise ops of the embedded model's 30 layers at a 64-request decode step: the two norms
+    # with the residual add, the rotary with the KV store, SwiGLU's gate.
+    hidden, delta, scale = torch.randn(64, 576), torch.randn(64, 576), torch.randn(576)
+    qkv_rows, gate_up = torch.randn(64, (HEADS + 2 * KV_HEADS) * DIM), torch.randn(64, 3072)
+    positions, slots = torch.randint(0, 400, (64,)), torch.randperm(64 * 400)[:64]
+    angles = torch.outer(torch.arange(400.0), 1.0 / 10000 ** (torch.arange(0, DIM, 2) / DIM))
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    op_pool = (torch.zeros(64 * 400, KV_HEADS, DIM), torch.zeros(64 * 400, KV_HEADS, DIM))
+
+    def token_ops(m: object) -> None:
+        for _ in range(30):
+            m.add_rms_norm_(hidden, delta, scale, 1e-5)  # type: ignore[attr-defined]
+            m.rotary_qk_(qkv_rows, positions, cos, sin, HEADS, KV_HEADS, DIM, *op_pool, slots)  # type: ignore[attr-defined]
+            m.add_rms_norm_(hidden, delta, scale, 1e-5)  # type: ignore[attr-defined]
+            m.silu_and_mul(gate_up)  # type: ignore[attr-defined]
+        hidden.copy_(delta)  # (the residual stream kept finite round after round)
+
+    cases.append(("token ops (norms, rotary + KV store, SwiGLU), 64 rows, 30 layers",
+                  {name: functools.partial(token_ops, m) for name, m in mods.items()}))
     for title, fns in cases:
         times = _alternated(fns, rounds)
         line = ", ".join(f"{name} {1000 * min(t):.2f} ms" for name, t in times.items())
