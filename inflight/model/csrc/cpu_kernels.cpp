@@ -1115,22 +1115,23 @@ const float* norm_bias(const c10::optional<torch::Tensor>& bias, const torch::Te
 
 namespace {
 
-// norm_row(x, out) over each row of x [N, H] into a new tensor.
+// norm_row(x, weight, out, n) over each row of x [N, H] into a new tensor.
 template <typename NormRow>
 torch::Tensor norm_rows(const torch::Tensor& x, const torch::Tensor& weight, NormRow norm_row) {
   check_rows(x, weight);
   auto out = torch::empty_like(x);
   const int64_t n = x.size(1);
   const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, x.size(0), row_grain(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) norm_row(xp + r * n, op + r * n, n);
+    for (int64_t r = begin; r < end; ++r) norm_row(xp + r * n, wp, op + r * n, n);
   });
   return out;
 }
 
 // The residual stream's update and the next norm in one pass: hidden += delta (in place), then
-// norm_row(hidden, out) over each row into a new tensor.
+// norm_row(hidden, weight, out, n) over each row into a new tensor.
 template <typename NormRow>
 torch::Tensor add_norm_rows(torch::Tensor& hidden, const torch::Tensor& delta, const torch::Tensor& weight,
                             NormRow norm_row) {
@@ -1141,6 +1142,7 @@ torch::Tensor add_norm_rows(torch::Tensor& hidden, const torch::Tensor& delta, c
   const int64_t n = hidden.size(1);
   float* hp = hidden.data_ptr<float>();
   const float* dp = delta.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, hidden.size(0), row_grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -1148,7 +1150,7 @@ torch::Tensor add_norm_rows(torch::Tensor& hidden, const torch::Tensor& delta, c
       const float* d = dp + r * n;
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) h[i] += d[i];
-      norm_row(h, op + r * n, n);
+      norm_row(h, wp, op + r * n, n);
     }
   });
   return out;
@@ -1158,37 +1160,35 @@ torch::Tensor add_norm_rows(torch::Tensor& hidden, const torch::Tensor& delta, c
 
 // Llama's RMSNorm of each row of x [N, H]: w * x / sqrt(mean(x^2) + eps).
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-  const float* wp = weight.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  return norm_rows(x, weight, [wp, e](const float* r, float* o, int64_t n) { rms_norm_row(r, wp, o, n, e); });
+  return norm_rows(x, weight, [e](const float* r, const float* w, float* o, int64_t n) { rms_norm_row(r, w, o, n, e); });
 }
 
 // hidden += delta (in place), then returns rms_norm(hidden) * weight.
 torch::Tensor add_rms_norm_(torch::Tensor hidden, torch::Tensor delta, torch::Tensor weight, double eps) {
-  const float* wp = weight.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  return add_norm_rows(hidden, delta, weight, [wp, e](const float* r, float* o, int64_t n) {
-    rms_norm_row(r, wp, o, n, e);
+  return add_norm_rows(hidden, delta, weight, [e](const float* r, const float* w, float* o, int64_t n) {
+    rms_norm_row(r, w, o, n, e);
   });
 }
 
 // LayerNorm of each row of x [N, H] (StableLM's, StarCoder2's, Phi-2's; Command R's without a
 // bias): weight * (x - mean) / sqrt(var + eps) + bias.
 torch::Tensor layer_norm(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias, double eps) {
-  const float* wp = weight.data_ptr<float>();
   const float* bp = norm_bias(bias, weight);
   const float e = static_cast<float>(eps);
-  return norm_rows(x, weight, [wp, bp, e](const float* r, float* o, int64_t n) { layer_norm_row(r, wp, bp, o, n, e); });
+  return norm_rows(x, weight, [bp, e](const float* r, const float* w, float* o, int64_t n) {
+    layer_norm_row(r, w, bp, o, n, e);
+  });
 }
 
 // add_rms_norm_ with a LayerNorm: hidden += delta (in place), then returns layer_norm(hidden).
 torch::Tensor add_layer_norm_(torch::Tensor hidden, torch::Tensor delta, torch::Tensor weight,
                               c10::optional<torch::Tensor> bias, double eps) {
-  const float* wp = weight.data_ptr<float>();
   const float* bp = norm_bias(bias, weight);
   const float e = static_cast<float>(eps);
-  return add_norm_rows(hidden, delta, weight, [wp, bp, e](const float* r, float* o, int64_t n) {
-    layer_norm_row(r, wp, bp, o, n, e);
+  return add_norm_rows(hidden, delta, weight, [bp, e](const float* r, const float* w, float* o, int64_t n) {
+    layer_norm_row(r, w, bp, o, n, e);
   });
 }
 
