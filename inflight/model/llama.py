@@ -547,16 +547,14 @@ class LlamaModel:
                     else:
                         reg[dst] = (ops.layer_norm(hidden, weight, bias) if x is None
                                     else ops.add_layer_norm_(hidden, x, weight, bias))
-                elif op == Op.ROTARY_STORE_KV:  # the register holds the rotated (q, k, v) heads from here
-                    reg[dst] = ops.rotary(x, positions, cos, sin, KVStore(k_cache, v_cache, attn_meta.slot_mapping))
-                    if query_scale is not None:
+                elif op in (Op.ROTARY_STORE_KV, Op.STORE_KV):  # the register holds the (q, k, v) heads from here
+                    store = KVStore(k_cache, v_cache, attn_meta.slot_mapping)
+                    reg[dst] = (ops.rotary(x, positions, cos, sin, store) if op == Op.ROTARY_STORE_KV
+                                else ops.store_kv(x, store))
+                    if query_scale is not None:  # the rotated queries, as attention reads them
                         reg[dst][0].mul_(query_scale)
                 elif op == Op.ROTARY:  # in place: the register holds the fused projection still
                     reg[dst] = ops.rotary_(x, positions, cos, sin)
-                    if query_scale is not None:
-                        reg[dst][:, :ops.q_size].view(-1, self.config.num_heads, self.config.head_dim).mul_(query_scale)
-                elif op == Op.STORE_KV:  # the register holds the (q, k, v) heads from here
-                    reg[dst] = ops.store_kv(x, KVStore(k_cache, v_cache, attn_meta.slot_mapping))
                 elif op == Op.ATTENTION:
                     q, k, v = x
                     reg[dst] = attention.forward(q, k, v, k_cache, v_cache, attn_meta, kv_stored=True,

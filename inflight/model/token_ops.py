@@ -71,8 +71,7 @@ class TorchTokenOps:
         k = _rotate_half(k.view(n, self.num_kv_heads, self.head_dim), cos_p, sin_p)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if kv_store is not None:
-            kv_store.k_cache.index_copy_(0, kv_store.slot_mapping, k.to(kv_store.k_cache.dtype))
-            kv_store.v_cache.index_copy_(0, kv_store.slot_mapping, v.to(kv_store.v_cache.dtype))
+            _store(kv_store, k, v)
         return q, k, v
 
     def rotary_(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -89,8 +88,7 @@ class TorchTokenOps:
         n = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k, v = (t.reshape(n, -1, self.head_dim) for t in (q, k, v))
-        kv_store.k_cache.index_copy_(0, kv_store.slot_mapping, k.to(kv_store.k_cache.dtype))
-        kv_store.v_cache.index_copy_(0, kv_store.slot_mapping, v.to(kv_store.v_cache.dtype))
+        _store(kv_store, k, v)
         return q, k, v
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -134,6 +132,12 @@ class TorchTokenOps:
         return qkv
 
 
+def _store(kv_store: KVStore, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Each token's k and v `[N, KV, D]` into its slot of the KV pool, in the pool's dtype."""
+    kv_store.k_cache.index_copy_(0, kv_store.slot_mapping, k.to(kv_store.k_cache.dtype))
+    kv_store.v_cache.index_copy_(0, kv_store.slot_mapping, v.to(kv_store.v_cache.dtype))
+
+
 def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -163,15 +167,18 @@ class CpuKernelTokenOps(TorchTokenOps):
         self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         kv_store: KVStore | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        n = qkv.shape[0]
         if kv_store is None:
             self.kernels.rotary_qk_(qkv, positions, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         else:
             self.kernels.rotary_qk_(qkv, positions, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
                                     *kv_store)
-        # One view split once along the heads: a few microseconds, where split() and a view of
-        # each part, or three slices, cost 10-20 (a decode step does this 30 times).
-        heads = qkv.view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        return self._heads(qkv)
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused projection's q `[N, H, D]`, k and v `[N, KV, D]`, views. One view split once
+        along the heads: a few microseconds, where split() and a view of each part, or three
+        slices, cost 10-20 (a decode step does this 30 times)."""
+        heads = qkv.view(qkv.shape[0], self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = heads.split_with_sizes(self.head_counts, dim=1)
         return q, k, v
 
@@ -181,9 +188,7 @@ class CpuKernelTokenOps(TorchTokenOps):
 
     def store_kv(self, qkv: torch.Tensor, kv_store: KVStore) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         self.kernels.store_kv_(qkv, self.num_heads, self.num_kv_heads, self.head_dim, *kv_store)
-        heads = qkv.view(qkv.shape[0], self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        q, k, v = heads.split_with_sizes(self.head_counts, dim=1)
-        return q, k, v
+        return self._heads(qkv)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.kernels.silu_and_mul(gate_up.contiguous())
