@@ -50,6 +50,8 @@ Q4_K_M (and any other of `--quantize-types`: IQ4_XS, ...) by llama.cpp's own `ll
   8b: Llama-3.1-8B-shaped (hidden 4096, 32 layers, 32/8 heads, FFN 14336, untied output), 8.5 GB
   phi-2: Phi-2's 32 layers (hidden 2560, 32 heads of 80 each with its own K and V, 32 dims of each
       rotated, FFN 10240, ungated GELU, LayerNorms and biases), Llama 3's vocabulary; 3.2 GB in Q8_0
+  lfm2-1.2b: LFM2-1.2B's 16 layers (hidden 2048; 10 short convolutions of 3 taps, 6 attending layers of 32
+      heads of 64 over 8 KV heads with q/k norms, FFN 8192), Llama 3's vocabulary; 1.4 GB in Q8_0
   gpt-oss-20b: gpt-oss-20b's 24 layers (hidden 2880, 64/8 heads of 64, sinks, a window of 128 every
       other layer, 32 experts of 2880, 4 a token) as llama.cpp's MXFP4_MOE leaves them (experts
       MXFP4 with random codes, the rest Q8_0), Llama 3's vocabulary; 11.7 GB, no llama-quantize
@@ -109,6 +111,10 @@ SHAPES: dict[str, dict[str, Any]] = {
     # with its own K and V, 32 of their dims rotated), Llama 3's vocabulary in place of its 51200
     "phi-2": {"name": "phi-2-shaped", "arch": "phi2", "hidden": 2560, "layers": 32, "heads": 32, "kv_heads": 32,
               "ffn": 10240, "vocab": 128256, "tied": False, "rotary": 32},
+    # LFM2-1.2B's layers (short convolutions, and 6 attending layers with q/k norms), Llama 3's vocabulary in
+    # place of its 65536
+    "lfm2-1.2b": {"name": "lfm2-1.2b-shaped", "arch": "lfm2", "hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 8,
+                  "ffn": 8192, "vocab": 128256, "tied": True, "attending": (2, 5, 8, 10, 12, 14)},
     "gpt-oss-20b": {"name": "gpt-oss-20b-shaped", "arch": "gpt-oss", "hidden": 2880, "layers": 24, "heads": 64,
                     "kv_heads": 8, "head_dim": 64, "experts": 32, "experts_used": 4, "ffn": 2880, "vocab": 128256,
                     "window": 128, "tied": False},
@@ -163,12 +169,13 @@ def make_models(out_dir: Path, sizes: list[str], llama_quantize: str | None, thr
 
 
 def write_model(path: Path, shape: dict[str, Any], seed: int, pool_blocks: int = 0, kind: str = "Q8_0") -> None:
-    """A Llama-shaped (or, for the "phi2" arch, Phi-2-shaped) GGUF file of Q8_0 (or BF16) matrices
-    (gguf-py's quantizer) and F32 norms (and biases, 0), written one slab of rows at a time (the 8B
-    embedding alone is 2 GB in fp32), with the tokenizer.* keys of llama.cpp's
-    ggml-vocab-llama-bpe.gguf. With `pool_blocks`, gguf-py quantizes that many 32-weight blocks of
-    N(0, 0.02) once and every matrix is made of blocks drawn from them at random (with
-    replacement): the same distribution, minutes instead of an hour for the 8B on 2 cores."""
+    """A Llama-shaped (or, for the "phi2" and "lfm2" archs, Phi-2- or LFM2-shaped) GGUF file of Q8_0
+    (or BF16) matrices (gguf-py's quantizer) and F32 norms (and biases, 0; LFM2's convolution taps
+    N(0, 0.3)), written one slab of rows at a time (the 8B embedding alone is 2 GB in fp32), with
+    the tokenizer.* keys of llama.cpp's ggml-vocab-llama-bpe.gguf. With `pool_blocks`, gguf-py
+    quantizes that many 32-weight blocks of N(0, 0.02) once and every matrix is made of blocks
+    drawn from them at random (with replacement): the same distribution, minutes instead of an
+    hour for the 8B on 2 cores."""
     import gguf
     import numpy as np
 
@@ -179,16 +186,21 @@ def write_model(path: Path, shape: dict[str, Any], seed: int, pool_blocks: int =
     q8 = gguf.GGMLQuantizationType[kind]
     block, block_bytes = gguf.GGML_QUANT_SIZES[q8]
 
-    phi = shape.get("arch") == "phi2"
-    w = gguf.GGUFWriter(str(path), "phi2" if phi else "llama")
+    phi, lfm2 = shape.get("arch") == "phi2", shape.get("arch") == "lfm2"
+    attending = shape.get("attending", range(n_layers))
+    w = gguf.GGUFWriter(str(path), shape.get("arch", "llama"))
     w.add_name(shape["name"] + " (random weights)")
     w.add_block_count(n_layers)
     w.add_context_length(2048 if phi else 8192)
     w.add_embedding_length(h)
     w.add_feed_forward_length(shape["ffn"])
     w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(10000.0 if phi else 500000.0)
+    if lfm2:  # a KV head count per layer, 0 where it convolves (as llama.cpp's converter writes LFM2)
+        w.add_head_count_kv([kv_heads if i in attending else 0 for i in range(n_layers)])
+        w.add_shortconv_l_cache(3)
+    else:
+        w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0 if phi else 1000000.0 if lfm2 else 500000.0)
     if phi:
         w.add_layer_norm_eps(1e-5)
     else:
@@ -206,6 +218,10 @@ def write_model(path: Path, shape: dict[str, Any], seed: int, pool_blocks: int =
     for i in range(n_layers):
         matrices = [("attn_q", (h, h)), ("attn_k", (kv_heads * head_dim, h)), ("attn_v", (kv_heads * head_dim, h)),
                     ("attn_output", (h, h))]
+        if lfm2 and i not in attending:  # a short convolution between in_proj (b, c, x) and out_proj
+            matrices = [("shortconv.in_proj", (3 * h, h)), ("shortconv.conv", (h, 3)), ("shortconv.out_proj", (h, h))]
+        elif lfm2:
+            tensors += [(f"blk.{i}.attn_q_norm.weight", (head_dim,)), (f"blk.{i}.attn_k_norm.weight", (head_dim,))]
         if phi:  # one LayerNorm, an ungated MLP, a bias beside each matrix and norm
             matrices += [("ffn_up", (shape["ffn"], h)), ("ffn_down", (h, shape["ffn"]))]
             tensors += [(f"blk.{i}.attn_norm.weight", (h,)), (f"blk.{i}.attn_norm.bias", (h,))]
@@ -215,7 +231,7 @@ def write_model(path: Path, shape: dict[str, Any], seed: int, pool_blocks: int =
         tensors += [(f"blk.{i}.attn_norm.weight", (h,)), *((f"blk.{i}.{n}.weight", d) for n, d in matrices),
                     (f"blk.{i}.ffn_norm.weight", (h,)), (f"blk.{i}.ffn_gate.weight", (shape["ffn"], h)),
                     (f"blk.{i}.ffn_up.weight", (shape["ffn"], h)), (f"blk.{i}.ffn_down.weight", (h, shape["ffn"]))]
-    tensors.append(("output_norm.weight", (h,)))
+    tensors.append(("token_embd_norm.weight" if lfm2 else "output_norm.weight", (h,)))
     if phi:
         tensors.append(("output_norm.bias", (h,)))
     if not shape["tied"]:
@@ -223,16 +239,17 @@ def write_model(path: Path, shape: dict[str, Any], seed: int, pool_blocks: int =
     if phi:
         tensors.append(("output.bias", (shape["vocab"],)))
     for name, dims in tensors:
-        if len(dims) == 1:
-            w.add_tensor_info(name, dims, np.dtype(np.float32), 4 * dims[0])
+        if len(dims) == 1 or name.endswith("shortconv.conv.weight"):  # (taps: F32, as llama.cpp keeps them)
+            w.add_tensor_info(name, dims, np.dtype(np.float32), 4 * int(np.prod(dims)))
         else:
             row_bytes = dims[1] // block * block_bytes
             w.add_tensor_info(name, (dims[0], row_bytes), np.dtype(np.uint8), dims[0] * row_bytes, raw_dtype=q8)
     fout, rng, pool = _start_data(w, seed, pool_blocks, q8, block)
     for name, dims in tensors:
         w.write_padding(fout, fout.tell())
-        if len(dims) == 1:  # a norm's scales 1, a bias 0
-            data = np.ones(dims, dtype=np.float32) if "norm.weight" in name else np.zeros(dims, dtype=np.float32)
+        if len(dims) == 1 or name.endswith("shortconv.conv.weight"):  # a norm's scales 1, a bias 0, taps random
+            data = (np.ones(dims, dtype=np.float32) if "norm.weight" in name else np.zeros(dims, dtype=np.float32)
+                    if len(dims) == 1 else (rng.standard_normal(dims, dtype=np.float32) * 0.3))
             data.tofile(fout)
             w.write_padding(fout, data.nbytes)
             continue
@@ -641,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the children's jobs, results and logs (kept; one set per file and engine)")
     p.add_argument("--make-models", metavar="DIR", help="write the GGUF files to DIR and exit")
     p.add_argument("--sizes", default="1b",
-                   help="with --make-models: 1b, 8b, phi-2, gpt-oss-20b or several, comma-separated")
+                   help="with --make-models: 1b, 8b, phi-2, lfm2-1.2b, gpt-oss-20b or several, comma-separated")
     p.add_argument("--llama-quantize", metavar="PATH", help="with --make-models: llama.cpp's llama-quantize")
     p.add_argument("--bf16", action="store_true", help="with --make-models: also a BF16 file of each size")
     p.add_argument("--quantize-types", default="Q4_K_M",

@@ -130,15 +130,34 @@ class ModelConfig:
     # Multi-token-prediction layers the checkpoint holds after the `num_layers` it runs (GLM-4.5's
     # `num_nextn_predict_layers`): not read, as llama.cpp and transformers leave them.
     mtp_layers: int = 0
+    # LFM2's short convolutions: the layers `conv_layers` marks mix tokens by a depthwise causal
+    # convolution of `conv_kernel` taps (each token and the ones before it) in place of attention;
+    # None: every layer attends.
+    conv_layers: tuple[bool, ...] | None = None
+    conv_kernel: int = 0
     # The sampling settings the checkpoint ships (a Hugging Face generation_config.json, a GGUF
     # file's general.sampling.* keys) under SamplingParams' names, max_new_tokens as max_tokens:
     # what an engine uses where a request leaves a setting unset (`EngineConfig.generation_config`).
     sampling_defaults: dict[str, float] | None = None
 
+    @property
+    def num_attention_layers(self) -> int:
+        """The layers that attend (and keep K and V): all but the short convolutions."""
+        return self.num_layers - sum(self.conv_layers or ())
+
+    @property
+    def pool_values_per_token(self) -> int:
+        """The values one token keeps in the paged pool: each attending layer's K and V, each
+        convolution's input (`conv_layers`: the `hidden_size` values its later tokens read)."""
+        return (2 * self.num_attention_layers * self.num_kv_heads * self.head_dim
+                + sum(self.conv_layers or ()) * self.hidden_size)
+
     def __post_init__(self) -> None:
         _require(self.num_heads % self.num_kv_heads == 0,
                  f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         _require(self.head_dim % 2 == 0, "head_dim must be even for rotary embeddings")
+        _require(self.conv_layers is None or (len(self.conv_layers) == self.num_layers and self.conv_kernel >= 1),
+                 f"conv_layers needs a flag per layer ({self.num_layers}) and conv_kernel >= 1")
         _require(self.num_experts == 0 or 0 < self.num_experts_per_tok <= self.num_experts,
                  f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts ({self.num_experts})")
 

@@ -150,6 +150,13 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "nemotron": ("Nemotron", {"head_dim": 16}),
     # Command R: a parallel block on a LayerNorm without bias, interleaved rotary pairs, the logits scaled, tied
     "cohere": ("Cohere", {"logit_scale": 0.3, "tie_word_embeddings": True, "pad_token_id": 0}),
+    # LFM2: short convolutions around an attending layer with q/k norm, the MLP's width derived from the config's
+    "lfm2": ("Lfm2", {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "conv"],
+                      "norm_eps": 1e-6, "block_multiple_of": 32}),
+    # LFM2-MoE: LFM2's layers, a dense first layer, then 4 experts (2 a token) chosen by sigmoid scores plus a bias
+    "lfm2_moe": ("Lfm2Moe", {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "conv"],
+                             "norm_eps": 1e-6, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                             "num_dense_layers": 1, "tie_word_embeddings": True}),
     # Command R7B: three sliding layers to one global, which rotates nothing (its converter reads rotary_pct)
     "cohere2": ("Cohere2", {"logit_scale": 0.3, "tie_word_embeddings": True, "pad_token_id": 0, "head_dim": 16,
                             "num_hidden_layers": 4, "sliding_window": 8, "rotary_pct": 1.0}),
@@ -180,8 +187,8 @@ def tiny_model(arch: str) -> Any:
         for name, p in model.named_parameters():
             values = torch.randn(p.shape, generator=generator)
             p.copy_(1 + 0.3 * values if "norm" in name else 0.3 * values if name.endswith("bias") else 0.2 * values)
-        for name, b in model.named_buffers():  # GLM-4.5's bias for the choice of experts (the others: none)
-            if name.endswith("e_score_correction_bias"):
+        for name, b in model.named_buffers():  # GLM-4.5's and LFM2-MoE's bias for the choice of experts
+            if name.endswith(("e_score_correction_bias", "expert_bias")):
                 b.copy_(0.05 * torch.randn(b.shape, generator=generator))
     return model.eval()
 

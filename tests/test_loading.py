@@ -217,8 +217,10 @@ def write_gguf_from_hf(path: Path, arch: str, model, fused_qkv: bool = False, ma
     gguf_arch = {"gemma3_text": "gemma3", "mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe",
                  "olmo3": "olmo2", "ministral3": "mistral3", "granitemoehybrid": "granite",
                  "gpt_oss": "gpt-oss", "glm4_moe": "glm4moe", "phi": "phi2", "cohere": "command-r",
-                 "ernie4_5_moe": "ernie4_5-moe", "hunyuan_v1_dense": "hunyuan-dense"}.get(arch, arch)
+                 "ernie4_5_moe": "ernie4_5-moe", "hunyuan_v1_dense": "hunyuan-dense",
+                 "lfm2_moe": "lfm2moe"}.get(arch, arch)
     w = gguf.GGUFWriter(str(path), gguf_arch)
+    conv_layers = [t == "conv" for t in cfg.layer_types] if arch in ("lfm2", "lfm2_moe") else []
     if getattr(cfg, "num_experts_per_tok", None) and (getattr(cfg, "num_local_experts", None)
                                                       or getattr(cfg, "num_experts", None)):
         w.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
@@ -235,6 +237,10 @@ def write_gguf_from_hf(path: Path, arch: str, model, fused_qkv: bool = False, ma
             w.add_expert_weights_scale(cfg.routed_scaling_factor)
             w.add_expert_weights_norm(cfg.norm_topk_prob)
             w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        if arch == "lfm2_moe":  # as llama.cpp's converter writes LFM2-MoE's (and its routed scaling)
+            w.add_leading_dense_block_count(cfg.num_dense_layers)
+            w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+            w.add_expert_weights_scale(cfg.routed_scaling_factor)
     # GLM-4.5's multi-token-prediction layers: counted as blocks, written after the others
     mtp = getattr(cfg, "num_nextn_predict_layers", 0) or 0
     w.add_block_count(cfg.num_hidden_layers + mtp)
@@ -242,9 +248,16 @@ def write_gguf_from_hf(path: Path, arch: str, model, fused_qkv: bool = False, ma
         w.add_nextn_predict_layers(mtp)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(getattr(cfg, "shared_intermediate_size", None) or cfg.intermediate_size)
+    if arch == "lfm2":  # the width its config derives (block_auto_adjust_ff_dim), as llama.cpp's converter writes it
+        w.add_feed_forward_length(model.model.layers[0].feed_forward.w1.weight.shape[0])
+    else:
+        w.add_feed_forward_length(getattr(cfg, "shared_intermediate_size", None) or cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    if conv_layers:  # LFM2's: a count per layer, 0 where it convolves (as llama.cpp's converter writes it)
+        w.add_head_count_kv([0 if conv else cfg.num_key_value_heads for conv in conv_layers])
+        w.add_shortconv_l_cache(cfg.conv_L_cache)
+    else:
+        w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     if rope.get("alpha"):  # Hunyuan's NTK alpha: the stretched base, as llama.cpp's converter writes it
@@ -281,7 +294,7 @@ def write_gguf_from_hf(path: Path, arch: str, model, fused_qkv: bool = False, ma
         w.add_layer_norm_eps(next(getattr(cfg, key) for key in ("layer_norm_eps", "norm_epsilon", "norm_eps")
                                   if getattr(cfg, key, None) is not None))
     else:
-        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+        w.add_layer_norm_rms_eps(getattr(cfg, "rms_norm_eps", None) or cfg.norm_eps)
     if getattr(cfg, "logit_scale", None) is not None:  # Command R's factor of the logits
         w.add_logit_scale(cfg.logit_scale)
     if arch == "apertus":  # its xIELU numbers as llama.cpp's converter writes them: an array each, a number a layer
@@ -305,9 +318,9 @@ def write_gguf_from_hf(path: Path, arch: str, model, fused_qkv: bool = False, ma
     # (gpt-oss's and Seed-OSS's: before the MLP, under llama.cpp's name for a post-attention norm)
     post_norms = arch in ("olmo2", "olmo3", "exaone4", "gpt_oss", "seed_oss") or sandwich
     to_gguf["post_attention_layernorm.weight"] = "post_attention_norm.weight" if post_norms else "ffn_norm.weight"
-    final = architecture(arch).final_norm
-    top = {"model.embed_tokens.weight": "token_embd.weight", f"{final}.weight": "output_norm.weight",
-           f"{final}.bias": "output_norm.bias", "lm_head.weight": "output.weight", "lm_head.bias": "output.bias"}
+    final, gguf_final = architecture(arch).final_norm, architecture(arch).gguf_final_norm
+    top = {"model.embed_tokens.weight": "token_embd.weight", f"{final}.weight": f"{gguf_final}.weight",
+           f"{final}.bias": f"{gguf_final}.bias", "lm_head.weight": "output.weight", "lm_head.bias": "output.bias"}
     state = dict(model.state_dict())
     written: dict[str, np.ndarray] = {}  # the layers' tensors and the top ones, as llama.cpp names them
     last = f"model.layers.{cfg.num_hidden_layers - 1}."
@@ -322,7 +335,7 @@ def write_gguf_from_hf(path: Path, arch: str, model, fused_qkv: bool = False, ma
             tensor = tensor + 1
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        moe = "block_sparse_moe." if arch == "granitemoe" else "mlp."
+        moe = {"granitemoe": "block_sparse_moe.", "lfm2_moe": "feed_forward."}.get(arch, "mlp.")
         if arch == "gpt_oss" and ".mlp." in name:  # [experts, in, out] stacks, gate and up interleaved: split
             prefix = name.split("mlp.")[0].replace("model.layers.", "blk.")
             kind = name.split("mlp.")[1]
@@ -344,7 +357,8 @@ def write_gguf_from_hf(path: Path, arch: str, model, fused_qkv: bool = False, ma
             w.add_tensor(prefix + "ffn_gate_exps.weight", gate.contiguous().float().numpy())
             w.add_tensor(prefix + "ffn_up_exps.weight", up.contiguous().float().numpy())
             continue
-        if name.endswith((moe + "experts.down_proj", "mlp.gate.weight", "block_sparse_moe.router.weight")):
+        if name.endswith((moe + "experts.down_proj", "mlp.gate.weight", "block_sparse_moe.router.weight",
+                          "feed_forward.gate.weight")):
             prefix = name.replace("model.layers.", "blk.").rsplit(moe, 1)[0]  # stacked experts, the router
             kind = "ffn_down_exps.weight" if name.endswith("down_proj") else "ffn_gate_inp.weight"
             w.add_tensor(prefix + kind, tensor.detach().float().numpy())
@@ -361,12 +375,18 @@ def write_gguf_from_hf(path: Path, arch: str, model, fused_qkv: bool = False, ma
             continue
         if ".mlp.act_fn." in name:  # Apertus's xIELU numbers: metadata arrays, one number a layer (below)
             continue
+        if name.endswith("feed_forward.expert_bias"):  # LFM2-MoE's choice bias
+            w.add_tensor(name.replace("model.layers.", "blk.").replace("feed_forward.expert_bias", "exp_probs_b.bias"),
+                         tensor.detach().float().numpy())
+            continue
         if name.endswith("mlp.gate.moe_statics.e_score_correction_bias"):  # ERNIE 4.5's [1, experts], a vector
             prefix = name.removesuffix("mlp.gate.moe_statics.e_score_correction_bias").replace("model.layers.", "blk.")
             w.add_tensor(prefix + "exp_probs_b.bias", tensor.detach().float().reshape(-1).numpy())
             continue
         if name.endswith("mlp.shared_expert_gate.weight"):  # [1, hidden], which llama.cpp declares a vector
             tensor = tensor.reshape(-1)
+        if name.endswith("conv.conv.weight"):  # LFM2's taps [hidden, 1, kernel], squeezed as llama.cpp's converter does
+            tensor = tensor.squeeze(1)
         if name.startswith("model.layers."):
             _, _, index, rest = name.split(".", 3)
             gguf_name = f"blk.{index}.{to_gguf[rest]}"
@@ -538,6 +558,26 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
         model = transformers.Cohere2ForCausalLM(transformers.Cohere2Config(
             **_layer_norm_eps({**common, "tie_word_embeddings": True, "num_hidden_layers": 4}), head_dim=64,
             sliding_window=24, logit_scale=0.3, pad_token_id=0))
+    elif arch == "lfm2_moe":  # LFM2's layers; a dense first layer, then 6 experts (3 a token) chosen by sigmoid
+        # scores plus a bias (moved off 0 below), renormalized, scaled by 1.5
+        model = transformers.Lfm2MoeForCausalLM(transformers.Lfm2MoeConfig(**_layer_norm_eps({
+            **common, "num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "conv"]}, "norm_eps"),
+            num_experts=6, num_experts_per_tok=3, moe_intermediate_size=96, num_dense_layers=1,
+            routed_scaling_factor=1.5))
+        with torch.no_grad():
+            for layer in model.model.layers:
+                if hasattr(layer, "conv"):
+                    layer.conv.in_proj.weight.mul_(6)
+                if hasattr(layer.feed_forward, "expert_bias"):
+                    layer.feed_forward.expert_bias.copy_(torch.randn(6) * 0.05)
+    elif arch == "lfm2":  # short convolutions around attending layers (q/k norm); its MLP's width derived
+        model = transformers.Lfm2ForCausalLM(transformers.Lfm2Config(**_layer_norm_eps({
+            **common, "num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "conv"]}, "norm_eps"),
+            block_auto_adjust_ff_dim=True, block_multiple_of=32, block_ffn_dim_multiplier=1.0))
+        with torch.no_grad():  # convolutions that weigh in the output (at their init they barely move a greedy token)
+            for layer in model.model.layers:
+                if hasattr(layer, "conv"):
+                    layer.conv.in_proj.weight.mul_(6)
     else:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     with torch.no_grad():  # norm scales, biases and sinks away from their initial 1 and 0, so a dropped one shows
@@ -552,7 +592,7 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
                                   "ministral3", "gemma", "gemma2", "gemma3_text", "glm4", "ernie4_5", "mixtral",
                                   "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gpt_oss", "seed_oss", "arcee",
                                   "glm4_moe", "phi", "stablelm", "starcoder2", "cohere", "cohere2", "nemotron",
-                                  "ernie4_5_moe", "apertus", "hunyuan_v1_dense"])
+                                  "ernie4_5_moe", "apertus", "hunyuan_v1_dense", "lfm2", "lfm2_moe"])
 def test_architectures_from_hf_and_gguf_match_transformers(tmp_path, loaded, arch):
     """Qwen3 (q and k RMS-normalized per head before rotary, head_dim beyond hidden / heads), Qwen2 (q/k/v
     biases), OLMo 2 (attention's and the MLP's outputs normalized instead of their inputs, q and k
@@ -1161,7 +1201,7 @@ def test_a_token_alone_through_routed_experts_is_its_row_of_a_batch():
                                   "ernie4_5", "olmo3", "exaone4", "ministral3", "mixtral", "qwen3_moe", "qwen2_moe",
                                   "olmoe", "granitemoe", "gpt_oss", "seed_oss", "arcee", "glm4_moe", "phi", "stablelm",
                                   "starcoder2", "cohere", "cohere2", "nemotron", "ernie4_5_moe", "apertus",
-                                  "hunyuan_v1_dense"])
+                                  "hunyuan_v1_dense", "lfm2", "lfm2_moe"])
 def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_path, monkeypatch, arch):
     """The GGUF file llama.cpp's `convert_hf_to_gguf.py` made of a tiny checkpoint of each
     architecture (tests/converter_fixtures.py; its names, row orders, norm offsets, stacked
@@ -1222,7 +1262,7 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
 @pytest.mark.parametrize("arch", ["qwen3", "olmo2", "olmo3", "smollm3", "gemma", "gemma2", "gemma3_text", "glm4",
                                   "ernie4_5", "ministral3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe",
                                   "gpt_oss", "seed_oss", "arcee", "glm4_moe", "phi", "stablelm", "cohere2",
-                                  "ernie4_5_moe", "apertus", "hunyuan_v1_dense"])
+                                  "ernie4_5_moe", "apertus", "hunyuan_v1_dense", "lfm2", "lfm2_moe"])
 def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arch):
     """Through the engine as a user runs it: the directory's own tokenizer and chat template, a
     batch of chats (longer than Gemma's 24-token window) in small prefill chunks, the prefix cache
@@ -1255,6 +1295,34 @@ def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arc
         assert [lp.token_id for lp in again.prompt_logprobs] == ids[1:]
         got = torch.tensor([lp.logprob for lp in again.prompt_logprobs])
         torch.testing.assert_close(got, reference[torch.arange(len(ids) - 1), ids[1:]], atol=1e-4, rtol=0)
+
+
+def test_lfm2_keeps_each_convolutions_input_in_the_pool_and_copies_it_on_write(tmp_path):
+    """LFM2's short convolutions keep, in the blocks of the paged pool, one `hidden_size` row a token
+    per convolving layer beside the attending layers' K and V (which only those layers have), and
+    the engine sizes the pool by both. Parallel samples fork a prompt whose last block is partly
+    filled: its copy on write copies the convolutions' rows too, so n greedy samples are each the
+    single greedy output (a copy without them reads zeros at the prompt's last positions)."""
+    from inflight import LLM
+    from inflight.engine.runner import ModelRunner
+
+    model = tiny_hf_model("lfm2")
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    save_word_tokenizer(tmp_path, TINY["vocab"])
+    llm = LLM(model=str(tmp_path), num_kv_blocks=32, block_size=16)
+    runner, cfg = llm.engine.runner, llm.engine.model.config
+    assert cfg.conv_layers == (True, False, True, True) and cfg.conv_kernel == 3
+    assert runner.kv_cache.shape == (1, 2, 32 * 16, cfg.num_kv_heads, cfg.head_dim)
+    assert runner.conv_cache is not None and runner.conv_cache.shape == (3, 32 * 16, cfg.hidden_size)
+    per_block = (runner.kv_cache.numel() + runner.conv_cache.numel()) * 4 // 32
+    assert ModelRunner.kv_bytes_per_block(llm.engine.model, 16) == per_block
+    prompt = {"prompt_token_ids": list(range(5, 45))}  # 40 tokens: the third block holds 8
+    # (the samples first, on a pool that never held these tokens: a block reused from an earlier
+    # run of the same prompt would hold the right rows without a copy)
+    many = llm.generate([prompt], SamplingParams(n=3, max_tokens=12, temperature=0, ignore_eos=True))
+    one = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert [sample.token_ids for sample in many] == [one.token_ids] * 3
+    assert llm.engine.block_manager.num_used_blocks == 0
 
 
 # --- GGUF files of every supported tensor type ------------------------------------------------

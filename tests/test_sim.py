@@ -427,6 +427,28 @@ def test_eight_bit_weights_and_kv_cache() -> None:
         CostModel(llama, h100, dtype="fp8")
 
 
+def test_short_convolutions_priced_as_the_engine_keeps_them() -> None:
+    """LFM2's convolving layers: no attention, in_proj and out_proj for q/k/v and o, and a
+    `hidden_size` row a token in the pool beside the attending layers' K and V (the engine's
+    `ModelConfig.pool_values_per_token`); a step reads the attending layers' K and V only."""
+    import dataclasses as dc
+
+    base = dc.replace(BUILTIN_MODELS["llama-3-8b"], num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8,
+                      head_dim=64, intermediate_size=8192)
+    conv = (True, True, False) * 5 + (False,)  # 10 convolve, 6 attend
+    lfm2 = dc.replace(base, architecture="lfm2", conv_layers=conv, conv_kernel=3)
+    h100 = load_hardware("h100")
+    full, short = CostModel(base, h100), CostModel(lfm2, h100)
+    assert lfm2.num_attention_layers == 6 and lfm2.pool_values_per_token == 6 * 2 * 8 * 64 + 10 * 2048
+    assert short.kv_bytes_per_block(16) == 16 * lfm2.pool_values_per_token * 2  # bf16
+    attn = 2048 * (2048 + 2 * 512) + 2048 * 2048
+    assert num_params(base) - num_params(lfm2) == 10 * (attn - 4 * 2048 * 2048)
+    rows = [SeqWork(1, 1024, True)] * 8
+    for (flops, read), (full_flops, full_read) in zip(short.work(rows).attention, full.work(rows).attention,
+                                                      strict=True):
+        assert (flops, read) == pytest.approx((full_flops * 6 / 16, full_read * 6 / 16))
+
+
 def test_kv_capacity_from_memory_left_after_weights() -> None:
     h100 = load_hardware("h100")
     cm = CostModel(BUILTIN_MODELS["llama-3-8b"], h100)

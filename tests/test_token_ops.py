@@ -51,6 +51,40 @@ def test_layer_norms_match(ops, rows, with_bias):
             compiled.layer_norm(hidden, weight, torch.randn(95))
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_short_conv_matches_and_reads_the_rows_its_step_wrote(ops, pool_dtype):
+    """LFM2's short convolution, compiled, against PyTorch's arithmetic over the same pool: three
+    requests' rows (a prompt from position 0, whose first taps read nothing; a chunk after a
+    context the pool holds; a decode), each row's b * x written to its slot, rounded as the pool
+    holds it, before any row reads: a row reads the rows before it in the same step. Each output is
+    c times the taps' sum over b * x at the positions up to the row's own, computed here from the
+    definition."""
+    reference, compiled = ops
+    torch.manual_seed(0)
+    hidden, k, block = 48, 3, 4
+    table = [[2, 5], [1, 7, 3], [0, 6]]  # each request's blocks
+    pieces = [(0, 6), (5, 4), (7, 1)]  # (first position, rows) of each request this step
+    bcx = torch.randn(sum(n for _, n in pieces), 3 * hidden)
+    taps = torch.randn(hidden, k)
+    before = torch.randn(8 * block, hidden).to(pool_dtype)  # the context already in the pool
+    slot = [[t[p // block] * block + p % block for p in range(len(t) * block)] for t in table]
+    own = torch.tensor([slot[r][p] for r, (start, n) in enumerate(pieces) for p in range(start, start + n)])
+    reads = torch.tensor([[slot[r][p + j] if p + j >= 0 else -1 for j in range(1 - k, 1)]
+                          for r, (start, n) in enumerate(pieces) for p in range(start, start + n)])
+    pools = [before.clone(), before.clone()]
+    got = compiled.short_conv_(bcx, taps, pools[0], own, reads)
+    want = reference.short_conv_(bcx, taps, pools[1], own, reads)
+    assert torch.equal(pools[0], pools[1])  # the same values stored, rounded alike
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    b, c, x = bcx.chunk(3, dim=-1)
+    stored = before.clone()
+    stored[own] = (b * x).to(pool_dtype)
+    for row, read in enumerate(reads.tolist()):
+        conv = sum(taps[:, j] * stored[s].float() for j, s in enumerate(read) if s >= 0)
+        torch.testing.assert_close(got[row], c[row] * conv, atol=1e-5, rtol=1e-5)
+    assert reads[0].tolist()[:2] == [-1, -1] and reads[6].tolist() == [slot[1][3], slot[1][4], slot[1][5]]
+
+
 @pytest.mark.parametrize("rows", [1, 7, 200])
 def test_rotary_matches(ops, rows):
     reference, compiled = ops

@@ -178,7 +178,7 @@ def plan_memory(config: EngineConfig, source: ModelSource, dtype: torch.dtype, d
                                positions=config.scheduler.max_model_len if device.type == "cpu" else None)
     cache = config.cache
     kv_dtype = select_kv_dtype(cache.kv_cache_dtype, dtype)
-    per_block = 2 * model.num_layers * model.num_kv_heads * model.head_dim * cache.block_size * kv_dtype.itemsize
+    per_block = model.pool_values_per_token * cache.block_size * kv_dtype.itemsize
     available = available_memory_bytes(device)
     if cache.num_kv_blocks is not None:
         kv, option = cache.num_kv_blocks * per_block, f"num_kv_blocks={cache.num_kv_blocks}"

@@ -53,24 +53,37 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.sampler = sampler
-        # Zeroed, not empty: padded reads of unused slots must stay finite.
-        shape = (cfg.num_layers, 2, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        # Zeroed, not empty: padded reads of unused slots must stay finite. The attending layers'
+        # K and V, and beside them each short convolution's input (LFM2's layers that convolve:
+        # one `hidden_size` row a token), in the same blocks: a block id holds its tokens in both.
+        slots = num_blocks * block_size
+        conv = cfg.conv_layers or (False,) * cfg.num_layers
         self.kv_dtype = kv_dtype or model.dtype
-        if self.device.type == "cpu":
-            self.kv_cache = huge_page_zeros(*shape, dtype=self.kv_dtype)
-        else:
-            self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
+        self.kv_cache = self._zeros((cfg.num_attention_layers, 2, slots, cfg.num_kv_heads, cfg.head_dim))
+        self.conv_cache = self._zeros((sum(conv), slots, cfg.hidden_size)) if any(conv) else None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i in range(cfg.num_layers):
+            if conv[i]:  # (its "V" is never read)
+                assert self.conv_cache is not None
+                own = self.conv_cache[sum(conv[:i])]
+                self.kv_caches.append((own, own))
+            else:
+                at = i - sum(conv[:i])
+                self.kv_caches.append((self.kv_cache[at, 0], self.kv_cache[at, 1]))
         # Test hook for fault injection: called with the step before the forward pass.
         self.before_forward: Callable[[SchedulerOutput], None] | None = None
         self.last_timings = RunnerTimings()
         self.last_logprobs: dict[str, list[TokenLogprobs]] = {}
         self.last_prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
 
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return huge_page_zeros(*shape, dtype=self.kv_dtype)
+        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+
     @staticmethod
     def kv_bytes_per_block(model: LlamaModel, block_size: int, kv_dtype: torch.dtype | None = None) -> int:
-        cfg = model.config
-        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * (kv_dtype or model.dtype).itemsize
+        return model.config.pool_values_per_token * block_size * (kv_dtype or model.dtype).itemsize
 
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
         """Runs one step; returns the new tokens of each request that reached its last token (one,
@@ -96,13 +109,16 @@ class ModelRunner:
         return {r.request_id: t for r, t in zip(inputs.sample_requests, tokens, strict=True)}
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copies whole KV blocks, every layer's K and V (copy on write of forked samples)."""
-        cfg = self.model.config
-        blocks = self.kv_cache.view(cfg.num_layers, 2, self.num_blocks, self.block_size, cfg.num_kv_heads,
-                                    cfg.head_dim)
+        """Copies whole KV blocks, every layer's K and V and every convolution's inputs (copy on
+        write of forked samples)."""
         source = torch.tensor([s for s, _ in copies], device=self.device)
         destination = torch.tensor([d for _, d in copies], device=self.device)
+        kv = self.kv_cache
+        blocks = kv.view(*kv.shape[:2], self.num_blocks, self.block_size, *kv.shape[3:])
         blocks[:, :, destination] = blocks[:, :, source]
+        if self.conv_cache is not None:
+            conv = self.conv_cache.view(self.conv_cache.shape[0], self.num_blocks, self.block_size, -1)
+            conv[:, destination] = conv[:, source]
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
         # Decodes first, so that they form one contiguous run read by one batched call. A request

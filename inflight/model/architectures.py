@@ -26,6 +26,7 @@ from inflight.model.layer_plan import (
     SANDWICH_NORM_LAYER,
     SANDWICH_QK_NORM_LAYER,
     SANDWICH_SWIGLU_LAYER,
+    SHORT_CONV_LAYER,
     UNGATED,
     XIELU_LAYER,
     Op,
@@ -182,6 +183,13 @@ class Architecture:
     # The shared expert's width where a GGUF file does not say: the routed experts' times the
     # shared count (GLM-4.5's, as llama.cpp reads it); False: the dense MLP's (Qwen2-MoE's).
     gguf_shared_width_from_experts: bool = False
+    # LFM2's short-convolution layers (`ModelConfig.conv_layers`): their matmul fields' Hugging Face
+    # names in place of `matmuls`' (the fused projection `qkv` is in_proj, `o` out_proj), and the
+    # name of their convolution's taps (`[hidden, 1, kernel]`; llama.cpp's `[hidden, kernel]`).
+    conv_matmuls: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    conv_weight: str | None = None
+    # llama.cpp's name of the norm after the last layer (LFM2's files: token_embd_norm).
+    gguf_final_norm: str = "output_norm"
 
     @property
     def gated_mlp(self) -> bool:
@@ -249,6 +257,26 @@ _COHERE = Architecture("cohere", plan=PARALLEL_LAYER, norms=_INPUT_NORM_ONLY, gg
 
 # ERNIE 4.5's MoE models: GLM-4.5's names but its choice bias's (a softmax router's).
 _ERNIE_MOE_EXPERTS = dataclasses.replace(_GLM4_MOE_EXPERTS, choice_bias="mlp.moe_statics.e_score_correction_bias")
+
+# LFM2 (350M to 2.6B): Qwen3's layer where it attends; most layers instead mix tokens by a short
+# depthwise causal convolution gated on both sides (b * x in, c * out), between in_proj and out_proj
+_LFM2 = Architecture(
+    "lfm2", plan=SHORT_CONV_LAYER, norms={"input_norm": "operator_norm.weight", "post_norm": "ffn_norm.weight"},
+    matmuls={**_LLAMA_MATMULS, "o": ("self_attn.out_proj.weight",),
+             "gate_up": ("feed_forward.w1.weight", "feed_forward.w3.weight"), "down": ("feed_forward.w2.weight",)},
+    conv_matmuls={"qkv": ("conv.in_proj.weight",), "o": ("conv.out_proj.weight",)},
+    conv_weight="conv.conv.weight", final_norm="model.embedding_norm", gguf_final_norm="token_embd_norm",
+    extra_weights={"qk_norm": ("self_attn.q_layernorm.weight", "self_attn.k_layernorm.weight")},
+    gguf_interleaved_qk=False,
+    gguf_names={"attn_norm.weight": "operator_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
+                "attn_output.weight": "self_attn.out_proj.weight", "attn_q_norm.weight": "self_attn.q_layernorm.weight",
+                "attn_k_norm.weight": "self_attn.k_layernorm.weight", "ffn_gate.weight": "feed_forward.w1.weight",
+                "ffn_up.weight": "feed_forward.w3.weight", "ffn_down.weight": "feed_forward.w2.weight",
+                "shortconv.in_proj.weight": "conv.in_proj.weight", "shortconv.out_proj.weight": "conv.out_proj.weight",
+                "shortconv.conv.weight": "conv.conv.weight"})
+_LFM2_MOE_EXPERTS = ExpertNames(router="feed_forward.gate.weight", gate="feed_forward.experts.{e}.w1.weight",
+                                up="feed_forward.experts.{e}.w3.weight", down="feed_forward.experts.{e}.w2.weight",
+                                choice_bias="feed_forward.expert_bias")
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     Architecture("llama"),
@@ -395,6 +423,13 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                              "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
                              "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
                              "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight"}),
+    _LFM2,
+    # LFM2's MoE (LFM2-8B-A1B): LFM2's layers, the first dense, then routed experts chosen by their
+    # sigmoid scores plus a per-expert bias, weighted by those sigmoids renormalized (`use_expert_bias`
+    # false refused)
+    dataclasses.replace(_LFM2, name="lfm2_moe", plan=with_routed_experts(SHORT_CONV_LAYER), experts=_LFM2_MOE_EXPERTS,
+                        expert_scoring="sigmoid", hf_norm_topk_prob=True,
+                        gguf_names={**_LFM2.gguf_names, "exp_probs_b.bias": "feed_forward.expert_bias"}),
     # gpt-oss: Llama's layer with biases on every attention matmul and learned attention sinks (a
     # score per head that joins each softmax's sum), sliding and global layers alternating, YaRN;
     # every MLP routed, the softmax over the chosen experts' scores, their clamped SwiGLU with biases
@@ -409,7 +444,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
 GGUF_ARCHITECTURES = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
                       "mistral3": "ministral3", "qwen2vl": "qwen2_5_vl_text", "qwen3vl": "qwen3_vl_text",
                       "gpt-oss": "gpt_oss", "glm4moe": "glm4_moe", "phi2": "phi", "command-r": "cohere",
-                      "ernie4_5-moe": "ernie4_5_moe", "hunyuan-dense": "hunyuan_v1_dense"}
+                      "ernie4_5-moe": "ernie4_5_moe", "hunyuan-dense": "hunyuan_v1_dense",
+                      "lfm2moe": "lfm2_moe"}
 GGUF_EXPERT_ARCHITECTURES = {"llama": "mixtral", "mistral": "mixtral"}
 
 # llama.cpp's stacked expert tensors (`blk.N.` + these, [experts, rows, cols]) -> which of an

@@ -53,6 +53,10 @@ class AttentionMetadata:
     decode_masks: dict[int | None, torch.Tensor]
     prefills: list[PrefillSegment]
     prefill_tables: PrefillTables | None = None
+    # For a model with short convolutions (LFM2): each packed token's slots of the `conv_kernel`
+    # positions its convolution reads, `[num_tokens, conv_kernel]`, oldest first, the token's own
+    # last (-1 before the first position); None in a model without them.
+    conv_slots: torch.Tensor | None = None
     # `PagedAttention.build_metadata` fills either the gathered path's inputs (`decode_masks`,
     # each segment's `block_table` and `masks`) or the compiled kernels' (`prefill_tables`).
 
@@ -91,11 +95,13 @@ class PagedAttention:
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kernels: object = None,
                  scale: float | None = None, windows: Sequence[int | None] = (None,),
-                 softcap: float | None = None) -> None:
+                 softcap: float | None = None, conv_kernel: int = 0) -> None:
         """`scale`: the softmax scale of q.k (None: head_dim ** -0.5). `windows`: the attention
         windows of the model's layers, each layer's given to `forward`: a query attends to the
         last `window` positions only, itself included (sliding-window attention; None: all
-        before it). `softcap`: scores become softcap * tanh(score / softcap) (Gemma 2)."""
+        before it). `softcap`: scores become softcap * tanh(score / softcap) (Gemma 2).
+        `conv_kernel`: the taps of the model's short convolutions, whose metadata then carries
+        `conv_slots` (0: none)."""
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -105,6 +111,7 @@ class PagedAttention:
         self.softcap = softcap
         self.group_size = num_heads // num_kv_heads
         self.kernels = kernels
+        self.conv_kernel = conv_kernel
 
     def reads_pool_in_place(self, dtype: torch.dtype) -> bool:
         """Whether the compiled kernels serve this dtype: they read the pool through block tables
@@ -171,6 +178,12 @@ class PagedAttention:
                 context_starts=torch.tensor([s.start for s in prefills], device=device),
                 block_tables=torch.tensor([_padded(s.block_table, num_table) for s in prefills], device=device),
             )
+        conv_slots = None
+        if self.conv_kernel:
+            taps = range(1 - self.conv_kernel, 1)
+            conv_slots = torch.tensor(
+                [[_slot(s.block_table, p + j, block_size) for j in taps] for s in seqs for p in range(s.start, s.end)],
+                dtype=torch.long, device=device).view(-1, self.conv_kernel)
         return AttentionMetadata(
             block_size=block_size,
             slot_mapping=slot_mapping,
@@ -180,6 +193,7 @@ class PagedAttention:
             decode_masks=decode_masks,
             prefills=segments,
             prefill_tables=prefill_tables,
+            conv_slots=conv_slots,
         )
 
     def forward(
@@ -310,3 +324,10 @@ def _padded(table: list[int], length: int) -> list[int]:
     sliding window (`NULL_BLOCK`, negative): the kernels never read them, the gathered path masks
     them."""
     return [max(b, 0) for b in table[:length]] + [0] * (length - len(table))
+
+
+def _slot(table: list[int], position: int, block_size: int) -> int:
+    """The pool slot of `position` in a request's `table`; -1 before its first position."""
+    if position < 0:
+        return -1
+    return table[position // block_size] * block_size + position % block_size

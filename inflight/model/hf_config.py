@@ -112,6 +112,10 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "quantization_config": (None,),
     "pretraining_tp": (None, 1),
     "clip_qkv": (None,),
+    # LFM2's convolutions' and projections' biases (none in its published models); LFM2-MoE's experts
+    # chosen without their bias (its published model has one)
+    "conv_bias": (None, False),
+    "use_expert_bias": (None, True),
     # Phi-2's and StableLM 2 12B's q/k LayerNorms (a scale per head), and StableLM 2 12B's parallel block
     "qk_layernorm": (None, False),
     "use_parallel_residual": (None, False),
@@ -138,6 +142,10 @@ READ_KEYS = frozenset({
     # the LayerNorm models' epsilon (Phi-2's, StableLM's, Command R's; StarCoder2's; Nemotron's), Command R's
     # logits' factor, StableLM's q/k/v biases
     "layer_norm_eps", "norm_epsilon", "norm_eps", "logit_scale", "use_qkv_bias",
+    # LFM2's layers (`layer_types`, or the attending ones by index), its convolutions' taps and its MLP's width
+    "full_attn_idxs", "conv_L_cache", "block_auto_adjust_ff_dim", "block_ffn_dim_multiplier", "block_multiple_of",
+    # LFM2-MoE's dense first layers
+    "num_dense_layers",
 })
 # Config keys without effect on a forward pass in inference: training settings, bookkeeping,
 # generation defaults; and `mlp_bias`, whose biases are read from the checkpoint where they are.
@@ -198,9 +206,10 @@ def refuse_unsupported(raw: dict[str, Any], path: Path) -> None:
             raise ModelLoadError(f"{path}: {key} = {raw[key]!r} changes the model's arithmetic in a way "
                                  "inflight does not compute yet")
     layer_types = set(raw.get("layer_types") or ())
-    if layer_types - {"full_attention", "sliding_attention", "attention"}:  # Granite 4.0's name for full
-        raise ModelLoadError(f"{path}: layer_types {sorted(layer_types)}: inflight computes full and "
-                             "sliding-window attention layers only")
+    known = {"full_attention", "sliding_attention", "attention"} | ({"conv"} if arch.conv_matmuls else set())
+    if layer_types - known:  # ("attention": Granite 4.0's name for full)
+        raise ModelLoadError(f"{path}: layer_types {sorted(layer_types)}: inflight computes "
+                             f"{', '.join(sorted(known))} layers only for {arch.name}")
     if raw.get("use_qk_norm") and arch.hf_qk_norm_key != "use_qk_norm":  # Command R+'s per-head LayerNorms
         raise ModelLoadError(f"{path}: use_qk_norm = true changes the model's arithmetic in a way inflight does not "
                              f"compute yet for {arch.name}")
@@ -343,11 +352,12 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
                           rope_given.get("llama_4_scaling_beta"))
     eos = raw.get("eos_token_id")
     eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
+    conv = _conv_layers(raw) if row is not None and row.conv_matmuls else None
     return ModelConfig(
         architecture=arch,
         vocab_size=int(raw["vocab_size"]),
         hidden_size=hidden,
-        intermediate_size=int(raw[row.hf_intermediate_key if row is not None else "intermediate_size"]),
+        intermediate_size=_mlp_width(raw, row),
         num_layers=int(raw["num_hidden_layers"]),
         num_heads=num_heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
@@ -393,7 +403,37 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         clamped_swiglu=(float(raw.get("swiglu_alpha") or row.clamped_swiglu[0]),
                         float(raw.get("swiglu_limit") or row.clamped_swiglu[1]))
         if row is not None and row.clamped_swiglu is not None else None,
+        conv_layers=conv,
+        conv_kernel=int(raw.get("conv_L_cache") or 3) if conv is not None else 0,
     )
+
+
+def _mlp_width(raw: dict[str, Any], row: Architecture | None) -> int:
+    """The MLP's width: the config's (Granite 4.0's shared MLP's under its own key), or LFM2's
+    where `block_auto_adjust_ff_dim` derives it as transformers does: two thirds, times the
+    multiplier, rounded up to a multiple of `block_multiple_of`."""
+    width = int(raw[row.hf_intermediate_key if row is not None else "intermediate_size"])
+    if not raw.get("block_auto_adjust_ff_dim"):
+        return width
+    width = int(2 * width / 3)
+    if raw.get("block_ffn_dim_multiplier") is not None:
+        multiple = int(raw.get("block_multiple_of") or 256)
+        width = int(float(raw["block_ffn_dim_multiplier"]) * width)
+        width = multiple * ((width + multiple - 1) // multiple)
+    return width
+
+
+def _conv_layers(raw: dict[str, Any]) -> tuple[bool, ...] | None:
+    """LFM2's short-convolution layers, from `layer_types` ("conv"), else every layer not in
+    `full_attn_idxs`; None where every layer attends."""
+    layers = int(raw["num_hidden_layers"])
+    types = raw.get("layer_types")
+    if types is not None:
+        conv = tuple(t == "conv" for t in types[:layers])
+    else:
+        attending = set(raw.get("full_attn_idxs") or range(layers))
+        conv = tuple(i not in attending for i in range(layers))
+    return conv if any(conv) else None
 
 
 def _norm_eps(raw: dict[str, Any], row: Architecture | None) -> float:
@@ -438,12 +478,13 @@ def _num_experts(raw: dict[str, Any]) -> int:
 def _moe_layers(raw: dict[str, Any]) -> tuple[bool, ...] | None:
     """Which layers route to experts: every `decoder_sparse_step`-th one (ERNIE 4.5's
     `moe_layer_interval`) not in `mlp_only_layers` (Qwen3-MoE) from the `first_k_dense_replace`-th
-    on (GLM-4.5; ERNIE 4.5's `moe_layer_start_index`, up to its `moe_layer_end_index`); None:
-    every layer."""
+    on (GLM-4.5; ERNIE 4.5's `moe_layer_start_index`, up to its `moe_layer_end_index`; LFM2-MoE's
+    `num_dense_layers`); None: every layer."""
     step = int(raw.get("decoder_sparse_step") or raw.get("moe_layer_interval") or 1)
     dense = set(raw.get("mlp_only_layers") or ())
     layers = int(raw["num_hidden_layers"])
-    first = int(raw.get("first_k_dense_replace") or raw.get("moe_layer_start_index") or 0)
+    first = int(next((raw[k] for k in ("first_k_dense_replace", "moe_layer_start_index", "num_dense_layers")
+                      if raw.get(k)), 0))
     last = layers - 1 if raw.get("moe_layer_end_index") is None else int(raw["moe_layer_end_index"])
     routed = tuple(i not in dense and (i + 1) % step == 0 and first <= i <= last for i in range(layers))
     return None if all(routed) else routed

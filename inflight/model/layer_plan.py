@@ -88,6 +88,10 @@ class Op:
     # dst = the MLP of `param`'s routed experts over src: each token through the few experts its
     # router picks, their outputs weighted (Mixtral, Qwen3-MoE, OLMoE, Granite MoE)
     ROUTED_EXPERTS = "routed_experts"
+    # LFM2's short convolution: src holds each token's (b, c, x) thirds; b * x is written to the
+    # token's slot of this layer's pool, then dst = c * the depthwise causal convolution of the
+    # layer's `conv` taps over the b * x of the token and of those before it, read from their slots
+    SHORT_CONV = "short_conv"
 
 
 # The ops that read their destination register before writing it.
@@ -98,11 +102,20 @@ UNGATED = frozenset({Op.RELU_SQUARED, Op.GELU_TANH, Op.XIELU})
 NORM_OPS = frozenset({Op.ADD_RMS_NORM, Op.RMS_NORM, Op.ADD_LAYER_NORM, Op.LAYER_NORM})
 
 
+class Mixer:
+    """How a layer mixes its tokens, where a model's layers differ in it (LFM2's): a step for one
+    kind runs on the layers of that kind only."""
+
+    ATTENTION = "attention"
+    CONV = "conv"  # a short convolution (`Op.SHORT_CONV`)
+
+
 class Step(NamedTuple):
     op: str
     src: Reg
     dst: Reg
     param: str | None = None  # the `DecoderLayer` field this step's weight is
+    mixer: str | None = None  # the layers it runs on (`Mixer`); None: every layer
 
 
 LLAMA_LAYER: tuple[Step, ...] = (
@@ -219,6 +232,25 @@ PARALLEL_GELU_LAYER = with_activation(PARALLEL_LAYER, Op.GELU_TANH)
 
 # Apertus's: Qwen3's q/k norm, the MLP ungated: down(xielu(up(x))).
 XIELU_LAYER = with_activation(QK_NORM_LAYER, Op.XIELU)
+
+
+# LFM2's: Qwen3's layer where it attends; where it convolves, the fused projection (`qkv`: in_proj's
+# b, c and x thirds) goes through the short convolution instead, into the same output matmul.
+SHORT_CONV_LAYER: tuple[Step, ...] = (
+    *LLAMA_LAYER[:2],
+    Step(Op.QK_NORM, Reg.QKV, Reg.QKV, "qk_norm", Mixer.ATTENTION),
+    LLAMA_LAYER[2]._replace(mixer=Mixer.ATTENTION),
+    LLAMA_LAYER[3]._replace(mixer=Mixer.ATTENTION),
+    Step(Op.SHORT_CONV, Reg.QKV, Reg.ATTN, "conv", Mixer.CONV),
+    *LLAMA_LAYER[4:],
+)
+
+
+def for_mixer(plan: Sequence[Step], mixer: str) -> tuple[Step, ...]:
+    """The steps of `plan` a layer of kind `mixer` runs. Each kind's plan is a whole layer that
+    reads nothing of the layer before but the residual stream and `OUTPUT`, so the layers of a
+    model may alternate kinds."""
+    return tuple(step for step in plan if step.mixer in (None, mixer))
 
 
 def with_routed_experts(plan: Sequence[Step]) -> tuple[Step, ...]:

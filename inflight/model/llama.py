@@ -1,5 +1,5 @@
 """The decoder of every architecture in `architectures.py` (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3,
-OLMo 2, Granite, SmolLM3, Phi-2, Phi-3, StableLM, StarCoder2, Command R, Gemma 2 and 3, ...) on
+OLMo 2, Granite, SmolLM3, Phi-2, Phi-3, StableLM, StarCoder2, Command R, Gemma 2 and 3, LFM2, ...) on
 packed tokens: each runs its own layer plan, each layer with its own attention window and rotary
 table.
 
@@ -24,7 +24,17 @@ from inflight.model.architectures import Architecture, ExpertNames, architecture
 from inflight.model.attention import AttentionMetadata, PagedAttention
 from inflight.model.experts import RoutedExperts
 from inflight.model.kernels import cpu_kernels
-from inflight.model.layer_plan import OUTPUT, Op, Reg, Step, compiled_ops, released_after, with_scaled_residual
+from inflight.model.layer_plan import (
+    OUTPUT,
+    Mixer,
+    Op,
+    Reg,
+    Step,
+    compiled_ops,
+    for_mixer,
+    released_after,
+    with_scaled_residual,
+)
 from inflight.model.linear import Linear, linear_backend
 from inflight.model.loader import ROPE_CHUNK, rope_table_positions
 from inflight.model.token_ops import CpuKernelTokenOps, KVStore, TorchTokenOps
@@ -170,6 +180,13 @@ class DecoderLayer(NamedTuple):
     sinks: torch.Tensor | None = None  # attention sinks, a score per query head (gpt-oss)
     norm_biases: dict[str, torch.Tensor] | None = None  # a LayerNorm's bias by its norm field, where it has one
     xielu: tuple[float, float, float, float] | None = None  # Apertus's xIELU's numbers (`xielu_numbers`)
+    # LFM2's short convolution's taps `[hidden, kernel]`, in a layer that convolves instead of attending
+    conv: torch.Tensor | None = None
+
+    @property
+    def mixer(self) -> str:
+        """How the layer mixes its tokens (`Mixer`): by its convolution, else by attention."""
+        return Mixer.CONV if self.conv is not None else Mixer.ATTENTION
 
 
 NORMS = ("input_norm", "post_norm", "attn_out_norm", "mlp_out_norm")
@@ -262,7 +279,9 @@ class LlamaModel:
         self.layers: list[DecoderLayer] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            fused = {field: [p + n for n in suffixes] for field, suffixes in arch.matmuls.items()}
+            convolves = config.conv_layers is not None and config.conv_layers[i]
+            names = {**arch.matmuls, **arch.conv_matmuls} if convolves else arch.matmuls
+            fused = {field: [p + n for n in suffixes] for field, suffixes in names.items()}
             sparse = arch.experts is not None and (config.moe_layers is None or config.moe_layers[i])
             if sparse:  # the MLP's weights are the experts'
                 fused = {field: names for field, names in fused.items() if field not in ("gate_up", "down")}
@@ -278,8 +297,10 @@ class LlamaModel:
                 residual_scale=config.residual_scale,
                 rope=ROPE_NONE if not rotates else ROPE_LOCAL if local and config.local_rope_theta else ROPE_GLOBAL,
                 window=config.sliding_window if local else None,
-                **self._layer_extras(arch, take, p, config.qk_norm, weights.__contains__,
+                **self._layer_extras(arch, take, p, config.qk_norm and not convolves, weights.__contains__,
                                      config.xielu[i] if config.xielu else None),
+                conv=take(p + arch.conv_weight).reshape(config.hidden_size, -1).contiguous() if convolves and
+                arch.conv_weight else None,
             ))
         unused = sorted(set(weights) - taken)
         if unused:  # a weight the plan does not read is a feature it would silently leave out
@@ -288,7 +309,7 @@ class LlamaModel:
         kernels = cpu_kernels() if device.type == "cpu" and self.dtype == torch.float32 else None
         self.attention = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim, kernels,
                                         scale=config.attention_scale, windows=[layer.window for layer in self.layers],
-                                        softcap=config.attn_logit_softcap)
+                                        softcap=config.attn_logit_softcap, conv_kernel=config.conv_kernel)
         shape = (config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps)
         self.ops = CpuKernelTokenOps(*shape, kernels) if kernels is not None else TorchTokenOps(*shape)
         # The experts' activation of a gate/up matmul's output (gpt-oss's clamped SwiGLU, else SwiGLU's).
@@ -403,14 +424,17 @@ class LlamaModel:
             return None
         norms = _norm_fields(self.plan)
         norm_biases = [(layer.norm_biases or {}).get(f) for layer in layers for f in norms]
-        plan = [(step.op, int(step.src), int(step.dst), _param_index(step, norms), [int(r) for r in release])
-                for step, release in zip(self.plan, released_after(self.plan), strict=True)]
+        mixers = list(dict.fromkeys(layer.mixer for layer in layers))
+        plans = [[(step.op, int(step.src), int(step.dst), _param_index(step, norms), [int(r) for r in release])
+                  for step, release in self._steps(mixer)] for mixer in mixers]
         matmuls = [getattr(layer, f) for layer in layers for f in MATMULS]  # None: the MLP is the experts'
-        qk_norms = [scale for layer in layers for scale in layer.qk_norm or ()] if Op.QK_NORM in {
+        empty = torch.empty(0)  # (a layer that convolves has no q/k norm)
+        qk_norms = [scale for layer in layers for scale in layer.qk_norm or (empty, empty)] if Op.QK_NORM in {
             step.op for step in self.plan} else []
         cfg = self.config
         stack = kernels.DecoderStack(
-            plan, int(OUTPUT), len(layers), [getattr(layer, f) for layer in layers for f in norms],
+            plans, [mixers.index(layer.mixer) for layer in layers], int(OUTPUT), len(layers),
+            [getattr(layer, f) for layer in layers for f in norms],
             norm_biases if any(b is not None for b in norm_biases) else [], qk_norms,
             *_stack_linears(matmuls), [layer.window or 0 for layer in layers],
             [layer.rope for layer in layers], [layer.residual_scale for layer in layers], cfg.num_heads,
@@ -428,7 +452,14 @@ class LlamaModel:
             stack.set_sinks([layer.sinks for layer in layers if layer.sinks is not None])
         if Op.XIELU in {step.op for step in self.plan}:
             stack.set_xielu([number for layer in layers for number in layer.xielu or ()])
+        if any(layer.conv is not None for layer in layers):
+            stack.set_conv([layer.conv if layer.conv is not None else empty for layer in layers])
         return stack
+
+    def _steps(self, mixer: str) -> list[tuple[Step, tuple[Reg, ...]]]:
+        """The steps a layer of kind `mixer` runs, each with the registers released after it."""
+        plan = for_mixer(self.plan, mixer)
+        return list(zip(plan, released_after(plan), strict=True))
 
     def _ensure_rope(self, positions: int) -> None:
         """Rotary tables covering at least `positions` positions (`loader.rope_table_positions`)."""
@@ -525,7 +556,7 @@ class LlamaModel:
         the residual stream `hidden` in place and returns the plan's output register."""
         ops, attention = self.ops, self.attention
         reg: list[Any] = [None] * len(Reg)
-        steps = list(zip(self.plan, released_after(self.plan), strict=True))
+        steps = {mixer: self._steps(mixer) for mixer in dict.fromkeys(layer.mixer for layer in self.layers)}
         query_scale = None
         if self._query_scaled:  # as transformers computes it: fp32 position / original, floor, log
             assert self.config.query_scaling is not None
@@ -533,7 +564,7 @@ class LlamaModel:
             query_scale = (1 + beta * torch.log(1 + torch.floor(positions / original))).to(hidden.dtype)[:, None, None]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             cos, sin = self.rope_tables[layer.rope]
-            for (op, src, dst, param), release in steps:
+            for (op, src, dst, param, _), release in steps[layer.mixer]:
                 x = reg[src]
                 weight: Any = getattr(layer, param) if param is not None else None
                 if op == Op.MATMUL:
@@ -584,6 +615,9 @@ class LlamaModel:
                     reg[dst] = x * weight
                 elif op == Op.ROUTED_EXPERTS:
                     reg[dst] = weight(x, self._expert_act)
+                elif op == Op.SHORT_CONV:  # the layer's share of the pool holds each token's b * x
+                    assert attn_meta.conv_slots is not None
+                    reg[dst] = ops.short_conv_(x, weight, k_cache, attn_meta.slot_mapping, attn_meta.conv_slots)
                 else:
                     raise ValueError(f"no implementation of the plan's op {op!r}")
                 for r in release:
@@ -602,7 +636,7 @@ class LlamaModel:
             attn_meta.decode_context_lens, *(
                 (tables.block_tables, tables.query_starts, tables.query_lens, tables.context_starts)
                 if tables is not None else (None,) * 4),
-            attn_meta.block_size,
+            attn_meta.block_size, attn_meta.conv_slots,
         )
 
 

@@ -63,8 +63,6 @@ _GGUF_TOP_NAMES = {
     "output.weight": "lm_head.weight",
     "output.bias": "lm_head.bias",  # Phi-2's
 }
-# the final norm's tensors, under `Architecture.final_norm`
-_GGUF_FINAL_NORM = "output_norm."
 
 
 @dataclass(frozen=True)
@@ -588,6 +586,12 @@ def _gguf_config(reader: Any) -> ModelConfig:
     hidden = int(get("embedding_length"))
     head_dim = int(gguf_field(reader, f"{arch}.attention.key_length", hidden // num_heads))
     num_layers = int(get("block_count"))
+    # LFM2's files give each layer's KV heads, 0 where it convolves (llama.cpp's reading)
+    kv_heads = gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads)
+    conv_layers = tuple(int(k) == 0 for k in kv_heads) if isinstance(kv_heads, list) else None
+    if conv_layers is not None and (not row.conv_matmuls or len(conv_layers) != num_layers):
+        raise ModelLoadError(f"{arch}.attention.head_count_kv: a count per layer, which inflight reads for "
+                             "LFM2's short-convolution layers only")
     # Metadata that changes the arithmetic in a way inflight does not compute: refused by name.
     rotary_dims = gguf_field(reader, f"{arch}.rope.dimension_count")
     partial = rotary_dims is not None and int(rotary_dims) != head_dim
@@ -672,7 +676,7 @@ def _gguf_config(reader: Any) -> ModelConfig:
         intermediate_size=int(get("feed_forward_length")),
         num_layers=num_layers,
         num_heads=num_heads,
-        num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+        num_kv_heads=max(int(k) for k in kv_heads) if isinstance(kv_heads, list) else int(kv_heads),
         head_dim=head_dim,
         # a LayerNorm's epsilon under its own key (llama.cpp's f_norm_eps), an RMSNorm's under another
         rms_norm_eps=float(get("attention.layer_norm_epsilon" if row.layer_norm else "attention.layer_norm_rms_epsilon",
@@ -717,6 +721,8 @@ def _gguf_config(reader: Any) -> ModelConfig:
         qk_norm=not row.hf_qk_norm_key or "blk.0.attn_q_norm.weight" in tensor_names,
         mtp_layers=mtp_layers,
         xielu=_gguf_xielu(reader, num_layers) if "xielu" in row.extra_weights else None,
+        conv_layers=conv_layers if conv_layers is not None and any(conv_layers) else None,
+        conv_kernel=int(get("shortconv.l_cache")) if conv_layers is not None and any(conv_layers) else 0,
     )
 
 
@@ -1053,8 +1059,10 @@ def _mxfp4_expert_rows(stored: _Stored, name: str, config: ModelConfig) -> dict[
 def _gguf_to_hf_name(name: str, arch: str) -> str:
     if name in _GGUF_TOP_NAMES:
         return _GGUF_TOP_NAMES[name]
-    if name in (_GGUF_FINAL_NORM + "weight", _GGUF_FINAL_NORM + "bias"):
-        return architecture(arch).final_norm + "." + name.removeprefix(_GGUF_FINAL_NORM)
+    row = architecture(arch)
+    final, part = name.rsplit(".", 1) if "." in name else (name, "")
+    if final == row.gguf_final_norm and part in ("weight", "bias"):  # (output_norm, LFM2's token_embd_norm)
+        return f"{row.final_norm}.{part}"
     if name.startswith("blk."):
         _, index, rest = name.split(".", 2)
         layer_names = {**GGUF_LAYER_NAMES, **architecture(arch).gguf_names}

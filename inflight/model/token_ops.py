@@ -118,6 +118,21 @@ class TorchTokenOps:
         gate = gate.clamp(max=limit)
         return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
 
+    def short_conv_(self, bcx: torch.Tensor, taps: torch.Tensor, pool: torch.Tensor, slot_mapping: torch.Tensor,
+                    conv_slots: torch.Tensor) -> torch.Tensor:
+        """LFM2's short convolution: `bcx` `[N, 3H]` holds each token's b, c and x thirds; b * x is
+        written to the token's slot of `pool` `[num_slots, H]` (in the pool's dtype), then each token
+        gets c * the sum over the convolution's taps `[H, K]` of the values at its `conv_slots`
+        `[N, K]` (the K positions up to its own, oldest first; -1 before the first position: 0)."""
+        b, c, x = bcx.chunk(3, dim=-1)
+        pool.index_copy_(0, slot_mapping, (b * x).to(pool.dtype))
+        read = pool.index_select(0, conv_slots.clamp(min=0).flatten()).view(*conv_slots.shape, -1).to(bcx.dtype)
+        read = torch.where(conv_slots.unsqueeze(-1) >= 0, read, torch.zeros((), dtype=read.dtype, device=read.device))
+        out = torch.zeros_like(c)
+        for j in range(conv_slots.shape[1]):  # in tap order, as the compiled kernel sums them
+            out = out + taps[:, j].to(bcx.dtype) * read[:, j]
+        return c * out
+
     def qk_norm_(self, qkv: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """q and k of the fused projection `[N, (H + 2 KV) * D]` RMS-normalized in place, by
         `scales` (q's, k's), in groups of each scale's length: a head (D) or the whole
@@ -207,6 +222,10 @@ class CpuKernelTokenOps(TorchTokenOps):
 
     def xielu(self, up: torch.Tensor, alpha_p: float, alpha_n: float, beta: float, eps: float) -> torch.Tensor:
         return self.kernels.xielu(up.contiguous(), alpha_p, alpha_n, beta, eps)
+
+    def short_conv_(self, bcx: torch.Tensor, taps: torch.Tensor, pool: torch.Tensor, slot_mapping: torch.Tensor,
+                    conv_slots: torch.Tensor) -> torch.Tensor:
+        return self.kernels.short_conv_(bcx, taps, pool, slot_mapping, conv_slots)
 
     def qk_norm_(self, qkv: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         self.kernels.qk_norm_(qkv, scales[0], scales[1], self.num_heads, self.num_kv_heads, self.head_dim, self.eps)

@@ -148,11 +148,15 @@ class CostModel:
                                      + num_expert_layers(model) * model.num_experts * model.hidden_size) * w / tp
         self._expert_weight_bytes = num_expert_layers(model) * expert_params(model) * w / tp
         self._head_weight_bytes = head * (w if head_8bit else a) / tp
-        self._attn_flops_per_pair = 4 * model.num_layers * (model.num_heads // tp) * model.head_dim
+        self._attn_flops_per_pair = 4 * model.num_attention_layers * (model.num_heads // tp) * model.head_dim
         # KV heads are split over the devices, replicated when there are fewer than devices.
         self.kv_heads_per_device = -(-model.num_kv_heads // tp)
         kv = DTYPE_BYTES[self.kv_cache_dtype]
-        self.kv_bytes_per_token = 2 * model.num_layers * self.kv_heads_per_device * model.head_dim * kv
+        # What attention reads of each context token, and what the pool holds of it: K and V, and
+        # each short convolution's input (LFM2's: a row of hidden_size, of which a step reads a few)
+        self._attn_bytes_per_token = 2 * model.num_attention_layers * self.kv_heads_per_device * model.head_dim * kv
+        self.kv_bytes_per_token = self._attn_bytes_per_token + sum(model.conv_layers or ()) * -(
+            -model.hidden_size // tp) * kv
         self.weight_bytes_per_device = (linear * w + (num_params(model) - linear) * a) / tp
         if head_8bit:  # an untied head 8-bit in place of its own type; a tied one an 8-bit copy
             self.weight_bytes_per_device += head * (w - (0 if model.tie_word_embeddings else a)) / tp
@@ -163,7 +167,7 @@ class CostModel:
         num_tokens = num_rows = num_requests = 0
         decode_only = True
         attention: list[tuple[float, float]] = []
-        pair_flops, kv_bytes = self._attn_flops_per_pair, self.kv_bytes_per_token
+        pair_flops, kv_bytes = self._attn_flops_per_pair, self._attn_bytes_per_token
         for n, context, samples in batch:
             num_tokens += n
             num_rows += samples

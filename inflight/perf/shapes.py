@@ -65,10 +65,12 @@ def num_dense_linear_params(cfg: ModelConfig) -> int:
     layers without routed experts, a shared expert's and its gate's in those with them."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     attn = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size
+    conv = 4 * cfg.hidden_size * cfg.hidden_size  # a short convolution's in_proj (b, c, x) and out_proj (LFM2's)
     mlp = (3 if cfg.gated_mlp else 2) * cfg.hidden_size * cfg.intermediate_size
     shared_width = cfg.shared_expert_intermediate_size or 0
     shared = cfg.hidden_size * (3 * shared_width + 1) if shared_width else 0
-    return cfg.num_layers * attn + (cfg.num_layers - num_expert_layers(cfg)) * mlp + num_expert_layers(cfg) * shared
+    mixers = cfg.num_attention_layers * attn + (cfg.num_layers - cfg.num_attention_layers) * conv
+    return mixers + (cfg.num_layers - num_expert_layers(cfg)) * mlp + num_expert_layers(cfg) * shared
 
 
 def num_expert_layers(cfg: ModelConfig) -> int:

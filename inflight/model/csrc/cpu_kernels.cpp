@@ -821,6 +821,52 @@ inline void transpose_keys(const float* const* krow, int64_t nt, int64_t dim_rt,
     for (int64_t d = 0; d < dim; ++d) kt[d * kTokenTile + i] = i < nt ? krow[i][d] : 0.f;
 }
 
+// One row of a prefill tile: its scores s (kTokenTile, those before `hidden` and from `visible` on
+// masked) become the weights pr = exp(s - m') against the row's running max m' (its sum l and its
+// output o rescaled to it). In the portable build, one body for every row (INFLIGHT_ONE_BODY):
+// inlined into prefill_item, GCC compiled it so that rows of one call took different paths
+// through its exp and sums, and a chunked prompt's rows differed from the whole prompt's in the
+// last bit (seen once the file grew by an unrelated kernel, which changed what GCC inlined). The
+// vector builds inline it: a call per row cost 9% of a 5-token prefill after 450 tokens on
+// AVX-512, and their rows agree (tests/test_attention.py, run against every build).
+#if defined(__AVX2__)
+#define INFLIGHT_TILE_ROW inline __attribute__((always_inline))
+#else
+#define INFLIGHT_TILE_ROW INFLIGHT_ONE_BODY
+#endif
+INFLIGHT_TILE_ROW void tile_weights(float* __restrict s, float* __restrict pr, int64_t hidden, int64_t visible,
+                                    float softcap, float& m, float& l, float* __restrict o, int64_t dim) {
+  if (visible <= hidden) {
+    std::fill(pr, pr + kTokenTile, 0.f);
+    return;
+  }
+  soft_cap(s + hidden, visible - hidden, softcap);
+  for (int64_t i = 0; i < hidden; ++i) s[i] = kNoScore;
+  for (int64_t i = visible; i < kTokenTile; ++i) s[i] = kNoScore;
+  float mx = m;
+#pragma omp simd reduction(max : mx)
+  for (int64_t i = 0; i < kTokenTile; ++i) mx = std::max(mx, s[i]);
+  // The first tile's old sum is empty. The exponents are floored at -80 and the masked
+  // weights set to 0 after: a vector of exp() with a lane far below -87 (a masked score,
+  // or e^x < 1e-38) takes glibc's slow path, a scalar call per lane, which cost a tenth of
+  // this kernel's time. Weights below e^-80 = 2e-35 of the row's largest make no
+  // difference to its fp32 sums.
+  const float alpha = m == kNoScore ? 0.f : std::exp(m - mx);
+#pragma omp simd
+  for (int64_t i = 0; i < kTokenTile; ++i) pr[i] = std::exp(std::max(s[i] - mx, -80.f));
+  for (int64_t i = 0; i < hidden; ++i) pr[i] = 0.f;
+  for (int64_t i = visible; i < kTokenTile; ++i) pr[i] = 0.f;
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < kTokenTile; ++i) sum += pr[i];
+  l = l * alpha + sum;
+  m = mx;
+  if (alpha != 1.f) {
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) o[d] *= alpha;
+  }
+}
+
 template <int64_t kDim>
 void prefill_item(const Pool& pool, const int64_t* table, int64_t ctx_start, const float* q, int64_t num_heads,
                   int64_t group, int64_t dim_rt, float scale, int64_t window, float softcap, const float* sinks,
@@ -880,40 +926,10 @@ void prefill_item(const Pool& pool, const int64_t* table, int64_t ctx_start, con
         for (int64_t c = 0; c < kTileVecs; ++c) store_vec(srow + j * kTokenTile + c * kVec, acc[j][c]);
     }
     for (int64_t r = 0; r < rows; ++r) {
-      float* s = sc.s.data() + r * kTokenTile;
-      float* pr = p + r * kTokenTile;
       const int64_t visible = std::max<int64_t>(0, std::min(nt, sc.limit[r] - t0));
       const int64_t hidden = std::min(std::max<int64_t>(0, sc.low[r] - t0), kTokenTile);  // before the window
-      if (visible <= hidden) {
-        std::fill(pr, pr + kTokenTile, 0.f);
-        continue;
-      }
-      soft_cap(s + hidden, visible - hidden, softcap);
-      for (int64_t i = 0; i < hidden; ++i) s[i] = kNoScore;
-      for (int64_t i = visible; i < kTokenTile; ++i) s[i] = kNoScore;
-      float mx = sc.m[r];
-#pragma omp simd reduction(max : mx)
-      for (int64_t i = 0; i < kTokenTile; ++i) mx = std::max(mx, s[i]);
-      // The first tile's old sum is empty. The exponents are floored at -80 and the masked
-      // weights set to 0 after: a vector of exp() with a lane far below -87 (a masked score,
-      // or e^x < 1e-38) takes glibc's slow path, a scalar call per lane, which cost a tenth of
-      // this kernel's time. Weights below e^-80 = 2e-35 of the row's largest make no
-      // difference to its fp32 sums.
-      const float alpha = sc.m[r] == kNoScore ? 0.f : std::exp(sc.m[r] - mx);
-#pragma omp simd
-      for (int64_t i = 0; i < kTokenTile; ++i) pr[i] = std::exp(std::max(s[i] - mx, -80.f));
-      for (int64_t i = 0; i < hidden; ++i) pr[i] = 0.f;
-      for (int64_t i = visible; i < kTokenTile; ++i) pr[i] = 0.f;
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < kTokenTile; ++i) sum += pr[i];
-      sc.l[r] = sc.l[r] * alpha + sum;
-      sc.m[r] = mx;
-      if (alpha != 1.f) {
-        float* orow = o + r * dim;
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) orow[d] *= alpha;
-      }
+      tile_weights(sc.s.data() + r * kTokenTile, p + r * kTokenTile, hidden, visible, softcap, sc.m[r], sc.l[r],
+                   o + r * dim, dim);
     }
     pv_tile<kDim>(p, kTokenTile, vrow, nt, o, rows, dim);
   }
@@ -1290,6 +1306,74 @@ void store_kv_(torch::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, int64
   at::parallel_for(0, qkv.size(0), row_grain(2 * num_kv_heads * head_dim), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) slots.store(base + r * row_stride + num_heads * head_dim, r);
   });
+}
+
+// LFM2's short convolution over a step's rows: bcx [N, 3H] fp32, each row's b, c and x thirds;
+// taps [H, K] fp32, the depthwise convolution's; pool [num_slots, H] (fp32, bf16 or fp16), the
+// layer's share of the paged pool; slots [N] (int64), each row's own slot; conv_slots [N, K]
+// (int64), the slots of the K positions a row's convolution reads, oldest first and its own last
+// (-1: before the first position, which reads as 0). Writes each row's b * x to its slot (rounded
+// as the pool holds it: all rows first, so a row reads those before it in the same step), then
+// returns c * sum_j taps[:, j] * pool[conv_slots[r, j]], [N, H], summed in tap order.
+torch::Tensor short_conv_(const torch::Tensor& bcx, const torch::Tensor& taps, torch::Tensor pool,
+                          const torch::Tensor& slot_mapping, const torch::Tensor& conv_slots) {
+  check_qkv(bcx);
+  const int64_t rows = bcx.size(0), hidden = bcx.size(1) / 3, k = taps.size(-1);
+  TORCH_CHECK(bcx.size(1) == 3 * hidden && taps.dtype() == torch::kFloat32 && taps.dim() == 2 &&
+                  taps.size(0) == hidden, "bcx [N, 3H] and taps [H, K] of float32");
+  TORCH_CHECK(pool.dim() == 2 && pool.size(1) == hidden && pool.is_contiguous(), "a pool [slots, H]");
+  const KvType type = kv_type(pool, pool);
+  const torch::Tensor own = slot_mapping.contiguous(), read = conv_slots.contiguous();
+  TORCH_CHECK(own.dtype() == torch::kInt64 && own.numel() == rows && read.dtype() == torch::kInt64 &&
+                  read.dim() == 2 && read.size(0) == rows && read.size(1) == k, "slots [N] and conv_slots [N, K] of int64");
+  const int64_t* own_slot = own.data_ptr<int64_t>();
+  const int64_t* read_slot = read.data_ptr<int64_t>();
+  const int64_t num_slots = pool.size(0);
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(own_slot[r] >= 0 && own_slot[r] < num_slots, "slot out of the pool");
+    for (int64_t j = 0; j < k; ++j) TORCH_CHECK(read_slot[r * k + j] < num_slots, "conv slot out of the pool");
+  }
+  const torch::Tensor by_tap = taps.t().contiguous();  // [K, H]: a tap's weights side by side
+  const float* w = by_tap.data_ptr<float>();
+  const float* base = bcx.data_ptr<float>();
+  const int64_t stride = bcx.stride(0), slot_bytes = hidden * pool.element_size();
+  char* p = static_cast<char*>(pool.data_ptr());
+  const int64_t grain = row_grain(3 * hidden);
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> bx(hidden);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* b = base + r * stride;
+      const float* x = b + 2 * hidden;
+#pragma omp simd
+      for (int64_t c = 0; c < hidden; ++c) bx[c] = b[c] * x[c];
+      narrow_kv(bx.data(), type, p + own_slot[r] * slot_bytes, hidden);
+    }
+  });
+  torch::Tensor out = torch::empty({rows, hidden}, bcx.options().memory_format(at::MemoryFormat::Contiguous));
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(hidden), wide(hidden);
+    for (int64_t r = begin; r < end; ++r) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t slot = read_slot[r * k + j];
+        if (slot < 0) continue;
+        const char* at_slot = p + slot * slot_bytes;
+        const float* v = reinterpret_cast<const float*>(at_slot);
+        if (type != KvType::kF32) {
+          widen_kv(at_slot, type, wide.data(), hidden);
+          v = wide.data();
+        }
+        const float* tap = w + j * hidden;
+#pragma omp simd
+        for (int64_t c = 0; c < hidden; ++c) acc[c] += tap[c] * v[c];
+      }
+      const float* gate = base + r * stride + hidden;
+#pragma omp simd
+      for (int64_t c = 0; c < hidden; ++c) o[r * hidden + c] = gate[c] * acc[c];
+    }
+  });
+  return out;
 }
 
 namespace {
@@ -4040,7 +4124,8 @@ struct StackLinear {
 // The ops of inflight/model/layer_plan.py's Op, as a plan names them.
 enum class PlanOp {
   kAddRmsNorm, kMatmul, kRotaryStoreKv, kAttention, kSiluAndMul, kGeluTanhAndMul, kQkNorm, kAddResidual, kRmsNorm,
-  kScale, kRoutedExperts, kReluSquared, kAddLayerNorm, kLayerNorm, kGeluTanh, kAdd, kXielu, kRotary, kStoreKv
+  kScale, kRoutedExperts, kReluSquared, kAddLayerNorm, kLayerNorm, kGeluTanh, kAdd, kXielu, kRotary, kStoreKv,
+  kShortConv
 };
 const std::vector<std::pair<std::string, PlanOp>> kPlanOps = {
     {"add_rms_norm", PlanOp::kAddRmsNorm},   {"matmul", PlanOp::kMatmul},
@@ -4052,7 +4137,7 @@ const std::vector<std::pair<std::string, PlanOp>> kPlanOps = {
     {"add_layer_norm", PlanOp::kAddLayerNorm}, {"layer_norm", PlanOp::kLayerNorm},
     {"gelu_tanh", PlanOp::kGeluTanh},        {"add", PlanOp::kAdd},
     {"xielu", PlanOp::kXielu},               {"rotary", PlanOp::kRotary},
-    {"store_kv", PlanOp::kStoreKv}};
+    {"store_kv", PlanOp::kStoreKv},          {"short_conv", PlanOp::kShortConv}};
 constexpr int64_t kMaxRegs = 8;
 
 torch::Tensor run_linear(const StackLinear& lin, const torch::Tensor& x) {
@@ -4158,21 +4243,22 @@ std::vector<std::string> plan_ops() {
 
 class DecoderStack {
  public:
-  // plan: one layer's steps (op name, source register, destination register, weight index,
-  // registers to release after it), as layer_plan.py writes them; every layer runs it, and
-  // after the last one register `output` holds the result. norms holds each layer's norm
+  // plans: a layer's steps (op name, source register, destination register, weight index,
+  // registers to release after it), as layer_plan.py writes them, one plan for each kind of layer
+  // (layer_plan.for_mixer); layer i runs plans[layer_plans[i]], and after the last layer register
+  // `output` holds the result. norms holds each layer's norm
   // weights, layer after layer, norm_biases a LayerNorm's bias beside each (or none), qk_norms each layer's q and k scales (where the plan has
   // qk_norm); packed, blocks, biases and out_features each layer's matmuls (as
   // inflight.model.linear.Linear holds them). Per layer: its attention window (0: none), which of
   // forward's rotary tables it reads, and the factor of its `scale` steps.
-  DecoderStack(const std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, std::vector<int64_t>>>& plan,
-               int64_t output, int64_t num_layers, std::vector<torch::Tensor> norms,
+  DecoderStack(const std::vector<std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, std::vector<int64_t>>>>& plans,
+               std::vector<int64_t> layer_plans, int64_t output, int64_t num_layers, std::vector<torch::Tensor> norms,
                std::vector<c10::optional<torch::Tensor>> norm_biases, std::vector<torch::Tensor> qk_norms, std::vector<torch::Tensor> packed,
                std::vector<c10::optional<torch::Tensor>> blocks, std::vector<c10::optional<torch::Tensor>> biases,
                std::vector<int64_t> out_features, std::vector<int64_t> windows, std::vector<int64_t> rope_tables,
                std::vector<double> residual_scales, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                double eps, double attention_scale, double softcap)
-      : norms_(std::move(norms)), norm_biases_(std::move(norm_biases)), qk_norms_(std::move(qk_norms)), windows_(std::move(windows)),
+      : layer_plans_(std::move(layer_plans)), norms_(std::move(norms)), norm_biases_(std::move(norm_biases)), qk_norms_(std::move(qk_norms)), windows_(std::move(windows)),
         rope_tables_(std::move(rope_tables)), residual_scales_(std::move(residual_scales)), num_layers_(num_layers),
         output_(output), num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps),
         attention_scale_(attention_scale), softcap_(softcap) {
@@ -4192,18 +4278,24 @@ class DecoderStack {
     for (size_t i = 0; i < packed.size(); ++i)
       linears_.push_back({packed[i], blocks[i], biases[i], out_features[i], "matmul -> " + std::to_string(out_features[i])});
     TORCH_CHECK(output >= 0 && output < kMaxRegs, "output register out of range");
-    for (const auto& [name, src, dst, param, release] : plan) {
-      auto found = std::find_if(kPlanOps.begin(), kPlanOps.end(), [&](const auto& e) { return e.first == name; });
-      TORCH_CHECK(found != kPlanOps.end(), "DecoderStack: no kernel for the plan's op ", name);
-      TORCH_CHECK(src >= 0 && src < kMaxRegs && dst >= 0 && dst < kMaxRegs, "register out of range in op ", name);
-      const PlanOp op = found->second;
-      if (op == PlanOp::kAddRmsNorm || op == PlanOp::kRmsNorm || op == PlanOp::kAddLayerNorm ||
-          op == PlanOp::kLayerNorm)
-        TORCH_CHECK(param >= 0 && param < norms_per_layer_, "no such norm: ", param);
-      if (op == PlanOp::kMatmul) TORCH_CHECK(param >= 0 && param < matmuls_per_layer_, "no such matmul: ", param);
-      if (op == PlanOp::kQkNorm) TORCH_CHECK(!qk_norms_.empty(), "a qk_norm step needs the layers' q and k scales");
-      for (int64_t r : release) TORCH_CHECK(r >= 0 && r < kMaxRegs, "register out of range in op ", name);
-      plan_.push_back({op, src, dst, param, release});
+    TORCH_CHECK(static_cast<int64_t>(layer_plans_.size()) == num_layers, "a plan for every layer");
+    for (int64_t p : layer_plans_)
+      TORCH_CHECK(p >= 0 && p < static_cast<int64_t>(plans.size()), "no such plan: ", p);
+    for (const auto& plan : plans) {
+      plans_.emplace_back();
+      for (const auto& [name, src, dst, param, release] : plan) {
+        auto found = std::find_if(kPlanOps.begin(), kPlanOps.end(), [&](const auto& e) { return e.first == name; });
+        TORCH_CHECK(found != kPlanOps.end(), "DecoderStack: no kernel for the plan's op ", name);
+        TORCH_CHECK(src >= 0 && src < kMaxRegs && dst >= 0 && dst < kMaxRegs, "register out of range in op ", name);
+        const PlanOp op = found->second;
+        if (op == PlanOp::kAddRmsNorm || op == PlanOp::kRmsNorm || op == PlanOp::kAddLayerNorm ||
+            op == PlanOp::kLayerNorm)
+          TORCH_CHECK(param >= 0 && param < norms_per_layer_, "no such norm: ", param);
+        if (op == PlanOp::kMatmul) TORCH_CHECK(param >= 0 && param < matmuls_per_layer_, "no such matmul: ", param);
+        if (op == PlanOp::kQkNorm) TORCH_CHECK(!qk_norms_.empty(), "a qk_norm step needs the layers' q and k scales");
+        for (int64_t r : release) TORCH_CHECK(r >= 0 && r < kMaxRegs, "register out of range in op ", name);
+        plans_.back().push_back({op, src, dst, param, release});
+      }
     }
   }
 
@@ -4256,6 +4348,12 @@ class DecoderStack {
     xielu_ = std::move(numbers);
   }
 
+  // Each layer's short-convolution taps [H, K] (LFM2's), an empty tensor for a layer that attends.
+  void set_conv(std::vector<torch::Tensor> taps) {
+    TORCH_CHECK(static_cast<int64_t>(taps.size()) == num_layers_, "taps (or none) for every layer");
+    conv_ = std::move(taps);
+  }
+
   // Each layer's attention sinks (gpt-oss's: a score per query head, `finish_parts`), or none.
   void set_sinks(std::vector<torch::Tensor> sinks) {
     TORCH_CHECK(sinks.empty() || static_cast<int64_t>(sinks.size()) == num_layers_, "sinks for every layer, or none");
@@ -4275,7 +4373,7 @@ class DecoderStack {
                         c10::optional<torch::Tensor> decode_tables, c10::optional<torch::Tensor> decode_lens,
                         c10::optional<torch::Tensor> prefill_tables, c10::optional<torch::Tensor> query_starts,
                         c10::optional<torch::Tensor> query_lens, c10::optional<torch::Tensor> context_starts,
-                        int64_t block_size) const {
+                        int64_t block_size, c10::optional<torch::Tensor> conv_slots) const {
     const int64_t tokens = hidden.size(0);
     TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == num_layers_ &&
                     static_cast<int64_t>(v_caches.size()) == num_layers_,
@@ -4290,7 +4388,7 @@ class DecoderStack {
                 "prefill tokens need prefill tables");
     std::array<torch::Tensor, kMaxRegs> reg;
     for (int64_t i = 0; i < num_layers_; ++i) {
-      for (const PlanStep& step : plan_) {
+      for (const PlanStep& step : plans_[layer_plans_[i]]) {
         const torch::Tensor& src = reg[step.src];
         switch (step.op) {
           case PlanOp::kAddRmsNorm: {
@@ -4417,6 +4515,14 @@ class DecoderStack {
             reg[step.dst] = src.mul(residual_scales_[i]);
             break;
           }
+          case PlanOp::kShortConv: {
+            TORCH_CHECK(static_cast<int64_t>(conv_.size()) == num_layers_ && conv_[i].defined() && conv_[i].numel(),
+                        "layer ", i, " has no convolution set");
+            TORCH_CHECK(conv_slots.has_value(), "a short convolution needs the step's conv slots");
+            Range r("token ops: short_conv_");
+            reg[step.dst] = short_conv_(src, conv_[i], k_caches[i], slot_mapping, *conv_slots);
+            break;
+          }
           case PlanOp::kRoutedExperts: {
             TORCH_CHECK(!experts_.empty() && !experts_[i].gate_up.empty(), "layer ", i, " has no experts set");
             reg[step.dst] = experts_[i].forward(src);
@@ -4439,6 +4545,7 @@ class DecoderStack {
     return sinks_.empty() ? c10::optional<torch::Tensor>() : c10::optional<torch::Tensor>(sinks_[layer]);
   }
 
+  std::vector<int64_t> layer_plans_;  // which of plans_ each layer runs
   std::vector<torch::Tensor> norms_;
   std::vector<c10::optional<torch::Tensor>> norm_biases_;  // beside norms_ (LayerNorms'), or none
   std::vector<torch::Tensor> qk_norms_, sinks_;
@@ -4447,7 +4554,8 @@ class DecoderStack {
   std::vector<double> xielu_;  // four a layer (set_xielu), where the plan has xielu
   std::vector<StackLinear> linears_;
   std::vector<StackExperts> experts_;  // per layer, where the plan routes to experts (set_experts)
-  std::vector<PlanStep> plan_;
+  std::vector<std::vector<PlanStep>> plans_;
+  std::vector<torch::Tensor> conv_;  // per layer, where the plan convolves (set_conv)
   int64_t num_layers_, output_, norms_per_layer_ = 0, matmuls_per_layer_ = 0;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, attention_scale_, softcap_;
@@ -4667,6 +4775,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("k_cache") = py::none(), py::arg("v_cache") = py::none(),
         py::arg("slot_mapping") = py::none());
   m.def("store_kv_", &store_kv_, "Each row's k and v of a fused qkv written to its slot of the KV pool");
+  m.def("short_conv_", &short_conv_, "LFM2's short convolution: each row's b * x to its pool slot, then c * conv");
   m.def("argmax_rows", &argmax_rows, "First index of the largest value (or first NaN) of each row (CPU, fp32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU, fp32)");
   m.def("clamped_swiglu", &clamped_swiglu, "gpt-oss's (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)");
@@ -4728,8 +4837,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // module_local: another build of this file in the same process (kernels_bench.py --against)
   // registers its own DecoderStack.
   py::class_<DecoderStack>(m, "DecoderStack", py::module_local(), "A step's decoder layers in one call (CPU, fp32)")
-      .def(py::init<const std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, std::vector<int64_t>>>&,
-                    int64_t, int64_t, std::vector<torch::Tensor>, std::vector<c10::optional<torch::Tensor>>,
+      .def(py::init<const std::vector<std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, std::vector<int64_t>>>>&,
+                    std::vector<int64_t>, int64_t, int64_t, std::vector<torch::Tensor>, std::vector<c10::optional<torch::Tensor>>,
                     std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                     std::vector<c10::optional<torch::Tensor>>, std::vector<c10::optional<torch::Tensor>>,
                     std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, std::vector<double>, int64_t,
@@ -4741,5 +4850,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "top_k, whether the chosen weights are renormalized, the clamped SwiGLU's alpha and limit (0: silu), "
            "whether sigmoids score the experts, their bias for the choice, the weights' scale")
       .def("set_sinks", &DecoderStack::set_sinks, "Each layer's attention sinks (a score per query head), or none")
-      .def("set_xielu", &DecoderStack::set_xielu, "Each layer's xIELU numbers, four a layer");
+      .def("set_xielu", &DecoderStack::set_xielu, "Each layer's xIELU numbers, four a layer")
+      .def("set_conv", &DecoderStack::set_conv, "Each layer's short-convolution taps, or an empty tensor");
 }
