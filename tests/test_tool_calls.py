@@ -1,7 +1,7 @@
 """Tool calls through the official `openai` client: a named function or `"required"` constrain
 the output to the tools' schemas and come back as `tool_calls`, whole or streamed; `"auto"`
-reads Hermes' `<tool_call>` format where the chat template teaches it (else a 400); earlier
-calls and their results go back into the template."""
+reads Hermes' `<tool_call>` format, Llama 3's JSON or LFM2's Python-style calls where the chat
+template teaches one (else a 400); earlier calls and their results go back into the template."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from inflight import EngineConfig, LLMEngine
 from inflight.model.loaded import LoadedModel
 from inflight.server.config import ServerConfig
 from inflight.server.launcher import RunningServer, serve_in_thread
-from inflight.server.tools import ToolCallReader, parse_hermes, parse_llama3_json, tool_call_format
+from inflight.server.tools import ToolCallReader, parse_hermes, parse_llama3_json, parse_tagged, tool_call_format
 
 HERMES_TEMPLATE = (Path(inflight.__file__).parent / "data" / "chatml_tools.jinja").read_text()
 WEATHER = {"type": "function", "function": {
@@ -130,6 +130,55 @@ def test_streamed_llama3_json_reading_equals_the_whole(text: str, step: int) -> 
         (i, c.function.name, c.function.arguments) for i, c in enumerate(whole_calls)]
 
 
+# --- reading LFM2's Python-style calls ---------------------------------------------------------------
+
+# How LFM2's and LFM2.5's chat templates list the tools (the words llama.cpp recognizes them by), with
+# the rest of a ChatML template around them.
+LFM2_TEMPLATE = (
+    "{{- bos_token -}}{%- if tools -%}{{- '<|im_start|>system\nList of tools: <|tool_list_start|>[' -}}"
+    "{%- for tool in tools -%}{{- tool | tojson -}}{%- if not loop.last -%}, {% endif -%}{%- endfor -%}"
+    "{{- ']<|tool_list_end|><|im_end|>\n' -}}{%- endif -%}"
+    "{%- for m in messages -%}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}")
+LFM2_TEXT = ('Let me check.<|tool_call_start|>[get_weather(city="Paris", unit=\'celsius\'), '
+             'get_time(zone="Asia/Tokyo")]<|tool_call_end|>Checking both.')
+
+
+def test_lfm2_calls_are_read_out_of_the_text() -> None:
+    """LFM2's format, as llama.cpp reads it: a list of Python calls between special tokens, each
+    argument by keyword, its values Python literals or JSON's true, false and null; several calls
+    in one tag. A tag whose body is not such a list stays in the text."""
+    assert tool_call_format(LFM2_TEMPLATE) == "lfm2"
+    assert tool_call_format(LFM2_TEMPLATE.replace("<|tool_list_start|>", "").replace("<|tool_list_end|>", "")) == (
+        "lfm2")  # LFM2.5's, the list without its tokens
+    content, calls = parse_tagged(LFM2_TEXT, "lfm2")
+    assert content == "Let me check.Checking both."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"zone": "Asia/Tokyo"})]
+    _, [call] = parse_tagged('<|tool_call_start|>[f(a=1, b=[true, None, 2.5], c={"k": null}, d=False)]'
+                             '<|tool_call_end|>', "lfm2")
+    assert json.loads(call.function.arguments) == {"a": 1, "b": [True, None, 2.5], "c": {"k": None}, "d": False}
+    for body in ("[f(1)]", "f(a=1)", "[f(a=g(2))]", "[os.system(a=1)]", "[f(**k)]", "[f(a=1)", "[]", "[f(a=x)]"):
+        text = f"<|tool_call_start|>{body}<|tool_call_end|>"
+        assert parse_tagged(text, "lfm2") == (text, []), body  # not a list of calls by keyword: text
+
+
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_streamed_lfm2_reading_equals_the_whole(step: int) -> None:
+    reader = ToolCallReader("lfm2")
+    content, calls = "", []
+    for i in range(0, len(LFM2_TEXT), step):
+        piece, deltas = reader.feed(LFM2_TEXT[i:i + step])
+        assert "<|" not in piece
+        content, calls = content + piece, calls + deltas
+    piece, deltas = reader.end()
+    content, calls = content + piece, calls + deltas
+    whole_content, whole_calls = parse_tagged(LFM2_TEXT, "lfm2")
+    assert content == whole_content
+    assert [(d.index, d.function.name, d.function.arguments) for d in calls] == [
+        (i, c.function.name, c.function.arguments) for i, c in enumerate(whole_calls)]
+
+
 # --- through the server ------------------------------------------------------------------------------
 
 
@@ -174,6 +223,30 @@ def test_auto_under_a_llama3_template_reads_its_json(llama3_server: RunningServe
                 arguments = [c.function.arguments for c in choice.message.tool_calls or []]
         assert names == ["get_time"] and [json.loads(a) for a in arguments] == [{"zone": "UTC"}]
         assert not content and finish == "tool_calls"
+
+
+def test_auto_under_an_lfm2_template_reads_its_python_calls(loaded: LoadedModel) -> None:
+    """Under LFM2's template "auto" reads its Python-style calls: an answer forced to be two calls in
+    one tag, after some prose, comes back as those calls and the prose, whole and streamed alike
+    (the embedded model's vocabulary writes the markers as text; LFM2's own has them as special
+    tokens, which a request of this format keeps in its text)."""
+    engine = LLMEngine(EngineConfig.from_kwargs(num_kv_blocks=64, max_batch_size=4), loaded)
+    with serve_in_thread(engine, ServerConfig(shutdown_timeout_s=5, chat_template=LFM2_TEMPLATE)) as server:
+        regex = (r'Sure\.<\|tool_call_start\|>\[get_time\(zone="UTC"\), get_weather\(city="Oslo", '
+                 r'unit="celsius"\)\]<\|tool_call_end\|>')
+        body = {"model": server.engine.model_name, "messages": ASK, "tools": [WEATHER, TIME], "max_tokens": 48,
+                "temperature": 0, "tool_choice": "auto", "extra_body": {"guided_regex": regex}}
+        for stream in (False, True):
+            with _client(server) as client:
+                if stream:
+                    content, streamed, finish = _streamed(client.chat.completions.create(**body, stream=True))
+                    got = [(c["name"], json.loads(c["arguments"])) for c in streamed.values()]
+                else:
+                    choice = client.chat.completions.create(**body).choices[0]
+                    content, finish = choice.message.content, choice.finish_reason
+                    got = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []]
+            assert got == [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo", "unit": "celsius"})]
+            assert content == "Sure." and finish == "tool_calls"
 
 
 @pytest.fixture(scope="module")

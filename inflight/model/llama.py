@@ -280,8 +280,8 @@ class LlamaModel:
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             convolves = config.conv_layers is not None and config.conv_layers[i]
-            names = {**arch.matmuls, **arch.conv_matmuls} if convolves else arch.matmuls
-            fused = {field: [p + n for n in suffixes] for field, suffixes in names.items()}
+            layer_matmuls = {**arch.matmuls, **arch.conv_matmuls} if convolves else arch.matmuls
+            fused = {field: [p + n for n in suffixes] for field, suffixes in layer_matmuls.items()}
             sparse = arch.experts is not None and (config.moe_layers is None or config.moe_layers[i])
             if sparse:  # the MLP's weights are the experts'
                 fused = {field: names for field, names in fused.items() if field not in ("gate_up", "down")}

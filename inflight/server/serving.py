@@ -71,7 +71,7 @@ from inflight.server.reasoning import (
     think_markers,
 )
 from inflight.server.stream import Delta, RequestStream
-from inflight.server.tools import ToolCallReader, ToolMode, tool_call_format
+from inflight.server.tools import SPECIAL_TOKEN_MODES, ToolCallReader, ToolMode, tool_call_format
 
 Logprobs = list[TokenLogprobs]
 
@@ -404,7 +404,8 @@ class OpenAIServing:
         token_ids = req.truncated(token_ids, self.engine.max_model_len)
         params = self._sampling_params(req, req.requested_max_tokens, len(token_ids), "messages", req.num_logprobs,
                                        req.prompt_logprobs)
-        if self.config.reasoning_parser in HARMONY_PARSERS:  # its markers are special tokens: the parser reads them
+        if self.config.reasoning_parser in HARMONY_PARSERS or (tools is not None and tools[0] in SPECIAL_TOKEN_MODES):
+            # its markers are special tokens: the parser reads them
             params = dataclasses.replace(params, skip_special_tokens=False)
         grammar = await self._grammar(req)
         if grammar is not None and self.config.reasoning_parser is not None:
@@ -457,7 +458,8 @@ class OpenAIServing:
             if found is None:
                 raise invalid('tool_choice "auto" (the default with tools): this model\'s chat template does not '
                               "render tools in a tool-call format inflight reads (Hermes' <tool_call>, Llama 3's "
-                              'JSON); send tool_choice "required", a named function, or "none"', "tool_choice")
+                              "JSON, LFM2's <|tool_call_start|>); send tool_choice \"required\", a named function, "
+                              'or "none"', "tool_choice")
             return found, None
         return mode, req.named_function
 

@@ -9,31 +9,48 @@ a choice's text into OpenAI `tool_calls`, whole or as stream deltas.
 - `"auto"`: nothing is constrained; the model decides, in the format its chat template taught it.
   inflight reads Hermes' format (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as in
   the Qwen 2.5/3, Hermes and SmolLM3 templates) and Llama 3.1-3.3's JSON (an answer that is one
-  `{"name": ..., "parameters": {...}}` object, or several joined by ";": vLLM's `llama3_json`);
-  a template that renders tools in another format, or none, gets a 400 for "auto".
+  `{"name": ..., "parameters": {...}}` object, or several joined by ";": vLLM's `llama3_json`)
+  and LFM2's Python-style calls (`<|tool_call_start|>[name(arg=value, ...), ...]<|tool_call_end|>`,
+  its markers special tokens, kept in the text; llama.cpp's reading: Python literals, and JSON's
+  true, false and null); a template that renders tools in another format, or none, gets a 400 for
+  "auto".
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
 from inflight.server.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 
-ToolMode = Literal["named", "required", "hermes", "llama3_json"]
+ToolMode = Literal["named", "required", "hermes", "llama3_json", "lfm2"]
+# The formats that tag each call (or list of calls) in the text, and the modes whose markers are
+# special tokens (a request of that mode keeps them: skip_special_tokens off).
+TAGGED_MODES = ("hermes", "lfm2")
+SPECIAL_TOKEN_MODES = ("lfm2",)
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+LFM2_OPEN, LFM2_CLOSE = "<|tool_call_start|>", "<|tool_call_end|>"
 # What Llama 3.1-3.3's templates tell the model when they render tools (3.2's and 3.3's alike).
 LLAMA3_JSON_PROMPT = '"parameters": dictionary of argument name and its value'
+# How LFM2's templates list the tools (LFM2's between special tokens, LFM2.5's plainly); llama.cpp
+# recognizes the two templates by the same words.
+LFM2_TOOL_LISTS = ("List of tools: <|tool_list_start|>[", "List of tools: [")
 
 
-def tool_call_format(chat_template: str | None) -> Literal["hermes", "llama3_json"] | None:
+def tool_call_format(chat_template: str | None) -> Literal["hermes", "llama3_json", "lfm2"] | None:
     """The tool-call format a chat template teaches its model, if inflight can read it."""
-    if chat_template and "tools" in chat_template and HERMES_OPEN in chat_template:
+    if not chat_template or "tools" not in chat_template:
+        return None
+    if HERMES_OPEN in chat_template:
         return "hermes"
-    if chat_template and "tools" in chat_template and LLAMA3_JSON_PROMPT in chat_template:
+    if LLAMA3_JSON_PROMPT in chat_template:
         return "llama3_json"
+    if any(words in chat_template for words in LFM2_TOOL_LISTS):
+        return "lfm2"
     return None
 
 
@@ -42,14 +59,56 @@ def _call(name: str, arguments: Any) -> ToolCall:
     return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=text))
 
 
-def _hermes_call(body: str) -> ToolCall | None:
+def _hermes_calls(body: str) -> list[ToolCall] | None:
+    """A Hermes tag's body: one JSON call; None where it is not one."""
     try:
         value = json.loads(body)
     except json.JSONDecodeError:
         return None
     if not (isinstance(value, dict) and isinstance(value.get("name"), str)):
         return None
-    return _call(value["name"], value.get("arguments", value.get("parameters", {})))
+    return [_call(value["name"], value.get("arguments", value.get("parameters", {})))]
+
+
+# JSON's literals, which LFM2 writes among Python's (llama.cpp reads both).
+_JSON_LITERALS = {"true": True, "false": False, "null": None}
+
+
+def _python_value(node: ast.expr) -> Any:
+    """An argument's value: a Python literal (JSON's true, false and null too); ValueError else."""
+    if isinstance(node, ast.Name) and node.id in _JSON_LITERALS:
+        return _JSON_LITERALS[node.id]
+    if isinstance(node, ast.List | ast.Tuple):
+        return [_python_value(item) for item in node.elts]
+    if isinstance(node, ast.Dict):
+        if any(key is None for key in node.keys):  # a ** unpacking
+            raise ValueError("not a literal")
+        return {_python_value(key): _python_value(value)  # type: ignore[arg-type]
+                for key, value in zip(node.keys, node.values, strict=True)}
+    return ast.literal_eval(node)
+
+
+def _lfm2_calls(body: str) -> list[ToolCall] | None:
+    """LFM2's tag body: a Python list of calls, `[name(arg=value, ...), ...]`, each argument by
+    keyword; None where it is not one."""
+    try:
+        tree = ast.parse(body.strip(), mode="eval").body
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None
+        calls = []
+        for item in tree.elts:
+            if not (isinstance(item, ast.Call) and isinstance(item.func, ast.Name) and not item.args
+                    and all(kw.arg is not None for kw in item.keywords)):
+                return None
+            calls.append(_call(item.func.id, {kw.arg: _python_value(kw.value) for kw in item.keywords}))
+        return calls
+    except (SyntaxError, ValueError, TypeError, RecursionError):
+        return None
+
+
+# Each tagged format: its markers and the reader of a tag's body.
+_TAGS: dict[str, tuple[str, str, Callable[[str], list[ToolCall] | None]]] = {
+    "hermes": (HERMES_OPEN, HERMES_CLOSE, _hermes_calls), "lfm2": (LFM2_OPEN, LFM2_CLOSE, _lfm2_calls)}
 
 
 def _required_calls(text: str) -> list[ToolCall] | None:
@@ -63,17 +122,23 @@ def _required_calls(text: str) -> list[ToolCall] | None:
 def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
     """(the text outside tool-call tags, or None if nothing is left; the calls inside them). A
     tag whose body is not a call (bad JSON, no name) stays in the text."""
+    return parse_tagged(text, "hermes")
+
+
+def parse_tagged(text: str, mode: str) -> tuple[str | None, list[ToolCall]]:
+    """`parse_hermes` for any tagged format (`TAGGED_MODES`): LFM2's tags hold a list of calls."""
+    open_tag, close_tag, read = _TAGS[mode]
     content, calls, rest = [], [], text
-    while (start := rest.find(HERMES_OPEN)) >= 0:
-        end = rest.find(HERMES_CLOSE, start)
+    while (start := rest.find(open_tag)) >= 0:
+        end = rest.find(close_tag, start)
         body_end = end if end >= 0 else len(rest)
-        call = _hermes_call(rest[start + len(HERMES_OPEN):body_end].strip())
-        if call is None:
-            content.append(rest[:body_end + (len(HERMES_CLOSE) if end >= 0 else 0)])
+        found = read(rest[start + len(open_tag):body_end].strip())
+        if found is None:
+            content.append(rest[:body_end + (len(close_tag) if end >= 0 else 0)])
         else:
             content.append(rest[:start])
-            calls.append(call)
-        rest = rest[body_end + len(HERMES_CLOSE):] if end >= 0 else ""
+            calls.extend(found)
+        rest = rest[body_end + len(close_tag):] if end >= 0 else ""
     content.append(rest)
     joined = "".join(content).strip()
     return joined or None, calls
@@ -122,7 +187,7 @@ class ToolCallReader:
             return (text, []) if calls is None else (None, calls)
         if self.mode == "llama3_json":
             return parse_llama3_json(text)
-        return parse_hermes(text)
+        return parse_tagged(text, self.mode)
 
     def feed(self, text: str) -> tuple[str, list[DeltaToolCall]]:
         """(content to stream now, tool-call deltas to stream now) for a delta's new text."""
@@ -133,7 +198,7 @@ class ToolCallReader:
             return "", []  # a call is known once the array is whole: sent by `end`
         if self.mode == "llama3_json":
             return self._llama3_step(final=False)
-        return self._hermes_step(final=False)
+        return self._tagged_step(final=False)
 
     def end(self) -> tuple[str, list[DeltaToolCall]]:
         """What is left to stream once the choice has finished."""
@@ -146,7 +211,7 @@ class ToolCallReader:
             return "", [self._delta(call) for call in calls]
         if self.mode == "llama3_json":
             return self._llama3_step(final=True)
-        return self._hermes_step(final=True)
+        return self._tagged_step(final=True)
 
     def _delta(self, call: ToolCall) -> DeltaToolCall:
         self.num_calls += 1
@@ -174,30 +239,31 @@ class ToolCallReader:
         content, calls = parse_llama3_json(self._text)
         return content or "", [self._delta(call) for call in calls]
 
-    def _hermes_step(self, final: bool) -> tuple[str, list[DeltaToolCall]]:
+    def _tagged_step(self, final: bool) -> tuple[str, list[DeltaToolCall]]:
         """Streams the content before each tool-call tag (holding back what could be the start of
         one) and each call once its closing tag (or, at the end, the end of the text) arrives."""
+        open_tag, close_tag, read = _TAGS[self.mode]
         content, deltas = "", list[DeltaToolCall]()
         while True:
             pending = self._text[self._sent:]
-            start = pending.find(HERMES_OPEN)
+            start = pending.find(open_tag)
             if start < 0:
-                hold = 0 if final else partial_suffix(pending, HERMES_OPEN)
+                hold = 0 if final else partial_suffix(pending, open_tag)
                 content += pending[:len(pending) - hold]
                 self._sent += len(pending) - hold
                 return content, deltas
             content += pending[:start]
-            end = pending.find(HERMES_CLOSE, start)
+            end = pending.find(close_tag, start)
             if end < 0 and not final:
                 self._sent += start
                 return content, deltas
             body_end = end if end >= 0 else len(pending)
-            call = _hermes_call(pending[start + len(HERMES_OPEN):body_end].strip())
-            consumed = body_end + (len(HERMES_CLOSE) if end >= 0 else 0)
-            if call is None:
+            calls = read(pending[start + len(open_tag):body_end].strip())
+            consumed = body_end + (len(close_tag) if end >= 0 else 0)
+            if calls is None:
                 content += pending[start:consumed]
             else:
-                deltas.append(self._delta(call))
+                deltas.extend(self._delta(call) for call in calls)
             self._sent += consumed
 
 
