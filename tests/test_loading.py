@@ -402,7 +402,7 @@ def write_gguf_from_hf(path: Path, arch: str, model, fused_qkv: bool = False, ma
                 written[f"blk.{i}.attn_qkv.{suffix}"] = np.concatenate(
                     [written.pop(f"blk.{i}.attn_{part}.{suffix}") for part in "qkv"])
     for gguf_name, array in written.items():
-        if matrices != "F32" and array.ndim == 2 and gguf_name.startswith("blk."):
+        if matrices != "F32" and array.ndim == 2 and gguf_name.startswith("blk.") and "shortconv.conv" not in gguf_name:
             kind = gguf.GGMLQuantizationType[matrices]
             w.add_tensor(gguf_name, gguf.quants.quantize(array, kind), raw_dtype=kind)
         else:
@@ -1323,6 +1323,32 @@ def test_lfm2_keeps_each_convolutions_input_in_the_pool_and_copies_it_on_write(t
     one = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
     assert [sample.token_ids for sample in many] == [one.token_ids] * 3
     assert llm.engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "lfm2_moe"])
+def test_lfm2s_convolving_layers_read_their_matmuls_as_stored(tmp_path, arch):
+    """A Q8_0 file's and a bf16 checkpoint's in_proj and out_proj are read as stored, as the
+    attending layers' matmuls are (widened to fp32, a single stream's in_proj read 4 bytes a weight
+    where Q8_0 holds 1.06), with the logits of the same weights widened."""
+    from inflight.model.linear import blocks_usable
+    from inflight.model.loader import load_blocks, load_embedding
+
+    if not blocks_usable():
+        pytest.skip("these kernels read no stored blocks (built without AVX2)")
+    model = tiny_hf_model(arch)
+    write_gguf_from_hf(tmp_path / "q8.gguf", arch, model, matrices="Q8_0")
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16", safe_serialization=True)
+    ids = list(range(5, 45))
+    for path in (tmp_path / "q8.gguf", tmp_path / "bf16"):
+        source = resolve_model(str(path))
+        config, weights = load_checkpoint(source, torch.float32)
+        _, shapes = load_checkpoint(source, torch.float32, keep_blocks=True)
+        kept = LlamaModel(config, shapes, torch.device("cpu"), gguf_blocks=load_blocks(source, config),
+                          embedding=load_embedding(source, config))
+        assert all(getattr(layer, f).blocks is not None for layer in kept.layers for f in ("qkv", "o")), path.name
+        assert [layer.mixer for layer in kept.layers] == ["conv", "attention", "conv", "conv"]
+        dense = LlamaModel(config, weights, torch.device("cpu"))
+        torch.testing.assert_close(inflight_logits(kept, ids), inflight_logits(dense, ids), atol=1e-4, rtol=1e-4)
 
 
 # --- GGUF files of every supported tensor type ------------------------------------------------

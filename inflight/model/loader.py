@@ -950,8 +950,9 @@ PANEL_ROWS = 16
 def _blocks_kept(tensors: list[GGUFTensor], config: ModelConfig) -> frozenset[str]:
     """The GGUF tensors the matmuls read as their blocks (`load_blocks`): the LM head and
     token embedding (for a tied head) and each layer's matmuls (`Architecture.matmuls`: q/k/v
-    and gate/up fused) whose parts are all matrices of types in `BLOCK_TYPES`, of one type or
-    (as a Q4_K_M file's Q4_K q and k beside a Q6_K v) meeting at whole panels; and the routed
+    and gate/up fused; a convolving layer's `conv_matmuls`) whose parts are all matrices of types
+    in `BLOCK_TYPES`, of one type or (as a Q4_K_M file's Q4_K q and k beside a Q6_K v) meeting at
+    whole panels; and the routed
     experts' stacked gate, up and down the same way (each expert's gate and up fused). Routers
     run on fp32 weights."""
     arch = config.architecture
@@ -968,7 +969,8 @@ def _blocks_kept(tensors: list[GGUFTensor], config: ModelConfig) -> frozenset[st
         return len({types[p] for p in parts}) == 1 or all(rows[p] % PANEL_ROWS == 0 for p in parts[:-1])
 
     row = architecture(arch)
-    layer_matmuls = [*row.matmuls.values(), *(row.experts.shared_matmuls if row.experts is not None else [])]
+    layer_matmuls = [*row.matmuls.values(), *row.conv_matmuls.values(),  # (LFM2's convolving layers' own)
+                     *(row.experts.shared_matmuls if row.experts is not None else [])]
     for i in range(config.num_layers):
         for names in layer_matmuls:
             parts = [by_hf.get(f"model.layers.{i}.{n}") for n in names]
@@ -1268,7 +1270,7 @@ def _hf_kept(path: Path, config: ModelConfig) -> dict[str, str]:
     kept = {head: dtypes[head]} if dtypes.get(head) in SIXTEEN_BITS else {}
     for i in range(config.num_layers):
         prefix = f"model.layers.{i}."
-        groups = [[prefix + n for n in names] for names in arch.matmuls.values()]
+        groups = [[prefix + n for n in names] for names in (*arch.matmuls.values(), *arch.conv_matmuls.values())]
         if arch.experts is not None:
             for e in range(config.num_experts):
                 gate, up, down = (prefix + n for n in arch.experts.of(e))
