@@ -126,8 +126,9 @@ def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
 
 
 def parse_tagged(text: str, mode: str) -> tuple[str | None, list[ToolCall]]:
-    """`parse_hermes` for any tagged format (`TAGGED_MODES`): LFM2's tags hold a list of calls."""
-    open_tag, close_tag, read = _TAGS[mode]
+    """`parse_hermes` for any tagged format (`TAGGED_MODES`): LFM2's tags hold a list of calls. A
+    mode of no format of its own ("auto" resolved elsewhere) reads Hermes' tags, as before."""
+    open_tag, close_tag, read = _TAGS.get(mode, _TAGS["hermes"])
     content, calls, rest = [], [], text
     while (start := rest.find(open_tag)) >= 0:
         end = rest.find(close_tag, start)
@@ -242,7 +243,7 @@ class ToolCallReader:
     def _tagged_step(self, final: bool) -> tuple[str, list[DeltaToolCall]]:
         """Streams the content before each tool-call tag (holding back what could be the start of
         one) and each call once its closing tag (or, at the end, the end of the text) arrives."""
-        open_tag, close_tag, read = _TAGS[self.mode]
+        open_tag, close_tag, read = _TAGS.get(self.mode, _TAGS["hermes"])
         content, deltas = "", list[DeltaToolCall]()
         while True:
             pending = self._text[self._sent:]
