@@ -54,6 +54,31 @@ def normalize_dtype(name: str | None, default: str, what: str) -> str:
 
 
 @dataclass(frozen=True)
+class LatentAttention:
+    """DeepSeek's multi-head latent attention (MLA): each token's keys and values are one
+    `kv_lora_rank`-wide latent (RMS-normalized) that every head's keys (`qk_nope_head_dim` wide)
+    and values (`v_head_dim` wide) are projected up from, beside a key part of `qk_rope_head_dim`
+    that every head shares and the rotary turns; each head's query is as wide as its key, made by
+    one projection or, where `q_lora_rank` is set, through a normalized rank of that width. The
+    pool keeps the latent and the rotated part, one row of `kv_lora_rank + qk_rope_head_dim` a
+    token a layer; attention reads it as one key head shared by all query heads, the queries taken
+    into the latent's space (`ModelConfig.head_dim` is that row's width, `num_kv_heads` 1)."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    # The rotated dims as interleaved pairs (2i, 2i + 1), DeepSeek's layout (transformers'
+    # `rope_interleave`, V2's always); False: NeoX's halves.
+    rope_interleaved: bool = True
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shapes of a Llama-family decoder, read from GGUF metadata or a config.json."""
 
@@ -135,6 +160,8 @@ class ModelConfig:
     # None: every layer attends.
     conv_layers: tuple[bool, ...] | None = None
     conv_kernel: int = 0
+    # DeepSeek's latent attention (MLA) in every layer; None: attention over K and V heads.
+    latent_attention: LatentAttention | None = None
     # The sampling settings the checkpoint ships (a Hugging Face generation_config.json, a GGUF
     # file's general.sampling.* keys) under SamplingParams' names, max_new_tokens as max_tokens:
     # what an engine uses where a request leaves a setting unset (`EngineConfig.generation_config`).
@@ -146,10 +173,17 @@ class ModelConfig:
         return self.num_layers - sum(self.conv_layers or ())
 
     @property
+    def kv_rows(self) -> int:
+        """The rows an attending layer keeps per token and KV head: K and V, or with latent
+        attention the one row both are read from."""
+        return 1 if self.latent_attention is not None else 2
+
+    @property
     def pool_values_per_token(self) -> int:
-        """The values one token keeps in the paged pool: each attending layer's K and V, each
-        convolution's input (`conv_layers`: the `hidden_size` values its later tokens read)."""
-        return (2 * self.num_attention_layers * self.num_kv_heads * self.head_dim
+        """The values one token keeps in the paged pool: each attending layer's K and V (latent
+        attention's one row), each convolution's input (`conv_layers`: the `hidden_size` values
+        its later tokens read)."""
+        return (self.kv_rows * self.num_attention_layers * self.num_kv_heads * self.head_dim
                 + sum(self.conv_layers or ()) * self.hidden_size)
 
     def __post_init__(self) -> None:

@@ -52,6 +52,11 @@ QUANT_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL",
 # the experts in MXFP4 and the other matrices in Q8_0
 MOE_QUANT_TYPES = {"qwen3_moe": ("MXFP4_MOE",), "gpt_oss": ("MXFP4_MOE",)}
 
+# DeepSeek's latent attention and experts, small
+_LATENT = {"num_hidden_layers": 3, "num_key_value_heads": 2, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
+           "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1}
+
 # architecture -> (transformers class prefix, the config's settings beyond the shared ones)
 ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("Llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
@@ -157,6 +162,20 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "lfm2_moe": ("Lfm2Moe", {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "conv"],
                              "norm_eps": 1e-6, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                              "num_dense_layers": 1, "tie_word_embeddings": True}),
+    # DeepSeek V2 (V2-Lite's shape): latent attention, the query projected directly, YaRN past 16 positions with
+    # V2-Lite's mscales; a dense first layer, then 4 experts (2 a token) chosen by softmax scores, not renormalized,
+    # beside a shared one (every head its own K and V in the config, as DeepSeek's say: its converter splits the
+    # latent's up-projection by them)
+    "deepseek_v2": ("DeepseekV2", {**_LATENT, "q_lora_rank": None, "max_position_embeddings": 64, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}}),
+    # DeepSeek V3: the query through a rank, experts chosen by sigmoid scores plus a bias, renormalized, scaled by
+    # 2.5 (its published config names the scoring, which the converter writes)
+    "deepseek_v3": ("DeepseekV3", {**_LATENT, "q_lora_rank": 16, "n_group": 1, "topk_group": 1,
+                                   "routed_scaling_factor": 2.5, "scoring_func": "sigmoid"}),
+    # GLM-4.7-Flash: V3's layer, scaled by 1.8; its config names no scoring (llama.cpp's file neither)
+    "glm4_moe_lite": ("Glm4MoeLite", {**_LATENT, "q_lora_rank": 16, "n_group": 1, "topk_group": 1,
+                                      "routed_scaling_factor": 1.8}),
     # Command R7B: three sliding layers to one global, which rotates nothing (its converter reads rotary_pct)
     "cohere2": ("Cohere2", {"logit_scale": 0.3, "tie_word_embeddings": True, "pad_token_id": 0, "head_dim": 16,
                             "num_hidden_layers": 4, "sliding_window": 8, "rotary_pct": 1.0}),
@@ -222,6 +241,8 @@ def _convert(llama_cpp: Path, arch: str, vocab: Path, work: Path, out: Path) -> 
               "Glm4MoeModel.set_vocab = lambda self: self._set_vocab_sentencepiece(); "
               "from conversion.stablelm import StableLMModel; "
               "StableLMModel.set_vocab = lambda self: self._set_vocab_sentencepiece(); "
+              "from conversion.glm import Glm4MoeLiteModel; "
+              "Glm4MoeLiteModel.set_vocab = lambda self: self._set_vocab_sentencepiece(); "
               "from conversion.hunyuan import HunYuanModel; "
               "HunYuanModel.set_vocab = lambda self: self._set_vocab_sentencepiece(); "
               "runpy.run_path(sys.argv[0], run_name='__main__')")

@@ -570,6 +570,26 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
                     layer.conv.in_proj.weight.mul_(6)
                 if hasattr(layer.feed_forward, "expert_bias"):
                     layer.feed_forward.expert_bias.copy_(torch.randn(6) * 0.05)
+    elif arch in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite"):  # latent attention (V2: the query projected
+        # directly, YaRN past 64 positions with V2-Lite's mscales; V3 and GLM-4.7-Flash: the query through a rank);
+        # a dense first layer, then 6 experts (3 a token) beside a shared one: V2's by softmax, not renormalized, the
+        # others' by sigmoids plus a bias (moved off 0 below), renormalized and scaled
+        latent = {"kv_lora_rank": 32, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 48,
+                  "n_routed_experts": 6, "num_experts_per_tok": 3, "moe_intermediate_size": 96,
+                  "n_shared_experts": 1, "first_k_dense_replace": 1, "num_hidden_layers": 3}
+        if arch == "deepseek_v2":
+            rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}
+            model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**{
+                **common, **latent, "q_lora_rank": None, "rope_parameters": rope, **fields}))
+        else:
+            kind = {"deepseek_v3": "DeepseekV3", "glm4_moe_lite": "Glm4MoeLite"}[arch]
+            model = getattr(transformers, f"{kind}ForCausalLM")(getattr(transformers, f"{kind}Config")(**{
+                **common, **latent, "q_lora_rank": 64, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
+                **fields}))
+            with torch.no_grad():
+                for layer in model.model.layers[1:]:
+                    layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(6) * 0.05)
     elif arch == "lfm2":  # short convolutions around attending layers (q/k norm); its MLP's width derived
         model = transformers.Lfm2ForCausalLM(transformers.Lfm2Config(**_layer_norm_eps({
             **common, "num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "conv"]}, "norm_eps"),
@@ -1201,14 +1221,15 @@ def test_a_token_alone_through_routed_experts_is_its_row_of_a_batch():
                                   "ernie4_5", "olmo3", "exaone4", "ministral3", "mixtral", "qwen3_moe", "qwen2_moe",
                                   "olmoe", "granitemoe", "gpt_oss", "seed_oss", "arcee", "glm4_moe", "phi", "stablelm",
                                   "starcoder2", "cohere", "cohere2", "nemotron", "ernie4_5_moe", "apertus",
-                                  "hunyuan_v1_dense", "lfm2", "lfm2_moe"])
+                                  "hunyuan_v1_dense", "lfm2", "lfm2_moe", "deepseek_v2", "deepseek_v3",
+                                  "glm4_moe_lite"])
 def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_path, monkeypatch, arch):
     """The GGUF file llama.cpp's `convert_hf_to_gguf.py` made of a tiny checkpoint of each
     architecture (tests/converter_fixtures.py; its names, row orders, norm offsets, stacked
     experts, longrope factor tensors, YaRN settings and metadata, not the suite's imitation of
     them) gives transformers' logits on that checkpoint, over a prompt past the Gemma models'
-    8-token windows and longrope's and YaRN's 16 original positions; its SentencePiece vocabulary makes a tokenizer that
-    gives text back as it was."""
+    8-token windows and longrope's and YaRN's 16 original positions, and its config again when read from
+    the saved index; its SentencePiece vocabulary makes a tokenizer that gives text back as it was."""
     from converter_fixtures import FIXTURES, tiny_model
 
     from inflight.model.loader import ModelSource
@@ -1219,11 +1240,18 @@ def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_pat
     text = "It is a truth universally acknowledged, that a single man"
     assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
 
+    from inflight.model import loader
+
     model = tiny_model(arch)
+    monkeypatch.setenv("INFLIGHT_CACHE", str(tmp_path / "cache"))
+    loader._read_gguf.cache_clear()
     config, weights = load_checkpoint(resolve_model(str(FIXTURES / f"{arch}.gguf")), torch.float32)
+    loader._read_gguf.cache_clear()  # a second load reads the config from the saved index: the same
+    assert load_checkpoint(resolve_model(str(FIXTURES / f"{arch}.gguf")), torch.float32)[0] == config
     # llama.cpp's converter calls Mistral llama
+    # (and reads GLM-4.7-Flash's files as DeepSeek V3's)
     assert config.architecture == {"mistral": "llama", "phi3_longrope": "phi3", "qwen3_yarn": "qwen3",
-                                   "olmo3": "olmo2"}.get(arch, arch)
+                                   "olmo3": "olmo2", "glm4_moe_lite": "deepseek_v3"}.get(arch, arch)
     # The fixture holds this very checkpoint (else it was made from another initialization).
     assert torch.equal(weights["model.embed_tokens.weight"], model.model.embed_tokens.weight.detach())
     ids = list(range(3, 3 + 40))
@@ -1262,7 +1290,8 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
 @pytest.mark.parametrize("arch", ["qwen3", "olmo2", "olmo3", "smollm3", "gemma", "gemma2", "gemma3_text", "glm4",
                                   "ernie4_5", "ministral3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe",
                                   "gpt_oss", "seed_oss", "arcee", "glm4_moe", "phi", "stablelm", "cohere2",
-                                  "ernie4_5_moe", "apertus", "hunyuan_v1_dense", "lfm2", "lfm2_moe"])
+                                  "ernie4_5_moe", "apertus", "hunyuan_v1_dense", "lfm2", "lfm2_moe", "deepseek_v2",
+                                  "deepseek_v3", "glm4_moe_lite"])
 def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arch):
     """Through the engine as a user runs it: the directory's own tokenizer and chat template, a
     batch of chats (longer than Gemma's 24-token window) in small prefill chunks, the prefix cache

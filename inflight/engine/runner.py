@@ -54,12 +54,13 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.sampler = sampler
         # Zeroed, not empty: padded reads of unused slots must stay finite. The attending layers'
-        # K and V, and beside them each short convolution's input (LFM2's layers that convolve:
-        # one `hidden_size` row a token), in the same blocks: a block id holds its tokens in both.
+        # K and V (latent attention's one row, read as both), and beside them each short
+        # convolution's input (LFM2's layers that convolve: one `hidden_size` row a token), in the
+        # same blocks: a block id holds its tokens in both.
         slots = num_blocks * block_size
         conv = cfg.conv_layers or (False,) * cfg.num_layers
         self.kv_dtype = kv_dtype or model.dtype
-        self.kv_cache = self._zeros((cfg.num_attention_layers, 2, slots, cfg.num_kv_heads, cfg.head_dim))
+        self.kv_cache = self._zeros((cfg.num_attention_layers, cfg.kv_rows, slots, cfg.num_kv_heads, cfg.head_dim))
         self.conv_cache = self._zeros((sum(conv), slots, cfg.hidden_size)) if any(conv) else None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i in range(cfg.num_layers):
@@ -69,7 +70,7 @@ class ModelRunner:
                 self.kv_caches.append((own, own))
             else:
                 at = i - sum(conv[:i])
-                self.kv_caches.append((self.kv_cache[at, 0], self.kv_cache[at, 1]))
+                self.kv_caches.append((self.kv_cache[at, 0], self.kv_cache[at, -1]))
         # Test hook for fault injection: called with the step before the forward pass.
         self.before_forward: Callable[[SchedulerOutput], None] | None = None
         self.last_timings = RunnerTimings()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from inflight.errors import ModelLoadError
 from inflight.model.layer_plan import (
     GEGLU_LAYER,
+    LATENT_LAYER,
     LAYER_NORM_GELU_LAYER,
     LAYER_NORM_LAYER,
     LAYER_NORM_RELU_SQUARED_LAYER,
@@ -92,6 +93,26 @@ class ExpertNames:
         if name in self.stacked_biases:
             return self.stacked_biases[name], True
         return None
+
+
+@dataclass(frozen=True)
+class LatentNames:
+    """Where a checkpoint keeps a latent-attention layer's weights beyond its fused projection
+    (`Architecture.matmuls`' qkv: the query's low rank and the compressed KV's), under
+    `model.layers.N.`: the query's projection where it has no low rank (`q_lora_rank` null: it
+    takes the low rank's place in the fused projection), the low rank's norm and up-projection,
+    the latent's norm, and the latent's up-projection to each head's key and value."""
+
+    q: str = "self_attn.q_proj.weight"
+    q_norm: str = "self_attn.q_a_layernorm.weight"
+    q_up: str = "self_attn.q_b_proj.weight"
+    kv_norm: str = "self_attn.kv_a_layernorm.weight"
+    kv_up: str = "self_attn.kv_b_proj.weight"
+    # `kv_up` in two, as llama.cpp's files since its absorbed MLA hold it (the names its converter
+    # gives them on the way): the key's part transposed, `[heads, kv_lora_rank, qk_nope_head_dim]`,
+    # and the value's, `[heads, v_head_dim, kv_lora_rank]`
+    k_up_transposed: str = "self_attn.k_b_proj.weight"
+    v_up: str = "self_attn.v_b_proj.weight"
 
 
 @dataclass(frozen=True)
@@ -190,6 +211,19 @@ class Architecture:
     conv_weight: str | None = None
     # llama.cpp's name of the norm after the last layer (LFM2's files: token_embd_norm).
     gguf_final_norm: str = "output_norm"
+    # DeepSeek's latent attention (`ModelConfig.latent_attention`): the names of its weights; None:
+    # attention over K and V heads.
+    latent: LatentNames | None = None
+
+    @property
+    def layer_matmul_groups(self) -> list[tuple[str, ...]]:
+        """Every matmul a layer may hold, each as the checkpoint names fused into it: `matmuls`', a
+        convolving layer's own (`conv_matmuls`), and latent attention's query projection in its
+        rank's place (a config without the rank) and that rank's up-projection."""
+        groups = [*self.matmuls.values(), *self.conv_matmuls.values()]
+        if self.latent is not None:
+            groups += [(self.latent.q, *self.matmuls["qkv"][1:]), (self.latent.q_up,)]
+        return groups
 
     @property
     def gated_mlp(self) -> bool:
@@ -277,6 +311,26 @@ _LFM2 = Architecture(
 _LFM2_MOE_EXPERTS = ExpertNames(router="feed_forward.gate.weight", gate="feed_forward.experts.{e}.w1.weight",
                                 up="feed_forward.experts.{e}.w3.weight", down="feed_forward.experts.{e}.w2.weight",
                                 choice_bias="feed_forward.expert_bias")
+
+# DeepSeek V2 (V2-Lite): latent attention in every layer, its fused projection the query's (or its
+# low rank's) beside the compressed KV's; the first layers dense, then routed experts chosen by
+# their softmax scores, not renormalized, beside shared experts (ungated, as one MLP).
+_DEEPSEEK_V2 = Architecture(
+    "deepseek_v2", plan=with_routed_experts(LATENT_LAYER), latent=LatentNames(),
+    matmuls={**_LLAMA_MATMULS, "qkv": ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight")},
+    experts=dataclasses.replace(_GLM4_MOE_EXPERTS, choice_bias=None),
+    # llama.cpp's deepseek2 files: q/k rows as the checkpoint has them (the rotary turns interleaved
+    # pairs), the experts' weights renormalized where the file says, the shared experts one MLP
+    gguf_interleaved_qk=False, gguf_expert_weights_norm=False, gguf_shared_width_from_experts=True,
+    gguf_names={"attn_q_a.weight": "self_attn.q_a_proj.weight", "attn_q_b.weight": "self_attn.q_b_proj.weight",
+                "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+                "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+                "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+                "attn_kv_b.weight": "self_attn.kv_b_proj.weight", "attn_k_b.weight": "self_attn.k_b_proj.weight",
+                "attn_v_b.weight": "self_attn.v_b_proj.weight", "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+                "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+                "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+                "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight"})
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     Architecture("llama"),
@@ -370,6 +424,14 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                              "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
                              "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
                              "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight"}),
+    _DEEPSEEK_V2,
+    # DeepSeek V3 (and R1, Moonlight, Kimi K2's shape) and GLM-4.7-Flash: V2's layer, the experts
+    # chosen by sigmoid scores plus a bias, renormalized and scaled, as GLM-4.5's (their MTP layers
+    # left unread)
+    dataclasses.replace(_DEEPSEEK_V2, name="deepseek_v3", experts=_GLM4_MOE_EXPERTS, expert_scoring="sigmoid",
+                        hf_norm_topk_prob=True),
+    dataclasses.replace(_DEEPSEEK_V2, name="glm4_moe_lite", experts=_GLM4_MOE_EXPERTS, expert_scoring="sigmoid",
+                        hf_norm_topk_prob=True),
     # Phi-2 (and Phi-1, Phi-1.5): attention and an ungated GELU MLP side by side on one LayerNorm,
     # biases on every matmul and on the LM head, part of each head rotated (NeoX's halves)
     Architecture("phi", plan=PARALLEL_GELU_LAYER, norms=_INPUT_NORM_ONLY, final_norm="model.final_layernorm",
@@ -445,8 +507,11 @@ GGUF_ARCHITECTURES = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3mo
                       "mistral3": "ministral3", "qwen2vl": "qwen2_5_vl_text", "qwen3vl": "qwen3_vl_text",
                       "gpt-oss": "gpt_oss", "glm4moe": "glm4_moe", "phi2": "phi", "command-r": "cohere",
                       "ernie4_5-moe": "ernie4_5_moe", "hunyuan-dense": "hunyuan_v1_dense",
-                      "lfm2moe": "lfm2_moe"}
+                      "lfm2moe": "lfm2_moe", "deepseek2": "deepseek_v2"}
 GGUF_EXPERT_ARCHITECTURES = {"llama": "mixtral", "mistral": "mixtral"}
+# llama.cpp's architectures whose files hold models of two rows, told apart by the router's
+# scoring: DeepSeek V2's softmax, V3's (and GLM-4.7-Flash's) sigmoids plus a bias.
+GGUF_SIGMOID_ARCHITECTURES = {"deepseek_v2": "deepseek_v3"}
 
 # llama.cpp's stacked expert tensors (`blk.N.` + these, [experts, rows, cols]) -> which of an
 # `ExpertNames`' weights each expert's slice holds, in row order (the router: one weight).

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from inflight.config import ModelConfig
+from inflight.config import LatentAttention, ModelConfig
 from inflight.errors import ModelLoadError
 from inflight.model.architectures import ARCHITECTURES, Architecture
 
@@ -146,6 +147,10 @@ READ_KEYS = frozenset({
     "full_attn_idxs", "conv_L_cache", "block_auto_adjust_ff_dim", "block_ffn_dim_multiplier", "block_multiple_of",
     # LFM2-MoE's dense first layers
     "num_dense_layers",
+    # DeepSeek's latent attention (`LatentAttention`), and its experts' settings that original configs
+    # carry (refused where they change the arithmetic); GLM-4.7-Flash's dense and routed layers
+    "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "qk_head_dim",
+    "rope_interleave", "topk_method", "scoring_func", "moe_layer_freq", "mlp_layer_types",
 })
 # Config keys without effect on a forward pass in inference: training settings, bookkeeping,
 # generation defaults; and `mlp_bias`, whose biases are read from the checkpoint where they are.
@@ -171,6 +176,8 @@ NO_EFFECT_KEYS = frozenset({
     # Granite 4.0's Mamba layers' settings: a config with such a layer is refused by its layer_types
     "mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_d_head", "mamba_d_conv", "mamba_expand",
     "mamba_chunk_size", "mamba_conv_bias", "mamba_proj_bias", "time_step_limit",
+    # DeepSeek's original configs: training's load balancing and expert parallelism
+    "aux_loss_alpha", "seq_aux", "ep_size",
 })
 # Keys of `rope_scaling` / `rope_parameters`, and the rope types `rope_inv_freq` computes.
 ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
@@ -219,11 +226,55 @@ def refuse_unsupported(raw: dict[str, Any], path: Path) -> None:
     for key in ("n_shared_experts", "moe_num_shared_experts"):
         if (raw.get(key) or 0) > 0 and (arch.experts is None or not arch.experts.shared):
             raise ModelLoadError(f"{path}: {key} = {raw[key]}: inflight runs no shared experts for {arch.name}")
+    if arch.latent is not None:
+        _refuse_latent(raw, arch, path)
     experts = _num_experts(raw)
     if experts and arch.experts is None:
         key = next(k for k in _EXPERT_COUNT_KEYS if raw.get(k))
         raise ModelLoadError(f"{path}: {key} = {experts}: inflight runs no routed experts for {arch.name}")
     _refuse_rope(raw, path)
+
+
+def _refuse_latent(raw: dict[str, Any], arch: Architecture, path: Path) -> None:
+    """DeepSeek's expert settings as its original configs give them: the choice by the
+    architecture's own scores (V2's softmax, V3's sigmoids plus a bias), in every layer past the
+    dense ones, V2's weights not renormalized (transformers never renormalizes them)."""
+    method = raw.get("topk_method")
+    if method not in (None, "greedy", "noaux_tc", "group_limited_greedy"):
+        raise ModelLoadError(f"{path}: topk_method = {method!r}: inflight chooses experts by their top scores only")
+    scoring = raw.get("scoring_func")
+    if scoring is not None and scoring != arch.expert_scoring:
+        raise ModelLoadError(f"{path}: scoring_func = {scoring!r}: inflight scores {arch.name}'s experts by "
+                             f"{arch.expert_scoring} only")
+    if (raw.get("moe_layer_freq") or 1) != 1:
+        raise ModelLoadError(f"{path}: moe_layer_freq = {raw['moe_layer_freq']}: inflight routes every layer past "
+                             "the dense ones")
+    if not arch.hf_norm_topk_prob and raw.get("norm_topk_prob"):
+        raise ModelLoadError(f"{path}: norm_topk_prob = true: transformers never renormalizes {arch.name}'s "
+                             "experts' weights, DeepSeek's code does; inflight refuses the ambiguity")
+
+
+def _latent_attention(raw: dict[str, Any]) -> LatentAttention:
+    """DeepSeek's latent attention's shapes (V2's rotary always interleaved pairs)."""
+    q_rank = raw.get("q_lora_rank")
+    return LatentAttention(
+        kv_lora_rank=int(raw["kv_lora_rank"]), qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(raw["qk_rope_head_dim"]), v_head_dim=int(raw["v_head_dim"]),
+        q_lora_rank=int(q_rank) if q_rank else None, rope_interleaved=bool(raw.get("rope_interleave", True)))
+
+
+def latent_softmax_scale(latent: LatentAttention, rope_scaling: dict[str, Any] | None) -> float:
+    """Latent attention's softmax scale: 1 / sqrt of a head's query width, times YaRN's
+    0.1 ln(factor) mscale_all_dim + 1 squared where the rotary is YaRN's with `mscale_all_dim`
+    (DeepSeek's reference scales every dim's scores so, not the rotated ones alone), as
+    transformers' `yarn_apply_mscale`."""
+    scale = latent.qk_head_dim ** -0.5
+    scaling = rope_scaling or {}
+    factor, all_dim = float(scaling.get("factor") or 1.0), float(scaling.get("mscale_all_dim") or 0.0)
+    if scaling.get("rope_type") == "yarn" and all_dim and factor > 1:
+        mscale = 0.1 * all_dim * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return scale
 
 
 def _refuse_rope(raw: dict[str, Any], path: Path) -> None:
@@ -353,6 +404,12 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
     eos = raw.get("eos_token_id")
     eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
     conv = _conv_layers(raw) if row is not None and row.conv_matmuls else None
+    latent = _latent_attention(raw) if row is not None and row.latent is not None else None
+    num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+    rotary_dim = int(head_dim * float(partial)) if float(partial) != 1 else None
+    if latent is not None:  # the pool's row (the latent and the rotated key) is attention's one key head
+        head_dim, num_kv_heads = latent.kv_lora_rank + latent.qk_rope_head_dim, 1
+        rotary_dim, attention_scale = latent.qk_rope_head_dim, latent_softmax_scale(latent, rope_scaling)
     return ModelConfig(
         architecture=arch,
         vocab_size=int(raw["vocab_size"]),
@@ -360,9 +417,9 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         intermediate_size=_mlp_width(raw, row),
         num_layers=int(raw["num_hidden_layers"]),
         num_heads=num_heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+        num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        rotary_dim=int(head_dim * float(partial)) if float(partial) != 1 else None,
+        rotary_dim=rotary_dim,
         rms_norm_eps=_norm_eps(raw, row),
         rope_theta=rotary.theta,
         max_position_embeddings=rotary.max_positions,
@@ -405,6 +462,7 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         if row is not None and row.clamped_swiglu is not None else None,
         conv_layers=conv,
         conv_kernel=int(raw.get("conv_L_cache") or 3) if conv is not None else 0,
+        latent_attention=latent,
     )
 
 
@@ -480,6 +538,9 @@ def _moe_layers(raw: dict[str, Any]) -> tuple[bool, ...] | None:
     `moe_layer_interval`) not in `mlp_only_layers` (Qwen3-MoE) from the `first_k_dense_replace`-th
     on (GLM-4.5; ERNIE 4.5's `moe_layer_start_index`, up to its `moe_layer_end_index`; LFM2-MoE's
     `num_dense_layers`); None: every layer."""
+    if raw.get("mlp_layer_types") is not None:  # GLM-4.7-Flash's: "dense" or "sparse" per layer
+        routed = tuple(t == "sparse" for t in raw["mlp_layer_types"][:int(raw["num_hidden_layers"])])
+        return None if all(routed) else routed
     step = int(raw.get("decoder_sparse_step") or raw.get("moe_layer_interval") or 1)
     dense = set(raw.get("mlp_only_layers") or ())
     layers = int(raw["num_hidden_layers"])

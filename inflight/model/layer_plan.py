@@ -92,6 +92,13 @@ class Op:
     # token's slot of this layer's pool, then dst = c * the depthwise causal convolution of the
     # layer's `conv` taps over the b * x of the token and of those before it, read from their slots
     SHORT_CONV = "short_conv"
+    # DeepSeek's multi-head latent attention (MLA): src holds each token's query projection (or
+    # its low rank) beside its compressed KV (the latent and the key part every head shares); the
+    # latent is normalized and the shared part rotated, both written as one row to the token's slot
+    # of this layer's pool, each head's query taken into the latent's space, attention read over the
+    # pool's rows, and dst is each head's result projected up to its values (`param`: the layer's
+    # `LatentWeights`)
+    LATENT_ATTENTION = "latent_attention"
 
 
 # The ops that read their destination register before writing it.
@@ -242,6 +249,15 @@ SHORT_CONV_LAYER: tuple[Step, ...] = (
     LLAMA_LAYER[2]._replace(mixer=Mixer.ATTENTION),
     LLAMA_LAYER[3]._replace(mixer=Mixer.ATTENTION),
     Step(Op.SHORT_CONV, Reg.QKV, Reg.ATTN, "conv", Mixer.CONV),
+    *LLAMA_LAYER[4:],
+)
+
+
+# DeepSeek V2/V3's (and GLM-4.7-Flash's): Llama's layer, its attention latent (the fused projection
+# `qkv` is the query's, or its low rank's, beside the compressed KV's).
+LATENT_LAYER: tuple[Step, ...] = (
+    *LLAMA_LAYER[:2],
+    Step(Op.LATENT_ATTENTION, Reg.QKV, Reg.ATTN, "latent"),
     *LLAMA_LAYER[4:],
 )
 

@@ -24,6 +24,7 @@ from inflight.model.architectures import Architecture, ExpertNames, architecture
 from inflight.model.attention import AttentionMetadata, PagedAttention
 from inflight.model.experts import RoutedExperts
 from inflight.model.kernels import cpu_kernels
+from inflight.model.latent import LatentWeights, latent_attention
 from inflight.model.layer_plan import (
     OUTPUT,
     Mixer,
@@ -182,6 +183,7 @@ class DecoderLayer(NamedTuple):
     xielu: tuple[float, float, float, float] | None = None  # Apertus's xIELU's numbers (`xielu_numbers`)
     # LFM2's short convolution's taps `[hidden, kernel]`, in a layer that convolves instead of attending
     conv: torch.Tensor | None = None
+    latent: LatentWeights | None = None  # DeepSeek's latent attention's weights beyond `qkv` and `o`
 
     @property
     def mixer(self) -> str:
@@ -234,7 +236,8 @@ class LlamaModel:
 
         blocks = gguf_blocks or {}
         arch = architecture(config.architecture)
-        if (config.rotary_dim is not None and config.rotary_dim < config.head_dim) or arch.interleaved_rotary:
+        partial = config.rotary_dim is not None and config.rotary_dim < config.head_dim
+        if (partial and config.latent_attention is None) or arch.interleaved_rotary:
             weights = self._pair_rotary_dims(config, arch, weights)
             paired = self._pair_rotary_dims(config, arch, {name: raw() if callable(raw) else raw
                                                            for name, (_, raw) in blocks.items()})
@@ -281,6 +284,9 @@ class LlamaModel:
             p = f"model.layers.{i}."
             convolves = config.conv_layers is not None and config.conv_layers[i]
             layer_matmuls = {**arch.matmuls, **arch.conv_matmuls} if convolves else arch.matmuls
+            if arch.latent is not None and config.latent_attention is not None and (
+                    config.latent_attention.q_lora_rank is None):  # the query's own projection, not a rank's
+                layer_matmuls = {**layer_matmuls, "qkv": (arch.latent.q, *layer_matmuls["qkv"][1:])}
             fused = {field: [p + n for n in suffixes] for field, suffixes in layer_matmuls.items()}
             sparse = arch.experts is not None and (config.moe_layers is None or config.moe_layers[i])
             if sparse:  # the MLP's weights are the experts'
@@ -301,6 +307,8 @@ class LlamaModel:
                                      config.xielu[i] if config.xielu else None),
                 conv=take(p + arch.conv_weight).reshape(config.hidden_size, -1).contiguous() if convolves and
                 arch.conv_weight else None,
+                latent=self._latent(config, arch, take, linear, p, weights.__contains__)
+                if arch.latent is not None else None,
             ))
         unused = sorted(set(weights) - taken)
         if unused:  # a weight the plan does not read is a feature it would silently leave out
@@ -388,6 +396,27 @@ class LlamaModel:
                              choice_bias=choice_bias, scale=config.routed_scaling)
 
     @staticmethod
+    def _latent(config: ModelConfig, arch: Architecture, take: Callable[[str], torch.Tensor],
+                linear: Callable[..., Linear], prefix: str, present: Callable[[str], bool]) -> LatentWeights:
+        """A latent-attention layer's norms and up-projections (the key's and value's in fp32: they
+        run as batched matmuls over the heads), from one `kv_b_proj` or, as llama.cpp's files hold
+        them, the key's part transposed and the value's."""
+        names, shape = arch.latent, config.latent_attention
+        if names is None or shape is None:
+            raise ModelLoadError(f"{config.architecture}: a latent-attention architecture needs kv_lora_rank and "
+                                 "the heads' widths")
+        if present(prefix + names.kv_up):
+            k_up, v_up = LatentWeights.split_kv_up(take(prefix + names.kv_up).float(), shape, config.num_heads)
+        else:
+            k_up = take(prefix + names.k_up_transposed).float().transpose(1, 2).contiguous()
+            v_up = take(prefix + names.v_up).float().contiguous()
+        ranked = shape.q_lora_rank is not None
+        return LatentWeights(
+            kv_norm=take(prefix + names.kv_norm), k_up=k_up, v_up=v_up,
+            q_norm=take(prefix + names.q_norm) if ranked else None,
+            q_up=linear(prefix + names.q_up) if ranked else None)
+
+    @staticmethod
     def _layer_extras(arch: Architecture, take: Callable[[str], torch.Tensor], prefix: str,
                       qk_norm: bool, present: Callable[[str], bool],
                       xielu: tuple[float, float, float, float] | None = None) -> dict[str, Any]:
@@ -467,7 +496,10 @@ class LlamaModel:
         if self.rope_tables and positions <= have:
             return
         length = rope_table_positions(positions)
-        grown = self._rope_tables(self.config, have, length)
+        config = self.config
+        if config.latent_attention is not None:  # the rotated part of the key alone, not the pool's row
+            config = dataclasses.replace(config, head_dim=config.latent_attention.qk_rope_head_dim, rotary_dim=None)
+        grown = self._rope_tables(config, have, length)
         if have:
             grown = [(torch.cat([cos, more_cos]), torch.cat([sin, more_sin]))
                      for (cos, sin), (more_cos, more_sin) in zip(self.rope_tables, grown, strict=True)]
@@ -615,6 +647,10 @@ class LlamaModel:
                     reg[dst] = x * weight
                 elif op == Op.ROUTED_EXPERTS:
                     reg[dst] = weight(x, self._expert_act)
+                elif op == Op.LATENT_ATTENTION:  # the layer's share of the pool holds each token's latent row
+                    assert self.config.latent_attention is not None
+                    reg[dst] = latent_attention(x, weight, self.config.latent_attention, self.config.num_heads,
+                                                positions, cos, sin, k_cache, attn_meta, attention)
                 elif op == Op.SHORT_CONV:  # the layer's share of the pool holds each token's b * x
                     assert attn_meta.conv_slots is not None
                     reg[dst] = ops.short_conv_(x, weight, k_cache, attn_meta.slot_mapping, attn_meta.conv_slots)

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from inflight.config import ModelConfig
+from inflight.config import LatentAttention, ModelConfig
 from inflight.errors import ConfigError, ModelLoadError
 from inflight.model.architectures import (
     ARCHITECTURES,
@@ -32,6 +32,7 @@ from inflight.model.architectures import (
     GGUF_EXPERT_ARCHITECTURES,
     GGUF_EXPERT_NAMES,
     GGUF_LAYER_NAMES,
+    GGUF_SIGMOID_ARCHITECTURES,
     Architecture,
     ExpertNames,
     architecture,
@@ -39,6 +40,7 @@ from inflight.model.architectures import (
 from inflight.model.grid_quants import GRID_TYPES
 from inflight.model.hf_config import (
     is_multimodal,
+    latent_softmax_scale,
     nope_every,
     override_rotary,
     query_scaling,
@@ -288,7 +290,8 @@ def weight_footprint(source: ModelSource, dtype: torch.dtype, packed: bool, bloc
     # layers' identity, the local layers' own
     tables = 1 + (config.rope_layers is not None and not all(config.rope_layers)) + bool(config.local_rope_theta)
     served = min(positions or config.max_position_embeddings, config.max_position_embeddings)
-    parts.append(("rotary tables", tables * 2 * rope_table_positions(served) * config.head_dim * 4))
+    width = config.latent_attention.qk_rope_head_dim if config.latent_attention is not None else config.head_dim
+    parts.append(("rotary tables", tables * 2 * rope_table_positions(served) * width * 4))
     parts.append(("allocator and layout slack (10%)", sum(b for _, b in parts) // 10))
     # What the first model's construction adds to a process whatever its size (kernel and
     # thread buffers, a checkpoint directory's reading): 18-52 MB in tests/test_memory.py's two
@@ -416,8 +419,12 @@ def _read_gguf(path: Path, mtime_ns: int, size: int) -> GGUFIndex:
 def _index_from_saved(path: Path, saved: dict[str, Any]) -> GGUFIndex:
     import gguf
 
-    config: dict[str, Any] = {key: tuple(value) if isinstance(value, list) else value
-                              for key, value in saved["config"].items()}
+    def tuples(value: Any) -> Any:  # JSON's lists as the config's tuples (Apertus's xIELU numbers: nested)
+        return tuple(tuples(v) for v in value) if isinstance(value, list) else value
+
+    config: dict[str, Any] = {key: tuples(value) for key, value in saved["config"].items()}
+    if config.get("latent_attention") is not None:  # (a nested dataclass, saved as its fields)
+        config["latent_attention"] = LatentAttention(**config["latent_attention"])
     mapped = np.memmap(path, dtype=np.uint8, mode="r")
     tensors = []
     for t in saved["tensors"]:
@@ -535,11 +542,13 @@ def _gguf_sampling(reader: Any) -> dict[str, float] | None:
             for name, value in found.items() if value is not None} or None
 
 
-def _gguf_yarn(reader: Any, arch: str) -> dict[str, Any]:
+def _gguf_yarn(reader: Any, arch: str, latent: bool = False) -> dict[str, Any]:
     """A file's YaRN settings in transformers' terms: llama.cpp's converter writes the factor, the
     original context and, where the checkpoint has them, the ramp's betas and the attention
     factor. The extension factor and DeepSeek's log multiplier, which llama.cpp's converters
-    write in more than one convention, are refused by name unless neutral."""
+    write in more than one convention, are refused by name unless neutral. A latent-attention
+    file's log multiplier (`latent`: llama.cpp's deepseek2) is a tenth of DeepSeek's
+    `mscale_all_dim`, which llama.cpp takes for its `mscale` too, as DeepSeek's configs set them."""
     def field(key: str) -> Any:
         return gguf_field(reader, f"{arch}.rope.scaling.{key}")
 
@@ -553,7 +562,10 @@ def _gguf_yarn(reader: Any, arch: str) -> dict[str, Any]:
                              f"{arch}.rope.scaling.original_context_length")
     found = {"beta_fast": field("yarn_beta_fast"), "beta_slow": field("yarn_beta_slow"),
              "attention_factor": field("yarn_attn_factor")}
-    if field("yarn_log_multiplier"):  # read as llama.cpp reads it: DeepSeek's mscale_all_dim, mscale 1
+    if field("yarn_log_multiplier") and latent:
+        all_dims = float(field("yarn_log_multiplier")) / 0.1
+        found.update(mscale=all_dims, mscale_all_dim=all_dims)
+    elif field("yarn_log_multiplier"):  # read as llama.cpp reads it: DeepSeek's mscale_all_dim, mscale 1
         found.update(mscale=1.0, mscale_all_dim=field("yarn_log_multiplier"))
     return {"rope_type": "yarn", "factor": float(field("factor")), "original_max_position_embeddings": int(original),
             **{key: float(value) for key, value in found.items() if value is not None}}
@@ -570,6 +582,8 @@ def _gguf_config(reader: Any) -> ModelConfig:
     name = GGUF_ARCHITECTURES.get(arch, arch)
     if num_experts:
         name = GGUF_EXPERT_ARCHITECTURES.get(name, name)
+    if name in GGUF_SIGMOID_ARCHITECTURES and _gguf_sigmoid_router(reader, arch):
+        name = GGUF_SIGMOID_ARCHITECTURES[name]
     if name not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -594,8 +608,11 @@ def _gguf_config(reader: Any) -> ModelConfig:
                              "LFM2's short-convolution layers only")
     # Metadata that changes the arithmetic in a way inflight does not compute: refused by name.
     rotary_dims = gguf_field(reader, f"{arch}.rope.dimension_count")
+    latent = _gguf_latent(reader, arch, int(get("rope.dimension_count"))) if row.latent is not None else None
+    if latent is not None:  # the pool's row (the latent and the rotated key) is attention's one key head
+        head_dim, kv_heads = latent.kv_lora_rank + latent.qk_rope_head_dim, 1
     partial = rotary_dims is not None and int(rotary_dims) != head_dim
-    if partial and (row.gguf_interleaved_qk or int(rotary_dims) > head_dim or int(rotary_dims) % 2):
+    if partial and latent is None and (row.gguf_interleaved_qk or int(rotary_dims) > head_dim or int(rotary_dims) % 2):
         # llama.cpp's converter interleaves the rotated halves of these architectures' full heads
         raise ModelLoadError(f"{arch}.rope.dimension_count = {rotary_dims} rotates part of each {head_dim}-wide "
                              f"head, which inflight does not compute for {arch} files")
@@ -628,7 +645,7 @@ def _gguf_config(reader: Any) -> ModelConfig:
     if scaling_type == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
     elif scaling_type == "yarn":
-        rope_scaling = _gguf_yarn(reader, arch)
+        rope_scaling = _gguf_yarn(reader, arch, latent is not None)
     elif scaling_type not in (None, "none"):
         raise ModelLoadError(f"unsupported rope scaling {scaling_type!r}")
     freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
@@ -669,6 +686,8 @@ def _gguf_config(reader: Any) -> ModelConfig:
         gguf_field(reader, f"{arch}.attention.temperature_scale"))
     if row.gguf_wide_query_scale_layers:  # llama.cpp's rule for Gemma, whose files do not say
         scale = (hidden / num_heads if num_layers in row.gguf_wide_query_scale_layers else head_dim) ** -0.5
+    if latent is not None:
+        scale = latent_softmax_scale(latent, rope_scaling)
     return ModelConfig(
         architecture=name,
         vocab_size=int(vocab),
@@ -723,7 +742,37 @@ def _gguf_config(reader: Any) -> ModelConfig:
         xielu=_gguf_xielu(reader, num_layers) if "xielu" in row.extra_weights else None,
         conv_layers=conv_layers if conv_layers is not None and any(conv_layers) else None,
         conv_kernel=int(get("shortconv.l_cache")) if conv_layers is not None and any(conv_layers) else 0,
+        latent_attention=latent,
     )
+
+
+def _gguf_sigmoid_router(reader: Any, arch: str) -> bool:
+    """Whether a file's router scores its experts by sigmoids: as its `expert_gating_func` says,
+    else where it holds a bias for the choice (`exp_probs_b`), which DeepSeek V3's sigmoid router
+    has and V2's softmax one lacks. (llama.cpp reads such a file's router as a softmax unless its
+    shape is GLM-4.7-Flash's; transformers scores every checkpoint of those rows, which their
+    converter writes without the key, by sigmoids.)"""
+    gating = gguf_field(reader, f"{arch}.expert_gating_func")
+    if gating is not None:
+        return _GGUF_GATING.get(int(gating)) == "sigmoid"
+    return any(t.name.endswith(".exp_probs_b.bias") for t in reader.tensors)
+
+
+def _gguf_latent(reader: Any, arch: str, rope: int) -> LatentAttention:
+    """A file's latent-attention shapes (llama.cpp's deepseek2): the heads' key and value widths
+    under `key_length_mla` and `value_length_mla` in files since its absorbed MLA, under
+    `key_length` and `value_length` in older ones; the rotary on interleaved pairs, as llama.cpp
+    turns every such file."""
+    def field(key: str) -> Any:
+        return gguf_field(reader, f"{arch}.attention.{key}")
+
+    rank, key, value = field("kv_lora_rank"), field("key_length_mla"), field("value_length_mla")
+    key, value = (key, value) if key is not None else (field("key_length"), field("value_length"))
+    if rank is None or key is None or value is None:
+        raise ModelLoadError(f"GGUF metadata lacks {arch}.attention.kv_lora_rank or the heads' key and value widths")
+    q_rank = field("q_lora_rank")
+    return LatentAttention(kv_lora_rank=int(rank), qk_nope_head_dim=int(key) - rope, qk_rope_head_dim=rope,
+                           v_head_dim=int(value), q_lora_rank=int(q_rank) if q_rank else None)
 
 
 # llama.cpp's keys of Apertus's xIELU numbers (a number for every layer, or one for all), in
@@ -950,7 +999,7 @@ PANEL_ROWS = 16
 def _blocks_kept(tensors: list[GGUFTensor], config: ModelConfig) -> frozenset[str]:
     """The GGUF tensors the matmuls read as their blocks (`load_blocks`): the LM head and
     token embedding (for a tied head) and each layer's matmuls (`Architecture.matmuls`: q/k/v
-    and gate/up fused; a convolving layer's `conv_matmuls`) whose parts are all matrices of types
+    and gate/up fused; `Architecture.layer_matmul_groups`) whose parts are all matrices of types
     in `BLOCK_TYPES`, of one type or (as a Q4_K_M file's Q4_K q and k beside a Q6_K v) meeting at
     whole panels; and the routed
     experts' stacked gate, up and down the same way (each expert's gate and up fused). Routers
@@ -969,8 +1018,7 @@ def _blocks_kept(tensors: list[GGUFTensor], config: ModelConfig) -> frozenset[st
         return len({types[p] for p in parts}) == 1 or all(rows[p] % PANEL_ROWS == 0 for p in parts[:-1])
 
     row = architecture(arch)
-    layer_matmuls = [*row.matmuls.values(), *row.conv_matmuls.values(),  # (LFM2's convolving layers' own)
-                     *(row.experts.shared_matmuls if row.experts is not None else [])]
+    layer_matmuls = [*row.layer_matmul_groups, *(row.experts.shared_matmuls if row.experts is not None else [])]
     for i in range(config.num_layers):
         for names in layer_matmuls:
             parts = [by_hf.get(f"model.layers.{i}.{n}") for n in names]
@@ -1270,7 +1318,7 @@ def _hf_kept(path: Path, config: ModelConfig) -> dict[str, str]:
     kept = {head: dtypes[head]} if dtypes.get(head) in SIXTEEN_BITS else {}
     for i in range(config.num_layers):
         prefix = f"model.layers.{i}."
-        groups = [[prefix + n for n in names] for names in (*arch.matmuls.values(), *arch.conv_matmuls.values())]
+        groups = [[prefix + n for n in names] for names in arch.layer_matmul_groups]
         if arch.experts is not None:
             for e in range(config.num_experts):
                 gate, up, down = (prefix + n for n in arch.experts.of(e))

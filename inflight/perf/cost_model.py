@@ -152,9 +152,11 @@ class CostModel:
         # KV heads are split over the devices, replicated when there are fewer than devices.
         self.kv_heads_per_device = -(-model.num_kv_heads // tp)
         kv = DTYPE_BYTES[self.kv_cache_dtype]
-        # What attention reads of each context token, and what the pool holds of it: K and V, and
-        # each short convolution's input (LFM2's: a row of hidden_size, of which a step reads a few)
-        self._attn_bytes_per_token = 2 * model.num_attention_layers * self.kv_heads_per_device * model.head_dim * kv
+        # What attention reads of each context token, and what the pool holds of it: K and V (latent
+        # attention's one row, read as both), and each short convolution's input (LFM2's: a row of
+        # hidden_size, of which a step reads a few)
+        self._attn_bytes_per_token = (model.kv_rows * model.num_attention_layers * self.kv_heads_per_device
+                                      * model.head_dim * kv)
         self.kv_bytes_per_token = self._attn_bytes_per_token + sum(model.conv_layers or ()) * -(
             -model.hidden_size // tp) * kv
         self.weight_bytes_per_device = (linear * w + (num_params(model) - linear) * a) / tp

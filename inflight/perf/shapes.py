@@ -63,14 +63,29 @@ def num_active_linear_params(cfg: ModelConfig) -> int:
 def num_dense_linear_params(cfg: ModelConfig) -> int:
     """The matmul parameters every token reads: attention's in all layers, the MLP's in the
     layers without routed experts, a shared expert's and its gate's in those with them."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    attn = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size
+    attn = attention_params(cfg)
     conv = 4 * cfg.hidden_size * cfg.hidden_size  # a short convolution's in_proj (b, c, x) and out_proj (LFM2's)
     mlp = (3 if cfg.gated_mlp else 2) * cfg.hidden_size * cfg.intermediate_size
     shared_width = cfg.shared_expert_intermediate_size or 0
     shared = cfg.hidden_size * (3 * shared_width + 1) if shared_width else 0
     mixers = cfg.num_attention_layers * attn + (cfg.num_layers - cfg.num_attention_layers) * conv
     return mixers + (cfg.num_layers - num_expert_layers(cfg)) * mlp + num_expert_layers(cfg) * shared
+
+
+def attention_params(cfg: ModelConfig) -> int:
+    """One attending layer's matmul parameters: q, k, v and o; with latent attention (DeepSeek's)
+    the query's projection (or its rank's two), the compressed KV's, the latent's up-projections to
+    each head's key and value, and o."""
+    latent = cfg.latent_attention
+    if latent is None:
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        return cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size
+    heads, hidden = cfg.num_heads, cfg.hidden_size
+    q_out = heads * latent.qk_head_dim
+    query = hidden * q_out if latent.q_lora_rank is None else latent.q_lora_rank * (hidden + q_out)
+    compressed = hidden * (latent.kv_lora_rank + latent.qk_rope_head_dim)
+    up = heads * (latent.qk_nope_head_dim + latent.v_head_dim) * latent.kv_lora_rank
+    return query + compressed + up + heads * latent.v_head_dim * hidden
 
 
 def num_expert_layers(cfg: ModelConfig) -> int:
