@@ -1,7 +1,8 @@
 """Tool calls through the official `openai` client: a named function or `"required"` constrain
 the output to the tools' schemas and come back as `tool_calls`, whole or streamed; `"auto"`
-reads Hermes' `<tool_call>` format, Llama 3's JSON or LFM2's Python-style calls where the chat
-template teaches one (else a 400); earlier calls and their results go back into the template."""
+reads Hermes' `<tool_call>` format, Llama 3's JSON, LFM2's Python-style calls or GLM's keys and
+values where the chat template teaches one (else a 400); earlier calls and their results go back
+into the template."""
 
 from __future__ import annotations
 
@@ -179,6 +180,70 @@ def test_streamed_lfm2_reading_equals_the_whole(step: int) -> None:
         (i, c.function.name, c.function.arguments) for i, c in enumerate(whole_calls)]
 
 
+# --- reading GLM-4.5's to 4.7's keys and values ----------------------------------------------------
+
+# How GLM-4.5's template teaches its calls (4.7's: the same without the newlines), with the rest of a
+# ChatML template around it.
+GLM_TEMPLATE = (
+    "{%- if tools -%}{{- '<|im_start|>system\n# Tools\n<tools>\n' -}}{%- for tool in tools -%}"
+    "{{- tool | tojson -}}{{- '\n' -}}{%- endfor -%}{{- '</tools>\nFor each function call, output the function "
+    "name and arguments within the following XML format:\n<tool_call>{function-name}\n<arg_key>{arg-key-1}"
+    "</arg_key>\n<arg_value>{arg-value-1}</arg_value>\n...\n</tool_call><|im_end|>\n' -}}{%- endif -%}"
+    "{%- for m in messages -%}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}")
+GLM_TEXT = ("Let me check.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+            "<arg_key>unit</arg_key>\n<arg_value>celsius</arg_value>\n</tool_call>"
+            "<tool_call>get_time<arg_key>zone</arg_key><arg_value>Asia/Tokyo</arg_value></tool_call> Checking both.")
+
+
+def test_glm_calls_are_read_out_of_the_text() -> None:
+    """GLM's format, as vLLM's glm45 reader takes it: a name, then keys and values, with newlines
+    between (4.5's) or none (4.7's); a value stays as written where the tool's schema types it a
+    string, else it is its JSON value where it has one. A tag whose body is not a name and its
+    arguments stays in the text; under GLM's template "auto" reads this format, not Hermes' JSON."""
+    from inflight.server.protocol import Tool
+    from inflight.server.tools import string_args
+
+    assert tool_call_format(GLM_TEMPLATE) == "glm45"
+    content, calls = parse_tagged(GLM_TEXT, "glm45")
+    assert content == "Let me check. Checking both."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"zone": "Asia/Tokyo"})]
+    pairs = {"n": "12", "s": "[1, 2]", "o": '{"a": true}', "p": "True", "t": "a b"}
+    typed = "<tool_call>f" + "".join(f"<arg_key>{k}</arg_key><arg_value>{v}</arg_value>" for k, v in pairs.items())
+    typed += "</tool_call>"
+    schema = {"type": "object",
+              "properties": {"n": {"type": "string"}, "s": {"type": "array"}, "o": {"type": "object"}}}
+    strings = string_args([Tool.model_validate({"type": "function", "function": {"name": "f", "parameters": schema}})])
+    assert strings == {"f": frozenset({"n"})}
+    _, [call] = parse_tagged(typed, "glm45", strings)
+    assert json.loads(call.function.arguments) == {"n": "12", "s": [1, 2], "o": {"a": True}, "p": True, "t": "a b"}
+    _, [untyped] = parse_tagged(typed, "glm45")  # (no schema: every value that parses is parsed)
+    assert json.loads(untyped.function.arguments)["n"] == 12
+    for body in ("", "get weather", "f<arg_key>a</arg_key>", "f<arg_key>a</arg_key><arg_value>1</arg_value> more",
+                 "f\ntext<arg_key>a</arg_key><arg_value>1</arg_value>"):
+        text = f"<tool_call>{body}</tool_call>"
+        assert parse_tagged(text, "glm45") == (text, []), body
+    _, [no_arguments] = parse_tagged("<tool_call>now\n</tool_call>", "glm45")
+    assert (no_arguments.function.name, no_arguments.function.arguments) == ("now", "{}")
+
+
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_streamed_glm_reading_equals_the_whole(step: int) -> None:
+    reader = ToolCallReader("glm45")
+    content, calls = "", []
+    for i in range(0, len(GLM_TEXT), step):
+        piece, deltas = reader.feed(GLM_TEXT[i:i + step])
+        assert "<tool" not in piece and "<arg" not in piece
+        content, calls = content + piece, calls + deltas
+    piece, deltas = reader.end()
+    content, calls = content + piece, calls + deltas
+    whole_content, whole_calls = parse_tagged(GLM_TEXT, "glm45")
+    assert content == whole_content
+    assert [(d.index, d.function.name, d.function.arguments) for d in calls] == [
+        (i, c.function.name, c.function.arguments) for i, c in enumerate(whole_calls)]
+
+
 # --- through the server ------------------------------------------------------------------------------
 
 
@@ -246,6 +311,31 @@ def test_auto_under_an_lfm2_template_reads_its_python_calls(loaded: LoadedModel)
                     content, finish = choice.message.content, choice.finish_reason
                     got = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []]
             assert got == [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo", "unit": "celsius"})]
+            assert content == "Sure." and finish == "tool_calls"
+
+
+def test_auto_under_a_glm_template_reads_its_keys_and_values(loaded: LoadedModel) -> None:
+    """Under GLM's template "auto" reads its calls: an answer forced to be prose and two calls, one a
+    string that looks like a number (kept a string, as the tool's schema types it), comes back as
+    those calls and the prose, whole and streamed alike."""
+    engine = LLMEngine(EngineConfig.from_kwargs(num_kv_blocks=64, max_batch_size=4), loaded)
+    with serve_in_thread(engine, ServerConfig(shutdown_timeout_s=5, chat_template=GLM_TEMPLATE)) as server:
+        regex = (r"Sure\.<tool_call>get_time\n<arg_key>zone</arg_key>\n<arg_value>2024</arg_value>\n</tool_call>"
+                 r"<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value><arg_key>unit</arg_key>"
+                 r"<arg_value>celsius</arg_value></tool_call>")
+        body = {"model": server.engine.model_name, "messages": ASK, "tools": [WEATHER, TIME], "max_tokens": 160,
+                "temperature": 0, "tool_choice": "auto", "extra_body": {"guided_regex": regex}}
+        for stream in (False, True):
+            with _client(server) as client:
+                if stream:
+                    content, streamed, finish = _streamed(client.chat.completions.create(**body, stream=True))
+                    got = [(c["name"], json.loads(c["arguments"])) for c in streamed.values()]
+                else:
+                    choice = client.chat.completions.create(**body).choices[0]
+                    content, finish = choice.message.content, choice.finish_reason
+                    got = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []]
+            assert finish == "tool_calls", content
+            assert got == [("get_time", {"zone": "2024"}), ("get_weather", {"city": "Oslo", "unit": "celsius"})]
             assert content == "Sure." and finish == "tool_calls"
 
 

@@ -71,7 +71,14 @@ from inflight.server.reasoning import (
     think_markers,
 )
 from inflight.server.stream import Delta, RequestStream
-from inflight.server.tools import SPECIAL_TOKEN_MODES, ToolCallReader, ToolMode, tool_call_format
+from inflight.server.tools import (
+    SPECIAL_TOKEN_MODES,
+    StringArgs,
+    ToolCallReader,
+    ToolMode,
+    string_args,
+    tool_call_format,
+)
 
 Logprobs = list[TokenLogprobs]
 
@@ -197,13 +204,14 @@ class _CompletionFormat:
 
 
 class _ChatFormat:
-    """With tools in use (`tools`: the reader's mode and the named function), each choice's text
+    """With tools in use (`tools`: the reader's mode, the named function and the tools' string
+    parameters), each choice's text
     goes through its own `ToolCallReader`, which makes tool calls of it. With a `reasoning_parser`,
     each choice's text is first split into its thinking and its answer (`ReasoningSplitter`); the
     answer alone goes on to the tool reader."""
 
     def __init__(self, request_id: str, model: str, tokenizer: Tokenizer,
-                 tools: tuple[ToolMode, str | None] | None = None, reasoning_parser: str | None = None,
+                 tools: tuple[ToolMode, str | None, StringArgs] | None = None, reasoning_parser: str | None = None,
                  prompt_top: int | None = None) -> None:
         self.id, self.model, self.created = request_id, model, int(time.time())
         self.tokenizer = tokenizer
@@ -444,24 +452,26 @@ class OpenAIServing:
 
     @staticmethod
     def _tool_reading(req: ChatCompletionRequest, chat_template: str | None,
-                      reasoning_parser: str | None = None) -> tuple[ToolMode, str | None] | None:
-        """How the chat's output becomes tool calls (None: it does not); a 400 for "auto" where
-        the model's chat template does not teach a tool-call format inflight reads. Under a
-        harmony parser the calls are harmony's, which its splitter writes as Hermes tags."""
+                      reasoning_parser: str | None = None) -> tuple[ToolMode, str | None, StringArgs] | None:
+        """How the chat's output becomes tool calls (None: it does not): the reader's mode, the
+        named function, the tools' string parameters; a 400 for "auto" where the model's chat
+        template does not teach a tool-call format inflight reads. Under a harmony parser the
+        calls are harmony's, which its splitter writes as Hermes tags."""
         mode = req.tool_mode
         if mode == "none":
             return None
+        strings = string_args(req.tools)
         if mode == "auto" and reasoning_parser in HARMONY_PARSERS:
-            return "hermes", None
+            return "hermes", None, strings
         if mode == "auto":
             found = tool_call_format(chat_template)
             if found is None:
                 raise invalid('tool_choice "auto" (the default with tools): this model\'s chat template does not '
                               "render tools in a tool-call format inflight reads (Hermes' <tool_call>, Llama 3's "
-                              "JSON, LFM2's <|tool_call_start|>); send tool_choice \"required\", a named function, "
-                              'or "none"', "tool_choice")
-            return found, None
-        return mode, req.named_function
+                              "JSON, LFM2's <|tool_call_start|>, GLM's <arg_key>); send tool_choice \"required\", "
+                              'a named function, or "none"', "tool_choice")
+            return found, None, strings
+        return mode, req.named_function, strings
 
     def _check_model(self, model: str | None) -> None:
         """A request names the served model, or none (vLLM's servers take a missing or empty one)."""

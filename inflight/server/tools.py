@@ -12,25 +12,32 @@ a choice's text into OpenAI `tool_calls`, whole or as stream deltas.
   `{"name": ..., "parameters": {...}}` object, or several joined by ";": vLLM's `llama3_json`)
   and LFM2's Python-style calls (`<|tool_call_start|>[name(arg=value, ...), ...]<|tool_call_end|>`,
   its markers special tokens, kept in the text; llama.cpp's reading: Python literals, and JSON's
-  true, false and null); a template that renders tools in another format, or none, gets a 400 for
-  "auto".
+  true, false and null) and GLM-4.5's to 4.7's (`<tool_call>name<arg_key>k</arg_key><arg_value>v
+  </arg_value>...</tool_call>`, a newline or none between; a value as written where the tool's
+  schema types it a string, else JSON where it parses, as vLLM's glm45 reader takes it); a
+  template that renders tools in another format, or none, gets a 400 for "auto".
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import json
+import re
 import uuid
 from collections.abc import Callable
 from typing import Any, Literal
 
 from inflight.server.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 
-ToolMode = Literal["named", "required", "hermes", "llama3_json", "lfm2"]
+ToolMode = Literal["named", "required", "hermes", "llama3_json", "lfm2", "glm45"]
 # The formats that tag each call (or list of calls) in the text, and the modes whose markers are
 # special tokens (a request of that mode keeps them: skip_special_tokens off).
-TAGGED_MODES = ("hermes", "lfm2")
-SPECIAL_TOKEN_MODES = ("lfm2",)
+TAGGED_MODES = ("hermes", "lfm2", "glm45")
+SPECIAL_TOKEN_MODES = ("lfm2", "glm45")
+# A tool's name -> its parameters that its schema types as strings (GLM's values are written
+# bare: these stay text whatever they look like).
+StringArgs = dict[str, frozenset[str]]
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 LFM2_OPEN, LFM2_CLOSE = "<|tool_call_start|>", "<|tool_call_end|>"
@@ -39,12 +46,16 @@ LLAMA3_JSON_PROMPT = '"parameters": dictionary of argument name and its value'
 # How LFM2's templates list the tools (LFM2's between special tokens, LFM2.5's plainly); llama.cpp
 # recognizes the two templates by the same words.
 LFM2_TOOL_LISTS = ("List of tools: <|tool_list_start|>[", "List of tools: [")
+# GLM-4.5's to 4.7's templates name each argument between these (inside Hermes' tags).
+GLM_ARG_KEY = "<arg_key>"
 
 
-def tool_call_format(chat_template: str | None) -> Literal["hermes", "llama3_json", "lfm2"] | None:
+def tool_call_format(chat_template: str | None) -> Literal["hermes", "llama3_json", "lfm2", "glm45"] | None:
     """The tool-call format a chat template teaches its model, if inflight can read it."""
     if not chat_template or "tools" not in chat_template:
         return None
+    if GLM_ARG_KEY in chat_template:  # (its calls in Hermes' tags)
+        return "glm45"
     if HERMES_OPEN in chat_template:
         return "hermes"
     if LLAMA3_JSON_PROMPT in chat_template:
@@ -106,9 +117,65 @@ def _lfm2_calls(body: str) -> list[ToolCall] | None:
         return None
 
 
+_GLM_ARG = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def _glm_value(text: str, is_string: bool) -> Any:
+    """A GLM argument's value: as written for a string parameter, else its JSON (or a Python
+    literal's) value where it is one, else the text."""
+    if is_string:
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    try:
+        return ast.literal_eval(text)
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+        return text
+
+
+def _glm_calls(body: str, string_args: StringArgs | None = None) -> list[ToolCall] | None:
+    """GLM's tag body: the function's name, then each argument's key and value; None where it is
+    not that (no name, a name with spaces, or text beside the arguments)."""
+    at = body.find(GLM_ARG_KEY)
+    name = (body if at < 0 else body[:at]).strip()
+    if not name or any(c.isspace() for c in name):
+        return None
+    strings = (string_args or {}).get(name, frozenset())
+    arguments, rest = {}, body[len(body) if at < 0 else at:]
+    while rest.strip():
+        match = _GLM_ARG.match(rest)
+        if match is None:
+            return None
+        key = match.group(1).strip()
+        arguments[key] = _glm_value(match.group(2), key in strings)
+        rest = rest[match.end():]
+    return [_call(name, arguments)]
+
+
 # Each tagged format: its markers and the reader of a tag's body.
 _TAGS: dict[str, tuple[str, str, Callable[[str], list[ToolCall] | None]]] = {
-    "hermes": (HERMES_OPEN, HERMES_CLOSE, _hermes_calls), "lfm2": (LFM2_OPEN, LFM2_CLOSE, _lfm2_calls)}
+    "hermes": (HERMES_OPEN, HERMES_CLOSE, _hermes_calls), "lfm2": (LFM2_OPEN, LFM2_CLOSE, _lfm2_calls),
+    "glm45": (HERMES_OPEN, HERMES_CLOSE, _glm_calls)}
+
+
+def string_args(tools: list[Any] | None) -> StringArgs:
+    """Each tool's parameters that its schema types as strings (`Tool`s as the request has them)."""
+    out: StringArgs = {}
+    for tool in tools or ():
+        properties = (tool.function.parameters or {}).get("properties") or {}
+        out[tool.function.name] = frozenset(key for key, schema in properties.items()
+                                            if isinstance(schema, dict) and schema.get("type") == "string")
+    return out
+
+
+def _tag_reader(mode: str, strings: StringArgs | None) -> tuple[str, str, Callable[[str], list[ToolCall] | None]]:
+    """A tagged format's markers and body reader (GLM's knowing which arguments are strings)."""
+    open_tag, close_tag, read = _TAGS.get(mode, _TAGS["hermes"])
+    if read is _glm_calls:
+        read = functools.partial(_glm_calls, string_args=strings)
+    return open_tag, close_tag, read
 
 
 def _required_calls(text: str) -> list[ToolCall] | None:
@@ -125,10 +192,11 @@ def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
     return parse_tagged(text, "hermes")
 
 
-def parse_tagged(text: str, mode: str) -> tuple[str | None, list[ToolCall]]:
-    """`parse_hermes` for any tagged format (`TAGGED_MODES`): LFM2's tags hold a list of calls. A
-    mode of no format of its own ("auto" resolved elsewhere) reads Hermes' tags, as before."""
-    open_tag, close_tag, read = _TAGS.get(mode, _TAGS["hermes"])
+def parse_tagged(text: str, mode: str, strings: StringArgs | None = None) -> tuple[str | None, list[ToolCall]]:
+    """`parse_hermes` for any tagged format (`TAGGED_MODES`): LFM2's tags hold a list of calls,
+    GLM's a name and its arguments (`strings`: those to keep as written). A mode of no format of
+    its own ("auto" resolved elsewhere) reads Hermes' tags, as before."""
+    open_tag, close_tag, read = _tag_reader(mode, strings)
     content, calls, rest = [], [], text
     while (start := rest.find(open_tag)) >= 0:
         end = rest.find(close_tag, start)
@@ -171,9 +239,11 @@ class ToolCallReader:
     """One choice's text as content and tool calls, for a response (`whole`) or a stream
     (`feed` each delta's text, then `end`)."""
 
-    def __init__(self, mode: ToolMode, function_name: str | None = None) -> None:
+    def __init__(self, mode: ToolMode, function_name: str | None = None, strings: StringArgs | None = None) -> None:
+        """`strings`: each tool's string parameters (`string_args`), for GLM's bare values."""
         self.mode = mode
         self.function_name = function_name
+        self.strings = strings
         self._text = ""
         self._sent = 0  # of _text, streamed as content (hermes) or arguments (named)
         self._named_id: str | None = None
@@ -188,7 +258,7 @@ class ToolCallReader:
             return (text, []) if calls is None else (None, calls)
         if self.mode == "llama3_json":
             return parse_llama3_json(text)
-        return parse_tagged(text, self.mode)
+        return parse_tagged(text, self.mode, self.strings)
 
     def feed(self, text: str) -> tuple[str, list[DeltaToolCall]]:
         """(content to stream now, tool-call deltas to stream now) for a delta's new text."""
@@ -243,7 +313,7 @@ class ToolCallReader:
     def _tagged_step(self, final: bool) -> tuple[str, list[DeltaToolCall]]:
         """Streams the content before each tool-call tag (holding back what could be the start of
         one) and each call once its closing tag (or, at the end, the end of the text) arrives."""
-        open_tag, close_tag, read = _TAGS.get(self.mode, _TAGS["hermes"])
+        open_tag, close_tag, read = _tag_reader(self.mode, self.strings)
         content, deltas = "", list[DeltaToolCall]()
         while True:
             pending = self._text[self._sent:]
