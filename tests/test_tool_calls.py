@@ -21,7 +21,14 @@ from inflight import EngineConfig, LLMEngine
 from inflight.model.loaded import LoadedModel
 from inflight.server.config import ServerConfig
 from inflight.server.launcher import RunningServer, serve_in_thread
-from inflight.server.tools import ToolCallReader, parse_hermes, parse_llama3_json, parse_tagged, tool_call_format
+from inflight.server.tools import (
+    ToolCallReader,
+    ToolMode,
+    parse_hermes,
+    parse_llama3_json,
+    parse_tagged,
+    tool_call_format,
+)
 
 HERMES_TEMPLATE = (Path(inflight.__file__).parent / "data" / "chatml_tools.jinja").read_text()
 WEATHER = {"type": "function", "function": {
@@ -164,22 +171,6 @@ def test_lfm2_calls_are_read_out_of_the_text() -> None:
         assert parse_tagged(text, "lfm2") == (text, []), body  # not a list of calls by keyword: text
 
 
-@pytest.mark.parametrize("step", [1, 4, 1000])
-def test_streamed_lfm2_reading_equals_the_whole(step: int) -> None:
-    reader = ToolCallReader("lfm2")
-    content, calls = "", []
-    for i in range(0, len(LFM2_TEXT), step):
-        piece, deltas = reader.feed(LFM2_TEXT[i:i + step])
-        assert "<|" not in piece
-        content, calls = content + piece, calls + deltas
-    piece, deltas = reader.end()
-    content, calls = content + piece, calls + deltas
-    whole_content, whole_calls = parse_tagged(LFM2_TEXT, "lfm2")
-    assert content == whole_content
-    assert [(d.index, d.function.name, d.function.arguments) for d in calls] == [
-        (i, c.function.name, c.function.arguments) for i, c in enumerate(whole_calls)]
-
-
 # --- reading GLM-4.5's to 4.7's keys and values ----------------------------------------------------
 
 # How GLM-4.5's template teaches its calls (4.7's: the same without the newlines), with the rest of a
@@ -228,17 +219,18 @@ def test_glm_calls_are_read_out_of_the_text() -> None:
     assert (no_arguments.function.name, no_arguments.function.arguments) == ("now", "{}")
 
 
-@pytest.mark.parametrize("step", [1, 5, 1000])
-def test_streamed_glm_reading_equals_the_whole(step: int) -> None:
-    reader = ToolCallReader("glm45")
+@pytest.mark.parametrize("step", [1, 4, 5, 1000])
+@pytest.mark.parametrize(("mode", "text"), [("lfm2", LFM2_TEXT), ("glm45", GLM_TEXT)])
+def test_streamed_tagged_reading_equals_the_whole(mode: ToolMode, text: str, step: int) -> None:
+    reader = ToolCallReader(mode)
     content, calls = "", []
-    for i in range(0, len(GLM_TEXT), step):
-        piece, deltas = reader.feed(GLM_TEXT[i:i + step])
-        assert "<tool" not in piece and "<arg" not in piece
+    for i in range(0, len(text), step):
+        piece, deltas = reader.feed(text[i:i + step])
+        assert "<|" not in piece and "<tool" not in piece and "<arg" not in piece
         content, calls = content + piece, calls + deltas
     piece, deltas = reader.end()
     content, calls = content + piece, calls + deltas
-    whole_content, whole_calls = parse_tagged(GLM_TEXT, "glm45")
+    whole_content, whole_calls = parse_tagged(text, mode)
     assert content == whole_content
     assert [(d.index, d.function.name, d.function.arguments) for d in calls] == [
         (i, c.function.name, c.function.arguments) for i, c in enumerate(whole_calls)]
@@ -290,53 +282,44 @@ def test_auto_under_a_llama3_template_reads_its_json(llama3_server: RunningServe
         assert not content and finish == "tool_calls"
 
 
+def _forced_auto_calls(loaded: LoadedModel, template: str, regex: str,
+                       max_tokens: int) -> Iterator[tuple[str | None, list[tuple[str, Any]], str | None]]:
+    """Under `template`, "auto" with the answer forced to `regex`: (content, the calls' names and
+    arguments, finish reason) of a whole response, then of a stream."""
+    engine = LLMEngine(EngineConfig.from_kwargs(num_kv_blocks=64, max_batch_size=4), loaded)
+    with serve_in_thread(engine, ServerConfig(shutdown_timeout_s=5, chat_template=template)) as server:
+        body = {"model": server.engine.model_name, "messages": ASK, "tools": [WEATHER, TIME], "max_tokens": max_tokens,
+                "temperature": 0, "tool_choice": "auto", "extra_body": {"guided_regex": regex}}
+        with _client(server) as client:
+            choice = client.chat.completions.create(**body).choices[0]
+            yield choice.message.content, [(c.function.name, json.loads(c.function.arguments))
+                                           for c in choice.message.tool_calls or []], choice.finish_reason
+            content, streamed, finish = _streamed(client.chat.completions.create(**body, stream=True))
+            yield content, [(c["name"], json.loads(c["arguments"])) for c in streamed.values()], finish
+
+
 def test_auto_under_an_lfm2_template_reads_its_python_calls(loaded: LoadedModel) -> None:
     """Under LFM2's template "auto" reads its Python-style calls: an answer forced to be two calls in
     one tag, after some prose, comes back as those calls and the prose, whole and streamed alike
     (the embedded model's vocabulary writes the markers as text; LFM2's own has them as special
     tokens, which a request of this format keeps in its text)."""
-    engine = LLMEngine(EngineConfig.from_kwargs(num_kv_blocks=64, max_batch_size=4), loaded)
-    with serve_in_thread(engine, ServerConfig(shutdown_timeout_s=5, chat_template=LFM2_TEMPLATE)) as server:
-        regex = (r'Sure\.<\|tool_call_start\|>\[get_time\(zone="UTC"\), get_weather\(city="Oslo", '
-                 r'unit="celsius"\)\]<\|tool_call_end\|>')
-        body = {"model": server.engine.model_name, "messages": ASK, "tools": [WEATHER, TIME], "max_tokens": 48,
-                "temperature": 0, "tool_choice": "auto", "extra_body": {"guided_regex": regex}}
-        for stream in (False, True):
-            with _client(server) as client:
-                if stream:
-                    content, streamed, finish = _streamed(client.chat.completions.create(**body, stream=True))
-                    got = [(c["name"], json.loads(c["arguments"])) for c in streamed.values()]
-                else:
-                    choice = client.chat.completions.create(**body).choices[0]
-                    content, finish = choice.message.content, choice.finish_reason
-                    got = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []]
-            assert got == [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo", "unit": "celsius"})]
-            assert content == "Sure." and finish == "tool_calls"
+    regex = (r'Sure\.<\|tool_call_start\|>\[get_time\(zone="UTC"\), get_weather\(city="Oslo", '
+             r'unit="celsius"\)\]<\|tool_call_end\|>')
+    for content, got, finish in _forced_auto_calls(loaded, LFM2_TEMPLATE, regex, 48):
+        assert got == [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo", "unit": "celsius"})]
+        assert content == "Sure." and finish == "tool_calls"
 
 
 def test_auto_under_a_glm_template_reads_its_keys_and_values(loaded: LoadedModel) -> None:
     """Under GLM's template "auto" reads its calls: an answer forced to be prose and two calls, one a
     string that looks like a number (kept a string, as the tool's schema types it), comes back as
     those calls and the prose, whole and streamed alike."""
-    engine = LLMEngine(EngineConfig.from_kwargs(num_kv_blocks=64, max_batch_size=4), loaded)
-    with serve_in_thread(engine, ServerConfig(shutdown_timeout_s=5, chat_template=GLM_TEMPLATE)) as server:
-        regex = (r"Sure\.<tool_call>get_time\n<arg_key>zone</arg_key>\n<arg_value>2024</arg_value>\n</tool_call>"
-                 r"<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value><arg_key>unit</arg_key>"
-                 r"<arg_value>celsius</arg_value></tool_call>")
-        body = {"model": server.engine.model_name, "messages": ASK, "tools": [WEATHER, TIME], "max_tokens": 160,
-                "temperature": 0, "tool_choice": "auto", "extra_body": {"guided_regex": regex}}
-        for stream in (False, True):
-            with _client(server) as client:
-                if stream:
-                    content, streamed, finish = _streamed(client.chat.completions.create(**body, stream=True))
-                    got = [(c["name"], json.loads(c["arguments"])) for c in streamed.values()]
-                else:
-                    choice = client.chat.completions.create(**body).choices[0]
-                    content, finish = choice.message.content, choice.finish_reason
-                    got = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []]
-            assert finish == "tool_calls", content
-            assert got == [("get_time", {"zone": "2024"}), ("get_weather", {"city": "Oslo", "unit": "celsius"})]
-            assert content == "Sure." and finish == "tool_calls"
+    regex = (r"Sure\.<tool_call>get_time\n<arg_key>zone</arg_key>\n<arg_value>2024</arg_value>\n</tool_call>"
+             r"<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value><arg_key>unit</arg_key>"
+             r"<arg_value>celsius</arg_value></tool_call>")
+    for content, got, finish in _forced_auto_calls(loaded, GLM_TEMPLATE, regex, 160):
+        assert got == [("get_time", {"zone": "2024"}), ("get_weather", {"city": "Oslo", "unit": "celsius"})]
+        assert content == "Sure." and finish == "tool_calls"
 
 
 @pytest.fixture(scope="module")
