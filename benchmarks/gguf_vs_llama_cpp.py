@@ -55,6 +55,9 @@ Q4_K_M (and any other of `--quantize-types`: IQ4_XS, ...) by llama.cpp's own `ll
   gpt-oss-20b: gpt-oss-20b's 24 layers (hidden 2880, 64/8 heads of 64, sinks, a window of 128 every
       other layer, 32 experts of 2880, 4 a token) as llama.cpp's MXFP4_MOE leaves them (experts
       MXFP4 with random codes, the rest Q8_0), Llama 3's vocabulary; 11.7 GB, no llama-quantize
+  deepseek-v2-lite: DeepSeek-V2-Lite's 27 layers (hidden 2048, latent attention of 16 heads over a
+      latent of 512 and a rotated key of 64, a dense first layer, then 64 experts of 1408, 6 a token,
+      beside 2 shared) as llama.cpp's converter writes them, all Q8_0, Llama 3's vocabulary; 16.7 GB
 
 llama-cpp-python in its own environment (compiles llama.cpp for this CPU; ~10+ min on 2 cores):
 
@@ -115,6 +118,14 @@ SHAPES: dict[str, dict[str, Any]] = {
     # place of its 65536
     "lfm2-1.2b": {"name": "lfm2-1.2b-shaped", "arch": "lfm2", "hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 8,
                   "ffn": 8192, "vocab": 128256, "tied": True, "attending": (2, 5, 8, 10, 12, 14)},
+    # DeepSeek-V2-Lite's layers (latent attention: 16 heads, a latent of 512 and a rotated key of 64; a dense first
+    # layer, then 64 experts of 1408, 6 a token by softmax scores, beside 2 shared), as llama.cpp's converter
+    # writes them (the latent's up-projections in two, attn_k_b and attn_v_b), Llama 3's vocabulary in place
+    # of its 102400
+    "deepseek-v2-lite": {"name": "deepseek-v2-lite-shaped", "arch": "deepseek2", "hidden": 2048, "layers": 27,
+                         "heads": 16, "kv_lora": 512, "rope": 64, "nope": 128, "v": 128, "ffn": 10944,
+                         "experts": 64, "experts_used": 6, "expert_ffn": 1408, "shared": 2, "vocab": 128256,
+                         "tied": False},
     "gpt-oss-20b": {"name": "gpt-oss-20b-shaped", "arch": "gpt-oss", "hidden": 2880, "layers": 24, "heads": 64,
                     "kv_heads": 8, "head_dim": 64, "experts": 32, "experts_used": 4, "ffn": 2880, "vocab": 128256,
                     "window": 128, "tied": False},
@@ -130,13 +141,14 @@ def make_models(out_dir: Path, sizes: list[str], llama_quantize: str | None, thr
     out_dir.mkdir(parents=True, exist_ok=True)
     for size in sizes:
         shape = SHAPES[size]
-        if shape.get("arch") == "gpt-oss":
-            made = out_dir / f"{shape['name']}-MXFP4_MOE.gguf"
+        if shape.get("arch") in ("gpt-oss", "deepseek2"):
+            made = out_dir / f"{shape['name']}-{'MXFP4_MOE' if shape['arch'] == 'gpt-oss' else 'Q8_0'}.gguf"
             if made.is_file():
                 print(f"{made} exists; kept", file=sys.stderr)
                 continue
             t = time.perf_counter()
-            write_gpt_oss_model(made, shape, seed, pool_blocks)
+            (write_gpt_oss_model if shape["arch"] == "gpt-oss" else write_deepseek2_model)(made, shape, seed,
+                                                                                             pool_blocks)
             print(f"wrote {made} ({made.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s",
                   file=sys.stderr)
             continue
@@ -272,7 +284,6 @@ def write_gpt_oss_model(path: Path, shape: dict[str, Any], seed: int, pool_block
     the other matrices Q8_0 (as `write_model`'s), the router, biases, sinks and norms F32 (biases and
     sinks N(0, 0.02), norms 1)."""
     import gguf
-    import numpy as np
 
     vocab = _llama_bpe_vocab()
     h, n_layers, heads, kv_heads, hd = (shape[k] for k in ("hidden", "layers", "heads", "kv_heads", "head_dim"))
@@ -323,6 +334,86 @@ def write_gpt_oss_model(path: Path, shape: dict[str, Any], seed: int, pool_block
             (b + "ffn_down_exps.weight", (experts, h, ffn), mx), (b + "ffn_down_exps.bias", (experts, h), None),
         ]
     tensors += [("output_norm.weight", (h,), None), ("output.weight", (shape["vocab"], h), q8)]
+    _write_tensors(w, tensors, seed, pool_blocks)
+
+
+def write_deepseek2_model(path: Path, shape: dict[str, Any], seed: int, pool_blocks: int = 0) -> None:
+    """A DeepSeek-V2-Lite-shaped GGUF file as llama.cpp's converter writes the model (its query
+    unranked, YaRN's settings V2-Lite's), every matrix and stack Q8_0 (drawn as `write_model`
+    draws them), the router and norms F32 (router N(0, 0.02), norms 1)."""
+    import gguf
+
+    vocab = _llama_bpe_vocab()
+    h, n_layers, heads = shape["hidden"], shape["layers"], shape["heads"]
+    rank, rope, nope, v, experts = (shape[k] for k in ("kv_lora", "rope", "nope", "v", "experts"))
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    w = gguf.GGUFWriter(str(path), "deepseek2")
+    w.add_name(shape["name"] + " (random weights)")
+    w.add_block_count(n_layers)
+    w.add_context_length(163840)
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(shape["ffn"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(1)
+    w.add_key_length(rank + rope)
+    w.add_value_length(rank)
+    w.add_key_length_mla(nope + rope)
+    w.add_value_length_mla(v)
+    w.add_kv_lora_rank(rank)
+    w.add_rope_dimension_count(rope)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(40.0)
+    w.add_rope_scaling_orig_ctx_len(4096)
+    w.add_rope_scaling_yarn_log_mul(0.1 * 0.707)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_leading_dense_block_count(1)
+    w.add_expert_count(experts)
+    w.add_expert_used_count(shape["experts_used"])
+    w.add_expert_feed_forward_length(shape["expert_ffn"])
+    w.add_expert_shared_count(shape["shared"])
+    w.add_expert_weights_scale(1.0)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
+    w.add_vocab_size(shape["vocab"])
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for key, field in vocab.fields.items():
+        if key.startswith("tokenizer."):
+            array = field.types[0] == gguf.GGUFValueType.ARRAY
+            w.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
+
+    # (name, numpy-order dims, type): F32 vectors and routers, Q8_0 matrices and stacks
+    shared, ffn = shape["shared"] * shape["expert_ffn"], shape["expert_ffn"]
+    tensors: list[tuple[str, tuple[int, ...], Any]] = [("token_embd.weight", (shape["vocab"], h), q8)]
+    for i in range(n_layers):
+        b = f"blk.{i}."
+        tensors += [
+            (b + "attn_norm.weight", (h,), None), (b + "attn_q.weight", (heads * (nope + rope), h), q8),
+            (b + "attn_kv_a_mqa.weight", (rank + rope, h), q8), (b + "attn_kv_a_norm.weight", (rank,), None),
+            (b + "attn_k_b.weight", (heads, rank, nope), q8), (b + "attn_v_b.weight", (heads, v, rank), q8),
+            (b + "attn_output.weight", (h, heads * v), q8), (b + "ffn_norm.weight", (h,), None)]
+        if i == 0:
+            tensors += [(b + "ffn_gate.weight", (shape["ffn"], h), q8), (b + "ffn_up.weight", (shape["ffn"], h), q8),
+                        (b + "ffn_down.weight", (h, shape["ffn"]), q8)]
+            continue
+        tensors += [
+            (b + "ffn_gate_inp.weight", (experts, h), None),
+            (b + "ffn_gate_exps.weight", (experts, ffn, h), q8), (b + "ffn_up_exps.weight", (experts, ffn, h), q8),
+            (b + "ffn_down_exps.weight", (experts, h, ffn), q8),
+            (b + "ffn_gate_shexp.weight", (shared, h), q8), (b + "ffn_up_shexp.weight", (shared, h), q8),
+            (b + "ffn_down_shexp.weight", (h, shared), q8)]
+    tensors += [("output_norm.weight", (h,), None), ("output.weight", (shape["vocab"], h), q8)]
+    _write_tensors(w, tensors, seed, pool_blocks)
+
+
+def _write_tensors(w: Any, tensors: list[tuple[str, tuple[int, ...], Any]], seed: int, pool_blocks: int) -> None:
+    """The tensor table and data of a file whose metadata `w` holds: F32 vectors and matrices (norms
+    1, the rest N(0, 0.02)), Q8_0 ones drawn as `write_model` draws them, MXFP4 ones of random codes
+    (a scale byte 2^(e - 128), e 118..122, then 16 bytes of codes a block)."""
+    import gguf
+    import numpy as np
+
+    q8, mx = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.MXFP4
     for name, dims, kind in tensors:
         if kind is None:
             w.add_tensor_info(name, dims, np.dtype(np.float32), 4 * int(np.prod(dims)))
@@ -343,7 +434,7 @@ def write_gpt_oss_model(path: Path, shape: dict[str, Any], seed: int, pool_block
         rows_at_once = max(1, (16 << 20) // k)
         for start in range(0, rows, rows_at_once):
             n = min(rows_at_once, rows - start)
-            if kind == mx:  # a scale byte (2^(e - 128), e 118..122) then 16 bytes of random codes a block
+            if kind == mx:
                 blocks = rng.integers(0, 256, (n * k // 32, 17), dtype=np.uint8)
                 blocks[:, 0] = rng.integers(118, 123, n * k // 32, dtype=np.uint8)
                 blocks.tofile(fout)
@@ -658,7 +749,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the children's jobs, results and logs (kept; one set per file and engine)")
     p.add_argument("--make-models", metavar="DIR", help="write the GGUF files to DIR and exit")
     p.add_argument("--sizes", default="1b",
-                   help="with --make-models: 1b, 8b, phi-2, lfm2-1.2b, gpt-oss-20b or several, comma-separated")
+                   help="with --make-models: 1b, 8b, phi-2, lfm2-1.2b, gpt-oss-20b, deepseek-v2-lite or several, "
+                        "comma-separated")
     p.add_argument("--llama-quantize", metavar="PATH", help="with --make-models: llama.cpp's llama-quantize")
     p.add_argument("--bf16", action="store_true", help="with --make-models: also a BF16 file of each size")
     p.add_argument("--quantize-types", default="Q4_K_M",

@@ -97,7 +97,9 @@ def test_the_simulator_counts_a_latent_layers_weights_as_the_checkpoint_holds_th
     ("deepseek_v3", "scoring_func", "softmax", "scoring_func"),
     ("deepseek_v3", "topk_method", "random", "topk_method"),
     ("deepseek_v3", "moe_layer_freq", 2, "moe_layer_freq"),
-    ("deepseek_v3", "n_group", 8, "n_group")])
+    ("deepseek_v3", "n_group", 8, "n_group"),
+    ("deepseek_v3", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.1,
+                                        "original_max_position_embeddings": 64}, "llama_4_scaling_beta")])
 def test_deepseeks_expert_settings_that_inflight_does_not_compute_are_refused(tmp_path, arch, key, value, match):
     tiny_hf_model(arch).save_pretrained(tmp_path, safe_serialization=True)
     load_checkpoint(resolve_model(str(tmp_path)), torch.float32)  # as saved: loads

@@ -249,6 +249,9 @@ def _refuse_latent(raw: dict[str, Any], arch: Architecture, path: Path) -> None:
     if (raw.get("moe_layer_freq") or 1) != 1:
         raise ModelLoadError(f"{path}: moe_layer_freq = {raw['moe_layer_freq']}: inflight routes every layer past "
                              "the dense ones")
+    if _rope_parameters(raw)[0].get("llama_4_scaling_beta"):  # (Mistral Large 3's, on DeepSeek V3's layers)
+        raise ModelLoadError(f"{path}: llama_4_scaling_beta: inflight does not scale {arch.name}'s latent queries by "
+                             "position")
     if not arch.hf_norm_topk_prob and raw.get("norm_topk_prob"):
         raise ModelLoadError(f"{path}: norm_topk_prob = true: transformers never renormalizes {arch.name}'s "
                              "experts' weights, DeepSeek's code does; inflight refuses the ambiguity")

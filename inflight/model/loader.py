@@ -688,6 +688,9 @@ def _gguf_config(reader: Any) -> ModelConfig:
         scale = (hidden / num_heads if num_layers in row.gguf_wide_query_scale_layers else head_dim) ** -0.5
     if latent is not None:
         scale = latent_softmax_scale(latent, rope_scaling)
+        if query is not None:  # (Mistral Large 3's files)
+            raise ModelLoadError(f"{arch}.attention.temperature_scale: inflight does not scale latent queries by "
+                                 "position")
     return ModelConfig(
         architecture=name,
         vocab_size=int(vocab),
