@@ -76,7 +76,7 @@ def test_compiled_layers_equal_python_loop(make_llm, model, options):
                                   "smollm3", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe",
                                   "gpt_oss", "arcee", "glm4_moe", "phi", "stablelm", "starcoder2", "cohere2",
                                   "nemotron", "ernie4_5_moe", "apertus", "hunyuan_v1_dense", "lfm2",
-                                  "lfm2_moe"])
+                                  "lfm2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite"])
 def test_every_architecture_runs_compiled_as_the_python_loop(tmp_path, arch):
     """Each architecture's plan (sandwich and post norms, q/k norm, GeGLU, scaled residuals,
     NoPE layers, sliding windows with their own rotary base, soft-capping, routed experts with a
@@ -84,7 +84,8 @@ def test_every_architecture_runs_compiled_as_the_python_loop(tmp_path, arch):
     experts with a clamped SwiGLU; an ungated MLP of relu squared; experts chosen by sigmoids plus a
     bias beside an ungated shared one, or by softmax scores plus a bias; LayerNorms with and without
     biases, an ungated GELU, attention and the MLP side by side; xIELU with each layer's numbers; a q/k
-    norm between the rotary and the KV store; short convolutions between attending layers) through the compiled
+    norm between the rotary and the KV store; short convolutions between attending layers; latent
+    attention, its query unranked or through a rank) through the compiled
     stack: the Python loop's logits bit for bit, in chunked steps mixing prefills past the window
     with decodes."""
     from test_loading import save_word_tokenizer, tiny_hf_model

@@ -448,8 +448,11 @@ class LlamaModel:
         if not self.attention.reads_pool_in_place(self.dtype):
             return None
         experts = [_expert_matmuls(layer.experts) if layer.experts is not None else [] for layer in layers]
-        if any(m is not None and m.backend != "inflight" for layer, own in zip(layers, experts, strict=True)
-               for m in [*(getattr(layer, f) for f in MATMULS), *own]):
+        latent_q = [[layer.latent.q_up] if layer.latent is not None and layer.latent.q_up is not None else []
+                    for layer in layers]
+        if any(m is not None and m.backend != "inflight"
+               for layer, own, q_up in zip(layers, experts, latent_q, strict=True)
+               for m in [*(getattr(layer, f) for f in MATMULS), *own, *q_up]):
             return None
         norms = _norm_fields(self.plan)
         norm_biases = [(layer.norm_biases or {}).get(f) for layer in layers for f in norms]
@@ -483,6 +486,15 @@ class LlamaModel:
             stack.set_xielu([number for layer in layers for number in layer.xielu or ()])
         if any(layer.conv is not None for layer in layers):
             stack.set_conv([layer.conv if layer.conv is not None else empty for layer in layers])
+        if (shape := cfg.latent_attention) is not None:
+            latent = [layer.latent for layer in layers]
+            assert all(w is not None for w in latent)
+            q_ups = [w.q_up if w is not None else None for w in latent]
+            stack.set_latent(shape.kv_lora_rank, shape.qk_nope_head_dim, shape.qk_rope_head_dim, shape.v_head_dim,
+                             shape.rope_interleaved, *map(list, zip(*[(w.kv_norm, w.k_up, w.v_up) for w in latent
+                                                                       if w is not None], strict=True)),
+                             [w.q_norm if w is not None and w.q_norm is not None else empty for w in latent],
+                             *_stack_linears(q_ups))
         return stack
 
     def _steps(self, mixer: str) -> list[tuple[Step, tuple[Reg, ...]]]:

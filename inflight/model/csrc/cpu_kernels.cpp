@@ -4125,7 +4125,7 @@ struct StackLinear {
 enum class PlanOp {
   kAddRmsNorm, kMatmul, kRotaryStoreKv, kAttention, kSiluAndMul, kGeluTanhAndMul, kQkNorm, kAddResidual, kRmsNorm,
   kScale, kRoutedExperts, kReluSquared, kAddLayerNorm, kLayerNorm, kGeluTanh, kAdd, kXielu, kRotary, kStoreKv,
-  kShortConv
+  kShortConv, kLatentAttention
 };
 const std::vector<std::pair<std::string, PlanOp>> kPlanOps = {
     {"add_rms_norm", PlanOp::kAddRmsNorm},   {"matmul", PlanOp::kMatmul},
@@ -4137,7 +4137,8 @@ const std::vector<std::pair<std::string, PlanOp>> kPlanOps = {
     {"add_layer_norm", PlanOp::kAddLayerNorm}, {"layer_norm", PlanOp::kLayerNorm},
     {"gelu_tanh", PlanOp::kGeluTanh},        {"add", PlanOp::kAdd},
     {"xielu", PlanOp::kXielu},               {"rotary", PlanOp::kRotary},
-    {"store_kv", PlanOp::kStoreKv},          {"short_conv", PlanOp::kShortConv}};
+    {"store_kv", PlanOp::kStoreKv},          {"short_conv", PlanOp::kShortConv},
+    {"latent_attention", PlanOp::kLatentAttention}};
 constexpr int64_t kMaxRegs = 8;
 
 torch::Tensor run_linear(const StackLinear& lin, const torch::Tensor& x) {
@@ -4225,6 +4226,31 @@ struct StackExperts {
     }
   }
 };
+
+// A layer's latent attention (DeepSeek's MLA; model/latent.py, the same ATen ops in the same order,
+// so the same values bit for bit): the latent's RMSNorm scale, each head's key and value
+// up-projections [heads, nope, rank] and [heads, v, rank], and where the query has a rank its norm
+// and up-projection.
+struct StackLatent {
+  torch::Tensor kv_norm, k_up, v_up;
+  c10::optional<torch::Tensor> q_norm;
+  c10::optional<StackLinear> q_up;
+};
+
+// model/latent.py's norm of the latent and of the query's rank: fp32, transformers' epsilon.
+torch::Tensor latent_rms_norm(const torch::Tensor& x, const torch::Tensor& weight) {
+  return weight * at::rms_norm(x.to(torch::kFloat), {x.size(-1)}, c10::nullopt, 1e-6).to(x.scalar_type());
+}
+
+// model/latent.py's rotary of the last dim: pairs (2i, 2i + 1) where interleaved, else (i, i + half);
+// the result in halves either way.
+torch::Tensor latent_rotate(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                            bool interleaved) {
+  const int64_t n = x.size(-1), half = n / 2;
+  const torch::Tensor a = interleaved ? x.slice(-1, 0, n, 2) : x.narrow(-1, 0, half);
+  const torch::Tensor b = interleaved ? x.slice(-1, 1, n, 2) : x.narrow(-1, half, half);
+  return torch::cat({a * cos - b * sin, b * cos + a * sin}, -1);
+}
 
 struct PlanStep {
   PlanOp op;
@@ -4354,6 +4380,38 @@ class DecoderStack {
     conv_ = std::move(taps);
   }
 
+  // Each layer's latent attention (set where the plan has latent_attention): the shapes (the latent's
+  // rank, each head's key part without rotary, the rotated part, each head's value; whether the
+  // rotated dims pair as neighbours), then per layer the latent's norm scale, the key and value
+  // up-projections, and where the query has a rank its norm scale and up-projection's matmul (an
+  // empty norm: none).
+  void set_latent(int64_t rank, int64_t nope, int64_t rope, int64_t v, bool interleaved,
+                  std::vector<torch::Tensor> kv_norms, std::vector<torch::Tensor> k_ups, std::vector<torch::Tensor> v_ups,
+                  std::vector<torch::Tensor> q_norms, std::vector<torch::Tensor> packed,
+                  std::vector<c10::optional<torch::Tensor>> blocks, std::vector<c10::optional<torch::Tensor>> biases,
+                  std::vector<int64_t> out_features) {
+    const auto n = static_cast<size_t>(num_layers_);
+    TORCH_CHECK(kv_norms.size() == n && k_ups.size() == n && v_ups.size() == n && q_norms.size() == n &&
+                    packed.size() == n && blocks.size() == n && biases.size() == n && out_features.size() == n,
+                "latent attention's weights for every layer");
+    TORCH_CHECK(rank + rope == head_dim_ && num_kv_heads_ == 1 && rope % 2 == 0,
+                "latent attention reads one key head of the latent and the rotated part");
+    latent_.clear();
+    for (size_t i = 0; i < n; ++i) {
+      TORCH_CHECK(k_ups[i].sizes() == torch::IntArrayRef({num_heads_, nope, rank}) &&
+                      v_ups[i].sizes() == torch::IntArrayRef({num_heads_, v, rank}),
+                  "layer ", i, ": up-projections of [heads, nope, rank] and [heads, v, rank]");
+      StackLatent made{kv_norms[i], k_ups[i], v_ups[i], c10::nullopt, c10::nullopt};
+      if (q_norms[i].numel()) {
+        made.q_norm = q_norms[i];
+        made.q_up = StackLinear{packed[i], blocks[i], biases[i], out_features[i],
+                                "matmul -> " + std::to_string(out_features[i])};
+      }
+      latent_.push_back(std::move(made));
+    }
+    latent_rank_ = rank, latent_nope_ = nope, latent_rope_ = rope, latent_v_ = v, latent_interleaved_ = interleaved;
+  }
+
   // Each layer's attention sinks (gpt-oss's: a score per query head, `finish_parts`), or none.
   void set_sinks(std::vector<torch::Tensor> sinks) {
     TORCH_CHECK(sinks.empty() || static_cast<int64_t>(sinks.size()) == num_layers_, "sinks for every layer, or none");
@@ -4386,6 +4444,21 @@ class DecoderStack {
     TORCH_CHECK(num_decodes == tokens || (prefill_tables.has_value() && query_starts.has_value() &&
                                           query_lens.has_value() && context_starts.has_value()),
                 "prefill tokens need prefill tables");
+    // Layer i's attention of q [tokens, heads, head_dim] over its pool: the decodes in one call, the
+    // prefill segments in another.
+    auto attend = [&](const torch::Tensor& q, int64_t i) {
+      torch::Tensor decoded, prefilled;
+      if (num_decodes > 0)
+        decoded = paged_decode_attention(q.narrow(0, 0, num_decodes).contiguous(), k_caches[i], v_caches[i],
+                                         *decode_tables, *decode_lens, block_size, attention_scale_, windows_[i],
+                                         softcap_, layer_sinks(i));
+      if (num_decodes < tokens)
+        prefilled = paged_prefill_attention(q.narrow(0, num_decodes, tokens - num_decodes).contiguous(), k_caches[i],
+                                            v_caches[i], *prefill_tables, *query_starts, *query_lens,
+                                            *context_starts, block_size, attention_scale_, windows_[i], softcap_,
+                                            layer_sinks(i));
+      return !prefilled.defined() ? decoded : !decoded.defined() ? prefilled : torch::cat({decoded, prefilled});
+    };
     std::array<torch::Tensor, kMaxRegs> reg;
     for (int64_t i = 0; i < num_layers_; ++i) {
       for (const PlanStep& step : plans_[layer_plans_[i]]) {
@@ -4465,19 +4538,31 @@ class DecoderStack {
             Range r("attention");
             const torch::Tensor q =
                 src.view({tokens, num_heads_ + 2 * num_kv_heads_, head_dim_}).narrow(1, 0, num_heads_);
-            torch::Tensor decoded, prefilled;
-            if (num_decodes > 0)
-              decoded = paged_decode_attention(q.narrow(0, 0, num_decodes).contiguous(), k_caches[i], v_caches[i],
-                                               *decode_tables, *decode_lens, block_size, attention_scale_,
-                                               windows_[i], softcap_, layer_sinks(i));
-            if (num_decodes < tokens)
-              prefilled = paged_prefill_attention(q.narrow(0, num_decodes, tokens - num_decodes).contiguous(),
-                                                  k_caches[i], v_caches[i], *prefill_tables, *query_starts,
-                                                  *query_lens, *context_starts, block_size, attention_scale_,
-                                                  windows_[i], softcap_, layer_sinks(i));
-            const torch::Tensor attn =
-                !prefilled.defined() ? decoded : !decoded.defined() ? prefilled : torch::cat({decoded, prefilled});
-            reg[step.dst] = attn.view({tokens, num_heads_ * head_dim_});
+            reg[step.dst] = attend(q, i).view({tokens, num_heads_ * head_dim_});
+            break;
+          }
+          case PlanOp::kLatentAttention: {  // model/latent.py's latent_attention, step by step
+            TORCH_CHECK(static_cast<int64_t>(latent_.size()) == num_layers_, "the layers' latent attention is not set");
+            Range r("latent attention");
+            const StackLatent& lat = latent_[i];
+            const int64_t rank = latent_rank_, rope = latent_rope_, nope = latent_nope_;
+            const std::vector<torch::Tensor> parts = src.split_with_sizes({src.size(1) - rank - rope, rank + rope}, 1);
+            torch::Tensor q = parts[0];
+            const torch::Tensor& kv = parts[1];
+            if (lat.q_up) q = run_linear(*lat.q_up, latent_rms_norm(q, *lat.q_norm));
+            const std::vector<torch::Tensor> qs = q.reshape({tokens, num_heads_, nope + rope}).split_with_sizes({nope, rope}, 2);
+            const torch::Tensor freq_cos = cos[rope_tables_[i]].index_select(0, positions).narrow(1, 0, rope / 2);
+            const torch::Tensor freq_sin = sin[rope_tables_[i]].index_select(0, positions).narrow(1, 0, rope / 2);
+            const torch::Tensor k_rope = latent_rotate(kv.narrow(1, rank, rope), freq_cos, freq_sin, latent_interleaved_);
+            const torch::Tensor row = torch::cat({latent_rms_norm(kv.narrow(1, 0, rank), lat.kv_norm), k_rope}, 1);
+            k_caches[i].view({-1, rank + rope}).index_copy_(0, slot_mapping, row.to(k_caches[i].scalar_type()));
+            const torch::Tensor q_latent = torch::bmm(qs[0].transpose(0, 1), lat.k_up).transpose(0, 1);
+            const torch::Tensor query = torch::cat(
+                {q_latent, latent_rotate(qs[1], freq_cos.unsqueeze(1), freq_sin.unsqueeze(1), latent_interleaved_)}, 2);
+            const torch::Tensor read = attend(query.contiguous(), i).view({tokens, num_heads_, rank + rope});
+            const torch::Tensor values =
+                torch::bmm(read.narrow(2, 0, rank).transpose(0, 1), lat.v_up.transpose(1, 2)).transpose(0, 1);
+            reg[step.dst] = values.reshape({tokens, num_heads_ * latent_v_});
             break;
           }
           case PlanOp::kSiluAndMul: {
@@ -4556,6 +4641,9 @@ class DecoderStack {
   std::vector<StackExperts> experts_;  // per layer, where the plan routes to experts (set_experts)
   std::vector<std::vector<PlanStep>> plans_;
   std::vector<torch::Tensor> conv_;  // per layer, where the plan convolves (set_conv)
+  std::vector<StackLatent> latent_;  // per layer, where the plan's attention is latent (set_latent)
+  int64_t latent_rank_ = 0, latent_nope_ = 0, latent_rope_ = 0, latent_v_ = 0;
+  bool latent_interleaved_ = true;
   int64_t num_layers_, output_, norms_per_layer_ = 0, matmuls_per_layer_ = 0;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, attention_scale_, softcap_;
@@ -4851,5 +4939,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "whether sigmoids score the experts, their bias for the choice, the weights' scale")
       .def("set_sinks", &DecoderStack::set_sinks, "Each layer's attention sinks (a score per query head), or none")
       .def("set_xielu", &DecoderStack::set_xielu, "Each layer's xIELU numbers, four a layer")
-      .def("set_conv", &DecoderStack::set_conv, "Each layer's short-convolution taps, or an empty tensor");
+      .def("set_conv", &DecoderStack::set_conv, "Each layer's short-convolution taps, or an empty tensor")
+      .def("set_latent", &DecoderStack::set_latent,
+           "Latent attention's shapes, then each layer's latent norm, key and value up-projections, and the query "
+           "rank's norm (empty: none) and up-projection's matmul");
 }
