@@ -136,3 +136,18 @@ def test_a_latent_layers_matmuls_are_read_as_stored(tmp_path, arch):
                        and layer.latent.q_up.blocks is not None for layer in kept.layers)
         dense = LlamaModel(config, weights, torch.device("cpu"))
         torch.testing.assert_close(inflight_logits(kept, ids), inflight_logits(dense, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_the_simulators_deepseek_v2_lite_has_its_published_size_and_one_latent_row_a_token():
+    """The built-in shapes of DeepSeek-V2-Lite: 15.7B parameters, 2.4B of them a token computes with
+    (its card's figures: the routed experts' 6 of 64, the head), and a pool of 27 x 576 values a
+    token, which the simulator prices."""
+    from inflight.perf.cost_model import CostModel
+    from inflight.perf.profiles import load_hardware
+    from inflight.perf.shapes import BUILTIN_MODELS, num_active_linear_params, num_params
+
+    lite = BUILTIN_MODELS["deepseek-v2-lite"]
+    assert round(num_params(lite) / 1e9, 1) == 15.7
+    assert abs(num_active_linear_params(lite) + lite.vocab_size * lite.hidden_size - 2.4e9) < 0.1e9
+    assert lite.pool_values_per_token == 27 * 576
+    assert CostModel(lite, load_hardware("h100")).kv_bytes_per_token == 27 * 576 * 2  # bf16

