@@ -236,9 +236,10 @@ def refuse_unsupported(raw: dict[str, Any], path: Path) -> None:
 
 
 def _refuse_latent(raw: dict[str, Any], arch: Architecture, path: Path) -> None:
-    """DeepSeek's expert settings as its original configs give them: the choice by the
+    """DeepSeek's settings as its original configs give them: the choice of experts by the
     architecture's own scores (V2's softmax, V3's sigmoids plus a bias), in every layer past the
-    dense ones, V2's weights not renormalized (transformers never renormalizes them)."""
+    dense ones, V2's weights not renormalized (transformers never renormalizes them); and no
+    scaling of the queries by position (Mistral Large 3's, which the latent step does not compute)."""
     method = raw.get("topk_method")
     if method not in (None, "greedy", "noaux_tc", "group_limited_greedy"):
         raise ModelLoadError(f"{path}: topk_method = {method!r}: inflight chooses experts by their top scores only")
