@@ -53,8 +53,8 @@ QUANT_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL",
 MOE_QUANT_TYPES = {"qwen3_moe": ("MXFP4_MOE",), "gpt_oss": ("MXFP4_MOE",)}
 
 # DeepSeek's latent attention and experts, small
-_LATENT = {"num_hidden_layers": 3, "num_key_value_heads": 2, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
-           "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+_LATENT = {"num_hidden_layers": 3, "num_key_value_heads": 2, "kv_lora_rank": 32, "qk_nope_head_dim": 32,
+           "qk_rope_head_dim": 8, "v_head_dim": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
            "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1}
 
 # architecture -> (transformers class prefix, the config's settings beyond the shared ones)
@@ -171,10 +171,10 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}}),
     # DeepSeek V3: the query through a rank, experts chosen by sigmoid scores plus a bias, renormalized, scaled by
     # 2.5 (its published config names the scoring, which the converter writes)
-    "deepseek_v3": ("DeepseekV3", {**_LATENT, "q_lora_rank": 16, "n_group": 1, "topk_group": 1,
+    "deepseek_v3": ("DeepseekV3", {**_LATENT, "q_lora_rank": 32, "n_group": 1, "topk_group": 1,
                                    "routed_scaling_factor": 2.5, "scoring_func": "sigmoid"}),
     # GLM-4.7-Flash: V3's layer, scaled by 1.8; its config names no scoring (llama.cpp's file neither)
-    "glm4_moe_lite": ("Glm4MoeLite", {**_LATENT, "q_lora_rank": 16, "n_group": 1, "topk_group": 1,
+    "glm4_moe_lite": ("Glm4MoeLite", {**_LATENT, "q_lora_rank": 32, "n_group": 1, "topk_group": 1,
                                       "routed_scaling_factor": 1.8}),
     # Command R7B: three sliding layers to one global, which rotates nothing (its converter reads rotary_pct)
     "cohere2": ("Cohere2", {"logit_scale": 0.3, "tie_word_embeddings": True, "pad_token_id": 0, "head_dim": 16,

@@ -112,7 +112,8 @@ def test_deepseeks_expert_settings_that_inflight_does_not_compute_are_refused(tm
 def test_a_latent_layers_matmuls_are_read_as_stored(tmp_path, arch):
     """A bf16 checkpoint's and a Q8_0 file's fused projection (the query's or its rank's beside the
     compressed KV's), the query rank's up-projection and o are read as stored, not widened to fp32,
-    with the logits of the same weights widened."""
+    and the file's up-projections of the latent (llama.cpp's attn_k_b and attn_v_b) a block matmul a
+    head, with the logits of the same weights widened; compiled, the Python loop's logits bit for bit."""
     from converter_fixtures import FIXTURES
     from test_loading import requantized
 
@@ -131,11 +132,21 @@ def test_a_latent_layers_matmuls_are_read_as_stored(tmp_path, arch):
         kept = LlamaModel(config, shapes, torch.device("cpu"), gguf_blocks=load_blocks(source, config),
                           embedding=load_embedding(source, config))
         assert all(layer.qkv.blocks is not None and layer.o.blocks is not None for layer in kept.layers), path.name
-        if path.suffix != ".gguf" and arch != "deepseek_v2":  # (the fixture's rank, 16, is no whole block)
-            assert all(layer.latent is not None and layer.latent.q_up is not None
-                       and layer.latent.q_up.blocks is not None for layer in kept.layers)
+        latent = [layer.latent for layer in kept.layers if layer.latent is not None]
+        assert len(latent) == config.num_layers
+        if arch != "deepseek_v2":
+            assert all(w.q_up is not None and w.q_up.blocks is not None for w in latent)
+        heads = [m for w in latent for m in w.head_matmuls]
+        if path.suffix == ".gguf":  # a key and a value up-projection a head, in Q8_0
+            assert len(heads) == 2 * config.num_heads * config.num_layers and all(m.blocks is not None for m in heads)
+        else:  # (a checkpoint's kv_b_proj: fp32, the heads' batched matmuls)
+            assert heads == [] and all(isinstance(w.k_up, torch.Tensor) for w in latent)
         dense = LlamaModel(config, weights, torch.device("cpu"))
         torch.testing.assert_close(inflight_logits(kept, ids), inflight_logits(dense, ids), atol=1e-4, rtol=1e-4)
+        assert kept.decoder_stack is not None  # the compiled step reads the heads' matmuls as the Python loop does
+        compiled = inflight_logits(kept, ids)
+        kept.decoder_stack = None
+        assert torch.equal(inflight_logits(kept, ids), compiled)
 
 
 def test_the_simulators_deepseek_v2_lite_has_its_published_size_and_one_latent_row_a_token():

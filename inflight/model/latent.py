@@ -37,10 +37,18 @@ class LatentWeights(NamedTuple):
     """A latent-attention layer's weights beside its fused projection and its output matmul."""
 
     kv_norm: torch.Tensor  # the latent's RMSNorm scale `[kv_lora_rank]`
-    k_up: torch.Tensor  # each head's key up-projection `[heads, qk_nope_head_dim, kv_lora_rank]`
-    v_up: torch.Tensor  # each head's value up-projection `[heads, v_head_dim, kv_lora_rank]`
+    # each head's key up-projection `[heads, qk_nope_head_dim, kv_lora_rank]` in fp32, or as stored a
+    # matmul a head (`[kv_lora_rank, qk_nope_head_dim]`: the query's part into the latent's space)
+    k_up: torch.Tensor | list[Linear]
+    # each head's value up-projection `[heads, v_head_dim, kv_lora_rank]`, or a matmul a head
+    v_up: torch.Tensor | list[Linear]
     q_norm: torch.Tensor | None = None  # the query rank's RMSNorm scale (None: no rank)
     q_up: Linear | None = None  # the query rank's up-projection to every head's query
+
+    @property
+    def head_matmuls(self) -> list[Linear]:
+        """The up-projections' matmuls a head (the key's, then the value's), where kept as stored."""
+        return [*self.k_up, *self.v_up] if isinstance(self.k_up, list) and isinstance(self.v_up, list) else []
 
     @staticmethod
     def split_kv_up(kv_up: torch.Tensor, shape: LatentAttention, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,12 +93,19 @@ def latent_attention(x: torch.Tensor, weights: LatentWeights, shape: LatentAtten
     k_rope = _rotate(kv[:, rank:], freq_cos, freq_sin, shape.rope_interleaved)
     row = torch.cat([_rms_norm(kv[:, :rank], weights.kv_norm), k_rope], dim=1)
     pool.view(-1, rank + rope).index_copy_(0, meta.slot_mapping, row.to(pool.dtype))
-    # Each head's query in the latent's space: q_nope @ W_UK, one batched matmul over the heads.
-    q_latent = torch.bmm(q_nope.transpose(0, 1), weights.k_up).transpose(0, 1)
+    # Each head's query in the latent's space: q_nope @ W_UK, one batched matmul over the heads, or
+    # one block matmul a head where the up-projection is kept as stored.
+    if isinstance(weights.k_up, list):
+        q_latent = torch.stack([up(q_nope[:, h]) for h, up in enumerate(weights.k_up)], dim=1)
+    else:
+        q_latent = torch.bmm(q_nope.transpose(0, 1), weights.k_up).transpose(0, 1)
     query = torch.cat([q_latent, _rotate(q_rope, freq_cos[:, None], freq_sin[:, None], shape.rope_interleaved)], dim=2)
     stored = row.view(tokens, 1, rank + rope)
     read = attention.forward(query.contiguous(), stored, stored, pool, pool, meta, kv_stored=True)
     latent = read.view(tokens, num_heads, rank + rope)[:, :, :rank]
     # Each head's value: the latent's weighted sum @ W_UV.
-    values = torch.bmm(latent.transpose(0, 1), weights.v_up.transpose(1, 2)).transpose(0, 1)
+    if isinstance(weights.v_up, list):
+        values = torch.stack([up(latent[:, h]) for h, up in enumerate(weights.v_up)], dim=1)
+    else:
+        values = torch.bmm(latent.transpose(0, 1), weights.v_up.transpose(1, 2)).transpose(0, 1)
     return values.reshape(tokens, num_heads * shape.v_head_dim)

@@ -398,18 +398,24 @@ class LlamaModel:
     @staticmethod
     def _latent(config: ModelConfig, arch: Architecture, take: Callable[[str], torch.Tensor],
                 linear: Callable[..., Linear], prefix: str, present: Callable[[str], bool]) -> LatentWeights:
-        """A latent-attention layer's norms and up-projections (the key's and value's in fp32: they
-        run as batched matmuls over the heads), from one `kv_b_proj` or, as llama.cpp's files hold
-        them, the key's part transposed and the value's."""
+        """A latent-attention layer's norms and up-projections, from one `kv_b_proj` or, as
+        llama.cpp's files hold them, the key's part transposed and the value's: in fp32 for batched
+        matmuls over the heads, or where the file's are kept as stored, a block matmul a head."""
         names, shape = arch.latent, config.latent_attention
         if names is None or shape is None:
             raise ModelLoadError(f"{config.architecture}: a latent-attention architecture needs kv_lora_rank and "
                                  "the heads' widths")
+        k_up: torch.Tensor | list[Linear]
+        v_up: torch.Tensor | list[Linear]
         if present(prefix + names.kv_up):
             k_up, v_up = LatentWeights.split_kv_up(take(prefix + names.kv_up).float(), shape, config.num_heads)
-        else:
+        elif present(prefix + names.k_up_transposed):
             k_up = take(prefix + names.k_up_transposed).float().transpose(1, 2).contiguous()
             v_up = take(prefix + names.v_up).float().contiguous()
+        else:  # a matrix a head, as stored (the loader's `_gguf_head_names`)
+            heads = range(config.num_heads)
+            k_up, v_up = ([linear(f"{prefix}{name.removesuffix('.weight')}.{h}.weight") for h in heads]
+                          for name in (names.k_up_transposed, names.v_up))
         ranked = shape.q_lora_rank is not None
         return LatentWeights(
             kv_norm=take(prefix + names.kv_norm), k_up=k_up, v_up=v_up,
@@ -448,8 +454,8 @@ class LlamaModel:
         if not self.attention.reads_pool_in_place(self.dtype):
             return None
         experts = [_expert_matmuls(layer.experts) if layer.experts is not None else [] for layer in layers]
-        latent_q = [[layer.latent.q_up] if layer.latent is not None and layer.latent.q_up is not None else []
-                    for layer in layers]
+        latent_q = [[*([layer.latent.q_up] if layer.latent.q_up is not None else []), *layer.latent.head_matmuls]
+                    if layer.latent is not None else [] for layer in layers]
         if any(m is not None and m.backend != "inflight"
                for layer, own, q_up in zip(layers, experts, latent_q, strict=True)
                for m in [*(getattr(layer, f) for f in MATMULS), *own, *q_up]):
@@ -491,10 +497,13 @@ class LlamaModel:
             assert all(w is not None for w in latent)
             q_ups = [w.q_up if w is not None else None for w in latent]
             stack.set_latent(shape.kv_lora_rank, shape.qk_nope_head_dim, shape.qk_rope_head_dim, shape.v_head_dim,
-                             shape.rope_interleaved, *map(list, zip(*[(w.kv_norm, w.k_up, w.v_up) for w in latent
-                                                                       if w is not None], strict=True)),
+                             shape.rope_interleaved,
+                             [w.kv_norm if w is not None else empty for w in latent],
+                             [w.k_up if w is not None and isinstance(w.k_up, torch.Tensor) else empty for w in latent],
+                             [w.v_up if w is not None and isinstance(w.v_up, torch.Tensor) else empty for w in latent],
                              [w.q_norm if w is not None and w.q_norm is not None else empty for w in latent],
-                             *_stack_linears(q_ups))
+                             *_stack_linears(q_ups),
+                             *_stack_linears([m for w in latent if w is not None for m in w.head_matmuls]))
         return stack
 
     def _steps(self, mixer: str) -> list[tuple[Step, tuple[Reg, ...]]]:

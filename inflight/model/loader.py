@@ -919,11 +919,12 @@ def _gguf_weights(tensors: list[GGUFTensor], config: ModelConfig, keep_blocks: b
         # The reader gives numpy's row-major shape for unquantized data; quantized data comes
         # back as rows of elements. Either way the logical shape is GGUF's shape reversed.
         shape = tuple(reversed(tensor.shape))
-        experts = _gguf_expert_names(tensor.name, config)
+        experts = _gguf_expert_names(tensor.name, config) or _gguf_head_names(tensor.name, config)
         if tensor.name in kept:  # only its shape: the model reads the blocks, or the rows from the file
             meta = torch.empty(shape, device="meta")
             weights.update(experts(meta) if experts is not None else _gguf_rows_by_name(tensor.name, meta, config))
             continue
+        experts = _gguf_expert_names(tensor.name, config)  # (a latent up-projection widened: whole)
         array = _dequantize(tensor)
         array = np.asarray(array, dtype=np.float32)
         if not array.flags.writeable:  # memory-mapped F32 tensors: copy out of the file
@@ -976,6 +977,20 @@ def _gguf_expert_names(name: str, config: ModelConfig) -> Callable[[torch.Tensor
     return lambda value: _expert_matrices(value, parts, names, prefix)
 
 
+# llama.cpp's latent up-projections (deepseek2), a matrix a head: `[heads, rows, K]`.
+_GGUF_PER_HEAD = ("attn_k_b.weight", "attn_v_b.weight")
+
+
+def _gguf_head_names(name: str, config: ModelConfig) -> Callable[[torch.Tensor], dict[str, torch.Tensor]] | None:
+    """For a latent layer's up-projection of llama.cpp's files (`attn_k_b`, `attn_v_b`, a matrix a
+    head): what gives each head's matrix under `<Hugging Face name>.<head>.weight` (as the model
+    reads them where they are kept as stored); None for any other tensor."""
+    if config.latent_attention is None or not name.startswith("blk.") or name.split(".", 2)[2] not in _GGUF_PER_HEAD:
+        return None
+    base = _gguf_to_hf_name(name, config.architecture).removesuffix(".weight")
+    return lambda value: {f"{base}.{h}.weight": value[h] for h in range(value.shape[0])}
+
+
 def _hf_row_order(name: str, value: torch.Tensor, config: ModelConfig) -> torch.Tensor:
     if not architecture(config.architecture).gguf_interleaved_qk:
         return value
@@ -1002,7 +1017,8 @@ PANEL_ROWS = 16
 def _blocks_kept(tensors: list[GGUFTensor], config: ModelConfig) -> frozenset[str]:
     """The GGUF tensors the matmuls read as their blocks (`load_blocks`): the LM head and
     token embedding (for a tied head) and each layer's matmuls (`Architecture.matmuls`: q/k/v
-    and gate/up fused; `Architecture.layer_matmul_groups`) whose parts are all matrices of types
+    and gate/up fused; `Architecture.layer_matmul_groups`; a latent layer's up-projections, a matrix
+    a head) whose parts are all matrices of types
     in `BLOCK_TYPES`, of one type or (as a Q4_K_M file's Q4_K q and k beside a Q6_K v) meeting at
     whole panels; and the routed
     experts' stacked gate, up and down the same way (each expert's gate and up fused). Routers
@@ -1037,6 +1053,9 @@ def _blocks_kept(tensors: list[GGUFTensor], config: ModelConfig) -> frozenset[st
             stacks = [f"blk.{i}.{n}.weight" for n in group]
             if all(p in experts for p in stacks) and fusable(stacks, experts, expert_rows):
                 kept.update(stacks)
+    # a latent layer's up-projections (llama.cpp's attn_k_b, attn_v_b), a matrix a head
+    kept.update(t.name for t in tensors if t.tensor_type.name in BLOCK_TYPES and len(t.shape) == 3
+                and _whole_blocks(t) and _gguf_head_names(t.name, config) is not None)
     return frozenset(kept)
 
 
@@ -1078,8 +1097,8 @@ def load_blocks(source: ModelSource, config: ModelConfig) -> dict[str, tuple[str
         with warnings.catch_warnings():  # read-only: the file's pages, never written, copied by the packing
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             data = torch.from_numpy(np.ascontiguousarray(tensor.data).view(np.uint8))
-        experts = _gguf_expert_names(tensor.name, config)
-        if experts is not None:  # each expert's rows: a view of the file's, as its own matrix
+        experts = _gguf_expert_names(tensor.name, config) or _gguf_head_names(tensor.name, config)
+        if experts is not None:  # each expert's (or head's) rows: a view of the file's, as its own matrix
             stacked = data.reshape(int(tensor.shape[2]), int(tensor.shape[1]), -1)
             blocks.update((name, (tensor.tensor_type.name, raw)) for name, raw in experts(stacked).items())
             continue

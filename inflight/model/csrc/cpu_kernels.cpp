@@ -4232,9 +4232,10 @@ struct StackExperts {
 // up-projections [heads, nope, rank] and [heads, v, rank], and where the query has a rank its norm
 // and up-projection.
 struct StackLatent {
-  torch::Tensor kv_norm, k_up, v_up;
+  torch::Tensor kv_norm, k_up, v_up;  // (the up-projections empty where kept as stored: heads below)
   c10::optional<torch::Tensor> q_norm;
   c10::optional<StackLinear> q_up;
+  std::vector<StackLinear> k_heads, v_heads;  // the up-projections a matmul a head, where kept as stored
 };
 
 // model/latent.py's norm of the latent and of the query's rank: fp32, transformers' epsilon.
@@ -4383,25 +4384,43 @@ class DecoderStack {
   // Each layer's latent attention (set where the plan has latent_attention): the shapes (the latent's
   // rank, each head's key part without rotary, the rotated part, each head's value; whether the
   // rotated dims pair as neighbours), then per layer the latent's norm scale, the key and value
-  // up-projections, and where the query has a rank its norm scale and up-projection's matmul (an
-  // empty norm: none).
+  // up-projections (empty where kept as stored), and where the query has a rank its norm scale and
+  // up-projection's matmul (an empty norm: none); last the up-projections kept as stored, a matmul a
+  // head, layer after layer (the key's heads, then the value's), or none.
   void set_latent(int64_t rank, int64_t nope, int64_t rope, int64_t v, bool interleaved,
                   std::vector<torch::Tensor> kv_norms, std::vector<torch::Tensor> k_ups, std::vector<torch::Tensor> v_ups,
                   std::vector<torch::Tensor> q_norms, std::vector<torch::Tensor> packed,
                   std::vector<c10::optional<torch::Tensor>> blocks, std::vector<c10::optional<torch::Tensor>> biases,
-                  std::vector<int64_t> out_features) {
+                  std::vector<int64_t> out_features, std::vector<torch::Tensor> head_packed,
+                  std::vector<c10::optional<torch::Tensor>> head_blocks,
+                  std::vector<c10::optional<torch::Tensor>> head_biases, std::vector<int64_t> head_out_features) {
     const auto n = static_cast<size_t>(num_layers_);
     TORCH_CHECK(kv_norms.size() == n && k_ups.size() == n && v_ups.size() == n && q_norms.size() == n &&
                     packed.size() == n && blocks.size() == n && biases.size() == n && out_features.size() == n,
                 "latent attention's weights for every layer");
+    const size_t per_layer = 2 * static_cast<size_t>(num_heads_);
+    TORCH_CHECK((head_packed.empty() || head_packed.size() == n * per_layer) &&
+                    head_blocks.size() == head_packed.size() && head_biases.size() == head_packed.size() &&
+                    head_out_features.size() == head_packed.size(),
+                "a key and a value up-projection a head in every layer, or none");
     TORCH_CHECK(rank + rope == head_dim_ && num_kv_heads_ == 1 && rope % 2 == 0,
                 "latent attention reads one key head of the latent and the rotated part");
     latent_.clear();
     for (size_t i = 0; i < n; ++i) {
-      TORCH_CHECK(k_ups[i].sizes() == torch::IntArrayRef({num_heads_, nope, rank}) &&
-                      v_ups[i].sizes() == torch::IntArrayRef({num_heads_, v, rank}),
-                  "layer ", i, ": up-projections of [heads, nope, rank] and [heads, v, rank]");
-      StackLatent made{kv_norms[i], k_ups[i], v_ups[i], c10::nullopt, c10::nullopt};
+      StackLatent made{kv_norms[i], k_ups[i], v_ups[i], c10::nullopt, c10::nullopt, {}, {}};
+      if (head_packed.empty()) {
+        TORCH_CHECK(k_ups[i].sizes() == torch::IntArrayRef({num_heads_, nope, rank}) &&
+                        v_ups[i].sizes() == torch::IntArrayRef({num_heads_, v, rank}),
+                    "layer ", i, ": up-projections of [heads, nope, rank] and [heads, v, rank]");
+      } else {
+        for (size_t j = i * per_layer; j < (i + 1) * per_layer; ++j) {
+          StackLinear lin{head_packed[j], head_blocks[j], head_biases[j], head_out_features[j],
+                          "matmul -> " + std::to_string(head_out_features[j])};
+          TORCH_CHECK(lin.out_features == (j - i * per_layer < per_layer / 2 ? rank : v),
+                      "layer ", i, ": a head's up-projections give the latent's rank and a value");
+          (j - i * per_layer < per_layer / 2 ? made.k_heads : made.v_heads).push_back(std::move(lin));
+        }
+      }
       if (q_norms[i].numel()) {
         made.q_norm = q_norms[i];
         made.q_up = StackLinear{packed[i], blocks[i], biases[i], out_features[i],
@@ -4556,12 +4575,27 @@ class DecoderStack {
             const torch::Tensor k_rope = latent_rotate(kv.narrow(1, rank, rope), freq_cos, freq_sin, latent_interleaved_);
             const torch::Tensor row = torch::cat({latent_rms_norm(kv.narrow(1, 0, rank), lat.kv_norm), k_rope}, 1);
             k_caches[i].view({-1, rank + rope}).index_copy_(0, slot_mapping, row.to(k_caches[i].scalar_type()));
-            const torch::Tensor q_latent = torch::bmm(qs[0].transpose(0, 1), lat.k_up).transpose(0, 1);
+            torch::Tensor q_latent;
+            if (lat.k_heads.empty()) {
+              q_latent = torch::bmm(qs[0].transpose(0, 1), lat.k_up).transpose(0, 1);
+            } else {  // a block matmul a head, the up-projection as stored
+              std::vector<torch::Tensor> heads;
+              for (int64_t h = 0; h < num_heads_; ++h)
+                heads.push_back(run_linear(lat.k_heads[h], qs[0].select(1, h).contiguous()));
+              q_latent = torch::stack(heads, 1);
+            }
             const torch::Tensor query = torch::cat(
                 {q_latent, latent_rotate(qs[1], freq_cos.unsqueeze(1), freq_sin.unsqueeze(1), latent_interleaved_)}, 2);
             const torch::Tensor read = attend(query.contiguous(), i).view({tokens, num_heads_, rank + rope});
-            const torch::Tensor values =
-                torch::bmm(read.narrow(2, 0, rank).transpose(0, 1), lat.v_up.transpose(1, 2)).transpose(0, 1);
+            torch::Tensor values;
+            if (lat.v_heads.empty()) {
+              values = torch::bmm(read.narrow(2, 0, rank).transpose(0, 1), lat.v_up.transpose(1, 2)).transpose(0, 1);
+            } else {
+              std::vector<torch::Tensor> heads;
+              for (int64_t h = 0; h < num_heads_; ++h)
+                heads.push_back(run_linear(lat.v_heads[h], read.narrow(2, 0, rank).select(1, h).contiguous()));
+              values = torch::stack(heads, 1);
+            }
             reg[step.dst] = values.reshape({tokens, num_heads_ * latent_v_});
             break;
           }
