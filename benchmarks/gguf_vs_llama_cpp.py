@@ -221,10 +221,7 @@ def write_model(path: Path, shape: dict[str, Any], seed: int, pool_blocks: int =
     w.add_rope_dimension_count(shape.get("rotary", head_dim))
     w.add_file_type(gguf.LlamaFileType[f"MOSTLY_{kind}"])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    for key, field in vocab.fields.items():
-        if key.startswith("tokenizer."):
-            array = field.types[0] == gguf.GGUFValueType.ARRAY
-            w.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
+    _add_vocabulary(w, vocab)
 
     tensors: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (shape["vocab"], h))]
     for i in range(n_layers):
@@ -312,10 +309,7 @@ def write_gpt_oss_model(path: Path, shape: dict[str, Any], seed: int, pool_block
     w.add_vocab_size(shape["vocab"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    for key, field in vocab.fields.items():
-        if key.startswith("tokenizer."):
-            array = field.types[0] == gguf.GGUFValueType.ARRAY
-            w.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
+    _add_vocabulary(w, vocab)
 
     # (name, numpy-order dims, type): F32 vectors and matrices, Q8_0 matrices, MXFP4 stacks
     tensors: list[tuple[str, tuple[int, ...], Any]] = [("token_embd.weight", (shape["vocab"], h), q8)]
@@ -377,10 +371,7 @@ def write_deepseek2_model(path: Path, shape: dict[str, Any], seed: int, pool_blo
     w.add_vocab_size(shape["vocab"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    for key, field in vocab.fields.items():
-        if key.startswith("tokenizer."):
-            array = field.types[0] == gguf.GGUFValueType.ARRAY
-            w.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
+    _add_vocabulary(w, vocab)
 
     # (name, numpy-order dims, type): F32 vectors and routers, Q8_0 matrices and stacks
     shared, ffn = shape["shared"] * shape["expert_ffn"], shape["expert_ffn"]
@@ -447,6 +438,16 @@ def _write_tensors(w: Any, tensors: list[tuple[str, tuple[int, ...], Any]], seed
         block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
         w.write_padding(fout, rows * (k // block * block_bytes))
     w.close()
+
+
+def _add_vocabulary(w: Any, vocab: Any) -> None:
+    """The tokenizer.* keys of `vocab` (llama.cpp's Llama 3 vocabulary, read) into the writer `w`."""
+    import gguf
+
+    for key, field in vocab.fields.items():
+        if key.startswith("tokenizer."):
+            array = field.types[0] == gguf.GGUFValueType.ARRAY
+            w.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
 
 
 def _start_data(w: Any, seed: int, pool_blocks: int, kind: Any, block: int) -> tuple[Any, Any, Any]:
