@@ -307,7 +307,7 @@ class LlamaModel:
                                      config.xielu[i] if config.xielu else None),
                 conv=take(p + arch.conv_weight).reshape(config.hidden_size, -1).contiguous() if convolves and
                 arch.conv_weight else None,
-                latent=self._latent(config, arch, take, linear, p, weights.__contains__)
+                latent=self._latent(config, arch, take, linear, p, weights.__contains__, self.dtype)
                 if arch.latent is not None else None,
             ))
         unused = sorted(set(weights) - taken)
@@ -397,10 +397,12 @@ class LlamaModel:
 
     @staticmethod
     def _latent(config: ModelConfig, arch: Architecture, take: Callable[[str], torch.Tensor],
-                linear: Callable[..., Linear], prefix: str, present: Callable[[str], bool]) -> LatentWeights:
+                linear: Callable[..., Linear], prefix: str, present: Callable[[str], bool],
+                dtype: torch.dtype) -> LatentWeights:
         """A latent-attention layer's norms and up-projections, from one `kv_b_proj` or, as
-        llama.cpp's files hold them, the key's part transposed and the value's: in fp32 for batched
-        matmuls over the heads, or where the file's are kept as stored, a block matmul a head."""
+        llama.cpp's files hold them, the key's part transposed and the value's: in the model's
+        `dtype` (fp32 on CPU) for batched matmuls over the heads, or where the file's are kept as
+        stored, a block matmul a head."""
         names, shape = arch.latent, config.latent_attention
         if names is None or shape is None:
             raise ModelLoadError(f"{config.architecture}: a latent-attention architecture needs kv_lora_rank and "
@@ -408,10 +410,10 @@ class LlamaModel:
         k_up: torch.Tensor | list[Linear]
         v_up: torch.Tensor | list[Linear]
         if present(prefix + names.kv_up):
-            k_up, v_up = LatentWeights.split_kv_up(take(prefix + names.kv_up).float(), shape, config.num_heads)
+            k_up, v_up = LatentWeights.split_kv_up(take(prefix + names.kv_up).to(dtype), shape, config.num_heads)
         elif present(prefix + names.k_up_transposed):
-            k_up = take(prefix + names.k_up_transposed).float().transpose(1, 2).contiguous()
-            v_up = take(prefix + names.v_up).float().contiguous()
+            k_up = take(prefix + names.k_up_transposed).to(dtype).transpose(1, 2).contiguous()
+            v_up = take(prefix + names.v_up).to(dtype).contiguous()
         else:  # a matrix a head, as stored (the loader's `_gguf_head_names`)
             heads = range(config.num_heads)
             k_up, v_up = ([linear(f"{prefix}{name.removesuffix('.weight')}.{h}.weight") for h in heads]
