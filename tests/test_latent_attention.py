@@ -162,3 +162,19 @@ def test_the_simulators_deepseek_v2_lite_has_its_published_size_and_one_latent_r
     assert abs(num_active_linear_params(lite) + lite.vocab_size * lite.hidden_size - 2.4e9) < 0.1e9
     assert lite.pool_values_per_token == 27 * 576
     assert CostModel(lite, load_hardware("h100")).kv_bytes_per_token == 27 * 576 * 2  # bf16
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_a_16_bit_model_runs_latent_attention_in_its_own_dtype(tmp_path, arch):
+    """Loaded in bf16 (as a GPU engine loads it: the PyTorch interpreter over PyTorch's ops), the
+    up-projections' batched matmuls run in bf16 beside bf16 queries; the logits within bf16's
+    rounding of transformers' fp32 ones."""
+    model = tiny_hf_model(arch)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    config, weights = load_checkpoint(resolve_model(str(tmp_path)), torch.bfloat16)
+    ours = LlamaModel(config, weights, torch.device("cpu"))
+    latent = ours.layers[0].latent
+    assert ours.dtype == torch.bfloat16 and latent is not None and isinstance(latent.k_up, torch.Tensor)
+    assert latent.k_up.dtype == latent.v_up.dtype == torch.bfloat16  # type: ignore[union-attr]
+    ids = list(range(5, 45))
+    torch.testing.assert_close(inflight_logits(ours, ids).float(), hf_logits(model, ids), atol=5e-2, rtol=5e-2)
