@@ -219,14 +219,46 @@ def test_glm_calls_are_read_out_of_the_text() -> None:
     assert (no_arguments.function.name, no_arguments.function.arguments) == ("now", "{}")
 
 
+# --- reading DeepSeek's calls (V3's, R1's and its distilled models', V3.1's) -----------------------
+
+# How DeepSeek's templates teach their calls (R1's distilled models' alike), with the rest of a ChatML
+# template around them.
+DEEPSEEK_TEMPLATE = (
+    "{%- if tools -%}{{- '<|im_start|>system\nYou may call functions. ' -}}{%- for tool in tools -%}"
+    "{{- tool | tojson -}}{%- endfor -%}{{- ' Call them as <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function"
+    "<｜tool▁sep｜>NAME\n```json\nARGUMENTS\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><|im_end|>\n' -}}{%- endif -%}"
+    "{%- for m in messages -%}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}")
+DEEPSEEK_TEXT = ('Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+                 '{"city": "Paris", "unit": "celsius"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>get_time'
+                 '<｜tool▁sep｜>{"zone": "Asia/Tokyo"}<｜tool▁call▁end｜><｜tool▁calls▁end｜> Checking both.')
+
+
+def test_deepseek_calls_are_read_out_of_the_text() -> None:
+    """DeepSeek's format: a block of calls, each `function<｜tool▁sep｜>name` then the arguments'
+    JSON in a fence (V3's, R1's) or `name<｜tool▁sep｜>` then the JSON (V3.1's); a block holding
+    anything else, or a call that is not one, stays in the text."""
+    assert tool_call_format(DEEPSEEK_TEMPLATE) == "deepseek"
+    content, calls = parse_tagged(DEEPSEEK_TEXT, "deepseek")
+    assert content == "Let me check. Checking both."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"zone": "Asia/Tokyo"})]
+    call = "<｜tool▁call▁begin｜>{}<｜tool▁call▁end｜>"
+    for body in ("", "text", call.format("f{}"), call.format("function<｜tool▁sep｜>f\n```json\n[1]\n```"),
+                 call.format("get time<｜tool▁sep｜>{}"), call.format("f<｜tool▁sep｜>{}") + " more",
+                 call.format("f<｜tool▁sep｜>{\"a\": ")):
+        text = f"<｜tool▁calls▁begin｜>{body}<｜tool▁calls▁end｜>"
+        assert parse_tagged(text, "deepseek") == (text, []), body
+
+
 @pytest.mark.parametrize("step", [1, 4, 5, 1000])
-@pytest.mark.parametrize(("mode", "text"), [("lfm2", LFM2_TEXT), ("glm45", GLM_TEXT)])
+@pytest.mark.parametrize(("mode", "text"), [("lfm2", LFM2_TEXT), ("glm45", GLM_TEXT), ("deepseek", DEEPSEEK_TEXT)])
 def test_streamed_tagged_reading_equals_the_whole(mode: ToolMode, text: str, step: int) -> None:
     reader = ToolCallReader(mode)
     content, calls = "", []
     for i in range(0, len(text), step):
         piece, deltas = reader.feed(text[i:i + step])
-        assert "<|" not in piece and "<tool" not in piece and "<arg" not in piece
+        assert "<|" not in piece and "<tool" not in piece and "<arg" not in piece and "<｜" not in piece
         content, calls = content + piece, calls + deltas
     piece, deltas = reader.end()
     content, calls = content + piece, calls + deltas
@@ -306,6 +338,18 @@ def test_auto_under_an_lfm2_template_reads_its_python_calls(loaded: LoadedModel)
     regex = (r'Sure\.<\|tool_call_start\|>\[get_time\(zone="UTC"\), get_weather\(city="Oslo", '
              r'unit="celsius"\)\]<\|tool_call_end\|>')
     for content, got, finish in _forced_auto_calls(loaded, LFM2_TEMPLATE, regex, 48):
+        assert got == [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo", "unit": "celsius"})]
+        assert content == "Sure." and finish == "tool_calls"
+
+
+def test_auto_under_a_deepseek_template_reads_its_calls(loaded: LoadedModel) -> None:
+    """Under DeepSeek's template "auto" reads its calls block: an answer forced to be prose and two
+    calls (V3's fenced form and V3.1's) comes back as those calls and the prose, whole and streamed
+    alike (the embedded model's vocabulary writes DeepSeek's markers as text)."""
+    regex = ('Sure\\.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\\n```json\\n'
+             '\\{"zone": "UTC"\\}\\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>'
+             '\\{"city": "Oslo", "unit": "celsius"\\}<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+    for content, got, finish in _forced_auto_calls(loaded, DEEPSEEK_TEMPLATE, regex, 160):
         assert got == [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo", "unit": "celsius"})]
         assert content == "Sure." and finish == "tool_calls"
 

@@ -468,8 +468,8 @@ class OpenAIServing:
             if found is None:
                 raise invalid('tool_choice "auto" (the default with tools): this model\'s chat template does not '
                               "render tools in a tool-call format inflight reads (Hermes' <tool_call>, Llama 3's "
-                              "JSON, LFM2's <|tool_call_start|>, GLM's <arg_key>); send tool_choice \"required\", "
-                              'a named function, or "none"', "tool_choice")
+                              "JSON, LFM2's <|tool_call_start|>, GLM's <arg_key>, DeepSeek's <｜tool▁calls▁begin｜>); "
+                              'send tool_choice "required", a named function, or "none"', "tool_choice")
             return found, None, strings
         return mode, req.named_function, strings
 

@@ -14,8 +14,12 @@ a choice's text into OpenAI `tool_calls`, whole or as stream deltas.
   its markers special tokens, kept in the text; llama.cpp's reading: Python literals, and JSON's
   true, false and null) and GLM-4.5's to 4.7's (`<tool_call>name<arg_key>k</arg_key><arg_value>v
   </arg_value>...</tool_call>`, a newline or none between; a value as written where the tool's
-  schema types it a string, else JSON where it parses, as vLLM's glm45 reader takes it); a
-  template that renders tools in another format, or none, gets a 400 for "auto".
+  schema types it a string, else JSON where it parses, as vLLM's glm45 reader takes it) and
+  DeepSeek's (V3's, R1's and its distilled models': `<｜tool▁calls▁begin｜>` around calls
+  `<｜tool▁call▁begin｜>function<｜tool▁sep｜>name` then the arguments' JSON in a ```json fence, or
+  V3.1's `<｜tool▁call▁begin｜>name<｜tool▁sep｜>{...}`, each up to `<｜tool▁call▁end｜>`; its markers
+  special tokens, kept in the text); a template that renders tools in another format, or none,
+  gets a 400 for "auto".
 """
 
 from __future__ import annotations
@@ -30,11 +34,11 @@ from typing import Any, Literal
 
 from inflight.server.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 
-ToolMode = Literal["named", "required", "hermes", "llama3_json", "lfm2", "glm45"]
+ToolMode = Literal["named", "required", "hermes", "llama3_json", "lfm2", "glm45", "deepseek"]
 # The formats that tag each call (or list of calls) in the text, and the modes whose markers are
 # special tokens (a request of that mode keeps them: skip_special_tokens off).
-TAGGED_MODES = ("hermes", "lfm2", "glm45")
-SPECIAL_TOKEN_MODES = ("lfm2", "glm45")
+TAGGED_MODES = ("hermes", "lfm2", "glm45", "deepseek")
+SPECIAL_TOKEN_MODES = ("lfm2", "glm45", "deepseek")
 # A tool's name -> its parameters that its schema types as strings (GLM's values are written
 # bare: these stay text whatever they look like).
 StringArgs = dict[str, frozenset[str]]
@@ -48,14 +52,20 @@ LLAMA3_JSON_PROMPT = '"parameters": dictionary of argument name and its value'
 LFM2_TOOL_LISTS = ("List of tools: <|tool_list_start|>[", "List of tools: [")
 # GLM-4.5's to 4.7's templates name each argument between these (inside Hermes' tags).
 GLM_ARG_KEY = "<arg_key>"
+# DeepSeek's markers (V3's, R1's, V3.1's; special tokens of their vocabularies).
+DEEPSEEK_CALLS_OPEN, DEEPSEEK_CALLS_CLOSE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DEEPSEEK_CALL_OPEN, DEEPSEEK_CALL_CLOSE, DEEPSEEK_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 
 
-def tool_call_format(chat_template: str | None) -> Literal["hermes", "llama3_json", "lfm2", "glm45"] | None:
+def tool_call_format(chat_template: str | None) -> Literal["hermes", "llama3_json", "lfm2", "glm45",
+                                                           "deepseek"] | None:
     """The tool-call format a chat template teaches its model, if inflight can read it."""
     if not chat_template or "tools" not in chat_template:
         return None
     if GLM_ARG_KEY in chat_template:  # (its calls in Hermes' tags)
         return "glm45"
+    if DEEPSEEK_CALLS_OPEN in chat_template:
+        return "deepseek"
     if HERMES_OPEN in chat_template:
         return "hermes"
     if LLAMA3_JSON_PROMPT in chat_template:
@@ -154,10 +164,46 @@ def _glm_calls(body: str, string_args: StringArgs | None = None) -> list[ToolCal
     return [_call(name, arguments)]
 
 
+_DEEPSEEK_CALL = re.compile(re.escape(DEEPSEEK_CALL_OPEN) + "(.*?)" + re.escape(DEEPSEEK_CALL_CLOSE), re.DOTALL)
+_JSON_FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
+
+
+def _deepseek_calls(body: str) -> list[ToolCall] | None:
+    """DeepSeek's calls block: calls one after another, each `function<｜tool▁sep｜>name` and its
+    arguments' JSON in a fence (V3's, R1's) or `name<｜tool▁sep｜>` and the JSON (V3.1's); None
+    where the block holds anything else, or a call is not one."""
+    calls, at = [], 0
+    for match in _DEEPSEEK_CALL.finditer(body):
+        if body[at:match.start()].strip():
+            return None
+        at = match.end()
+        head, sep, rest = match.group(1).partition(DEEPSEEK_SEP)
+        if not sep:
+            return None
+        if head.strip() == "function":  # V3's and R1's: the name on the first line, then the fenced JSON
+            name, _, rest = rest.partition("\n")
+            fenced = _JSON_FENCE.match(rest.strip())
+            rest = fenced.group(1) if fenced else rest
+        else:
+            name = head
+        name = name.strip()
+        try:
+            arguments = json.loads(rest)
+        except json.JSONDecodeError:
+            return None
+        if not name or any(c.isspace() for c in name) or not isinstance(arguments, dict):
+            return None
+        calls.append(_call(name, arguments))
+    if not calls or body[at:].strip():
+        return None
+    return calls
+
+
 # Each tagged format: its markers and the reader of a tag's body.
 _TAGS: dict[str, tuple[str, str, Callable[[str], list[ToolCall] | None]]] = {
     "hermes": (HERMES_OPEN, HERMES_CLOSE, _hermes_calls), "lfm2": (LFM2_OPEN, LFM2_CLOSE, _lfm2_calls),
-    "glm45": (HERMES_OPEN, HERMES_CLOSE, _glm_calls)}
+    "glm45": (HERMES_OPEN, HERMES_CLOSE, _glm_calls),
+    "deepseek": (DEEPSEEK_CALLS_OPEN, DEEPSEEK_CALLS_CLOSE, _deepseek_calls)}
 
 
 def string_args(tools: list[Any] | None) -> StringArgs:
