@@ -74,6 +74,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: 
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
 
+def _per_head(matmuls: list[Linear], x: torch.Tensor) -> torch.Tensor:
+    """Head h of `x` `[tokens, heads, in]` through `matmuls[h]`, `[tokens, heads, out]`."""
+    return torch.stack([up(x[:, h]) for h, up in enumerate(matmuls)], dim=1)
+
+
 def latent_attention(x: torch.Tensor, weights: LatentWeights, shape: LatentAttention, num_heads: int,
                      positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: torch.Tensor,
                      meta: AttentionMetadata, attention: PagedAttention) -> torch.Tensor:
@@ -96,7 +101,7 @@ def latent_attention(x: torch.Tensor, weights: LatentWeights, shape: LatentAtten
     # Each head's query in the latent's space: q_nope @ W_UK, one batched matmul over the heads, or
     # one block matmul a head where the up-projection is kept as stored.
     if isinstance(weights.k_up, list):
-        q_latent = torch.stack([up(q_nope[:, h]) for h, up in enumerate(weights.k_up)], dim=1)
+        q_latent = _per_head(weights.k_up, q_nope)
     else:
         q_latent = torch.bmm(q_nope.transpose(0, 1), weights.k_up).transpose(0, 1)
     query = torch.cat([q_latent, _rotate(q_rope, freq_cos[:, None], freq_sin[:, None], shape.rope_interleaved)], dim=2)
@@ -105,7 +110,7 @@ def latent_attention(x: torch.Tensor, weights: LatentWeights, shape: LatentAtten
     latent = read.view(tokens, num_heads, rank + rope)[:, :, :rank]
     # Each head's value: the latent's weighted sum @ W_UV.
     if isinstance(weights.v_up, list):
-        values = torch.stack([up(latent[:, h]) for h, up in enumerate(weights.v_up)], dim=1)
+        values = _per_head(weights.v_up, latent)
     else:
         values = torch.bmm(latent.transpose(0, 1), weights.v_up.transpose(1, 2)).transpose(0, 1)
     return values.reshape(tokens, num_heads * shape.v_head_dim)

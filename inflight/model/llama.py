@@ -464,9 +464,10 @@ class LlamaModel:
             return None
         norms = _norm_fields(self.plan)
         norm_biases = [(layer.norm_biases or {}).get(f) for layer in layers for f in norms]
-        mixers = list(dict.fromkeys(layer.mixer for layer in layers))
+        steps = self._layer_steps()
+        mixers = list(steps)
         plans = [[(step.op, int(step.src), int(step.dst), _param_index(step, norms), [int(r) for r in release])
-                  for step, release in self._steps(mixer)] for mixer in mixers]
+                  for step, release in steps[mixer]] for mixer in mixers]
         matmuls = [getattr(layer, f) for layer in layers for f in MATMULS]  # None: the MLP is the experts'
         empty = torch.empty(0)  # (a layer that convolves has no q/k norm)
         qk_norms = [scale for layer in layers for scale in layer.qk_norm or (empty, empty)] if Op.QK_NORM in {
@@ -495,23 +496,22 @@ class LlamaModel:
         if any(layer.conv is not None for layer in layers):
             stack.set_conv([layer.conv if layer.conv is not None else empty for layer in layers])
         if (shape := cfg.latent_attention) is not None:
-            latent = [layer.latent for layer in layers]
-            assert all(w is not None for w in latent)
-            q_ups = [w.q_up if w is not None else None for w in latent]
+            latent = [layer.latent for layer in layers if layer.latent is not None]
+            assert len(latent) == len(layers)
             stack.set_latent(shape.kv_lora_rank, shape.qk_nope_head_dim, shape.qk_rope_head_dim, shape.v_head_dim,
-                             shape.rope_interleaved,
-                             [w.kv_norm if w is not None else empty for w in latent],
-                             [w.k_up if w is not None and isinstance(w.k_up, torch.Tensor) else empty for w in latent],
-                             [w.v_up if w is not None and isinstance(w.v_up, torch.Tensor) else empty for w in latent],
-                             [w.q_norm if w is not None and w.q_norm is not None else empty for w in latent],
-                             *_stack_linears(q_ups),
-                             *_stack_linears([m for w in latent if w is not None for m in w.head_matmuls]))
+                             shape.rope_interleaved, [w.kv_norm for w in latent],
+                             [w.k_up if isinstance(w.k_up, torch.Tensor) else empty for w in latent],
+                             [w.v_up if isinstance(w.v_up, torch.Tensor) else empty for w in latent],
+                             [w.q_norm if w.q_norm is not None else empty for w in latent],
+                             *_stack_linears([w.q_up for w in latent]),
+                             *_stack_linears([m for w in latent for m in w.head_matmuls]))
         return stack
 
-    def _steps(self, mixer: str) -> list[tuple[Step, tuple[Reg, ...]]]:
-        """The steps a layer of kind `mixer` runs, each with the registers released after it."""
-        plan = for_mixer(self.plan, mixer)
-        return list(zip(plan, released_after(plan), strict=True))
+    def _layer_steps(self) -> dict[str, list[tuple[Step, tuple[Reg, ...]]]]:
+        """Each kind of layer's steps of `self.plan` (`for_mixer`), each with the registers released
+        after it (`released_after`): what both interpreters run."""
+        return {mixer: _released_steps(for_mixer(self.plan, mixer))
+                for mixer in dict.fromkeys(layer.mixer for layer in self.layers)}
 
     def _ensure_rope(self, positions: int) -> None:
         """Rotary tables covering at least `positions` positions (`loader.rope_table_positions`)."""
@@ -611,7 +611,7 @@ class LlamaModel:
         the residual stream `hidden` in place and returns the plan's output register."""
         ops, attention = self.ops, self.attention
         reg: list[Any] = [None] * len(Reg)
-        steps = {mixer: self._steps(mixer) for mixer in dict.fromkeys(layer.mixer for layer in self.layers)}
+        steps = self._layer_steps()
         query_scale = None
         if self._query_scaled:  # as transformers computes it: fp32 position / original, floor, log
             assert self.config.query_scaling is not None
@@ -697,6 +697,11 @@ class LlamaModel:
                 if tables is not None else (None,) * 4),
             attn_meta.block_size, attn_meta.conv_slots,
         )
+
+
+def _released_steps(plan: tuple[Step, ...]) -> list[tuple[Step, tuple[Reg, ...]]]:
+    """Each step of `plan` with the registers released after it (`released_after`)."""
+    return list(zip(plan, released_after(plan), strict=True))
 
 
 def _expert_matmuls(experts: RoutedExperts) -> list[Linear]:

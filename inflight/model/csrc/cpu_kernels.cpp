@@ -4253,6 +4253,15 @@ torch::Tensor latent_rotate(const torch::Tensor& x, const torch::Tensor& cos, co
   return torch::cat({a * cos - b * sin, b * cos + a * sin}, -1);
 }
 
+// model/latent.py's _per_head: head h of x [tokens, heads, in] through linears[h] (x's slice made
+// contiguous, as Linear makes its input), stacked [tokens, heads, out].
+torch::Tensor per_head(const std::vector<StackLinear>& linears, const torch::Tensor& x) {
+  std::vector<torch::Tensor> heads;
+  for (size_t h = 0; h < linears.size(); ++h)
+    heads.push_back(run_linear(linears[h], x.select(1, static_cast<int64_t>(h)).contiguous()));
+  return torch::stack(heads, 1);
+}
+
 struct PlanStep {
   PlanOp op;
   int64_t src, dst;
@@ -4575,27 +4584,16 @@ class DecoderStack {
             const torch::Tensor k_rope = latent_rotate(kv.narrow(1, rank, rope), freq_cos, freq_sin, latent_interleaved_);
             const torch::Tensor row = torch::cat({latent_rms_norm(kv.narrow(1, 0, rank), lat.kv_norm), k_rope}, 1);
             k_caches[i].view({-1, rank + rope}).index_copy_(0, slot_mapping, row.to(k_caches[i].scalar_type()));
-            torch::Tensor q_latent;
-            if (lat.k_heads.empty()) {
-              q_latent = torch::bmm(qs[0].transpose(0, 1), lat.k_up).transpose(0, 1);
-            } else {  // a block matmul a head, the up-projection as stored
-              std::vector<torch::Tensor> heads;
-              for (int64_t h = 0; h < num_heads_; ++h)
-                heads.push_back(run_linear(lat.k_heads[h], qs[0].select(1, h).contiguous()));
-              q_latent = torch::stack(heads, 1);
-            }
+            const torch::Tensor q_latent = lat.k_heads.empty()
+                                               ? torch::bmm(qs[0].transpose(0, 1), lat.k_up).transpose(0, 1)
+                                               : per_head(lat.k_heads, qs[0]);  // the up-projection as stored
             const torch::Tensor query = torch::cat(
                 {q_latent, latent_rotate(qs[1], freq_cos.unsqueeze(1), freq_sin.unsqueeze(1), latent_interleaved_)}, 2);
             const torch::Tensor read = attend(query.contiguous(), i).view({tokens, num_heads_, rank + rope});
-            torch::Tensor values;
-            if (lat.v_heads.empty()) {
-              values = torch::bmm(read.narrow(2, 0, rank).transpose(0, 1), lat.v_up.transpose(1, 2)).transpose(0, 1);
-            } else {
-              std::vector<torch::Tensor> heads;
-              for (int64_t h = 0; h < num_heads_; ++h)
-                heads.push_back(run_linear(lat.v_heads[h], read.narrow(2, 0, rank).select(1, h).contiguous()));
-              values = torch::stack(heads, 1);
-            }
+            const torch::Tensor latent = read.narrow(2, 0, rank);
+            const torch::Tensor values = lat.v_heads.empty()
+                                             ? torch::bmm(latent.transpose(0, 1), lat.v_up.transpose(1, 2)).transpose(0, 1)
+                                             : per_head(lat.v_heads, latent);
             reg[step.dst] = values.reshape({tokens, num_heads_ * latent_v_});
             break;
           }
