@@ -147,6 +147,11 @@ class ModelConfig:
     # renormalized where `norm_topk_prob`; either way times `routed_scaling`.
     expert_scoring: str = "softmax"
     routed_scaling: float = 1.0
+    # DeepSeek's group-limited choice, (groups, kept): the experts in `groups` equal runs of ids,
+    # each group scored by its best expert (softmax scoring: DeepSeek-V2's) or its best two's sum
+    # (sigmoid scoring, by the scores the choice is made on: V3's), a token's experts chosen within
+    # its `kept` best groups only; (1, 1): from all of them.
+    expert_groups: tuple[int, int] = (1, 1)
     # Apertus's xIELU, per layer: (alpha_p, alpha_n, beta, eps) as a GGUF file stores them (alpha_p and
     # alpha_n before their softplus); None: read from the checkpoint's weights (or no xIELU).
     xielu: tuple[tuple[float, float, float, float], ...] | None = None
@@ -194,6 +199,14 @@ class ModelConfig:
                  f"conv_layers needs a flag per layer ({self.num_layers}) and conv_kernel >= 1")
         _require(self.num_experts == 0 or 0 < self.num_experts_per_tok <= self.num_experts,
                  f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts ({self.num_experts})")
+        groups, kept = self.expert_groups
+        _require(groups == kept == 1 or (
+            self.num_experts % groups == 0 and 1 <= kept < groups
+            and self.num_experts_per_tok <= kept * (self.num_experts // groups)
+            and (self.expert_scoring == "softmax" or self.num_experts // groups >= 2)),
+            f"expert_groups {self.expert_groups}: groups must divide num_experts ({self.num_experts}), fewer kept "
+            f"than there are, holding num_experts_per_tok ({self.num_experts_per_tok}), two experts or more a group "
+            "where the groups are scored by their best two")
 
 
 @dataclass(frozen=True)

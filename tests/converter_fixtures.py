@@ -173,6 +173,11 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     # 2.5 (its published config names the scoring, which the converter writes)
     "deepseek_v3": ("DeepseekV3", {**_LATENT, "q_lora_rank": 32, "n_group": 1, "topk_group": 1,
                                    "routed_scaling_factor": 2.5, "scoring_func": "sigmoid"}),
+    # DeepSeek V3's group-limited choice: 8 experts in 4 groups, 3 a token from its best 2 groups (its converter
+    # writes n_group and topk_group as expert_group_count and expert_group_used_count)
+    "deepseek_v3_grouped": ("DeepseekV3", {**_LATENT, "q_lora_rank": 32, "n_routed_experts": 8, "n_group": 4,
+                                           "topk_group": 2, "num_experts_per_tok": 3, "routed_scaling_factor": 2.5,
+                                           "scoring_func": "sigmoid"}),
     # GLM-4.7-Flash: V3's layer, scaled by 1.8; its config names no scoring (llama.cpp's file neither)
     "glm4_moe_lite": ("Glm4MoeLite", {**_LATENT, "q_lora_rank": 32, "n_group": 1, "topk_group": 1,
                                       "routed_scaling_factor": 1.8}),

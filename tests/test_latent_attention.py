@@ -96,7 +96,8 @@ def test_the_simulator_counts_a_latent_layers_weights_as_the_checkpoint_holds_th
     ("deepseek_v3", "scoring_func", "softmax", "scoring_func"),
     ("deepseek_v3", "topk_method", "random", "topk_method"),
     ("deepseek_v3", "moe_layer_freq", 2, "moe_layer_freq"),
-    ("deepseek_v3", "n_group", 8, "n_group"),
+    ("deepseek_v3", "n_group", 4, "groups must divide"),  # 6 experts: no 4 equal groups
+    ("qwen3_moe", "n_group", 2, "n_group"),  # no groups in its router
     ("deepseek_v3", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.1,
                                         "original_max_position_embeddings": 64}, "llama_4_scaling_beta")])
 def test_deepseeks_expert_settings_that_inflight_does_not_compute_are_refused(tmp_path, arch, key, value, match):
@@ -106,6 +107,46 @@ def test_deepseeks_expert_settings_that_inflight_does_not_compute_are_refused(tm
     (tmp_path / "config.json").write_text(json.dumps({**raw, key: value}))
     with pytest.raises(ModelLoadError, match=match):
         load_checkpoint(resolve_model(str(tmp_path)), torch.float32)
+
+
+@pytest.mark.parametrize("arch", [*LATENT_ARCHITECTURES, "glm4_moe"])
+def test_experts_are_chosen_within_groups_as_transformers_chooses_them(tmp_path, arch):
+    """8 experts in 4 groups, a token's 3 chosen within its best 2 groups (V2's scored by their
+    best expert, under its topk_method "group_limited_greedy"; the others' by their best two's sum,
+    the bias for the choice included): transformers' logits within 1e-4, the compiled stack's bit
+    for bit the Python loop's; the same weights with the choice from all experts miss them (the
+    groups change the choice). V2's "greedy" leaves the groups unused, as its code does."""
+    from transformers import AutoModelForCausalLM
+
+    from inflight.model.kernels import cpu_kernels
+
+    method = {"topk_method": "group_limited_greedy"} if arch == "deepseek_v2" else {}
+    model = tiny_hf_model(arch, n_routed_experts=8, n_group=4, topk_group=2, **method)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    ids = list(range(5, 5 + 90))
+    expected = hf_logits(model, ids)
+
+    def logits(python_loop: bool = False, **overrides: object) -> tuple[torch.Tensor, tuple[int, int]]:
+        if overrides:
+            raw = json.loads((tmp_path / "config.json").read_text())
+            (tmp_path / "config.json").write_text(json.dumps({**raw, **overrides}))
+        config, weights = load_checkpoint(resolve_model(str(tmp_path)), torch.float32)
+        ours = LlamaModel(config, weights, torch.device("cpu"))
+        if python_loop:
+            ours.decoder_stack = None
+        else:
+            assert ours.decoder_stack is not None or cpu_kernels() is None
+        return inflight_logits(ours, ids), config.expert_groups
+
+    compiled, groups = logits()
+    assert groups == (4, 2)
+    torch.testing.assert_close(compiled, expected, atol=1e-4, rtol=1e-4)
+    assert torch.equal(logits(python_loop=True)[0], compiled)
+    ungrouped, groups = logits(**({"topk_method": "greedy"} if arch == "deepseek_v2" else {"topk_group": 4}))
+    assert groups == (1, 1) and (ungrouped - expected).abs().max() > 1e-2
+    if arch == "deepseek_v2":  # as transformers computes it
+        torch.testing.assert_close(ungrouped, hf_logits(AutoModelForCausalLM.from_pretrained(tmp_path).eval(), ids),
+                                   atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("arch", LATENT_ARCHITECTURES)

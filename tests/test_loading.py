@@ -507,7 +507,8 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
             **fields}))
         with torch.no_grad():  # a bias for the choice that changes it (the sigmoids differ by about 0.05)
             for layer in model.model.layers[1:]:
-                layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(6) * 0.05)
+                bias = layer.mlp.gate.e_score_correction_bias
+                bias.copy_(torch.randn(bias.shape) * 0.05)
     elif arch == "arcee":  # an ungated MLP: down(relu(up(x)) ** 2)
         model = transformers.ArceeForCausalLM(transformers.ArceeConfig(**common))
     elif arch == "gpt_oss":  # sliding and global layers in turn, sinks, YaRN past 64 positions; 4 experts, 2 per
@@ -589,7 +590,8 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
                 **fields}))
             with torch.no_grad():
                 for layer in model.model.layers[1:]:
-                    layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(6) * 0.05)
+                    bias = layer.mlp.gate.e_score_correction_bias
+                    bias.copy_(torch.randn(bias.shape) * 0.05)
     elif arch == "lfm2":  # short convolutions around attending layers (q/k norm); its MLP's width derived
         model = transformers.Lfm2ForCausalLM(transformers.Lfm2Config(**_layer_norm_eps({
             **common, "num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "conv"]}, "norm_eps"),
@@ -1222,7 +1224,7 @@ def test_a_token_alone_through_routed_experts_is_its_row_of_a_batch():
                                   "olmoe", "granitemoe", "gpt_oss", "seed_oss", "arcee", "glm4_moe", "phi", "stablelm",
                                   "starcoder2", "cohere", "cohere2", "nemotron", "ernie4_5_moe", "apertus",
                                   "hunyuan_v1_dense", "lfm2", "lfm2_moe", "deepseek_v2", "deepseek_v3",
-                                  "glm4_moe_lite"])
+                                  "deepseek_v3_grouped", "glm4_moe_lite"])
 def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_path, monkeypatch, arch):
     """The GGUF file llama.cpp's `convert_hf_to_gguf.py` made of a tiny checkpoint of each
     architecture (tests/converter_fixtures.py; its names, row orders, norm offsets, stacked
@@ -1251,7 +1253,8 @@ def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_pat
     # llama.cpp's converter calls Mistral llama
     # (and reads GLM-4.7-Flash's files as DeepSeek V3's)
     assert config.architecture == {"mistral": "llama", "phi3_longrope": "phi3", "qwen3_yarn": "qwen3",
-                                   "olmo3": "olmo2", "glm4_moe_lite": "deepseek_v3"}.get(arch, arch)
+                                   "olmo3": "olmo2", "glm4_moe_lite": "deepseek_v3",
+                                   "deepseek_v3_grouped": "deepseek_v3"}.get(arch, arch)
     # The fixture holds this very checkpoint (else it was made from another initialization).
     assert torch.equal(weights["model.embed_tokens.weight"], model.model.embed_tokens.weight.detach())
     ids = list(range(3, 3 + 40))
@@ -1265,6 +1268,8 @@ def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_pat
         assert config.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
     if arch == "ministral3":  # queries scaled by position past the original 16
         assert config.query_scaling == (pytest.approx(0.1), 16)
+    if arch == "deepseek_v3_grouped":
+        assert config.expert_groups == (4, 2)
     torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
 
 
@@ -1784,8 +1789,8 @@ def test_gguf_metadata_that_changes_the_arithmetic_is_refused_by_name(tmp_path):
         load_checkpoint(resolve_model(str(path)), torch.float32)
     write_tiny_gguf(path, {}, metadata=lambda w: (w.add_uint32("llama.expert_group_count", 4),
                                                   w.add_uint32("llama.expert_group_used_count", 2)))
-    with pytest.raises(ModelLoadError, match="expert_group_used_count = 2 of 4: inflight does not choose experts "
-                                             "within groups"):
+    with pytest.raises(ModelLoadError, match="expert_group_used_count = 2 of 4: inflight chooses llama's experts "
+                                             "from all of them, not within groups"):
         load_checkpoint(resolve_model(str(path)), torch.float32)
 
 

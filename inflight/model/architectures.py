@@ -201,6 +201,11 @@ class Architecture:
     # Whether the experts' weights are renormalized where a config does not say (transformers'
     # default for the architecture: GLM-4.5's yes).
     hf_norm_topk_prob: bool = False
+    # Where DeepSeek's group-limited choice of experts (a config's n_group / topk_group, a GGUF
+    # file's expert_group_count / expert_group_used_count) applies: "always" (V3's and GLM's routers
+    # in transformers), or the topk_method that asks for it ("group_limited_greedy": V2's, whose
+    # "greedy" leaves the groups unused); None: the architecture has none, and groups are refused.
+    expert_groups: str | None = None
     # The shared expert's width where a GGUF file does not say: the routed experts' times the
     # shared count (GLM-4.5's, as llama.cpp reads it); False: the dense MLP's (Qwen2-MoE's).
     gguf_shared_width_from_experts: bool = False
@@ -318,7 +323,7 @@ _LFM2_MOE_EXPERTS = ExpertNames(router="feed_forward.gate.weight", gate="feed_fo
 _DEEPSEEK_V2 = Architecture(
     "deepseek_v2", plan=with_routed_experts(LATENT_LAYER), latent=LatentNames(),
     matmuls={**_LLAMA_MATMULS, "qkv": ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight")},
-    experts=dataclasses.replace(_GLM4_MOE_EXPERTS, choice_bias=None),
+    experts=dataclasses.replace(_GLM4_MOE_EXPERTS, choice_bias=None), expert_groups="group_limited_greedy",
     # llama.cpp's deepseek2 files: q/k rows as the checkpoint has them (the rotary turns interleaved
     # pairs), the experts' weights renormalized where the file says, the shared experts one MLP
     gguf_interleaved_qk=False, gguf_expert_weights_norm=False, gguf_shared_width_from_experts=True,
@@ -420,6 +425,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     Architecture("glm4_moe", plan=with_routed_experts(QK_NORM_LAYER), extra_weights=_QK_NORM, gguf_interleaved_qk=False,
                  hf_partial_rotary_factor=0.5, experts=_GLM4_MOE_EXPERTS, expert_scoring="sigmoid",
                  hf_qk_norm_key="use_qk_norm", hf_norm_topk_prob=True, gguf_shared_width_from_experts=True,
+                 expert_groups="always",
                  gguf_names={"exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
                              "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
                              "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
@@ -429,9 +435,9 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     # chosen by sigmoid scores plus a bias, renormalized and scaled, as GLM-4.5's (their MTP layers
     # left unread)
     dataclasses.replace(_DEEPSEEK_V2, name="deepseek_v3", experts=_GLM4_MOE_EXPERTS, expert_scoring="sigmoid",
-                        hf_norm_topk_prob=True),
+                        hf_norm_topk_prob=True, expert_groups="always"),
     dataclasses.replace(_DEEPSEEK_V2, name="glm4_moe_lite", experts=_GLM4_MOE_EXPERTS, expert_scoring="sigmoid",
-                        hf_norm_topk_prob=True),
+                        hf_norm_topk_prob=True, expert_groups="always"),
     # Phi-2 (and Phi-1, Phi-1.5): attention and an ungated GELU MLP side by side on one LayerNorm,
     # biases on every matmul and on the LM head, part of each head rotated (NeoX's halves)
     Architecture("phi", plan=PARALLEL_GELU_LAYER, norms=_INPUT_NORM_ONLY, final_norm="model.final_layernorm",

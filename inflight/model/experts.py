@@ -1,6 +1,7 @@
 """A layer's MLP as routed experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, gpt-oss,
 GLM-4.5, ERNIE 4.5): a router scores every expert for each token, the token goes through its
-`top_k` best (by the scores plus a bias for the choice, GLM-4.5's and ERNIE 4.5's), and their
+`top_k` best (by the scores plus a bias for the choice, GLM-4.5's and ERNIE 4.5's; within its
+best groups of experts, DeepSeek's), and their
 outputs are summed weighted by the router's softmax over the experts (renormalized over the chosen
 ones where the model says so: gpt-oss's softmax over the chosen scores is that) or by their
 sigmoids (GLM-4.5's). Qwen2-MoE adds a shared expert every token runs, its output scaled by the
@@ -24,12 +25,14 @@ from inflight.model.linear import Linear
 class RoutedExperts:
     def __init__(self, router: Linear | None, gate_up: Sequence[Linear], down: Sequence[Linear], top_k: int,
                  normalize: bool, shared: tuple[Linear, Linear, Linear | None] | None = None,
-                 scoring: str = "softmax", choice_bias: torch.Tensor | None = None, scale: float = 1.0) -> None:
+                 scoring: str = "softmax", choice_bias: torch.Tensor | None = None, scale: float = 1.0,
+                 groups: tuple[int, int] = (1, 1)) -> None:
         """`gate_up[e]` and `down[e]`: expert e's fused gate/up and down matmuls. Without a
         `router`, the one expert is a dense MLP (a layer of a MoE model that has no experts).
         `shared`: a shared expert's gate/up and down matmuls and its gate (one output; None: its
         output added as it is). `scoring` ("softmax", "sigmoid"), `choice_bias` and `scale`: as
-        `ModelConfig.expert_scoring`, its bias for the choice, `routed_scaling`."""
+        `ModelConfig.expert_scoring`, its bias for the choice, `routed_scaling`; `groups`: as
+        `ModelConfig.expert_groups`."""
         if len(gate_up) != len(down) or not gate_up or (router is None and len(gate_up) != 1):
             raise ValueError("one gate/up and one down matmul per expert, and a router unless there is one")
         if shared is not None and (router is None or (shared[2] is not None and shared[2].out_features != 1)):
@@ -39,6 +42,7 @@ class RoutedExperts:
         self.router, self.gate_up, self.down = router, list(gate_up), list(down)
         self.top_k, self.normalize, self.shared = top_k, normalize, shared
         self.scoring, self.choice_bias, self.scale = scoring, choice_bias, scale
+        self.groups = groups
 
     @property
     def num_experts(self) -> int:
@@ -85,25 +89,32 @@ class RoutedExperts:
         dtype: the softmax over all experts in fp32, renormalized over the chosen where
         `normalize`; or each expert's sigmoid, the chosen sigmoids renormalized where `normalize`
         (GLM-4.5's); either way the choice by the scores plus `choice_bias` where there is one
-        (GLM-4.5's, ERNIE 4.5's); times `scale`."""
+        (GLM-4.5's, ERNIE 4.5's), within the token's best groups where `groups` says (DeepSeek's);
+        times `scale`."""
         assert self.router is not None
         logits = self.router(x).float()
-        if self.scoring == "sigmoid":
-            scores = torch.sigmoid(logits)
-            chosen = torch.topk(scores if self.choice_bias is None else scores + self.choice_bias, self.top_k,
-                                dim=-1).indices
-            weights = scores.gather(1, chosen)
-            if self.normalize:
-                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        scores = torch.sigmoid(logits) if self.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
+        choice = scores if self.choice_bias is None else scores + self.choice_bias
+        if self.groups[0] > 1:
+            choice = self._within_groups(choice)
+        if choice is scores:
+            weights, chosen = torch.topk(scores, self.top_k, dim=-1)
         else:
-            probs = torch.softmax(logits, dim=-1)
-            if self.choice_bias is None:
-                weights, chosen = torch.topk(probs, self.top_k, dim=-1)
-            else:
-                chosen = torch.topk(probs + self.choice_bias, self.top_k, dim=-1).indices
-                weights = probs.gather(1, chosen)
-            if self.normalize:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
+            chosen = torch.topk(choice, self.top_k, dim=-1).indices
+            weights = scores.gather(1, chosen)
+        if self.normalize:
+            total = weights.sum(dim=-1, keepdim=True)
+            weights = weights / (total + 1e-20 if self.scoring == "sigmoid" else total)
         if self.scale != 1:
             weights = weights * self.scale
         return weights.to(x.dtype), chosen
+
+    def _within_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """`choice` `[tokens, experts]` with every expert outside the token's `kept` best groups at
+        -inf: a group scored by its best expert (softmax scoring, DeepSeek-V2's) or its best two's
+        sum (sigmoid scoring, V3's), as transformers' routers."""
+        groups, kept = self.groups
+        per_group = choice.view(choice.shape[0], groups, -1)
+        best = per_group.amax(dim=-1) if self.scoring == "softmax" else per_group.topk(2, dim=-1).values.sum(dim=-1)
+        mask = torch.zeros_like(best, dtype=torch.bool).scatter_(1, torch.topk(best, kept, dim=-1).indices, True)
+        return choice.masked_fill(~mask.repeat_interleave(per_group.shape[2], dim=1), float("-inf"))

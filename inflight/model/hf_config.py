@@ -220,9 +220,9 @@ def refuse_unsupported(raw: dict[str, Any], path: Path) -> None:
     if raw.get("use_qk_norm") and arch.hf_qk_norm_key != "use_qk_norm":  # Command R+'s per-head LayerNorms
         raise ModelLoadError(f"{path}: use_qk_norm = true changes the model's arithmetic in a way inflight does not "
                              f"compute yet for {arch.name}")
-    for key in ("n_group", "topk_group"):  # DeepSeek's group-limited choice
-        if (raw.get(key) or 1) != 1:
-            raise ModelLoadError(f"{path}: {key} = {raw[key]}: inflight does not choose experts within groups")
+    if arch.expert_groups is None and (groups := _expert_groups(raw, arch)) != (1, 1):  # DeepSeek's choice
+        raise ModelLoadError(f"{path}: n_group = {groups[0]}, topk_group = {groups[1]}: inflight chooses "
+                             f"{arch.name}'s experts from all of them, not within groups")
     for key in ("n_shared_experts", "moe_num_shared_experts"):
         if (raw.get(key) or 0) > 0 and (arch.experts is None or not arch.experts.shared):
             raise ModelLoadError(f"{path}: {key} = {raw[key]}: inflight runs no shared experts for {arch.name}")
@@ -233,6 +233,16 @@ def refuse_unsupported(raw: dict[str, Any], path: Path) -> None:
         key = next(k for k in _EXPERT_COUNT_KEYS if raw.get(k))
         raise ModelLoadError(f"{path}: {key} = {experts}: inflight runs no routed experts for {arch.name}")
     _refuse_rope(raw, path)
+
+
+def _expert_groups(raw: dict[str, Any], arch: Architecture) -> tuple[int, int]:
+    """`ModelConfig.expert_groups` from n_group and topk_group, where the architecture's router
+    uses them (V2's only under topk_method "group_limited_greedy", as its code and transformers');
+    `refuse_unsupported` refuses them where it has none."""
+    groups, kept = int(raw.get("n_group") or 1), int(raw.get("topk_group") or 1)
+    if kept >= groups or arch.expert_groups not in (None, "always", raw.get("topk_method")):
+        return 1, 1  # every group kept, or the groups unused
+    return groups, kept
 
 
 def _refuse_latent(raw: dict[str, Any], arch: Architecture, path: Path) -> None:
@@ -458,6 +468,7 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         shared_expert_intermediate_size=_shared_width(raw) if num_experts else None,
         expert_scoring=row.expert_scoring if row is not None else "softmax",
         routed_scaling=float(raw.get("routed_scaling_factor") or 1.0),
+        expert_groups=_expert_groups(raw, row) if num_experts and row is not None else (1, 1),
         qk_norm=bool(raw.get(row.hf_qk_norm_key, False)) if row is not None and row.hf_qk_norm_key else True,
         mtp_layers=int(raw.get("num_nextn_predict_layers") or 0),
         gated_mlp=row.gated_mlp if row is not None else True,

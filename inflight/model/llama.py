@@ -393,7 +393,7 @@ class LlamaModel:
         choice_bias = take(prefix + names.choice_bias).float().reshape(-1) if names.choice_bias is not None else None
         return RoutedExperts(matmul(names.router), gate_up, down, config.num_experts_per_tok,
                              config.norm_topk_prob, shared, scoring=config.expert_scoring,
-                             choice_bias=choice_bias, scale=config.routed_scaling)
+                             choice_bias=choice_bias, scale=config.routed_scaling, groups=config.expert_groups)
 
     @staticmethod
     def _latent(config: ModelConfig, arch: Architecture, take: Callable[[str], torch.Tensor],
@@ -488,7 +488,8 @@ class LlamaModel:
                 shared = [m for m in layer.experts.shared or () if m is not None]
                 stack.set_experts(i, *_stack_linears(own), layer.experts.router is not None, len(shared),
                                   layer.experts.top_k, layer.experts.normalize, alpha, limit,
-                                  layer.experts.scoring == "sigmoid", layer.experts.choice_bias, layer.experts.scale)
+                                  layer.experts.scoring == "sigmoid", layer.experts.choice_bias, layer.experts.scale,
+                                  *layer.experts.groups)
         if any(layer.sinks is not None for layer in layers):
             stack.set_sinks([layer.sinks for layer in layers if layer.sinks is not None])
         if Op.XIELU in {step.op for step in self.plan}:

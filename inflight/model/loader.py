@@ -625,11 +625,13 @@ def _gguf_config(reader: Any) -> ModelConfig:
         if value and (allowed is not None and int(value) > allowed):
             raise ModelLoadError(f"{arch}.{key} = {value} changes the model's arithmetic in a way inflight does "
                                  "not compute yet")
+    # DeepSeek's group-limited choice (llama.cpp's converter writes n_group and topk_group as these)
     groups, used = (int(gguf_field(reader, f"{arch}.{key}") or 1) for key in ("expert_group_count",
                                                                                "expert_group_used_count"))
-    if used < groups:  # DeepSeek's group-limited choice
-        raise ModelLoadError(f"{arch}.expert_group_used_count = {used} of {groups}: inflight does not choose experts "
-                             "within groups")
+    groups, used = (1, 1) if used >= groups else (groups, used)
+    if groups > 1 and row.expert_groups is None:
+        raise ModelLoadError(f"{arch}.expert_group_used_count = {used} of {groups}: inflight chooses {arch}'s experts "
+                             "from all of them, not within groups")
     # GLM's multi-token-prediction layers, counted in block_count: the file's last blocks, which
     # predict tokens further ahead; llama.cpp skips them at load, and so does inflight (`_trunk`)
     mtp_layers = int(gguf_field(reader, f"{arch}.nextn_predict_layers") or 0)
@@ -739,6 +741,7 @@ def _gguf_config(reader: Any) -> ModelConfig:
         expert_scoring=_GGUF_GATING.get(int(gating), row.expert_scoring) if (
             gating := gguf_field(reader, f"{arch}.expert_gating_func")) else row.expert_scoring,
         routed_scaling=float(gguf_field(reader, f"{arch}.expert_weights_scale") or 1.0),
+        expert_groups=(groups, used) if num_experts else (1, 1),
         # where the plan's q/k norm is optional (GLM-4.5's), the file's tensors say
         qk_norm=not row.hf_qk_norm_key or "blk.0.attn_q_norm.weight" in tensor_names,
         mtp_layers=mtp_layers,

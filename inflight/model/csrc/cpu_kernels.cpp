@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -4150,7 +4151,8 @@ torch::Tensor run_linear(const StackLinear& lin, const torch::Tensor& x) {
 // order, so the same values bit for bit): each token through the top_k experts its router scores
 // highest (the scores plus `choice_bias` where there is one: GLM-4.5's, ERNIE 4.5's), weighted by
 // the softmax over all of them (renormalized over the chosen where `normalize`), or by their
-// sigmoids (GLM-4.5's), times `scale`; each expert one matmul over the tokens that chose it; a shared
+// sigmoids (GLM-4.5's), times `scale`; chosen within the token's `groups_kept` best of `groups`
+// groups where `groups` > 1 (DeepSeek's); each expert one matmul over the tokens that chose it; a shared
 // expert every token runs, scaled by the sigmoid of its one-output gate where it has one, added
 // after. Without a router, a dense MLP (a layer of a MoE model that has no experts).
 struct StackExperts {
@@ -4160,6 +4162,7 @@ struct StackExperts {
   bool normalize = false, sigmoid = false;
   c10::optional<torch::Tensor> choice_bias;
   double scale = 1.0;
+  int64_t groups = 1, groups_kept = 1;
   double swiglu_alpha = 0, swiglu_limit = 0;  // limit > 0: gpt-oss's clamped SwiGLU (clamped_swiglu), else silu
 
   torch::Tensor act(const torch::Tensor& gate_up_out) const {
@@ -4170,21 +4173,19 @@ struct StackExperts {
     if (!router) return run_linear(down[0], act(run_linear(gate_up[0], x)));
     Range r("routed experts");
     const torch::Tensor logits = run_linear(*router, x).to(torch::kFloat);
+    const torch::Tensor scores = sigmoid ? torch::sigmoid(logits) : torch::softmax(logits, -1);
+    torch::Tensor choice = choice_bias ? scores + *choice_bias : scores;
+    if (groups > 1) choice = within_groups(choice);
     torch::Tensor weights, chosen;
-    if (sigmoid) {
-      const torch::Tensor scores = torch::sigmoid(logits);
-      chosen = std::get<1>(torch::topk(choice_bias ? scores + *choice_bias : scores, top_k, -1));
-      weights = scores.gather(1, chosen);
-      if (normalize) weights = weights / (weights.sum(-1, true) + 1e-20);
+    if (!choice_bias && groups == 1) {
+      std::tie(weights, chosen) = torch::topk(scores, top_k, -1);
     } else {
-      const torch::Tensor probs = torch::softmax(logits, -1);
-      if (choice_bias) {
-        chosen = std::get<1>(torch::topk(probs + *choice_bias, top_k, -1));
-        weights = probs.gather(1, chosen);
-      } else {
-        std::tie(weights, chosen) = torch::topk(probs, top_k, -1);
-      }
-      if (normalize) weights = weights / weights.sum(-1, true);
+      chosen = std::get<1>(torch::topk(choice, top_k, -1));
+      weights = scores.gather(1, chosen);
+    }
+    if (normalize) {
+      const torch::Tensor total = weights.sum(-1, true);
+      weights = weights / (sigmoid ? total + 1e-20 : total);
     }
     if (scale != 1.0) weights = weights * scale;
     weights = weights.to(x.scalar_type());
@@ -4204,6 +4205,17 @@ struct StackExperts {
     else if (shared.size() == 2)
       out += run_linear(shared[1], act(run_linear(shared[0], x)));
     return out;
+  }
+
+  // `choice` [tokens, experts] with every expert outside the token's `groups_kept` best groups at
+  // -inf: a group scored by its best expert (softmax scoring) or its best two's sum (sigmoid).
+  torch::Tensor within_groups(const torch::Tensor& choice) const {
+    const torch::Tensor per_group = choice.view({choice.size(0), groups, -1});
+    const torch::Tensor best = sigmoid ? std::get<0>(per_group.topk(2, -1)).sum(-1) : per_group.amax(-1);
+    const torch::Tensor mask = torch::zeros_like(best, torch::kBool)
+                                   .scatter_(1, std::get<1>(torch::topk(best, groups_kept, -1)), true);
+    return choice.masked_fill(mask.logical_not().repeat_interleave(per_group.size(2), 1),
+                              -std::numeric_limits<float>::infinity());
   }
 
   // Every (token, choice) pair grouped by expert: each expert one matmul over its tokens, its
@@ -4340,11 +4352,13 @@ class DecoderStack {
   // Layer `layer`'s routed-experts MLP (the plan's routed_experts step), its matmuls as the
   // constructor's are given, in order: the router where `routed`, each expert's gate/up, each
   // one's down, then the shared expert's `shared` matmuls: gate/up, down and (3) its gate.
-  // `sigmoid`, `choice_bias` and `scale`: how the router scores (StackExperts).
+  // `sigmoid`, `choice_bias`, `scale`, `groups` and `groups_kept`: how the router scores and
+  // chooses (StackExperts).
   void set_experts(int64_t layer, std::vector<torch::Tensor> packed, std::vector<c10::optional<torch::Tensor>> blocks,
                    std::vector<c10::optional<torch::Tensor>> biases, std::vector<int64_t> out_features, bool routed,
                    int64_t shared, int64_t top_k, bool normalize, double swiglu_alpha, double swiglu_limit,
-                   bool sigmoid, c10::optional<torch::Tensor> choice_bias, double scale) {
+                   bool sigmoid, c10::optional<torch::Tensor> choice_bias, double scale, int64_t groups,
+                   int64_t groups_kept) {
     TORCH_CHECK(layer >= 0 && layer < num_layers_, "no such layer: ", layer);
     const int64_t n = static_cast<int64_t>(packed.size());
     TORCH_CHECK(static_cast<int64_t>(blocks.size()) == n && static_cast<int64_t>(biases.size()) == n &&
@@ -4357,6 +4371,9 @@ class DecoderStack {
                 "a router, each expert's gate/up and down, and a shared expert's matmuls, or one dense MLP");
     TORCH_CHECK(!choice_bias || (choice_bias->dtype() == torch::kFloat32 && choice_bias->numel() == experts),
                 "a float32 choice bias per expert");
+    TORCH_CHECK(groups == 1 || (experts % groups == 0 && groups_kept >= 1 && groups_kept < groups &&
+                                top_k <= groups_kept * (experts / groups) && (!sigmoid || experts / groups >= 2)),
+                "groups that divide the experts, fewer kept than there are, holding top_k");
     if (experts_.empty()) experts_.resize(num_layers_);
     StackExperts made;
     std::vector<StackLinear> all;
@@ -4372,7 +4389,7 @@ class DecoderStack {
       TORCH_CHECK(shared == 2 || made.shared[2].out_features == 1, "a shared expert's gate has one output");
     }
     made.top_k = top_k, made.normalize = normalize, made.sigmoid = sigmoid, made.choice_bias = choice_bias;
-    made.scale = scale;
+    made.scale = scale, made.groups = groups, made.groups_kept = groups_kept;
     made.swiglu_alpha = swiglu_alpha, made.swiglu_limit = swiglu_limit;
     experts_[layer] = std::move(made);
   }
@@ -4968,7 +4985,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_experts", &DecoderStack::set_experts,
            "A layer's routed-experts MLP: its matmuls (router, gate/ups, downs, shared), whether routed and shared, "
            "top_k, whether the chosen weights are renormalized, the clamped SwiGLU's alpha and limit (0: silu), "
-           "whether sigmoids score the experts, their bias for the choice, the weights' scale")
+           "whether sigmoids score the experts, their bias for the choice, the weights' scale, the expert groups and "
+           "how many of them a token's choice keeps")
       .def("set_sinks", &DecoderStack::set_sinks, "Each layer's attention sinks (a score per query head), or none")
       .def("set_xielu", &DecoderStack::set_xielu, "Each layer's xIELU numbers, four a layer")
       .def("set_conv", &DecoderStack::set_conv, "Each layer's short-convolution taps, or an empty tensor")
