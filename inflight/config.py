@@ -109,6 +109,9 @@ class ModelConfig:
     attention_scale: float | None = None
     # Per layer, whether it rotates q and k (SmolLM3's NoPE layers do not); None: every layer.
     rope_layers: tuple[bool, ...] | None = None
+    # Learned absolute positions (GPT-2's, OPT's): a table of vectors (`model.embed_positions`)
+    # added to the token embeddings, position p's at row p + this offset (OPT's 2); None: none.
+    position_offset: int | None = None
     embedding_scale: float = 1.0
     residual_scale: float = 1.0
     logit_scale: float = 1.0

@@ -181,6 +181,13 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     # GLM-4.7-Flash: V3's layer, scaled by 1.8; its config names no scoring (llama.cpp's file neither)
     "glm4_moe_lite": ("Glm4MoeLite", {**_LATENT, "q_lora_rank": 32, "n_group": 1, "topk_group": 1,
                                       "routed_scaling_factor": 1.8}),
+    # GPT-2: learned positions, Conv1D matrices its converter transposes, an MLP 4 x n_embd wide (its converter's
+    # rule); GPTBigCode (StarCoder): one K/V head, written as llama.cpp's starcoder; GPT-NeoX (Pythia): q/k/v
+    # fused head by head (its converter reorders them), a quarter of each head rotated, the parallel block
+    "gpt2": ("GPT2", {"n_inner": None, "n_ctx": 256, "n_positions": 256, "layer_norm_epsilon": 1e-5}),
+    "gpt_bigcode": ("GPTBigCode", {"n_inner": None, "n_positions": 256, "multi_query": True,
+                                   "layer_norm_epsilon": 1e-5}),
+    "gpt_neox": ("GPTNeoX", {"rotary_pct": 0.25, "layer_norm_eps": 1e-5, "use_parallel_residual": True}),
     # Command R7B: three sliding layers to one global, which rotates nothing (its converter reads rotary_pct)
     "cohere2": ("Cohere2", {"logit_scale": 0.3, "tie_word_embeddings": True, "pad_token_id": 0, "head_dim": 16,
                             "num_hidden_layers": 4, "sliding_window": 8, "rotary_pct": 1.0}),
@@ -205,7 +212,9 @@ def tiny_model(arch: str) -> Any:
                     bos_token_id=1, eos_token_id=2)
     settings.update(extra)
     config_class = getattr(transformers, "Gemma3TextConfig" if arch == "gemma3_text" else f"{prefix}Config")
-    model = getattr(transformers, f"{prefix}ForCausalLM")(config_class(**settings))
+    # (GPT-2's class is its LMHeadModel)
+    head = getattr(transformers, f"{prefix}ForCausalLM", None) or getattr(transformers, f"{prefix}LMHeadModel")
+    model = head(config_class(**settings))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -250,6 +259,10 @@ def _convert(llama_cpp: Path, arch: str, vocab: Path, work: Path, out: Path) -> 
               "Glm4MoeLiteModel.set_vocab = lambda self: self._set_vocab_sentencepiece(); "
               "from conversion.hunyuan import HunYuanModel; "
               "HunYuanModel.set_vocab = lambda self: self._set_vocab_sentencepiece(); "
+              # (its converter reads GPT-NeoX's rotary_pct, which transformers 5 reads into rope_parameters)
+              "from conversion.gptneox import GPTNeoXModel; _neox = GPTNeoXModel.set_gguf_parameters; "
+              "GPTNeoXModel.set_gguf_parameters = lambda self: (self.hparams.setdefault('rotary_pct', "
+              "self.hparams['rope_parameters']['partial_rotary_factor']), _neox(self)); "
               "runpy.run_path(sys.argv[0], run_name='__main__')")
     subprocess.run([sys.executable, "-c", runner, str(llama_cpp / "convert_hf_to_gguf.py"), str(hf),
                     "--outfile", str(out), "--outtype", "f32"], check=True)

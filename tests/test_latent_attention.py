@@ -8,13 +8,12 @@ import json
 
 import pytest
 import torch
-from test_loading import hf_logits, inflight_logits, tiny_hf_model
+from test_loading import assert_setting_refused, hf_logits, inflight_logits, tiny_hf_model
 
 from inflight.engine.block_manager import BlockManager
 from inflight.engine.runner import ModelRunner
 from inflight.engine.sampler import Sampler
 from inflight.engine.scheduler import ScheduledRequest
-from inflight.errors import ModelLoadError
 from inflight.model.llama import LlamaModel
 from inflight.model.loader import load_checkpoint, resolve_model
 from inflight.perf.shapes import attention_params
@@ -101,12 +100,7 @@ def test_the_simulator_counts_a_latent_layers_weights_as_the_checkpoint_holds_th
     ("deepseek_v3", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.1,
                                         "original_max_position_embeddings": 64}, "llama_4_scaling_beta")])
 def test_deepseeks_expert_settings_that_inflight_does_not_compute_are_refused(tmp_path, arch, key, value, match):
-    tiny_hf_model(arch).save_pretrained(tmp_path, safe_serialization=True)
-    load_checkpoint(resolve_model(str(tmp_path)), torch.float32)  # as saved: loads
-    raw = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**raw, key: value}))
-    with pytest.raises(ModelLoadError, match=match):
-        load_checkpoint(resolve_model(str(tmp_path)), torch.float32)
+    assert_setting_refused(tmp_path, arch, key, value, match)
 
 
 @pytest.mark.parametrize("arch", [*LATENT_ARCHITECTURES, "glm4_moe"])

@@ -418,6 +418,17 @@ def _layer_norm_eps(settings: dict[str, Any], key: str = "layer_norm_eps") -> di
     return {**{k: v for k, v in settings.items() if k != "rms_norm_eps"}, key: settings["rms_norm_eps"]}
 
 
+def assert_setting_refused(path: Path, arch: str, key: str, value: Any, match: str) -> None:
+    """`tiny_hf_model(arch)` saved at `path` loads; with `key` set to `value` in its config.json,
+    loading it is refused with a message matching `match`."""
+    tiny_hf_model(arch).save_pretrained(path, safe_serialization=True)
+    load_checkpoint(resolve_model(str(path)), torch.float32)  # as saved: loads
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, key: value}))
+    with pytest.raises(ModelLoadError, match=match):
+        load_checkpoint(resolve_model(str(path)), torch.float32)
+
+
 def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
     """A small transformers model of `arch` with seeded random weights, its norm scales and
     biases moved away from 1 and 0 so that a dropped one shows; `fields` go to its config."""
@@ -600,11 +611,26 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
             for layer in model.model.layers:
                 if hasattr(layer, "conv"):
                     layer.conv.in_proj.weight.mul_(6)
+    elif arch in ("gpt2", "gpt_bigcode"):  # learned positions, Conv1D matrices (GPT-2's) or one K/V head (BigCode's)
+        kind = {"gpt2": "GPT2", "gpt_bigcode": "GPTBigCode"}[arch]
+        model = getattr(transformers, f"{kind}LMHeadModel" if arch == "gpt2" else f"{kind}ForCausalLM")(
+            getattr(transformers, f"{kind}Config")(**{
+                "vocab_size": vocab, "n_embd": 128, "n_layer": TINY["layers"], "n_head": 2, "n_positions": 256,
+                "n_inner": TINY["intermediate"], "bos_token_id": 1, "eos_token_id": 2, **fields}))
+    elif arch == "opt":  # learned positions from row 2, a ReLU MLP
+        model = transformers.OPTForCausalLM(transformers.OPTConfig(**{
+            "vocab_size": vocab, "hidden_size": 128, "num_hidden_layers": TINY["layers"], "num_attention_heads": 2,
+            "ffn_dim": TINY["intermediate"], "max_position_embeddings": 256, "word_embed_proj_dim": 128,
+            "pad_token_id": 0, **fields}))
+    elif arch == "gpt_neox":  # a parallel block on two LayerNorms, q/k/v fused head by head, a quarter rotated
+        model = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**{
+            "vocab_size": vocab, "hidden_size": 128, "num_hidden_layers": TINY["layers"], "num_attention_heads": 2,
+            "intermediate_size": TINY["intermediate"], "max_position_embeddings": 256, **fields}))
     else:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     with torch.no_grad():  # norm scales, biases and sinks away from their initial 1 and 0, so a dropped one shows
         for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name or name.endswith("sinks"):
+            if name.endswith("bias") or "norm" in name or ".ln_" in name or name.endswith("sinks"):
                 p.add_(torch.randn_like(p) * 0.3)
     return model.eval()
 
@@ -1224,7 +1250,7 @@ def test_a_token_alone_through_routed_experts_is_its_row_of_a_batch():
                                   "olmoe", "granitemoe", "gpt_oss", "seed_oss", "arcee", "glm4_moe", "phi", "stablelm",
                                   "starcoder2", "cohere", "cohere2", "nemotron", "ernie4_5_moe", "apertus",
                                   "hunyuan_v1_dense", "lfm2", "lfm2_moe", "deepseek_v2", "deepseek_v3",
-                                  "deepseek_v3_grouped", "glm4_moe_lite"])
+                                  "deepseek_v3_grouped", "glm4_moe_lite", "gpt2", "gpt_bigcode", "gpt_neox"])
 def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_path, monkeypatch, arch):
     """The GGUF file llama.cpp's `convert_hf_to_gguf.py` made of a tiny checkpoint of each
     architecture (tests/converter_fixtures.py; its names, row orders, norm offsets, stacked
@@ -1256,7 +1282,7 @@ def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_pat
                                    "olmo3": "olmo2", "glm4_moe_lite": "deepseek_v3",
                                    "deepseek_v3_grouped": "deepseek_v3"}.get(arch, arch)
     # The fixture holds this very checkpoint (else it was made from another initialization).
-    assert torch.equal(weights["model.embed_tokens.weight"], model.model.embed_tokens.weight.detach())
+    assert torch.equal(weights["model.embed_tokens.weight"], model.get_input_embeddings().weight.detach())
     ids = list(range(3, 3 + 40))
     ours = LlamaModel(config, weights, torch.device("cpu"))
     if arch == "phi3_longrope":  # short factors serving the original 16 positions, long ones past them
@@ -1296,7 +1322,7 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
                                   "ernie4_5", "ministral3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe",
                                   "gpt_oss", "seed_oss", "arcee", "glm4_moe", "phi", "stablelm", "cohere2",
                                   "ernie4_5_moe", "apertus", "hunyuan_v1_dense", "lfm2", "lfm2_moe", "deepseek_v2",
-                                  "deepseek_v3", "glm4_moe_lite"])
+                                  "deepseek_v3", "glm4_moe_lite", "gpt2", "gpt_bigcode", "opt", "gpt_neox"])
 def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arch):
     """Through the engine as a user runs it: the directory's own tokenizer and chat template, a
     batch of chats (longer than Gemma's 24-token window) in small prefill chunks, the prefix cache
@@ -1970,9 +1996,12 @@ def test_loading_errors(tmp_path):
         load_checkpoint(resolve_model(str(tmp_path / "broken.gguf")), torch.float32)
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
-    (hf_dir / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (hf_dir / "config.json").write_text(json.dumps({"model_type": "bloom"}))
     (hf_dir / "model.safetensors").write_bytes(b"")
-    with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'"):
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'bloom'"):
+        load_checkpoint(resolve_model(str(hf_dir)), torch.float32)
+    (hf_dir / "config.json").write_text(json.dumps({"model_type": "gpt2"}))  # its own keys, none given
+    with pytest.raises(ModelLoadError, match="incomplete or invalid .*config.json: KeyError"):
         load_checkpoint(resolve_model(str(hf_dir)), torch.float32)
     pickled = tmp_path / "pickled"  # an older checkpoint: weights as a PyTorch pickle
     pickled.mkdir()
@@ -2004,14 +2033,14 @@ def test_a_checkpoint_without_a_tokenizer_is_one_clear_line(tmp_path, loaded):
 def test_unsupported_gguf_architecture_and_quantization(tmp_path):
     import gguf
 
-    w = gguf.GGUFWriter(str(tmp_path / "gpt2.gguf"), "gpt2")
+    w = gguf.GGUFWriter(str(tmp_path / "bloom.gguf"), "bloom")
     w.add_tensor("x", np.zeros(4, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'"):
-        load_checkpoint(resolve_model(str(tmp_path / "gpt2.gguf")), torch.float32)
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'bloom'"):
+        load_checkpoint(resolve_model(str(tmp_path / "bloom.gguf")), torch.float32)
 
 
 def test_a_shard_of_a_split_gguf_is_refused_with_the_way_to_merge_it(tmp_path):

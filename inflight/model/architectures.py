@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from inflight.errors import ModelLoadError
 from inflight.model.layer_plan import (
@@ -16,10 +17,12 @@ from inflight.model.layer_plan import (
     LATENT_LAYER,
     LAYER_NORM_GELU_LAYER,
     LAYER_NORM_LAYER,
+    LAYER_NORM_RELU_LAYER,
     LAYER_NORM_RELU_SQUARED_LAYER,
     LLAMA_LAYER,
     PARALLEL_GELU_LAYER,
     PARALLEL_LAYER,
+    PARALLEL_TWO_NORM_GELU_LAYER,
     POST_NORM_LAYER,
     QK_NORM_AFTER_ROTARY_LAYER,
     QK_NORM_LAYER,
@@ -219,6 +222,25 @@ class Architecture:
     # DeepSeek's latent attention (`ModelConfig.latent_attention`): the names of its weights; None:
     # attention over K and V heads.
     latent: LatentNames | None = None
+    # A checkpoint's own names for Llama's, by prefix, the first that matches (GPT-2's `h.` for
+    # `model.layers.`, `wte.` for `model.embed_tokens.`); a layer's own names are then `matmuls`'
+    # and `norms`'. Empty: Llama's names.
+    hf_prefixes: tuple[tuple[str, str], ...] = ()
+    # Tensors of a checkpoint's layers that are not weights (GPT-2's causal-mask buffers), by the
+    # end of their name: left unread.
+    hf_ignored: tuple[str, ...] = ()
+    # The layer matrices a checkpoint stores `[in, out]` (GPT-2's Conv1D), transposed as read.
+    hf_transposed: tuple[str, ...] = ()
+    # The fused q/k/v projection a checkpoint stores head by head (each head's q, k and v rows
+    # together: GPT-NeoX's), reordered as read to all q rows, then k's, then v's.
+    hf_qkv_per_head: bool = False
+    # Learned absolute positions (`ModelConfig.position_offset`): the table's row for position p is
+    # p + this (OPT's 2); None: none (the layers rotate, or nothing says where a token is).
+    learned_positions: int | None = None
+    # config.json's own names for the settings `parse_hf_config` reads (GPT-2's n_embd for
+    # hidden_size), and the settings' values where a config leaves them out (its class's defaults).
+    hf_keys: dict[str, str] = field(default_factory=dict)
+    hf_defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
     def layer_matmul_groups(self) -> list[tuple[str, ...]]:
@@ -246,7 +268,8 @@ class Architecture:
         ops = {step.op for step in self.plan}
         if {Op.GELU_TANH_AND_MUL, Op.GELU_TANH} & ops:
             return "gelu_pytorch_tanh"
-        return "relu2" if Op.RELU_SQUARED in ops else "xielu" if Op.XIELU in ops else "silu"
+        named = {Op.RELU_SQUARED: "relu2", Op.XIELU: "xielu", Op.RELU: "relu", Op.GELU: "gelu"}
+        return next((name for op, name in named.items() if op in ops), "silu")
 
 
 _POST_NORMS = {"attn_out_norm": "post_attention_layernorm.weight", "mlp_out_norm": "post_feedforward_layernorm.weight"}
@@ -316,6 +339,36 @@ _LFM2 = Architecture(
 _LFM2_MOE_EXPERTS = ExpertNames(router="feed_forward.gate.weight", gate="feed_forward.experts.{e}.w1.weight",
                                 up="feed_forward.experts.{e}.w3.weight", down="feed_forward.experts.{e}.w2.weight",
                                 choice_bias="feed_forward.expert_bias")
+
+# GPT-2 (DistilGPT2, DialoGPT, and models fine-tuned from them): learned absolute positions and no
+# rotary, LayerNorms, biases on every matmul, an ungated GELU MLP (the tanh form), q/k/v fused; its
+# Conv1D matrices stored [in, out], its names its own (with or without `transformer.`), its config's
+# keys GPT-2's
+_GPT2_NAMES = {"attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj", "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj",
+               "attn_norm": "ln_1", "ffn_norm": "ln_2"}
+_GPT2 = Architecture(
+    "gpt2", plan=LAYER_NORM_GELU_LAYER,
+    matmuls={"qkv": ("attn.c_attn.weight",), "o": ("attn.c_proj.weight",), "gate_up": ("mlp.c_fc.weight",),
+             "down": ("mlp.c_proj.weight",)},
+    norms={"input_norm": "ln_1.weight", "post_norm": "ln_2.weight"},
+    hf_prefixes=tuple((top + ours, llama) for top in ("transformer.", "") for ours, llama in (
+        ("h.", "model.layers."), ("wte.", "model.embed_tokens."), ("wpe.", "model.embed_positions."),
+        ("ln_f.", "model.norm."))),
+    hf_ignored=("attn.bias", "attn.masked_bias"),
+    hf_transposed=("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"),
+    learned_positions=0,
+    hf_keys={"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+             "n_positions": "max_position_embeddings", "n_inner": "intermediate_size",
+             "layer_norm_epsilon": "layer_norm_eps", "activation_function": "hidden_act"},
+    hf_defaults={"tie_word_embeddings": True, "layer_norm_eps": 1e-5},
+    gguf_interleaved_qk=False,
+    gguf_names={f"{gguf}.{part}": f"{hf}.{part}" for gguf, hf in _GPT2_NAMES.items() for part in ("weight", "bias")})
+
+# GPT-NeoX (Pythia, GPT-NeoX-20B, Dolly v2, RedPajama-INCITE): attention and an ungated exact-GELU
+# MLP side by side, each on its own LayerNorm; biases on every matmul; a quarter of each head rotated
+# (NeoX's halves); q/k/v fused head by head
+_GPT_NEOX_NAMES = {"attn_qkv": "attention.query_key_value", "attn_output": "attention.dense",
+                   "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h"}
 
 # DeepSeek V2 (V2-Lite): latent attention in every layer, its fused projection the query's (or its
 # low rank's) beside the compressed KV's; the first layers dense, then routed experts chosen by
@@ -505,6 +558,33 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                  gguf_interleaved_qk=False, window_pattern=2, experts=_GPT_OSS_EXPERTS,
                  experts_always_renormalized=True, clamped_swiglu=(1.702, 7.0),
                  gguf_names={"attn_sinks.weight": "self_attn.sinks"}),
+    _GPT2,
+    # StarCoder (1), SantaCoder's successors, WizardCoder (GPTBigCode): GPT-2's layer with one K and
+    # V head (`multi_query`), its matrices stored as other models' are
+    dataclasses.replace(_GPT2, name="gpt_bigcode", hf_transposed=(),
+                        hf_defaults={**_GPT2.hf_defaults, "multi_query": True}),
+    # OPT (125M to 66B, but 350M's projected embeddings and norms after each block): learned
+    # positions from row 2, LayerNorms, biases on every matmul, an ungated ReLU MLP
+    Architecture("opt", plan=LAYER_NORM_RELU_LAYER,
+                 matmuls={**_LLAMA_MATMULS, "o": ("self_attn.out_proj.weight",), "gate_up": ("fc1.weight",),
+                          "down": ("fc2.weight",)},
+                 norms={"input_norm": "self_attn_layer_norm.weight", "post_norm": "final_layer_norm.weight"},
+                 hf_prefixes=tuple((top + "decoder." + ours, llama) for top in ("model.", "") for ours, llama in (
+                     ("layers.", "model.layers."), ("embed_tokens.", "model.embed_tokens."),
+                     ("embed_positions.", "model.embed_positions."), ("final_layer_norm.", "model.norm."))),
+                 learned_positions=2, hf_keys={"ffn_dim": "intermediate_size", "activation_function": "hidden_act"},
+                 hf_defaults={"tie_word_embeddings": True, "layer_norm_eps": 1e-5}),
+    Architecture("gpt_neox", plan=PARALLEL_TWO_NORM_GELU_LAYER,
+                 matmuls={"qkv": ("attention.query_key_value.weight",), "o": ("attention.dense.weight",),
+                          "gate_up": ("mlp.dense_h_to_4h.weight",), "down": ("mlp.dense_4h_to_h.weight",)},
+                 hf_prefixes=(("gpt_neox.layers.", "model.layers."), ("gpt_neox.embed_in.", "model.embed_tokens."),
+                              ("gpt_neox.final_layer_norm.", "model.norm."), ("embed_out.", "lm_head.")),
+                 hf_ignored=("attention.bias", "attention.masked_bias"), hf_qkv_per_head=True,
+                 hf_partial_rotary_factor=0.25, gguf_interleaved_qk=False,
+                 hf_keys={"rotary_pct": "partial_rotary_factor", "rotary_emb_base": "rope_theta"},
+                 hf_defaults={"layer_norm_eps": 1e-5, "use_parallel_residual": True},
+                 gguf_names={f"{gguf}.{part}": f"{hf}.{part}" for gguf, hf in _GPT_NEOX_NAMES.items()
+                             for part in ("weight", "bias")}),
 ]}
 
 # llama.cpp's architecture names that differ from Hugging Face's model_type; and those it gives
@@ -513,7 +593,8 @@ GGUF_ARCHITECTURES = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3mo
                       "mistral3": "ministral3", "qwen2vl": "qwen2_5_vl_text", "qwen3vl": "qwen3_vl_text",
                       "gpt-oss": "gpt_oss", "glm4moe": "glm4_moe", "phi2": "phi", "command-r": "cohere",
                       "ernie4_5-moe": "ernie4_5_moe", "hunyuan-dense": "hunyuan_v1_dense",
-                      "lfm2moe": "lfm2_moe", "deepseek2": "deepseek_v2"}
+                      "lfm2moe": "lfm2_moe", "deepseek2": "deepseek_v2", "starcoder": "gpt_bigcode",
+                      "gptneox": "gpt_neox"}
 GGUF_EXPERT_ARCHITECTURES = {"llama": "mixtral", "mistral": "mixtral"}
 # llama.cpp's architectures whose files hold models of two rows, told apart by the router's
 # scoring: DeepSeek V2's softmax, V3's (and GLM-4.7-Flash's) sigmoids plus a bias.

@@ -43,6 +43,8 @@ def read_hf_config(path: Path, architectures: Sequence[str] | None = None,
             raw.update(overrides)
     if is_multimodal(raw):
         raw = {**raw, "text_config": _complete_text_config(raw)}
+    else:
+        raw = with_llama_keys(raw)
     arch = (raw.get("text_config") or raw).get("model_type", "llama")
     if architectures is not None and arch not in architectures:
         raise ModelLoadError(f"unsupported architecture {arch!r}; supported: {', '.join(architectures)}")
@@ -52,6 +54,24 @@ def read_hf_config(path: Path, architectures: Sequence[str] | None = None,
         return parse_hf_config(raw)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ModelLoadError(f"incomplete or invalid {path}: {type(exc).__name__}: {exc}") from None
+
+
+def with_llama_keys(raw: dict[str, Any]) -> dict[str, Any]:
+    """A config whose architecture names its settings its own way (GPT-2's n_embd, OPT's ffn_dim)
+    under the names `parse_hf_config` reads, its class's defaults where it leaves a setting out;
+    GPT-2's MLP 4 x hidden_size wide where n_inner is null, GPTBigCode's `multi_query` as one
+    K/V head. Any other config as it is."""
+    row = ARCHITECTURES.get(str(raw.get("model_type")))
+    if row is None or not (row.hf_keys or row.hf_defaults):
+        return raw
+    out = dict(row.hf_defaults)
+    out.update((row.hf_keys.get(key, key), value) for key, value in raw.items())
+    if row.hf_keys.get("n_inner") == "intermediate_size" and out.get("intermediate_size") is None and isinstance(
+            out.get("hidden_size"), int):  # (a config without it is refused by parse_hf_config)
+        out["intermediate_size"] = 4 * out["hidden_size"]
+    if "multi_query" in out:
+        out["num_key_value_heads"] = 1 if out.pop("multi_query") else out.get("num_attention_heads")
+    return out
 
 
 def is_multimodal(raw: dict[str, Any]) -> bool:
@@ -119,7 +139,15 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "use_expert_bias": (None, True),
     # Phi-2's and StableLM 2 12B's q/k LayerNorms (a scale per head), and StableLM 2 12B's parallel block
     "qk_layernorm": (None, False),
-    "use_parallel_residual": (None, False),
+    "use_parallel_residual": (None, False),  # (GPT-NeoX's plan: true, its default)
+    # GPT-2's (and GPTBigCode's): queries scaled by head_dim ** -0.5 and by nothing else; no cross-attention
+    "scale_attn_weights": (None, True),
+    "scale_attn_by_inverse_layer_idx": (None, False),
+    "add_cross_attention": (None, False),
+    # OPT's: a LayerNorm before each block (350M's after), with scales, and after the last layer
+    "do_layer_norm_before": (None, True),
+    "layer_norm_elementwise_affine": (None, True),
+    "_remove_final_layer_norm": (None, False),
 }
 # The config keys `parse_hf_config` reads: each one's effect on the arithmetic is computed.
 READ_KEYS = frozenset({
@@ -151,6 +179,10 @@ READ_KEYS = frozenset({
     # carry (refused where they change the arithmetic); GLM-4.7-Flash's dense and routed layers
     "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "qk_head_dim",
     "rope_interleave", "topk_method", "scoring_func", "moe_layer_freq", "mlp_layer_types",
+    # GPT-2's, GPTBigCode's, OPT's and GPT-NeoX's names for the settings above (`Architecture.hf_keys`),
+    # GPTBigCode's one K/V head, and OPT's embedding width (refused where not hidden_size)
+    "n_embd", "n_layer", "n_head", "n_positions", "n_inner", "layer_norm_epsilon", "activation_function",
+    "ffn_dim", "rotary_pct", "rotary_emb_base", "multi_query", "word_embed_proj_dim",
 })
 # Config keys without effect on a forward pass in inference: training settings, bookkeeping,
 # generation defaults; and `mlp_bias`, whose biases are read from the checkpoint where they are.
@@ -178,6 +210,14 @@ NO_EFFECT_KEYS = frozenset({
     "mamba_chunk_size", "mamba_conv_bias", "mamba_proj_bias", "time_step_limit",
     # DeepSeek's original configs: training's load balancing and expert parallelism
     "aux_loss_alpha", "seq_aux", "ep_size",
+    # GPT-2's: its double-heads model's summary head, attention's dropout, and its attention upcast to
+    # fp32 in training (inflight's is fp32 already); GPTBigCode's softmax in fp32 alike
+    "summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels", "summary_first_dropout",
+    "attn_pdrop", "reorder_and_upcast_attn", "attention_softmax_in_fp32", "scale_attention_softmax_in_fp32",
+    # OPT's: training's dropouts and initialization, and its biases, read from the checkpoint where they are
+    "dropout", "layerdrop", "init_std", "enable_bias",
+    # GPT-NeoX's: a classification head's dropout, and whether its attention is causal (always, here)
+    "classifier_dropout", "is_decoder",
 })
 # Keys of `rope_scaling` / `rope_parameters`, and the rope types `rope_inv_freq` computes.
 ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
@@ -192,7 +232,7 @@ ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "low_freq_fa
                        "alpha"})
 ROPE_TYPES = (None, "default", "linear", "llama3", "longrope", "su", "yarn")
 # Each activation of a plan's MLP under the names configs give it.
-_ACTIVATION_NAMES = {"silu": (None, "silu", "swish"),
+_ACTIVATION_NAMES = {"silu": (None, "silu", "swish"), "relu": (None, "relu"), "gelu": (None, "gelu"),
                      # (gelu_new: Phi's name for the same tanh form)
                      "gelu_pytorch_tanh": (None, "gelu_pytorch_tanh", "gelu_tanh", "gelu_new"),
                      "relu2": (None, "relu2"), "xielu": (None, "xielu")}
@@ -203,7 +243,9 @@ def refuse_unsupported(raw: dict[str, Any], path: Path) -> None:
     way inflight does not compute: silence would serve a different model."""
     arch = ARCHITECTURES[raw.get("model_type", "llama")]
     names = _ACTIVATION_NAMES[arch.activation] + (("gelu",) if arch.hf_gelu_means_tanh else ())
-    neutral = {**_NEUTRAL, "hidden_act": names, "hidden_activation": _ACTIVATION_NAMES[arch.activation]}
+    neutral = {**_NEUTRAL, "hidden_act": names, "hidden_activation": _ACTIVATION_NAMES[arch.activation],
+               # where the architecture's plan computes another value of such a key, that one (GPT-NeoX's block)
+               **{key: (None, value) for key, value in arch.hf_defaults.items() if key in _NEUTRAL}}
     quantization = raw.get("quantization_config")
     if (isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4"
             and arch.experts is not None and arch.experts.stacked):  # gpt-oss's published form: its
@@ -220,6 +262,10 @@ def refuse_unsupported(raw: dict[str, Any], path: Path) -> None:
     if raw.get("use_qk_norm") and arch.hf_qk_norm_key != "use_qk_norm":  # Command R+'s per-head LayerNorms
         raise ModelLoadError(f"{path}: use_qk_norm = true changes the model's arithmetic in a way inflight does not "
                              f"compute yet for {arch.name}")
+    width = raw.get("word_embed_proj_dim")  # OPT-350M's embeddings, projected in and out of the layers
+    if width is not None and width != raw.get("hidden_size"):
+        raise ModelLoadError(f"{path}: word_embed_proj_dim = {width} projects the embeddings in and out of the "
+                             f"{raw.get('hidden_size')}-wide layers, which inflight does not compute")
     if arch.expert_groups is None and (groups := _expert_groups(raw, arch)) != (1, 1):  # DeepSeek's choice
         raise ModelLoadError(f"{path}: n_group = {groups[0]}, topk_group = {groups[1]}: inflight chooses "
                              f"{arch.name}'s experts from all of them, not within groups")
@@ -453,6 +499,7 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         # Granite's logits_scaling divides the logits, Command R's logit_scale multiplies them
         logit_scale=float(raw.get("logits_scaling") or 1.0) / float(raw.get("logit_scale") or 1.0),
         rope_layers=_rope_layers(raw, row, sliding, window is not None),
+        position_offset=row.learned_positions if row is not None else None,
         local_rope_theta=_local_rope_theta(local_rope, rotary.theta, row) if window is not None else None,
         query_scaling=query,
         attn_logit_softcap=_positive(raw.get("attn_logit_softcapping")),
@@ -605,6 +652,8 @@ def _rope_layers(raw: dict[str, Any], row: Architecture | None = None, sliding: 
     nothing once it slides (`slides`; `sliding`: which layers do, None: all), the sliding ones;
     None for a model whose layers all rotate."""
     layers = int(raw["num_hidden_layers"])
+    if row is not None and row.learned_positions is not None:  # the positions in the embeddings, not rotated
+        return (False,) * layers
     if row is not None and row.nope_where_global and slides:
         return sliding
     if row is not None and row.hf_position_embedding_type and raw.get("position_embedding_type") != "rope":

@@ -78,6 +78,10 @@ class Op:
     # dst = gelu(src), its tanh approximation, the whole of src: an MLP without a gate (Phi-2's,
     # StarCoder2's)
     GELU_TANH = "gelu_tanh"
+    # dst = relu(src), the whole of src: an MLP without a gate (OPT's)
+    RELU = "relu"
+    # dst = gelu(src), the exact (erf) form, the whole of src: an MLP without a gate (GPT-NeoX's)
+    GELU = "gelu"
     # dst += src, in place: the step reads its destination too (a parallel block's two outputs summed)
     ADD = "add"
     # dst = xIELU(src), the whole of src, with the layer's own four numbers (`DecoderLayer.xielu`):
@@ -104,7 +108,7 @@ class Op:
 # The ops that read their destination register before writing it.
 READS_DST = frozenset({Op.ADD})
 # The MLP activations that read a gate/up matmul holding the up projection alone.
-UNGATED = frozenset({Op.RELU_SQUARED, Op.GELU_TANH, Op.XIELU})
+UNGATED = frozenset({Op.RELU_SQUARED, Op.GELU_TANH, Op.XIELU, Op.RELU, Op.GELU})
 # The norms of the residual stream, RMSNorm's and LayerNorm's.
 NORM_OPS = frozenset({Op.ADD_RMS_NORM, Op.RMS_NORM, Op.ADD_LAYER_NORM, Op.LAYER_NORM})
 
@@ -222,6 +226,9 @@ LAYER_NORM_GELU_LAYER = with_activation(LAYER_NORM_LAYER, Op.GELU_TANH)
 # Nemotron's: LayerNorms, the MLP ungated: down(relu(up(x)) ** 2).
 LAYER_NORM_RELU_SQUARED_LAYER = with_activation(LAYER_NORM_LAYER, Op.RELU_SQUARED)
 
+# OPT's: LayerNorms, the MLP ungated: down(relu(up(x))).
+LAYER_NORM_RELU_LAYER = with_activation(LAYER_NORM_LAYER, Op.RELU)
+
 # Command R's: attention and the MLP side by side on one LayerNorm of the residual stream, both
 # outputs added to it (a "parallel" block: x + attn(ln(x)) + mlp(ln(x))).
 PARALLEL_LAYER: tuple[Step, ...] = (
@@ -236,6 +243,20 @@ PARALLEL_LAYER: tuple[Step, ...] = (
 # Phi-2's: the parallel block with an ungated GELU MLP.
 PARALLEL_GELU_LAYER = with_activation(PARALLEL_LAYER, Op.GELU_TANH)
 
+
+# GPT-NeoX's (Pythia's): attention and an ungated exact-GELU MLP side by side, each on a LayerNorm
+# of its own of the residual stream (x + attn(ln1(x)) + mlp(ln2(x))); the `MLP` register holds the
+# residual stream itself until the MLP's output replaces it.
+PARALLEL_TWO_NORM_GELU_LAYER: tuple[Step, ...] = (
+    Step(Op.ADD_RESIDUAL, Reg.DELTA, Reg.MLP),
+    Step(Op.LAYER_NORM, Reg.MLP, Reg.NORMED, "input_norm"),
+    *LLAMA_LAYER[1:5],
+    Step(Op.LAYER_NORM, Reg.MLP, Reg.NORMED, "post_norm"),
+    Step(Op.MATMUL, Reg.NORMED, Reg.GATE_UP, "gate_up"),
+    Step(Op.GELU, Reg.GATE_UP, Reg.ACT),
+    Step(Op.MATMUL, Reg.ACT, Reg.MLP, "down"),
+    Step(Op.ADD, Reg.MLP, Reg.DELTA),
+)
 
 # Apertus's: Qwen3's q/k norm, the MLP ungated: down(xielu(up(x))).
 XIELU_LAYER = with_activation(QK_NORM_LAYER, Op.XIELU)

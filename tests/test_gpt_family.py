@@ -1,0 +1,104 @@
+"""GPT-2, GPTBigCode (StarCoder), OPT and GPT-NeoX (Pythia): learned absolute positions, Conv1D
+matrices, q/k/v fused head by head, a parallel block on two LayerNorms, checkpoints under their own
+names and config keys; against transformers, and the settings refused."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from test_loading import assert_setting_refused, hf_logits, inflight_logits, save_word_tokenizer, tiny_hf_model
+
+from inflight import LLM, SamplingParams
+from inflight.errors import InvalidRequestError, ModelLoadError
+from inflight.model.llama import LlamaModel
+from inflight.model.loaded import LoadedModel
+from inflight.model.loader import load_checkpoint, resolve_model
+
+GPT_FAMILY = ["gpt2", "gpt_bigcode", "opt", "gpt_neox"]
+
+
+@pytest.mark.parametrize("arch", GPT_FAMILY)
+def test_the_gpt_family_matches_transformers_from_fp32_and_16_bits(tmp_path, arch):
+    """Each from a Hugging Face directory in fp32 and in 16 bits (kept as stored: GPT-2's Conv1D
+    matrices transposed, GPT-NeoX's fused q/k/v reordered, before packing), over 90 positions
+    (OPT's table read from row 2): transformers' logits within 1e-4; the shapes as its config
+    gives them under its own keys."""
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_hf_model(arch)
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    half = torch.float16 if arch == "gpt_neox" else torch.bfloat16  # (Pythia's are fp16)
+    copy.deepcopy(model).to(half).save_pretrained(tmp_path / "half", safe_serialization=True)
+    rounded = AutoModelForCausalLM.from_pretrained(tmp_path / "half", dtype=torch.float32).eval()
+    ids = list(range(5, 5 + 90))
+    for source, reference in [(tmp_path / "hf", model), (tmp_path / "half", rounded)]:
+        config, weights = load_checkpoint(resolve_model(str(source)), torch.float32)
+        assert (config.architecture, config.hidden_size, config.num_heads, config.intermediate_size) == (
+            arch, 128, 2, 512)
+        assert config.num_kv_heads == (1 if arch == "gpt_bigcode" else 2)
+        assert config.position_offset == {"opt": 2, "gpt_neox": None}.get(arch, 0)
+        assert config.rotary_dim == (16 if arch == "gpt_neox" else None)
+        ours = LlamaModel(config, weights, torch.device("cpu"))
+        if source.name == "half":  # as the engine loads it: the 16-bit matrices packed as stored
+            save_word_tokenizer(source, 320)
+            ours = LoadedModel.load(str(source), torch.float32, torch.device("cpu")).model
+            assert ours.layers[0].qkv.blocks is not None and ours.layers[0].down.blocks is not None
+        torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(reference, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_gpt2_as_openai_published_it(tmp_path):
+    """GPT-2's hub checkpoint: its tensors named without `transformer.`, each layer's causal-mask
+    buffers beside its weights (left unread), no LM head (tied), a config.json of GPT-2's keys
+    without n_inner (an MLP 4 x n_embd wide)."""
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_hf_model("gpt2", n_inner=None)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    [file] = tmp_path.glob("*.safetensors")
+    tensors = {name.removeprefix("transformer."): t for name, t in load_file(file).items() if name != "lm_head.weight"}
+    for i in range(model.config.n_layer):
+        tensors[f"h.{i}.attn.bias"] = torch.tril(torch.ones(256, 256, dtype=torch.uint8))[None, None]
+        tensors[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw = {k: v for k, v in raw.items() if k not in ("n_inner", "tie_word_embeddings")}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    config, weights = load_checkpoint(resolve_model(str(tmp_path)), torch.float32)
+    assert (config.intermediate_size, config.tie_word_embeddings) == (4 * 128, True)
+    ids = list(range(5, 5 + 40))
+    ours = LlamaModel(config, weights, torch.device("cpu"))
+    torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("arch", "key", "value", "match"), [
+    ("opt", "do_layer_norm_before", False, "do_layer_norm_before"),  # OPT-350M's norms after each block
+    ("opt", "word_embed_proj_dim", 64, "word_embed_proj_dim = 64 projects"),
+    ("gpt2", "scale_attn_by_inverse_layer_idx", True, "scale_attn_by_inverse_layer_idx"),
+    ("gpt2", "scale_attn_weights", False, "scale_attn_weights"),
+    ("gpt2", "activation_function", "relu", "hidden_act"),
+    ("gpt_neox", "use_parallel_residual", False, "use_parallel_residual"),
+    ("gpt_neox", "hidden_act", "gelu_new", "hidden_act"),
+])
+def test_gpt_family_settings_inflight_does_not_compute_are_refused(tmp_path, arch, key, value, match):
+    assert_setting_refused(tmp_path, arch, key, value, match)
+
+
+def test_learned_positions_bound_the_context(tmp_path):
+    """A table of 256 positions serves 256 and no more: the engine's context is capped there (a
+    request up to the last position is served, one past it refused by its length), and a config
+    claiming more positions than its table holds is refused at load."""
+    tiny_hf_model("gpt2").save_pretrained(tmp_path, safe_serialization=True)
+    save_word_tokenizer(tmp_path, 320)
+    llm = LLM(model=str(tmp_path), max_model_len=4096, num_kv_blocks=64)
+    assert llm.engine.scheduler_config.max_model_len == 256
+    out = llm.generate([list(range(5, 5 + 250))], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 6  # up to the last position the table holds
+    with pytest.raises(InvalidRequestError, match="exceeds max_model_len \\(256\\)"):
+        llm.generate([list(range(5, 5 + 250))], SamplingParams(max_tokens=7))
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "n_positions": 512}))
+    with pytest.raises(ModelLoadError, match="learned positions"):
+        LLM(model=str(tmp_path), num_kv_blocks=64)
