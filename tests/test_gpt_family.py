@@ -1,6 +1,7 @@
-"""GPT-2, GPTBigCode (StarCoder), OPT and GPT-NeoX (Pythia): learned absolute positions, Conv1D
-matrices, q/k/v fused head by head, a parallel block on two LayerNorms, checkpoints under their own
-names and config keys; against transformers, and the settings refused."""
+"""GPT-2, GPTBigCode (StarCoder), OPT, GPT-NeoX (Pythia) and GPT-J: learned absolute positions,
+Conv1D matrices, q/k/v fused head by head, a parallel block on two LayerNorms (or one, GPT-J's, its
+heads partly rotated in pairs), checkpoints under their own names and config keys; against
+transformers, and the settings refused."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from inflight.model.llama import LlamaModel
 from inflight.model.loaded import LoadedModel
 from inflight.model.loader import load_checkpoint, resolve_model
 
-GPT_FAMILY = ["gpt2", "gpt_bigcode", "opt", "gpt_neox"]
+GPT_FAMILY = ["gpt2", "gpt_bigcode", "opt", "gpt_neox", "gptj"]
 
 
 @pytest.mark.parametrize("arch", GPT_FAMILY)
@@ -39,8 +40,8 @@ def test_the_gpt_family_matches_transformers_from_fp32_and_16_bits(tmp_path, arc
         assert (config.architecture, config.hidden_size, config.num_heads, config.intermediate_size) == (
             arch, 128, 2, 512)
         assert config.num_kv_heads == (1 if arch == "gpt_bigcode" else 2)
-        assert config.position_offset == {"opt": 2, "gpt_neox": None}.get(arch, 0)
-        assert config.rotary_dim == (16 if arch == "gpt_neox" else None)
+        assert config.position_offset == {"opt": 2, "gpt_neox": None, "gptj": None}.get(arch, 0)
+        assert config.rotary_dim == {"gpt_neox": 16, "gptj": 32}.get(arch)
         ours = LlamaModel(config, weights, torch.device("cpu"))
         if source.name == "half":  # as the engine loads it: the 16-bit matrices packed as stored
             save_word_tokenizer(source, 320)

@@ -617,6 +617,10 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
             getattr(transformers, f"{kind}Config")(**{
                 "vocab_size": vocab, "n_embd": 128, "n_layer": TINY["layers"], "n_head": 2, "n_positions": 256,
                 "n_inner": TINY["intermediate"], "bos_token_id": 1, "eos_token_id": 2, **fields}))
+    elif arch == "gptj":  # a parallel block on one LayerNorm, the first 32 dims of each 64-wide head rotated in pairs
+        model = transformers.GPTJForCausalLM(transformers.GPTJConfig(**{
+            "vocab_size": vocab, "n_embd": 128, "n_layer": TINY["layers"], "n_head": 2, "n_positions": 256,
+            "n_inner": TINY["intermediate"], "rotary_dim": 32, "bos_token_id": 1, "eos_token_id": 2, **fields}))
     elif arch == "opt":  # learned positions from row 2, a ReLU MLP
         model = transformers.OPTForCausalLM(transformers.OPTConfig(**{
             "vocab_size": vocab, "hidden_size": 128, "num_hidden_layers": TINY["layers"], "num_attention_heads": 2,
@@ -1322,7 +1326,7 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
                                   "ernie4_5", "ministral3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe",
                                   "gpt_oss", "seed_oss", "arcee", "glm4_moe", "phi", "stablelm", "cohere2",
                                   "ernie4_5_moe", "apertus", "hunyuan_v1_dense", "lfm2", "lfm2_moe", "deepseek_v2",
-                                  "deepseek_v3", "glm4_moe_lite", "gpt2", "gpt_bigcode", "opt", "gpt_neox"])
+                                  "deepseek_v3", "glm4_moe_lite", "gpt2", "gpt_bigcode", "opt", "gpt_neox", "gptj"])
 def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arch):
     """Through the engine as a user runs it: the directory's own tokenizer and chat template, a
     batch of chats (longer than Gemma's 24-token window) in small prefill chunks, the prefix cache

@@ -574,6 +574,15 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                      ("embed_positions.", "model.embed_positions."), ("final_layer_norm.", "model.norm."))),
                  learned_positions=2, hf_keys={"ffn_dim": "intermediate_size", "activation_function": "hidden_act"},
                  hf_defaults={"tie_word_embeddings": True, "layer_norm_eps": 1e-5}),
+    # GPT-J (GPT-J-6B and its fine-tunes): attention and an ungated GELU MLP (tanh) side by side on one
+    # LayerNorm, as Phi-2's; q, k and v apart without biases, the MLP's and the LM head's with them;
+    # the first `rotary_dim` dims of each head rotated as interleaved pairs; GPT-2's names and keys
+    Architecture("gptj", plan=PARALLEL_GELU_LAYER, norms={"input_norm": "ln_1.weight"},
+                 matmuls={"qkv": ("attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight"),
+                          "o": ("attn.out_proj.weight",), "gate_up": ("mlp.fc_in.weight",),
+                          "down": ("mlp.fc_out.weight",)},
+                 hf_prefixes=_GPT2.hf_prefixes, hf_ignored=_GPT2.hf_ignored, interleaved_rotary=True,
+                 hf_keys=_GPT2.hf_keys, hf_defaults={"tie_word_embeddings": False, "layer_norm_eps": 1e-5}),
     Architecture("gpt_neox", plan=PARALLEL_TWO_NORM_GELU_LAYER,
                  matmuls={"qkv": ("attention.query_key_value.weight",), "o": ("attention.dense.weight",),
                           "gate_up": ("mlp.dense_h_to_4h.weight",), "down": ("mlp.dense_4h_to_h.weight",)},

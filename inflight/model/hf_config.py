@@ -60,7 +60,7 @@ def with_llama_keys(raw: dict[str, Any]) -> dict[str, Any]:
     """A config whose architecture names its settings its own way (GPT-2's n_embd, OPT's ffn_dim)
     under the names `parse_hf_config` reads, its class's defaults where it leaves a setting out;
     GPT-2's MLP 4 x hidden_size wide where n_inner is null, GPTBigCode's `multi_query` as one
-    K/V head. Any other config as it is."""
+    K/V head, GPT-J's `rotary_dim` as a share of each head. Any other config as it is."""
     row = ARCHITECTURES.get(str(raw.get("model_type")))
     if row is None or not (row.hf_keys or row.hf_defaults):
         return raw
@@ -69,6 +69,9 @@ def with_llama_keys(raw: dict[str, Any]) -> dict[str, Any]:
     if row.hf_keys.get("n_inner") == "intermediate_size" and out.get("intermediate_size") is None and isinstance(
             out.get("hidden_size"), int):  # (a config without it is refused by parse_hf_config)
         out["intermediate_size"] = 4 * out["hidden_size"]
+    if out.get("rotary_dim") is not None and isinstance(out.get("hidden_size"), int) and isinstance(
+            out.get("num_attention_heads"), int):  # GPT-J's rotated dims, as a share of each head
+        out["partial_rotary_factor"] = out["rotary_dim"] / (out["hidden_size"] // out["num_attention_heads"])
     if "multi_query" in out:
         out["num_key_value_heads"] = 1 if out.pop("multi_query") else out.get("num_attention_heads")
     return out
@@ -182,7 +185,7 @@ READ_KEYS = frozenset({
     # GPT-2's, GPTBigCode's, OPT's and GPT-NeoX's names for the settings above (`Architecture.hf_keys`),
     # GPTBigCode's one K/V head, and OPT's embedding width (refused where not hidden_size)
     "n_embd", "n_layer", "n_head", "n_positions", "n_inner", "layer_norm_epsilon", "activation_function",
-    "ffn_dim", "rotary_pct", "rotary_emb_base", "multi_query", "word_embed_proj_dim",
+    "ffn_dim", "rotary_pct", "rotary_emb_base", "multi_query", "word_embed_proj_dim", "rotary_dim",
 })
 # Config keys without effect on a forward pass in inference: training settings, bookkeeping,
 # generation defaults; and `mlp_bias`, whose biases are read from the checkpoint where they are.
