@@ -7,12 +7,14 @@ per architecture with that many requests (300-token prompts) decoding; the archi
 turns, a median of five steps each per round.
 
     .venv/bin/python benchmarks/architectures_bench.py [--requests 64,1] [--rounds 4] [--archs ...]
+    .venv/bin/python benchmarks/architectures_bench.py --archs llama_mha,gpt2,opt,gpt_neox,gptj   # the GPT family
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -22,6 +24,7 @@ from inflight import LLM, SamplingParams
 from inflight.model.hf_config import parse_hf_config
 from inflight.model.llama import LlamaModel
 from inflight.model.loaded import LoadedModel
+from inflight.model.loader import load_checkpoint, resolve_model
 
 SHAPES = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
               num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, rms_norm_eps=1e-5,
@@ -32,7 +35,7 @@ def transformers_model(arch: str) -> Any:
     import transformers
 
     extra: dict[str, dict[str, Any]] = {
-        "llama": {}, "qwen3": {"head_dim": 64}, "olmo2": {}, "granite": {
+        "llama": {}, "llama_mha": {"num_key_value_heads": 9}, "qwen3": {"head_dim": 64}, "olmo2": {}, "granite": {
             "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.125,
             "logits_scaling": 8.0},
         "smollm3": {"pad_token_id": 0}, "phi3": {"sliding_window": None, "pad_token_id": 0},
@@ -40,19 +43,44 @@ def transformers_model(arch: str) -> Any:
         "gemma2": {"head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 128},
         "gemma3_text": {"head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 128},
     }
-    classes = {"llama": "Llama", "qwen3": "Qwen3", "olmo2": "Olmo2", "granite": "Granite", "smollm3": "SmolLM3",
-               "phi3": "Phi3", "gemma2": "Gemma2", "gemma3_text": "Gemma3"}
+    torch.manual_seed(0)
+    if arch in GPT_SHAPES:  # every head its own K and V (no grouped heads in these models)
+        name, settings = GPT_SHAPES[arch]
+        head = getattr(transformers, f"{name}ForCausalLM", None) or getattr(transformers, f"{name}LMHeadModel")
+        return head(getattr(transformers, f"{name}Config")(**settings)).eval()
+    classes = {"llama": "Llama", "llama_mha": "Llama", "qwen3": "Qwen3", "olmo2": "Olmo2", "granite": "Granite",
+               "smollm3": "SmolLM3", "phi3": "Phi3", "gemma2": "Gemma2", "gemma3_text": "Gemma3"}
     name = classes[arch]
     config_class = getattr(transformers, "Gemma3TextConfig" if arch == "gemma3_text" else f"{name}Config")
-    torch.manual_seed(0)
-    return getattr(transformers, f"{name}ForCausalLM")(config_class(**SHAPES, **extra[arch])).eval()
+    settings = {**SHAPES, **extra[arch]}
+    return getattr(transformers, f"{name}ForCausalLM")(config_class(**settings)).eval()
+
+
+# The GPT family at the same widths under their own config keys (against `llama_mha`, Llama's layer with
+# as many K/V heads as query heads, as theirs): learned positions (GPT-2, OPT), a
+# parallel block on two LayerNorms (GPT-NeoX) or one (GPT-J), a quarter or a half of each head rotated.
+_GPT2_KEYS = dict(vocab_size=49152, n_embd=576, n_layer=30, n_head=9, n_inner=1536, n_positions=2048)
+GPT_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "gpt2": ("GPT2", _GPT2_KEYS),
+    "opt": ("OPT", dict(vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9, ffn_dim=1536,
+                        max_position_embeddings=2048, word_embed_proj_dim=576)),
+    "gpt_neox": ("GPTNeoX", dict(vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                                 intermediate_size=1536, max_position_embeddings=2048)),
+    "gptj": ("GPTJ", {**_GPT2_KEYS, "rotary_dim": 32}),
+}
 
 
 def load(arch: str, tokenizer: Any) -> LoadedModel:
     """The architecture's LoadedModel, its weights as transformers initialized them (Gemma's
-    norm scales stored as 1 + w, as the loader stores them)."""
+    norm scales stored as 1 + w, as the loader stores them; the GPT family's read from a saved
+    checkpoint, as their names and layouts are their own)."""
     model = transformers_model(arch)
-    config = parse_hf_config({**model.config.to_dict(), "model_type": arch})
+    if arch in GPT_SHAPES:
+        with tempfile.TemporaryDirectory() as tmp:
+            model.save_pretrained(tmp, safe_serialization=True)
+            config, weights = load_checkpoint(resolve_model(tmp), torch.float32)
+        return LoadedModel(arch, LlamaModel(config, weights, torch.device("cpu")), tokenizer)
+    config = parse_hf_config({**model.config.to_dict(), "model_type": arch.removesuffix("_mha")})
     weights = {name: t.detach().float() for name, t in model.state_dict().items()}
     if arch.startswith("gemma"):
         weights = {name: t + 1 if name.endswith("norm.weight") else t for name, t in weights.items()}
