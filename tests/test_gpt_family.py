@@ -1,7 +1,7 @@
-"""GPT-2, GPTBigCode (StarCoder), OPT, GPT-NeoX (Pythia) and GPT-J: learned absolute positions,
-Conv1D matrices, q/k/v fused head by head, a parallel block on two LayerNorms (or one, GPT-J's, its
-heads partly rotated in pairs), checkpoints under their own names and config keys; against
-transformers, and the settings refused."""
+"""GPT-2, GPTBigCode (StarCoder), OPT, GPT-NeoX (Pythia), GPT-J and Falcon: learned absolute
+positions, Conv1D matrices, q/k/v fused head by head or in K/V groups, a parallel block on two
+LayerNorms (or one, GPT-J's and Falcon's), checkpoints under their own names and config keys;
+against transformers, and the settings refused."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from inflight.model.llama import LlamaModel
 from inflight.model.loaded import LoadedModel
 from inflight.model.loader import load_checkpoint, resolve_model
 
-GPT_FAMILY = ["gpt2", "gpt_bigcode", "opt", "gpt_neox", "gptj"]
+GPT_FAMILY = ["gpt2", "gpt_bigcode", "opt", "gpt_neox", "gptj", "falcon"]
 
 
 @pytest.mark.parametrize("arch", GPT_FAMILY)
@@ -38,9 +38,9 @@ def test_the_gpt_family_matches_transformers_from_fp32_and_16_bits(tmp_path, arc
     for source, reference in [(tmp_path / "hf", model), (tmp_path / "half", rounded)]:
         config, weights = load_checkpoint(resolve_model(str(source)), torch.float32)
         assert (config.architecture, config.hidden_size, config.num_heads, config.intermediate_size) == (
-            arch, 128, 2, 512)
-        assert config.num_kv_heads == (1 if arch == "gpt_bigcode" else 2)
-        assert config.position_offset == {"opt": 2, "gpt_neox": None, "gptj": None}.get(arch, 0)
+            arch, 128, 4 if arch == "falcon" else 2, 512)
+        assert config.num_kv_heads == {"gpt_bigcode": 1, "falcon": 1}.get(arch, 2)
+        assert config.position_offset == {"opt": 2, "gpt_neox": None, "gptj": None, "falcon": None}.get(arch, 0)
         assert config.rotary_dim == {"gpt_neox": 16, "gptj": 32}.get(arch)
         ours = LlamaModel(config, weights, torch.device("cpu"))
         if source.name == "half":  # as the engine loads it: the 16-bit matrices packed as stored
@@ -48,6 +48,25 @@ def test_the_gpt_family_matches_transformers_from_fp32_and_16_bits(tmp_path, arc
             ours = LoadedModel.load(str(source), torch.float32, torch.device("cpu")).model
             assert ours.layers[0].qkv.blocks is not None and ours.layers[0].down.blocks is not None
         torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(reference, ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("fields", "kv_heads"), [
+    ({"multi_query": False}, 4),  # every head its own K and V, q/k/v stored head by head
+    ({"new_decoder_architecture": True, "num_kv_heads": 2, "num_ln_in_parallel_attn": 1}, 2),  # Falcon2-11B's
+], ids=["heads", "kv-groups"])
+def test_falcons_fused_qkv_in_each_of_its_layouts_matches_transformers(tmp_path, fields, kv_heads):
+    """Falcon's other two layouts of the fused projection (the one K/V head's, `multi_query`, is
+    the default above): transformers' logits within 1e-4 through both interpreters."""
+    model = tiny_hf_model("falcon", **fields)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    config, weights = load_checkpoint(resolve_model(str(tmp_path)), torch.float32)
+    assert config.num_kv_heads == kv_heads
+    ids = list(range(5, 5 + 60))
+    ours = LlamaModel(config, weights, torch.device("cpu"))
+    compiled = inflight_logits(ours, ids)
+    torch.testing.assert_close(compiled, hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+    ours.decoder_stack = None
+    assert torch.equal(inflight_logits(ours, ids), compiled)
 
 
 def test_gpt2_as_openai_published_it(tmp_path):
@@ -82,6 +101,9 @@ def test_gpt2_as_openai_published_it(tmp_path):
     ("gpt2", "activation_function", "relu", "hidden_act"),
     ("gpt_neox", "use_parallel_residual", False, "use_parallel_residual"),
     ("gpt_neox", "hidden_act", "gelu_new", "hidden_act"),
+    ("falcon", "alibi", True, "alibi"),
+    ("falcon", "parallel_attn", False, "parallel_attn"),
+    ("falcon", "new_decoder_architecture", True, "num_ln_in_parallel_attn = 2"),  # Falcon-40B's two LayerNorms
 ])
 def test_gpt_family_settings_inflight_does_not_compute_are_refused(tmp_path, arch, key, value, match):
     assert_setting_refused(tmp_path, arch, key, value, match)

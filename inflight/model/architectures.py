@@ -35,6 +35,7 @@ from inflight.model.layer_plan import (
     XIELU_LAYER,
     Op,
     Step,
+    with_activation,
     with_routed_experts,
 )
 
@@ -231,9 +232,11 @@ class Architecture:
     hf_ignored: tuple[str, ...] = ()
     # The layer matrices a checkpoint stores `[in, out]` (GPT-2's Conv1D), transposed as read.
     hf_transposed: tuple[str, ...] = ()
-    # The fused q/k/v projection a checkpoint stores head by head (each head's q, k and v rows
-    # together: GPT-NeoX's), reordered as read to all q rows, then k's, then v's.
-    hf_qkv_per_head: bool = False
+    # The config key counting the groups a checkpoint stores its fused q/k/v projection in, each
+    # group's q heads then its k and v head (GPT-NeoX's: every head a group, its q, k and v rows
+    # together; Falcon's: `fused_qkv_groups`, `with_llama_keys`' reading), reordered as read to all q
+    # rows, then k's, then v's; None (or 0 groups): stored in that order already.
+    hf_qkv_groups: str | None = None
     # Learned absolute positions (`ModelConfig.position_offset`): the table's row for position p is
     # p + this (OPT's 2); None: none (the layers rotate, or nothing says where a token is).
     learned_positions: int | None = None
@@ -583,12 +586,31 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                           "down": ("mlp.fc_out.weight",)},
                  hf_prefixes=_GPT2.hf_prefixes, hf_ignored=_GPT2.hf_ignored, interleaved_rotary=True,
                  hf_keys=_GPT2.hf_keys, hf_defaults={"tie_word_embeddings": False, "layer_norm_eps": 1e-5}),
+    # Falcon (7B and its instruct, Falcon2-11B): attention and an ungated exact-GELU MLP side by side on
+    # one LayerNorm, as Command R's; one K/V head (`multi_query`) or `num_kv_heads` (its newer layers),
+    # q/k/v fused in groups; no biases (`bias`: read where the checkpoint has them); NeoX's rotary
+    Architecture("falcon", plan=with_activation(PARALLEL_LAYER, Op.GELU), norms=_INPUT_NORM_ONLY,
+                 matmuls={"qkv": ("self_attention.query_key_value.weight",), "o": ("self_attention.dense.weight",),
+                          "gate_up": ("mlp.dense_h_to_4h.weight",), "down": ("mlp.dense_4h_to_h.weight",)},
+                 hf_prefixes=(("transformer.h.", "model.layers."), ("transformer.ln_f.", "model.norm."),
+                              ("transformer.word_embeddings.", "model.embed_tokens.")),
+                 hf_qkv_groups="fused_qkv_groups", gguf_interleaved_qk=False,
+                 hf_keys={"layer_norm_epsilon": "layer_norm_eps", "ffn_hidden_size": "intermediate_size",
+                          "activation": "hidden_act", "n_embed": "hidden_size", "n_head": "num_attention_heads",
+                          "n_layer": "num_hidden_layers"},
+                 hf_defaults={"tie_word_embeddings": True, "layer_norm_eps": 1e-5, "parallel_attn": True,
+                              "alibi": False, "new_decoder_architecture": False, "multi_query": True},
+                 gguf_names={"attn_qkv.weight": "self_attention.query_key_value.weight",
+                             "attn_output.weight": "self_attention.dense.weight",
+                             "ffn_up.weight": "mlp.dense_h_to_4h.weight",
+                             "ffn_down.weight": "mlp.dense_4h_to_h.weight"}),
     Architecture("gpt_neox", plan=PARALLEL_TWO_NORM_GELU_LAYER,
                  matmuls={"qkv": ("attention.query_key_value.weight",), "o": ("attention.dense.weight",),
                           "gate_up": ("mlp.dense_h_to_4h.weight",), "down": ("mlp.dense_4h_to_h.weight",)},
                  hf_prefixes=(("gpt_neox.layers.", "model.layers."), ("gpt_neox.embed_in.", "model.embed_tokens."),
                               ("gpt_neox.final_layer_norm.", "model.norm."), ("embed_out.", "lm_head.")),
-                 hf_ignored=("attention.bias", "attention.masked_bias"), hf_qkv_per_head=True,
+                 hf_ignored=("attention.bias", "attention.masked_bias"),
+                 hf_qkv_groups="num_attention_heads",
                  hf_partial_rotary_factor=0.25, gguf_interleaved_qk=False,
                  hf_keys={"rotary_pct": "partial_rotary_factor", "rotary_emb_base": "rope_theta"},
                  hf_defaults={"layer_norm_eps": 1e-5, "use_parallel_residual": True},

@@ -60,7 +60,8 @@ def with_llama_keys(raw: dict[str, Any]) -> dict[str, Any]:
     """A config whose architecture names its settings its own way (GPT-2's n_embd, OPT's ffn_dim)
     under the names `parse_hf_config` reads, its class's defaults where it leaves a setting out;
     GPT-2's MLP 4 x hidden_size wide where n_inner is null, GPTBigCode's `multi_query` as one
-    K/V head, GPT-J's `rotary_dim` as a share of each head. Any other config as it is."""
+    K/V head, GPT-J's `rotary_dim` as a share of each head, Falcon's K/V heads and the groups its
+    fused q/k/v projection is stored in (`fused_qkv_groups`). Any other config as it is."""
     row = ARCHITECTURES.get(str(raw.get("model_type")))
     if row is None or not (row.hf_keys or row.hf_defaults):
         return raw
@@ -72,7 +73,12 @@ def with_llama_keys(raw: dict[str, Any]) -> dict[str, Any]:
     if out.get("rotary_dim") is not None and isinstance(out.get("hidden_size"), int) and isinstance(
             out.get("num_attention_heads"), int):  # GPT-J's rotated dims, as a share of each head
         out["partial_rotary_factor"] = out["rotary_dim"] / (out["hidden_size"] // out["num_attention_heads"])
-    if "multi_query" in out:
+    if "new_decoder_architecture" in out:  # Falcon's K/V heads, and the groups its fused q/k/v is stored in
+        heads, newer = out.get("num_attention_heads"), out["new_decoder_architecture"]
+        kv = out.get("num_kv_heads") or heads
+        out["num_key_value_heads"] = kv if newer or not out.get("multi_query") else 1
+        out["fused_qkv_groups"] = kv if newer else 0 if out.get("multi_query") else heads
+    elif "multi_query" in out:
         out["num_key_value_heads"] = 1 if out.pop("multi_query") else out.get("num_attention_heads")
     return out
 
@@ -147,6 +153,11 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "scale_attn_weights": (None, True),
     "scale_attn_by_inverse_layer_idx": (None, False),
     "add_cross_attention": (None, False),
+    # Falcon's: rotary (not ALiBi), a parallel block (not a sequential one), on one LayerNorm (its
+    # 40B's and 180B's two)
+    "alibi": (None, False),
+    "parallel_attn": (None, True),
+    "num_ln_in_parallel_attn": (None, 1),
     # OPT's: a LayerNorm before each block (350M's after), with scales, and after the last layer
     "do_layer_norm_before": (None, True),
     "layer_norm_elementwise_affine": (None, True),
@@ -186,6 +197,8 @@ READ_KEYS = frozenset({
     # GPTBigCode's one K/V head, and OPT's embedding width (refused where not hidden_size)
     "n_embd", "n_layer", "n_head", "n_positions", "n_inner", "layer_norm_epsilon", "activation_function",
     "ffn_dim", "rotary_pct", "rotary_emb_base", "multi_query", "word_embed_proj_dim", "rotary_dim",
+    # Falcon's names (and its K/V heads' and fused q/k/v's reading, above)
+    "ffn_hidden_size", "activation", "num_kv_heads", "new_decoder_architecture", "n_embed",
 })
 # Config keys without effect on a forward pass in inference: training settings, bookkeeping,
 # generation defaults; and `mlp_bias`, whose biases are read from the checkpoint where they are.
@@ -221,6 +234,8 @@ NO_EFFECT_KEYS = frozenset({
     "dropout", "layerdrop", "init_std", "enable_bias",
     # GPT-NeoX's: a classification head's dropout, and whether its attention is causal (always, here)
     "classifier_dropout", "is_decoder",
+    # Falcon's biases, read from the checkpoint where they are
+    "bias",
 })
 # Keys of `rope_scaling` / `rope_parameters`, and the rope types `rope_inv_freq` computes.
 ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
@@ -265,6 +280,10 @@ def refuse_unsupported(raw: dict[str, Any], path: Path) -> None:
     if raw.get("use_qk_norm") and arch.hf_qk_norm_key != "use_qk_norm":  # Command R+'s per-head LayerNorms
         raise ModelLoadError(f"{path}: use_qk_norm = true changes the model's arithmetic in a way inflight does not "
                              f"compute yet for {arch.name}")
+    if raw.get("new_decoder_architecture") and raw.get("num_ln_in_parallel_attn") != 1:  # (None there means 2)
+        raise ModelLoadError(f"{path}: new_decoder_architecture with num_ln_in_parallel_attn = "
+                             f"{raw.get('num_ln_in_parallel_attn') or 2}: inflight computes Falcon's parallel block "
+                             "on one LayerNorm only (Falcon-40B's and 180B's have two)")
     width = raw.get("word_embed_proj_dim")  # OPT-350M's embeddings, projected in and out of the layers
     if width is not None and width != raw.get("hidden_size"):
         raise ModelLoadError(f"{path}: word_embed_proj_dim = {width} projects the embeddings in and out of the "

@@ -1202,9 +1202,9 @@ class _Stored(NamedTuple):
     # (`name + "_blocks"` in `file`).
     scales_file: Path | None = None
     # How the file lays it out where not as the model reads it: "transposed" (GPT-2's Conv1D, `[in,
-    # out]`), or "qkv_per_head" (GPT-NeoX's fused q/k/v, each head's q, k and v rows together), with
-    # the number of heads.
-    layout: tuple[str, int] | None = None
+    # out]`), or "qkv_groups" (a fused q/k/v in groups of q heads each beside its k and v: GPT-NeoX's,
+    # Falcon's), with the number of q heads and of groups.
+    layout: tuple[str, int, int] | None = None
 
 
 # transformers' MXFP4 (gpt-oss's checkpoints, `quantization_config` mxfp4): a tensor `X` stored as
@@ -1257,7 +1257,7 @@ def _hf_header(path: Path) -> dict[str, _Stored]:
                     if name is not None and "rotary_emb" not in name and not mtp(name):
                         piece = f.get_slice(stored)
                         shape = tuple(piece.get_shape())
-                        layout = _layout(name, row, int(text.get("num_attention_heads") or 0))
+                        layout = _layout(name, row, text)
                         if layout is not None and layout[0] == "transposed":
                             shape = shape[::-1]
                         header[name] = _Stored(file, stored, piece.get_dtype(), shape, layout=layout)
@@ -1278,29 +1278,33 @@ def _llama_name(name: str, row: Architecture | None) -> str | None:
     return ours
 
 
-def _layout(name: str, row: Architecture | None, heads: int) -> tuple[str, int] | None:
-    """How a checkpoint lays out this tensor where not as the model reads it (`_Stored.layout`)."""
-    if row is None or not (row.hf_transposed or row.hf_qkv_per_head) or not name.startswith("model.layers."):
+def _layout(name: str, row: Architecture | None, text: dict[str, Any]) -> tuple[str, int, int] | None:
+    """How a checkpoint lays out this tensor where not as the model reads it (`_Stored.layout`),
+    from the config's `text` (under `with_llama_keys`' names)."""
+    if row is None or not (row.hf_transposed or row.hf_qkv_groups) or not name.startswith("model.layers."):
         return None
     part = name.split(".", 3)[-1]
     if part in row.hf_transposed:
-        return "transposed", heads
+        return "transposed", 0, 0
     qkv = row.matmuls["qkv"][0].removesuffix(".weight")
-    if row.hf_qkv_per_head and part in (f"{qkv}.weight", f"{qkv}.bias"):
-        return "qkv_per_head", heads
+    groups = int(text.get(row.hf_qkv_groups) or 0) if row.hf_qkv_groups else 0
+    if groups and part in (f"{qkv}.weight", f"{qkv}.bias"):
+        return "qkv_groups", int(text["num_attention_heads"]), groups
     return None
 
 
-def _as_read(value: torch.Tensor, layout: tuple[str, int] | None) -> torch.Tensor:
+def _as_read(value: torch.Tensor, layout: tuple[str, int, int] | None) -> torch.Tensor:
     """A tensor as the model reads it, from the file's `layout` (`_Stored.layout`)."""
     if layout is None:
         return value
-    kind, heads = layout
+    kind, heads, groups = layout
     if kind == "transposed":
         return value.t().contiguous()
-    # [heads, (q, k, v), head_dim, ...] -> [(q, k, v), heads, head_dim, ...]
-    grouped = value.reshape(heads, 3, value.shape[0] // (3 * heads), *value.shape[1:])
-    return grouped.transpose(0, 1).reshape(value.shape).contiguous()
+    # [groups, (the group's q heads, k, v), head_dim, ...] -> every q head, then every k, then every v
+    per_group = heads // groups + 2
+    grouped = value.reshape(groups, per_group, value.shape[0] // (groups * per_group), *value.shape[1:])
+    q, k, v = grouped.split([per_group - 2, 1, 1], dim=1)
+    return torch.cat([part.reshape(-1, *value.shape[1:]) for part in (q, k, v)]).contiguous()
 
 
 def _mxfp4_entries(header: dict[str, _Stored], path: Path, model_type: str) -> dict[str, _Stored]:
