@@ -188,6 +188,8 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt_bigcode": ("GPTBigCode", {"n_inner": None, "n_positions": 256, "multi_query": True,
                                    "layer_norm_epsilon": 1e-5}),
     "gpt_neox": ("GPTNeoX", {"rotary_pct": 0.25, "layer_norm_eps": 1e-5, "use_parallel_residual": True}),
+    # OLMo (1): Llama's layer on LayerNorms without scale or bias (none in the file either)
+    "olmo": ("Olmo", {}),
     # Falcon's newer layer (Falcon2-11B's): q/k/v fused in K/V groups (its converter reorders them), one LayerNorm
     # for the parallel block, no biases, an MLP 4 x hidden wide (its converter's rule)
     "falcon": ("Falcon", {"new_decoder_architecture": True, "num_kv_heads": 1, "num_ln_in_parallel_attn": 1,

@@ -77,7 +77,7 @@ def test_compiled_layers_equal_python_loop(make_llm, model, options):
                                   "gpt_oss", "arcee", "glm4_moe", "phi", "stablelm", "starcoder2", "cohere2",
                                   "nemotron", "ernie4_5_moe", "apertus", "hunyuan_v1_dense", "lfm2",
                                   "lfm2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "gpt2", "gpt_bigcode",
-                                  "opt", "gpt_neox", "gptj", "falcon"])
+                                  "opt", "gpt_neox", "gptj", "falcon", "olmo"])
 def test_every_architecture_runs_compiled_as_the_python_loop(tmp_path, arch):
     """Each architecture's plan (sandwich and post norms, q/k norm, GeGLU, scaled residuals,
     NoPE layers, sliding windows with their own rotary base, soft-capping, routed experts with a

@@ -109,6 +109,26 @@ def test_gpt_family_settings_inflight_does_not_compute_are_refused(tmp_path, arc
     assert_setting_refused(tmp_path, arch, key, value, match)
 
 
+def test_olmo_matches_transformers_and_its_clipped_qkv_is_refused(tmp_path):
+    """OLMo 1's LayerNorms carry no weights: a scale of ones, no bias, transformers' logits within
+    1e-4 from fp32 and bf16 (packed as stored); `clip_qkv` (OLMo 1.7's) refused by name."""
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_hf_model("olmo")
+    assert not [name for name, _ in model.named_parameters() if "norm" in name]
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(tmp_path / "half", safe_serialization=True)
+    save_word_tokenizer(tmp_path / "half", 320)
+    rounded = AutoModelForCausalLM.from_pretrained(tmp_path / "half", dtype=torch.float32).eval()
+    ids = list(range(5, 5 + 90))
+    config, weights = load_checkpoint(resolve_model(str(tmp_path / "hf")), torch.float32)
+    torch.testing.assert_close(inflight_logits(LlamaModel(config, weights, torch.device("cpu")), ids),
+                               hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+    half = LoadedModel.load(str(tmp_path / "half"), torch.float32, torch.device("cpu")).model
+    torch.testing.assert_close(inflight_logits(half, ids), hf_logits(rounded, ids), atol=1e-4, rtol=1e-4)
+    assert_setting_refused(tmp_path / "clipped", "olmo", "clip_qkv", 8.0, "clip_qkv")
+
+
 def test_learned_positions_bound_the_context(tmp_path):
     """A table of 256 positions serves 256 and no more: the engine's context is capped there (a
     request up to the last position is served, one past it refused by its length), and a config

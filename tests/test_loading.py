@@ -621,6 +621,8 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
         model = transformers.GPTJForCausalLM(transformers.GPTJConfig(**{
             "vocab_size": vocab, "n_embd": 128, "n_layer": TINY["layers"], "n_head": 2, "n_positions": 256,
             "n_inner": TINY["intermediate"], "rotary_dim": 32, "bos_token_id": 1, "eos_token_id": 2, **fields}))
+    elif arch == "olmo":  # OLMo 1: Llama's layer on LayerNorms without scale or bias
+        model = transformers.OlmoForCausalLM(transformers.OlmoConfig(**{**common, **fields}))
     elif arch == "falcon":  # a parallel block on one LayerNorm, q/k/v fused (in K/V groups: new_decoder_architecture)
         model = transformers.FalconForCausalLM(transformers.FalconConfig(**{
             "vocab_size": vocab, "hidden_size": 128, "num_hidden_layers": TINY["layers"], "num_attention_heads": 4,
@@ -1260,7 +1262,7 @@ def test_a_token_alone_through_routed_experts_is_its_row_of_a_batch():
                                   "starcoder2", "cohere", "cohere2", "nemotron", "ernie4_5_moe", "apertus",
                                   "hunyuan_v1_dense", "lfm2", "lfm2_moe", "deepseek_v2", "deepseek_v3",
                                   "deepseek_v3_grouped", "glm4_moe_lite", "gpt2", "gpt_bigcode", "gpt_neox",
-                                  "falcon"])
+                                  "falcon", "olmo"])
 def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_path, monkeypatch, arch):
     """The GGUF file llama.cpp's `convert_hf_to_gguf.py` made of a tiny checkpoint of each
     architecture (tests/converter_fixtures.py; its names, row orders, norm offsets, stacked
@@ -1333,7 +1335,7 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
                                   "gpt_oss", "seed_oss", "arcee", "glm4_moe", "phi", "stablelm", "cohere2",
                                   "ernie4_5_moe", "apertus", "hunyuan_v1_dense", "lfm2", "lfm2_moe", "deepseek_v2",
                                   "deepseek_v3", "glm4_moe_lite", "gpt2", "gpt_bigcode", "opt", "gpt_neox", "gptj",
-                                  "falcon"])
+                                  "falcon", "olmo"])
 def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arch):
     """Through the engine as a user runs it: the directory's own tokenizer and chat template, a
     batch of chats (longer than Gemma's 24-token window) in small prefill chunks, the prefix cache

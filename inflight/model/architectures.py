@@ -244,6 +244,9 @@ class Architecture:
     # hidden_size), and the settings' values where a config leaves them out (its class's defaults).
     hf_keys: dict[str, str] = field(default_factory=dict)
     hf_defaults: dict[str, Any] = field(default_factory=dict)
+    # LayerNorms without a scale (OLMo's, in its checkpoints and llama.cpp's files alike): a scale of
+    # ones where the weights hold none.
+    weightless_norms: bool = False
 
     @property
     def layer_matmul_groups(self) -> list[tuple[str, ...]]:
@@ -421,6 +424,9 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     # position: the plain rotary.
     Architecture("qwen2_5_vl_text", gguf_interleaved_qk=False),
     Architecture("qwen3_vl_text", plan=QK_NORM_LAYER, extra_weights=_QK_NORM, gguf_interleaved_qk=False),
+    # OLMo (1B, 7B, 1.7: its `-hf` checkpoints): Llama's layer on LayerNorms without scale or bias
+    # (eps 1e-5, fixed); q/k/v clipped (`clip_qkv`; GGUF `clamp_kqv`) refused
+    Architecture("olmo", plan=LAYER_NORM_LAYER, weightless_norms=True, hf_defaults={"layer_norm_eps": 1e-5}),
     # OLMo 3's files say olmo2: its windows, every fourth layer global where a file does not list them
     Architecture("olmo2", plan=POST_NORM_LAYER, norms=_POST_NORMS, extra_weights=_QK_NORM, gguf_interleaved_qk=False,
                  window_pattern=4, local_rope_unscaled=True),

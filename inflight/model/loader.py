@@ -160,6 +160,11 @@ def load_checkpoint(source: ModelSource, dtype: torch.dtype,
         offset = architecture(config.architecture).hf_norm_offset
         if offset:  # Gemma's RMSNorm scales by (1 + weight): stored as llama.cpp stores them
             weights = {name: t + offset if name.endswith("norm.weight") else t for name, t in weights.items()}
+    row = architecture(config.architecture)
+    if row.weightless_norms:  # OLMo's LayerNorms: a scale of ones
+        norms = [f"model.layers.{i}.{n}" for i in range(config.num_layers) for n in row.norms.values()]
+        for name in [*norms, f"{row.final_norm}.weight"]:
+            weights.setdefault(name, torch.ones(config.hidden_size))
     if "lm_head.weight" not in weights:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     return config, {name: t.to(dtype) for name, t in weights.items()}
@@ -627,6 +632,8 @@ def _gguf_config(reader: Any) -> ModelConfig:
         if value and (allowed is not None and int(value) > allowed):
             raise ModelLoadError(f"{arch}.{key} = {value} changes the model's arithmetic in a way inflight does "
                                  "not compute yet")
+    if gguf_field(reader, f"{arch}.attention.clamp_kqv") is not None:  # OLMo's clip_qkv
+        raise ModelLoadError(f"{arch}.attention.clamp_kqv: inflight does not clip q, k and v")
     parallel = gguf_field(reader, f"{arch}.use_parallel_residual")  # GPT-NeoX's block (llama.cpp reads either)
     if parallel is not None and bool(parallel) != row.hf_defaults.get("use_parallel_residual", False):
         raise ModelLoadError(f"{arch}.use_parallel_residual = {bool(parallel)}: inflight computes {row.name}'s "
