@@ -194,6 +194,9 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     # for the parallel block, no biases, an MLP 4 x hidden wide (its converter's rule)
     "falcon": ("Falcon", {"new_decoder_architecture": True, "num_kv_heads": 1, "num_ln_in_parallel_attn": 1,
                           "bias": False, "layer_norm_epsilon": 1e-5}),
+    # Falcon-40B's: the parallel block on two LayerNorms (llama.cpp's attn_norm_2)
+    "falcon_ln2": ("Falcon", {"new_decoder_architecture": True, "num_kv_heads": 1, "num_ln_in_parallel_attn": 2,
+                              "bias": False, "layer_norm_epsilon": 1e-5}),
     # Command R7B: three sliding layers to one global, which rotates nothing (its converter reads rotary_pct)
     "cohere2": ("Cohere2", {"logit_scale": 0.3, "tie_word_embeddings": True, "pad_token_id": 0, "head_dim": 16,
                             "num_hidden_layers": 4, "sliding_window": 8, "rotary_pct": 1.0}),

@@ -50,17 +50,19 @@ def test_the_gpt_family_matches_transformers_from_fp32_and_16_bits(tmp_path, arc
         torch.testing.assert_close(inflight_logits(ours, ids), hf_logits(reference, ids), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("fields", "kv_heads"), [
-    ({"multi_query": False}, 4),  # every head its own K and V, q/k/v stored head by head
-    ({"new_decoder_architecture": True, "num_kv_heads": 2, "num_ln_in_parallel_attn": 1}, 2),  # Falcon2-11B's
-], ids=["heads", "kv-groups"])
-def test_falcons_fused_qkv_in_each_of_its_layouts_matches_transformers(tmp_path, fields, kv_heads):
+@pytest.mark.parametrize(("fields", "kv_heads", "arch"), [
+    ({"multi_query": False}, 4, "falcon"),  # every head its own K and V, q/k/v stored head by head
+    ({"new_decoder_architecture": True, "num_kv_heads": 2, "num_ln_in_parallel_attn": 1}, 2, "falcon"),  # Falcon2-11B
+    ({"new_decoder_architecture": True, "num_kv_heads": 2}, 2, "falcon_ln2"),  # Falcon-40B's: two LayerNorms
+], ids=["heads", "kv-groups", "two-norms"])
+def test_falcons_fused_qkv_in_each_of_its_layouts_matches_transformers(tmp_path, fields, kv_heads, arch):
     """Falcon's other two layouts of the fused projection (the one K/V head's, `multi_query`, is
-    the default above): transformers' logits within 1e-4 through both interpreters."""
+    the default above), and its 40B's block on two LayerNorms (transformers' reading of a newer
+    layer that does not say how many): transformers' logits within 1e-4 through both interpreters."""
     model = tiny_hf_model("falcon", **fields)
     model.save_pretrained(tmp_path, safe_serialization=True)
     config, weights = load_checkpoint(resolve_model(str(tmp_path)), torch.float32)
-    assert config.num_kv_heads == kv_heads
+    assert (config.num_kv_heads, config.architecture) == (kv_heads, arch)
     ids = list(range(5, 5 + 60))
     ours = LlamaModel(config, weights, torch.device("cpu"))
     compiled = inflight_logits(ours, ids)
@@ -103,7 +105,6 @@ def test_gpt2_as_openai_published_it(tmp_path):
     ("gpt_neox", "hidden_act", "gelu_new", "hidden_act"),
     ("falcon", "alibi", True, "alibi"),
     ("falcon", "parallel_attn", False, "parallel_attn"),
-    ("falcon", "new_decoder_architecture", True, "num_ln_in_parallel_attn = 2"),  # Falcon-40B's two LayerNorms
 ])
 def test_gpt_family_settings_inflight_does_not_compute_are_refused(tmp_path, arch, key, value, match):
     assert_setting_refused(tmp_path, arch, key, value, match)

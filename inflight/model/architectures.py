@@ -247,6 +247,12 @@ class Architecture:
     # LayerNorms without a scale (OLMo's, in its checkpoints and llama.cpp's files alike): a scale of
     # ones where the weights hold none.
     weightless_norms: bool = False
+    # Models of this `model_type` whose layers run another row's plan, each as (config key, its
+    # value, the GGUF tensor of layer 0 that tells such a file, that row's name): Falcon-40B's
+    # parallel block on two LayerNorms. `variant_of`: the row such a variant is of (not a
+    # model_type of its own).
+    variants: tuple[tuple[str, Any, str, str], ...] = ()
+    variant_of: str | None = None
 
     @property
     def layer_matmul_groups(self) -> list[tuple[str, ...]]:
@@ -375,6 +381,25 @@ _GPT2 = Architecture(
 # (NeoX's halves); q/k/v fused head by head
 _GPT_NEOX_NAMES = {"attn_qkv": "attention.query_key_value", "attn_output": "attention.dense",
                    "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h"}
+
+# Falcon (7B and its instruct, Falcon2-11B): attention and an ungated exact-GELU MLP side by side on
+# one LayerNorm, as Command R's; one K/V head (`multi_query`) or `num_kv_heads` (its newer layers),
+# q/k/v fused in groups; no biases (`bias`: read where the checkpoint has them); NeoX's rotary
+_FALCON = Architecture(
+    "falcon", plan=with_activation(PARALLEL_LAYER, Op.GELU), norms=_INPUT_NORM_ONLY,
+    matmuls={"qkv": ("self_attention.query_key_value.weight",), "o": ("self_attention.dense.weight",),
+             "gate_up": ("mlp.dense_h_to_4h.weight",), "down": ("mlp.dense_4h_to_h.weight",)},
+    hf_prefixes=(("transformer.h.", "model.layers."), ("transformer.ln_f.", "model.norm."),
+                 ("transformer.word_embeddings.", "model.embed_tokens.")),
+    hf_qkv_groups="fused_qkv_groups", gguf_interleaved_qk=False,
+    variants=(("num_ln_in_parallel_attn", 2, "attn_norm_2.weight", "falcon_ln2"),),
+    hf_keys={"layer_norm_epsilon": "layer_norm_eps", "ffn_hidden_size": "intermediate_size", "activation": "hidden_act",
+             "n_embed": "hidden_size", "n_head": "num_attention_heads", "n_layer": "num_hidden_layers"},
+    hf_defaults={"tie_word_embeddings": True, "layer_norm_eps": 1e-5, "parallel_attn": True, "alibi": False,
+                 "new_decoder_architecture": False, "multi_query": True},
+    gguf_names={"attn_qkv.weight": "self_attention.query_key_value.weight",
+                "attn_output.weight": "self_attention.dense.weight", "ffn_up.weight": "mlp.dense_h_to_4h.weight",
+                "ffn_down.weight": "mlp.dense_4h_to_h.weight"})
 
 # DeepSeek V2 (V2-Lite): latent attention in every layer, its fused projection the query's (or its
 # low rank's) beside the compressed KV's; the first layers dense, then routed experts chosen by
@@ -592,24 +617,14 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                           "down": ("mlp.fc_out.weight",)},
                  hf_prefixes=_GPT2.hf_prefixes, hf_ignored=_GPT2.hf_ignored, interleaved_rotary=True,
                  hf_keys=_GPT2.hf_keys, hf_defaults={"tie_word_embeddings": False, "layer_norm_eps": 1e-5}),
-    # Falcon (7B and its instruct, Falcon2-11B): attention and an ungated exact-GELU MLP side by side on
-    # one LayerNorm, as Command R's; one K/V head (`multi_query`) or `num_kv_heads` (its newer layers),
-    # q/k/v fused in groups; no biases (`bias`: read where the checkpoint has them); NeoX's rotary
-    Architecture("falcon", plan=with_activation(PARALLEL_LAYER, Op.GELU), norms=_INPUT_NORM_ONLY,
-                 matmuls={"qkv": ("self_attention.query_key_value.weight",), "o": ("self_attention.dense.weight",),
-                          "gate_up": ("mlp.dense_h_to_4h.weight",), "down": ("mlp.dense_4h_to_h.weight",)},
-                 hf_prefixes=(("transformer.h.", "model.layers."), ("transformer.ln_f.", "model.norm."),
-                              ("transformer.word_embeddings.", "model.embed_tokens.")),
-                 hf_qkv_groups="fused_qkv_groups", gguf_interleaved_qk=False,
-                 hf_keys={"layer_norm_epsilon": "layer_norm_eps", "ffn_hidden_size": "intermediate_size",
-                          "activation": "hidden_act", "n_embed": "hidden_size", "n_head": "num_attention_heads",
-                          "n_layer": "num_hidden_layers"},
-                 hf_defaults={"tie_word_embeddings": True, "layer_norm_eps": 1e-5, "parallel_attn": True,
-                              "alibi": False, "new_decoder_architecture": False, "multi_query": True},
-                 gguf_names={"attn_qkv.weight": "self_attention.query_key_value.weight",
-                             "attn_output.weight": "self_attention.dense.weight",
-                             "ffn_up.weight": "mlp.dense_h_to_4h.weight",
-                             "ffn_down.weight": "mlp.dense_4h_to_h.weight"}),
+    _FALCON,
+    # Falcon-40B and 180B: Falcon's layer, the parallel block on two LayerNorms (`ln_attn`, `ln_mlp`;
+    # llama.cpp's `attn_norm_2` and `attn_norm`, in that order), as GPT-NeoX's
+    dataclasses.replace(_FALCON, name="falcon_ln2", plan=PARALLEL_TWO_NORM_GELU_LAYER, variants=(),
+                        variant_of="falcon", norms={"input_norm": "ln_attn.weight", "post_norm": "ln_mlp.weight"},
+                        gguf_names={**_FALCON.gguf_names, "attn_norm_2.weight": "ln_attn.weight",
+                                    "attn_norm_2.bias": "ln_attn.bias", "attn_norm.weight": "ln_mlp.weight",
+                                    "attn_norm.bias": "ln_mlp.bias"}),
     Architecture("gpt_neox", plan=PARALLEL_TWO_NORM_GELU_LAYER,
                  matmuls={"qkv": ("attention.query_key_value.weight",), "o": ("attention.dense.weight",),
                           "gate_up": ("mlp.dense_h_to_4h.weight",), "down": ("mlp.dense_4h_to_h.weight",)},

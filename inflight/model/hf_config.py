@@ -78,6 +78,8 @@ def with_llama_keys(raw: dict[str, Any]) -> dict[str, Any]:
         kv = out.get("num_kv_heads") or heads
         out["num_key_value_heads"] = kv if newer or not out.get("multi_query") else 1
         out["fused_qkv_groups"] = kv if newer else 0 if out.get("multi_query") else heads
+        if newer and out.get("num_ln_in_parallel_attn") is None:  # (transformers' reading: two LayerNorms)
+            out["num_ln_in_parallel_attn"] = 2
     elif "multi_query" in out:
         out["num_key_value_heads"] = 1 if out.pop("multi_query") else out.get("num_attention_heads")
     return out
@@ -153,11 +155,11 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "scale_attn_weights": (None, True),
     "scale_attn_by_inverse_layer_idx": (None, False),
     "add_cross_attention": (None, False),
-    # Falcon's: rotary (not ALiBi), a parallel block (not a sequential one), on one LayerNorm (its
-    # 40B's and 180B's two)
+    # Falcon's: rotary (not ALiBi), a parallel block (not a sequential one), on one LayerNorm or (its
+    # 40B's and 180B's) two
     "alibi": (None, False),
     "parallel_attn": (None, True),
-    "num_ln_in_parallel_attn": (None, 1),
+    "num_ln_in_parallel_attn": (None, 1, 2),
     # OPT's: a LayerNorm before each block (350M's after), with scales, and after the last layer
     "do_layer_norm_before": (None, True),
     "layer_norm_elementwise_affine": (None, True),
@@ -280,10 +282,6 @@ def refuse_unsupported(raw: dict[str, Any], path: Path) -> None:
     if raw.get("use_qk_norm") and arch.hf_qk_norm_key != "use_qk_norm":  # Command R+'s per-head LayerNorms
         raise ModelLoadError(f"{path}: use_qk_norm = true changes the model's arithmetic in a way inflight does not "
                              f"compute yet for {arch.name}")
-    if raw.get("new_decoder_architecture") and raw.get("num_ln_in_parallel_attn") != 1:  # (None there means 2)
-        raise ModelLoadError(f"{path}: new_decoder_architecture with num_ln_in_parallel_attn = "
-                             f"{raw.get('num_ln_in_parallel_attn') or 2}: inflight computes Falcon's parallel block "
-                             "on one LayerNorm only (Falcon-40B's and 180B's have two)")
     width = raw.get("word_embed_proj_dim")  # OPT-350M's embeddings, projected in and out of the layers
     if width is not None and width != raw.get("hidden_size"):
         raise ModelLoadError(f"{path}: word_embed_proj_dim = {width} projects the embeddings in and out of the "
@@ -469,6 +467,10 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
     num_heads = int(raw["num_attention_heads"])
     hidden = int(raw["hidden_size"])
     row = ARCHITECTURES.get(arch)
+    for key, value, _, name in row.variants if row is not None else ():  # (Falcon-40B's two LayerNorms)
+        if raw.get(key) == value:
+            arch, row = name, ARCHITECTURES[name]
+            break
     rotary = rotary_settings(raw)
     rope_scaling, local_rope = rotary.scaling, rotary.local
     head_dim = int(raw.get("head_dim") or hidden // num_heads)

