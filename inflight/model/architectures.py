@@ -376,9 +376,7 @@ _GPT2 = Architecture(
     gguf_interleaved_qk=False,
     gguf_names={f"{gguf}.{part}": f"{hf}.{part}" for gguf, hf in _GPT2_NAMES.items() for part in ("weight", "bias")})
 
-# GPT-NeoX (Pythia, GPT-NeoX-20B, Dolly v2, RedPajama-INCITE): attention and an ungated exact-GELU
-# MLP side by side, each on its own LayerNorm; biases on every matmul; a quarter of each head rotated
-# (NeoX's halves); q/k/v fused head by head
+# llama.cpp's names of GPT-NeoX's matrices (the row below)
 _GPT_NEOX_NAMES = {"attn_qkv": "attention.query_key_value", "attn_output": "attention.dense",
                    "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h"}
 
@@ -625,6 +623,9 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                         gguf_names={**_FALCON.gguf_names, "attn_norm_2.weight": "ln_attn.weight",
                                     "attn_norm_2.bias": "ln_attn.bias", "attn_norm.weight": "ln_mlp.weight",
                                     "attn_norm.bias": "ln_mlp.bias"}),
+    # GPT-NeoX (Pythia, GPT-NeoX-20B, Dolly v2, RedPajama-INCITE): attention and an ungated exact-GELU
+    # MLP side by side, each on its own LayerNorm; biases on every matmul; a quarter of each head
+    # rotated (NeoX's halves); q/k/v fused head by head
     Architecture("gpt_neox", plan=PARALLEL_TWO_NORM_GELU_LAYER,
                  matmuls={"qkv": ("attention.query_key_value.weight",), "o": ("attention.dense.weight",),
                           "gate_up": ("mlp.dense_h_to_4h.weight",), "down": ("mlp.dense_4h_to_h.weight",)},

@@ -249,8 +249,9 @@ class LlamaModel:
         self.dtype = self.embed_tokens.dtype
         # Learned absolute positions (GPT-2's, OPT's): a row per position, added to the embeddings.
         self.embed_positions = take("model.embed_positions.weight") if config.position_offset is not None else None
+        self._position_offset = config.position_offset or 0
         if self.embed_positions is not None and (
-                self.embed_positions.shape[0] < config.max_position_embeddings + (config.position_offset or 0)):
+                self.embed_positions.shape[0] < config.max_position_embeddings + self._position_offset):
             raise ModelLoadError(f"the checkpoint's {self.embed_positions.shape[0]} learned positions do not reach "
                                  f"max_position_embeddings = {config.max_position_embeddings}")
         backend = linear_backend(device, self.dtype)
@@ -599,7 +600,8 @@ class LlamaModel:
         if self.config.embedding_scale != 1:
             hidden = hidden * self.config.embedding_scale
         if self.embed_positions is not None:
-            hidden = hidden + self.embed_positions.index_select(0, positions + (self.config.position_offset or 0))
+            rows = positions + self._position_offset if self._position_offset else positions  # (OPT's from row 2)
+            hidden = hidden + self.embed_positions.index_select(0, rows)
         if self.decoder_stack is not None and not self._query_scaled:
             mlp = self._compiled_layers(hidden, positions, kv_caches, attn_meta)
         else:
