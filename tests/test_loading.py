@@ -1899,11 +1899,14 @@ def vocab_gguf(tmp_path: Path, name: str, architecture: str | None = None,
     ("qwen2", None),  # byte-level BPE
     ("llama-bpe", None),  # Llama 3's byte-level BPE (SmolLM3's too): ignore_merges, a BOS by default
     ("phi-3", None), ("phi-3", "llama"),  # SentencePiece, as Phi-3's and as Llama 2's or Mistral's files say
+    # Splits transformers' reader does not know (llama.cpp's, `gguf_splits`); plain-text user tokens
+    ("falcon", None), ("starcoder", None), ("deepseek-llm", None), ("deepseek-coder", None), ("mpt", None),
 ])
 def test_gguf_vocabularies_give_their_hugging_face_tokenizers_ids(tmp_path, monkeypatch, name, architecture):
     """The tokenizer rebuilt from a GGUF file's vocabulary gives the ids the model's own Hugging
     Face tokenizer gives, on llama.cpp's multilingual test texts (whitespace runs, code, emoji,
-    Cyrillic, Chinese, ...), special tokens whole, and decodes them back."""
+    Cyrillic, Chinese, numbers, ...), special tokens whole, and decodes them back. Each of the
+    last five fails with transformers' GPT-2 split in its stead (1 to 9 texts of 47)."""
     from inflight.model.loader import ModelSource
     from inflight.model.tokenizer import Tokenizer
 
@@ -1922,9 +1925,29 @@ def test_gguf_vocabularies_give_their_hugging_face_tokenizers_ids(tmp_path, monk
     elif name == "llama-bpe":  # <|begin_of_text|> first; <|eot_id|> one token between words
         ids = tokenizer.encode("hi<|eot_id|>there")
         assert ids[0] == 128000 and ids.count(128009) == 1 and len(ids) == 4
-    else:  # a BOS first; <|end|> one token between words
+    elif name == "phi-3":  # a BOS first; <|end|> one token between words
         ids = tokenizer.encode("hi<|end|>there")
         assert ids[0] == 1 and ids.count(32007) == 1 and len(ids) == 4
+    elif name == "deepseek-coder":  # infilling marks, stored as plain text, whole (llama.cpp's ids)
+        ids = tokenizer.encode("<｜fim▁begin｜>def f():<｜fim▁hole｜>\n<｜fim▁end｜>", add_special_tokens=False)
+        assert ids == [32016, 1551, 267, 10942, 32015, 185, 32017]
+    elif name == "mpt":  # every run of 2 to 24 spaces is one token, 50254 to 50276
+        assert [tokenizer.encode(" " * n, add_special_tokens=False) for n in range(2, 25)] == \
+            [[50278 - n] for n in range(2, 25)]
+
+
+def test_a_vocabulary_of_an_unknown_pre_tokenizer_is_refused(tmp_path, monkeypatch):
+    """A byte-level vocabulary naming a pre-tokenizer neither transformers nor inflight can split
+    text by (one llama.cpp splits by code of its own, or a name from a newer converter) is
+    refused at load by name, as llama.cpp refuses it, not tokenized by a guess."""
+    from inflight.model.loader import ModelSource
+    from inflight.model.tokenizer import Tokenizer
+
+    monkeypatch.setattr("inflight.model.tokenizer.tokenizer_cache_dir", lambda: tmp_path / "cache")
+    for pre in ("kimi-k2", "a-new-one"):
+        path = vocab_gguf(tmp_path, "qwen2", "qwen2", {"tokenizer.ggml.pre": pre})
+        with pytest.raises(ModelLoadError, match=f"pre-tokenizer type '{pre}'"):
+            Tokenizer.load(ModelSource(path, "gguf"))
 
 
 @pytest.mark.parametrize("pre", ["glm4", "glm5"])

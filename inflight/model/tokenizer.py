@@ -4,8 +4,10 @@ detokenizer for streaming."""
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from inflight.errors import InvalidRequestError, ModelLoadError
+from inflight.model.gguf_splits import splits_for
 from inflight.model.loader import ModelSource, cache_dir
 
 ChatMessage = dict[str, Any]
@@ -31,12 +34,10 @@ _IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falco
 # `llama-vocab.cpp`: Llama 3's family; files of older converters carry no `add_bos_token`).
 _ADDS_BOS = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
                        "jina-v5-nano", "tekken", "chameleon"})
-# Pre-tokenizer types transformers' GGUF reader has no split for -> the type whose split llama.cpp
-# gives them (`llama-vocab.cpp`): GLM's are Llama 3's. llama.cpp adds no BOS to GLM's, whatever
-# their files say.
-_SPLIT_AS = {"glm4": "llama-bpe", "glm5": "llama-bpe", "chatglm-bpe": "llama-bpe"}
+# llama.cpp adds no BOS to GLM's, whatever their files say.
 _NO_BOS = frozenset({"glm4", "glm5", "chatglm-bpe"})
-_INDEX_VERSION = 4  # of the cached conversion: 2, inflight's own rebuild (`gguf_tokenizer`); 3, _ADDS_BOS; 4, GLM's
+_INDEX_VERSION = 5  # of the cached conversion: 2, inflight's own rebuild (`gguf_tokenizer`); 3, _ADDS_BOS; 4, GLM's;
+# 5, llama.cpp's splits and plain-text user tokens
 
 
 def gguf_tokenizer(path: Path) -> Any:
@@ -52,7 +53,11 @@ def gguf_tokenizer(path: Path) -> Any:
       whole as one token;
     - one of a pre-tokenizer in `_ADDS_BOS` adds a BOS unless the file says otherwise, one in
       `_NO_BOS` none;
-    - one of a pre-tokenizer in `_SPLIT_AS` splits text as llama.cpp splits it."""
+    - one of a pre-tokenizer transformers has no split for splits text as llama.cpp splits it
+      (`gguf_splits`), and one llama.cpp cannot split either is refused;
+    - a byte-level vocabulary's user-defined tokens stored as plain text (GPT-NeoX's runs of
+      spaces, DeepSeek-Coder's infilling marks) are matched whole, as llama.cpp and the model's
+      own tokenizer match them."""
     from tokenizers import Regex, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
@@ -70,15 +75,55 @@ def gguf_tokenizer(path: Path) -> Any:
     pre = vocabulary.get("pre_tokenizer_type")
     if kind == "gpt2" and pre in _IGNORE_MERGES:
         backend.model.ignore_merges = True
-    if kind == "gpt2" and pre in _SPLIT_AS and pre not in GGUF_PRE_TOKENIZER_SPLITS:
+    splits = splits_for(pre, GGUF_PRE_TOKENIZER_SPLITS) if kind == "gpt2" else None
+    if splits is not None:
         backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(GGUF_PRE_TOKENIZER_SPLITS[_SPLIT_AS[pre]]), behavior="isolated"),
+            *(pre_tokenizers.Split(Regex(expression), behavior="isolated") for expression in splits),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if kind == "gpt2":
+        backend = _with_plain_text_tokens(backend, vocabulary)
     if kind == "gpt2" and config.get("add_bos_token") is None and pre in _ADDS_BOS:
         config["add_bos_token"] = True
     if kind == "gpt2" and pre in _NO_BOS:
         config["add_bos_token"] = False
     return PreTrainedTokenizerFast(tokenizer_object=backend, **{k: v for k, v in config.items() if v is not None})
+
+
+def _with_plain_text_tokens(backend: Any, vocabulary: dict[str, Any]) -> Any:
+    """`backend` matching whole the user-defined tokens (type 4) a byte-level file stores as plain
+    text: transformers' reader spells them in the byte alphabet ("  " as "ĠĠ", "<｜fim▁hole｜>" as
+    "<ï½ľfimâĸģholeï½ľ>") under their ids and so does not find them to add. One no merge makes or
+    uses becomes an added token under its id (its vocabulary entry renamed to its text); one the
+    merges build (GPT-NeoX's runs of spaces) is cut out of the text first, and BPE makes it."""
+    from tokenizers import Regex, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+
+    vocab = backend.get_vocab()
+    tokens = zip(vocabulary["tokens"], vocabulary.get("token_type") or (), strict=False)
+    plain = {token: i for i, (token, kind) in enumerate(tokens) if kind == 4 and token not in vocab}
+    if not plain:
+        return backend
+    spec = json.loads(backend.to_str())
+    merged: set[str] = set()
+    for merge in spec["model"]["merges"]:
+        left, right = merge if isinstance(merge, list) else merge.split(" ", 1)
+        merged.update((left, right, left + right))
+    cut = []
+    for token, i in plain.items():
+        spelling = backend.id_to_token(i)
+        if spelling in merged:
+            cut.append(token)
+            continue
+        del spec["model"]["vocab"][spelling]
+        spec["model"]["vocab"][token] = i
+        spec["added_tokens"].append({"id": i, "content": token, "single_word": False, "lstrip": False,
+                                     "rstrip": False, "normalized": False, "special": False})
+    backend = Backend.from_str(json.dumps(spec))
+    if cut:
+        cut.sort(key=len, reverse=True)  # the longest that matches
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex("|".join(map(re.escape, cut))), behavior="isolated"), backend.pre_tokenizer])
+    return backend
 
 
 def _load_gguf_tokenizer(path: Path) -> Any:
