@@ -112,6 +112,10 @@ class ModelConfig:
     # Learned absolute positions (GPT-2's, OPT's): a table of vectors (`model.embed_positions`)
     # added to the token embeddings, position p's at row p + this offset (OPT's 2); None: none.
     position_offset: int | None = None
+    # ALiBi (BLOOM's, MPT's): no rotary and no position table; head h's score of the key at
+    # position j for the query at i plus slope_h * (j - i), the slopes `alibi_slopes(num_heads,
+    # this)` (llama.cpp's max_alibi_bias, MPT's alibi_bias_max); None: no ALiBi.
+    alibi_max_bias: float | None = None
     embedding_scale: float = 1.0
     residual_scale: float = 1.0
     logit_scale: float = 1.0

@@ -35,6 +35,7 @@ changes no weight or setting.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -197,6 +198,13 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     # Falcon-40B's: the parallel block on two LayerNorms (llama.cpp's attn_norm_2)
     "falcon_ln2": ("Falcon", {"new_decoder_architecture": True, "num_kv_heads": 1, "num_ln_in_parallel_attn": 2,
                               "bias": False, "layer_norm_epsilon": 1e-5}),
+    # BLOOM: ALiBi, a LayerNorm of the embeddings, q/k/v fused head by head (its converter reorders them), biases
+    # everywhere, an MLP 4 x hidden wide; MPT: ALiBi, no biases, its MLP expansion_ratio x d_model wide (neither
+    # config has the shared settings' K/V heads or MLP width: None keeps them out of the reading)
+    "bloom": ("Bloom", {"num_attention_heads": 4, "num_key_value_heads": None, "intermediate_size": None,
+                        "layer_norm_epsilon": 1e-5}),
+    "mpt": ("Mpt", {"num_attention_heads": 4, "num_key_value_heads": None, "intermediate_size": None,
+                    "max_seq_len": 256, "expansion_ratio": 2}),
     # Command R7B: three sliding layers to one global, which rotates nothing (its converter reads rotary_pct)
     "cohere2": ("Cohere2", {"logit_scale": 0.3, "tie_word_embeddings": True, "pad_token_id": 0, "head_dim": 16,
                             "num_hidden_layers": 4, "sliding_window": 8, "rotary_pct": 1.0}),
@@ -253,6 +261,9 @@ def _convert(llama_cpp: Path, arch: str, vocab: Path, work: Path, out: Path) -> 
     hf = work / arch
     tiny_model(arch).save_pretrained(hf, safe_serialization=True)
     (hf / "tokenizer.model").write_bytes((vocab / "tokenizer.model").read_bytes())
+    if arch == "mpt":  # MosaicML's class name, as its checkpoints give it (llama.cpp's converter knows no other)
+        config = json.loads((hf / "config.json").read_text())
+        (hf / "config.json").write_text(json.dumps({**config, "architectures": ["MPTForCausalLM"]}))
     runner = ("import runpy, sys; sys.argv = sys.argv[1:]; sys.path.insert(0, sys.argv[0].rsplit('/', 1)[0]);"
               "from conversion.base import TextModel; "
               "TextModel._set_vocab_gpt2 = lambda self: self._set_vocab_sentencepiece(); "

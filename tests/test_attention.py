@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from inflight.engine.memory import huge_page_zeros
-from inflight.model.attention import PagedAttention, SeqSlice
+from inflight.model.attention import PagedAttention, SeqSlice, alibi_slopes
 from inflight.model.kernels import cpu_kernels
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
@@ -38,23 +38,27 @@ def scattered_pool(kv_heads: int, dim: int, num_blocks: int = 40,
 
 
 def dense_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int | None = None,
-                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    softcap: float | None = None, sinks: torch.Tensor | None = None,
+                    slopes: torch.Tensor | None = None) -> torch.Tensor:
     """One query [H, D] against a contiguous context [L, KV, D] (its last `window` positions;
     scores soft-capped by `softcap`, as transformers' Gemma 2 computes them; with `sinks` [H],
     each head's sink a score more in its softmax, weighing no value, as transformers' gpt-oss
-    computes them), in float64 from the same fp32 inputs so that each path's own rounding is what
-    a comparison sees."""
+    computes them; with ALiBi's `slopes` [H], head h's score of the key d positions back minus
+    slopes[h] * d, as transformers' BLOOM computes them), in float64 from the same fp32 inputs so
+    that each path's own rounding is what a comparison sees."""
     q, keys, values = q.double(), keys.double(), values.double()
     if window is not None:
         keys, values = keys[-window:], values[-window:]
     group = q.shape[0] // keys.shape[1]
     k = keys.repeat_interleave(group, dim=1).transpose(0, 1)
     v = values.repeat_interleave(group, dim=1).transpose(0, 1)
-    if softcap is None and sinks is None:
+    if softcap is None and sinks is None and slopes is None:
         return F.scaled_dot_product_attention(q.unsqueeze(1), k, v).squeeze(1).float()
     scores = (q.unsqueeze(1) @ k.transpose(1, 2)) * q.shape[-1] ** -0.5
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
+    if slopes is not None:
+        scores = scores + slopes.double().view(-1, 1, 1) * torch.arange(1 - k.shape[1], 1, dtype=torch.float64)
     if sinks is not None:
         with_sinks = torch.cat([scores, sinks.double().view(-1, 1, 1)], dim=-1)
         return (torch.softmax(with_sinks, dim=-1)[..., :-1] @ v).squeeze(1).float()
@@ -81,7 +85,8 @@ HEAD_SHAPES = [(HEADS, KV_HEADS, DIM), (4, 4, 64), (8, 1, 64), (4, 2, 128), (6, 
 
 
 def check_decode(kernel, heads: int, kv_heads: int, dim: int, lens: list[int], window: int | None = None,
-                 softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
+                 softcap: float | None = None, sinks: torch.Tensor | None = None,
+                 slopes: torch.Tensor | None = None) -> None:
     """The decode path against the dense reference, for requests of these context lengths
     whose blocks are scattered through the pool."""
     k_cache, v_cache, order = scattered_pool(kv_heads, dim, sum(-(-n // BLOCK) for n in lens) + 8, seed=0)
@@ -92,12 +97,12 @@ def check_decode(kernel, heads: int, kv_heads: int, dim: int, lens: list[int], w
         slots = torch.tensor([blocks[t // BLOCK] * BLOCK + t % BLOCK for t in range(n)], dtype=torch.long)
         contexts.append((k_cache[slots], v_cache[slots]))
     q = torch.randn(len(lens), heads, dim) * 2
-    attention = PagedAttention(heads, kv_heads, dim, kernel, windows=[window], softcap=softcap)
+    attention = PagedAttention(heads, kv_heads, dim, kernel, windows=[window], softcap=softcap, alibi_slopes=slopes)
     meta = attention.build_metadata([SeqSlice(n - 1, 1, t) for n, t in zip(lens, tables, strict=True)], len(lens),
                                     torch.zeros(0, dtype=torch.long), BLOCK, torch.float32, torch.device("cpu"))
     out = attention._decode(q, k_cache, v_cache, meta, window, sinks)
     for i, (keys, values) in enumerate(contexts):
-        expected = dense_reference(q[i], keys, values, window, softcap, sinks)
+        expected = dense_reference(q[i], keys, values, window, softcap, sinks, slopes)
         torch.testing.assert_close(out[i], expected, **(KERNEL_TOL if kernel is not None else TORCH_TOL))
 
 
@@ -182,7 +187,8 @@ def test_prefill_kernel_matches_dense_reference(heads, kv_heads, dim, window, so
 
 
 def check_prefill_kernel(segments: list[tuple[int, int]], heads: int, kv_heads: int, dim: int, window: int | None,
-                         softcap: float | None, num_blocks: int, seed: int, sinks: torch.Tensor | None = None) -> None:
+                         softcap: float | None, num_blocks: int, seed: int, sinks: torch.Tensor | None = None,
+                         slopes: torch.Tensor | None = None) -> None:
     """The prefill kernel on `segments` (cached tokens, new tokens), each in blocks scattered over
     a random pool, against the dense reference, row by row."""
     kernels = cpu_kernels()
@@ -201,11 +207,12 @@ def check_prefill_kernel(segments: list[tuple[int, int]], heads: int, kv_heads: 
     out = kernels.paged_prefill_attention(
         q, k_cache, v_cache, torch.tensor([t + [0] * (width - len(t)) for t in tables]), starts,
         torch.tensor(lens), torch.tensor([c for c, _ in segments]), BLOCK, dim ** -0.5, window or 0, softcap or 0.0,
-        sinks)
+        sinks, slopes)
     for (cached, new), start, slots in zip(segments, starts.tolist(), slots_of, strict=True):
         for i in range(new):
             visible = slots[: cached + i + 1]
-            expected = dense_reference(q[start + i], k_cache[visible], v_cache[visible], window, softcap, sinks)
+            expected = dense_reference(q[start + i], k_cache[visible], v_cache[visible], window, softcap, sinks,
+                                       slopes)
             torch.testing.assert_close(out[start + i], expected, **KERNEL_TOL)
 
 
@@ -267,6 +274,58 @@ def test_gathered_prefill_with_attention_sinks_matches_dense_reference(cached, n
     for i in range(new):
         expected = dense_reference(q[i], keys[:cached + i + 1], values[:cached + i + 1], sinks=sinks)
         torch.testing.assert_close(out.view(new, HEADS, DIM)[i], expected, **TORCH_TOL)
+
+
+# ALiBi's slopes of BLOOM's and MPT's (a max bias of 8), and larger ones (a max bias of 2: slopes
+# 0.5 to 0.89 among 9 heads, most weight on the last few tokens): the bias is in every score.
+ALIBI = [8.0, 2.0]
+
+
+@pytest.mark.parametrize("max_bias", ALIBI)
+@pytest.mark.parametrize("window", [None, 21])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(HEADS, KV_HEADS, DIM), (8, 1, 64), (6, 3, 40), (4, 2, 128)])
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_decode_with_alibi_matches_dense_reference(use_kernel, heads, kv_heads, dim, window, max_bias):
+    """ALiBi (BLOOM's, MPT's) in the decode paths: each score biased by the key's distance from
+    the query, contexts of one part, and on two threads cut into parts folded on one thread or
+    after the threads' work (each part's bias from the same query position)."""
+    kernel = cpu_kernels() if use_kernel else None
+    if use_kernel and kernel is None:
+        pytest.skip("no C++ compiler for the CPU kernel")
+    slopes = alibi_slopes(heads, max_bias)
+    check_decode(kernel, heads, kv_heads, dim, [1, 15, 17, 130], window, slopes=slopes)
+    if kernel is not None:
+        with on_threads(2):
+            for lens in ([300], [1, 200], [64, 17, 90], [300] * 6):
+                check_decode(kernel, heads, kv_heads, dim, lens, window, slopes=slopes)
+
+
+@pytest.mark.parametrize("max_bias", ALIBI)
+@pytest.mark.parametrize("window", [None, 21])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(HEADS, KV_HEADS, DIM), (8, 1, 64), (6, 3, 40), (4, 2, 128)])
+def test_prefill_kernel_with_alibi_matches_dense_reference(heads, kv_heads, dim, window, max_bias):
+    """ALiBi in the prefill kernel: whole prompts and chunks, each row's bias from its own
+    position, a context past a part, and on two threads a few new tokens after a long context."""
+    slopes = alibi_slopes(heads, max_bias)
+    check_prefill_kernel([(0, 2), (0, 37), (20, 7), (5, 1), (300, 45)], heads, kv_heads, dim, window, None,
+                         num_blocks=96, seed=2, slopes=slopes)
+    with on_threads(2):
+        check_prefill_kernel([(700, 5)], heads, kv_heads, dim, window, None, num_blocks=96, seed=3, slopes=slopes)
+
+
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("cached,new", [(20, 7), (0, 30)], ids=["cached-prefix", "whole-prompt"])
+def test_gathered_prefill_with_alibi_matches_dense_reference(cached, new, window):
+    """The PyTorch path's prefill with ALiBi (float masks holding each head's bias): after cached
+    tokens, and a whole prompt (no longer the plain causal mask)."""
+    slopes = alibi_slopes(HEADS, 2.0)
+    attention = PagedAttention(HEADS, KV_HEADS, DIM, windows=[None, window], alibi_slopes=slopes)
+    q, keys, values, k_cache, v_cache, meta = gathered_prefill(attention, cached, new)
+    for w in (None, window):
+        out = attention.forward(q, keys[cached:], values[cached:], k_cache, v_cache, meta, window=w)
+        for i in range(new):
+            expected = dense_reference(q[i], keys[:cached + i + 1], values[:cached + i + 1], w, slopes=slopes)
+            torch.testing.assert_close(out.view(new, HEADS, DIM)[i], expected, **TORCH_TOL)
 
 
 # A request's attention must not depend on who shares its step: the engine promises a request the

@@ -110,17 +110,23 @@ def test_gpt_family_settings_inflight_does_not_compute_are_refused(tmp_path, arc
     assert_setting_refused(tmp_path, arch, key, value, match)
 
 
-def test_olmo_matches_transformers_and_its_clipped_qkv_is_refused(tmp_path):
-    """OLMo 1's LayerNorms carry no weights: a scale of ones, no bias, transformers' logits within
-    1e-4 from fp32 and bf16 (packed as stored); `clip_qkv` (OLMo 1.7's) refused by name."""
+def saved_in_fp32_and_bf16(tmp_path, model):
+    """`model` saved in fp32 under `tmp_path / "hf"` and in bf16 under `tmp_path / "half"` (with a
+    tokenizer, as the engine loads it); transformers' model of the bf16 one, in fp32."""
     from transformers import AutoModelForCausalLM
 
-    model = tiny_hf_model("olmo")
-    assert not [name for name, _ in model.named_parameters() if "norm" in name]
     model.save_pretrained(tmp_path / "hf", safe_serialization=True)
     copy.deepcopy(model).to(torch.bfloat16).save_pretrained(tmp_path / "half", safe_serialization=True)
     save_word_tokenizer(tmp_path / "half", 320)
-    rounded = AutoModelForCausalLM.from_pretrained(tmp_path / "half", dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(tmp_path / "half", dtype=torch.float32).eval()
+
+
+def test_olmo_matches_transformers_and_its_clipped_qkv_is_refused(tmp_path):
+    """OLMo 1's LayerNorms carry no weights: a scale of ones, no bias, transformers' logits within
+    1e-4 from fp32 and bf16 (packed as stored); `clip_qkv` (OLMo 1.7's) refused by name."""
+    model = tiny_hf_model("olmo")
+    assert not [name for name, _ in model.named_parameters() if "norm" in name]
+    rounded = saved_in_fp32_and_bf16(tmp_path, model)
     ids = list(range(5, 5 + 90))
     config, weights = load_checkpoint(resolve_model(str(tmp_path / "hf")), torch.float32)
     torch.testing.assert_close(inflight_logits(LlamaModel(config, weights, torch.device("cpu")), ids),
@@ -146,3 +152,70 @@ def test_learned_positions_bound_the_context(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**raw, "n_positions": 512}))
     with pytest.raises(ModelLoadError, match="learned positions"):
         LLM(model=str(tmp_path), num_kv_blocks=64)
+
+
+# --- ALiBi: BLOOM and MPT ----------------------------------------------------------------------
+
+@pytest.mark.parametrize(("arch", "fields", "max_bias"), [
+    ("bloom", {}, 8.0),
+    ("bloom", {"n_embed": 160, "n_head": 5}, 8.0),  # heads not a power of two: the slopes interleaved
+    ("mpt", {}, 8.0),
+    ("mpt", {"attn_config": {"alibi": True, "alibi_bias_max": 4}}, 4.0),  # steeper slopes, as its config says
+], ids=["bloom", "bloom-5-heads", "mpt", "mpt-max-bias-4"])
+def test_alibi_models_match_transformers_from_fp32_and_16_bits(tmp_path, monkeypatch, arch, fields, max_bias):
+    """BLOOM (a LayerNorm of the embeddings, q/k/v fused head by head, biases everywhere) and MPT
+    (no biases, its attention settings nested in `attn_config`): no rotary and no position table,
+    each score biased by the key's distance from the query (ALiBi); from fp32 and from 16 bits
+    (packed as stored), over 90 positions, transformers' logits within 1e-4, the compiled layer
+    loop equal to the Python one bit for bit. The same weights without ALiBi are far off.
+    transformers' MPT takes 8 for `alibi_bias_max` whatever its config says; MosaicML's own code
+    and llama.cpp take the config's, and so does inflight: the reference here is transformers
+    given the config's."""
+    import dataclasses
+
+    from transformers.models.mpt import modeling_mpt
+
+    monkeypatch.setattr(modeling_mpt.MptModel, "build_mpt_alibi_tensor",
+                        lambda self, heads, length, alibi_bias_max=8, device=None:
+                        modeling_mpt.build_mpt_alibi_tensor(heads, length, max_bias, device))
+
+    model = tiny_hf_model(arch, **fields)
+    rounded = saved_in_fp32_and_bf16(tmp_path, model)
+    ids = list(range(5, 5 + 90))
+    config, weights = load_checkpoint(resolve_model(str(tmp_path / "hf")), torch.float32)
+    assert (config.alibi_max_bias, config.rope_layers, config.position_offset) == (
+        max_bias, (False,) * config.num_layers, None)
+    assert config.intermediate_size == 4 * config.hidden_size and config.num_kv_heads == config.num_heads
+    ours = LlamaModel(config, weights, torch.device("cpu"))
+    compiled = inflight_logits(ours, ids)
+    torch.testing.assert_close(compiled, hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+    ours.decoder_stack = None
+    assert torch.equal(inflight_logits(ours, ids), compiled)
+    without = LlamaModel(dataclasses.replace(config, alibi_max_bias=None), weights, torch.device("cpu"))
+    assert (inflight_logits(without, ids) - compiled).abs().max() > 1e-2
+    half = LoadedModel.load(str(tmp_path / "half"), torch.float32, torch.device("cpu")).model
+    assert half.layers[0].qkv.blocks is not None
+    torch.testing.assert_close(inflight_logits(half, ids), hf_logits(rounded, ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("arch", "key", "value", "match"), [
+    ("mpt", "alibi", False, "alibi"),  # learned positions in place of ALiBi: transformers' MPT has none
+    ("mpt", "clip_qkv", 6.0, "clip_qkv"),
+    ("mpt", "qk_ln", True, "qk_ln"),
+    ("mpt", "prefix_lm", True, "prefix_lm"),
+    ("bloom", "apply_residual_connection_post_layernorm", True, "apply_residual_connection_post_layernorm"),
+])
+def test_alibi_model_settings_inflight_does_not_compute_are_refused(tmp_path, arch, key, value, match):
+    """MPT's attention settings sit in `attn_config` (set there, as its configs carry them), BLOOM's
+    at the top: each value inflight does not compute refuses the model by name."""
+    model = tiny_hf_model(arch)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    load_checkpoint(resolve_model(str(tmp_path)), torch.float32)  # as saved: loads
+    raw = json.loads((tmp_path / "config.json").read_text())
+    if arch == "mpt":
+        raw["attn_config"] = {**raw["attn_config"], key: value}
+    else:
+        raw[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match=match):
+        load_checkpoint(resolve_model(str(tmp_path)), torch.float32)

@@ -633,6 +633,14 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
             "vocab_size": vocab, "hidden_size": 128, "num_hidden_layers": TINY["layers"], "num_attention_heads": 2,
             "ffn_dim": TINY["intermediate"], "max_position_embeddings": 256, "word_embed_proj_dim": 128,
             "pad_token_id": 0, **fields}))
+    elif arch == "bloom":  # ALiBi, a LayerNorm of the embeddings, q/k/v fused head by head, biases everywhere
+        model = transformers.BloomForCausalLM(transformers.BloomConfig(**{
+            "vocab_size": vocab, "hidden_size": 128, "n_layer": TINY["layers"], "n_head": 4, "bos_token_id": 1,
+            "eos_token_id": 2, **fields}))
+    elif arch == "mpt":  # ALiBi, LayerNorms without biases and no bias anywhere, an exact-GELU MLP
+        model = transformers.MptForCausalLM(transformers.MptConfig(**{
+            "vocab_size": vocab, "d_model": 128, "n_layers": TINY["layers"], "n_heads": 4, "max_seq_len": 256,
+            "expansion_ratio": 4, **fields}))
     elif arch == "gpt_neox":  # a parallel block on two LayerNorms, q/k/v fused head by head, a quarter rotated
         model = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**{
             "vocab_size": vocab, "hidden_size": 128, "num_hidden_layers": TINY["layers"], "num_attention_heads": 2,
@@ -1262,7 +1270,7 @@ def test_a_token_alone_through_routed_experts_is_its_row_of_a_batch():
                                   "starcoder2", "cohere", "cohere2", "nemotron", "ernie4_5_moe", "apertus",
                                   "hunyuan_v1_dense", "lfm2", "lfm2_moe", "deepseek_v2", "deepseek_v3",
                                   "deepseek_v3_grouped", "glm4_moe_lite", "gpt2", "gpt_bigcode", "gpt_neox",
-                                  "falcon", "falcon_ln2", "olmo"])
+                                  "falcon", "falcon_ln2", "olmo", "bloom", "mpt"])
 def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_path, monkeypatch, arch):
     """The GGUF file llama.cpp's `convert_hf_to_gguf.py` made of a tiny checkpoint of each
     architecture (tests/converter_fixtures.py; its names, row orders, norm offsets, stacked
@@ -1335,7 +1343,7 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
                                   "gpt_oss", "seed_oss", "arcee", "glm4_moe", "phi", "stablelm", "cohere2",
                                   "ernie4_5_moe", "apertus", "hunyuan_v1_dense", "lfm2", "lfm2_moe", "deepseek_v2",
                                   "deepseek_v3", "glm4_moe_lite", "gpt2", "gpt_bigcode", "opt", "gpt_neox", "gptj",
-                                  "falcon", "olmo"])
+                                  "falcon", "olmo", "bloom", "mpt"])
 def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arch):
     """Through the engine as a user runs it: the directory's own tokenizer and chat template, a
     batch of chats (longer than Gemma's 24-token window) in small prefill chunks, the prefix cache

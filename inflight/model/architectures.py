@@ -253,6 +253,11 @@ class Architecture:
     # model_type of its own).
     variants: tuple[tuple[str, Any, str, str], ...] = ()
     variant_of: str | None = None
+    # ALiBi in place of any position encoding (`ModelConfig.alibi_max_bias`): BLOOM's, MPT's.
+    alibi: bool = False
+    # A LayerNorm of the embeddings before the first layer (BLOOM's `word_embeddings_layernorm`),
+    # read as `model.embed_norm`.
+    embedding_norm: bool = False
 
     @property
     def layer_matmul_groups(self) -> list[tuple[str, ...]]:
@@ -375,6 +380,44 @@ _GPT2 = Architecture(
     hf_defaults={"tie_word_embeddings": True, "layer_norm_eps": 1e-5},
     gguf_interleaved_qk=False,
     gguf_names={f"{gguf}.{part}": f"{hf}.{part}" for gguf, hf in _GPT2_NAMES.items() for part in ("weight", "bias")})
+
+# BLOOM (bigscience's 560M to 176B, BLOOMZ): GPT-2's sequential layer on LayerNorms with biases, a
+# LayerNorm of the embeddings, ALiBi; q/k/v fused with each head's rows together, as GPT-NeoX's
+# (llama.cpp's converter stores them apart); the MLP 4 x hidden_size wide (GPT-2's n_inner rule)
+_BLOOM_NAMES = {"attn_qkv": "self_attention.query_key_value", "attn_output": "self_attention.dense",
+                "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h"}
+_BLOOM = Architecture(
+    "bloom", plan=LAYER_NORM_GELU_LAYER,
+    matmuls={"qkv": (f"{_BLOOM_NAMES['attn_qkv']}.weight",), "o": (f"{_BLOOM_NAMES['attn_output']}.weight",),
+             "gate_up": (f"{_BLOOM_NAMES['ffn_up']}.weight",), "down": (f"{_BLOOM_NAMES['ffn_down']}.weight",)},
+    hf_prefixes=tuple((top + ours, llama) for top in ("transformer.", "") for ours, llama in (
+        ("h.", "model.layers."), ("word_embeddings_layernorm.", "model.embed_norm."),
+        ("word_embeddings.", "model.embed_tokens."), ("ln_f.", "model.norm."))),
+    hf_qkv_groups="num_attention_heads", alibi=True, embedding_norm=True,
+    hf_keys={"n_layer": "num_hidden_layers", "n_head": "num_attention_heads", "n_inner": "intermediate_size",
+             "layer_norm_epsilon": "layer_norm_eps", "seq_length": "max_position_embeddings"},
+    hf_defaults={"tie_word_embeddings": True, "layer_norm_eps": 1e-5, "max_position_embeddings": 2048},
+    gguf_interleaved_qk=False,
+    gguf_names={f"{gguf}.{part}": f"{hf}.{part}" for gguf, hf in _BLOOM_NAMES.items() for part in ("weight", "bias")})
+
+# MPT (MosaicML's MPT-7B and 30B and their fine-tunes): GPT-2's sequential layer with an exact-GELU MLP,
+# LayerNorms without biases (`no_bias`: none anywhere), ALiBi; its attention settings nested in
+# `attn_config` (read by `with_llama_keys`), the MLP `expansion_ratio` x d_model wide
+_MPT_NAMES = {"attn_qkv": "attn.Wqkv", "attn_output": "attn.out_proj", "ffn_up": "ffn.up_proj",
+              "ffn_down": "ffn.down_proj", "attn_norm": "norm_1", "ffn_norm": "norm_2"}
+_MPT = Architecture(
+    "mpt", plan=with_activation(LAYER_NORM_LAYER, Op.GELU),
+    matmuls={"qkv": ("attn.Wqkv.weight",), "o": ("attn.out_proj.weight",), "gate_up": ("ffn.up_proj.weight",),
+             "down": ("ffn.down_proj.weight",)},
+    norms={"input_norm": "norm_1.weight", "post_norm": "norm_2.weight"},
+    hf_prefixes=tuple((top + ours, llama) for top in ("transformer.", "") for ours, llama in (
+        ("blocks.", "model.layers."), ("wte.", "model.embed_tokens."), ("norm_f.", "model.norm."))),
+    alibi=True,
+    hf_keys={"d_model": "hidden_size", "n_heads": "num_attention_heads", "n_layers": "num_hidden_layers",
+             "max_seq_len": "max_position_embeddings", "layer_norm_epsilon": "layer_norm_eps"},
+    hf_defaults={"tie_word_embeddings": True, "layer_norm_eps": 1e-5, "alibi": True, "expansion_ratio": 4},
+    gguf_interleaved_qk=False,
+    gguf_names={f"{gguf}.{part}": f"{hf}.{part}" for gguf, hf in _MPT_NAMES.items() for part in ("weight", "bias")})
 
 # llama.cpp's names of GPT-NeoX's matrices (the row below)
 _GPT_NEOX_NAMES = {"attn_qkv": "attention.query_key_value", "attn_output": "attention.dense",
@@ -616,6 +659,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                  hf_prefixes=_GPT2.hf_prefixes, hf_ignored=_GPT2.hf_ignored, interleaved_rotary=True,
                  hf_keys=_GPT2.hf_keys, hf_defaults={"tie_word_embeddings": False, "layer_norm_eps": 1e-5}),
     _FALCON,
+    _BLOOM,
+    _MPT,
     # Falcon-40B and 180B: Falcon's layer, the parallel block on two LayerNorms (`ln_attn`, `ln_mlp`;
     # llama.cpp's `attn_norm_2` and `attn_norm`, in that order), as GPT-NeoX's
     dataclasses.replace(_FALCON, name="falcon_ln2", plan=PARALLEL_TWO_NORM_GELU_LAYER, variants=(),

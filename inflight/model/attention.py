@@ -26,6 +26,8 @@ class PrefillSegment:
     num_new]`). Otherwise it lists the blocks of the whole context (cached tokens, then the new
     ones) and each mask is `[num_new, num_blocks * block_size]`. `masks` holds one per attention
     window of the model's layers (None: full attention), None where the plain causal mask is it.
+    With ALiBi each is a float mask `[1, num_heads, num_new, context]` instead: each head's bias,
+    -inf where a query does not see.
     """
 
     start: int
@@ -42,7 +44,9 @@ class AttentionMetadata:
     contexts are read in one batched call: `decode_block_tables` is `[num_decodes, max_blocks]`
     (padded with block 0) and `decode_masks`, one per attention window of the model's layers
     (None: full attention), `[num_decodes, 1, 1, max_blocks * block_size]` each, mark the
-    positions each query sees. The remaining tokens belong to `prefills`.
+    positions each query sees (with ALiBi, float masks `[num_decodes, num_kv_heads, group_size,
+    max_blocks * block_size]`: each head's bias, -inf where it does not see). The remaining tokens
+    belong to `prefills`.
     """
 
     block_size: int
@@ -95,13 +99,16 @@ class PagedAttention:
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kernels: object = None,
                  scale: float | None = None, windows: Sequence[int | None] = (None,),
-                 softcap: float | None = None, conv_kernel: int = 0) -> None:
+                 softcap: float | None = None, conv_kernel: int = 0, alibi_slopes: torch.Tensor | None = None) -> None:
         """`scale`: the softmax scale of q.k (None: head_dim ** -0.5). `windows`: the attention
         windows of the model's layers, each layer's given to `forward`: a query attends to the
         last `window` positions only, itself included (sliding-window attention; None: all
         before it). `softcap`: scores become softcap * tanh(score / softcap) (Gemma 2).
         `conv_kernel`: the taps of the model's short convolutions, whose metadata then carries
-        `conv_slots` (0: none)."""
+        `conv_slots` (0: none). `alibi_slopes`: ALiBi's (BLOOM's, MPT's), `[num_heads]` fp32, head
+        h's score of key position j for a query at position i plus slope_h * (j - i); None: none."""
+        if alibi_slopes is not None and softcap is not None:
+            raise ValueError("ALiBi with soft-capped scores is not built")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -112,6 +119,7 @@ class PagedAttention:
         self.group_size = num_heads // num_kv_heads
         self.kernels = kernels
         self.conv_kernel = conv_kernel
+        self.alibi_slopes = alibi_slopes
 
     def reads_pool_in_place(self, dtype: torch.dtype) -> bool:
         """Whether the compiled kernels serve this dtype: they read the pool through block tables
@@ -141,7 +149,9 @@ class PagedAttention:
                     visible = pos < context_lens.unsqueeze(1)
                     if window is not None:
                         visible &= pos >= context_lens.unsqueeze(1) - window
-                    decode_masks[window] = visible.view(len(decodes), 1, 1, -1)
+                    decode_masks[window] = (visible.view(len(decodes), 1, 1, -1) if self.alibi_slopes is None else
+                                            self._alibi_mask(visible, context_lens - 1, pos[0]).view(
+                                                len(decodes), self.num_kv_heads, self.group_size, -1))
 
         segments: list[PrefillSegment] = []
         offset = num_decodes
@@ -160,13 +170,14 @@ class PagedAttention:
             query_pos = torch.arange(s.start, s.end, device=device).unsqueeze(1)
             masks: dict[int | None, torch.Tensor | None] = {}
             for window in self.windows:
-                if blocks is None and (window is None or s.num_new_tokens <= window):
+                if blocks is None and (window is None or s.num_new_tokens <= window) and self.alibi_slopes is None:
                     masks[window] = None  # plain causal
                     continue
                 mask = context.unsqueeze(0) <= query_pos
                 if window is not None:
                     mask &= context.unsqueeze(0) > query_pos - window
-                masks[window] = mask
+                masks[window] = mask if self.alibi_slopes is None else \
+                    self._alibi_mask(mask, query_pos.squeeze(1), context).transpose(0, 1).unsqueeze(0)
             segments.append(PrefillSegment(start, end, blocks, masks))
 
         prefill_tables = None
@@ -195,6 +206,14 @@ class PagedAttention:
             prefill_tables=prefill_tables,
             conv_slots=conv_slots,
         )
+
+    def _alibi_mask(self, visible: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+        """`[queries, num_heads, keys]` for `visible` `[queries, keys]`: each head's ALiBi bias of
+        each key for each query, -inf where the query does not see it."""
+        assert self.alibi_slopes is not None
+        distance = (key_pos.unsqueeze(0) - query_pos.unsqueeze(1)).to(self.alibi_slopes.dtype)
+        bias = self.alibi_slopes.to(distance.device).view(1, -1, 1) * distance.unsqueeze(1)
+        return bias.masked_fill(~visible.unsqueeze(1), float("-inf"))
 
     def forward(
         self,
@@ -230,7 +249,7 @@ class PagedAttention:
             out[num_decodes:] = self.kernels.paged_prefill_attention(  # type: ignore[attr-defined]
                 q[num_decodes:].contiguous(), k_cache, v_cache, tables.block_tables, tables.query_starts,
                 tables.query_lens, tables.context_starts, meta.block_size, self.scale, window or 0,
-                self.softcap or 0.0, sinks,
+                self.softcap or 0.0, sinks, self.alibi_slopes,
             )
         else:
             for seg in meta.prefills:
@@ -251,7 +270,7 @@ class PagedAttention:
         if self.reads_pool_in_place(q.dtype):
             return self.kernels.paged_decode_attention(  # type: ignore[attr-defined]
                 q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                meta.block_size, self.scale, window or 0, self.softcap or 0.0, sinks,
+                meta.block_size, self.scale, window or 0, self.softcap or 0.0, sinks, self.alibi_slopes,
             )
         batch = meta.decode_block_tables.shape[0]
         keys = self._gather(k_cache, meta.decode_block_tables, meta.block_size, q.dtype)
@@ -313,6 +332,17 @@ class PagedAttention:
         sink = sinks.float().expand(*scores.shape[:-1], 1)  # one more score per row, without a value
         weights = torch.softmax(torch.cat([scores.float(), sink], dim=-1), dim=-1)[..., :-1]
         return weights.to(values.dtype) @ values
+
+
+def alibi_slopes(num_heads: int, max_bias: float = 8.0) -> torch.Tensor:
+    """ALiBi's slopes (Press et al.; BLOOM's, MPT's, llama.cpp's `max_alibi_bias`): for n heads
+    and n' the power of two at or above, 2 ** (-max_bias * i / n') for i = 1..n'; where n' > n,
+    the even i first, then the odd, the first n of those."""
+    padded = 1 << max(0, (num_heads - 1).bit_length())
+    slopes = [2.0 ** (-max_bias * i / padded) for i in range(1, padded + 1)]
+    if padded != num_heads:
+        slopes = (slopes[1::2] + slopes[::2])[:num_heads]
+    return torch.tensor(slopes, dtype=torch.float32)
 
 
 def _num_blocks(num_tokens: int, block_size: int) -> int:

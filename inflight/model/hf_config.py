@@ -61,7 +61,8 @@ def with_llama_keys(raw: dict[str, Any]) -> dict[str, Any]:
     under the names `parse_hf_config` reads, its class's defaults where it leaves a setting out;
     GPT-2's MLP 4 x hidden_size wide where n_inner is null, GPTBigCode's `multi_query` as one
     K/V head, GPT-J's `rotary_dim` as a share of each head, Falcon's K/V heads and the groups its
-    fused q/k/v projection is stored in (`fused_qkv_groups`). Any other config as it is."""
+    fused q/k/v projection is stored in (`fused_qkv_groups`), MPT's `attn_config` flattened and its
+    MLP `expansion_ratio` x d_model wide. Any other config as it is."""
     row = ARCHITECTURES.get(str(raw.get("model_type")))
     if row is None or not (row.hf_keys or row.hf_defaults):
         return raw
@@ -82,6 +83,10 @@ def with_llama_keys(raw: dict[str, Any]) -> dict[str, Any]:
             out["num_ln_in_parallel_attn"] = 2
     elif "multi_query" in out:
         out["num_key_value_heads"] = 1 if out.pop("multi_query") else out.get("num_attention_heads")
+    if isinstance(out.get("attn_config"), dict):  # MPT's attention settings, over the defaults
+        out.update((key, value) for key, value in out.pop("attn_config").items() if key not in raw)
+    if out.get("intermediate_size") is None and "expansion_ratio" in out and isinstance(out.get("hidden_size"), int):
+        out["intermediate_size"] = int(out["expansion_ratio"] * out["hidden_size"])  # (MPT's)
     return out
 
 
@@ -142,7 +147,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logit_softcapping": (None,),
     "use_bidirectional_attention": (None, False),
     "quantization_config": (None,),
-    "pretraining_tp": (None, 1),
     "clip_qkv": (None,),
     # LFM2's convolutions' and projections' biases (none in its published models); LFM2-MoE's experts
     # chosen without their bias (its published model has one)
@@ -158,6 +162,14 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     # Falcon's: rotary (not ALiBi), a parallel block (not a sequential one), on one LayerNorm or (its
     # 40B's and 180B's) two
     "alibi": (None, False),
+    # MPT's attention (`attn_config`, flattened by `with_llama_keys`): no q/k LayerNorms, no clipping
+    # (above), causal over the whole sequence; its LayerNorms plain ones (the low-precision kind is
+    # a training one); BLOOM's residual from before each LayerNorm
+    "qk_ln": (None, False),
+    "prefix_lm": (None, False),
+    "attn_type": (None, "multihead_attention"),
+    "norm_type": (None, "low_precision_layernorm", "layernorm"),
+    "apply_residual_connection_post_layernorm": (None, False),
     "parallel_attn": (None, True),
     "num_ln_in_parallel_attn": (None, 1, 2),
     # OPT's: a LayerNorm before each block (350M's after), with scales, and after the last layer
@@ -201,6 +213,10 @@ READ_KEYS = frozenset({
     "ffn_dim", "rotary_pct", "rotary_emb_base", "multi_query", "word_embed_proj_dim", "rotary_dim",
     # Falcon's names (and its K/V heads' and fused q/k/v's reading, above)
     "ffn_hidden_size", "activation", "num_kv_heads", "new_decoder_architecture", "n_embed",
+    # MPT's names, its nested attention settings (`with_llama_keys`), its MLP's width as a factor, ALiBi's
+    # largest slope's exponent and its softmax scale; BLOOM's context
+    "d_model", "n_heads", "n_layers", "max_seq_len", "attn_config", "expansion_ratio", "alibi_bias_max",
+    "softmax_scale", "seq_length",
 })
 # Config keys without effect on a forward pass in inference: training settings, bookkeeping,
 # generation defaults; and `mlp_bias`, whose biases are read from the checkpoint where they are.
@@ -238,6 +254,15 @@ NO_EFFECT_KEYS = frozenset({
     "classifier_dropout", "is_decoder",
     # Falcon's biases, read from the checkpoint where they are
     "bias",
+    # a matmul cut into that many slices whose products are summed (BLOOM's `slow_but_exact`,
+    # Llama 2's in transformers 4): the same sums
+    "pretraining_tp", "slow_but_exact",
+    # MPT's: biases read where the checkpoint has them (`no_bias`: none), dropouts, training's
+    # attention implementation and packed-sequence masking, where its weights are made; a learned
+    # position table, which transformers' MPT never reads (a checkpoint holding one, `wpe`, is
+    # refused by its unread weight)
+    "no_bias", "emb_pdrop", "attn_impl", "attn_uses_sequence_id", "embedding_fraction",
+    "init_device", "learned_pos_emb",
 })
 # Keys of `rope_scaling` / `rope_parameters`, and the rope types `rope_inv_freq` computes.
 ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
@@ -479,7 +504,7 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
                or (row.hf_partial_rotary_factor if row is not None else 1.0))
     window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
     sliding = _window_layers(raw, row) if window is not None else None
-    attention_scale = raw.get("attention_multiplier")
+    attention_scale = raw.get("attention_multiplier") or raw.get("softmax_scale")  # (Granite's; MPT's)
     if raw.get("query_pre_attn_scalar") is not None:
         attention_scale = float(raw["query_pre_attn_scalar"]) ** -0.5
     num_experts = _num_experts(raw)
@@ -524,6 +549,7 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         logit_scale=float(raw.get("logits_scaling") or 1.0) / float(raw.get("logit_scale") or 1.0),
         rope_layers=_rope_layers(raw, row, sliding, window is not None),
         position_offset=row.learned_positions if row is not None else None,
+        alibi_max_bias=float(raw.get("alibi_bias_max") or 8.0) if row is not None and row.alibi else None,
         local_rope_theta=_local_rope_theta(local_rope, rotary.theta, row) if window is not None else None,
         query_scaling=query,
         attn_logit_softcap=_positive(raw.get("attn_logit_softcapping")),
@@ -676,7 +702,7 @@ def _rope_layers(raw: dict[str, Any], row: Architecture | None = None, sliding: 
     nothing once it slides (`slides`; `sliding`: which layers do, None: all), the sliding ones;
     None for a model whose layers all rotate."""
     layers = int(raw["num_hidden_layers"])
-    if row is not None and row.learned_positions is not None:  # the positions in the embeddings, not rotated
+    if row is not None and (row.learned_positions is not None or row.alibi):  # positions elsewhere, not rotated
         return (False,) * layers
     if row is not None and row.nope_where_global and slides:
         return sliding

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from inflight.config import ModelConfig
 from inflight.errors import ModelLoadError
 from inflight.model.architectures import Architecture, ExpertNames, architecture
-from inflight.model.attention import AttentionMetadata, PagedAttention
+from inflight.model.attention import AttentionMetadata, PagedAttention, alibi_slopes
 from inflight.model.experts import RoutedExperts
 from inflight.model.kernels import cpu_kernels
 from inflight.model.latent import LatentWeights, latent_attention
@@ -250,6 +250,10 @@ class LlamaModel:
         # Learned absolute positions (GPT-2's, OPT's): a row per position, added to the embeddings.
         self.embed_positions = take("model.embed_positions.weight") if config.position_offset is not None else None
         self._position_offset = config.position_offset or 0
+        # BLOOM's LayerNorm of the embeddings
+        self.embed_norm = take("model.embed_norm.weight") if arch.embedding_norm else None
+        self.embed_norm_bias = take("model.embed_norm.bias") if arch.embedding_norm and (
+            "model.embed_norm.bias" in weights) else None
         if self.embed_positions is not None and (
                 self.embed_positions.shape[0] < config.max_position_embeddings + self._position_offset):
             raise ModelLoadError(f"the checkpoint's {self.embed_positions.shape[0]} learned positions do not reach "
@@ -325,7 +329,9 @@ class LlamaModel:
         kernels = cpu_kernels() if device.type == "cpu" and self.dtype == torch.float32 else None
         self.attention = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim, kernels,
                                         scale=config.attention_scale, windows=[layer.window for layer in self.layers],
-                                        softcap=config.attn_logit_softcap, conv_kernel=config.conv_kernel)
+                                        softcap=config.attn_logit_softcap, conv_kernel=config.conv_kernel,
+                                        alibi_slopes=alibi_slopes(config.num_heads, config.alibi_max_bias)
+                                        if config.alibi_max_bias is not None else None)
         shape = (config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps)
         self.ops = CpuKernelTokenOps(*shape, kernels) if kernels is not None else TorchTokenOps(*shape)
         # The experts' activation of a gate/up matmul's output (gpt-oss's clamped SwiGLU, else SwiGLU's).
@@ -498,6 +504,8 @@ class LlamaModel:
                                   layer.experts.top_k, layer.experts.normalize, alpha, limit,
                                   layer.experts.scoring == "sigmoid", layer.experts.choice_bias, layer.experts.scale,
                                   *layer.experts.groups)
+        if self.attention.alibi_slopes is not None:
+            stack.set_alibi(self.attention.alibi_slopes)
         if any(layer.sinks is not None for layer in layers):
             stack.set_sinks([layer.sinks for layer in layers if layer.sinks is not None])
         if Op.XIELU in {step.op for step in self.plan}:
@@ -602,6 +610,8 @@ class LlamaModel:
         if self.embed_positions is not None:
             rows = positions + self._position_offset if self._position_offset else positions  # (OPT's from row 2)
             hidden = hidden + self.embed_positions.index_select(0, rows)
+        if self.embed_norm is not None:
+            hidden = self.ops.layer_norm(hidden, self.embed_norm, self.embed_norm_bias)
         if self.decoder_stack is not None and not self._query_scaled:
             mlp = self._compiled_layers(hidden, positions, kv_caches, attn_meta)
         else:

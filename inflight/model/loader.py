@@ -64,6 +64,8 @@ ROPE_TENSORS = frozenset({ROPE_FREQS, *ROPE_FACTORS.values()})
 _GGUF_TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "position_embd.weight": "model.embed_positions.weight",  # GPT-2's learned positions
+    "token_embd_norm.weight": "model.embed_norm.weight",  # BLOOM's LayerNorm of the embeddings
+    "token_embd_norm.bias": "model.embed_norm.bias",
     "output.weight": "lm_head.weight",
     "output.bias": "lm_head.bias",  # Phi-2's
 }
@@ -738,10 +740,12 @@ def _gguf_config(reader: Any) -> ModelConfig:
             gguf_field(reader, f"{arch}.embedding_scale") or 1.0),
         residual_scale=float(gguf_field(reader, f"{arch}.residual_scale") or 1.0),
         logit_scale=_gguf_logit_divisor(gguf_field(reader, f"{arch}.logit_scale"), row),
-        rope_layers=(False,) * num_layers if row.learned_positions is not None else nope_every(
+        rope_layers=(False,) * num_layers if row.learned_positions is not None or row.alibi else nope_every(
             nope, num_layers) if (nope := row.gguf_nope_interval) else (
             window_layers if row.nope_where_global and window else None),
         position_offset=row.learned_positions,
+        # llama.cpp's rule: MPT's files say, BLOOM's are 8
+        alibi_max_bias=float(gguf_field(reader, f"{arch}.attention.max_alibi_bias") or 8.0) if row.alibi else None,
         local_rope_theta=float(local_theta) if window and local_theta else None,
         query_scaling=query,
         attn_logit_softcap=float(cap) if (cap := gguf_field(reader, f"{arch}.attn_logit_softcapping")) else None,

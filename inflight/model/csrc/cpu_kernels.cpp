@@ -418,6 +418,13 @@ inline void soft_cap(float* s, int64_t n, float cap) {
   for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] * inv);
 }
 
+// ALiBi (BLOOM's, MPT's): s[i] += slope * (i + offset) for i in [begin, end), i + offset the
+// distance of token i from the query (offset: the first token's position minus the query's).
+inline void add_alibi(float* s, int64_t begin, int64_t end, float slope, int64_t offset) {
+#pragma omp simd
+  for (int64_t i = begin; i < end; ++i) s[i] += slope * static_cast<float>(i + offset);
+}
+
 // One query row of attend_range: its query heads q ([num_heads, dim]), the tokens [t_first, t_end)
 // of the context it sees, its scores (num_heads * (t_end - t_begin)) and its results: the
 // unnormalized out ([num_heads, dim], the sum of exp(score - m) * v), and per head the max score m
@@ -427,6 +434,7 @@ struct Query {
   const float* q;
   int64_t t_first, t_end;
   float *scores, *out, *m, *l;
+  int64_t pos;  // the query's own position (ALiBi's distances are from it)
 };
 
 // Attention of every query head of `count` queries over one part of one context, read from t_begin
@@ -435,12 +443,13 @@ struct Query {
 // for all the queries (the rows of a speculative verify, each seeing one token more than the one
 // before) while the next block is prefetched. Each query's arithmetic is exactly what it would be
 // alone: the same calls on the same blocks in the same order. softcap > 0 caps the scaled scores
-// (Gemma 2). widened: a block's K or V as fp32 (block_size * slot_stride floats) when the pool is
+// (Gemma 2); slopes (ALiBi's, one a query head, or null) add slopes[h] * (t - pos) to head h's score
+// of token t. widened: a block's K or V as fp32 (block_size * slot_stride floats) when the pool is
 // 16-bit. then: then_bytes prefetched while the last V block is read (what the caller reads next).
 template <int64_t kDim>
 void attend_range(const Pool& pool, const int64_t* table, int64_t t_begin, const Query* queries, int64_t count,
-                  int64_t num_heads, int64_t group, int64_t dim_rt, float scale, float softcap, float* widened,
-                  const char* then, int64_t then_bytes) {
+                  int64_t num_heads, int64_t group, int64_t dim_rt, float scale, float softcap, const float* slopes,
+                  float* widened, const char* then, int64_t then_bytes) {
   constexpr bool kBlocked = kDim > 0 && kDim % kVec == 0;
   const int64_t dim = kDim > 0 ? kDim : dim_rt;
   const int64_t bs = pool.block_size, stride = pool.slot_stride;
@@ -487,6 +496,7 @@ void attend_range(const Pool& pool, const int64_t* table, int64_t t_begin, const
       std::fill(s, s + skip, 0.f);
       if (skip == len) continue;
       soft_cap(s + skip, len - skip, softcap);
+      if (slopes != nullptr) add_alibi(s, skip, len, slopes[h], t_begin - qr.pos);
       const float mx = *std::max_element(s + skip, s + len);
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -523,25 +533,25 @@ void attend_range(const Pool& pool, const int64_t* table, int64_t t_begin, const
 }
 
 void attend(const Pool& pool, const int64_t* table, int64_t t_begin, const Query* queries, int64_t count,
-            int64_t num_heads, int64_t group, int64_t dim, float scale, float softcap, float* widened,
-            const char* then, int64_t then_bytes) {
+            int64_t num_heads, int64_t group, int64_t dim, float scale, float softcap, const float* slopes,
+            float* widened, const char* then, int64_t then_bytes) {
   if (dim == 64)
-    attend_range<64>(pool, table, t_begin, queries, count, num_heads, group, dim, scale, softcap, widened, then,
+    attend_range<64>(pool, table, t_begin, queries, count, num_heads, group, dim, scale, softcap, slopes, widened, then,
                      then_bytes);
   else if (dim == 128)
-    attend_range<128>(pool, table, t_begin, queries, count, num_heads, group, dim, scale, softcap, widened, then,
-                      then_bytes);
+    attend_range<128>(pool, table, t_begin, queries, count, num_heads, group, dim, scale, softcap, slopes, widened,
+                      then, then_bytes);
   else
-    attend_range<0>(pool, table, t_begin, queries, count, num_heads, group, dim, scale, softcap, widened, then,
+    attend_range<0>(pool, table, t_begin, queries, count, num_heads, group, dim, scale, softcap, slopes, widened, then,
                     then_bytes);
 }
 
-// The attention sinks' scores, one float per query head, or null where there are none.
-inline const float* head_sinks(const c10::optional<torch::Tensor>& sinks, int64_t num_heads) {
-  if (!sinks.has_value() || !sinks->defined() || sinks->numel() == 0) return nullptr;
-  TORCH_CHECK(sinks->dtype() == torch::kFloat32 && sinks->is_contiguous() && sinks->numel() == num_heads,
-              "attention sinks: one float32 score per query head");
-  return sinks->data_ptr<float>();
+// One float per query head (attention sinks' scores, ALiBi's slopes), or null where there are none.
+inline const float* per_head(const c10::optional<torch::Tensor>& values, int64_t num_heads, const char* what) {
+  if (!values.has_value() || !values->defined() || values->numel() == 0) return nullptr;
+  TORCH_CHECK(values->dtype() == torch::kFloat32 && values->is_contiguous() && values->numel() == num_heads, what,
+              ": one float32 a query head");
+  return values->data_ptr<float>();
 }
 
 // A request's context is cut into parts of at least this many blocks (128 tokens of 16), at most
@@ -554,7 +564,8 @@ constexpr int64_t kMinPartBlocks = 8;
 
 // q: [B, H, D]; k_cache, v_cache: [num_slots, KV, D]; block_tables: [B, max_blocks] (int64);
 // context_lens: [B] (int64). Returns [B, H, D]. window > 0: each query attends to its last
-// `window` positions only (sliding-window attention); softcap > 0: scores soft-capped. The pool
+// `window` positions only (sliding-window attention); softcap > 0: scores soft-capped; alibi: ALiBi's
+// slopes [H] (BLOOM's, MPT's), a score plus slope * (key position - query position). The pool
 // may be 16-bit (bf16 or fp16): each block is widened to fp32 as it is read.
 //
 // Each request's visible context is cut into parts by its own length and the thread count
@@ -569,7 +580,7 @@ constexpr int64_t kMinPartBlocks = 8;
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens,
                                      int64_t block_size, double scale, int64_t window, double softcap,
-                                     c10::optional<torch::Tensor> sinks) {
+                                     c10::optional<torch::Tensor> sinks, c10::optional<torch::Tensor> alibi) {
   TORCH_CHECK(q.dtype() == torch::kFloat32, "float32 queries only");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs only");
   TORCH_CHECK(block_tables.dtype() == torch::kInt64 && context_lens.dtype() == torch::kInt64, "int64 tables only");
@@ -577,7 +588,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t num_kv_heads = k_cache.size(1);
   TORCH_CHECK(num_heads % num_kv_heads == 0 && k_cache.size(2) == dim, "head shapes do not match");
   const int64_t group = num_heads / num_kv_heads;
-  const float* sink = head_sinks(sinks, num_heads);
+  const float* sink = per_head(sinks, num_heads, "attention sinks");
+  const float* slopes = per_head(alibi, num_heads, "ALiBi slopes");
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
   auto out = torch::empty_like(q);
@@ -701,7 +713,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
               scores.data() + (j - it.row_begin) * num_heads * max_part_len,
               g.kept ? part_out.data() + slot * head_floats : (first ? O : o).data() + j * head_floats,
               g.kept ? part_m.data() + slot * num_heads : (first ? M : m).data() + j * num_heads,
-              g.kept ? part_l.data() + slot * num_heads : (first ? L : l).data() + j * num_heads};
+              g.kept ? part_l.data() + slot * num_heads : (first ? L : l).data() + j * num_heads, lp[row] - 1};
         }
         // While the last V block is read, the next part's first K block comes (on this thread).
         const char* then = nullptr;
@@ -711,8 +723,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
           then = pool.at(pool.k, table[after.t_begin / block_size] * block_size);
           then_bytes = std::min(block_size, after.t_end - after.t_begin) * pool.slot_stride * pool.element_bytes();
         }
-        attend(pool, table, pt.t_begin, queries.data(), rows, num_heads, group, dim, fscale, fcap, widened.data(), then,
-               then_bytes);
+        attend(pool, table, pt.t_begin, queries.data(), rows, num_heads, group, dim, fscale, fcap, slopes, widened.data(),
+               then, then_bytes);
         const int64_t stats = it.row_begin * num_heads;
         if (!g.kept && !first)
           fold_parts(O.data() + row_floats, M.data() + stats, L.data() + stats, o.data() + row_floats, m.data() + stats,
@@ -871,7 +883,7 @@ INFLIGHT_TILE_ROW void tile_weights(float* __restrict s, float* __restrict pr, i
 template <int64_t kDim>
 void prefill_item(const Pool& pool, const int64_t* table, int64_t ctx_start, const float* q, int64_t num_heads,
                   int64_t group, int64_t dim_rt, float scale, int64_t window, float softcap, const float* sinks,
-                  const PrefillItem& it, PrefillScratch& sc, float* out, float* part_o, float* part_m, float* part_l) {
+                  const float* slopes, const PrefillItem& it, PrefillScratch& sc, float* out, float* part_o, float* part_m, float* part_l) {
   const int64_t dim = kDim > 0 ? kDim : dim_rt;
   const int64_t bs = pool.block_size, stride = pool.slot_stride, rows = it.rows_tokens * group;
   float* qs = sc.qs.data();
@@ -929,6 +941,9 @@ void prefill_item(const Pool& pool, const int64_t* table, int64_t ctx_start, con
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t visible = std::max<int64_t>(0, std::min(nt, sc.limit[r] - t0));
       const int64_t hidden = std::min(std::max<int64_t>(0, sc.low[r] - t0), kTokenTile);  // before the window
+      if (slopes != nullptr)  // the row's head: it.kv_head's group's (r % group)-th; its position limit - 1
+        add_alibi(sc.s.data() + r * kTokenTile, hidden, visible, slopes[it.kv_head * group + r % group],
+                  t0 - (sc.limit[r] - 1));
       tile_weights(sc.s.data() + r * kTokenTile, p + r * kTokenTile, hidden, visible, softcap, sc.m[r], sc.l[r],
                    o + r * dim, dim);
     }
@@ -959,11 +974,12 @@ void prefill_item(const Pool& pool, const int64_t* table, int64_t ctx_start, con
 // whose blocks are block_tables[s] (the step's K/V already written; a 16-bit pool is widened to
 // fp32 a tile of rows at a time). Returns [N, H, D].
 // window > 0: each token attends to its last `window` positions only; softcap > 0: scores
-// soft-capped (as paged_decode_attention).
+// soft-capped; alibi: ALiBi's slopes (as paged_decode_attention).
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor block_tables, torch::Tensor q_starts, torch::Tensor q_lens,
                                       torch::Tensor ctx_starts, int64_t block_size, double scale, int64_t window,
-                                      double softcap, c10::optional<torch::Tensor> sinks) {
+                                      double softcap, c10::optional<torch::Tensor> sinks,
+                                      c10::optional<torch::Tensor> alibi) {
   TORCH_CHECK(q.dtype() == torch::kFloat32, "float32 queries only");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs only");
   for (const auto& t : {block_tables, q_starts, q_lens, ctx_starts})
@@ -971,7 +987,8 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
   const int64_t num_heads = q.size(1), dim = q.size(2), num_kv_heads = k_cache.size(1);
   TORCH_CHECK(num_heads % num_kv_heads == 0 && k_cache.size(2) == dim, "head shapes do not match");
   const int64_t group = num_heads / num_kv_heads, num_segments = q_starts.numel();
-  const float* sink = head_sinks(sinks, num_heads);
+  const float* sink = per_head(sinks, num_heads, "attention sinks");
+  const float* slopes = per_head(alibi, num_heads, "ALiBi slopes");
   const int64_t tokens_per_item = std::max<int64_t>(1, kMaxQueryRows / group);
   const int64_t* starts = q_starts.data_ptr<int64_t>();
   const int64_t* lens = q_lens.data_ptr<int64_t>();
@@ -1040,13 +1057,16 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
       float* os = op + starts[it.segment] * num_heads * dim;
       const int64_t* table = tables + it.segment * max_blocks;
       if (dim == 64)
-        prefill_item<64>(pool, table, ctx[it.segment], qs, num_heads, group, dim, fscale, window, fcap, sink, it,
+        prefill_item<64>(pool, table, ctx[it.segment], qs, num_heads, group, dim, fscale, window, fcap, sink, slopes,
+                        it,
                         scratch, os, part_o.data(), part_m.data(), part_l.data());
       else if (dim == 128)
-        prefill_item<128>(pool, table, ctx[it.segment], qs, num_heads, group, dim, fscale, window, fcap, sink, it,
+        prefill_item<128>(pool, table, ctx[it.segment], qs, num_heads, group, dim, fscale, window, fcap, sink, slopes,
+                        it,
                         scratch, os, part_o.data(), part_m.data(), part_l.data());
       else
-        prefill_item<0>(pool, table, ctx[it.segment], qs, num_heads, group, dim, fscale, window, fcap, sink, it,
+        prefill_item<0>(pool, table, ctx[it.segment], qs, num_heads, group, dim, fscale, window, fcap, sink, slopes,
+                        it,
                         scratch, os, part_o.data(), part_m.data(), part_l.data());
     }
   });
@@ -4458,10 +4478,15 @@ class DecoderStack {
     latent_rank_ = rank, latent_nope_ = nope, latent_rope_ = rope, latent_v_ = v, latent_interleaved_ = interleaved;
   }
 
+  // ALiBi's slopes, one a query head, the same in every layer (BLOOM's, MPT's), or none.
+  void set_alibi(torch::Tensor slopes) {
+    per_head(slopes, num_heads_, "ALiBi slopes");  // checked once, here
+    alibi_ = slopes;
+  }
   // Each layer's attention sinks (gpt-oss's: a score per query head, `finish_parts`), or none.
   void set_sinks(std::vector<torch::Tensor> sinks) {
     TORCH_CHECK(sinks.empty() || static_cast<int64_t>(sinks.size()) == num_layers_, "sinks for every layer, or none");
-    for (const auto& t : sinks) head_sinks(t, num_heads_);  // checked once, here
+    for (const auto& t : sinks) per_head(t, num_heads_, "attention sinks");  // checked once, here
     sinks_ = std::move(sinks);
   }
 
@@ -4497,12 +4522,12 @@ class DecoderStack {
       if (num_decodes > 0)
         decoded = paged_decode_attention(q.narrow(0, 0, num_decodes).contiguous(), k_caches[i], v_caches[i],
                                          *decode_tables, *decode_lens, block_size, attention_scale_, windows_[i],
-                                         softcap_, layer_sinks(i));
+                                         softcap_, layer_sinks(i), alibi_);
       if (num_decodes < tokens)
         prefilled = paged_prefill_attention(q.narrow(0, num_decodes, tokens - num_decodes).contiguous(), k_caches[i],
                                             v_caches[i], *prefill_tables, *query_starts, *query_lens,
                                             *context_starts, block_size, attention_scale_, windows_[i], softcap_,
-                                            layer_sinks(i));
+                                            layer_sinks(i), alibi_);
       return !prefilled.defined() ? decoded : !decoded.defined() ? prefilled : torch::cat({decoded, prefilled});
     };
     std::array<torch::Tensor, kMaxRegs> reg;
@@ -4694,6 +4719,7 @@ class DecoderStack {
   std::vector<torch::Tensor> norms_;
   std::vector<c10::optional<torch::Tensor>> norm_biases_;  // beside norms_ (LayerNorms'), or none
   std::vector<torch::Tensor> qk_norms_, sinks_;
+  c10::optional<torch::Tensor> alibi_;
   std::vector<int64_t> windows_, rope_tables_;
   std::vector<double> residual_scales_;
   std::vector<double> xielu_;  // four a layer (set_xielu), where the plan has xielu
@@ -4908,12 +4934,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Paged decode attention (CPU, fp32 arithmetic over an fp32 or 16-bit pool)", py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("block_size"), py::arg("scale"),
-        py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
+        py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none(), py::arg("alibi") = py::none());
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "Paged causal prefill attention (CPU, fp32 arithmetic over an fp32 or 16-bit pool)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("q_starts"), py::arg("q_lens"),
         py::arg("ctx_starts"), py::arg("block_size"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0,
-        py::arg("sinks") = py::none());
+        py::arg("sinks") = py::none(), py::arg("alibi") = py::none());
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU, fp32)");
   m.def("add_rms_norm_", &add_rms_norm_, "hidden += delta, then RMSNorm (CPU, fp32)");
   m.def("layer_norm", &layer_norm, "LayerNorm of each row, its bias optional (CPU, fp32)");
@@ -4998,6 +5024,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "top_k, whether the chosen weights are renormalized, the clamped SwiGLU's alpha and limit (0: silu), "
            "whether sigmoids score the experts, their bias for the choice, the weights' scale, the expert groups and "
            "how many of them a token's choice keeps")
+      .def("set_alibi", &DecoderStack::set_alibi, "ALiBi's slopes, one a query head, in every layer")
       .def("set_sinks", &DecoderStack::set_sinks, "Each layer's attention sinks (a score per query head), or none")
       .def("set_xielu", &DecoderStack::set_xielu, "Each layer's xIELU numbers, four a layer")
       .def("set_conv", &DecoderStack::set_conv, "Each layer's short-convolution taps, or an empty tensor")
