@@ -8,6 +8,7 @@ turns, a median of five steps each per round.
 
     .venv/bin/python benchmarks/architectures_bench.py [--requests 64,1] [--rounds 4] [--archs ...]
     .venv/bin/python benchmarks/architectures_bench.py --archs llama_mha,gpt2,opt,gpt_neox,gptj   # the GPT family
+    .venv/bin/python benchmarks/architectures_bench.py --archs gpt2_4x,bloom,mpt   # ALiBi
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ GPT_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt_neox": ("GPTNeoX", dict(vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
                                  intermediate_size=1536, max_position_embeddings=2048)),
     "gptj": ("GPTJ", {**_GPT2_KEYS, "rotary_dim": 32}),
+    # ALiBi (BLOOM: a LayerNorm of the embeddings, biases; MPT: none): their MLPs are 4 x hidden wide in
+    # transformers, so against GPT-2's layer as wide (`gpt2_4x`), learned positions in ALiBi's stead
+    "gpt2_4x": ("GPT2", {**_GPT2_KEYS, "n_inner": 2304}),
+    "bloom": ("Bloom", dict(vocab_size=49152, hidden_size=576, n_layer=30, n_head=9)),
+    "mpt": ("Mpt", dict(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, max_seq_len=2048)),
 }
 
 

@@ -204,7 +204,7 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "bloom": ("Bloom", {"num_attention_heads": 4, "num_key_value_heads": None, "intermediate_size": None,
                         "layer_norm_epsilon": 1e-5}),
     "mpt": ("Mpt", {"num_attention_heads": 4, "num_key_value_heads": None, "intermediate_size": None,
-                    "max_seq_len": 256, "expansion_ratio": 2}),
+                    "max_seq_len": 256, "expansion_ratio": 4}),
     # Command R7B: three sliding layers to one global, which rotates nothing (its converter reads rotary_pct)
     "cohere2": ("Cohere2", {"logit_scale": 0.3, "tie_word_embeddings": True, "pad_token_id": 0, "head_dim": 16,
                             "num_hidden_layers": 4, "sliding_window": 8, "rotary_pct": 1.0}),

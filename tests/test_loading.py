@@ -2040,9 +2040,9 @@ def test_loading_errors(tmp_path):
         load_checkpoint(resolve_model(str(tmp_path / "broken.gguf")), torch.float32)
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
-    (hf_dir / "config.json").write_text(json.dumps({"model_type": "bloom"}))
+    (hf_dir / "config.json").write_text(json.dumps({"model_type": "mamba"}))
     (hf_dir / "model.safetensors").write_bytes(b"")
-    with pytest.raises(ModelLoadError, match="unsupported architecture 'bloom'"):
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'mamba'"):
         load_checkpoint(resolve_model(str(hf_dir)), torch.float32)
     (hf_dir / "config.json").write_text(json.dumps({"model_type": "gpt2"}))  # its own keys, none given
     with pytest.raises(ModelLoadError, match="incomplete or invalid .*config.json: KeyError"):
@@ -2077,14 +2077,14 @@ def test_a_checkpoint_without_a_tokenizer_is_one_clear_line(tmp_path, loaded):
 def test_unsupported_gguf_architecture_and_quantization(tmp_path):
     import gguf
 
-    w = gguf.GGUFWriter(str(tmp_path / "bloom.gguf"), "bloom")
+    w = gguf.GGUFWriter(str(tmp_path / "mamba.gguf"), "mamba")
     w.add_tensor("x", np.zeros(4, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ModelLoadError, match="unsupported architecture 'bloom'"):
-        load_checkpoint(resolve_model(str(tmp_path / "bloom.gguf")), torch.float32)
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'mamba'"):
+        load_checkpoint(resolve_model(str(tmp_path / "mamba.gguf")), torch.float32)
 
 
 def test_a_shard_of_a_split_gguf_is_refused_with_the_way_to_merge_it(tmp_path):

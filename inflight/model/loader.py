@@ -64,8 +64,6 @@ ROPE_TENSORS = frozenset({ROPE_FREQS, *ROPE_FACTORS.values()})
 _GGUF_TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "position_embd.weight": "model.embed_positions.weight",  # GPT-2's learned positions
-    "token_embd_norm.weight": "model.embed_norm.weight",  # BLOOM's LayerNorm of the embeddings
-    "token_embd_norm.bias": "model.embed_norm.bias",
     "output.weight": "lm_head.weight",
     "output.bias": "lm_head.bias",  # Phi-2's
 }
@@ -1161,6 +1159,8 @@ def _gguf_to_hf_name(name: str, arch: str) -> str:
     final, part = name.rsplit(".", 1) if "." in name else (name, "")
     if final == row.gguf_final_norm and part in ("weight", "bias"):  # (output_norm, LFM2's token_embd_norm)
         return f"{row.final_norm}.{part}"
+    if final == "token_embd_norm" and row.embedding_norm and part in ("weight", "bias"):  # (BLOOM's)
+        return f"model.embed_norm.{part}"
     if name.startswith("blk."):
         _, index, rest = name.split(".", 2)
         layer_names = {**GGUF_LAYER_NAMES, **architecture(arch).gguf_names}
