@@ -633,6 +633,11 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
             "vocab_size": vocab, "hidden_size": 128, "num_hidden_layers": TINY["layers"], "num_attention_heads": 2,
             "ffn_dim": TINY["intermediate"], "max_position_embeddings": 256, "word_embed_proj_dim": 128,
             "pad_token_id": 0, **fields}))
+    elif arch == "glm":  # gate and up fused, q/k/v biases, half of each head rotated as interleaved pairs
+        model = transformers.GlmForCausalLM(transformers.GlmConfig(**common, attention_bias=True, head_dim=64,
+                                                                   pad_token_id=0))
+    elif arch == "helium":  # each head rotated as interleaved pairs
+        model = transformers.HeliumForCausalLM(transformers.HeliumConfig(**common, head_dim=64))
     elif arch == "bloom":  # ALiBi, a LayerNorm of the embeddings, q/k/v fused head by head, biases everywhere
         model = transformers.BloomForCausalLM(transformers.BloomConfig(**{
             "vocab_size": vocab, "hidden_size": 128, "n_layer": TINY["layers"], "n_head": 4, "bos_token_id": 1,
@@ -1343,7 +1348,7 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
                                   "gpt_oss", "seed_oss", "arcee", "glm4_moe", "phi", "stablelm", "cohere2",
                                   "ernie4_5_moe", "apertus", "hunyuan_v1_dense", "lfm2", "lfm2_moe", "deepseek_v2",
                                   "deepseek_v3", "glm4_moe_lite", "gpt2", "gpt_bigcode", "opt", "gpt_neox", "gptj",
-                                  "falcon", "olmo", "bloom", "mpt"])
+                                  "falcon", "olmo", "bloom", "mpt", "glm", "helium"])
 def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arch):
     """Through the engine as a user runs it: the directory's own tokenizer and chat template, a
     batch of chats (longer than Gemma's 24-token window) in small prefill chunks, the prefix cache

@@ -521,6 +521,13 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                              "post_ffw_norm.weight": "post_mlp_layernorm.weight"}),
     # ERNIE 4.5 (its dense models): Llama's layer, each head rotated as interleaved pairs
     Architecture("ernie4_5", gguf_interleaved_qk=False, interleaved_rotary=True),
+    # GLM-4-9B in transformers' port (`glm`: glm-4-9b-chat-hf, GLM-Edge): Llama's layer, gate and up stored
+    # fused, q/k/v biases, half of each head rotated as interleaved pairs (GLM-4's rotary, not its sandwich
+    # norms); llama.cpp writes its files as `chatglm`, which is not read
+    Architecture("glm", matmuls={**_LLAMA_MATMULS, "gate_up": ("mlp.gate_up_proj.weight",)},
+                 gguf_interleaved_qk=False, interleaved_rotary=True, hf_partial_rotary_factor=0.5),
+    # Helium (Kyutai's Helium-1): Llama's layer, each head rotated as interleaved pairs
+    Architecture("helium", gguf_interleaved_qk=False, interleaved_rotary=True),
     Architecture("mixtral", plan=with_routed_experts(LLAMA_LAYER), experts=_MIXTRAL_EXPERTS,
                  experts_always_renormalized=True),
     # Granite 4.0's attention-only models (granite-4.0-micro; the hybrid ones' Mamba layers are
