@@ -205,6 +205,11 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
                         "layer_norm_epsilon": 1e-5}),
     "mpt": ("Mpt", {"num_attention_heads": 4, "num_key_value_heads": None, "intermediate_size": None,
                     "max_seq_len": 256, "expansion_ratio": 4}),
+    # GLM-4-9B's transformers port, written as llama.cpp's chatglm: gate and up fused, q/k/v biases, half of each
+    # head rotated as interleaved pairs (its converter writes a rotary base of 10000, an eps of 1e-5, a context
+    # of `seq_length` and heads of hidden / heads whatever the config says: these are those)
+    "glm": ("Glm", {"attention_bias": True, "pad_token_id": 0, "rms_norm_eps": 1e-5, "head_dim": 16,
+                    "seq_length": 256}),
     # Command R7B: three sliding layers to one global, which rotates nothing (its converter reads rotary_pct)
     "cohere2": ("Cohere2", {"logit_scale": 0.3, "tie_word_embeddings": True, "pad_token_id": 0, "head_dim": 16,
                             "num_hidden_layers": 4, "sliding_window": 8, "rotary_pct": 1.0}),
@@ -277,6 +282,8 @@ def _convert(llama_cpp: Path, arch: str, vocab: Path, work: Path, out: Path) -> 
               "StableLMModel.set_vocab = lambda self: self._set_vocab_sentencepiece(); "
               "from conversion.glm import Glm4MoeLiteModel; "
               "Glm4MoeLiteModel.set_vocab = lambda self: self._set_vocab_sentencepiece(); "
+              "from conversion.chatglm import ChatGLMModel; "
+              "ChatGLMModel.set_vocab = lambda self: self._set_vocab_sentencepiece(); "
               "from conversion.hunyuan import HunYuanModel; "
               "HunYuanModel.set_vocab = lambda self: self._set_vocab_sentencepiece(); "
               # (its converter reads GPT-NeoX's rotary_pct, which transformers 5 reads into rope_parameters)

@@ -1275,7 +1275,7 @@ def test_a_token_alone_through_routed_experts_is_its_row_of_a_batch():
                                   "starcoder2", "cohere", "cohere2", "nemotron", "ernie4_5_moe", "apertus",
                                   "hunyuan_v1_dense", "lfm2", "lfm2_moe", "deepseek_v2", "deepseek_v3",
                                   "deepseek_v3_grouped", "glm4_moe_lite", "gpt2", "gpt_bigcode", "gpt_neox",
-                                  "falcon", "falcon_ln2", "olmo", "bloom", "mpt"])
+                                  "falcon", "falcon_ln2", "olmo", "bloom", "mpt", "glm"])
 def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_path, monkeypatch, arch):
     """The GGUF file llama.cpp's `convert_hf_to_gguf.py` made of a tiny checkpoint of each
     architecture (tests/converter_fixtures.py; its names, row orders, norm offsets, stacked

@@ -523,9 +523,10 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     Architecture("ernie4_5", gguf_interleaved_qk=False, interleaved_rotary=True),
     # GLM-4-9B in transformers' port (`glm`: glm-4-9b-chat-hf, GLM-Edge): Llama's layer, gate and up stored
     # fused, q/k/v biases, half of each head rotated as interleaved pairs (GLM-4's rotary, not its sandwich
-    # norms); llama.cpp writes its files as `chatglm`, which is not read
+    # norms); llama.cpp's `chatglm` files (of it, of GLM-4-9B's and ChatGLM3's own checkpoints: q/k/v fused)
     Architecture("glm", matmuls={**_LLAMA_MATMULS, "gate_up": ("mlp.gate_up_proj.weight",)},
-                 gguf_interleaved_qk=False, interleaved_rotary=True, hf_partial_rotary_factor=0.5),
+                 gguf_interleaved_qk=False, interleaved_rotary=True, hf_partial_rotary_factor=0.5,
+                 gguf_names={"ffn_up.weight": "mlp.gate_up_proj.weight"}),
     # Helium (Kyutai's Helium-1): Llama's layer, each head rotated as interleaved pairs
     Architecture("helium", gguf_interleaved_qk=False, interleaved_rotary=True),
     Architecture("mixtral", plan=with_routed_experts(LLAMA_LAYER), experts=_MIXTRAL_EXPERTS,
@@ -699,7 +700,7 @@ GGUF_ARCHITECTURES = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3mo
                       "gpt-oss": "gpt_oss", "glm4moe": "glm4_moe", "phi2": "phi", "command-r": "cohere",
                       "ernie4_5-moe": "ernie4_5_moe", "hunyuan-dense": "hunyuan_v1_dense",
                       "lfm2moe": "lfm2_moe", "deepseek2": "deepseek_v2", "starcoder": "gpt_bigcode",
-                      "gptneox": "gpt_neox"}
+                      "gptneox": "gpt_neox", "chatglm": "glm"}
 GGUF_EXPERT_ARCHITECTURES = {"llama": "mixtral", "mistral": "mixtral"}
 # llama.cpp's architectures whose files hold models of two rows, told apart by the router's
 # scoring: DeepSeek V2's softmax, V3's (and GLM-4.7-Flash's) sigmoids plus a bias.
