@@ -159,6 +159,10 @@ class ModelConfig:
     # (sigmoid scoring, by the scores the choice is made on: V3's), a token's experts chosen within
     # its `kept` best groups only; (1, 1): from all of them.
     expert_groups: tuple[int, int] = (1, 1)
+    # Phi-3.5-MoE's router (`expert_scoring` "sparsemixer"): each choice weighted by a softmax over
+    # the experts whose logits lie within a relative 2 x this of the chosen one's (its
+    # `router_jitter_noise`).
+    sparsemixer_eps: float = 0.0
     # Apertus's xIELU, per layer: (alpha_p, alpha_n, beta, eps) as a GGUF file stores them (alpha_p and
     # alpha_n before their softplus); None: read from the checkpoint's weights (or no xIELU).
     xielu: tuple[tuple[float, float, float, float], ...] | None = None

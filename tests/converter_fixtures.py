@@ -210,10 +210,17 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     # of `seq_length` and heads of hidden / heads whatever the config says: these are those)
     "glm": ("Glm", {"attention_bias": True, "pad_token_id": 0, "rms_norm_eps": 1e-5, "head_dim": 16,
                     "seq_length": 256}),
+    # Phi-3.5-MoE: 4 experts, 2 a token by its sparse mixer (eps 0.01, what llama.cpp's files imply), LayerNorms,
+    # biases on attention and the LM head
+    "phimoe": ("Phimoe", {"num_local_experts": 4, "num_experts_per_tok": 2, "attention_bias": True,
+                          "lm_head_bias": True, "router_jitter_noise": 0.01, "original_max_position_embeddings": 256}),
     # Command R7B: three sliding layers to one global, which rotates nothing (its converter reads rotary_pct)
     "cohere2": ("Cohere2", {"logit_scale": 0.3, "tie_word_embeddings": True, "pad_token_id": 0, "head_dim": 16,
                             "num_hidden_layers": 4, "sliding_window": 8, "rotary_pct": 1.0}),
 }
+
+# The class names of the models' own checkpoints where transformers' differ (MosaicML's, Microsoft's)
+_OWN_CLASS_NAMES = {"mpt": "MPTForCausalLM", "phimoe": "PhiMoEForCausalLM"}
 
 # the quantized fixtures' checkpoint: every row 256 weights long (head_dim 64), as the K-quants' blocks need
 QUANTIZED_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -266,9 +273,9 @@ def _convert(llama_cpp: Path, arch: str, vocab: Path, work: Path, out: Path) -> 
     hf = work / arch
     tiny_model(arch).save_pretrained(hf, safe_serialization=True)
     (hf / "tokenizer.model").write_bytes((vocab / "tokenizer.model").read_bytes())
-    if arch == "mpt":  # MosaicML's class name, as its checkpoints give it (llama.cpp's converter knows no other)
+    if arch in _OWN_CLASS_NAMES:  # as the model's own checkpoints name it (llama.cpp's converter knows no other)
         config = json.loads((hf / "config.json").read_text())
-        (hf / "config.json").write_text(json.dumps({**config, "architectures": ["MPTForCausalLM"]}))
+        (hf / "config.json").write_text(json.dumps({**config, "architectures": [_OWN_CLASS_NAMES[arch]]}))
     runner = ("import runpy, sys; sys.argv = sys.argv[1:]; sys.path.insert(0, sys.argv[0].rsplit('/', 1)[0]);"
               "from conversion.base import TextModel; "
               "TextModel._set_vocab_gpt2 = lambda self: self._set_vocab_sentencepiece(); "

@@ -77,7 +77,7 @@ def test_compiled_layers_equal_python_loop(make_llm, model, options):
                                   "gpt_oss", "arcee", "glm4_moe", "phi", "stablelm", "starcoder2", "cohere2",
                                   "nemotron", "ernie4_5_moe", "apertus", "hunyuan_v1_dense", "lfm2",
                                   "lfm2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "gpt2", "gpt_bigcode",
-                                  "opt", "gpt_neox", "gptj", "falcon", "olmo"])
+                                  "opt", "gpt_neox", "gptj", "falcon", "olmo", "bloom", "mpt", "phimoe"])
 def test_every_architecture_runs_compiled_as_the_python_loop(tmp_path, arch):
     """Each architecture's plan (sandwich and post norms, q/k norm, GeGLU, scaled residuals,
     NoPE layers, sliding windows with their own rotary base, soft-capping, routed experts with a
@@ -87,7 +87,7 @@ def test_every_architecture_runs_compiled_as_the_python_loop(tmp_path, arch):
     biases, an ungated GELU, attention and the MLP side by side; xIELU with each layer's numbers; a q/k
     norm between the rotary and the KV store; short convolutions between attending layers; latent
     attention, its query unranked or through a rank; learned positions with a ReLU or GELU MLP; a
-    parallel block on two LayerNorms) through the compiled
+    parallel block on two LayerNorms; ALiBi; Phi-3.5-MoE's sparse mixer) through the compiled
     stack: the Python loop's logits bit for bit, in chunked steps mixing prefills past the window
     with decodes."""
     from test_loading import save_word_tokenizer, tiny_hf_model

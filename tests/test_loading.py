@@ -490,6 +490,10 @@ def tiny_hf_model(arch: str, vocab: int = TINY["vocab"], **fields: Any) -> Any:
     elif arch == "mixtral":  # 4 experts, 2 per token
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
             **common, num_local_experts=4, num_experts_per_tok=2, sliding_window=None))
+    elif arch == "phimoe":  # 4 experts, 2 a token by the sparse mixer, on LayerNorms; biases on attention, the head
+        model = transformers.PhimoeForCausalLM(transformers.PhimoeConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2, attention_bias=True, lm_head_bias=True,
+            router_jitter_noise=0.05))
     elif arch == "qwen3_moe":  # 6 experts, 3 per token; the second layer dense
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             **common, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=96, norm_topk_prob=True,
@@ -1240,6 +1244,26 @@ def test_routed_experts_run_each_chosen_expert_once_over_its_tokens(normalize):
     assert len(calls) == len(chosen_experts) and sum(calls) == tokens * top_k
 
 
+def test_phimoes_sparse_mixer_chooses_and_weighs_as_transformers(tmp_path):
+    """Phi-3.5-MoE's router: inflight's `sparsemixer` gives transformers' experts and weights
+    exactly, on logits of every sign and spread (narrow: several experts within the eps of the
+    best, their softmax shared; wide: the best alone, weight 1), for the eps of the published
+    model and a wider one; a config asking for other than 2 experts a token is refused."""
+    from transformers.models.phimoe.modeling_phimoe import sparsemixer as reference
+
+    from inflight.model.experts import sparsemixer
+
+    generator = torch.Generator().manual_seed(0)
+    for spread in (0.01, 0.3, 3.0):
+        logits = torch.randn(64, 16, generator=generator) * spread + torch.randn(64, 1, generator=generator)
+        for eps in (0.01, 0.2):
+            weights, chosen = sparsemixer(logits, 2, eps)
+            expected_weights, expected_chosen = reference(logits, jitter_eps=eps, training=False)
+            assert torch.equal(chosen, expected_chosen) and torch.equal(weights, expected_weights)
+            assert (weights < 1).any() and (chosen[:, 0] != chosen[:, 1]).all()
+    assert_setting_refused(tmp_path, "phimoe", "num_experts_per_tok", 3, "num_experts_per_tok")
+
+
 def test_a_token_alone_through_routed_experts_is_its_row_of_a_batch():
     """One token takes a path of its own (its experts in id order, no grouping) in both
     interpreters; its output is bit for bit its row of a batch through the grouped path, a shared
@@ -1275,7 +1299,7 @@ def test_a_token_alone_through_routed_experts_is_its_row_of_a_batch():
                                   "starcoder2", "cohere", "cohere2", "nemotron", "ernie4_5_moe", "apertus",
                                   "hunyuan_v1_dense", "lfm2", "lfm2_moe", "deepseek_v2", "deepseek_v3",
                                   "deepseek_v3_grouped", "glm4_moe_lite", "gpt2", "gpt_bigcode", "gpt_neox",
-                                  "falcon", "falcon_ln2", "olmo", "bloom", "mpt", "glm"])
+                                  "falcon", "falcon_ln2", "olmo", "bloom", "mpt", "glm", "phimoe"])
 def test_files_of_llama_cpps_own_converter_load_as_transformers_computes(tmp_path, monkeypatch, arch):
     """The GGUF file llama.cpp's `convert_hf_to_gguf.py` made of a tiny checkpoint of each
     architecture (tests/converter_fixtures.py; its names, row orders, norm offsets, stacked
@@ -1348,7 +1372,7 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
                                   "gpt_oss", "seed_oss", "arcee", "glm4_moe", "phi", "stablelm", "cohere2",
                                   "ernie4_5_moe", "apertus", "hunyuan_v1_dense", "lfm2", "lfm2_moe", "deepseek_v2",
                                   "deepseek_v3", "glm4_moe_lite", "gpt2", "gpt_bigcode", "opt", "gpt_neox", "gptj",
-                                  "falcon", "olmo", "bloom", "mpt", "glm", "helium"])
+                                  "falcon", "olmo", "bloom", "mpt", "glm", "helium", "phimoe"])
 def test_a_new_architecture_serves_chats_as_transformers_generates(tmp_path, arch):
     """Through the engine as a user runs it: the directory's own tokenizer and chat template, a
     batch of chats (longer than Gemma's 24-token window) in small prefill chunks, the prefix cache

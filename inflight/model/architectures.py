@@ -531,6 +531,13 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     Architecture("helium", gguf_interleaved_qk=False, interleaved_rotary=True),
     Architecture("mixtral", plan=with_routed_experts(LLAMA_LAYER), experts=_MIXTRAL_EXPERTS,
                  experts_always_renormalized=True),
+    # Phi-3.5-MoE: Mixtral's experts on LayerNorms with biases, q/k/v/o biases and the LM head's; its
+    # router's sparse mixer (`expert_scoring` "sparsemixer", its `router_jitter_noise` the eps); longrope.
+    # llama.cpp computes a softmax over the two chosen in the mixer's stead: inflight reads its files
+    # as the model computes (transformers)
+    Architecture("phimoe", plan=with_routed_experts(LAYER_NORM_LAYER), experts=_MIXTRAL_EXPERTS,
+                 expert_scoring="sparsemixer", gguf_interleaved_qk=False,
+                 hf_defaults={"router_jitter_noise": 0.01}),
     # Granite 4.0's attention-only models (granite-4.0-micro; the hybrid ones' Mamba layers are
     # refused): Granite's multipliers and layer, the MLP its shared one (gate and up stored fused),
     # rotary only where position_embedding_type says rope. llama.cpp's converter writes these as granite.

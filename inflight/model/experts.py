@@ -26,23 +26,24 @@ class RoutedExperts:
     def __init__(self, router: Linear | None, gate_up: Sequence[Linear], down: Sequence[Linear], top_k: int,
                  normalize: bool, shared: tuple[Linear, Linear, Linear | None] | None = None,
                  scoring: str = "softmax", choice_bias: torch.Tensor | None = None, scale: float = 1.0,
-                 groups: tuple[int, int] = (1, 1)) -> None:
+                 groups: tuple[int, int] = (1, 1), sparsemixer_eps: float = 0.0) -> None:
         """`gate_up[e]` and `down[e]`: expert e's fused gate/up and down matmuls. Without a
         `router`, the one expert is a dense MLP (a layer of a MoE model that has no experts).
         `shared`: a shared expert's gate/up and down matmuls and its gate (one output; None: its
-        output added as it is). `scoring` ("softmax", "sigmoid"), `choice_bias` and `scale`: as
-        `ModelConfig.expert_scoring`, its bias for the choice, `routed_scaling`; `groups`: as
-        `ModelConfig.expert_groups`."""
+        output added as it is). `scoring` ("softmax", "sigmoid", "sparsemixer"), `choice_bias` and
+        `scale`: as `ModelConfig.expert_scoring`, its bias for the choice, `routed_scaling`;
+        `groups` and `sparsemixer_eps`: as `ModelConfig.expert_groups` and `sparsemixer_eps`."""
         if len(gate_up) != len(down) or not gate_up or (router is None and len(gate_up) != 1):
             raise ValueError("one gate/up and one down matmul per expert, and a router unless there is one")
         if shared is not None and (router is None or (shared[2] is not None and shared[2].out_features != 1)):
             raise ValueError("a shared expert sits beside routed ones, gated by one output or not at all")
-        if scoring not in ("softmax", "sigmoid"):
-            raise ValueError(f"experts scored by a softmax or by sigmoids, not {scoring!r}")
+        if scoring not in ("softmax", "sigmoid", "sparsemixer"):
+            raise ValueError(f"experts scored by a softmax, by sigmoids or by a sparse mixer, not {scoring!r}")
         self.router, self.gate_up, self.down = router, list(gate_up), list(down)
         self.top_k, self.normalize, self.shared = top_k, normalize, shared
         self.scoring, self.choice_bias, self.scale = scoring, choice_bias, scale
         self.groups = groups
+        self.sparsemixer_eps = sparsemixer_eps
 
     @property
     def num_experts(self) -> int:
@@ -90,9 +91,12 @@ class RoutedExperts:
         `normalize`; or each expert's sigmoid, the chosen sigmoids renormalized where `normalize`
         (GLM-4.5's); either way the choice by the scores plus `choice_bias` where there is one
         (GLM-4.5's, ERNIE 4.5's), within the token's best groups where `groups` says (DeepSeek's);
-        times `scale`."""
+        times `scale`. Phi-3.5-MoE's sparse mixer: `sparsemixer`'s choice and weights."""
         assert self.router is not None
         logits = self.router(x).float()
+        if self.scoring == "sparsemixer":
+            weights, chosen = sparsemixer(logits, self.top_k, self.sparsemixer_eps)
+            return weights.to(x.dtype), chosen
         scores = torch.sigmoid(logits) if self.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
         choice = scores if self.choice_bias is None else scores + self.choice_bias
         if self.groups[0] > 1:
@@ -118,3 +122,20 @@ class RoutedExperts:
         best = per_group.amax(dim=-1) if self.scoring == "softmax" else per_group.topk(2, dim=-1).values.sum(dim=-1)
         mask = torch.zeros_like(best, dtype=torch.bool).scatter_(1, torch.topk(best, kept, dim=-1).indices, True)
         return choice.masked_fill(~mask.repeat_interleave(per_group.shape[2], dim=1), float("-inf"))
+
+
+def sparsemixer(logits: torch.Tensor, top_k: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phi-3.5-MoE's choice of experts at inference (its `sparsemixer`): the best expert by
+    logit, weighted by the softmax over the experts whose logits lie within a relative 2 * eps of
+    its own ((best - s) / max(|s|, best) <= 2 * eps); then, the chosen left out, the best of the
+    rest, weighted alike (the closeness still measured on every logit). `[tokens, top_k]` weights
+    (not renormalized) and experts, as transformers computes them."""
+    weights, chosen = [], []
+    left = logits
+    for _ in range(top_k):
+        best, index = left.max(dim=-1, keepdim=True)
+        far = (best - logits) / logits.abs().clamp(min=best) > 2 * eps
+        weights.append(torch.softmax(left.masked_fill(far, float("-inf")), dim=-1).gather(1, index))
+        chosen.append(index)
+        left = left.scatter(1, index, float("-inf"))
+    return torch.cat(weights, dim=1), torch.cat(chosen, dim=1)

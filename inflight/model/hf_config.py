@@ -217,6 +217,8 @@ READ_KEYS = frozenset({
     # largest slope's exponent and its softmax scale; BLOOM's context
     "d_model", "n_heads", "n_layers", "max_seq_len", "attn_config", "expansion_ratio", "alibi_bias_max",
     "softmax_scale", "seq_length",
+    # Phi-3.5-MoE's sparse mixer's eps (`ModelConfig.sparsemixer_eps`; Mixtral's, Qwen's: training's noise)
+    "router_jitter_noise",
 })
 # Config keys without effect on a forward pass in inference: training settings, bookkeeping,
 # generation defaults; and `mlp_bias`, whose biases are read from the checkpoint where they are.
@@ -227,7 +229,8 @@ NO_EFFECT_KEYS = frozenset({
     "embd_pdrop", "mlp_bias", "output_router_logits", "router_aux_loss_coef",
     # Seed-OSS's: o's bias read from the checkpoint where it is (as mlp_bias'), its dropout
     "attention_out_bias", "residual_dropout",
-    "router_jitter_noise",
+    # Phi-3.5-MoE's: noise on training's inputs; the LM head's bias, read where the checkpoint has it
+    "input_jitter_noise", "lm_head_bias",
     # ERNIE 4.5's floor under the sum its chosen experts' weights are renormalized by (1e-12: never reached by a
     # softmax's top k)
     "moe_norm_min",
@@ -319,6 +322,9 @@ def refuse_unsupported(raw: dict[str, Any], path: Path) -> None:
             raise ModelLoadError(f"{path}: {key} = {raw[key]}: inflight runs no shared experts for {arch.name}")
     if arch.latent is not None:
         _refuse_latent(raw, arch, path)
+    if arch.expert_scoring == "sparsemixer" and raw.get("num_experts_per_tok", 2) != 2:  # (as transformers' always)
+        raise ModelLoadError(f"{path}: num_experts_per_tok = {raw['num_experts_per_tok']}: Phi-3.5-MoE's sparse "
+                             "mixer chooses 2 experts")
     experts = _num_experts(raw)
     if experts and arch.experts is None:
         key = next(k for k in _EXPERT_COUNT_KEYS if raw.get(k))
@@ -564,6 +570,8 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         moe_layers=_moe_layers(raw) if num_experts else None,
         shared_expert_intermediate_size=_shared_width(raw) if num_experts else None,
         expert_scoring=row.expert_scoring if row is not None else "softmax",
+        sparsemixer_eps=float(raw["router_jitter_noise"])
+        if row is not None and row.expert_scoring == "sparsemixer" else 0.0,
         routed_scaling=float(raw.get("routed_scaling_factor") or 1.0),
         expert_groups=_expert_groups(raw, row) if num_experts and row is not None else (1, 1),
         qk_norm=bool(raw.get(row.hf_qk_norm_key, False)) if row is not None and row.hf_qk_norm_key else True,

@@ -407,7 +407,8 @@ class LlamaModel:
         choice_bias = take(prefix + names.choice_bias).float().reshape(-1) if names.choice_bias is not None else None
         return RoutedExperts(matmul(names.router), gate_up, down, config.num_experts_per_tok,
                              config.norm_topk_prob, shared, scoring=config.expert_scoring,
-                             choice_bias=choice_bias, scale=config.routed_scaling, groups=config.expert_groups)
+                             choice_bias=choice_bias, scale=config.routed_scaling, groups=config.expert_groups,
+                             sparsemixer_eps=config.sparsemixer_eps)
 
     @staticmethod
     def _latent(config: ModelConfig, arch: Architecture, take: Callable[[str], torch.Tensor],
@@ -503,7 +504,8 @@ class LlamaModel:
                 stack.set_experts(i, *_stack_linears(own), layer.experts.router is not None, len(shared),
                                   layer.experts.top_k, layer.experts.normalize, alpha, limit,
                                   layer.experts.scoring == "sigmoid", layer.experts.choice_bias, layer.experts.scale,
-                                  *layer.experts.groups)
+                                  *layer.experts.groups,
+                                  layer.experts.sparsemixer_eps if layer.experts.scoring == "sparsemixer" else -1.0)
         if self.attention.alibi_slopes is not None:
             stack.set_alibi(self.attention.alibi_slopes)
         if any(layer.sinks is not None for layer in layers):

@@ -656,6 +656,8 @@ def _gguf_config(reader: Any) -> ModelConfig:
     num_layers -= mtp_layers
     if num_experts and row.experts is None:
         raise ModelLoadError(f"{arch}.expert_count = {num_experts}: inflight runs no routed experts for {arch}")
+    if row.expert_scoring == "sparsemixer" and int(get("expert_used_count")) != 2:  # (Phi-3.5-MoE's router)
+        raise ModelLoadError(f"{arch}.expert_used_count = {get('expert_used_count')}: the sparse mixer chooses 2")
     vocab = gguf_field(reader, f"{arch}.vocab_size")
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
@@ -719,9 +721,11 @@ def _gguf_config(reader: Any) -> ModelConfig:
         num_heads=num_heads,
         num_kv_heads=max(int(k) for k in kv_heads) if isinstance(kv_heads, list) else int(kv_heads),
         head_dim=head_dim,
-        # a LayerNorm's epsilon under its own key (llama.cpp's f_norm_eps), an RMSNorm's under another
-        rms_norm_eps=float(get("attention.layer_norm_epsilon" if row.layer_norm else "attention.layer_norm_rms_epsilon",
-                               1e-5)),
+        # a LayerNorm's epsilon under its own key (llama.cpp's f_norm_eps), an RMSNorm's under another; a
+        # LayerNorm's under the RMSNorm's where only that is written (Phi-3.5-MoE's files, of Phi-3's converter)
+        rms_norm_eps=float(next((value for key in (("layer_norm_epsilon",) if row.layer_norm else ())
+                                 + ("layer_norm_rms_epsilon",)
+                                 if (value := gguf_field(reader, f"{arch}.attention.{key}")) is not None), 1e-5)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         # a file converted from Qwen3's config with its card's YaRN settings says 40960
         max_position_embeddings=served_positions(int(get("context_length", 4096)), rope_scaling),
@@ -761,6 +765,8 @@ def _gguf_config(reader: Any) -> ModelConfig:
         gated_mlp=row.gated_mlp,
         expert_scoring=_GGUF_GATING.get(int(gating), row.expert_scoring) if (
             gating := gguf_field(reader, f"{arch}.expert_gating_func")) else row.expert_scoring,
+        # Phi-3.5-MoE's, which its files do not carry
+        sparsemixer_eps=float(row.hf_defaults["router_jitter_noise"]) if row.expert_scoring == "sparsemixer" else 0.0,
         routed_scaling=float(gguf_field(reader, f"{arch}.expert_weights_scale") or 1.0),
         expert_groups=(groups, used) if num_experts else (1, 1),
         # where the plan's q/k norm is optional (GLM-4.5's), the file's tensors say

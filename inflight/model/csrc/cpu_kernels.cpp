@@ -4184,6 +4184,7 @@ struct StackExperts {
   c10::optional<torch::Tensor> choice_bias;
   double scale = 1.0;
   int64_t groups = 1, groups_kept = 1;
+  double sparsemixer_eps = -1;  // >= 0: Phi-3.5-MoE's sparse mixer chooses (`sparsemixer`)
   double swiglu_alpha = 0, swiglu_limit = 0;  // limit > 0: gpt-oss's clamped SwiGLU (clamped_swiglu), else silu
 
   torch::Tensor act(const torch::Tensor& gate_up_out) const {
@@ -4194,21 +4195,12 @@ struct StackExperts {
     if (!router) return run_linear(down[0], act(run_linear(gate_up[0], x)));
     Range r("routed experts");
     const torch::Tensor logits = run_linear(*router, x).to(torch::kFloat);
-    const torch::Tensor scores = sigmoid ? torch::sigmoid(logits) : torch::softmax(logits, -1);
-    torch::Tensor choice = choice_bias ? scores + *choice_bias : scores;
-    if (groups > 1) choice = within_groups(choice);
     torch::Tensor weights, chosen;
-    if (!choice_bias && groups == 1) {
-      std::tie(weights, chosen) = torch::topk(scores, top_k, -1);
+    if (sparsemixer_eps >= 0) {
+      std::tie(weights, chosen) = sparsemixer(logits);
     } else {
-      chosen = std::get<1>(torch::topk(choice, top_k, -1));
-      weights = scores.gather(1, chosen);
+      choose(logits, weights, chosen);
     }
-    if (normalize) {
-      const torch::Tensor total = weights.sum(-1, true);
-      weights = weights / (sigmoid ? total + 1e-20 : total);
-    }
-    if (scale != 1.0) weights = weights * scale;
     weights = weights.to(x.scalar_type());
     auto out = torch::zeros_like(x);
     if (x.size(0) == 1 && x.scalar_type() == torch::kFloat) {  // one token: its experts in id order, as below
@@ -4226,6 +4218,41 @@ struct StackExperts {
     else if (shared.size() == 2)
       out += run_linear(shared[1], act(run_linear(shared[0], x)));
     return out;
+  }
+
+  // Each token's top_k experts and their weights from the router's logits: the softmax or the
+  // sigmoids, the choice by those plus the choice bias within the best groups, renormalized, scaled.
+  void choose(const torch::Tensor& logits, torch::Tensor& weights, torch::Tensor& chosen) const {
+    const torch::Tensor scores = sigmoid ? torch::sigmoid(logits) : torch::softmax(logits, -1);
+    torch::Tensor choice = choice_bias ? scores + *choice_bias : scores;
+    if (groups > 1) choice = within_groups(choice);
+    if (!choice_bias && groups == 1) {
+      std::tie(weights, chosen) = torch::topk(scores, top_k, -1);
+    } else {
+      chosen = std::get<1>(torch::topk(choice, top_k, -1));
+      weights = scores.gather(1, chosen);
+    }
+    if (normalize) {
+      const torch::Tensor total = weights.sum(-1, true);
+      weights = weights / (sigmoid ? total + 1e-20 : total);
+    }
+    if (scale != 1.0) weights = weights * scale;
+  }
+
+  // Phi-3.5-MoE's choice (experts.py's `sparsemixer`, the same ATen ops): the best expert, weighted
+  // by the softmax over those within a relative 2 * eps of it, then the best of the rest alike.
+  std::pair<torch::Tensor, torch::Tensor> sparsemixer(const torch::Tensor& logits) const {
+    const float inf = std::numeric_limits<float>::infinity();
+    std::vector<torch::Tensor> weights, chosen;
+    torch::Tensor left = logits;
+    for (int64_t k = 0; k < top_k; ++k) {
+      const auto [best, index] = left.max(-1, true);
+      const torch::Tensor far = (best - logits).div(logits.abs().clamp(best)).gt(2 * sparsemixer_eps);
+      weights.push_back(torch::softmax(left.masked_fill(far, -inf), -1).gather(1, index));
+      chosen.push_back(index);
+      left = left.scatter(1, index, -inf);
+    }
+    return {torch::cat(weights, 1), torch::cat(chosen, 1)};
   }
 
   // `choice` [tokens, experts] with every expert outside the token's `groups_kept` best groups at
@@ -4379,7 +4406,7 @@ class DecoderStack {
                    std::vector<c10::optional<torch::Tensor>> biases, std::vector<int64_t> out_features, bool routed,
                    int64_t shared, int64_t top_k, bool normalize, double swiglu_alpha, double swiglu_limit,
                    bool sigmoid, c10::optional<torch::Tensor> choice_bias, double scale, int64_t groups,
-                   int64_t groups_kept) {
+                   int64_t groups_kept, double sparsemixer_eps) {
     TORCH_CHECK(layer >= 0 && layer < num_layers_, "no such layer: ", layer);
     const int64_t n = static_cast<int64_t>(packed.size());
     TORCH_CHECK(static_cast<int64_t>(blocks.size()) == n && static_cast<int64_t>(biases.size()) == n &&
@@ -4411,6 +4438,7 @@ class DecoderStack {
     }
     made.top_k = top_k, made.normalize = normalize, made.sigmoid = sigmoid, made.choice_bias = choice_bias;
     made.scale = scale, made.groups = groups, made.groups_kept = groups_kept;
+    made.sparsemixer_eps = sparsemixer_eps;
     made.swiglu_alpha = swiglu_alpha, made.swiglu_limit = swiglu_limit;
     experts_[layer] = std::move(made);
   }
@@ -5023,7 +5051,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "A layer's routed-experts MLP: its matmuls (router, gate/ups, downs, shared), whether routed and shared, "
            "top_k, whether the chosen weights are renormalized, the clamped SwiGLU's alpha and limit (0: silu), "
            "whether sigmoids score the experts, their bias for the choice, the weights' scale, the expert groups and "
-           "how many of them a token's choice keeps")
+           "how many of them a token's choice keeps, and the sparse mixer's eps (negative: none)")
       .def("set_alibi", &DecoderStack::set_alibi, "ALiBi's slopes, one a query head, in every layer")
       .def("set_sinks", &DecoderStack::set_sinks, "Each layer's attention sinks (a score per query head), or none")
       .def("set_xielu", &DecoderStack::set_xielu, "Each layer's xIELU numbers, four a layer")
