@@ -313,18 +313,22 @@ def test_prefill_kernel_with_alibi_matches_dense_reference(heads, kv_heads, dim,
         check_prefill_kernel([(700, 5)], heads, kv_heads, dim, window, None, num_blocks=96, seed=3, slopes=slopes)
 
 
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["alibi", "alibi-and-sinks"])
 @pytest.mark.parametrize("window", [None, 9])
 @pytest.mark.parametrize("cached,new", [(20, 7), (0, 30)], ids=["cached-prefix", "whole-prompt"])
-def test_gathered_prefill_with_alibi_matches_dense_reference(cached, new, window):
+def test_gathered_prefill_with_alibi_matches_dense_reference(cached, new, window, with_sinks):
     """The PyTorch path's prefill with ALiBi (float masks holding each head's bias): after cached
-    tokens, and a whole prompt (no longer the plain causal mask)."""
+    tokens, and a whole prompt (no longer the plain causal mask); beside attention sinks too (the
+    path that computes the softmax itself adds the float mask)."""
     slopes = alibi_slopes(HEADS, 2.0)
+    sinks = head_sinks(HEADS) if with_sinks else None
     attention = PagedAttention(HEADS, KV_HEADS, DIM, windows=[None, window], alibi_slopes=slopes)
     q, keys, values, k_cache, v_cache, meta = gathered_prefill(attention, cached, new)
     for w in (None, window):
-        out = attention.forward(q, keys[cached:], values[cached:], k_cache, v_cache, meta, window=w)
+        out = attention.forward(q, keys[cached:], values[cached:], k_cache, v_cache, meta, window=w, sinks=sinks)
         for i in range(new):
-            expected = dense_reference(q[i], keys[:cached + i + 1], values[:cached + i + 1], w, slopes=slopes)
+            expected = dense_reference(q[i], keys[:cached + i + 1], values[:cached + i + 1], w, sinks=sinks,
+                                       slopes=slopes)
             torch.testing.assert_close(out.view(new, HEADS, DIM)[i], expected, **TORCH_TOL)
 
 

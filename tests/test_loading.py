@@ -1982,7 +1982,7 @@ def test_a_vocabulary_of_an_unknown_pre_tokenizer_is_refused(tmp_path, monkeypat
 
     monkeypatch.setattr("inflight.model.tokenizer.tokenizer_cache_dir", lambda: tmp_path / "cache")
     for pre in ("kimi-k2", "a-new-one"):
-        path = vocab_gguf(tmp_path, "qwen2", "qwen2", {"tokenizer.ggml.pre": pre})
+        path = vocab_gguf(tmp_path, "starcoder", "starcoder", {"tokenizer.ggml.pre": pre})
         with pytest.raises(ModelLoadError, match=f"pre-tokenizer type '{pre}'"):
             Tokenizer.load(ModelSource(path, "gguf"))
 

@@ -325,8 +325,8 @@ class PagedAttention:
             scores = torch.tanh(scores / self.softcap) * self.softcap
         if causal:
             mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
+        if mask is not None:  # (a float mask: ALiBi's bias, -inf where unseen)
+            scores = scores + mask if mask.is_floating_point() else scores.masked_fill(~mask, float("-inf"))
         if sinks is None:
             return torch.softmax(scores.float(), dim=-1).to(values.dtype) @ values
         sink = sinks.float().expand(*scores.shape[:-1], 1)  # one more score per row, without a value

@@ -67,15 +67,15 @@ def gguf_tokenizer(path: Path) -> Any:
     )
 
     architecture, vocabulary, config = get_gguf_tokenizer(str(path))
-    backend, _ = convert_gguf_tokenizer(architecture, vocabulary)
     kind = vocabulary.get("tokenizer_type")
+    pre = vocabulary.get("pre_tokenizer_type")
+    splits = splits_for(pre, GGUF_PRE_TOKENIZER_SPLITS) if kind == "gpt2" else None  # (refused before converting)
+    backend, _ = convert_gguf_tokenizer(architecture, vocabulary)
     if kind == "llama" and vocabulary.get("add_prefix_space", True) and architecture not in GGUF_SENTENCEPIECE_BUILDERS:
         backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
         backend.pre_tokenizer = None
-    pre = vocabulary.get("pre_tokenizer_type")
     if kind == "gpt2" and pre in _IGNORE_MERGES:
         backend.model.ignore_merges = True
-    splits = splits_for(pre, GGUF_PRE_TOKENIZER_SPLITS) if kind == "gpt2" else None
     if splits is not None:
         backend.pre_tokenizer = pre_tokenizers.Sequence([
             *(pre_tokenizers.Split(Regex(expression), behavior="isolated") for expression in splits),
