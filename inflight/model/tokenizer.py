@@ -111,6 +111,8 @@ def _with_plain_text_tokens(backend: Any, vocabulary: dict[str, Any]) -> Any:
     cut = []
     for token, i in plain.items():
         spelling = backend.id_to_token(i)
+        if spelling is None:  # (an id past the converted vocabulary: nothing to name)
+            continue
         if spelling in merged:
             cut.append(token)
             continue
@@ -122,7 +124,8 @@ def _with_plain_text_tokens(backend: Any, vocabulary: dict[str, Any]) -> Any:
     if cut:
         cut.sort(key=len, reverse=True)  # the longest that matches
         backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex("|".join(map(re.escape, cut))), behavior="isolated"), backend.pre_tokenizer])
+            pre_tokenizers.Split(Regex("|".join(map(re.escape, cut))), behavior="isolated"),
+            *([backend.pre_tokenizer] if backend.pre_tokenizer is not None else [])])
     return backend
 
 
