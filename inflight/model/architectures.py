@@ -361,12 +361,24 @@ _LFM2_MOE_EXPERTS = ExpertNames(router="feed_forward.gate.weight", gate="feed_fo
 # rotary, LayerNorms, biases on every matmul, an ungated GELU MLP (the tanh form), q/k/v fused; its
 # Conv1D matrices stored [in, out], its names its own (with or without `transformer.`), its config's
 # keys GPT-2's
+def _gguf_named(names: dict[str, str]) -> dict[str, str]:
+    """`gguf_names` of a row whose checkpoints name each layer tensor their own way (`names`: llama.cpp's
+    name -> the checkpoint's), weights and biases alike."""
+    return {f"{gguf}.{part}": f"{hf}.{part}" for gguf, hf in names.items() for part in ("weight", "bias")}
+
+
+def _fused_matmuls(names: dict[str, str]) -> dict[str, tuple[str, ...]]:
+    """The matmuls of a layer whose q/k/v and whose MLP's up projection are each one tensor, under
+    the checkpoint's names (`names` as `_gguf_named`'s)."""
+    return {field: (f"{names[gguf]}.weight",) for field, gguf in
+            (("qkv", "attn_qkv"), ("o", "attn_output"), ("gate_up", "ffn_up"), ("down", "ffn_down"))}
+
+
 _GPT2_NAMES = {"attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj", "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj",
                "attn_norm": "ln_1", "ffn_norm": "ln_2"}
 _GPT2 = Architecture(
     "gpt2", plan=LAYER_NORM_GELU_LAYER,
-    matmuls={"qkv": ("attn.c_attn.weight",), "o": ("attn.c_proj.weight",), "gate_up": ("mlp.c_fc.weight",),
-             "down": ("mlp.c_proj.weight",)},
+    matmuls=_fused_matmuls(_GPT2_NAMES),
     norms={"input_norm": "ln_1.weight", "post_norm": "ln_2.weight"},
     hf_prefixes=tuple((top + ours, llama) for top in ("transformer.", "") for ours, llama in (
         ("h.", "model.layers."), ("wte.", "model.embed_tokens."), ("wpe.", "model.embed_positions."),
@@ -379,7 +391,7 @@ _GPT2 = Architecture(
              "layer_norm_epsilon": "layer_norm_eps", "activation_function": "hidden_act"},
     hf_defaults={"tie_word_embeddings": True, "layer_norm_eps": 1e-5},
     gguf_interleaved_qk=False,
-    gguf_names={f"{gguf}.{part}": f"{hf}.{part}" for gguf, hf in _GPT2_NAMES.items() for part in ("weight", "bias")})
+    gguf_names=_gguf_named(_GPT2_NAMES))
 
 # BLOOM (bigscience's 560M to 176B, BLOOMZ): GPT-2's sequential layer on LayerNorms with biases, a
 # LayerNorm of the embeddings, ALiBi; q/k/v fused with each head's rows together, as GPT-NeoX's
@@ -388,8 +400,7 @@ _BLOOM_NAMES = {"attn_qkv": "self_attention.query_key_value", "attn_output": "se
                 "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h"}
 _BLOOM = Architecture(
     "bloom", plan=LAYER_NORM_GELU_LAYER,
-    matmuls={"qkv": (f"{_BLOOM_NAMES['attn_qkv']}.weight",), "o": (f"{_BLOOM_NAMES['attn_output']}.weight",),
-             "gate_up": (f"{_BLOOM_NAMES['ffn_up']}.weight",), "down": (f"{_BLOOM_NAMES['ffn_down']}.weight",)},
+    matmuls=_fused_matmuls(_BLOOM_NAMES),
     hf_prefixes=tuple((top + ours, llama) for top in ("transformer.", "") for ours, llama in (
         ("h.", "model.layers."), ("word_embeddings_layernorm.", "model.embed_norm."),
         ("word_embeddings.", "model.embed_tokens."), ("ln_f.", "model.norm."))),
@@ -398,7 +409,7 @@ _BLOOM = Architecture(
              "layer_norm_epsilon": "layer_norm_eps", "seq_length": "max_position_embeddings"},
     hf_defaults={"tie_word_embeddings": True, "layer_norm_eps": 1e-5, "max_position_embeddings": 2048},
     gguf_interleaved_qk=False,
-    gguf_names={f"{gguf}.{part}": f"{hf}.{part}" for gguf, hf in _BLOOM_NAMES.items() for part in ("weight", "bias")})
+    gguf_names=_gguf_named(_BLOOM_NAMES))
 
 # MPT (MosaicML's MPT-7B and 30B and their fine-tunes): GPT-2's sequential layer with an exact-GELU MLP,
 # LayerNorms without biases (`no_bias`: none anywhere), ALiBi; its attention settings nested in
@@ -407,8 +418,7 @@ _MPT_NAMES = {"attn_qkv": "attn.Wqkv", "attn_output": "attn.out_proj", "ffn_up":
               "ffn_down": "ffn.down_proj", "attn_norm": "norm_1", "ffn_norm": "norm_2"}
 _MPT = Architecture(
     "mpt", plan=with_activation(LAYER_NORM_LAYER, Op.GELU),
-    matmuls={"qkv": ("attn.Wqkv.weight",), "o": ("attn.out_proj.weight",), "gate_up": ("ffn.up_proj.weight",),
-             "down": ("ffn.down_proj.weight",)},
+    matmuls=_fused_matmuls(_MPT_NAMES),
     norms={"input_norm": "norm_1.weight", "post_norm": "norm_2.weight"},
     hf_prefixes=tuple((top + ours, llama) for top in ("transformer.", "") for ours, llama in (
         ("blocks.", "model.layers."), ("wte.", "model.embed_tokens."), ("norm_f.", "model.norm."))),
@@ -417,7 +427,7 @@ _MPT = Architecture(
              "max_seq_len": "max_position_embeddings", "layer_norm_epsilon": "layer_norm_eps"},
     hf_defaults={"tie_word_embeddings": True, "layer_norm_eps": 1e-5, "alibi": True, "expansion_ratio": 4},
     gguf_interleaved_qk=False,
-    gguf_names={f"{gguf}.{part}": f"{hf}.{part}" for gguf, hf in _MPT_NAMES.items() for part in ("weight", "bias")})
+    gguf_names=_gguf_named(_MPT_NAMES))
 
 # llama.cpp's names of GPT-NeoX's matrices (the row below)
 _GPT_NEOX_NAMES = {"attn_qkv": "attention.query_key_value", "attn_output": "attention.dense",
@@ -686,9 +696,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
     # GPT-NeoX (Pythia, GPT-NeoX-20B, Dolly v2, RedPajama-INCITE): attention and an ungated exact-GELU
     # MLP side by side, each on its own LayerNorm; biases on every matmul; a quarter of each head
     # rotated (NeoX's halves); q/k/v fused head by head
-    Architecture("gpt_neox", plan=PARALLEL_TWO_NORM_GELU_LAYER,
-                 matmuls={"qkv": ("attention.query_key_value.weight",), "o": ("attention.dense.weight",),
-                          "gate_up": ("mlp.dense_h_to_4h.weight",), "down": ("mlp.dense_4h_to_h.weight",)},
+    Architecture("gpt_neox", plan=PARALLEL_TWO_NORM_GELU_LAYER, matmuls=_fused_matmuls(_GPT_NEOX_NAMES),
                  hf_prefixes=(("gpt_neox.layers.", "model.layers."), ("gpt_neox.embed_in.", "model.embed_tokens."),
                               ("gpt_neox.final_layer_norm.", "model.norm."), ("embed_out.", "lm_head.")),
                  hf_ignored=("attention.bias", "attention.masked_bias"),
@@ -696,8 +704,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                  hf_partial_rotary_factor=0.25, gguf_interleaved_qk=False,
                  hf_keys={"rotary_pct": "partial_rotary_factor", "rotary_emb_base": "rope_theta"},
                  hf_defaults={"layer_norm_eps": 1e-5, "use_parallel_residual": True},
-                 gguf_names={f"{gguf}.{part}": f"{hf}.{part}" for gguf, hf in _GPT_NEOX_NAMES.items()
-                             for part in ("weight", "bias")}),
+                 gguf_names=_gguf_named(_GPT_NEOX_NAMES)),
 ]}
 
 # llama.cpp's architecture names that differ from Hugging Face's model_type; and those it gives

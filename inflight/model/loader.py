@@ -721,11 +721,7 @@ def _gguf_config(reader: Any) -> ModelConfig:
         num_heads=num_heads,
         num_kv_heads=max(int(k) for k in kv_heads) if isinstance(kv_heads, list) else int(kv_heads),
         head_dim=head_dim,
-        # a LayerNorm's epsilon under its own key (llama.cpp's f_norm_eps), an RMSNorm's under another; a
-        # LayerNorm's under the RMSNorm's where only that is written (Phi-3.5-MoE's files, of Phi-3's converter)
-        rms_norm_eps=float(next((value for key in (("layer_norm_epsilon",) if row.layer_norm else ())
-                                 + ("layer_norm_rms_epsilon",)
-                                 if (value := gguf_field(reader, f"{arch}.attention.{key}")) is not None), 1e-5)),
+        rms_norm_eps=_gguf_norm_eps(reader, arch, row),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         # a file converted from Qwen3's config with its card's YaRN settings says 40960
         max_position_embeddings=served_positions(int(get("context_length", 4096)), rope_scaling),
@@ -851,6 +847,15 @@ def _gguf_shared_width(reader: Any, arch: str, row: Architecture) -> int:
 
 # llama.cpp's `expert_gating_func` values -> `ModelConfig.expert_scoring`
 _GGUF_GATING = {1: "softmax", 2: "sigmoid"}
+
+
+def _gguf_norm_eps(reader: Any, arch: str, row: Architecture) -> float:
+    """The norms' epsilon: a LayerNorm's under its own key (llama.cpp's f_norm_eps), else under the
+    RMSNorm's, the only one Phi-3's converter writes (Phi-3.5-MoE's LayerNorms); an RMSNorm's under
+    its key; 1e-5 where the file says neither."""
+    keys = ("layer_norm_epsilon", "layer_norm_rms_epsilon") if row.layer_norm else ("layer_norm_rms_epsilon",)
+    found = (gguf_field(reader, f"{arch}.attention.{key}") for key in keys)
+    return float(next((value for value in found if value is not None), 1e-5))
 
 
 def _gguf_moe_layers(tensor_names: set[str], num_layers: int) -> tuple[bool, ...] | None:
