@@ -29,7 +29,7 @@ With `--against REV`, instead: the kernels of this checkout beside those of git 
 (built from its `cpu_kernels.cpp` under another name), alternated in one process, several rounds:
 the model's body matmuls chained at 8, 16, 32, 64 and 512 rows, the same body as Q4_1 blocks at 1,
 3, 5, 8, 12 and 16 rows (as a step reads them: in registers or a dequantized panel at a time, each
-build's choice), two 1B-shaped layers' fp32 matmuls at 64 rows, the same body as int8 W8A8 at 16,
+build's choice) and times int8 activations at 1, 5, 9 and 12 rows, two 1B-shaped layers' fp32 matmuls at 64 rows, the same body as int8 W8A8 at 16,
 64 and 512 rows, two 1B-shaped layers of Q4_K, Q6_K and Q8_0 blocks times int8 activations at 1, 4
 and 16 rows (Q8_0 also at 64; each build packs its own), decode attention of 64 requests of 100-400 tokens, and prefill
 attention of one step's 8 prompts of 17-300 tokens and of 5 new tokens after 450, and the token-wise
@@ -485,6 +485,19 @@ def compare(rev: str, rounds: int = 4) -> None:
 
         cases.append((f"body as Q4_1 blocks, {rows} rows",
                       {name: functools.partial(chain_q4, m, q4_packed[name]) for name, m in mods.items()}))
+    # The same body times int8 activations (`--quantization int8-activations`), at the sizes of a
+    # single stream's step and of its speculative verifies (k + 1 rows).
+    q4_a8 = {name: [(m.pack_gguf_blocks([raw], ["Q4_1"], k, True), k, n) for raw, k, n in q4]  # type: ignore[attr-defined]
+             for name, m in mods.items()}
+    for rows in (1, 5, 9, 12):
+        x = {576: torch.randn(rows, 576), 1536: torch.randn(rows, 1536)}
+
+        def chain_q4_a8(m: object, ws: list[tuple[torch.Tensor, int, int]], x: dict[int, torch.Tensor] = x) -> None:
+            for w, k, n in ws:
+                m.gguf_blocks_a8_linear(x[k], w, n)  # type: ignore[attr-defined]
+
+        cases.append((f"body as Q4_1 blocks x int8 activations, {rows} rows",
+                      {name: functools.partial(chain_q4_a8, m, q4_a8[name]) for name, m in mods.items()}))
     # fp32 panels of two 1B-shaped layers (K = 2048 and 8192: rows a multiple of 4 KB apart).
     big = [torch.randn(n, k) * 0.02 for k, n in BLOCK_SHAPES for _ in range(2)]
     big_packed = {name: [(m.pack_linear_weight(w), w.shape[1], w.shape[0]) for w in big]  # type: ignore[attr-defined]

@@ -24,7 +24,7 @@ kernels = cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None or not kernels.gguf_blocks_available(),
                                 reason="the GGUF block kernels are not built here (no compiler, or no AVX2)")
 
-ROWS = [1, 4, 5, 6, 16, 64, 300]
+ROWS = [1, 3, 4, 5, 6, 7, 8, 9, 12, 16, 64, 300]
 GROUP = 32  # k per activation scale
 # weights a sub-block (a scale each); 32 for the others (the grid and ternary types: their int8 form's 16)
 SUB = {"Q6_K": 16, "Q3_K": 16, "Q2_K": 16, **dict.fromkeys(GRID_TYPES, 16)}

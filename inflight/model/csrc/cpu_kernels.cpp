@@ -2967,6 +2967,8 @@ torch::Tensor gguf_blocks_dequantize(torch::Tensor packed) {
 // three instructions, and signed quants go in as q + 128, unsigned, 128 sum qx taken off after
 // (Q8_0's, Q5_0's and I8K16's only in steps of more than kA8BiasRows rows); integer sums either way, so the
 // same dot bit for bit. The INFLIGHT_EMULATE_AVX_VNNI build tests that branch on any AVX2 CPU.
+// With AVX-512 VNNI, a8_micro512 takes every step of more than one row: a panel's 16 columns in one
+// register, up to 12 rows a pass, the same outputs bit for bit.
 
 namespace {
 
@@ -3190,7 +3192,115 @@ void a8_micro(const int8_t* __restrict xq, const float* __restrict sx, const int
   }
 }
 
-// Steps of more rows than this take Q8_0's, Q5_0's and I8K16's quants biased by 128 into vpdpbusd (a8_micro):
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define INFLIGHT_A8_512 1
+// vpdpbusd on 512 bits, its accumulator tied in place (GCC's builtin makes it a copy per call,
+// and keeps accumulators passed as arrays in memory): acc + the four products of unsigned u8 and
+// signed s8 bytes of each lane.
+inline __m512i dpbusd512(__m512i acc, __m512i u8, __m512i s8) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
+  return acc;
+}
+
+inline __m512 rounded512(__m512 v) {
+  asm volatile("" : "+v"(v));
+  return v;
+}
+
+// a8_micro on AVX-512 VNNI, up to kA8Rows512 rows in one pass: the panel's 16 columns in one
+// 512-bit register (a8_unpack's two halves joined), so that each group of 4 k costs a row one
+// vpdpbusd instead of two; signed quants always biased by 128 (AVX-512 has no vpsignb), their
+// 128 sum qx the accumulators' starting value; each row's outputs kept in registers across K
+// instead of read and written back every sub-block. The same integer dots and the same fp32
+// operations on each column in the same order as a8_micro: its outputs bit for bit, at every row
+// count. (2 x MR accumulators, the weights and the scales: within the 32 registers up to 12 rows.)
+template <int MR, class L>
+void a8_micro512(const int8_t* __restrict xq, const float* __restrict sx, const int32_t* __restrict isum, int64_t K,
+                 const uint8_t* __restrict panel, float* __restrict y, int64_t ldy) {
+  static_assert(L::kScaled && L::kSub % 16 == 0 && kA8Group % L::kSub == 0, "a quantized layout");
+  const int64_t groups = K / kA8Group, sums = K / 16;
+  constexpr bool kShifted = std::is_same_v<L, Q8K16> || std::is_same_v<L, Q6K16>;
+  constexpr int kShift = kShifted ? 32 : 0;
+  constexpr int kUnpackShift = std::is_same_v<L, Q8K16> ? 32 : 0;
+  constexpr int kUnsignedMax = L::kValues == Values::kNibble ? 15 : kShifted ? 63 : L::kMin ? 31 : 0;
+  constexpr int kBias = kUnsignedMax == 0 ? 128 : 0;  // signed quants: q + 128, unsigned
+  const __m256i shift = _mm256_set1_epi8(static_cast<char>(kUnpackShift));
+  const __m256i top_bit = _mm256_set1_epi8(static_cast<char>(0x80));
+  constexpr int64_t kAhead = L::kSuper ? 1 : 4;
+  __m512 out[MR];
+  #pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) out[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < K / L::kK; ++b) {
+    const uint8_t* blk = panel + b * L::kBlockBytes;
+    for (int64_t sub = 0; sub < L::kSubBlocks; ++sub) {
+      prefetch_share<L, kAhead>(blk, sub);
+      const uint8_t* q = blk + L::kScaleBytes + sub * L::kSubValueBytes;
+      const int64_t k0 = b * L::kK + sub * L::kSub;
+      __m512i acc[MR];
+      #pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        int32_t total = isum[r * sums + k0 / 16];
+        if constexpr (L::kSub == 32) total += isum[r * sums + k0 / 16 + 1];
+        acc[r] = _mm512_set1_epi32(-(kShift + kBias) * total);  // sum (q + shift) qx - shift sum qx
+      }
+      for (int64_t g = 0; g < L::kSub / 4; ++g) {
+        __m256i c0, c1;
+        a8_unpack<L, (kBias > 0)>(q, g, c0, c1);
+        if constexpr (kUnpackShift) c0 = _mm256_add_epi8(c0, shift), c1 = _mm256_add_epi8(c1, shift);
+        if constexpr (kBias > 0 && L::kValues == Values::kInt8)
+          c0 = _mm256_xor_si256(c0, top_bit), c1 = _mm256_xor_si256(c1, top_bit);
+        const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(c0), c1, 1);
+        #pragma GCC unroll 16
+        for (int r = 0; r < MR; ++r) {
+          int32_t four;
+          std::memcpy(&four, xq + r * K + k0 + 4 * g, 4);
+          acc[r] = dpbusd512(acc[r], w, _mm512_set1_epi32(four));
+        }
+      }
+      const BlockScales512<L> s(blk, sub);
+      #pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        __m512 t = rounded512(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[r]), s.d));
+        if constexpr (L::kMin) {
+          int32_t total = isum[r * sums + k0 / 16];
+          if constexpr (L::kSub == 32) total += isum[r * sums + k0 / 16 + 1];
+          t = _mm512_add_ps(t, rounded512(_mm512_mul_ps(_mm512_set1_ps(static_cast<float>(total)), s.m)));
+        }
+        const __m512 p = rounded512(_mm512_mul_ps(t, _mm512_set1_ps(sx[r * groups + k0 / kA8Group])));
+        out[r] = k0 == 0 ? p : _mm512_add_ps(out[r], p);
+      }
+    }
+  }
+  #pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, out[r]);
+}
+
+constexpr int kA8Rows512 = 12;
+
+template <class L>
+void a8_pass512(int rows, const int8_t* xq, const float* sx, const int32_t* isum, int64_t K, const uint8_t* w,
+                float* y, int64_t ldy) {
+  switch (rows) {
+    case 12: return a8_micro512<12, L>(xq, sx, isum, K, w, y, ldy);
+    case 11: return a8_micro512<11, L>(xq, sx, isum, K, w, y, ldy);
+    case 10: return a8_micro512<10, L>(xq, sx, isum, K, w, y, ldy);
+    case 9: return a8_micro512<9, L>(xq, sx, isum, K, w, y, ldy);
+    case 8: return a8_micro512<8, L>(xq, sx, isum, K, w, y, ldy);
+    case 7: return a8_micro512<7, L>(xq, sx, isum, K, w, y, ldy);
+    case 6: return a8_micro512<6, L>(xq, sx, isum, K, w, y, ldy);
+    case 5: return a8_micro512<5, L>(xq, sx, isum, K, w, y, ldy);
+    case 4: return a8_micro512<4, L>(xq, sx, isum, K, w, y, ldy);
+    case 3: return a8_micro512<3, L>(xq, sx, isum, K, w, y, ldy);
+    default: return a8_micro512<2, L>(xq, sx, isum, K, w, y, ldy);
+  }
+}
+constexpr int kA8PassRows = kA8Rows512;
+#else
+constexpr int kA8PassRows = kA8MaxRows;
+#endif
+
+// Steps of more rows than this take Q8_0's, Q5_0's and I8K16's quants biased by 128 into vpdpbusd (a8_micro,
+// the 256-bit builds'):
 // two 1B-shaped layers of Q8_0 1.14x at 16 rows and 1.28x at 64 (`kernels_bench.py --against`, 2 AMD
 // EPYC Zen 4 cores); a variant biased from 2 rows on ran 0.89-0.95x at 4 (bound by memory there).
 constexpr int64_t kA8BiasRows = 8;
@@ -3210,6 +3320,9 @@ template <class L>
 void a8_rows(int rows, [[maybe_unused]] bool many, const int8_t* xq, const float* sx, const int32_t* isum, int64_t K,
              const uint8_t* w, float* y, int64_t ldy) {
   if constexpr (L::kScaled) {
+#if defined(INFLIGHT_A8_512)
+    if (rows > 1) return a8_pass512<L>(rows, xq, sx, isum, K, w, y, ldy);  // one row: a8_micro's two chains
+#endif
 #if defined(INFLIGHT_DPBUSD256)
     if constexpr (L::kValues == Values::kInt8 && !L::kMin && !std::is_same_v<L, Q8K16>)  // signed int8
       if (many) return a8_pass<L, true>(rows, xq, sx, isum, K, w, y, ldy);
@@ -3268,7 +3381,8 @@ torch::Tensor gguf_blocks_a8_linear(torch::Tensor x, torch::Tensor packed, int64
   const float* sp = sx.data_ptr<float>();
   const int32_t* up = isum.data_ptr<int32_t>();
   float* yp = y.data_ptr<float>();
-  for_block_panels(w, M, kA8MaxRows, [&](auto l, int64_t p, const uint8_t* panel, int64_t m, int rows) {
+  const int64_t passes = std::max<int64_t>(1, (M + kA8PassRows - 1) / kA8PassRows), pass_rows = std::max<int64_t>(1, (M + passes - 1) / passes);
+  for_block_panels(w, M, pass_rows, [&](auto l, int64_t p, const uint8_t* panel, int64_t m, int rows) {
     a8_rows<decltype(l)>(rows, M > kA8BiasRows, qp + m * K, sp + m * (K / kA8Group), up + m * (K / 16), K, panel,
                          yp + m * n_pad + p * kQCols, n_pad);
   });
@@ -3721,11 +3835,6 @@ void int8_panels(const Int8Packed& w, const int8_t* xq, int64_t m, const G& grou
 // GCC keeps vpdpbusd accumulators in memory (see int8_peak_thread).
 constexpr int kI8FusedRows = 7;
 
-// vpdpbusd with its accumulator tied in place (GCC's builtin makes it a copy per call here).
-inline __m512i dpbusd512(__m512i acc, __m512i x, __m512i w) {
-  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
-  return acc;
-}
 
 template <int MR>
 inline void int8_fused_micro(const int8_t* __restrict xq, int64_t kp, const float* __restrict sx, int64_t groups,
