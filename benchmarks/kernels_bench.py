@@ -29,9 +29,10 @@ With `--against REV`, instead: the kernels of this checkout beside those of git 
 (built from its `cpu_kernels.cpp` under another name), alternated in one process, several rounds:
 the model's body matmuls chained at 8, 16, 32, 64 and 512 rows, the same body as Q4_1 blocks at 1,
 3, 5, 8, 12 and 16 rows (as a step reads them: in registers or a dequantized panel at a time, each
-build's choice) and times int8 activations at 1, 5, 9 and 12 rows, two 1B-shaped layers' fp32 matmuls at 64 rows, the same body as int8 W8A8 at 16,
-64 and 512 rows, two 1B-shaped layers of Q4_K, Q6_K and Q8_0 blocks times int8 activations at 1, 4
-and 16 rows (Q8_0 also at 64; each build packs its own), decode attention of 64 requests of 100-400 tokens, and prefill
+build's choice) and times int8 activations at 1, 5, 9 and 12 rows, two 1B-shaped layers' fp32
+matmuls at 64 rows, the same body as int8 W8A8 at 16, 64 and 512 rows, two 1B-shaped layers of
+Q4_K, Q6_K and Q8_0 blocks times int8 activations at 1, 4 and 16 rows (Q8_0 also at 64; each
+build packs its own), decode attention of 64 requests of 100-400 tokens, and prefill
 attention of one step's 8 prompts of 17-300 tokens and of 5 new tokens after 450, and the token-wise
 ops of 30 layers at 64 rows (the norms with the residual add, the rotary with the KV store, SwiGLU).
 On a host whose speed drifts, that is how a change to a kernel is measured.
