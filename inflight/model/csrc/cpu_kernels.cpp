@@ -3050,6 +3050,57 @@ inline void a8_unpack(const uint8_t* q, int64_t g, __m256i& c0, __m256i& c1) {
   }
 }
 
+// How a layout's quants enter the integer dots. Their range: 4-bit 0..15; Q5_K's and Q5_1's
+// 0..31; Q6_K's (q - 32) and Q3_K's (q - 4), the signed layout of sub-blocks of 16, shifted by 32
+// into 0..63 (Q6K16 holds them as q, 0..63, already; Q8K16 is shifted at the unpack); Q8_0's,
+// Q5_0's, IQ4's and I8K16's signed (kUnsignedMax 0).
+template <class L>
+struct A8Quants {
+  static constexpr bool kShifted = std::is_same_v<L, Q8K16> || std::is_same_v<L, Q6K16>;
+  static constexpr int kShift = kShifted ? 32 : 0;
+  static constexpr int kUnpackShift = std::is_same_v<L, Q8K16> ? 32 : 0;
+  static constexpr int kUnsignedMax = L::kValues == Values::kNibble ? 15 : kShifted ? 63 : L::kMin ? 31 : 0;
+};
+
+// a8_unpack's quants of group g, shifted where the layout's are (Q8K16) and, with kBiased, signed
+// int8 values plus 128 (their top bit flipped; IQ4's biased table has them made).
+template <class L, bool kBiased = false>
+inline void a8_quants(const uint8_t* q, int64_t g, __m256i& c0, __m256i& c1) {
+  a8_unpack<L, kBiased>(q, g, c0, c1);
+  if constexpr (A8Quants<L>::kUnpackShift > 0) {
+    const __m256i shift = _mm256_set1_epi8(static_cast<char>(A8Quants<L>::kUnpackShift));
+    c0 = _mm256_add_epi8(c0, shift), c1 = _mm256_add_epi8(c1, shift);
+  }
+  if constexpr (kBiased && L::kValues == Values::kInt8) {
+    const __m256i top_bit = _mm256_set1_epi8(static_cast<char>(0x80));
+    c0 = _mm256_xor_si256(c0, top_bit), c1 = _mm256_xor_si256(c1, top_bit);
+  }
+}
+
+// Row r's sum of qx over the sub-block at k0 (isum: its sums of each 16 k, `sums` a row).
+template <class L>
+inline int32_t a8_sub_sum(const int32_t* isum, int r, int64_t sums, int64_t k0) {
+  int32_t total = isum[r * sums + k0 / 16];
+  if constexpr (L::kSub == 32) total += isum[r * sums + k0 / 16 + 1];
+  return total;
+}
+
+// fn(blk, sub, q, k0) for every sub-block of a panel of K k-rows, in k order: its block, its index
+// in the block, its values and its first k; the blocks ahead prefetched a share at a time. Both
+// inlined (INFLIGHT_INLINE on fn), so that the kernels' accumulators stay in registers.
+#define INFLIGHT_INLINE __attribute__((always_inline))
+template <class L, class F>
+INFLIGHT_INLINE inline void for_sub_blocks(const uint8_t* panel, int64_t K, const F& fn) {
+  constexpr int64_t kAhead = L::kSuper ? 1 : 4;
+  for (int64_t b = 0; b < K / L::kK; ++b) {
+    const uint8_t* blk = panel + b * L::kBlockBytes;
+    for (int64_t sub = 0; sub < L::kSubBlocks; ++sub) {
+      prefetch_share<L, kAhead>(blk, sub);
+      fn(blk, sub, blk + L::kScaleBytes + sub * L::kSubValueBytes, b * L::kK + sub * L::kSub);
+    }
+  }
+}
+
 // y[r][0, 16) = the panel times MR rows of quantized activations (qx [MR][K], sx [MR][K / 32],
 // isum [MR][K / 16]: the sums of qx over each 16 k), in the arithmetic above.
 template <int MR, class L, bool kBiasInt8>
@@ -3058,17 +3109,10 @@ void a8_micro(const int8_t* __restrict xq, const float* __restrict sx, const int
   static_assert(L::kScaled && L::kSub % 16 == 0 && kA8Group % L::kSub == 0, "a quantized layout");
   const int64_t groups = K / kA8Group, sums = K / 16;
   [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
-  // The quants' range: 4-bit 0..15; Q5_K's and Q5_1's 0..31; Q6_K's (q - 32) and Q3_K's (q - 4),
-  // the signed layout of sub-blocks of 16, shifted by 32 into 0..63; Q8_0's, Q5_0's, IQ4's and I8K16's signed.
-  // Q6K16 holds those quants as q (0..63) already, not shifted at the unpack.
-  constexpr bool kShifted = std::is_same_v<L, Q8K16> || std::is_same_v<L, Q6K16>;
-  constexpr int kShift = kShifted ? 32 : 0;
-  constexpr int kUnpackShift = std::is_same_v<L, Q8K16> ? 32 : 0;
-  constexpr int kUnsignedMax = L::kValues == Values::kNibble ? 15 : kShifted ? 63 : L::kMin ? 31 : 0;
+  constexpr int kShift = A8Quants<L>::kShift, kUnsignedMax = A8Quants<L>::kUnsignedMax;
   // Groups of 4 k whose int16 pair sums cannot overflow: at most 32767 / (2 * max * 127).
   [[maybe_unused]] constexpr int64_t kFlush = kUnsignedMax > 0 ? std::min<int64_t>(L::kSub / 4, 32767 / (2 * kUnsignedMax * 127)) : 1;
   static_assert(kUnsignedMax == 0 || (L::kSub / 4) % kFlush == 0, "whole flushes a sub-block");
-  [[maybe_unused]] const __m256i shift = _mm256_set1_epi8(static_cast<char>(kUnpackShift));
 #if defined(INFLIGHT_DPBUSD256)
   // Signed quants (IQ4's values; Q8_0's, Q5_0's and I8K16's where kBiasInt8) go into vpdpbusd biased by
   // 128, unsigned (its int32 sums cannot saturate, as vpmaddubsw's int16 pairs would), less 128
@@ -3077,119 +3121,103 @@ void a8_micro(const int8_t* __restrict xq, const float* __restrict sx, const int
   // carrying qw's sign.
   constexpr int kBias = kUnsignedMax == 0 && (L::kValues == Values::kNibbleTable || kBiasInt8) ? 128 : 0;
   constexpr bool kUnsigned = kUnsignedMax > 0 || kBias > 0;
-  [[maybe_unused]] const __m256i top_bit = _mm256_set1_epi8(static_cast<char>(0x80));
 #else
   constexpr int kBias = 0;  // vpmaddubsw: signed quants as |qw| times qx carrying qw's sign
 #endif
-  constexpr int64_t kAhead = L::kSuper ? 1 : 4;
-  for (int64_t b = 0; b < K / L::kK; ++b) {
-    const uint8_t* blk = panel + b * L::kBlockBytes;
-    for (int64_t sub = 0; sub < L::kSubBlocks; ++sub) {
-      prefetch_share<L, kAhead>(blk, sub);
-      const uint8_t* q = blk + L::kScaleBytes + sub * L::kSubValueBytes;
-      const int64_t k0 = b * L::kK + sub * L::kSub;
-      __m256i a0[MR], a1[MR];
-      #pragma GCC unroll 16
-      for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_si256();
+  for_sub_blocks<L>(panel, K, [&](const uint8_t* blk, int64_t sub, const uint8_t* q, int64_t k0) INFLIGHT_INLINE {
+    __m256i a0[MR], a1[MR];
+    #pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_si256();
 #if defined(INFLIGHT_DPBUSD256)
-      // With one row, the odd groups go into a second pair of sums, so that the row's vpdpbusd
-      // chains overlap instead of waiting on each other's latency (integer sums: the same totals).
-      __m256i b0 = _mm256_setzero_si256(), b1 = _mm256_setzero_si256();
-      for (int64_t g = 0; g < L::kSub / 4; ++g) {  // vpdpbusd: unsigned quants as they are, signed biased or as |qw|
-        __m256i c0, c1;
-        a8_unpack<L, (kBias > 0)>(q, g, c0, c1);  // unsigned: as they are, shifted or biased
-        if constexpr (kUnpackShift) c0 = _mm256_add_epi8(c0, shift), c1 = _mm256_add_epi8(c1, shift);
-        if constexpr (kBias > 0 && L::kValues == Values::kInt8)
-          c0 = _mm256_xor_si256(c0, top_bit), c1 = _mm256_xor_si256(c1, top_bit);
-        const __m256i m0 = kUnsigned ? c0 : _mm256_abs_epi8(c0), m1 = kUnsigned ? c1 : _mm256_abs_epi8(c1);
-        if constexpr (MR == 1) {
-          if (g % 2 == 1) {
-            const __m256i xb = four_bytes(xq + k0 + 4 * g);
-            b0 = dpbusd256(b0, m0, kUnsigned ? xb : _mm256_sign_epi8(xb, c0));
-            b1 = dpbusd256(b1, m1, kUnsigned ? xb : _mm256_sign_epi8(xb, c1));
-            continue;
-          }
-        }
-        #pragma GCC unroll 16
-        for (int r = 0; r < MR; ++r) {
-          const __m256i xb = four_bytes(xq + r * K + k0 + 4 * g);
-          a0[r] = dpbusd256(a0[r], m0, kUnsigned ? xb : _mm256_sign_epi8(xb, c0));
-          a1[r] = dpbusd256(a1[r], m1, kUnsigned ? xb : _mm256_sign_epi8(xb, c1));
+    // With one row, the odd groups go into a second pair of sums, so that the row's vpdpbusd
+    // chains overlap instead of waiting on each other's latency (integer sums: the same totals).
+    __m256i b0 = _mm256_setzero_si256(), b1 = _mm256_setzero_si256();
+    for (int64_t g = 0; g < L::kSub / 4; ++g) {  // vpdpbusd: unsigned quants as they are, signed biased or as |qw|
+      __m256i c0, c1;
+      a8_quants<L, (kBias > 0)>(q, g, c0, c1);  // unsigned: as they are, shifted or biased
+      const __m256i m0 = kUnsigned ? c0 : _mm256_abs_epi8(c0), m1 = kUnsigned ? c1 : _mm256_abs_epi8(c1);
+      if constexpr (MR == 1) {
+        if (g % 2 == 1) {
+          const __m256i xb = four_bytes(xq + k0 + 4 * g);
+          b0 = dpbusd256(b0, m0, kUnsigned ? xb : _mm256_sign_epi8(xb, c0));
+          b1 = dpbusd256(b1, m1, kUnsigned ? xb : _mm256_sign_epi8(xb, c1));
+          continue;
         }
       }
-      if constexpr (MR == 1) a0[0] = _mm256_add_epi32(a0[0], b0), a1[0] = _mm256_add_epi32(a1[0], b1);
+      #pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        const __m256i xb = four_bytes(xq + r * K + k0 + 4 * g);
+        a0[r] = dpbusd256(a0[r], m0, kUnsigned ? xb : _mm256_sign_epi8(xb, c0));
+        a1[r] = dpbusd256(a1[r], m1, kUnsigned ? xb : _mm256_sign_epi8(xb, c1));
+      }
+    }
+    if constexpr (MR == 1) a0[0] = _mm256_add_epi32(a0[0], b0), a1[0] = _mm256_add_epi32(a1[0], b1);
 #else
-      if constexpr (kUnsignedMax > 0) {
-        // Unsigned quants (Q6_K's and Q3_K's shifted up by 32) go into vpmaddubsw as they are;
-        // the pair sums of kFlush groups add up in int16 before vpmaddwd widens them.
-        for (int64_t g0 = 0; g0 < L::kSub / 4; g0 += kFlush) {
-          __m256i h0[MR], h1[MR];
-          #pragma GCC unroll 16
-          for (int r = 0; r < MR; ++r) h0[r] = h1[r] = _mm256_setzero_si256();
-          for (int64_t g = g0; g < g0 + kFlush; ++g) {
-            __m256i c0, c1;
-            a8_unpack<L>(q, g, c0, c1);
-            if constexpr (kUnpackShift) c0 = _mm256_add_epi8(c0, shift), c1 = _mm256_add_epi8(c1, shift);
-            #pragma GCC unroll 16
-            for (int r = 0; r < MR; ++r) {
-              const __m256i xb = four_bytes(xq + r * K + k0 + 4 * g);
-              h0[r] = _mm256_add_epi16(h0[r], _mm256_maddubs_epi16(c0, xb));
-              h1[r] = _mm256_add_epi16(h1[r], _mm256_maddubs_epi16(c1, xb));
-            }
-          }
-          #pragma GCC unroll 16
-          for (int r = 0; r < MR; ++r) {
-            a0[r] = _mm256_add_epi32(a0[r], _mm256_madd_epi16(h0[r], ones));
-            a1[r] = _mm256_add_epi32(a1[r], _mm256_madd_epi16(h1[r], ones));
-          }
-        }
-      } else {  // signed quants of up to 8 bits (Q8_0, Q5_0, IQ4_NL, IQ4_XS, MXFP4, I8K16)
-        for (int64_t g = 0; g < L::kSub / 4; ++g) {
+    if constexpr (kUnsignedMax > 0) {
+      // Unsigned quants (Q6_K's and Q3_K's shifted up by 32) go into vpmaddubsw as they are;
+      // the pair sums of kFlush groups add up in int16 before vpmaddwd widens them.
+      for (int64_t g0 = 0; g0 < L::kSub / 4; g0 += kFlush) {
+        __m256i h0[MR], h1[MR];
+        #pragma GCC unroll 16
+        for (int r = 0; r < MR; ++r) h0[r] = h1[r] = _mm256_setzero_si256();
+        for (int64_t g = g0; g < g0 + kFlush; ++g) {
           __m256i c0, c1;
-          a8_unpack<L>(q, g, c0, c1);
-          const __m256i m0 = _mm256_abs_epi8(c0), m1 = _mm256_abs_epi8(c1);  // |qw|: 128 for -128, unsigned
+          a8_quants<L>(q, g, c0, c1);
           #pragma GCC unroll 16
           for (int r = 0; r < MR; ++r) {
             const __m256i xb = four_bytes(xq + r * K + k0 + 4 * g);
-            a0[r] = _mm256_add_epi32(a0[r], _mm256_madd_epi16(_mm256_maddubs_epi16(m0, _mm256_sign_epi8(xb, c0)), ones));
-            a1[r] = _mm256_add_epi32(a1[r], _mm256_madd_epi16(_mm256_maddubs_epi16(m1, _mm256_sign_epi8(xb, c1)), ones));
+            h0[r] = _mm256_add_epi16(h0[r], _mm256_maddubs_epi16(c0, xb));
+            h1[r] = _mm256_add_epi16(h1[r], _mm256_maddubs_epi16(c1, xb));
           }
         }
-      }
-#endif
-      if constexpr (kShift || kBias)  // sum (q + shift) qx - shift sum qx over the sub-block (16 or 32 k)
         #pragma GCC unroll 16
         for (int r = 0; r < MR; ++r) {
-          int32_t total = isum[r * sums + k0 / 16];
-          if constexpr (L::kSub == 32) total += isum[r * sums + k0 / 16 + 1];
-          const __m256i off = _mm256_set1_epi32((kShift + kBias) * total);
-          a0[r] = _mm256_sub_epi32(a0[r], off), a1[r] = _mm256_sub_epi32(a1[r], off);
+          a0[r] = _mm256_add_epi32(a0[r], _mm256_madd_epi16(h0[r], ones));
+          a1[r] = _mm256_add_epi32(a1[r], _mm256_madd_epi16(h1[r], ones));
         }
-      const BlockScales<L> s(blk, sub);
-      #pragma GCC unroll 16
-      for (int r = 0; r < MR; ++r) {
-        __m256 t0 = rounded(_mm256_mul_ps(_mm256_cvtepi32_ps(a0[r]), s.d0));
-        __m256 t1 = rounded(_mm256_mul_ps(_mm256_cvtepi32_ps(a1[r]), s.d1));
-        if constexpr (L::kMin) {
-          int32_t total = isum[r * sums + k0 / 16];
-          if constexpr (L::kSub == 32) total += isum[r * sums + k0 / 16 + 1];
-          const __m256 sum = _mm256_set1_ps(static_cast<float>(total));
-          t0 = _mm256_add_ps(t0, rounded(_mm256_mul_ps(sum, s.m0)));
-          t1 = _mm256_add_ps(t1, rounded(_mm256_mul_ps(sum, s.m1)));
-        }
-        const __m256 scale = _mm256_set1_ps(sx[r * groups + k0 / kA8Group]);
-        const __m256 p0 = rounded(_mm256_mul_ps(t0, scale)), p1 = rounded(_mm256_mul_ps(t1, scale));
-        float* out = y + r * ldy;
-        if (k0 == 0) {
-          _mm256_storeu_ps(out, p0);
-          _mm256_storeu_ps(out + 8, p1);
-        } else {
-          _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), p0));
-          _mm256_storeu_ps(out + 8, _mm256_add_ps(_mm256_loadu_ps(out + 8), p1));
+      }
+    } else {  // signed quants of up to 8 bits (Q8_0, Q5_0, IQ4_NL, IQ4_XS, MXFP4, I8K16)
+      for (int64_t g = 0; g < L::kSub / 4; ++g) {
+        __m256i c0, c1;
+        a8_unpack<L>(q, g, c0, c1);
+        const __m256i m0 = _mm256_abs_epi8(c0), m1 = _mm256_abs_epi8(c1);  // |qw|: 128 for -128, unsigned
+        #pragma GCC unroll 16
+        for (int r = 0; r < MR; ++r) {
+          const __m256i xb = four_bytes(xq + r * K + k0 + 4 * g);
+          a0[r] = _mm256_add_epi32(a0[r], _mm256_madd_epi16(_mm256_maddubs_epi16(m0, _mm256_sign_epi8(xb, c0)), ones));
+          a1[r] = _mm256_add_epi32(a1[r], _mm256_madd_epi16(_mm256_maddubs_epi16(m1, _mm256_sign_epi8(xb, c1)), ones));
         }
       }
     }
-  }
+#endif
+    if constexpr (kShift || kBias)  // sum (q + shift) qx - shift sum qx over the sub-block (16 or 32 k)
+      #pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        const __m256i off = _mm256_set1_epi32((kShift + kBias) * a8_sub_sum<L>(isum, r, sums, k0));
+        a0[r] = _mm256_sub_epi32(a0[r], off), a1[r] = _mm256_sub_epi32(a1[r], off);
+      }
+    const BlockScales<L> s(blk, sub);
+    #pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      __m256 t0 = rounded(_mm256_mul_ps(_mm256_cvtepi32_ps(a0[r]), s.d0));
+      __m256 t1 = rounded(_mm256_mul_ps(_mm256_cvtepi32_ps(a1[r]), s.d1));
+      if constexpr (L::kMin) {
+        const __m256 sum = _mm256_set1_ps(static_cast<float>(a8_sub_sum<L>(isum, r, sums, k0)));
+        t0 = _mm256_add_ps(t0, rounded(_mm256_mul_ps(sum, s.m0)));
+        t1 = _mm256_add_ps(t1, rounded(_mm256_mul_ps(sum, s.m1)));
+      }
+      const __m256 scale = _mm256_set1_ps(sx[r * groups + k0 / kA8Group]);
+      const __m256 p0 = rounded(_mm256_mul_ps(t0, scale)), p1 = rounded(_mm256_mul_ps(t1, scale));
+      float* out = y + r * ldy;
+      if (k0 == 0) {
+        _mm256_storeu_ps(out, p0);
+        _mm256_storeu_ps(out + 8, p1);
+      } else {
+        _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), p0));
+        _mm256_storeu_ps(out + 8, _mm256_add_ps(_mm256_loadu_ps(out + 8), p1));
+      }
+    }
+  });
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -3219,58 +3247,38 @@ void a8_micro512(const int8_t* __restrict xq, const float* __restrict sx, const 
                  const uint8_t* __restrict panel, float* __restrict y, int64_t ldy) {
   static_assert(L::kScaled && L::kSub % 16 == 0 && kA8Group % L::kSub == 0, "a quantized layout");
   const int64_t groups = K / kA8Group, sums = K / 16;
-  constexpr bool kShifted = std::is_same_v<L, Q8K16> || std::is_same_v<L, Q6K16>;
-  constexpr int kShift = kShifted ? 32 : 0;
-  constexpr int kUnpackShift = std::is_same_v<L, Q8K16> ? 32 : 0;
-  constexpr int kUnsignedMax = L::kValues == Values::kNibble ? 15 : kShifted ? 63 : L::kMin ? 31 : 0;
-  constexpr int kBias = kUnsignedMax == 0 ? 128 : 0;  // signed quants: q + 128, unsigned
-  const __m256i shift = _mm256_set1_epi8(static_cast<char>(kUnpackShift));
-  const __m256i top_bit = _mm256_set1_epi8(static_cast<char>(0x80));
-  constexpr int64_t kAhead = L::kSuper ? 1 : 4;
+  constexpr int kBias = A8Quants<L>::kUnsignedMax == 0 ? 128 : 0;  // signed quants: q + 128, unsigned
+  constexpr int kOffset = A8Quants<L>::kShift + kBias;               // sum (q + offset) qx - offset sum qx
   __m512 out[MR];
   #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) out[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < K / L::kK; ++b) {
-    const uint8_t* blk = panel + b * L::kBlockBytes;
-    for (int64_t sub = 0; sub < L::kSubBlocks; ++sub) {
-      prefetch_share<L, kAhead>(blk, sub);
-      const uint8_t* q = blk + L::kScaleBytes + sub * L::kSubValueBytes;
-      const int64_t k0 = b * L::kK + sub * L::kSub;
-      __m512i acc[MR];
+  for_sub_blocks<L>(panel, K, [&](const uint8_t* blk, int64_t sub, const uint8_t* q, int64_t k0) INFLIGHT_INLINE {
+    __m512i acc[MR];
+    #pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_set1_epi32(-kOffset * a8_sub_sum<L>(isum, r, sums, k0));
+    for (int64_t g = 0; g < L::kSub / 4; ++g) {
+      __m256i c0, c1;
+      a8_quants<L, (kBias > 0)>(q, g, c0, c1);
+      const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(c0), c1, 1);
       #pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
-        int32_t total = isum[r * sums + k0 / 16];
-        if constexpr (L::kSub == 32) total += isum[r * sums + k0 / 16 + 1];
-        acc[r] = _mm512_set1_epi32(-(kShift + kBias) * total);  // sum (q + shift) qx - shift sum qx
-      }
-      for (int64_t g = 0; g < L::kSub / 4; ++g) {
-        __m256i c0, c1;
-        a8_unpack<L, (kBias > 0)>(q, g, c0, c1);
-        if constexpr (kUnpackShift) c0 = _mm256_add_epi8(c0, shift), c1 = _mm256_add_epi8(c1, shift);
-        if constexpr (kBias > 0 && L::kValues == Values::kInt8)
-          c0 = _mm256_xor_si256(c0, top_bit), c1 = _mm256_xor_si256(c1, top_bit);
-        const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(c0), c1, 1);
-        #pragma GCC unroll 16
-        for (int r = 0; r < MR; ++r) {
-          int32_t four;
-          std::memcpy(&four, xq + r * K + k0 + 4 * g, 4);
-          acc[r] = dpbusd512(acc[r], w, _mm512_set1_epi32(four));
-        }
-      }
-      const BlockScales512<L> s(blk, sub);
-      #pragma GCC unroll 16
-      for (int r = 0; r < MR; ++r) {
-        __m512 t = rounded512(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[r]), s.d));
-        if constexpr (L::kMin) {
-          int32_t total = isum[r * sums + k0 / 16];
-          if constexpr (L::kSub == 32) total += isum[r * sums + k0 / 16 + 1];
-          t = _mm512_add_ps(t, rounded512(_mm512_mul_ps(_mm512_set1_ps(static_cast<float>(total)), s.m)));
-        }
-        const __m512 p = rounded512(_mm512_mul_ps(t, _mm512_set1_ps(sx[r * groups + k0 / kA8Group])));
-        out[r] = k0 == 0 ? p : _mm512_add_ps(out[r], p);
+        int32_t four;
+        std::memcpy(&four, xq + r * K + k0 + 4 * g, 4);
+        acc[r] = dpbusd512(acc[r], w, _mm512_set1_epi32(four));
       }
     }
-  }
+    const BlockScales512<L> s(blk, sub);
+    #pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      __m512 t = rounded512(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[r]), s.d));
+      if constexpr (L::kMin) {
+        const __m512 sum = _mm512_set1_ps(static_cast<float>(a8_sub_sum<L>(isum, r, sums, k0)));
+        t = _mm512_add_ps(t, rounded512(_mm512_mul_ps(sum, s.m)));
+      }
+      const __m512 p = rounded512(_mm512_mul_ps(t, _mm512_set1_ps(sx[r * groups + k0 / kA8Group])));
+      out[r] = k0 == 0 ? p : _mm512_add_ps(out[r], p);
+    }
+  });
   #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * ldy, out[r]);
 }
