@@ -2824,8 +2824,10 @@ torch::Tensor pack_gguf_blocks(std::vector<torch::Tensor> parts, std::vector<std
 
 namespace {
 
-// fn(layout, p, panel p's bytes, first row m, rows) for every block panel and every group of at
-// most max_rows of the M rows, the panels shared out among the threads.
+// fn(layout, p, panel p's bytes, first row m, rows) for every block panel and every pass over it:
+// the M rows in as few passes of at most max_rows as there can be, split evenly (each pass unpacks
+// the panel again: 13 rows of at most 12 as 6 + 7, not 12 + 1), the panels shared out among the
+// threads.
 template <class F>
 void for_block_panels(const PackedBlocks& w, int64_t M, int64_t max_rows, const F& fn) {
   for_panels(w.panels(), [&](int64_t begin, int64_t end) {
@@ -2833,7 +2835,7 @@ void for_block_panels(const PackedBlocks& w, int64_t M, int64_t max_rows, const 
       const auto [layout, at] = w.panel(p);
       const uint8_t* panel = at;  // a lambda cannot capture a structured binding before C++20
       with_layout(layout, [&](auto l) {
-        for (int64_t m = 0; m < M; m += max_rows) fn(l, p, panel, m, static_cast<int>(std::min(max_rows, M - m)));
+        even_row_blocks(M, max_rows, [&](int64_t m, int rows) { fn(l, p, panel, m, rows); });
       });
     }
   });
@@ -2849,9 +2851,7 @@ torch::Tensor gguf_blocks_linear(torch::Tensor x, torch::Tensor packed, int64_t 
   auto y = torch::empty({M, n_pad}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t passes = std::max<int64_t>(1, (M + kQMaxRows - 1) / kQMaxRows);  // each dequantizes the panel
-  const int64_t pass_rows = std::max<int64_t>(1, (M + passes - 1) / passes);    // again: few, and even (13: 7, 6)
-  for_block_panels(w, M, pass_rows, [&](auto l, int64_t p, const uint8_t* panel, int64_t m, int rows) {
+  for_block_panels(w, M, kQMaxRows, [&](auto l, int64_t p, const uint8_t* panel, int64_t m, int rows) {
     quant_rows<decltype(l)>(rows, xp + m * K, K, panel, yp + m * n_pad + p * kQCols, n_pad);
   });
   return out_features == n_pad ? y : y.narrow(1, 0, out_features).contiguous();
@@ -3389,8 +3389,7 @@ torch::Tensor gguf_blocks_a8_linear(torch::Tensor x, torch::Tensor packed, int64
   const float* sp = sx.data_ptr<float>();
   const int32_t* up = isum.data_ptr<int32_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t passes = std::max<int64_t>(1, (M + kA8PassRows - 1) / kA8PassRows), pass_rows = std::max<int64_t>(1, (M + passes - 1) / passes);
-  for_block_panels(w, M, pass_rows, [&](auto l, int64_t p, const uint8_t* panel, int64_t m, int rows) {
+  for_block_panels(w, M, kA8PassRows, [&](auto l, int64_t p, const uint8_t* panel, int64_t m, int rows) {
     a8_rows<decltype(l)>(rows, M > kA8BiasRows, qp + m * K, sp + m * (K / kA8Group), up + m * (K / 16), K, panel,
                          yp + m * n_pad + p * kQCols, n_pad);
   });
