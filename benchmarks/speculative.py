@@ -1,7 +1,8 @@
 """Speculative decoding against none, alternated in one process on one loaded model (#36):
 
 - single stream: the `copy-edit` workload (copy, edit or continue a passage of the prompt), one
-  request at a time;
+  request at a time, each request run by every configuration of a round before the next request
+  (`run_interleaved`: a host whose speed drifts slows them alike);
 - Poisson arrivals of `copy-edit` at three rates between idle and saturation;
 - burst-64 at saturation: the `burst` workload (corpus text, few repeats) cut to 64 requests,
   all at once, and `copy-edit` likewise.
@@ -45,7 +46,7 @@ from typing import Any
 import torch
 
 from inflight.bench.corpus import Corpus
-from inflight.bench.runs import RunPlan, run_in_process
+from inflight.bench.runs import RunPlan, run_in_process, run_interleaved
 from inflight.bench.workload import generate_requests, load_workload, with_request_rate
 from inflight.model.loaded import LoadedModel
 
@@ -176,9 +177,14 @@ def main() -> int:
         if rate is not None:
             spec = with_request_rate(spec, rate)
         requests = generate_requests(spec, corpus, path.parent)
-        runs = run_in_process(None, {"max_batch_size": 64, "quantization": args.quantization}, plans, requests,
-                              max_concurrency=concurrency,
-                              progress=False, loaded=loaded)
+        options = {"max_batch_size": 64, "quantization": args.quantization}
+        if concurrency == 1:  # a round's engines take each request in turn: the host's drift hits all alike
+            width = 1 + len(configs)
+            runs = [run for start in range(0, len(plans), width)
+                    for run in run_interleaved(None, options, plans[start:start + width], requests, loaded=loaded)]
+        else:
+            runs = run_in_process(None, options, plans, requests, max_concurrency=concurrency, progress=False,
+                                  loaded=loaded)
         rows = []
         for run in runs:
             m = run.metrics

@@ -14,6 +14,7 @@ import pytest
 import yaml
 from pydantic import TypeAdapter
 
+from inflight.bench import runs as runs_module
 from inflight.bench.client import run_http
 from inflight.bench.corpus import Corpus
 from inflight.bench.distributions import Arrivals, LengthDist
@@ -27,7 +28,7 @@ from inflight.bench.metrics import (
     time_weighted_mean,
 )
 from inflight.bench.report import read_run_file, write_run_file
-from inflight.bench.runs import parse_compare, parse_sweep, plan_runs, resolve_options
+from inflight.bench.runs import RunPlan, parse_compare, parse_sweep, plan_runs, resolve_options, run_interleaved
 from inflight.bench.server_metrics import parse_prometheus
 from inflight.bench.workload import (
     BenchRequest,
@@ -488,3 +489,36 @@ def test_the_bench_sends_priorities_and_reports_each_class(loaded: LoadedModel, 
     assert "-- Priority 0 " in out and "-- Priority 3 " in out
     _, (run,) = read_run_file(tmp_path / "run.json")
     assert {r.priority for r in run.capture.results} == {0, 3} and all(r.ok for r in run.capture.results)
+
+
+def test_interleaved_runs_take_each_request_on_every_engine_in_turn(loaded: LoadedModel,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A single stream on two engines, request by request (the order reversed every other
+    request); each engine's requests joined back to back into one run of its own, with its own
+    engine's counters."""
+    spec = parse_workload({**TINY, "arrivals": {"kind": "burst"}})
+    requests = generate_requests(spec, Corpus(loaded.tokenizer))
+    calls: list[tuple[int, int]] = []
+    engines: list[Any] = []
+    real = runs_module.run_engine
+
+    def logged(engine: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        if engine not in engines:
+            engines.append(engine)
+        calls.append((engines.index(engine), batch[0].index))
+        return real(engine, batch, *args, **kwargs)
+
+    monkeypatch.setattr(runs_module, "run_engine", logged)
+    plans = [RunPlan("off", {}), RunPlan("ngram", {"speculative_config": {"method": "ngram"}})]
+    off, ngram = run_interleaved(None, {"num_kv_blocks": 64}, plans, requests, loaded=loaded)
+    assert calls == [(0, 0), (1, 0), (1, 1), (0, 1), (0, 2), (1, 2), (1, 3), (0, 3)]
+    for run in (off, ngram):
+        results = run.capture.results
+        assert [r.index for r in results] == [0, 1, 2, 3] and not any(r.error for r in results)
+        assert [r.num_output_tokens for r in results] == [r.output_len for r in requests]
+        ends = np.cumsum([r.e2e_s for r in results])  # each sent as the one before it finished
+        assert [r.arrival_s for r in results] == pytest.approx([0.0, *ends[:-1]])
+        assert run.capture.duration_s == pytest.approx(ends[-1])
+        assert run.options["interleaved"] is True
+    assert off.capture.counters.spec_num_lookups == 0
+    assert ngram.capture.counters.spec_num_lookups and ngram.capture.counters.spec_num_lookups > 0

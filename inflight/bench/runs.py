@@ -3,6 +3,7 @@ them in-process over one loaded model."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 from collections.abc import Sequence
@@ -10,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from inflight.bench.local import run_engine, warm_up
-from inflight.bench.metrics import RequestSLO
-from inflight.bench.results import BenchRun
+from inflight.bench.metrics import EngineCounters, RequestSLO
+from inflight.bench.results import BenchRun, Capture
 from inflight.bench.workload import BenchRequest
 from inflight.config import EngineConfig, SchedulerConfig
 from inflight.engine.engine import LLMEngine, load_model_for
@@ -120,12 +121,50 @@ def run_in_process(model: str | None, base_options: dict[str, Any], plans: Seque
         engine = LLMEngine(config, loaded)
         warm_up(engine)
         capture = run_engine(engine, requests, max_concurrency, progress, plan.label)
-        recorded = {**options, "model": engine.model_name, "device": str(engine.device),
-                    "dtype": str(engine.model.dtype).removeprefix("torch."),
-                    "num_kv_blocks_allocated": engine.block_manager.num_blocks}
-        runs.append(BenchRun.measure(plan.label, recorded, capture, slo))
+        runs.append(BenchRun.measure(plan.label, _recorded(options, engine), capture, slo))
         del engine, capture
         gc.collect()
+    return runs
+
+
+def _recorded(options: dict[str, Any], engine: LLMEngine) -> dict[str, Any]:
+    """A run's engine options as recorded beside its figures, with what the engine made of them."""
+    return {**options, "model": engine.model_name, "device": str(engine.device),
+            "dtype": str(engine.model.dtype).removeprefix("torch."),
+            "num_kv_blocks_allocated": engine.block_manager.num_blocks}
+
+
+def run_interleaved(model: str | None, base_options: dict[str, Any], plans: Sequence[RunPlan],
+                    requests: Sequence[BenchRequest], *, loaded: LoadedModel | None = None) -> list[BenchRun]:
+    """A single stream (one request at a time, each sent when the last has finished) on every
+    plan's engine, interleaved: each request runs on every engine in turn before the next request
+    (the order reversed every other request), so that a host whose speed drifts over the minutes
+    of a run slows every plan alike; `run_in_process` runs the plans one after the other, and two
+    runs of one configuration there differed by 10-15% on a shared 2-core host. Each plan's
+    requests are then one run, back to back (no step timeline). The engines are alive together
+    (one KV pool each)."""
+    configs = [(plan, resolve_options(base_options, plan)) for plan in plans]
+    for _, options in configs:
+        EngineConfig.from_kwargs(model, **options)
+    if loaded is None:
+        loaded = load_model_for(EngineConfig.from_kwargs(model, **base_options))
+    engines = [LLMEngine(EngineConfig.from_kwargs(model, **options), loaded) for _, options in configs]
+    for engine in engines:
+        warm_up(engine)
+    before = [engine.stats() for engine in engines]
+    parts: list[list[Capture]] = [[] for _ in engines]
+    for i, request in enumerate(requests):
+        order = range(len(engines)) if i % 2 == 0 else reversed(range(len(engines)))
+        for j in order:
+            parts[j].append(run_engine(engines[j], [dataclasses.replace(request, arrival_s=0.0)], 1, False))
+    runs = []
+    for (plan, options), engine, start, captures in zip(configs, engines, before, parts, strict=True):
+        peak = max((c.counters.kv_peak_perc or 0.0 for c in captures), default=0.0)  # each part reset it
+        counters = dataclasses.replace(EngineCounters.between(start, engine.stats()), kv_peak_perc=peak)
+        recorded = {**_recorded(options, engine), "interleaved": True}
+        runs.append(BenchRun.measure(plan.label, recorded, Capture.back_to_back(captures, counters)))
+    del engines
+    gc.collect()
     return runs
 
 
