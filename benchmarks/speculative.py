@@ -7,7 +7,7 @@
 - burst-64 at saturation: the `burst` workload (corpus text, few repeats) cut to 64 requests,
   all at once, and `copy-edit` likewise.
 
-Each configuration runs `--rounds` times in the order off, ngram, suffix, off, ngram, suffix, ...
+Each configuration runs `--rounds` times in the order off, ngram, suffix, suffix, ngram, off, ...
 (`--spec JSON`, repeated, replaces the compared configurations). Printed per scenario: output
 tok/s of each run, each configuration's ratio to the `off` run of its round (under arrivals slower
 than the engine tok/s follows the arrivals, so also the TPOT ratio: how much faster each stream
@@ -158,10 +158,14 @@ def main() -> int:
     torch.set_num_threads(torch.get_num_threads())
     loaded = LoadedModel.load(None, torch.float32, torch.device("cpu"), quantization=args.quantization)
     corpus = Corpus(loaded.tokenizer)
+    # Each round's runs in the order off, the configurations; every other round the reverse, so
+    # that a host drifting one way over the minutes favours no configuration across rounds.
     plans = []
     for i in range(args.rounds):
-        plans.append(RunPlan(f"off#{i + 1}", {}))
-        plans += [RunPlan(f"{name}#{i + 1}", {"speculative_config": c}) for name, c in zip(names, configs, strict=True)]
+        round_plans = [RunPlan(f"off#{i + 1}", {}),
+                       *(RunPlan(f"{name}#{i + 1}", {"speculative_config": c})
+                         for name, c in zip(names, configs, strict=True))]
+        plans += round_plans if i % 2 == 0 else round_plans[::-1]
     print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, quantization {args.quantization}; compared: "
           + "; ".join(f"{n} = {json.dumps(c)}" for n, c in zip(names, configs, strict=True)))
     document: dict[str, Any] = {"cpu": cpu_name(), "threads": torch.get_num_threads(),
@@ -196,12 +200,13 @@ def main() -> int:
                          "spec_overhead_perc": m.spec_overhead_perc})
         # Each configuration's ratios to the off run of its round: tok/s, and off/on TPOT (under
         # arrivals slower than the engine, tok/s follows the arrivals: latency tells instead).
-        width = 1 + len(configs)
+        by_label = {row["label"]: row for row in rows}
         ratios: dict[str, list[float]] = {n: [] for n in names}
         tpot_ratios: dict[str, list[float]] = {n: [] for n in names}
-        for start in range(0, len(rows), width):
-            off = rows[start]
-            for n, on in zip(names, rows[start + 1:start + width], strict=True):
+        for i in range(1, args.rounds + 1):
+            off = by_label[f"off#{i}"]
+            for n in names:
+                on = by_label[f"{n}#{i}"]
                 ratios[n].append(on["output_tok_s"] / off["output_tok_s"])
                 tpot_ratios[n].append(off["tpot_mean_ms"] / on["tpot_mean_ms"])
         print(f"\n== {name} ({len(requests)} requests) ==")
