@@ -139,8 +139,9 @@ def run_interleaved(model: str | None, base_options: dict[str, Any], plans: Sequ
     """A single stream (one request at a time, each sent when the last has finished) on every
     plan's engine, interleaved: each request runs on every engine in turn before the next request
     (the order reversed every other request), so that a host whose speed drifts over the minutes
-    of a run slows every plan alike; `run_in_process` runs the plans one after the other, and two
-    runs of one configuration there differed by 10-15% on a shared 2-core host. Each plan's
+    of a run slows every plan alike (`run_in_process` runs the plans one after the other: there a
+    second engine identical to the first ran 0.88-1.07x its tok/s on a shared 2-core host, here
+    1.00-1.01x). Each plan's
     requests are then one run, back to back (no step timeline). The engines are alive together
     (one KV pool each)."""
     configs = [(plan, resolve_options(base_options, plan)) for plan in plans]
