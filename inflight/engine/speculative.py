@@ -13,8 +13,8 @@ chance that a request's j-th proposed token is kept is a^j, where a is its accep
 proposals); the step's time is the step-time predictor's (the roofline cost model refitted
 online to the engine's own steps, as the SLO policy uses it). At one request a step reads every
 weight for one token or for several, and the extra tokens cost only their arithmetic: on 2 Zen 4
-cores a 5-token step of the embedded model takes 1.6x a 1-token one in fp32, so a step verifying
-four proposed tokens, three of them kept, makes 4 tokens in the time of 1.6. At saturation every
+cores a 5-token step of the embedded model takes 1.5x a 1-token one in fp32, so a step verifying
+four proposed tokens, three of them kept, makes 4 tokens in the time of 1.5. At saturation every
 token costs its share of a compute-bound step, a proposal's expected gain of less than one token
 loses, and speculation falls to zero by itself, without a load threshold.
 """
