@@ -110,11 +110,7 @@ def run_in_process(model: str | None, base_options: dict[str, Any], plans: Seque
                    slo: RequestSLO | None = None, progress: bool = True,
                    loaded: LoadedModel | None = None) -> list[BenchRun]:
     """Runs every plan on a fresh engine over one loaded model, one after the other."""
-    configs = [(plan, resolve_options(base_options, plan)) for plan in plans]
-    for _, options in configs:  # fail fast on a bad option, before loading anything
-        EngineConfig.from_kwargs(model, **options)
-    if loaded is None:
-        loaded = load_model_for(EngineConfig.from_kwargs(model, **base_options))
+    configs, loaded = _checked_plans(model, base_options, plans, loaded)
     runs = []
     for plan, options in configs:
         config = EngineConfig.from_kwargs(model, **options)
@@ -125,6 +121,18 @@ def run_in_process(model: str | None, base_options: dict[str, Any], plans: Seque
         del engine, capture
         gc.collect()
     return runs
+
+
+def _checked_plans(model: str | None, base_options: dict[str, Any], plans: Sequence[RunPlan],
+                   loaded: LoadedModel | None) -> tuple[list[tuple[RunPlan, dict[str, Any]]], LoadedModel]:
+    """Each plan with its engine options, every one checked before anything loads (a bad option
+    fails fast), and the model they share (`loaded`, or loaded now)."""
+    configs = [(plan, resolve_options(base_options, plan)) for plan in plans]
+    for _, options in configs:
+        EngineConfig.from_kwargs(model, **options)
+    if loaded is None:
+        loaded = load_model_for(EngineConfig.from_kwargs(model, **base_options))
+    return configs, loaded
 
 
 def _recorded(options: dict[str, Any], engine: LLMEngine) -> dict[str, Any]:
@@ -140,15 +148,10 @@ def run_interleaved(model: str | None, base_options: dict[str, Any], plans: Sequ
     plan's engine, interleaved: each request runs on every engine in turn before the next request
     (the order reversed every other request), so that a host whose speed drifts over the minutes
     of a run slows every plan alike (`run_in_process` runs the plans one after the other: there a
-    second engine identical to the first ran 0.88-1.07x its tok/s on a shared 2-core host, here
-    1.00-1.01x). Each plan's
-    requests are then one run, back to back (no step timeline). The engines are alive together
-    (one KV pool each)."""
-    configs = [(plan, resolve_options(base_options, plan)) for plan in plans]
-    for _, options in configs:
-        EngineConfig.from_kwargs(model, **options)
-    if loaded is None:
-        loaded = load_model_for(EngineConfig.from_kwargs(model, **base_options))
+    second engine identical to the first ran 0.88-1.12x its tok/s on a shared 2-core host, here
+    1.00-1.01x: `benchmarks/drift_check.py`). Each plan's requests are then one run, back to back
+    (no step timeline). The engines are alive together (one KV pool each)."""
+    configs, loaded = _checked_plans(model, base_options, plans, loaded)
     engines = [LLMEngine(EngineConfig.from_kwargs(model, **options), loaded) for _, options in configs]
     for engine in engines:
         warm_up(engine)
