@@ -1,14 +1,16 @@
-"""Speculative decoding against none, alternated in one process on one loaded model (#36):
+"""Speculative decoding against none, in one process on one loaded model (#36):
 
 - single stream: the `copy-edit` workload (copy, edit or continue a passage of the prompt), one
-  request at a time, each request run by every configuration of a round before the next request
-  (`run_interleaved`: a host whose speed drifts slows them alike);
+  request at a time;
 - Poisson arrivals of `copy-edit` at three rates between idle and saturation;
 - burst-64 at saturation: the `burst` workload (corpus text, few repeats) cut to 64 requests,
   all at once, and `copy-edit` likewise.
 
-Each configuration runs `--rounds` times in the order off, ngram, suffix, suffix, ngram, off, ...
-(`--spec JSON`, repeated, replaces the compared configurations). Printed per scenario: output
+In each of `--rounds` rounds every configuration (off, ngram, suffix; `--spec JSON`, repeated,
+replaces the speculating ones) runs the scenario at once, the engines taking turns step by step,
+each on a clock that runs only during its own turns (`run_lockstep`: a host whose speed drifts
+slows them alike). `--whole-runs` runs them one after the other instead, in the order off, ngram,
+suffix, suffix, ngram, off, ... (what drift biases: `drift_check.py`). Printed per scenario: output
 tok/s of each run, each configuration's ratio to the `off` run of its round (under arrivals slower
 than the engine tok/s follows the arrivals, so also the TPOT ratio: how much faster each stream
 ran), TPOT and TTFT p99, the share of proposal lookups that found one (the text repeating itself),
@@ -29,7 +31,7 @@ trained draft would).
 `bf16-activations`: the arithmetic a user may choose), speculation off included.
 
     .venv/bin/python benchmarks/speculative.py [--rounds 2] [--spec JSON ...] [--draft-layers N]
-        [--only NAME] [--quick] [--quantization none]
+        [--only NAME] [--quick] [--quantization none] [--whole-runs]
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from typing import Any
 import torch
 
 from inflight.bench.corpus import Corpus
-from inflight.bench.runs import RunPlan, run_in_process, run_interleaved
+from inflight.bench.runs import RunPlan, run_in_process, run_lockstep
 from inflight.bench.workload import generate_requests, load_workload, with_request_rate
 from inflight.model.loaded import LoadedModel
 
@@ -146,6 +148,8 @@ def main() -> int:
                              "(0-3,26-29)")
     parser.add_argument("--draft-k", type=int, default=4, help="the draft model's num_speculative_tokens")
     parser.add_argument("--quantization", default="none", help="the loaded model's arithmetic, every run alike")
+    parser.add_argument("--whole-runs", action="store_true",
+                        help="each configuration's run alone, one after the other (the order above), not in lockstep")
     parser.add_argument("--out", default="benchmarks/results/speculative.json")
     args = parser.parse_args()
     configs = [json.loads(text) for text in args.spec] if args.spec else list(DEFAULT_SPECS)
@@ -159,7 +163,7 @@ def main() -> int:
     loaded = LoadedModel.load(None, torch.float32, torch.device("cpu"), quantization=args.quantization)
     corpus = Corpus(loaded.tokenizer)
     # Each round's runs in the order off, the configurations; every other round the reverse, so
-    # that a host drifting one way over the minutes favours no configuration across rounds.
+    # that whole runs on a host drifting one way over the minutes favour no configuration.
     plans = []
     for i in range(args.rounds):
         round_plans = [RunPlan(f"off#{i + 1}", {}),
@@ -169,7 +173,7 @@ def main() -> int:
     print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, quantization {args.quantization}; compared: "
           + "; ".join(f"{n} = {json.dumps(c)}" for n, c in zip(names, configs, strict=True)))
     document: dict[str, Any] = {"cpu": cpu_name(), "threads": torch.get_num_threads(),
-                                "quantization": args.quantization,
+                                "quantization": args.quantization, "lockstep": not args.whole_runs,
                                 "speculative_configs": dict(zip(names, configs, strict=True)),
                                 "command": " ".join(sys.argv),
                                 "date": time.strftime("%Y-%m-%d"), "scenarios": []}
@@ -182,13 +186,14 @@ def main() -> int:
             spec = with_request_rate(spec, rate)
         requests = generate_requests(spec, corpus, path.parent)
         options = {"max_batch_size": 64, "quantization": args.quantization}
-        if concurrency == 1:  # a round's engines take each request in turn: the host's drift hits all alike
-            width = 1 + len(configs)
-            runs = [run for start in range(0, len(plans), width)
-                    for run in run_interleaved(None, options, plans[start:start + width], requests, loaded=loaded)]
-        else:
+        if args.whole_runs:
             runs = run_in_process(None, options, plans, requests, max_concurrency=concurrency, progress=False,
                                   loaded=loaded)
+        else:  # a round's engines take turns step by step: the host's drift hits all alike
+            width = 1 + len(configs)
+            runs = [run for start in range(0, len(plans), width)
+                    for run in run_lockstep(None, options, plans[start:start + width], requests,
+                                            max_concurrency=concurrency, loaded=loaded)]
         rows = []
         for run in runs:
             m = run.metrics

@@ -4,6 +4,7 @@ embedded model, the HTTP client against the real server and a fake one, and `inf
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,10 +15,12 @@ import pytest
 import yaml
 from pydantic import TypeAdapter
 
+from inflight.bench import local as local_module
 from inflight.bench import runs as runs_module
 from inflight.bench.client import run_http
 from inflight.bench.corpus import Corpus
 from inflight.bench.distributions import Arrivals, LengthDist
+from inflight.bench.local import TurnClock
 from inflight.bench.metrics import (
     EngineCounters,
     KvSample,
@@ -28,7 +31,7 @@ from inflight.bench.metrics import (
     time_weighted_mean,
 )
 from inflight.bench.report import read_run_file, write_run_file
-from inflight.bench.runs import RunPlan, parse_compare, parse_sweep, plan_runs, resolve_options, run_interleaved
+from inflight.bench.runs import RunPlan, parse_compare, parse_sweep, plan_runs, resolve_options
 from inflight.bench.server_metrics import parse_prometheus
 from inflight.bench.workload import (
     BenchRequest,
@@ -491,34 +494,99 @@ def test_the_bench_sends_priorities_and_reports_each_class(loaded: LoadedModel, 
     assert {r.priority for r in run.capture.results} == {0, 3} and all(r.ok for r in run.capture.results)
 
 
-def test_interleaved_runs_take_each_request_on_every_engine_in_turn(loaded: LoadedModel,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """A single stream on two engines, request by request (the order reversed every other
-    request); each engine's requests joined back to back into one run of its own, with its own
-    engine's counters."""
-    spec = parse_workload({**TINY, "arrivals": {"kind": "burst"}})
+def test_turn_clock_runs_only_during_its_turns() -> None:
+    clock = TurnClock()
+    assert clock() == 0.0
+    time.sleep(0.02)
+    assert clock() == 0.0  # no turn yet: nothing of the host's time is this engine's
+    with clock.turn():
+        time.sleep(0.02)
+        inside = clock()
+        assert inside >= 0.02
+        with pytest.raises(RuntimeError), clock.turn():
+            pass
+    after = clock()
+    assert after >= inside
+    time.sleep(0.02)
+    assert clock() == after
+    clock.wait_until(after + 5.0)  # waiting for an arrival jumps at once
+    assert clock() == pytest.approx(after + 5.0)
+    clock.wait_until(1.0)  # a time already past leaves the clock where it is
+    assert clock() == pytest.approx(after + 5.0)
+
+
+def test_lockstep_runs_take_turns_step_by_step_each_on_its_own_time(loaded: LoadedModel,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A burst on two engines at once: one step of each, then one of each in the reverse order;
+    each run's duration counts its own steps and none of the other's."""
+    spec = parse_workload({**TINY, "num_requests": 6, "arrivals": {"kind": "burst"}})
     requests = generate_requests(spec, Corpus(loaded.tokenizer))
-    calls: list[tuple[int, int]] = []
+    calls: list[int] = []
     engines: list[Any] = []
-    real = runs_module.run_engine
+    own_s = [0.0, 0.0]
+    span: list[float] = []  # when the first step began and the last ended
+    real = local_module.RequestDriver.step
 
-    def logged(engine: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-        if engine not in engines:
-            engines.append(engine)
-        calls.append((engines.index(engine), batch[0].index))
-        return real(engine, batch, *args, **kwargs)
+    def logged(driver: Any) -> Any:
+        if driver.engine not in engines:
+            engines.append(driver.engine)
+        j = engines.index(driver.engine)
+        calls.append(j)
+        started = time.perf_counter()
+        try:
+            return real(driver)
+        finally:
+            own_s[j] += time.perf_counter() - started
+            span[:] = [span[0] if span else started, time.perf_counter()]
 
-    monkeypatch.setattr(runs_module, "run_engine", logged)
+    monkeypatch.setattr(local_module.RequestDriver, "step", logged)
     plans = [RunPlan("off", {}), RunPlan("ngram", {"speculative_config": {"method": "ngram"}})]
-    off, ngram = run_interleaved(None, {"num_kv_blocks": 64}, plans, requests, loaded=loaded)
-    assert calls == [(0, 0), (1, 0), (1, 1), (0, 1), (0, 2), (1, 2), (1, 3), (0, 3)]
-    for run in (off, ngram):
+    off, ngram = runs_module.run_lockstep(None, {"num_kv_blocks": 64}, plans, requests, loaded=loaded)
+    # The order the runner promises, replayed from each engine's number of steps.
+    left, expected = [calls.count(0), calls.count(1)], []
+    for turn in range(sum(left) + 2):
+        for j in (0, 1) if turn % 2 == 0 else (1, 0):
+            if left[j]:
+                expected.append(j)
+                left[j] -= 1
+    assert calls[:4] == [0, 1, 1, 0] and calls == expected
+    for j, run in enumerate((off, ngram)):
         results = run.capture.results
-        assert [r.index for r in results] == [0, 1, 2, 3] and not any(r.error for r in results)
         assert [r.num_output_tokens for r in results] == [r.output_len for r in requests]
-        ends = np.cumsum([r.e2e_s for r in results])  # each sent as the one before it finished
-        assert [r.arrival_s for r in results] == pytest.approx([0.0, *ends[:-1]])
-        assert run.capture.duration_s == pytest.approx(ends[-1])
-        assert run.options["interleaved"] is True
+        assert not any(r.error for r in results) and run.options["lockstep"] is True
+        # Its own steps, up to the last token's stamp (taken inside the last step's collection).
+        assert run.capture.duration_s >= 0.9 * own_s[j]
+    # Neither clock ran during the other's turns: on wall clocks each run would last most of the
+    # span of their steps together, and the two nearly twice it.
+    assert off.capture.duration_s + ngram.capture.duration_s <= 1.1 * (span[1] - span[0])
     assert off.capture.counters.spec_num_lookups == 0
     assert (ngram.capture.counters.spec_num_lookups or 0) > 0
+
+
+def test_bench_cli_compares_in_lockstep(loaded: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    spec = write_yaml(tmp_path / "tiny.yaml", TINY)
+    monkeypatch.setattr(LoadedModel, "load", classmethod(lambda cls, *args, **kwargs: loaded))
+    assert main(["bench", "--workload", str(spec), "--num-kv-blocks", "64", "--compare", "chunked,prefix-caching",
+                 "--lockstep", "--no-progress", "--output", str(tmp_path / "run.json")]) == 0
+    _, runs = read_run_file(tmp_path / "run.json")
+    assert [r.label for r in runs] == ["chunked", "prefix-caching"]
+    for run in runs:
+        assert run.options["lockstep"] is True and run.metrics.num_completed == 4
+        assert [r.num_output_tokens for r in run.capture.results] == [r.output_len for r in run.capture.results]
+    capsys.readouterr()
+    assert main(["bench", "--workload", str(spec), "--url", "http://127.0.0.1:9", "--lockstep"]) == 2
+    assert "--lockstep" in capsys.readouterr().err
+
+
+def test_lockstep_single_stream_sends_each_request_when_the_last_finished(loaded: LoadedModel) -> None:
+    spec = parse_workload({**TINY, "arrivals": {"kind": "burst"}})
+    requests = generate_requests(spec, Corpus(loaded.tokenizer))
+    plans = [RunPlan("off", {}), RunPlan("off-again", {})]
+    for run in runs_module.run_lockstep(None, {"num_kv_blocks": 64}, plans, requests, max_concurrency=1,
+                                        loaded=loaded):
+        results = run.capture.results
+        assert [r.index for r in results] == [0, 1, 2, 3] and not any(r.error for r in results)
+        ends = np.cumsum([r.e2e_s for r in results])
+        assert [r.arrival_s for r in results] == pytest.approx([0.0, *ends[:-1]])
+        assert run.capture.duration_s == pytest.approx(ends[-1])

@@ -61,7 +61,11 @@ def register(subparsers: Any) -> None:
                    help="how often to sample the server's /metrics during the run (default 0.5)")
     t.add_argument("--torch-threads", type=int, default=None,
                    help="intra-op threads of the in-process engine (default: torch's choice)")
-    add_runs_options(bench, "run each configuration in turn", "(in-process only)")
+    add_runs_options(bench, "run each configuration in turn", "(in-process only)").add_argument(
+        "--lockstep", action="store_true",
+        help="with --compare or --sweep: run the configurations at once, their engines taking turns step by step, "
+             "each timed by a clock of its own turns (a host whose speed drifts slows all alike; every KV pool alive "
+             "at once)")
     o = add_output_options(bench)
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     c = bench.add_argument_group("capacity under the SLA")
@@ -94,13 +98,14 @@ def add_workload_options(parser: argparse.ArgumentParser) -> None:
                    help="override the arrival rate in requests/s (inf: all at once)")
 
 
-def add_runs_options(parser: argparse.ArgumentParser, compare: str, where: str = "") -> None:
+def add_runs_options(parser: argparse.ArgumentParser, compare: str, where: str = "") -> argparse._ArgumentGroup:
     """--compare (the presets of `PRESETS`) and --sweep, as `bench` and `sim` take them."""
     r = parser.add_argument_group("runs")
     r.add_argument("--compare", default=None, metavar="A,B,...",
                    help=f"{compare}: {', '.join(PRESETS)} {where}".rstrip())
     r.add_argument("--sweep", action="append", default=[], metavar="OPTION=V1,V2,...",
                    help="each value of an engine option, e.g. max_num_tokens=64,128,256 (repeatable)")
+    return r
 
 
 def add_output_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -160,6 +165,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise ConfigError("--find-max-rate searches one configuration; drop --compare and --sweep")
         return _find_max_rate(args, spec, spec_path, sla, progress, document)
 
+    if args.lockstep and (args.url or args.find_max_rate):
+        raise ConfigError("--lockstep runs in-process configurations side by side; drop --url and --find-max-rate")
     if args.url:
         if compare or sweeps:
             raise ConfigError("--compare and --sweep need an in-process engine; a server has one configuration")
@@ -231,15 +238,19 @@ def _bench_in_process(args: argparse.Namespace, options: dict[str, Any], plans: 
                       spec: WorkloadSpec, spec_path: Path, slo: RequestSLO | None,
                       progress: bool) -> tuple[list[BenchRun], list[BenchRequest]]:
     from inflight.bench.corpus import Corpus
-    from inflight.bench.runs import run_in_process
+    from inflight.bench.runs import run_in_process, run_lockstep
     from inflight.bench.workload import generate_requests
     from inflight.config import EngineConfig
     from inflight.engine.engine import load_model_for
 
     loaded = load_model_for(EngineConfig.from_kwargs(args.model, **options))  # a bad option fails first
     requests = generate_requests(spec, Corpus(loaded.tokenizer), spec_path.parent)
-    runs = run_in_process(args.model, options, plans, requests, max_concurrency=args.max_concurrency,
-                          slo=slo, progress=progress, loaded=loaded)
+    if args.lockstep:
+        runs = run_lockstep(args.model, options, plans, requests, max_concurrency=args.max_concurrency, slo=slo,
+                            loaded=loaded)
+    else:
+        runs = run_in_process(args.model, options, plans, requests, max_concurrency=args.max_concurrency,
+                              slo=slo, progress=progress, loaded=loaded)
     return runs, requests
 
 

@@ -4,8 +4,10 @@ when its arrival time comes, as a server's loop would, and timing tokens as the 
 from __future__ import annotations
 
 import sys
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Generator, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
@@ -135,6 +137,20 @@ def run_engine(engine: LLMEngine, requests: Sequence[BenchRequest], max_concurre
     waits for a slot is sent (and its latency counted from) when one frees up. With
     `schedules_ahead` (a simulated engine that overlaps scheduling), a request that arrives
     while a step runs misses the next one, whose batch was formed when that step began."""
+    steps = engine_steps(engine, requests, max_concurrency, progress, label, schedules_ahead)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def engine_steps(engine: LLMEngine, requests: Sequence[BenchRequest], max_concurrency: int | None = None,
+                 progress: bool = True, label: str = "",
+                 schedules_ahead: bool = False) -> Generator[None, None, Capture]:
+    """`run_engine` one step at a time: each `next()` admits what has arrived and runs one engine
+    step (or waits for the next arrival); the generator returns the Capture. `run_lockstep`
+    alternates several of these, one engine's step then another's."""
     clock = engine.clock
     engine.reset_kv_peak()
     before = engine.stats()
@@ -157,6 +173,7 @@ def run_engine(engine: LLMEngine, requests: Sequence[BenchRequest], max_concurre
                                         "with requests waiting")
             elif (arrival := driver.next_arrival()) is not None:
                 clock.wait_until(arrival)
+            yield
     finally:
         bar.close()
         engine.step_observers.remove(recorder)
@@ -165,3 +182,31 @@ def run_engine(engine: LLMEngine, requests: Sequence[BenchRequest], max_concurre
     counters = EngineCounters.between(before, engine.stats())
     ordered = [results[r.index] for r in sorted(requests, key=lambda r: r.index)]
     return Capture(ordered, duration, recorder.samples, counters, recorder.timeline)
+
+
+class TurnClock:
+    """An engine's clock when several engines take turns on one host (`run_lockstep`): wall time
+    that runs only during this engine's turns (`with clock.turn(): ...`), so that its steps, its
+    requests' latencies and its run's duration count its own work alone. Waiting for an arrival
+    jumps ahead at once: an idle engine would only have slept."""
+
+    def __init__(self) -> None:
+        self._elapsed = 0.0  # over the turns that have ended, plus the jumps
+        self._since: float | None = None  # when the current turn began
+
+    def __call__(self) -> float:
+        return self._elapsed + (time.perf_counter() - self._since if self._since is not None else 0.0)
+
+    def wait_until(self, t: float) -> None:
+        self._elapsed += max(0.0, t - self())
+
+    @contextmanager
+    def turn(self) -> Iterator[None]:
+        if self._since is not None:
+            raise RuntimeError("this clock's turn has already begun")
+        self._since = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._elapsed += time.perf_counter() - self._since
+            self._since = None

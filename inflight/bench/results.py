@@ -29,17 +29,6 @@ class Capture:
     counters: EngineCounters = field(default_factory=EngineCounters)
     timeline: Timeline | None = None
 
-    @classmethod
-    def back_to_back(cls, parts: list[Capture], counters: EngineCounters) -> Capture:
-        """Runs of one target joined as one run, each starting where the one before ended (its
-        requests' arrivals and its KV samples shifted so), with `counters` over them all."""
-        results, samples, offset = [], [], 0.0
-        for part in parts:
-            results += [dataclasses.replace(r, arrival_s=r.arrival_s + offset) for r in part.results]
-            samples += [dataclasses.replace(s, t_s=s.t_s + offset) for s in part.samples]
-            offset += part.duration_s
-        return cls(sorted(results, key=lambda r: r.index), offset, samples, counters)
-
 
 @dataclass(slots=True)
 class BenchRun:

@@ -3,19 +3,18 @@ them in-process over one loaded model."""
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from inflight.bench.local import run_engine, warm_up
-from inflight.bench.metrics import EngineCounters, RequestSLO
+from inflight.bench.local import TurnClock, engine_steps, run_engine, warm_up
+from inflight.bench.metrics import RequestSLO
 from inflight.bench.results import BenchRun, Capture
 from inflight.bench.workload import BenchRequest
 from inflight.config import EngineConfig, SchedulerConfig
-from inflight.engine.engine import LLMEngine, load_model_for
+from inflight.engine.engine import LLMEngine, kv_pool_blocks, load_model_for
 from inflight.errors import ConfigError
 from inflight.model.loaded import LoadedModel
 from inflight.options import engine_option_names
@@ -142,32 +141,44 @@ def _recorded(options: dict[str, Any], engine: LLMEngine) -> dict[str, Any]:
             "num_kv_blocks_allocated": engine.block_manager.num_blocks}
 
 
-def run_interleaved(model: str | None, base_options: dict[str, Any], plans: Sequence[RunPlan],
-                    requests: Sequence[BenchRequest], *, loaded: LoadedModel | None = None) -> list[BenchRun]:
-    """A single stream (one request at a time, each sent when the last has finished) on every
-    plan's engine, interleaved: each request runs on every engine in turn before the next request
-    (the order reversed every other request), so that a host whose speed drifts over the minutes
-    of a run slows every plan alike (`run_in_process` runs the plans one after the other: there a
-    second engine identical to the first ran 0.88-1.12x its tok/s on a shared 2-core host, here
-    1.00-1.01x: `benchmarks/drift_check.py`). Each plan's requests are then one run, back to back
-    (no step timeline). The engines are alive together (one KV pool each)."""
+def run_lockstep(model: str | None, base_options: dict[str, Any], plans: Sequence[RunPlan],
+                 requests: Sequence[BenchRequest], *, max_concurrency: int | None = None,
+                 slo: RequestSLO | None = None, loaded: LoadedModel | None = None) -> list[BenchRun]:
+    """Every plan's engine runs the workload at once, taking turns step by step (one step of
+    each engine, then one of each in the reverse order, ...), each on a clock of its own that
+    runs only during its turns (`TurnClock`): its steps, latencies and duration are its own
+    work's, and a host whose speed drifts over the minutes of a run slows every plan alike
+    (`run_in_process` runs the plans one after the other: there a second engine identical to the
+    first ran 0.88-1.12x its tok/s on a shared 2-core host: `benchmarks/drift_check.py`). The
+    engines share the loaded weights and are alive together (one KV pool each); each sees the
+    caches as the others' steps left them. Each KV pool is the size its engine would have alone
+    (sized by the memory available before the first is built)."""
     configs, loaded = _checked_plans(model, base_options, plans, loaded)
-    engines = [LLMEngine(EngineConfig.from_kwargs(model, **options), loaded) for _, options in configs]
-    for engine in engines:
-        warm_up(engine)
-    before = [engine.stats() for engine in engines]
-    parts: list[list[Capture]] = [[] for _ in engines]
-    for i, request in enumerate(requests):
-        order = range(len(engines)) if i % 2 == 0 else reversed(range(len(engines)))
-        for j in order:
-            parts[j].append(run_engine(engines[j], [dataclasses.replace(request, arrival_s=0.0)], 1, False))
+    sizes = [kv_pool_blocks(EngineConfig.from_kwargs(model, **options), loaded) for _, options in configs]
+    clocks = [TurnClock() for _ in configs]
+    engines = []
+    for (_, options), size, clock in zip(configs, sizes, clocks, strict=True):
+        config = EngineConfig.from_kwargs(model, **{**options, "num_kv_blocks": size})
+        engines.append(LLMEngine(config, loaded, clock=clock))
+        with clock.turn():
+            warm_up(engines[-1])
+    steps = [engine_steps(engine, requests, max_concurrency, False) for engine in engines]
+    captures: list[Capture | None] = [None] * len(engines)
+    for turn in itertools.count():
+        running = [j for j, capture in enumerate(captures) if capture is None]
+        if not running:
+            break
+        for j in running if turn % 2 == 0 else running[::-1]:
+            with clocks[j].turn():
+                try:
+                    next(steps[j])
+                except StopIteration as done:
+                    captures[j] = done.value
     runs = []
-    for (plan, options), engine, start, captures in zip(configs, engines, before, parts, strict=True):
-        peak = max((c.counters.kv_peak_perc or 0.0 for c in captures), default=0.0)  # each part reset it
-        counters = dataclasses.replace(EngineCounters.between(start, engine.stats()), kv_peak_perc=peak)
-        recorded = {**_recorded(options, engine), "interleaved": True}
-        runs.append(BenchRun.measure(plan.label, recorded, Capture.back_to_back(captures, counters)))
-    del engines
+    for (plan, options), engine, capture in zip(configs, engines, captures, strict=True):
+        assert capture is not None
+        runs.append(BenchRun.measure(plan.label, {**_recorded(options, engine), "lockstep": True}, capture, slo))
+    del engines, steps
     gc.collect()
     return runs
 

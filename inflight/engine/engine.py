@@ -115,6 +115,16 @@ def _blocks_for_budget(cache: CacheConfig, model: LlamaModel, kv_dtype: torch.dt
     return num_blocks
 
 
+def kv_pool_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
+    """The KV blocks an engine of `config` over `loaded` allocates if built now: its
+    `num_kv_blocks`, or what its memory budget holds of the memory available."""
+    cache = config.cache
+    if cache.num_kv_blocks:
+        return cache.num_kv_blocks
+    kv_dtype = select_kv_dtype(cache.kv_cache_dtype, loaded.model.dtype)
+    return _blocks_for_budget(cache, loaded.model, kv_dtype, select_device(config.device))
+
+
 _POLICIES: dict[SchedulingPolicy, type[Scheduler]] = {
     SchedulingPolicy.CONTINUOUS: Scheduler,
     SchedulingPolicy.PRIORITY: PriorityScheduler,
@@ -232,12 +242,15 @@ class LLMEngine:
     the one step loop of the server, the offline API, the benchmark and the simulator."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *,
-                 parts: EngineParts | None = None) -> None:
+                 parts: EngineParts | None = None, clock: Clock | None = None) -> None:
         """Loads `config.model` (or reuses `loaded`, a model already on the right device) and runs
-        it, unless `parts` says what to run instead."""
+        it, unless `parts` says what to run instead; `clock` replaces the parts' own (a
+        benchmark's, when engines take turns on one host)."""
         self.config = config
         if parts is None:
             parts = self._model_parts(config, loaded)
+        if clock is not None:
+            parts = dataclasses.replace(parts, clock=clock)
         self.parts = parts
         self.clock = parts.clock
         self.device = parts.device
@@ -301,7 +314,7 @@ class LLMEngine:
             loaded = load_model_for(config)
         cache = config.cache
         kv_dtype = select_kv_dtype(cache.kv_cache_dtype, loaded.model.dtype)
-        num_blocks = cache.num_kv_blocks or _blocks_for_budget(cache, loaded.model, kv_dtype, device)
+        num_blocks = kv_pool_blocks(config, loaded)
         runner = ModelRunner(loaded.model, num_blocks, cache.block_size, Sampler(device, config.seed), kv_dtype)
         return EngineParts(runner, num_blocks, loaded.name, loaded.model.config, loaded.tokenizer,
                            loaded=loaded, device=device)
