@@ -268,7 +268,7 @@ class Scheduler:
         full = {r: [0] * speculator.max_length(r) for r in eligible}
         if speculator.drafter is not None:  # proposals that cost time: lengths chosen first
             return speculator.draft(speculator.lengths(full, batch, left))
-        if not any(speculator.lengths(full, batch, left, probe=True).values()):
+        if not speculator.pays(full, batch, left):
             return {}
         proposals = {r: speculator.propose(r) for r in eligible}
         # The drafting requests' decodes first, in their order; the others' work stays in the step.

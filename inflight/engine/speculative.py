@@ -65,6 +65,7 @@ class StepCurve:
     def __init__(self, cost_model: StepTimeModel) -> None:
         self.cost_model = cost_model
         self._ratios: dict[int, deque[float]] = {}
+        self._medians: dict[int, float] = {}  # size class -> the median of its ratios, kept with them
         self._last_seen: dict[int, int] = {}  # size class -> the step that last measured it
         self._num_steps = 0
 
@@ -72,21 +73,25 @@ class StepCurve:
         return self.cost_model.step_time(batch) * self.correction(sum(w.num_new_tokens for w in batch))
 
     def correction(self, num_tokens: int) -> float:
-        if not self._ratios:
+        medians = self._medians
+        if not medians:
             return 1.0
         size = _size_class(num_tokens)
-        nearest = min(self._ratios, key=lambda c: (abs(c - size), c))
-        return statistics.median(self._ratios[nearest])
+        if size in medians:
+            return medians[size]
+        return medians[min(medians, key=lambda c: (abs(c - size), c))]
 
     def observe(self, batch: Sequence[SeqWork], measured_s: float) -> None:
         predicted = self.cost_model.step_time(batch)
         if predicted > 0 and measured_s > 0 and batch:
             self._num_steps += 1
             size = _size_class(sum(w.num_new_tokens for w in batch))
-            self._ratios.setdefault(size, deque(maxlen=_HISTORY)).append(min(10.0, max(0.1, measured_s / predicted)))
+            ratios = self._ratios.setdefault(size, deque(maxlen=_HISTORY))
+            ratios.append(min(10.0, max(0.1, measured_s / predicted)))
+            self._medians[size] = statistics.median(ratios)
             self._last_seen[size] = self._num_steps
             for stale in [c for c, seen in self._last_seen.items() if self._num_steps - seen >= _STALE_STEPS]:
-                del self._ratios[stale], self._last_seen[stale]
+                del self._ratios[stale], self._medians[stale], self._last_seen[stale]
 
 
 class NgramIndex:
@@ -352,39 +357,53 @@ class Speculator:
             out.append(chance)
         return out
 
-    def lengths(self, drafts: dict[Request, list[int]], batch: Sequence[SeqWork],
-                budget: int, probe: bool = False) -> dict[Request, int]:
+    def lengths(self, drafts: dict[Request, list[int]], batch: Sequence[SeqWork], budget: int) -> dict[Request, int]:
         """How many of each request's proposed tokens this step verifies, at most `budget` in all.
         `batch`: the step's work without proposals (each drafting request's decode in it first,
-        in the order of `drafts`). Without `adaptive`: every proposed token that fits. `probe`:
-        only asking (nothing learned from the answer)."""
+        in the order of `drafts`). Without `adaptive`: every proposed token that fits."""
         chosen = dict.fromkeys(drafts, 0)
-        adaptive = self.config.adaptive and self.curve is not None
-        # Every candidate token: (the chance it is kept, its request's index), most likely first.
-        # A request's own chances fall with the position, so its tokens are taken in order.
-        candidates: list[tuple[float, int]] = []
-        for i, (request, draft) in enumerate(drafts.items()):
-            chances = self.gains(request, len(draft)) if adaptive else [1.0] * len(draft)
-            candidates.extend((chance, i) for chance in chances)
-        candidates.sort(key=lambda c: -c[0])
-        candidates = candidates[:max(0, budget)]
+        candidates = self._candidates(drafts, budget)
         requests = list(drafts)
-        take = self._best_count(candidates, requests, batch) if adaptive and candidates else len(candidates)
+        take = self._best_count(candidates, requests, batch) if self._adaptive and candidates else len(candidates)
         for _, i in candidates[:take]:
             chosen[requests[i]] += 1
-        if adaptive and not probe:
+        if self._adaptive:
             for request, length in chosen.items():
                 if not length:  # proposed, not verified: its estimate drifts back to the engine's
                     proposed, accepted = self._counts.get(request.request_id, (0.0, 0.0))
                     self._counts[request.request_id] = (proposed * _FADE, accepted * _FADE)
         return chosen
 
-    def _best_count(self, candidates: list[tuple[float, int]], requests: list[Request],
-                    batch: Sequence[SeqWork]) -> int:
-        """The number m of the most likely candidates that maximizes expected tokens per second:
-        the first m whose next candidate no longer raises it (found by bisection: the chances
-        fall and the step's time does not, so the rate rises, then falls). A drafter's time to
-        propose them counts in the step's."""
+    def pays(self, drafts: dict[Request, list[int]], batch: Sequence[SeqWork], budget: int) -> bool:
+        """Whether `lengths` would verify any of `drafts` (asked with stand-ins of full length
+        before any proposal is looked up): whether the likeliest proposed token pays. Nothing is
+        learned from the answer."""
+        candidates = self._candidates(drafts, budget)
+        if not self._adaptive or not candidates:
+            return bool(candidates)
+        rate = self._rate(candidates, list(drafts), batch)
+        return rate(1) > rate(0)
+
+    @property
+    def _adaptive(self) -> bool:
+        return self.config.adaptive and self.curve is not None
+
+    def _candidates(self, drafts: dict[Request, list[int]], budget: int) -> list[tuple[float, int]]:
+        """Every proposed token that may be verified: (the chance it is kept, its request's index in
+        `drafts`), most likely first, at most `budget`. A request's own chances fall with the
+        position, so its tokens come in order."""
+        adaptive = self._adaptive
+        candidates: list[tuple[float, int]] = []
+        for i, (request, draft) in enumerate(drafts.items()):
+            chances = self.gains(request, len(draft)) if adaptive else [1.0] * len(draft)
+            candidates.extend((chance, i) for chance in chances)
+        candidates.sort(key=lambda c: -c[0])
+        return candidates[:max(0, budget)]
+
+    def _rate(self, candidates: list[tuple[float, int]], requests: list[Request],
+              batch: Sequence[SeqWork]) -> Callable[[int], float]:
+        """Expected tokens per second of the step that verifies the first m candidates, as a
+        function of m. A drafter's time to propose them counts in the step's."""
         curve, drafter = self.curve, self.drafter
         assert curve is not None
         num_requests = len(requests)
@@ -404,6 +423,14 @@ class Speculator:
                 seconds += drafter.cost([(r, n) for r, n in zip(requests, extra, strict=True) if n])
             return (base_tokens + cumulative[m]) / seconds
 
+        return rate
+
+    def _best_count(self, candidates: list[tuple[float, int]], requests: list[Request],
+                    batch: Sequence[SeqWork]) -> int:
+        """The number m of the most likely candidates that maximizes expected tokens per second:
+        the first m whose next candidate no longer raises it (found by bisection: the chances
+        fall and the step's time does not, so the rate rises, then falls)."""
+        rate = self._rate(candidates, requests, batch)
         if rate(1) <= rate(0):  # not even the likeliest pays (a saturated batch): ask no further
             return 0
         low, high = 1, len(candidates)
