@@ -17,7 +17,11 @@ ran), TPOT and TTFT p99, the share of proposal lookups that found one (the text 
 the acceptance rate (proposed tokens kept), tokens per verifying step, and
 the engine's own time on speculation (choosing lengths, looking up proposals, recording what was
 kept: wall time outside the model) as a share of the run's: at saturation, where no proposal
-pays, that share is what speculation can cost, free of the machine's run-to-run noise.
+pays, that share is what speculation can cost, free of the machine's run-to-run noise. Under
+each run, where its step time went: steps computing prompt tokens, plain decode steps and steps
+verifying proposed tokens, each kind's share and time a step (a single stream's speed-up is
+bound by the first, which speculation does not shorten, and set by what the last cost against
+the second).
 Written to `--out` (JSON).
 
 `--draft-layers N` adds a draft-model configuration: the embedded model cut to its first N of 30
@@ -49,6 +53,7 @@ import torch
 
 from inflight.bench.corpus import Corpus
 from inflight.bench.runs import RunPlan, run_in_process, run_lockstep
+from inflight.bench.timeline import Timeline
 from inflight.bench.workload import generate_requests, load_workload, with_request_rate
 from inflight.model.loaded import LoadedModel
 
@@ -125,6 +130,19 @@ def truncated_draft(layers: list[int], folder: Path) -> Path:
     return path
 
 
+def step_split(timeline: Timeline | None) -> dict[str, dict[str, float]]:
+    """A run's step time by kind of step: steps computing prompt tokens (`prefill`, decodes beside
+    them included), steps decoding one token a request (`plain`), and steps verifying proposed
+    tokens (`verifying`): each kind's steps, seconds, and share of all steps' time."""
+    kinds: dict[str, list[float]] = {"prefill": [], "plain": [], "verifying": []}
+    for step in timeline.steps if timeline is not None else []:
+        kind = "prefill" if step.num_prefill_tokens else "verifying" if step.num_spec_tokens else "plain"
+        kinds[kind].append(step.duration_s)
+    total = sum(sum(durations) for durations in kinds.values()) or 1.0
+    return {kind: {"steps": len(durations), "seconds": sum(durations), "share": sum(durations) / total}
+            for kind, durations in kinds.items()}
+
+
 def scenarios(quick: bool) -> list[tuple[str, str, dict[str, Any], int | None]]:
     """(name, workload, overrides, max concurrency)."""
     n = 4 if quick else None
@@ -194,7 +212,7 @@ def main() -> int:
             runs = [run for start in range(0, len(plans), width)
                     for run in run_lockstep(None, options, plans[start:start + width], requests,
                                             max_concurrency=concurrency, loaded=loaded)]
-        rows = []
+        rows: list[dict[str, Any]] = []
         for run in runs:
             m = run.metrics
             rows.append({"label": run.label, "output_tok_s": m.output_throughput, "tpot_mean_ms": m.tpot_ms.mean,
@@ -202,7 +220,8 @@ def main() -> int:
                          "acceptance_perc": m.spec_acceptance_perc,
                          "tokens_per_draft_step": m.spec_tokens_per_draft, "proposal_perc": m.spec_proposal_perc,
                          "completed": m.num_completed,
-                         "spec_overhead_perc": m.spec_overhead_perc})
+                         "spec_overhead_perc": m.spec_overhead_perc,
+                         "step_split": step_split(run.capture.timeline)})
         # Each configuration's ratios to the off run of its round: tok/s, and off/on TPOT (under
         # arrivals slower than the engine, tok/s follows the arrivals: latency tells instead).
         by_label = {row["label"]: row for row in rows}
@@ -224,6 +243,9 @@ def main() -> int:
                   f"TTFT p99 {row['ttft_p99_ms']:7.0f} ms  found {found:>4}  accepted {acceptance:>6}  "
                   f"tokens/draft step {per_step}  "
                   f"speculation's own time {overhead}")
+            print("             steps: " + ", ".join(
+                f"{kind} {100 * k['share']:.0f}% ({k['steps']} at {1000 * k['seconds'] / k['steps']:.1f} ms)"
+                for kind, k in row["step_split"].items() if k["steps"]))
         for n in names:
             print(f"  {n} against off: output tok/s " + ", ".join(f"{r:.2f}x" for r in ratios[n])
                   + ";  TPOT (each stream's speed-up) " + ", ".join(f"{r:.2f}x" for r in tpot_ratios[n]))
