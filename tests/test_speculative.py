@@ -141,6 +141,11 @@ def test_lengths_follow_the_cost_of_a_step() -> None:
     assert set(saturated.lengths(drafts, batch, budget=100).values()) == {0}
     fixed = Speculator(SpeculativeConfig(num_speculative_tokens=3, adaptive=False), _Model(_per_token_cost))
     assert set(fixed.lengths(drafts, batch, budget=100).values()) == {3}
+    # The scheduler's question before looking proposals up: whether any would be verified.
+    for speculator in (free, saturated, fixed):
+        assert speculator.pays(drafts, batch, budget=100) == any(speculator.lengths(drafts, batch, 100).values())
+    assert free.pays(drafts, batch, budget=100) and not saturated.pays(drafts, batch, budget=100)
+    assert not free.pays(drafts, batch, budget=0) and not fixed.pays(drafts, batch, budget=0)
 
 
 def test_lengths_learn_from_what_is_kept() -> None:
