@@ -34,18 +34,29 @@ trained draft would).
 `--quantization` runs every configuration on the model so loaded (`int8`, `int8-activations`,
 `bf16-activations`: the arithmetic a user may choose), speculation off included.
 
+`--against REV` adds, for each speculating configuration, the same configuration (`name@REV`)
+whose lengths and proposals come from git revision REV's `inflight/engine/speculative.py` (its
+`Speculator`, over this checkout's engine and model), in the same lockstep rounds: how a change to
+the speculation's choices is measured on a host whose speed drifts (the speculation counterpart of
+`kernels_bench.py --against`). REV's module must fit this checkout's engine (its interface as of
+`d976ab7`, `Speculator.pays`).
+
     .venv/bin/python benchmarks/speculative.py [--rounds 2] [--spec JSON ...] [--draft-layers N]
-        [--only NAME] [--quick] [--quantization none] [--whole-runs]
+        [--only NAME] [--quick] [--quantization none] [--whole-runs] [--against REV]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
+import subprocess
 import sys
 import tempfile
 import time
+import types
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +66,8 @@ from inflight.bench.corpus import Corpus
 from inflight.bench.runs import RunPlan, run_in_process, run_lockstep
 from inflight.bench.timeline import Timeline
 from inflight.bench.workload import generate_requests, load_workload, with_request_rate
+from inflight.engine import engine as engine_module
+from inflight.engine.speculative import Speculator
 from inflight.model.loaded import LoadedModel
 
 DEFAULT_SPECS = [{"method": "ngram", "num_speculative_tokens": 4}, {"method": "suffix", "num_speculative_tokens": 8}]
@@ -130,6 +143,39 @@ def truncated_draft(layers: list[int], folder: Path) -> Path:
     return path
 
 
+def speculator_of(rev: str) -> type[Speculator]:
+    """The `Speculator` class of git revision `rev`'s inflight/engine/speculative.py, loaded as a
+    module of its own beside this checkout's."""
+    root = Path(__file__).resolve().parent.parent
+    path = "inflight/engine/speculative.py"
+    source = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, check=True, capture_output=True,
+                            text=True).stdout
+    module = types.ModuleType(f"inflight_speculative_{rev}")
+    sys.modules[module.__name__] = module  # its dataclasses look their module up
+    exec(compile(source, f"{rev}:{path}", "exec"), module.__dict__)
+    return module.Speculator
+
+
+@contextlib.contextmanager
+def speculators(plans: Sequence[RunPlan], against: type[Speculator] | None) -> Iterator[None]:
+    """While the plans' engines are built, in order: each speculating engine's `Speculator` is
+    this checkout's, or `against` where its label names a revision (`ngram8@REV`)."""
+    if against is None:
+        yield
+        return
+    queue = [against if "@" in plan.label else Speculator for plan in plans if "speculative_config" in plan.overrides]
+
+    def make(*args: Any, **kwargs: Any) -> Speculator:
+        return queue.pop(0)(*args, **kwargs)
+
+    engine_module.Speculator = make  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        engine_module.Speculator = Speculator  # type: ignore[misc]
+    assert not queue, "every speculating engine built"
+
+
 def step_split(timeline: Timeline | None) -> dict[str, dict[str, float]]:
     """A run's step time by kind of step: steps computing prompt tokens (`prefill`, decodes beside
     them included), steps decoding one token a request (`plain`), and steps verifying proposed
@@ -168,6 +214,8 @@ def main() -> int:
     parser.add_argument("--quantization", default="none", help="the loaded model's arithmetic, every run alike")
     parser.add_argument("--whole-runs", action="store_true",
                         help="each configuration's run alone, one after the other (the order above), not in lockstep")
+    parser.add_argument("--against", metavar="REV", default=None,
+                        help="also run each speculating configuration with git revision REV's Speculator")
     parser.add_argument("--out", default="benchmarks/results/speculative.json")
     args = parser.parse_args()
     configs = [json.loads(text) for text in args.spec] if args.spec else list(DEFAULT_SPECS)
@@ -177,6 +225,10 @@ def main() -> int:
         draft = truncated_draft(layer_spec(args.draft_layers), folder)
         configs.append({"method": "draft_model", "model": str(draft), "num_speculative_tokens": args.draft_k})
         names.append(config_name(configs[-1]))
+    against = speculator_of(args.against) if args.against else None
+    if args.against:  # each speculating configuration again, with the revision's Speculator
+        names += [f"{name}@{args.against}" for name in names]
+        configs += configs
     torch.set_num_threads(torch.get_num_threads())
     loaded = LoadedModel.load(None, torch.float32, torch.device("cpu"), quantization=args.quantization)
     corpus = Corpus(loaded.tokenizer)
@@ -192,7 +244,7 @@ def main() -> int:
           + "; ".join(f"{n} = {json.dumps(c)}" for n, c in zip(names, configs, strict=True)))
     document: dict[str, Any] = {"cpu": cpu_name(), "threads": torch.get_num_threads(),
                                 "quantization": args.quantization, "lockstep": not args.whole_runs,
-                                "speculative_configs": dict(zip(names, configs, strict=True)),
+                                "speculative_configs": dict(zip(names, configs, strict=True)), "against": args.against,
                                 "command": " ".join(sys.argv),
                                 "date": time.strftime("%Y-%m-%d"), "scenarios": []}
     for name, workload, overrides, concurrency in scenarios(args.quick):
@@ -205,13 +257,16 @@ def main() -> int:
         requests = generate_requests(spec, corpus, path.parent)
         options = {"max_batch_size": 64, "quantization": args.quantization}
         if args.whole_runs:
-            runs = run_in_process(None, options, plans, requests, max_concurrency=concurrency, progress=False,
-                                  loaded=loaded)
+            with speculators(plans, against):
+                runs = run_in_process(None, options, plans, requests, max_concurrency=concurrency, progress=False,
+                                      loaded=loaded)
         else:  # a round's engines take turns step by step: the host's drift hits all alike
             width = 1 + len(configs)
-            runs = [run for start in range(0, len(plans), width)
-                    for run in run_lockstep(None, options, plans[start:start + width], requests,
-                                            max_concurrency=concurrency, loaded=loaded)]
+            runs = []
+            for start in range(0, len(plans), width):
+                with speculators(plans[start:start + width], against):
+                    runs += run_lockstep(None, options, plans[start:start + width], requests,
+                                         max_concurrency=concurrency, loaded=loaded)
         rows: list[dict[str, Any]] = []
         for run in runs:
             m = run.metrics
@@ -234,16 +289,17 @@ def main() -> int:
                 ratios[n].append(on["output_tok_s"] / off["output_tok_s"])
                 tpot_ratios[n].append(off["tpot_mean_ms"] / on["tpot_mean_ms"])
         print(f"\n== {name} ({len(requests)} requests) ==")
+        width = max(len(row["label"]) for row in rows)
         for row in rows:
             acceptance = "-" if row["acceptance_perc"] is None else f"{row['acceptance_perc']:.1f}%"
             per_step = "-" if row["tokens_per_draft_step"] is None else f"{row['tokens_per_draft_step']:.2f}"
             found = "-" if row["proposal_perc"] is None else f"{row['proposal_perc']:.0f}%"
             overhead = "-" if not row["spec_overhead_perc"] else f"{row['spec_overhead_perc']:.2f}%"
-            print(f"  {row['label']:>9}: {row['output_tok_s']:7.1f} tok/s  TPOT {row['tpot_mean_ms']:6.1f} ms  "
+            print(f"  {row['label']:>{width}}: {row['output_tok_s']:7.1f} tok/s  TPOT {row['tpot_mean_ms']:6.1f} ms  "
                   f"TTFT p99 {row['ttft_p99_ms']:7.0f} ms  found {found:>4}  accepted {acceptance:>6}  "
                   f"tokens/draft step {per_step}  "
                   f"speculation's own time {overhead}")
-            print("             steps: " + ", ".join(
+            print(" " * (width + 4) + "steps: " + ", ".join(
                 f"{kind} {100 * k['share']:.0f}% ({k['steps']} at {1000 * k['seconds'] / k['steps']:.1f} ms)"
                 for kind, k in row["step_split"].items() if k["steps"]))
         for n in names:

@@ -197,6 +197,31 @@ def test_a_length_once_measured_slow_is_tried_again() -> None:
     assert length() == 4  # and now known to pay
 
 
+def test_the_benchmark_runs_a_revisions_speculator_beside_this_checkouts() -> None:
+    """`benchmarks/speculative.py --against REV`: REV's Speculator is loaded as a module of its
+    own, and while a round's engines are built each speculating one gets this checkout's class or
+    the revision's, in the order of the plans; the engine's own is back afterwards."""
+    import importlib.util
+
+    from inflight.bench.runs import RunPlan
+    from inflight.engine import engine as engine_module
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "speculative.py"
+    spec = importlib.util.spec_from_file_location("speculative_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    theirs = bench.speculator_of("HEAD")
+    assert theirs is not Speculator and theirs.__name__ == "Speculator" and theirs.__module__ != Speculator.__module__
+    config = SpeculativeConfig(num_speculative_tokens=2)
+    plans = [RunPlan("ngram2@HEAD#1", {"speculative_config": {}}), RunPlan("off#1", {}),
+             RunPlan("ngram2#1", {"speculative_config": {}})]
+    with bench.speculators(plans, theirs):
+        built = [engine_module.Speculator(config, None), engine_module.Speculator(config, None)]
+    assert [type(s) for s in built] == [theirs, Speculator]
+    assert engine_module.Speculator is Speculator
+
+
 LOGITS = [torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 1.5]), torch.tensor([0.0, 1.0, 2.0, -1.0, 0.5, 0.0]),
           torch.tensor([1.0, 1.0, 0.0, 0.0, 2.0, -2.0])]
 
