@@ -21,7 +21,9 @@ pays, that share is what speculation can cost, free of the machine's run-to-run 
 each run, where its step time went: steps computing prompt tokens, plain decode steps and steps
 verifying proposed tokens, each kind's share and time a step (a single stream's speed-up is
 bound by the first, which speculation does not shorten, and set by what the last cost against
-the second).
+the second); under a single stream's speculating runs, the median time of its decode steps by
+the tokens each computed (1: a plain step; 1 + k: k proposed tokens verified), the cost curve
+the adaptive length weighs.
 Written to `--out` (JSON).
 
 `--draft-layers N` adds a draft-model configuration: the embedded model cut to its first N of 30
@@ -51,6 +53,7 @@ import argparse
 import contextlib
 import json
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -189,6 +192,18 @@ def step_split(timeline: Timeline | None) -> dict[str, dict[str, float]]:
             for kind, durations in kinds.items()}
 
 
+def decode_steps_by_tokens(timeline: Timeline | None) -> dict[int, dict[str, float]]:
+    """A run's steps without prompt tokens by the tokens they computed (decodes and proposed
+    tokens verified): each size's steps and median seconds. With one request, how a step's time
+    grows with the proposed tokens it verifies: the curve the adaptive length weighs."""
+    sizes: dict[int, list[float]] = {}
+    for step in timeline.steps if timeline is not None else []:
+        if not step.num_prefill_tokens:
+            sizes.setdefault(step.num_decode_tokens + step.num_spec_tokens, []).append(step.duration_s)
+    return {n: {"steps": len(durations), "median_s": statistics.median(durations)}
+            for n, durations in sorted(sizes.items())}
+
+
 def scenarios(quick: bool) -> list[tuple[str, str, dict[str, Any], int | None]]:
     """(name, workload, overrides, max concurrency)."""
     n = 4 if quick else None
@@ -276,7 +291,8 @@ def main() -> int:
                          "tokens_per_draft_step": m.spec_tokens_per_draft, "proposal_perc": m.spec_proposal_perc,
                          "completed": m.num_completed,
                          "spec_overhead_perc": m.spec_overhead_perc,
-                         "step_split": step_split(run.capture.timeline)})
+                         "step_split": step_split(run.capture.timeline),
+                         "decode_steps_by_tokens": decode_steps_by_tokens(run.capture.timeline)})
         # Each configuration's ratios to the off run of its round: tok/s, and off/on TPOT (under
         # arrivals slower than the engine, tok/s follows the arrivals: latency tells instead).
         by_label = {row["label"]: row for row in rows}
@@ -302,6 +318,10 @@ def main() -> int:
             print(" " * (width + 4) + "steps: " + ", ".join(
                 f"{kind} {100 * k['share']:.0f}% ({k['steps']} at {1000 * k['seconds'] / k['steps']:.1f} ms)"
                 for kind, k in row["step_split"].items() if k["steps"]))
+            if concurrency == 1 and row["acceptance_perc"] is not None:  # one stream: its verify cost curve
+                print(" " * (width + 4) + "decode steps by tokens: " + ", ".join(
+                    f"{n} {1000 * k['median_s']:.1f} ms ({k['steps']})"
+                    for n, k in row["decode_steps_by_tokens"].items()))
         for n in names:
             print(f"  {n} against off: output tok/s " + ", ".join(f"{r:.2f}x" for r in ratios[n])
                   + ";  TPOT (each stream's speed-up) " + ", ".join(f"{r:.2f}x" for r in tpot_ratios[n]))
