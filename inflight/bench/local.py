@@ -64,6 +64,7 @@ class RequestDriver:
         self.free_slots: deque[float] = deque([t0] * max_concurrency) if max_concurrency else deque()
         self.live: dict[str, _Live] = {}
         self.results: dict[int, RequestResult] = {}
+        self.num_tokens = 0  # output tokens collected, of every request
 
     def next_arrival(self) -> float | None:
         return self.t0 + self.pending[0].arrival_s if self.pending else None
@@ -109,6 +110,7 @@ class RequestDriver:
             if out.new_token_ids:
                 state.token_times.append(now)
                 state.num_tokens += len(out.new_token_ids)
+                self.num_tokens += len(out.new_token_ids)
             if out.finished:
                 del self.live[out.request_id]
                 self._finish(state, now, now, out.error)
@@ -147,10 +149,11 @@ def run_engine(engine: LLMEngine, requests: Sequence[BenchRequest], max_concurre
 
 def engine_steps(engine: LLMEngine, requests: Sequence[BenchRequest], max_concurrency: int | None = None,
                  progress: bool = True, label: str = "",
-                 schedules_ahead: bool = False) -> Generator[None, None, Capture]:
+                 schedules_ahead: bool = False) -> Generator[float, None, Capture]:
     """`run_engine` one step at a time: each `next()` admits what has arrived and runs one engine
-    step (or waits for the next arrival); the generator returns the Capture. `run_lockstep`
-    alternates several of these, one engine's step then another's."""
+    step (or waits for the next arrival) and yields how far the workload has come (the share of
+    its output tokens collected; every request asks for `output_len` tokens); the generator
+    returns the Capture. `run_lockstep` interleaves several of these by that progress."""
     clock = engine.clock
     engine.reset_kv_peak()
     before = engine.stats()
@@ -162,6 +165,7 @@ def engine_steps(engine: LLMEngine, requests: Sequence[BenchRequest], max_concur
                disable=not progress, leave=False)
     driver = RequestDriver(engine, requests, t0, max_concurrency, bar, schedules_ahead)
     idle_steps = 0
+    total_tokens = max(1, sum(r.output_len for r in requests))
     try:
         while driver.pending or driver.live:
             driver.admit_arrived(clock())
@@ -173,7 +177,7 @@ def engine_steps(engine: LLMEngine, requests: Sequence[BenchRequest], max_concur
                                         "with requests waiting")
             elif (arrival := driver.next_arrival()) is not None:
                 clock.wait_until(arrival)
-            yield
+            yield driver.num_tokens / total_tokens
     finally:
         bar.close()
         engine.step_observers.remove(recorder)

@@ -144,15 +144,20 @@ def _recorded(options: dict[str, Any], engine: LLMEngine) -> dict[str, Any]:
 def run_lockstep(model: str | None, base_options: dict[str, Any], plans: Sequence[RunPlan],
                  requests: Sequence[BenchRequest], *, max_concurrency: int | None = None,
                  slo: RequestSLO | None = None, loaded: LoadedModel | None = None) -> list[BenchRun]:
-    """Every plan's engine runs the workload at once, taking turns step by step (one step of
-    each engine, then one of each in the reverse order, ...), each on a clock of its own that
-    runs only during its turns (`TurnClock`): its steps, latencies and duration are its own
-    work's, and a host whose speed drifts over the minutes of a run slows every plan alike
-    (`run_in_process` runs the plans one after the other: there a second engine identical to the
-    first ran 0.88-1.12x its tok/s on a shared 2-core host: `benchmarks/drift_check.py`). The
-    engines share the loaded weights and are alive together (one KV pool each); each sees the
-    caches as the others' steps left them. Each KV pool is the size its engine would have alone
-    (sized by the memory available before the first is built)."""
+    """Every plan's engine runs the workload at once, taking turns step by step, each on a clock
+    of its own that runs only during its turns (`TurnClock`): its steps, latencies and duration
+    are its own work's, and a host whose speed drifts over the minutes of a run slows every plan
+    alike (`run_in_process` runs the plans one after the other: there a second engine identical
+    to the first ran 0.88-1.12x its tok/s on a shared 2-core host: `benchmarks/drift_check.py`).
+    The turn goes to the engine least far through the workload (the share of its output tokens
+    made; of those as far, the one with the fewest turns), so engines of different speeds cross
+    the workload together and spread over the same minutes: taking one step each, an engine
+    twice as fast finished halfway and the slower one ran its second half alone, in minutes the
+    faster one never saw (a single stream's ratio to off moved from 1.96x to 1.77x between two
+    rounds whose speculating engines' plain steps took 7.0 ms in one and 7.8 in the other, the
+    same as off's in both). The engines share the loaded weights and are alive together (one KV
+    pool each); each sees the caches as the others' steps left them. Each KV pool is the size its
+    engine would have alone (sized by the memory available before the first is built)."""
     configs, loaded = _checked_plans(model, base_options, plans, loaded)
     sizes = [kv_pool_blocks(EngineConfig.from_kwargs(model, **options), loaded) for _, options in configs]
     clocks = [TurnClock() for _ in configs]
@@ -164,16 +169,16 @@ def run_lockstep(model: str | None, base_options: dict[str, Any], plans: Sequenc
             warm_up(engines[-1])
     steps = [engine_steps(engine, requests, max_concurrency, False) for engine in engines]
     captures: list[Capture | None] = [None] * len(engines)
-    for turn in itertools.count():
-        running = [j for j, capture in enumerate(captures) if capture is None]
-        if not running:
-            break
-        for j in running if turn % 2 == 0 else running[::-1]:
-            with clocks[j].turn():
-                try:
-                    next(steps[j])
-                except StopIteration as done:
-                    captures[j] = done.value
+    progress = [0.0] * len(engines)
+    turns = [0] * len(engines)
+    while running := [j for j, capture in enumerate(captures) if capture is None]:
+        j = min(running, key=lambda i: (progress[i], turns[i], i))
+        turns[j] += 1
+        with clocks[j].turn():
+            try:
+                progress[j] = next(steps[j])
+            except StopIteration as done:
+                captures[j] = done.value
     runs = []
     for (plan, options), engine, capture in zip(configs, engines, captures, strict=True):
         assert capture is not None
