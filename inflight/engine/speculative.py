@@ -377,11 +377,17 @@ class Speculator:
     def pays(self, drafts: dict[Request, list[int]], batch: Sequence[SeqWork], budget: int) -> bool:
         """Whether `lengths` would verify any of `drafts` (asked with stand-ins of full length
         before any proposal is looked up): whether the likeliest proposed token pays. Nothing is
-        learned from the answer."""
-        candidates = self._candidates(drafts, budget)
-        if not self._adaptive or not candidates:
-            return bool(candidates)
-        rate = self._rate(candidates, list(drafts), batch)
+        learned from the answer. Only the likeliest candidate is weighed, so only each request's
+        first proposed token is priced (a request's chances fall with the position): at saturation
+        this runs every step, for every decoding request."""
+        if budget <= 0 or not any(drafts.values()):
+            return False
+        if not self._adaptive:
+            return True
+        # The first of the likeliest, as `_candidates`' stable sort would put it.
+        likeliest = max(((self.first_rate(r), i) for i, (r, draft) in enumerate(drafts.items()) if draft),
+                        key=lambda c: c[0])
+        rate = self._rate([likeliest], list(drafts), batch)
         return rate(1) > rate(0)
 
     @property
