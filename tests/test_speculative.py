@@ -148,6 +148,35 @@ def test_lengths_follow_the_cost_of_a_step() -> None:
     assert not free.pays(drafts, batch, budget=0) and not fixed.pays(drafts, batch, budget=0)
 
 
+def test_pays_answers_what_lengths_would_on_random_steps() -> None:
+    """`pays` weighs only the likeliest first proposed token; on random steps (requests with
+    different acceptance, empty drafts, budgets, step costs that grow by each token or faster) it
+    answers as whether `lengths` would verify anything, both ways."""
+    import random
+
+    rng = random.Random(0)
+    answers = []
+    for _ in range(300):
+        fixed, per_token = rng.uniform(0, 0.02), rng.uniform(0, 0.004)
+        power, k = rng.choice([1.0, 1.5]), rng.randint(1, 8)
+
+        def cost(batch: Any, fixed: float = fixed, per_token: float = per_token, power: float = power) -> float:
+            return fixed + per_token * sum(w.num_new_tokens for w in batch) ** power
+
+        spec = Speculator(SpeculativeConfig(num_speculative_tokens=k), _Model(cost))
+        requests = [Request(f"r{i}", [1, 2], SamplingParams(max_tokens=50)) for i in range(rng.randint(1, 6))]
+        for request in requests:
+            for _ in range(rng.randint(0, 5)):
+                spec.observe(request, k, rng.randint(0, k))
+        drafts = {r: [0] * rng.randint(0, k) for r in requests}
+        batch = [SeqWork(1, rng.randint(5, 300), 1) for _ in requests]
+        budget = rng.randint(0, 20)
+        paid = spec.pays(drafts, batch, budget)
+        assert paid == any(spec.lengths(drafts, batch, budget).values())
+        answers.append(paid)
+    assert 0.2 < sum(answers) / len(answers) < 0.8  # both answers, often
+
+
 def test_lengths_learn_from_what_is_kept() -> None:
     """A request whose proposals keep missing stops proposing in a step where tokens cost
     something; one whose proposals are kept proposes its whole draft."""
