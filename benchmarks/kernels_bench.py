@@ -25,6 +25,12 @@ With `--residency`, instead: how long one layer's K/V (64 requests of 224 tokens
 the last-level cache: decode attention over it cold (after 256 MB of other reads), right after
 reading it once, and after 1 and 3 ms of matmuls on data of their own in between (medians of 11).
 
+With `--greedy-head`, instead: the embedded model's LM head as stored (Q8_0, 49152 x 576) choosing
+greedy tokens for 1 to 64 rows of its own final hidden states (the text of the repo's corpus),
+through the fp32 head and argmax against the integer screen that sums only the columns it cannot
+rule out (`GreedyHead`), alternated, each call after 96 MB of other reads (as a step's body leaves
+the cache), with the columns the screen summed a row.
+
 With `--against REV`, instead: the kernels of this checkout beside those of git revision REV
 (built from its `cpu_kernels.cpp` under another name), alternated in one process, several rounds:
 the model's body matmuls chained at 8, 16, 32, 64 and 512 rows, the same body as Q4_1 blocks at 1,
@@ -37,7 +43,8 @@ attention of one step's 8 prompts of 17-300 tokens and of 5 new tokens after 450
 ops of 30 layers at 64 rows (the norms with the residual add, the rotary with the KV store, SwiGLU).
 On a host whose speed drifts, that is how a change to a kernel is measured.
 
-    .venv/bin/python benchmarks/kernels_bench.py [--types [--type KIND ...] | --kv | --residency | --against REV]
+    .venv/bin/python benchmarks/kernels_bench.py [--types [--type KIND ...] | --kv | --residency | --greedy-head
+                                                  | --against REV]
 """
 
 from __future__ import annotations
@@ -409,6 +416,57 @@ def prefill_attention(kernels: object) -> None:
           f"SDPA {flop / sdpa / 1e9:.0f} GFLOP/s")
 
 
+def greedy_head(rounds: int = 6) -> None:
+    """The embedded model's head choosing greedy tokens: fp32 logits and argmax against the screen."""
+    from inflight import LLM, SamplingParams
+    from inflight.bench.corpus import corpus_text
+
+    llm = LLM()
+    model = llm.engine.runner.model  # type: ignore[attr-defined]
+    screen = model.greedy_head
+    if screen is None:
+        print("the embedded model's head has no greedy screen here")
+        return
+    kernels = screen._kernels
+    seen: list[torch.Tensor] = []
+
+    def recorded(x: torch.Tensor) -> torch.Tensor:
+        seen.append(x.clone())
+        return screen(x)
+
+    model.greedy_head = recorded
+    text = corpus_text()
+    llm.generate([text[i * 2000:i * 2000 + 1500] for i in range(8)], SamplingParams(max_tokens=16, temperature=0))
+    model.greedy_head = screen
+    hidden = torch.cat(seen)[-64:].contiguous()
+    other = torch.randn(24_000_000)  # 96 MB
+
+    def cold(fn: Callable[[], object]) -> Callable[[], object]:
+        def run() -> object:
+            other.sum()
+            start = time.perf_counter()
+            fn()
+            return time.perf_counter() - start
+        return run
+
+    print(f"LM head {model.lm_head.out_features} x {model.lm_head.in_features} (Q8_0 blocks), greedy tokens, "
+          f"each call after 96 MB of other reads:")
+    for rows in (1, 4, 9, 16, 64):
+        x = hidden[:rows].contiguous()
+        fns = {"fp32 head + argmax": cold(lambda x=x: kernels.argmax_rows(model.logits(x))),
+               "screen": cold(lambda x=x: screen(x))}
+        times: dict[str, list[float]] = {name: [] for name in fns}
+        for round_ in range(rounds):
+            for name, fn in (reversed(fns.items()) if round_ % 2 else fns.items()):
+                times[name].append(min(float(fn()) for _ in range(3)))  # type: ignore[arg-type]
+        assert torch.equal(screen(x), kernels.argmax_rows(model.logits(x)))
+        _, computed = kernels.gguf_blocks_greedy(x, screen.head.blocks, screen.table, screen.head.out_features)
+        fp32, ours = min(times["fp32 head + argmax"]), min(times["screen"])
+        print(f"  {rows:2d} rows: fp32 head + argmax {1000 * fp32:.2f} ms, screen {1000 * ours:.2f} ms "
+              f"({fp32 / ours:.2f}x), columns summed in fp32 a row: median {int(computed.median())}, "
+              f"most {int(computed.max())}")
+
+
 def memory_read() -> None:
     data = torch.randn(135_000_000)  # 540 MB
     seconds = best_of(data.sum, reps=5)
@@ -615,6 +673,8 @@ def main() -> int:
     parser.add_argument("--kv", action="store_true", help="decode attention over fp32 and 16-bit KV pools only")
     parser.add_argument("--residency", action="store_true",
                         help="how long one layer's K/V stays in the last-level cache, only")
+    parser.add_argument("--greedy-head", action="store_true",
+                        help="the embedded model's LM head: fp32 logits and argmax against the greedy screen, only")
     args = parser.parse_args()
     kernels = cpu_kernels()
     if kernels is None:
@@ -632,6 +692,10 @@ def main() -> int:
     if args.residency:
         with torch.inference_mode():
             decode_attention_residency(kernels)
+        return 0
+    if args.greedy_head:
+        with torch.inference_mode():
+            greedy_head()
         return 0
     if args.kv:
         with torch.inference_mode():

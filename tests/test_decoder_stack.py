@@ -28,18 +28,19 @@ def model(loaded) -> Iterator[object]:
 
 def step_logits(make_llm, model, compiled: bool, prompts: list | None = None,
                 **options) -> tuple[list[torch.Tensor], list]:
-    """Every step's logits for the prompts below, through the compiled layers or the Python
-    loop, and the engine's step records."""
+    """Every step's LM head input (the final norm's rows, of which the logits and the greedy
+    screen's tokens are functions) for the prompts below, through the compiled layers or the
+    Python loop, and the engine's step records."""
     stack = model.decoder_stack
-    forward = model.forward
+    final_hidden = model.final_hidden
     logits: list[torch.Tensor] = []
 
     def record(*args, **kwargs):
-        out = forward(*args, **kwargs)
+        out = final_hidden(*args, **kwargs)
         logits.append(out.clone())
         return out
 
-    model.forward = record
+    model.final_hidden = record
     if not compiled:
         model.decoder_stack = None
     try:
@@ -49,7 +50,7 @@ def step_logits(make_llm, model, compiled: bool, prompts: list | None = None,
         params = params[:len(prompts)]
         llm.generate(prompts, params)
     finally:
-        model.forward = forward
+        model.final_hidden = final_hidden
         model.decoder_stack = stack
     return logits, list(llm.engine.step_records)
 

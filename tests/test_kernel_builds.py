@@ -20,10 +20,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # The tests that compare the kernels with PyTorch references and the compiled layers with the
 # Python loop, token for token.
 KERNEL_TESTS = ["tests/test_linear.py", "tests/test_token_ops.py", "tests/test_attention.py",
-                "tests/test_decoder_stack.py", "tests/test_int8.py", "tests/test_gguf_a8.py", "tests/test_bf16.py",
-                "tests/test_kernel_tuning.py"]
-# The emulated AVX-VNNI build differs from the AVX2 one in its integer matmuls alone.
-TARGET_TESTS = {"avx2_vnni_emulated": ["tests/test_int8.py", "tests/test_gguf_a8.py"]}
+                "tests/test_decoder_stack.py", "tests/test_int8.py", "tests/test_gguf_a8.py",
+                "tests/test_greedy_head.py", "tests/test_bf16.py", "tests/test_kernel_tuning.py"]
+# The emulated AVX-VNNI build differs from the AVX2 one in its integer matmuls alone (the greedy
+# screen runs on them).
+TARGET_TESTS = {"avx2_vnni_emulated": ["tests/test_int8.py", "tests/test_gguf_a8.py", "tests/test_greedy_head.py"]}
 
 
 def _branch(extra_flags: list[str]) -> str | None:

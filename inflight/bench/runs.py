@@ -143,7 +143,8 @@ def _recorded(options: dict[str, Any], engine: LLMEngine) -> dict[str, Any]:
 
 def run_lockstep(model: str | None, base_options: dict[str, Any], plans: Sequence[RunPlan],
                  requests: Sequence[BenchRequest], *, max_concurrency: int | None = None,
-                 slo: RequestSLO | None = None, loaded: LoadedModel | None = None) -> list[BenchRun]:
+                 slo: RequestSLO | None = None,
+                 loaded: LoadedModel | Sequence[LoadedModel] | None = None) -> list[BenchRun]:
     """Every plan's engine runs the workload at once, taking turns step by step, each on a clock
     of its own that runs only during its turns (`TurnClock`): its steps, latencies and duration
     are its own work's, and a host whose speed drifts over the minutes of a run slows every plan
@@ -157,14 +158,24 @@ def run_lockstep(model: str | None, base_options: dict[str, Any], plans: Sequenc
     rounds: in the first the speculating engines' plain steps took 7.0 ms against off's 7.8, in
     the second 7.8 as off's). The engines share the loaded weights and are alive together (one KV
     pool each); each sees the caches as the others' steps left them. Each KV pool is the size its
-    engine would have alone (sized by the memory available before the first is built)."""
-    configs, loaded = _checked_plans(model, base_options, plans, loaded)
-    sizes = [kv_pool_blocks(EngineConfig.from_kwargs(model, **options), loaded) for _, options in configs]
+    engine would have alone (sized by the memory available before the first is built). `loaded`
+    may give each plan a model of its own (the same weights, a model object apart: what differs
+    is the model's, not an engine option)."""
+    if loaded is None or isinstance(loaded, LoadedModel):
+        configs, first = _checked_plans(model, base_options, plans, loaded)
+        models = [first] * len(configs)
+    else:
+        models = list(loaded)
+        if len(models) != len(plans):
+            raise ValueError(f"{len(plans)} plans but {len(models)} loaded models")
+        configs, _ = _checked_plans(model, base_options, plans, models[0])
+    sizes = [kv_pool_blocks(EngineConfig.from_kwargs(model, **options), own)
+             for (_, options), own in zip(configs, models, strict=True)]
     clocks = [TurnClock() for _ in configs]
     engines = []
-    for (_, options), size, clock in zip(configs, sizes, clocks, strict=True):
+    for (_, options), size, clock, own in zip(configs, sizes, clocks, models, strict=True):
         config = EngineConfig.from_kwargs(model, **{**options, "num_kv_blocks": size})
-        engines.append(LLMEngine(config, loaded, clock=clock))
+        engines.append(LLMEngine(config, own, clock=clock))
         with clock.turn():
             warm_up(engines[-1])
     steps = [engine_steps(engine, requests, max_concurrency, False) for engine in engines]

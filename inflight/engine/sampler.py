@@ -128,17 +128,30 @@ class Sampler:
             best = self._argmax(logits.index_select(0, index)).tolist()
             at = 0
             for i in argmax_only:
-                draft = drafts[i]
-                choices, at = best[at:at + 1 + len(draft)], at + 1 + len(draft)
-                kept = 0
-                while kept < len(draft) and draft[kept] == choices[kept]:
-                    kept += 1
-                out[i] = [*draft[:kept], choices[kept]]
+                out[i] = self.kept_greedy(drafts[i], best[at:at + 1 + len(drafts[i])])
+                at += 1 + len(drafts[i])
         done = set(plain) | set(argmax_only)
         for i, (request, draft) in enumerate(zip(requests, drafts, strict=True)):
             if i not in done:
                 out[i] = self._verify(logits[starts[i]:starts[i] + 1 + len(draft)], request, list(draft))
         return out
+
+    @staticmethod
+    def argmax_only(request: Request) -> bool:
+        """Whether a request's tokens are its logits' argmax and nothing more: greedy, no edits to
+        its logits, no grammar, no logprobs (the model's greedy head may then choose them)."""
+        params = request.sampling_params
+        return (params.is_greedy and not params.edits_logits and request.grammar is None
+                and params.logprobs is None)
+
+    @staticmethod
+    def kept_greedy(draft: Sequence[int], choices: Sequence[int]) -> list[int]:
+        """A greedy request's new tokens from the argmax of each of its rows (`choices`, 1 +
+        len(draft)): the proposed tokens while they equal the argmax, then the argmax."""
+        kept = 0
+        while kept < len(draft) and draft[kept] == choices[kept]:
+            kept += 1
+        return [*draft[:kept], choices[kept]]
 
     def _verify(self, rows: torch.Tensor, request: Request, draft: list[int]) -> list[int]:
         """One request's rows, position by position, each seeing the proposed tokens kept before

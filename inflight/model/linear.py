@@ -207,3 +207,37 @@ class Linear:
         if self.backend == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+class GreedyHead:
+    """The greedy rows of an LM head kept as quantized GGUF blocks: each row's argmax of `head(x)`,
+    exactly (the fp32 head's own argmax, bit for bit), without its fp32 logits. An integer screen
+    (int8 activations against the blocks, llama.cpp's dot products) bounds how far each logit can
+    lie from its fp32 value, and only the few columns that can still be the largest are summed in
+    fp32 (`csrc`: gguf_blocks_greedy states the bound). The embedded model's head (Q8_0, 49152
+    columns) on a 9-row speculative verify: 1.6 ms against 2.6 (`kernels_bench.py`).
+    INFLIGHT_GREEDY_SCREEN=0 turns it off (the fp32 head and argmax then choose)."""
+
+    __slots__ = ("head", "table", "_kernels")
+
+    def __init__(self, head: Linear, kernels: ModuleType) -> None:
+        self.head = head
+        self._kernels = kernels
+        self.table = kernels.gguf_blocks_screen_table(head.blocks)  # K / 32 floats a column
+
+    @staticmethod
+    def of(head: Linear) -> GreedyHead | None:
+        """The screen of a head whose packing it reads (quantized GGUF blocks, fp32 activations,
+        no bias), else None."""
+        kernels = head._kernels
+        if (os.environ.get("INFLIGHT_GREEDY_SCREEN", "1") == "0" or kernels is None or head.blocks is None
+                or head.bias is not None or not kernels.gguf_blocks_screenable(head.blocks)):
+            return None
+        return GreedyHead(head, kernels)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The argmax of each row of `head(x)` (int64)."""
+        tokens, _ = self._kernels.gguf_blocks_greedy(x.contiguous(), self.head.blocks, self.table,
+                                                     self.head.out_features)
+        return tokens
+

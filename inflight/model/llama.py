@@ -37,7 +37,7 @@ from inflight.model.layer_plan import (
     released_after,
     with_scaled_residual,
 )
-from inflight.model.linear import Linear, linear_backend
+from inflight.model.linear import GreedyHead, Linear, linear_backend
 from inflight.model.loader import ROPE_CHUNK, rope_table_positions
 from inflight.model.token_ops import CpuKernelTokenOps, KVStore, TorchTokenOps
 
@@ -291,6 +291,10 @@ class LlamaModel:
         # embedded model, the task's scores unchanged, a 64-request decode step's head 5.6 ms
         # against 18.7 in fp32 (docs/models.md). A tied head is quantized from the embedding apart.
         self.lm_head = linear("lm_head.weight", bias=biases("lm_head.weight"))  # (Phi-2's has one)
+        # Greedy rows' tokens straight from a head of quantized blocks (`greedy_tokens`), where
+        # nothing reshapes the logits after it.
+        self.greedy_head = (GreedyHead.of(self.lm_head) if config.logit_scale == 1
+                            and config.final_logit_softcap is None else None)
         self.layers: list[DecoderLayer] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
@@ -604,6 +608,19 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Runs one step over packed tokens and returns fp32 logits `[len(logits_indices), vocab]`:
         the LM head runs only on the rows whose next token is wanted."""
+        return self.logits(self.final_hidden(input_ids, positions, kv_caches, attn_meta, logits_indices))
+
+    @torch.inference_mode()
+    def final_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn_meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Runs one step over packed tokens and returns the LM head's input (the final norm's
+        output) at the rows of `logits_indices`, for `logits` or `greedy_tokens`."""
         if positions.device.type == "cpu" and positions.numel():
             self._ensure_rope(int(positions.max()) + 1)  # a step past what use_context asked for
         hidden = self.embed_tokens.index_select(0, input_ids)
@@ -620,14 +637,25 @@ class LlamaModel:
             mlp = self._layers(hidden, positions, kv_caches, attn_meta)
         # After the last layer only the rows that sample a token matter.
         hidden = hidden.index_select(0, logits_indices) + mlp.index_select(0, logits_indices)
-        normed = (self.ops.layer_norm(hidden, self.final_norm, self.final_norm_bias) if self._layer_norm
-                  else self.ops.rms_norm(hidden, self.final_norm))
+        return (self.ops.layer_norm(hidden, self.final_norm, self.final_norm_bias) if self._layer_norm
+                else self.ops.rms_norm(hidden, self.final_norm))
+
+    @torch.inference_mode()
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """The fp32 logits of `final_hidden`'s rows."""
         logits = self.lm_head(normed).float()
         if self.config.logit_scale != 1:
             logits = logits / self.config.logit_scale
         if (cap := self.config.final_logit_softcap) is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    @torch.inference_mode()
+    def greedy_tokens(self, normed: torch.Tensor) -> torch.Tensor:
+        """The argmax of each of `final_hidden`'s rows' logits, exactly as `logits` and
+        `argmax_rows` would choose it (int64); only where `greedy_head` is set."""
+        assert self.greedy_head is not None
+        return self.greedy_head(normed)
 
     def _layers(self, hidden: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn_meta: AttentionMetadata) -> torch.Tensor:

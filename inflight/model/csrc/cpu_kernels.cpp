@@ -3403,6 +3403,37 @@ bool gguf_blocks_int8_activations(const torch::Tensor& packed) { return packed_m
 // zero without minima), w = d * q + m bit for bit the loader's value.
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> gguf_a8_quantize(torch::Tensor x) { return a8_quantize(x); }
 
+namespace {
+
+// Column c's integer q at k-row e of a sub-block's values, as a quantized layout holds it (w = d * q + m).
+template <class L>
+inline int quant_at(const uint8_t* values, int64_t e, int64_t c) {
+  if constexpr (L::kFourBit) {
+    const int v = (values[e * 8 + c % 8] >> (c < 8 ? 0 : 4)) & 0x0F;
+    if constexpr (L::kValues == Values::kNibbleTable) return nibble_values<L::kTable>()[v];
+    return v;
+  } else if constexpr (L::kValues == Values::kSixBit) {
+    return six_bit(values, e, c) - 32;
+  } else {
+    return static_cast<int8_t>(values[e * kQCols + c]);
+  }
+}
+
+// fn(k0, d, m, values) for each sub-block of a quantized layout's panel, in k order: its first k,
+// its 16 columns' d and m (fp32, as the kernels make them) and its values (quant_at reads them).
+template <class L, class F>
+void for_sub_block_scales(const uint8_t* panel, int64_t K, const F& fn) {
+  for_sub_blocks<L>(panel, K, [&](const uint8_t* blk, int64_t sub, const uint8_t* values, int64_t k0) {
+    const BlockScales<L> scales(blk, sub);
+    alignas(32) float dv[16], mv[16];
+    _mm256_store_ps(dv, scales.d0), _mm256_store_ps(dv + 8, scales.d1);
+    _mm256_store_ps(mv, scales.m0), _mm256_store_ps(mv + 8, scales.m1);
+    fn(k0, dv, mv, values);
+  });
+}
+
+}  // namespace
+
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> gguf_blocks_integers(torch::Tensor packed) {
   const int64_t K = reinterpret_cast<const int64_t*>(packed.data_ptr<uint8_t>())[1];
   const PackedBlocks w = read_packed(torch::empty({0, K}, torch::kFloat32), packed);
@@ -3424,37 +3455,292 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> gguf_blocks_integers(tor
     const uint8_t* panel = at;
     with_layout(layout, [&](auto l) {
       using L = decltype(l);
-      if constexpr (L::kScaled) {
-        for (int64_t b = 0; b < K / L::kK; ++b) {
-          const uint8_t* blk = panel + b * L::kBlockBytes;
-          for (int64_t s = 0; s < L::kSubBlocks; ++s) {
-            const BlockScales<L> scales(blk, s);
-            alignas(32) float dv[16], mv[16];
-            _mm256_store_ps(dv, scales.d0), _mm256_store_ps(dv + 8, scales.d1);
-            _mm256_store_ps(mv, scales.m0), _mm256_store_ps(mv + 8, scales.m1);
-            const uint8_t* values = blk + L::kScaleBytes + s * L::kSubValueBytes;
-            for (int64_t c = 0; c < kQCols && p * kQCols + c < w.N; ++c) {
-              const int64_t n = p * kQCols + c, k0 = b * L::kK + s * L::kSub;
-              dp[n * (K / sub) + k0 / sub] = dv[c], mp[n * (K / sub) + k0 / sub] = mv[c];
-              for (int64_t e = 0; e < L::kSub; ++e) {
-                int v;
-                if constexpr (L::kFourBit) {
-                  v = (values[e * 8 + c % 8] >> (c < 8 ? 0 : 4)) & 0x0F;
-                  if constexpr (L::kValues == Values::kNibbleTable) v = nibble_values<L::kTable>()[v];
-                } else if constexpr (L::kValues == Values::kSixBit) {
-                  v = six_bit(values, e, c) - 32;
-                } else {
-                  v = static_cast<int8_t>(values[e * kQCols + c]);
-                }
-                qp[n * K + k0 + e] = static_cast<int16_t>(v);
-              }
-            }
+      if constexpr (L::kScaled)
+        for_sub_block_scales<L>(panel, K, [&](int64_t k0, const float* dv, const float* mv, const uint8_t* values) {
+          for (int64_t c = 0; c < kQCols && p * kQCols + c < w.N; ++c) {
+            const int64_t n = p * kQCols + c;
+            dp[n * (K / sub) + k0 / sub] = dv[c], mp[n * (K / sub) + k0 / sub] = mv[c];
+            for (int64_t e = 0; e < L::kSub; ++e) qp[n * K + k0 + e] = static_cast<int16_t>(quant_at<L>(values, e, c));
           }
-        }
-      }
+        });
     });
   }
   return {q, d, m};
+}
+
+// ---- Greedy rows through a GGUF-block LM head: an integer screen, then the fp32 sums of the few
+// columns it leaves (`gguf_blocks_greedy`).
+//
+// A greedy row wants only the argmax of its logits, and at the rows of a speculative verify or a
+// batch of decodes the fp32 head is bound by its FMAs (49152 x 576 of them a row for the embedded
+// model). The screen runs the int8-activation matmul (gguf_blocks_a8_linear's arithmetic, on the
+// same fp32 packing: every quantized layout reads the same there) and bounds, per row and column,
+// how far its value a can lie from the fp32 head's y:
+//
+//     |a - y| <= sum over groups g of 32 k: sx_g * T_g(v),
+//     T_g(v) = sum over the group's weights of (1/2 + 2^-10) |w| + (2K + 16) * 127 * 2^-23 (|d q| + |m|)
+//
+// The first term is the activations' rounding (each x within sx (1/2 + 2^-10) of qx * sx, the
+// fp32 roundings of 127 / max and of the product included); the second every fp32 rounding of
+// both sums (y's K products in any order, a's sub-block terms d * dot and m * sum and their
+// accumulation, w's own d * q + m: at most 2K + 16 roundings of 2^-24 of a term, each term at
+// most (|d q| + |m|) * 127 sx_g). The bound b is then taken 2^-6 larger (its own fp32 sum) plus
+// 2^-20 |a| (the roundings of a - b and a + b). Every column whose a + b reaches the row's
+// largest a - b may hold the argmax (the argmax's y is at least every y, so its a + b at least
+// every a - b); each of them is computed by the fp32 head's own kernel on its panel (quant_rows,
+// one row: the same in-order sum bit for bit as gguf_blocks_linear at any number of rows), and
+// the first largest wins, as argmax_rows takes it. So the token is the fp32 head's argmax
+// exactly, never an approximation. A row with a value the bound cannot hold (an input, a value
+// or a bound past 1e36, inf or NaN) takes every column.
+
+namespace {
+
+constexpr float kScreenSlack = 1.0f + 1.0f / 64;
+constexpr float kScreenRelative = 1.0f / (1 << 20);
+
+// |v| < 1e36 (so not inf nor NaN, and a column within the bound of it is finite in fp32 too).
+// Bit tests: the file is built with fast-math, for which no value is inf or NaN.
+inline bool in_range(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  return (bits & 0x7fffffffu) < 0x7b4097ceu;  // 1e36f's bits
+}
+
+// The screen's rows need every part of the packing quantized (16-bit parts have no integer form).
+bool screenable(const PackedBlocks& w) {
+  if (w.int8_activations || w.bf16_activations || w.K % kA8Group != 0) return false;
+  bool scaled = true;
+  for (const auto& s : w.segments) with_layout(s.layout, [&](auto l) { scaled = scaled && decltype(l)::kScaled; });
+  return scaled;
+}
+
+typedef int32_t ivec __attribute__((vector_size(kVec * sizeof(float))));
+
+// R rows' 16 columns of a whole panel (rows `lda` apart; s: each row's sx_g times kScreenSlack,
+// `groups` apart): a (the screen's values) becomes a + b; each row's floor (a vector, folded
+// lane by lane) takes the largest a - b (also left in low, where given), and its wild lanes are
+// set where a value is out of range. The rows' bounds are independent sums, so they overlap.
+template <int R>
+void screen_panel(float* a, int64_t lda, const float* s, const float* tab, int64_t groups, vec* floor, ivec* wild,
+                  float* low, int64_t ldl) {
+  constexpr int kParts = kQCols / kVec;
+  vec b[R][kParts] = {};
+  for (int64_t g = 0; g < groups; ++g)
+    for (int j = 0; j < kParts; ++j) {
+      const vec t = load_vec(tab + g * kQCols + j * kVec);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) b[r][j] += s[r * groups + g] * t;
+    }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kParts; ++j) {
+      float* ar = a + r * lda + j * kVec;
+      const vec av = load_vec(ar);
+      const ivec abs_a = reinterpret_cast<const ivec&>(av) & 0x7fffffff;
+      const ivec abs_b = reinterpret_cast<const ivec&>(b[r][j]) & 0x7fffffff;
+      wild[r] |= (abs_a >= 0x7b4097ce) | (abs_b >= 0x7b4097ce);  // in_range's test
+      const vec bound = b[r][j] + reinterpret_cast<const vec&>(abs_a) * kScreenRelative;
+      const vec lo = av - bound;
+      floor[r] = lo > floor[r] ? lo : floor[r];
+      if (low != nullptr) store_vec(low + r * ldl + j * kVec, lo);
+      store_vec(ar, av + bound);
+    }
+}
+
+}  // namespace
+
+bool gguf_blocks_screenable(torch::Tensor packed) {
+  if (packed_magic(packed) != kPackedMagic) return false;
+  const int64_t K = reinterpret_cast<const int64_t*>(packed.data_ptr<uint8_t>())[1];
+  return screenable(read_packed(torch::empty({0, K}, torch::kFloat32), packed));
+}
+
+// The screen's table of a packing it reads (gguf_blocks_screenable), made once at load: T_g of
+// each column, [panels, K / 32, 16] (fp32, each rounded up; columns past N zero), a panel's
+// together as the screen reads them.
+torch::Tensor gguf_blocks_screen_table(torch::Tensor packed) {
+  TORCH_CHECK(gguf_blocks_screenable(packed), "the greedy screen reads a packing of quantized GGUF blocks (fp32)");
+  const int64_t K = reinterpret_cast<const int64_t*>(packed.data_ptr<uint8_t>())[1];
+  const PackedBlocks w = read_packed(torch::empty({0, K}, torch::kFloat32), packed);
+  const int64_t groups = K / kA8Group;
+  const double quantized = 0.5 + 1.0 / 1024, rounded = (2.0 * K + 16) * 127 * std::ldexp(1.0, -23);
+  auto table = torch::zeros({w.panels(), groups, kQCols}, torch::kFloat32);
+  float* tp = table.data_ptr<float>();
+  at::parallel_for(0, w.panels(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const auto [layout, at] = w.panel(p);
+      const uint8_t* panel = at;  // a lambda cannot capture a structured binding before C++20
+      with_layout(layout, [&](auto l) {
+        using L = decltype(l);
+        if constexpr (L::kScaled) {
+          std::array<double, kQCols> sums{};
+          for_sub_block_scales<L>(panel, K, [&](int64_t k0, const float* dv, const float* mv, const uint8_t* values) {
+            for (int64_t e = 0; e < L::kSub; ++e) {
+              for (int64_t c = 0; c < kQCols; ++c) {
+                const double dq = static_cast<double>(dv[c]) * quant_at<L>(values, e, c), m = mv[c];
+                sums[c] += quantized * std::fabs(dq + m) + rounded * (std::fabs(dq) + std::fabs(m));
+              }
+              if ((k0 + e + 1) % kA8Group == 0) {
+                float* out = tp + (p * groups + (k0 + e) / kA8Group) * kQCols;
+                for (int64_t c = 0; c < kQCols; ++c) out[c] = std::nextafter(static_cast<float>(sums[c]), INFINITY);
+                sums.fill(0.0);
+              }
+            }
+          });
+        }
+      });
+      if ((p + 1) * kQCols > w.N)  // the padding columns: no weights, never candidates
+        for (int64_t g = 0; g < groups; ++g)
+          std::fill(tp + (p * groups + g) * kQCols + (w.N - p * kQCols), tp + (p * groups + g + 1) * kQCols, 0.0f);
+    }
+  });
+  return table;
+}
+
+namespace {
+
+// The screen's pass over every panel: hi [M, n_pad] <- a + b (lp: a - b, where given), and per
+// row (floors, wild [M]) the largest a - b and whether a value is out of range.
+void screen_rows(const PackedBlocks& w, const torch::Tensor& x, const float* tp, float* hp, float* lp,
+                 std::vector<float>& floors, std::vector<uint8_t>& wild) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.N, groups = K / kA8Group, n_pad = w.panels() * kQCols;
+  auto [xq, sx, isum] = a8_quantize(x);
+  const int64_t threads = at::get_num_threads();
+  std::vector<float> slack(M * groups);  // each sx_g times kScreenSlack
+  for (int64_t i = 0; i < M * groups; ++i) slack[i] = sx.data_ptr<float>()[i] * kScreenSlack;
+  // Per thread and row, a vector of floors and of wild lanes, folded at the end.
+  std::vector<vec> floor_lanes(threads * M, vec{} - std::numeric_limits<float>::max());
+  std::vector<ivec> wild_lanes(threads * M, ivec{});
+  const float* xp = x.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k)
+      if (!in_range(xp[m * K + k])) wild_lanes[m][0] = 1;  // (the quantizer's max would pass over a NaN)
+  const int8_t* qp = xq.data_ptr<int8_t>();
+  const float* sp = sx.data_ptr<float>();
+  const int32_t* up = isum.data_ptr<int32_t>();
+  for_block_panels(w, M, kA8PassRows, [&](auto l, int64_t p, const uint8_t* panel, int64_t m, int rows) {
+    float* out = hp + m * n_pad + p * kQCols;
+    a8_rows<decltype(l)>(rows, M > kA8BiasRows, qp + m * K, sp + m * groups, up + m * (K / 16), K, panel, out, n_pad);
+    const int64_t t = at::get_thread_num(), columns = std::min(kQCols, N - p * kQCols);
+    const float* tab = tp + p * groups * kQCols;
+    const float* s = slack.data() + m * groups;
+    vec* floor = floor_lanes.data() + t * M + m;
+    ivec* wild_at = wild_lanes.data() + t * M + m;
+    float* low = lp != nullptr ? lp + m * n_pad + p * kQCols : nullptr;
+    if (columns == kQCols) {
+      switch (rows) {
+#define INFLIGHT_SCREEN_ROWS(R) \
+  case R: return screen_panel<R>(out, n_pad, s, tab, groups, floor, wild_at, low, n_pad);
+        INFLIGHT_SCREEN_ROWS(1) INFLIGHT_SCREEN_ROWS(2) INFLIGHT_SCREEN_ROWS(3) INFLIGHT_SCREEN_ROWS(4)
+        INFLIGHT_SCREEN_ROWS(5) INFLIGHT_SCREEN_ROWS(6) INFLIGHT_SCREEN_ROWS(7) INFLIGHT_SCREEN_ROWS(8)
+        INFLIGHT_SCREEN_ROWS(9) INFLIGHT_SCREEN_ROWS(10) INFLIGHT_SCREEN_ROWS(11) INFLIGHT_SCREEN_ROWS(12)
+#undef INFLIGHT_SCREEN_ROWS
+        default: TORCH_CHECK(false, "a screen pass of ", rows, " rows");
+      }
+    }
+    for (int r = 0; r < rows; ++r) {  // the last panel, part padding: column by column
+      float b[kQCols] = {}, * a = out + r * n_pad;
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t c = 0; c < columns; ++c) b[c] += s[r * groups + g] * tab[g * kQCols + c];
+      for (int64_t c = 0; c < columns; ++c) {
+        if (!in_range(a[c]) || !in_range(b[c])) wild_at[r][0] = 1;
+        const float bound = b[c] + std::fabs(a[c]) * kScreenRelative;
+        floor[r][0] = std::max(floor[r][0], a[c] - bound);
+        if (low != nullptr) low[r * n_pad + c] = a[c] - bound;
+        a[c] += bound;
+      }
+    }
+  });
+  floors.assign(M, -std::numeric_limits<float>::max());
+  wild.assign(M, 0);
+  for (int64_t i = 0; i < threads * M; ++i)
+    for (int c = 0; c < kVec; ++c) {
+      floors[i % M] = std::max(floors[i % M], floor_lanes[i][c]);
+      if (wild_lanes[i][c] != 0) wild[i % M] = 1;
+    }
+}
+
+// A packing and table the screen reads, checked against x.
+PackedBlocks screened_packing(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& table) {
+  const PackedBlocks w = read_packed(x, packed);
+  TORCH_CHECK(screenable(w), "the greedy screen reads a packing of quantized GGUF blocks (fp32)");
+  TORCH_CHECK(table.dtype() == torch::kFloat32 && table.is_contiguous() && table.dim() == 3 &&
+                  table.size(0) == w.panels() && table.size(1) == w.K / kA8Group && table.size(2) == kQCols,
+              "the screen's table does not match the packing");
+  return w;
+}
+
+}  // namespace
+
+// For tests: each row's and column's range [a - b, a + b] where the screen holds the fp32 head's
+// value to lie, (lo, hi) [M, N].
+std::tuple<torch::Tensor, torch::Tensor> gguf_blocks_screen_range(torch::Tensor x, torch::Tensor packed,
+                                                                  torch::Tensor table) {
+  const PackedBlocks w = screened_packing(x, packed, table);
+  const int64_t M = x.size(0), n_pad = w.panels() * kQCols;
+  auto lo = torch::empty({M, n_pad}, x.options()), hi = torch::empty({M, n_pad}, x.options());
+  std::vector<float> floors;
+  std::vector<uint8_t> wild;
+  screen_rows(w, x, table.data_ptr<float>(), hi.data_ptr<float>(), lo.data_ptr<float>(), floors, wild);
+  return {lo.narrow(1, 0, w.N).contiguous(), hi.narrow(1, 0, w.N).contiguous()};
+}
+
+// x [M, K] (greedy rows) through a packing the screen reads, with its table (gguf_blocks_screen_table)
+// -> (each row's argmax over the N columns of gguf_blocks_linear(x, packed, N), bit for bit;
+// the columns each row computed in fp32), both int64 [M].
+std::tuple<torch::Tensor, torch::Tensor> gguf_blocks_greedy(torch::Tensor x, torch::Tensor packed, torch::Tensor table,
+                                                            int64_t out_features) {
+  const PackedBlocks w = screened_packing(x, packed, table);
+  TORCH_CHECK(out_features == w.N && out_features > 0, "out_features ", out_features, " does not match the packing (", w.N, ")");
+  const int64_t M = x.size(0), K = x.size(1), N = w.N, n_pad = w.panels() * kQCols;
+  // Each row's a + b per column (kept between calls: fresh pages cost more than the screen).
+  thread_local std::vector<float> store;
+  if (static_cast<int64_t>(store.size()) < M * n_pad) store.resize(M * n_pad);
+  float* hp = store.data();
+  std::vector<float> floors;
+  std::vector<uint8_t> wild;
+  screen_rows(w, x, table.data_ptr<float>(), hp, nullptr, floors, wild);
+  const float* xp = x.data_ptr<float>();
+  auto ids = torch::empty({M}, x.options().dtype(torch::kInt64));
+  auto computed = torch::empty({M}, x.options().dtype(torch::kInt64));
+  int64_t* ip = ids.data_ptr<int64_t>();
+  int64_t* cp = computed.data_ptr<int64_t>();
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> candidates;
+    alignas(64) float y[kQCols];
+    for (int64_t m = begin; m < end; ++m) {
+      const float floor = floors[m];
+      const bool every = wild[m] != 0;
+      const float* hi = hp + m * n_pad;
+      candidates.clear();
+      for (int64_t v0 = 0; v0 < N; v0 += kQCols) {
+        bool any = every;
+#pragma omp simd reduction(|| : any)
+        for (int64_t c = 0; c < kQCols; ++c) any = any || hi[v0 + c] >= floor;
+        if (any)
+          for (int64_t v = v0; v < std::min(N, v0 + kQCols); ++v)
+            if (every || hi[v] >= floor) candidates.push_back(v);
+      }
+      int64_t best = -1;
+      float best_y = 0.0f;
+      const float* xr = xp + m * K;
+      for (size_t i = 0; i < candidates.size();) {
+        const int64_t p = candidates[i] / kQCols;
+        const auto [layout, at] = w.panel(p);
+        const uint8_t* panel = at;  // a lambda cannot capture a structured binding before C++20
+        with_layout(layout, [&](auto l) { quant_rows<decltype(l)>(1, xr, K, panel, y, kQCols); });
+        for (; i < candidates.size() && candidates[i] / kQCols == p; ++i) {
+          const float value = y[candidates[i] - p * kQCols];
+          // argmax_rows's order: the first NaN, else the first largest.
+          if (best < 0 || (!is_nan_bits(best_y) && (is_nan_bits(value) || value > best_y)))
+            best = candidates[i], best_y = value;
+        }
+      }
+      ip[m] = best;
+      cp[m] = static_cast<int64_t>(candidates.size());
+    }
+  });
+  return {ids, computed};
 }
 
 // ---- bf16 weights times bf16 activations (`--quantization bf16-activations`).
@@ -3604,6 +3890,14 @@ torch::Tensor gguf_blocks_a8_linear(torch::Tensor, torch::Tensor, int64_t) {
   TORCH_CHECK(false, "the GGUF block matmul needs AVX2");
 }
 bool gguf_blocks_int8_activations(const torch::Tensor&) { return false; }
+bool gguf_blocks_screenable(torch::Tensor) { return false; }
+torch::Tensor gguf_blocks_screen_table(torch::Tensor) { TORCH_CHECK(false, "the GGUF block matmul needs AVX2"); }
+std::tuple<torch::Tensor, torch::Tensor> gguf_blocks_greedy(torch::Tensor, torch::Tensor, torch::Tensor, int64_t) {
+  TORCH_CHECK(false, "the GGUF block matmul needs AVX2");
+}
+std::tuple<torch::Tensor, torch::Tensor> gguf_blocks_screen_range(torch::Tensor, torch::Tensor, torch::Tensor) {
+  TORCH_CHECK(false, "the GGUF block matmul needs AVX2");
+}
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> gguf_a8_quantize(torch::Tensor) {
   TORCH_CHECK(false, "the GGUF block matmul needs AVX2");
 }
@@ -5143,6 +5437,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T with W as packed GGUF blocks and x quantized to int8 per row and 32 k (integer dots)");
   m.def("gguf_blocks_int8_activations", &gguf_blocks_int8_activations,
         "Whether a pack_gguf_blocks packing is marked for int8 activations (every part quantized)");
+  m.def("gguf_blocks_screenable", &gguf_blocks_screenable,
+        "Whether gguf_blocks_greedy reads this packing (fp32, every part quantized)");
+  m.def("gguf_blocks_screen_table", &gguf_blocks_screen_table,
+        "The greedy screen's bound of each column of a packing, per group of 32 k [panels, K / 32, 16]");
+  m.def("gguf_blocks_greedy", &gguf_blocks_greedy,
+        "Each row's argmax of gguf_blocks_linear(x), exactly, by an integer screen and the fp32 sums of what it leaves",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gguf_blocks_screen_range", &gguf_blocks_screen_range,
+        "Where the greedy screen holds each of gguf_blocks_linear(x)'s values to lie: (lo, hi) (tests)");
   m.def("gguf_blocks_bf16_linear", &gguf_blocks_bf16_linear,
         "x @ W.T with W as packed BF16 blocks and x rounded to bf16 (vdpbf16ps where the CPU has AVX512_BF16)");
   m.def("gguf_blocks_bf16_activations", &gguf_blocks_bf16_activations,
