@@ -101,54 +101,41 @@ class ModelRunner:
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_meta, inputs.logits_indices
         )
         requests, drafts = inputs.sample_requests, inputs.drafts
-        num_rows = len(requests) + sum(len(d) for d in drafts)
+        rows, num_rows = [], 0  # each request's rows: its last known token's, then each proposal's
+        for draft in drafts:
+            rows.append(range(num_rows, num_rows + 1 + len(draft)))
+            num_rows += 1 + len(draft)
+        # Requests that want only their logits' argmax take it from the model's greedy head; the
+        # others' rows, then the prompt rows, go through the fp32 head.
         screened = ([i for i, r in enumerate(requests) if self.sampler.argmax_only(r)]
                     if model.greedy_head is not None else [])
-        if not screened:  # every row through the fp32 head
-            logits = model.logits(normed)
-            forwarded = time.perf_counter()
-            tokens = self.sampler.sample(logits[:num_rows], requests, drafts) if requests else []
-            self.last_logprobs = self.sampler.logprobs(logits[:num_rows], requests, tokens, drafts) if requests else {}
+        kept = [i for i in range(len(requests)) if i not in set(screened)]
+        best: list[int] = []
+        if screened:
+            device = normed.device
+            wanted = [r for i in kept for r in rows[i]] + list(range(num_rows, len(normed)))
+            logits = (model.logits(normed.index_select(0, torch.tensor(wanted, dtype=torch.long, device=device)))
+                      if wanted else normed.new_empty((0, model.lm_head.out_features)))
+            greedy = torch.tensor([r for i in screened for r in rows[i]], dtype=torch.long, device=device)
+            best = model.greedy_tokens(normed.index_select(0, greedy)).tolist()
         else:
-            tokens, logits = self._sample_screened(normed, requests, drafts, set(screened))
-            forwarded = time.perf_counter()
-        num_prompt_rows = len(normed) - num_rows  # the prompt rows' logits come last
-        self.last_prompt_logprobs = self._prompt_logprobs(logits[len(logits) - num_prompt_rows:], inputs.prompt_rows)
-        self.last_timings = RunnerTimings(prepared - start, forwarded - prepared, time.perf_counter() - forwarded)
-        return {r.request_id: t for r, t in zip(inputs.sample_requests, tokens, strict=True)}
-
-    def _sample_screened(self, normed: torch.Tensor, requests: list[Request], drafts: list[list[int]],
-                         screened: set[int]) -> tuple[list[list[int]], torch.Tensor]:
-        """Each request's new tokens, the screened ones' (greedy, nothing edits their logits, no
-        logprobs: `Sampler.argmax_only`) from the model's greedy head, the others' sampled from the
-        fp32 logits; and those logits (the other requests' rows, then the prompt rows)."""
-        rows, row = [], 0
-        for draft in drafts:
-            rows.append(range(row, row + 1 + len(draft)))
-            row += 1 + len(draft)
-        kept = [i for i in range(len(requests)) if i not in screened]
-        wanted = [r for i in kept for r in rows[i]] + list(range(row, len(normed)))
-        device = normed.device
-        logits = (self.model.logits(normed.index_select(0, torch.tensor(wanted, dtype=torch.long, device=device)))
-                  if wanted else normed.new_empty((0, self.model.lm_head.out_features)))
-        head = normed.index_select(0, torch.tensor([r for i in sorted(screened) for r in rows[i]],
-                                                   dtype=torch.long, device=device))
-        best = self.model.greedy_tokens(head).tolist()
+            logits = model.logits(normed)
+        forwarded = time.perf_counter()
         tokens: list[list[int]] = [[] for _ in requests]
-        at = 0
-        for i in sorted(screened):
-            tokens[i] = Sampler.kept_greedy(drafts[i], best[at:at + 1 + len(drafts[i])])
-            at += 1 + len(drafts[i])
+        for i in screened:
+            tokens[i] = Sampler.kept_greedy(drafts[i], best[:len(rows[i])])
+            best = best[len(rows[i]):]
+        kept_rows = sum(len(rows[i]) for i in kept)
+        self.last_logprobs = {}
         if kept:
-            num_kept = sum(len(rows[i]) for i in kept)
-            sampled = self.sampler.sample(logits[:num_kept], [requests[i] for i in kept], [drafts[i] for i in kept])
+            kept_requests, kept_drafts = [requests[i] for i in kept], [drafts[i] for i in kept]
+            sampled = self.sampler.sample(logits[:kept_rows], kept_requests, kept_drafts)
             for i, t in zip(kept, sampled, strict=True):
                 tokens[i] = t
-            self.last_logprobs = self.sampler.logprobs(logits[:num_kept], [requests[i] for i in kept], sampled,
-                                                       [drafts[i] for i in kept])
-        else:
-            self.last_logprobs = {}
-        return tokens, logits
+            self.last_logprobs = self.sampler.logprobs(logits[:kept_rows], kept_requests, sampled, kept_drafts)
+        self.last_prompt_logprobs = self._prompt_logprobs(logits[kept_rows:], inputs.prompt_rows)
+        self.last_timings = RunnerTimings(prepared - start, forwarded - prepared, time.perf_counter() - forwarded)
+        return {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copies whole KV blocks, every layer's K and V and every convolution's inputs (copy on

@@ -229,7 +229,7 @@ class GreedyHead:
     def of(head: Linear) -> GreedyHead | None:
         """The screen of a head whose packing it reads (quantized GGUF blocks, fp32 activations,
         no bias), else None."""
-        kernels = head._kernels
+        kernels = cpu_kernels()
         if (os.environ.get("INFLIGHT_GREEDY_SCREEN", "1") == "0" or kernels is None or head.blocks is None
                 or head.bias is not None or not kernels.gguf_blocks_screenable(head.blocks)):
             return None
