@@ -81,6 +81,16 @@ def _compile_check(branch: str) -> tuple[list[str], Path] | str:
     return cmd, Path.home() / ".cache" / "inflight" / "compile-checks" / f"{branch}-{key}.ok"
 
 
+def test_the_native_build_compiles_wherever_a_compiler_runs() -> None:
+    """The kernel tests skip where no kernels load (no compiler): a source that fails to compile
+    must fail here instead of leaving the suite green on skips."""
+    if os.environ.get("INFLIGHT_CPU_KERNELS", "1") == "0":
+        pytest.skip("INFLIGHT_CPU_KERNELS=0: the kernels are turned off")
+    if _branch([]) is None:
+        pytest.skip("no C++ compiler for the CPU kernels")
+    assert kernels.load_kernels(kernels.kernel_target()).isa() in ("avx512", "avx2+avx-vnni", "avx2", "generic")
+
+
 @pytest.fixture(scope="module")
 def builds() -> dict[str, subprocess.Popen[str] | str]:
     """Each checked build compiled (or found in the cache) by a process of its own, and the
