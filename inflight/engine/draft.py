@@ -90,8 +90,7 @@ class DraftModel:
         proposals: dict[Request, list[int]] = {request: [] for request, _ in active}
         while pieces:
             start = time.perf_counter()
-            logits = self.runner.forward_last(pieces)
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = self.runner.greedy_last(pieces)
             if self.curve is not None:
                 self.curve.observe([SeqWork(len(ids), first + len(ids), 1) for ids, first, _ in pieces],
                                    time.perf_counter() - start)

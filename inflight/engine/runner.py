@@ -201,10 +201,18 @@ class ModelRunner:
             prompt_rows=prompt_rows,
         )
 
-    def forward_last(self, pieces: Sequence[tuple[Sequence[int], int, list[int]]]) -> torch.Tensor:
-        """The logits at the last token of each piece, in order: (token ids, the position of the
-        first, the block table their KV is written to). A draft model's step: its catch-up with a
-        request's tokens, then one proposed token at a time."""
+    def greedy_last(self, pieces: Sequence[tuple[Sequence[int], int, list[int]]]) -> list[int]:
+        """The greedy token after the last token of each piece, in order: (token ids, the position
+        of the first, the block table their KV is written to). A draft model's step: its catch-up
+        with a request's tokens, then one proposed token at a time. The argmax of the logits, from
+        the model's greedy head where it has one."""
+        normed = self._last_hidden(pieces)
+        if self.model.greedy_head is not None:
+            return self.model.greedy_tokens(normed).tolist()
+        return self.model.logits(normed).argmax(dim=-1).tolist()
+
+    def _last_hidden(self, pieces: Sequence[tuple[Sequence[int], int, list[int]]]) -> torch.Tensor:
+        """The LM head's input at the last token of each piece (`greedy_last`), in order."""
         order = sorted(range(len(pieces)), key=lambda i: len(pieces[i][0]) != 1)  # decodes first
         input_ids: list[int] = []
         positions: list[int] = []
@@ -222,8 +230,8 @@ class ModelRunner:
         meta = self.model.attention.build_metadata(
             seqs, sum(len(pieces[i][0]) == 1 for i in order), torch.tensor(slot_mapping, device=device), bs,
             self.model.dtype, device)
-        return self.model.forward(torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),
-                                  self.kv_caches, meta, torch.tensor(last, dtype=torch.long, device=device))
+        return self.model.final_hidden(torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),
+                                       self.kv_caches, meta, torch.tensor(last, dtype=torch.long, device=device))
 
     def _prompt_logprobs(self, logits: torch.Tensor,
                          rows: list[tuple[Request, int, int]]) -> dict[str, list[TokenLogprobs]]:
