@@ -29,7 +29,8 @@ With `--greedy-head`, instead: the embedded model's LM head as stored (Q8_0, 491
 greedy tokens for 1 to 64 rows of its own final hidden states (the text of the repo's corpus),
 through the fp32 head and argmax against the integer screen that sums only the columns it cannot
 rule out (`GreedyHead`), alternated, each call after 96 MB of other reads (as a step's body leaves
-the cache), with the columns the screen summed a row.
+the cache), with the columns the screen summed a row; then the same for a 32768 x 1024 head of
+random blocks of each of seven types at 1, 9 and 64 random rows.
 
 With `--against REV`, instead: the kernels of this checkout beside those of git revision REV
 (built from its `cpu_kernels.cpp` under another name), alternated in one process, several rounds:
@@ -64,7 +65,7 @@ import torch.nn.functional as F
 
 from inflight.engine.memory import huge_page_zeros
 from inflight.model.kernels import CFLAGS, LDFLAGS, cpu_kernels
-from inflight.model.linear import INTEGER_BLOCK_TYPES, Linear, int8_row_scales
+from inflight.model.linear import INTEGER_BLOCK_TYPES, GreedyHead, Linear, int8_row_scales
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 LAYER_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out): qkv, o, gate_up, down
@@ -449,22 +450,38 @@ def greedy_head(rounds: int = 6) -> None:
             return time.perf_counter() - start
         return run
 
-    print(f"LM head {model.lm_head.out_features} x {model.lm_head.in_features} (Q8_0 blocks), greedy tokens, "
-          f"each call after 96 MB of other reads:")
-    for rows in (1, 4, 9, 16, 64):
-        x = hidden[:rows].contiguous()
-        fns = {"fp32 head + argmax": cold(lambda x=x: kernels.argmax_rows(model.logits(x))),
-               "screen": cold(lambda x=x: screen(x))}
-        times: dict[str, list[float]] = {name: [] for name in fns}
-        for round_ in range(rounds):
-            for name, fn in (reversed(fns.items()) if round_ % 2 else fns.items()):
-                times[name].append(min(float(fn()) for _ in range(3)))  # type: ignore[arg-type]
-        assert torch.equal(screen(x), kernels.argmax_rows(model.logits(x)))
-        _, computed = kernels.gguf_blocks_greedy(x, screen.head.blocks, screen.table, screen.head.out_features)
-        fp32, ours = min(times["fp32 head + argmax"]), min(times["screen"])
-        print(f"  {rows:2d} rows: fp32 head + argmax {1000 * fp32:.2f} ms, screen {1000 * ours:.2f} ms "
-              f"({fp32 / ours:.2f}x), columns summed in fp32 a row: median {int(computed.median())}, "
-              f"most {int(computed.max())}")
+    def compare(head: Linear, greedy: GreedyHead, rows_of: Callable[[int], torch.Tensor],
+                counts: tuple[int, ...]) -> list[str]:
+        cells = []
+        for rows in counts:
+            x = rows_of(rows)
+            fns = {"fp32 head + argmax": cold(lambda x=x: kernels.argmax_rows(head(x))),
+                   "screen": cold(lambda x=x: greedy(x))}
+            times: dict[str, list[float]] = {name: [] for name in fns}
+            for round_ in range(rounds):
+                for name, fn in (reversed(fns.items()) if round_ % 2 else fns.items()):
+                    times[name].append(min(float(fn()) for _ in range(3)))  # type: ignore[arg-type]
+            assert torch.equal(greedy(x), kernels.argmax_rows(head(x)))
+            _, computed = kernels.gguf_blocks_greedy(x, head.blocks, greedy.table, head.out_features)
+            fp32, ours = min(times["fp32 head + argmax"]), min(times["screen"])
+            cells.append(f"{rows} rows {1000 * fp32:.2f} / {1000 * ours:.2f} ms ({fp32 / ours:.2f}x; "
+                         f"columns summed in fp32 a row: median {int(computed.median())}, most {int(computed.max())})")
+        return cells
+
+    print(f"LM head {model.lm_head.out_features} x {model.lm_head.in_features} (Q8_0 blocks), greedy tokens on its "
+          "own hidden states, each call after 96 MB of other reads: fp32 head + argmax / screen")
+    for cell in compare(model.lm_head, screen, lambda rows: hidden[:rows].contiguous(), (1, 4, 9, 16, 64)):
+        print("  " + cell)
+    import numpy as np
+
+    print("a head of 32768 x 1024 random blocks of each type, random rows, the same:")
+    rng = np.random.default_rng(0)
+    for kind in ("Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q5_0", "Q4_0", "IQ4_XS"):
+        head = Linear(torch.empty(32768, 1024, device="meta"), None, "inflight",
+                      gguf_blocks=(kind, _stored_rows(kind, 32768, 1024, rng)))
+        greedy = GreedyHead.of(head)
+        assert greedy is not None
+        print(f"  {kind:6s} " + "; ".join(compare(head, greedy, lambda rows: torch.randn(rows, 1024), (1, 9, 64))))
 
 
 def memory_read() -> None:
