@@ -109,7 +109,7 @@ class ModelRunner:
         # others' rows, then the prompt rows, go through the fp32 head.
         screened = ([i for i, r in enumerate(requests) if self.sampler.argmax_only(r)]
                     if model.greedy_head is not None else [])
-        kept = [i for i in range(len(requests)) if i not in set(screened)]
+        kept = sorted(set(range(len(requests))) - set(screened))
         best: list[int] = []
         if screened:
             device = normed.device
@@ -122,9 +122,10 @@ class ModelRunner:
             logits = model.logits(normed)
         forwarded = time.perf_counter()
         tokens: list[list[int]] = [[] for _ in requests]
+        at = 0
         for i in screened:
-            tokens[i] = Sampler.kept_greedy(drafts[i], best[:len(rows[i])])
-            best = best[len(rows[i]):]
+            tokens[i] = Sampler.kept_greedy(drafts[i], best[at:at + len(rows[i])])
+            at += len(rows[i])
         kept_rows = sum(len(rows[i]) for i in kept)
         self.last_logprobs = {}
         if kept:

@@ -31,6 +31,9 @@ same for matrices stored in bf16: each step's activations are rounded to bf16 an
 by pairs with AVX512_BF16's `vdpbf16ps` where the CPU has it (`csrc`: gguf_blocks_bf16_linear).
 `--quantization int8` instead quantizes any checkpoint's matmul weights (the decoder's and the
 LM head) to int8 per output channel (W8A8).
+
+`GreedyHead` gives greedy rows their tokens from a head kept as quantized blocks without its fp32
+logits, the fp32 head's argmax exactly (an integer screen, then the fp32 sums of a few columns).
 """
 
 from __future__ import annotations
@@ -215,7 +218,8 @@ class GreedyHead:
     (int8 activations against the blocks, llama.cpp's dot products) bounds how far each logit can
     lie from its fp32 value, and only the few columns that can still be the largest are summed in
     fp32 (`csrc`: gguf_blocks_greedy states the bound). The embedded model's head (Q8_0, 49152
-    columns) on a 9-row speculative verify: 1.6 ms against 2.6 (`kernels_bench.py`).
+    columns) on a 9-row speculative verify: 1.8 ms against 2.7 (`kernels_bench.py --greedy-head`,
+    2 Zen 4 cores).
     INFLIGHT_GREEDY_SCREEN=0 turns it off (the fp32 head and argmax then choose)."""
 
     __slots__ = ("head", "table", "_kernels")
