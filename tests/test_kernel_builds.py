@@ -88,7 +88,9 @@ def test_the_native_build_compiles_wherever_a_compiler_runs() -> None:
         pytest.skip("INFLIGHT_CPU_KERNELS=0: the kernels are turned off")
     if _branch([]) is None:
         pytest.skip("no C++ compiler for the CPU kernels")
-    assert kernels.load_kernels(kernels.kernel_target()).isa() in ("avx512", "avx2+avx-vnni", "avx2", "generic")
+    if kernels.cpu_kernels() is None:  # the build failed: build it again here, for the compiler's message
+        kernels.load_kernels(kernels.kernel_target())
+    assert kernels.cpu_kernels() is not None
 
 
 @pytest.fixture(scope="module")
