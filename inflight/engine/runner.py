@@ -107,9 +107,11 @@ class ModelRunner:
             num_rows += 1 + len(draft)
         # Requests that want only their logits' argmax take it from the model's greedy head; the
         # others' rows, then the prompt rows, go through the fp32 head.
-        screened = ([i for i, r in enumerate(requests) if self.sampler.argmax_only(r)]
-                    if model.greedy_head is not None else [])
-        kept = sorted(set(range(len(requests))) - set(screened))
+        screening = model.greedy_head is not None
+        screened: list[int] = []
+        kept: list[int] = []
+        for i, request in enumerate(requests):
+            (screened if screening and self.sampler.argmax_only(request) else kept).append(i)
         best: list[int] = []
         if screened:
             device = normed.device
