@@ -148,7 +148,8 @@ def truncated_draft(layers: list[int], folder: Path) -> Path:
 
 def speculator_of(rev: str) -> type[Speculator]:
     """The `Speculator` class of git revision `rev`'s inflight/engine/speculative.py, loaded as a
-    module of its own beside this checkout's."""
+    module of its own beside this checkout's. A revision before `Speculator.declined` gets one
+    that does nothing (what its engine did in such a step)."""
     root = Path(__file__).resolve().parent.parent
     path = "inflight/engine/speculative.py"
     source = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, check=True, capture_output=True,
@@ -156,7 +157,10 @@ def speculator_of(rev: str) -> type[Speculator]:
     module = types.ModuleType(f"inflight_speculative_{rev}")
     sys.modules[module.__name__] = module  # its dataclasses look their module up
     exec(compile(source, f"{rev}:{path}", "exec"), module.__dict__)
-    return module.Speculator
+    theirs: type[Speculator] = module.Speculator
+    if not hasattr(theirs, "declined"):
+        theirs.declined = lambda self: None  # type: ignore[attr-defined]
+    return theirs
 
 
 @contextlib.contextmanager

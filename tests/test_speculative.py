@@ -226,6 +226,76 @@ def test_a_length_once_measured_slow_is_tried_again() -> None:
     assert length() == 4  # and now known to pay
 
 
+def test_an_estimate_that_keeps_proposals_out_is_tested_again() -> None:
+    """Eight rejected drafts put the engine's estimate below what a verified token costs here, so
+    no proposal is verified and none could raise it again; steps that decline proposals age it
+    back until one is verified. A probe that fails again puts it back down; once proposals are
+    kept, every step verifies."""
+    def cost(batch: Any) -> float:  # a proposed token costs a third of a step
+        return 0.006 + 0.002 * sum(w.num_new_tokens for w in batch)
+
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4), _Model(cost))
+    for i in range(8):
+        spec.observe(Request(f"sampled{i}", [1, 2], SamplingParams(max_tokens=50)), 4, 0)
+    copying = Request("copying", [1, 2], SamplingParams(max_tokens=500))
+    batch = [SeqWork(1, 10, 1)]
+
+    def steps_until_verified() -> int:
+        for step in range(1000):
+            if spec.lengths({copying: [1, 2, 3, 4]}, batch, budget=100)[copying]:
+                return step
+        return -1
+
+    first = steps_until_verified()
+    assert 10 < first < 200  # declined for a while (it did not pay), then tried
+    spec.observe(copying, 1, 0)  # the probe fails: declined again for a while
+    assert steps_until_verified() > 5
+    for _ in range(3):
+        spec.observe(copying, 4, 4)
+    assert all(spec.lengths({copying: [1, 2, 3, 4]}, batch, budget=100)[copying] for _ in range(20))
+    # `pays` answers without learning; the scheduler ages the estimate when it says no.
+    stuck = Speculator(SpeculativeConfig(num_speculative_tokens=4), _Model(cost))
+    for i in range(8):
+        stuck.observe(Request(f"sampled{i}", [1, 2], SamplingParams(max_tokens=50)), 4, 0)
+    full = {copying: [0, 0, 0, 0]}
+    assert not stuck.pays(full, batch, 100) and not stuck.pays(full, batch, 100)
+    declines = 0
+    while not stuck.pays(full, batch, 100):
+        stuck.declined()
+        declines += 1
+    assert 10 < declines < 200
+
+
+def test_the_replay_prices_a_policy_and_the_bound_no_policy_passes() -> None:
+    """`benchmarks/speculative_replay.py`: outputs that copy their prompt, replayed through a
+    Speculator on a step-time curve: every output token made once, the oracle's lengths never
+    slower than the policy's, fixed lengths verifying whole drafts, and a step's price the curve's."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "speculative_replay.py"
+    module_spec = importlib.util.spec_from_file_location("speculative_replay", path)
+    assert module_spec is not None and module_spec.loader is not None
+    replay = importlib.util.module_from_spec(module_spec)
+    sys.modules["speculative_replay"] = replay
+    module_spec.loader.exec_module(replay)
+    curve = replay.StepCurve([1, 5, 9], [0.007, 0.011, 0.017], prefill_s=0.25)
+    assert curve(3) == pytest.approx(0.009) and curve(13) == pytest.approx(0.023)
+    passage = [(7 * i) % 50 + 3 for i in range(40)]
+    outputs = [(passage + passage[:5], passage[5:] + [99, 98, 97] + passage[:20]),
+               (list(range(60, 90)), list(range(90, 130)))]  # nothing to copy
+    for config in (SpeculativeConfig(num_speculative_tokens=4), SpeculativeConfig(num_speculative_tokens=8),
+                   SpeculativeConfig(num_speculative_tokens=4, adaptive=False)):
+        policy, oracle = replay.replay(outputs, lambda c=config: Speculator(c, replay.CurveCost(curve)), curve)
+        for done in (policy, oracle):
+            assert done.steps + done.kept == sum(len(out) - 1 for _, out in outputs)
+        assert oracle.seconds <= policy.seconds + 1e-12 and oracle.kept > 0
+        assert policy.steps < sum(len(out) - 1 for _, out in outputs)  # the copy was proposed and kept
+    fixed_policy, _ = replay.replay(outputs[1:], lambda: Speculator(SpeculativeConfig(num_speculative_tokens=4,
+                                                                                       adaptive=False),
+                                                                    replay.CurveCost(curve)), curve)
+    assert fixed_policy.verifying == 0 and fixed_policy.seconds == pytest.approx(39 * 0.007)
+
+
 def test_the_benchmark_runs_a_revisions_speculator_beside_this_checkouts() -> None:
     """`benchmarks/speculative.py --against REV`: REV's Speculator is loaded as a module of its
     own, and while a round's engines are built each speculating one gets this checkout's class or

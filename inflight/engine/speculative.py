@@ -40,6 +40,14 @@ _FADE = 0.8
 _PRIOR_PROPOSALS = 2.0
 # Before anything is measured: the chance assumed that a proposed token is kept.
 _INITIAL_RATE = 0.5
+# The engine-wide counts of drafts judged and first tokens kept fade by this factor at each judged
+# draft (they follow the last fifty or so), and at each step that verified none of the proposals
+# it could have: an estimate that keeps proposals out is not tested by them, so it drifts back
+# towards `_INITIAL_RATE` until one is verified and measured again. Without this, a few rejected
+# drafts (sampled requests at a high temperature, say) ended speculation for the engine's life:
+# nothing verified, nothing learned. Recovering from eight rejected drafts takes about 60 such
+# steps; a probe that fails again costs one step part of a token's verification.
+_ENGINE_FADE = 0.98
 # Measured / predicted step time: the median of this many recent steps of each size class.
 _HISTORY = 32
 # A size class not measured in this many steps is forgotten: it borrows the nearest measured
@@ -259,6 +267,7 @@ class Speculator:
         self._past = SuffixIndex(config.suffix_decoding_max_tree_depth)
         self._past_outputs: deque[list[int]] = deque()
         self._counts: dict[str, tuple[float, float]] = {}  # request id -> faded (proposed, accepted)
+        self._first = (0.0, 0.0)  # the engine's drafts judged and their first tokens kept, faded
         # Position i > 0 of a draft: how often it was verified after position i - 1 was kept, and kept.
         self._trials = [0] * k
         self._kept = [0] * k
@@ -337,8 +346,8 @@ class Speculator:
 
     def first_rate(self, request: Request) -> float:
         """The request's estimated chance that the first token of its draft is kept."""
-        stats = self.stats
-        prior = stats.accepted_per_position[0] / stats.num_drafts if stats.num_drafts >= 8 else _INITIAL_RATE
+        judged, kept = self._first
+        prior = (kept + _PRIOR_PROPOSALS * _INITIAL_RATE) / (judged + _PRIOR_PROPOSALS)
         proposed, accepted = self._counts.get(request.request_id, (0.0, 0.0))
         return (accepted + _PRIOR_PROPOSALS * prior) / (proposed + _PRIOR_PROPOSALS)
 
@@ -372,7 +381,17 @@ class Speculator:
                 if not length:  # proposed, not verified: its estimate drifts back to the engine's
                     proposed, accepted = self._counts.get(request.request_id, (0.0, 0.0))
                     self._counts[request.request_id] = (proposed * _FADE, accepted * _FADE)
+            if candidates and not take:
+                self.declined()
         return chosen
+
+    def declined(self) -> None:
+        """A step verified none of the proposals it could have (`lengths` chose none, or `pays`
+        said none would pay): the engine-wide estimate of a first proposed token's chance ages
+        towards the initial one (`_ENGINE_FADE`), so that a low rate measured long ago is put to
+        the test again."""
+        judged, kept = self._first
+        self._first = (judged * _ENGINE_FADE, kept * _ENGINE_FADE)
 
     def pays(self, drafts: dict[Request, list[int]], batch: Sequence[SeqWork], budget: int) -> bool:
         """Whether `lengths` would verify any of `drafts` (asked with stand-ins of full length
@@ -454,6 +473,8 @@ class Speculator:
         stats.num_drafts += 1
         stats.num_draft_tokens += proposed
         stats.num_accepted_tokens += accepted
+        judged, kept = self._first
+        self._first = (judged * _ENGINE_FADE + 1, kept * _ENGINE_FADE + (accepted > 0))
         for position in range(accepted):
             stats.accepted_per_position[position] += 1
         for position in range(1, min(proposed, accepted + 1)):
