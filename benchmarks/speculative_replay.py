@@ -42,7 +42,7 @@ Output = tuple[list[int], list[int]]  # a request's prompt and its greedy output
 
 
 @dataclass
-class StepCurve:
+class MeasuredCurve:
     """A single stream's decode step time by the tokens it computes (1: a plain step), from the
     measured medians, linear between them and past the last, and its prefill's mean time."""
 
@@ -57,7 +57,7 @@ class StepCurve:
         return self.seconds[-1] + slope * (tokens - self.sizes[-1])
 
     @classmethod
-    def from_results(cls, path: Path) -> StepCurve:
+    def from_results(cls, path: Path) -> MeasuredCurve:
         """The single-stream scenario's decode steps of every run of a `speculative.py` result
         file, pooled by size (the median of each run's median, weighted by its steps)."""
         document = json.loads(path.read_text())
@@ -80,7 +80,7 @@ class StepCurve:
 class CurveCost:
     """The step-time predictor a Speculator weighs: the measured curve itself."""
 
-    def __init__(self, curve: StepCurve) -> None:
+    def __init__(self, curve: MeasuredCurve) -> None:
         self.curve = curve
 
     def step_time(self, batch: Sequence[SeqWork]) -> float:
@@ -106,7 +106,7 @@ def kept_prefix(draft: Sequence[int], output: Sequence[int], at: int) -> int:
     return kept
 
 
-def replay(outputs: Sequence[Output], make: Callable[[], Any], curve: StepCurve) -> tuple[Replay, Replay]:
+def replay(outputs: Sequence[Output], make: Callable[[], Any], curve: MeasuredCurve) -> tuple[Replay, Replay]:
     """The outputs decoded one request at a time through a fresh Speculator (`make()`), and
     through an oracle verifying exactly the kept tokens of the same proposals: (policy, oracle).
     Each request's first token comes from its prefill and is not a decode step's."""
@@ -179,7 +179,7 @@ def main() -> int:
     configs = [json.loads(text) for text in args.spec] if args.spec else list(DEFAULT_SPECS)
     if any(c.get("method") == "draft_model" for c in configs):
         raise SystemExit("speculative_replay.py: a draft model's proposals need the draft; replay n-gram or suffix")
-    curve = StepCurve.from_results(args.curve)
+    curve = MeasuredCurve.from_results(args.curve)
     from inflight.engine.speculative import Speculator
 
     kinds: list[tuple[str, type[Any]]] = [("", Speculator)]

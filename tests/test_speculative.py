@@ -278,7 +278,7 @@ def test_the_replay_prices_a_policy_and_the_bound_no_policy_passes() -> None:
     replay = importlib.util.module_from_spec(module_spec)
     sys.modules["speculative_replay"] = replay
     module_spec.loader.exec_module(replay)
-    curve = replay.StepCurve([1, 5, 9], [0.007, 0.011, 0.017], prefill_s=0.25)
+    curve = replay.MeasuredCurve([1, 5, 9], [0.007, 0.011, 0.017], prefill_s=0.25)
     assert curve(3) == pytest.approx(0.009) and curve(13) == pytest.approx(0.023)
     passage = [(7 * i) % 50 + 3 for i in range(40)]
     outputs = [(passage + passage[:5], passage[5:] + [99, 98, 97] + passage[:20]),
