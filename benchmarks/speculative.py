@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import platform
 import statistics
@@ -149,7 +150,8 @@ def truncated_draft(layers: list[int], folder: Path) -> Path:
 def speculator_of(rev: str) -> type[Speculator]:
     """The `Speculator` class of git revision `rev`'s inflight/engine/speculative.py, loaded as a
     module of its own beside this checkout's. A revision before `Speculator.declined` gets one
-    that does nothing (what its engine did in such a step)."""
+    that does nothing (what its engine did in such a step); one whose `declined` takes no
+    requests, one that passes them over."""
     root = Path(__file__).resolve().parent.parent
     path = "inflight/engine/speculative.py"
     source = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, check=True, capture_output=True,
@@ -158,8 +160,11 @@ def speculator_of(rev: str) -> type[Speculator]:
     sys.modules[module.__name__] = module  # its dataclasses look their module up
     exec(compile(source, f"{rev}:{path}", "exec"), module.__dict__)
     theirs: type[Speculator] = module.Speculator
-    if not hasattr(theirs, "declined"):
-        theirs.declined = lambda self: None  # type: ignore[attr-defined]
+    own = getattr(theirs, "declined", None)
+    if own is None:
+        theirs.declined = lambda self, requests=(): None  # type: ignore[attr-defined]
+    elif len(inspect.signature(own).parameters) == 1:
+        theirs.declined = lambda self, requests=(): own(self)  # type: ignore[method-assign]
     return theirs
 
 

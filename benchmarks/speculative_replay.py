@@ -10,15 +10,18 @@ keep. This script generates the `copy-edit` workload's outputs one request at a 
 REV's with `--against REV`, pricing each step by the median time of the measured single stream's
 decode steps of as many tokens (`--curve`: a `speculative.py` result file, which records them by
 the tokens each step computed; sizes it did not see are interpolated) and each request's prefill
-by the measured one's. Printed per configuration: steps, verifying steps, tokens per verifying
-step, the predicted tok/s ratio to off, and the same for an oracle that verifies, at each step the
-configuration proposes, exactly the tokens the model will keep (at most k): what a perfect choice
-of lengths would give with these proposals. No host drift enters: two replays of one
-configuration give the same figures, so a change to the lengths' policy is judged here in seconds,
-then confirmed by `speculative.py --against REV`, which a drifting host makes noisy.
+by the measured one's. The Speculator predicts steps as in the engine: by the engine's own
+step-time model for the embedded model, corrected by the steps it has seen, each priced by the
+curve (`--known-curve`: by the curve itself, as a predictor that knew it would). Printed per
+configuration: steps, verifying steps, tokens per verifying step, the predicted tok/s ratio to
+off, and the same for an oracle that verifies, at each step the configuration proposes, exactly
+the tokens the model will keep (at most k): what a perfect choice of lengths would give with
+these proposals. No host drift enters: two replays of one configuration give the same figures, so
+a change to the lengths' policy is judged here in seconds, then confirmed by `speculative.py
+--against REV`, which a drifting host makes noisy.
 
     .venv/bin/python benchmarks/speculative_replay.py --curve benchmarks/results/speculative-single-zen4-lengths.json \
-        [--spec JSON ...] [--against REV] [--num-requests 12]
+        [--spec JSON ...] [--against REV] [--known-curve] [--num-requests 12]
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import numpy as np
 
 from inflight import SamplingParams
 from inflight.config import SpeculativeConfig
-from inflight.perf.cost_model import SeqWork
+from inflight.perf.cost_model import SeqWork, StepTimeModel
 from inflight.request import Request
 
 Output = tuple[list[int], list[int]]  # a request's prompt and its greedy output
@@ -109,7 +112,8 @@ def kept_prefix(draft: Sequence[int], output: Sequence[int], at: int) -> int:
 def replay(outputs: Sequence[Output], make: Callable[[], Any], curve: MeasuredCurve) -> tuple[Replay, Replay]:
     """The outputs decoded one request at a time through a fresh Speculator (`make()`), and
     through an oracle verifying exactly the kept tokens of the same proposals: (policy, oracle).
-    Each request's first token comes from its prefill and is not a decode step's."""
+    Each request's first token comes from its prefill and is not a decode step's; each decode
+    step's time, the curve's, is what the Speculator measures (`observe_step`)."""
     results = []
     for oracle in (False, True):
         speculator, done = make(), Replay()
@@ -119,11 +123,16 @@ def replay(outputs: Sequence[Output], make: Callable[[], Any], curve: MeasuredCu
             request.output_token_ids.append(output[0])
             at = 1
             while at < len(output):
-                draft = speculator.propose(request)
+                batch = [SeqWork(1, request.num_tokens, 1)]
+                full = {request: [0] * speculator.max_length(request)}
+                if oracle or speculator.pays(full, batch, budget=1 << 20):  # as the scheduler asks
+                    draft = speculator.propose(request)
+                else:
+                    speculator.declined([request])
+                    draft = []
                 if oracle:
                     length = kept_prefix(draft, output, at)
                 elif draft:
-                    batch = [SeqWork(1, request.num_tokens, 1)]
                     length = speculator.lengths({request: draft}, batch, budget=1 << 20)[request]
                 else:
                     length = 0
@@ -132,18 +141,21 @@ def replay(outputs: Sequence[Output], make: Callable[[], Any], curve: MeasuredCu
                     speculator.observe(request, length, kept)
                     done.verifying += 1
                     done.kept += kept
+                seconds = curve(1 + length)
+                speculator.observe_step([SeqWork(1 + length, request.num_tokens + length, 1 + length)], seconds)
                 new = min(kept + 1, len(output) - at)
                 request.output_token_ids.extend(output[at:at + new])
                 done.steps += 1
-                done.seconds += curve(1 + length)
+                done.seconds += seconds
                 at += new
             speculator.forget(request)
         results.append(done)
     return results[0], results[1]
 
 
-def generate_outputs(num_requests: int) -> list[Output]:
-    """The `copy-edit` workload's greedy outputs on the embedded model, one request at a time."""
+def generate_outputs(num_requests: int) -> tuple[list[Output], StepTimeModel]:
+    """The `copy-edit` workload's greedy outputs on the embedded model, one request at a time, and
+    the step-time model a speculating engine of that model predicts its steps with."""
     import torch
 
     from inflight import LLM
@@ -154,6 +166,8 @@ def generate_outputs(num_requests: int) -> list[Output]:
     loaded = LoadedModel.load(None, torch.float32, torch.device("cpu"))
     spec, path = load_workload("copy-edit", num_requests=num_requests)
     requests = generate_requests(spec, Corpus(loaded.tokenizer), path.parent)
+    speculator = LLM(loaded=loaded, speculative_config={"method": "ngram"}).engine.speculator
+    assert speculator is not None and speculator.curve is not None
     engine = LLM(loaded=loaded).engine
     outputs = []
     for bench in requests:
@@ -163,7 +177,7 @@ def generate_outputs(num_requests: int) -> list[Output]:
             for out in engine.step():
                 if out.finished:
                     outputs.append((prompt, list(out.request.output_token_ids)))
-    return outputs
+    return outputs, speculator.curve.cost_model
 
 
 def main() -> int:
@@ -174,6 +188,8 @@ def main() -> int:
     parser.add_argument("--curve", type=Path, required=True, help="a speculative.py result file (its single stream)")
     parser.add_argument("--spec", action="append", default=None, help="a --speculative-config replayed (repeatable)")
     parser.add_argument("--against", metavar="REV", default=None, help="also replay with git revision REV's Speculator")
+    parser.add_argument("--known-curve", action="store_true",
+                        help="the Speculator predicts steps by the measured curve, not the engine's model")
     parser.add_argument("--num-requests", type=int, default=12)
     args = parser.parse_args()
     configs = [json.loads(text) for text in args.spec] if args.spec else list(DEFAULT_SPECS)
@@ -189,7 +205,8 @@ def main() -> int:
           f"({json.loads(args.curve.read_text()).get('cpu', '?')}): "
           + ", ".join(f"{n} tokens {1000 * s:.2f} ms" for n, s in zip(curve.sizes, curve.seconds, strict=True))
           + f"; prefill {1000 * curve.prefill_s:.0f} ms")
-    outputs = generate_outputs(args.num_requests)
+    outputs, engine_model = generate_outputs(args.num_requests)
+    predictor = CurveCost(curve) if args.known_curve else engine_model
     decode_tokens = sum(len(out) - 1 for _, out in outputs)
     prefill = curve.prefill_s * len(outputs)
     off = prefill + decode_tokens * curve(1)
@@ -197,7 +214,7 @@ def main() -> int:
           f"predicted {off:.2f} s ({prefill:.2f} s of prefill)")
     for config in configs:
         for suffix, cls in kinds:
-            policy, oracle = replay(outputs, lambda c=config, k=cls: k(SpeculativeConfig(**c), CurveCost(curve)), curve)
+            policy, oracle = replay(outputs, lambda c=config, k=cls: k(SpeculativeConfig(**c), predictor), curve)
             for label, r in ((config_name(config) + suffix, policy), ("  oracle lengths", oracle)):
                 print(f"  {label:<22} {r.steps:5d} steps, {r.verifying:4d} verifying "
                       f"({r.tokens_per_verify:.2f} tokens each), decode {r.seconds:6.2f} s: "

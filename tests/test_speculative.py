@@ -266,6 +266,88 @@ def test_an_estimate_that_keeps_proposals_out_is_tested_again() -> None:
     assert 10 < declines < 200
 
 
+def test_a_drafts_chance_follows_the_length_of_the_match_it_came_from() -> None:
+    """Drafts that follow a five-token n-gram have been kept, drafts that follow a two-token one
+    rejected: a new request's draft is verified after a long match and not after a short one,
+    where the engine-wide rate alone would weigh both alike."""
+    def cost(batch: Any) -> float:
+        return 0.010 + 0.003 * sum(w.num_new_tokens for w in batch)
+
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4), _Model(cost))
+    long_match = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 20, 21, 1, 2, 3, 4, 5]  # 1..5 again: n = 5
+    short_match = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 20, 21, 30, 31, 4, 5]  # only (4, 5) again: n = 2
+    for i in range(12):
+        for name, tokens, kept in (("long", long_match, 4), ("short", short_match, 0)):
+            request = Request(f"{name}{i}", tokens, SamplingParams(max_tokens=50))
+            assert spec.propose(request) == [6, 7, 8, 9]
+            spec.observe(request, 4, kept)
+    fresh = {Request(name, tokens, SamplingParams(max_tokens=50)): tokens
+             for name, tokens in (("long", long_match), ("short", short_match))}
+    drafts = {request: spec.propose(request) for request in fresh}
+    lengths = spec.lengths(drafts, [SeqWork(1, 20, 1)] * 2, budget=100)
+    assert [lengths[r] for r in fresh] == [4, 0]
+
+
+def test_a_position_never_verified_takes_the_rate_of_the_one_before() -> None:
+    """Every draft so far was verified up to four tokens and kept whole; with k = 8 and extra
+    tokens cheap, a whole draft of eight is verified: positions 5 to 8, never measured, are not
+    taken at the initial even chance, which would halve the chance at each and keep them out
+    for good."""
+    def cost(batch: Any) -> float:
+        return 0.010 + 0.001 * sum(w.num_new_tokens for w in batch)
+
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=8), _Model(cost))
+    for i in range(20):
+        spec.observe(Request(f"r{i}", [1, 2], SamplingParams(max_tokens=50)), 4, 4)
+    request = Request("r", [1, 2], SamplingParams(max_tokens=50))
+    assert spec.lengths({request: list(range(8))}, [SeqWork(1, 10, 1)], budget=100)[request] == 8
+
+
+def test_the_best_length_is_found_past_a_step_in_the_measured_curve() -> None:
+    """Steps of 9-16 tokens measured 1.15x what the model predicts, shorter ones as predicted:
+    an eighth proposed token costs more than it brings, but fourteen still beat seven. The
+    lengths weigh each size class's best, where a bisection over all lengths, meeting the fall
+    at the class's edge first, settled for seven."""
+    def cost(batch: Any) -> float:
+        return 0.010 + 0.0003 * sum(w.num_new_tokens for w in batch)
+
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=14), _Model(cost))
+    for i in range(20):
+        spec.observe(Request(f"r{i}", [1, 2], SamplingParams(max_tokens=50)), 14, 14)
+    for tokens, slower in ((1, 1.0), (2, 1.0), (4, 1.0), (6, 1.0), (12, 1.15)):
+        work = [SeqWork(tokens, 10 + tokens, tokens)]
+        spec.observe_step(work, cost(work) * slower)
+    request = Request("r", [1, 2], SamplingParams(max_tokens=50))
+    rate = spec._rate([(chance, 0) for chance in spec.gains(request, 14)], [request], [SeqWork(1, 10, 1)])
+    assert rate(8) < rate(7) < rate(14)  # the rate falls at the class's edge, and rises past it
+    assert spec.lengths({request: list(range(14))}, [SeqWork(1, 10, 1)], budget=100)[request] == 14
+
+
+def test_a_request_kept_out_by_pays_drifts_back_to_the_engines_rate() -> None:
+    """The scheduler asks `pays` before any lookup; where it says no, the requests it weighed
+    age back towards the engine's rate (`declined(requests)`), as a request whose proposal
+    `lengths` kept out does: a request whose first drafts missed, in an engine whose drafts are
+    kept, is soon tested again, where its own low rate alone would keep it out for long."""
+    def cost(batch: Any) -> float:
+        return 0.006 + 0.002 * sum(w.num_new_tokens for w in batch)
+
+    def steps_until_pays(ages_requests: bool) -> int:
+        spec = Speculator(SpeculativeConfig(num_speculative_tokens=4), _Model(cost))
+        for i in range(20):
+            spec.observe(Request(f"copying{i}", [1, 2], SamplingParams(max_tokens=50)), 4, 4)
+        late = Request("late", [1, 2], SamplingParams(max_tokens=500))
+        for _ in range(8):
+            spec.observe(late, 4, 0)  # its opening words: nothing to copy yet
+        full, batch = {late: [0, 0, 0, 0]}, [SeqWork(1, 10, 1)]
+        for step in range(200):
+            if spec.pays(full, batch, 100):
+                return step
+            spec.declined([late] if ages_requests else [])
+        return 200
+
+    assert 0 < steps_until_pays(True) <= 10 < steps_until_pays(False)
+
+
 def test_the_replay_prices_a_policy_and_the_bound_no_policy_passes() -> None:
     """`benchmarks/speculative_replay.py`: outputs that copy their prompt, replayed through a
     Speculator on a step-time curve: every output token made once, the oracle's lengths never

@@ -269,7 +269,7 @@ class Scheduler:
         if speculator.drafter is not None:  # proposals that cost time: lengths chosen first
             return speculator.draft(speculator.lengths(full, batch, left))
         if not speculator.pays(full, batch, left):
-            speculator.declined()
+            speculator.declined(eligible)
             return {}
         proposals = {r: speculator.propose(r) for r in eligible}
         # The drafting requests' decodes first, in their order; the others' work stays in the step.
