@@ -249,6 +249,45 @@ class SpecStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
 
+class _StepRates:
+    """The step that verifies the first m of a list of candidate tokens (their chances, most
+    likely first, and their requests' indexes), as a function of m: its expected tokens
+    (`tokens`), its predicted seconds (`seconds`, each m's computed once) and their ratio, its
+    expected tokens per second (called). A drafter's time to propose them counts in the step's."""
+
+    def __init__(self, curve: StepCurve, drafter: Drafter | None, candidates: list[tuple[float, int]],
+                 requests: list[Request], batch: Sequence[SeqWork]) -> None:
+        self.curve, self.drafter = curve, drafter
+        self.candidates, self.requests, self.batch = candidates, requests, batch
+        self.base_tokens = sum(1 for w in batch if w.samples)
+        self.cumulative = [0.0]
+        for chance, _ in candidates:
+            self.cumulative.append(self.cumulative[-1] + chance)
+        self._seconds: dict[int, float] = {}
+
+    def tokens(self, m: int) -> float:
+        return self.base_tokens + self.cumulative[m]
+
+    def seconds(self, m: int) -> float:
+        known = self._seconds.get(m)
+        if known is not None:
+            return known
+        requests, batch = self.requests, self.batch
+        extra = [0] * len(requests)
+        for _, i in self.candidates[:m]:
+            extra[i] += 1
+        work = [SeqWork(w.num_new_tokens + extra[i], w.context_len + extra[i], w.samples + extra[i])
+                if i < len(requests) else w for i, w in enumerate(batch)]
+        seconds = self.curve(work)
+        if self.drafter is not None and m:
+            seconds += self.drafter.cost([(r, n) for r, n in zip(requests, extra, strict=True) if n])
+        self._seconds[m] = seconds
+        return seconds
+
+    def __call__(self, m: int) -> float:
+        return self.tokens(m) / self.seconds(m)
+
+
 class Speculator:
     """Proposes each decoding request's next tokens and chooses how many of them each step verifies
     (`lengths`); learns what the model keeps (`observe`) and what steps cost (`observe_step`)."""
@@ -472,29 +511,11 @@ class Speculator:
         return candidates[:max(0, budget)]
 
     def _rate(self, candidates: list[tuple[float, int]], requests: list[Request],
-              batch: Sequence[SeqWork]) -> Callable[[int], float]:
+              batch: Sequence[SeqWork]) -> _StepRates:
         """Expected tokens per second of the step that verifies the first m candidates, as a
         function of m. A drafter's time to propose them counts in the step's."""
-        curve, drafter = self.curve, self.drafter
-        assert curve is not None
-        num_requests = len(requests)
-        base_tokens = sum(1 for w in batch if w.samples)
-        cumulative = [0.0]
-        for chance, _ in candidates:
-            cumulative.append(cumulative[-1] + chance)
-
-        def rate(m: int) -> float:
-            extra = [0] * num_requests
-            for _, i in candidates[:m]:
-                extra[i] += 1
-            work = [SeqWork(w.num_new_tokens + extra[i], w.context_len + extra[i], w.samples + extra[i])
-                    if i < num_requests else w for i, w in enumerate(batch)]
-            seconds = curve(work)
-            if drafter is not None and m:
-                seconds += drafter.cost([(r, n) for r, n in zip(requests, extra, strict=True) if n])
-            return (base_tokens + cumulative[m]) / seconds
-
-        return rate
+        assert self.curve is not None
+        return _StepRates(self.curve, self.drafter, candidates, requests, batch)
 
     def _best_count(self, candidates: list[tuple[float, int]], requests: list[Request],
                     batch: Sequence[SeqWork]) -> int:
@@ -504,7 +525,9 @@ class Speculator:
         class's best m is found by bisection, the first whose next no longer raises it. At a
         class's edge the time may step (the correction measured for 5-8 tokens higher than for
         3-4, a cost model's regime changing), so a longer step can pay where the end of the class
-        below does not: every class's best is weighed, and the best of them taken."""
+        below does not: every class's best is weighed, and the best of them taken. A class is
+        passed over where even its most expected tokens in its shortest step would not beat the
+        best so far (in a large batch, most of them)."""
         rate = self._rate(candidates, requests, batch)
         if rate(1) <= rate(0):  # not even the likeliest pays (a saturated batch): ask no further
             return 0
@@ -513,6 +536,8 @@ class Speculator:
         while first <= len(candidates):
             low, high = first, min(len(candidates), (1 << _size_class(base + first)) - base)
             first = high + 1
+            if rate.tokens(high) / rate.seconds(low) <= best_rate:
+                continue
             while low < high:  # the smallest m of the class with rate(m) >= rate(m + 1)
                 mid = (low + high) // 2
                 if rate(mid + 1) > rate(mid):
