@@ -501,6 +501,27 @@ def test_sampled_requests_with_proposals_finish_and_free_their_blocks(make_llm: 
     assert llm.engine.stats().spec_num_drafts > 0
 
 
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_the_speculator_holds_nothing_of_a_finished_or_aborted_request(make_llm: Callable[..., LLM],
+                                                                       method: str) -> None:
+    """Per-request state (indexes, rates, the last lookup's match length) goes when a request
+    finishes or is aborted mid-stream; only the engine-wide estimates stay."""
+    llm = make_llm(speculative_config={"method": method, "num_speculative_tokens": 4}, max_batch_size=4)
+    engine = llm.engine
+    requests = [engine.add_request(prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+                for prompt in COPY_PROMPTS]
+    for _ in range(6):
+        engine.step()
+    assert engine.abort(requests[0].request_id)
+    while engine.has_unfinished():
+        engine.step()
+    speculator = engine.speculator
+    assert speculator is not None and speculator.stats.num_lookups > 0
+    held = (speculator._indexes, speculator._suffixes, speculator._counts, speculator._match)
+    assert not any(held), held
+    assert engine.block_manager.num_used_blocks == 0
+
+
 # --- a draft model --------------------------------------------------------------------------------
 
 
