@@ -12,7 +12,8 @@ decode steps of as many tokens (`--curve`: a `speculative.py` result file, which
 the tokens each step computed; sizes it did not see are interpolated) and each request's prefill
 by the measured one's. The Speculator predicts steps as in the engine: by the engine's own
 step-time model for the embedded model, corrected by the steps it has seen, each priced by the
-curve (`--known-curve`: by the curve itself, as a predictor that knew it would). Printed per
+curve (`--known-curve`: by the curve itself, as a predictor that knew it would); and, as the
+scheduler does, it is asked before each lookup whether any proposal would pay (`pays`). Printed per
 configuration: steps, verifying steps, tokens per verifying step, the predicted tok/s ratio to
 off, and the same for an oracle that verifies, at each step the configuration proposes, exactly
 the tokens the model will keep (at most k): what a perfect choice of lengths would give with
