@@ -450,15 +450,26 @@ class Speculator:
         if self._adaptive:
             for request, length in chosen.items():
                 if not length:  # proposed, not verified: its estimates drift back to the engine's
-                    proposed, accepted = self._counts.get(request.request_id, (0.0, 0.0))
-                    self._counts[request.request_id] = (proposed * _FADE, accepted * _FADE)
-                    match = self._match.get(request.request_id)
-                    if take and match in self._first_by_match:  # (else `declined` ages them all)
-                        judged, kept = self._first_by_match[match]
-                        self._first_by_match[match] = (judged * _ENGINE_FADE, kept * _ENGINE_FADE)
+                    self._age(request)
+                    if take:  # (else `declined` ages every match length's)
+                        self._age_match(self._match.get(request.request_id))
             if candidates and not take:
                 self.declined()
         return chosen
+
+    def _age(self, request: Request) -> None:
+        """The request's own rate drifts back towards its prior (`_FADE`)."""
+        counts = self._counts.get(request.request_id)
+        if counts is not None:
+            self._counts[request.request_id] = (counts[0] * _FADE, counts[1] * _FADE)
+
+    def _age_match(self, match: int | None) -> None:
+        """The rate of drafts after matches of this length drifts back towards the engine's."""
+        if match is None:
+            return
+        counts = self._first_by_match.get(match)
+        if counts is not None:
+            self._first_by_match[match] = (counts[0] * _ENGINE_FADE, counts[1] * _ENGINE_FADE)
 
     def declined(self, requests: Iterable[Request] = ()) -> None:
         """A step verified none of the proposals it could have (`lengths` chose none, or `pays`
@@ -467,13 +478,11 @@ class Speculator:
         measured long ago is put to the test again; so do `requests`' own (by `_FADE`, as a
         request's whose proposal `lengths` kept out: `pays` said no for them)."""
         for request in requests:
-            proposed, accepted = self._counts.get(request.request_id, (0.0, 0.0))
-            if proposed:
-                self._counts[request.request_id] = (proposed * _FADE, accepted * _FADE)
+            self._age(request)
         judged, kept = self._first
         self._first = (judged * _ENGINE_FADE, kept * _ENGINE_FADE)
-        for match, (judged, kept) in self._first_by_match.items():
-            self._first_by_match[match] = (judged * _ENGINE_FADE, kept * _ENGINE_FADE)
+        for match in self._first_by_match:
+            self._age_match(match)
 
     def pays(self, drafts: dict[Request, list[int]], batch: Sequence[SeqWork], budget: int) -> bool:
         """Whether `lengths` would verify any of `drafts` (asked with stand-ins of full length
