@@ -150,8 +150,47 @@ def _finished(proc: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(proc.args, proc.returncode, out or "", err or "")
 
 
+def _rerun(target: str) -> subprocess.Popen[str]:
+    """The kernel tests against the `target` build, in a process of their own."""
+    # INFLIGHT_LINEAR: the portable build's matmul too, which the engine takes only when named,
+    # and with it the compiled layers. OMP_WAIT_POLICY: the reruns share the cores, and threads
+    # that spin while they wait would take them from each other.
+    env = {**os.environ, "INFLIGHT_CPU_KERNELS_TARGET": target, "INFLIGHT_LINEAR": "inflight",
+           "OMP_WAIT_POLICY": "PASSIVE"}
+    # Less the GIL test and the int8 calibration: the binding that releases the GIL and the fit of
+    # an int8 engine's timings are the same code in every branch (the fit measures a branch's speed,
+    # not its results), and the portable branch's slow matmuls made them the longest tests of the
+    # rerun (17 s of its 46 s on 2 Zen 4 cores, the calibration alone).
+    return subprocess.Popen([sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-rs",
+                             "-k", "not release_the_gil and not int8_calibration",
+                             *TARGET_TESTS.get(target, KERNEL_TESTS)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.fixture(scope="module")
+def reruns(builds: dict[str, subprocess.Popen[str] | str]
+           ) -> dict[str, tuple[subprocess.CompletedProcess[str], subprocess.Popen[str] | None]]:
+    """Each checked build's outcome and the rerun of the kernel tests against it (None where the
+    build failed), the reruns all started at once: most of a rerun's time is one thread of
+    Python between small matmuls, so on 2 cores three reruns side by side took 54 s where one
+    after another took 73 s (2 Zen 4 cores)."""
+    done: dict[str, tuple[subprocess.CompletedProcess[str], subprocess.Popen[str] | None]] = {}
+    for target in _checked_targets():
+        proc = builds[target]
+        assert isinstance(proc, subprocess.Popen)
+        build = _finished(proc)
+        done[target] = (build, _rerun(target) if build.returncode == 0 else None)
+    yield done
+    for _, run in done.values():
+        if run is not None and run.poll() is None:
+            run.kill()
+            run.wait()
+
+
 @pytest.mark.parametrize("target", [t for t in kernels.TARGETS if t != "native"])
-def test_each_build_passes_the_kernel_tests(target: str, builds: dict[str, subprocess.Popen[str] | str]) -> None:
+def test_each_build_passes_the_kernel_tests(target: str, builds: dict[str, subprocess.Popen[str] | str],
+                                            reruns: dict[str, tuple[subprocess.CompletedProcess[str],
+                                                                    subprocess.Popen[str] | None]]) -> None:
     native = kernels.cpu_kernels()
     if native is None:
         pytest.skip("no C++ compiler for the CPU kernels")
@@ -160,23 +199,11 @@ def test_each_build_passes_the_kernel_tests(target: str, builds: dict[str, subpr
         pytest.skip(f"the compiler here has no {target} target")
     if branch == native.isa():
         pytest.skip(f"the {target} build is this CPU's native {branch} code, which the rest of the suite tests")
-    proc = builds[target]
-    assert isinstance(proc, subprocess.Popen)
-    build = _finished(proc)
+    build, run = reruns[target]
     assert build.returncode == 0, build.stdout[-6000:]  # a build that fails says so here
     assert build.stdout.split()[-1] == branch, build.stdout[-2000:]
-    # INFLIGHT_LINEAR: the portable build's matmul too, which the engine takes only when named,
-    # and with it the compiled layers.
-    env = {**os.environ, "INFLIGHT_CPU_KERNELS_TARGET": target, "INFLIGHT_LINEAR": "inflight"}
-    # Less the GIL test and the int8 calibration: the binding that releases the GIL and the fit of
-    # an int8 engine's timings are the same code in every branch (the fit measures a branch's speed,
-    # not its results), and the portable branch's slow matmuls made them the longest tests of the
-    # rerun (17 s of its 46 s on 2 Zen 4 cores, the calibration alone).
-    run = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-rs",
-                          "-k", "not release_the_gil and not int8_calibration",
-                          *TARGET_TESTS.get(target, KERNEL_TESTS)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    out = run.stdout + run.stderr
+    assert run is not None
+    out, _ = run.communicate(timeout=900)
     assert f"inflight CPU kernels: {branch} ({target} build)" in out, out[-3000:]
     assert run.returncode == 0, out[-6000:]
     assert " passed" in out and " failed" not in out, out[-3000:]

@@ -55,6 +55,18 @@ def _cpu_tag() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:8]
 
 
+def _environment_tag() -> str:
+    """A short digest of the headers a build compiles against (torch's and Python's, by path and
+    torch's version)."""
+    import sysconfig
+
+    import torch
+    from torch.utils.cpp_extension import include_paths
+
+    where = [*include_paths(), sysconfig.get_paths()["include"], torch.__version__]
+    return hashlib.sha256("\0".join(where).encode()).hexdigest()[:8]
+
+
 def kernel_target() -> str:
     """The build the engine loads: INFLIGHT_CPU_KERNELS_TARGET, "native" unless set."""
     target = os.environ.get("INFLIGHT_CPU_KERNELS_TARGET", "native").strip().lower() or "native"
@@ -85,13 +97,16 @@ def load_kernels(target: str = "native") -> ModuleType:
     compiler fails. Builds of different targets load side by side."""
     from torch.utils.cpp_extension import load
 
-    # Named by the CPU and the source too: two checkouts of different code (a working tree and a
-    # clone of main under test) each keep their own build instead of rebuilding one in turn,
-    # which also swapped the library under a process that was loading it.
+    # Named by the CPU, the source and the Python environment too: two checkouts of different
+    # code (a working tree and a clone of main under test) each keep their own build instead of
+    # rebuilding one in turn, which also swapped the library under a process that was loading
+    # it; and two environments (each checkout's .venv) compile with their own headers, whose
+    # paths are in the build's command, so one name shared by both was compiled again (about a
+    # minute) each time the other had built it.
     text = SOURCE.read_bytes()
     digest = hashlib.sha256(text).hexdigest()[:16]
     suffix = "" if target == "native" else f"_{target}"
-    name = f"inflight_cpu_kernels_{_cpu_tag()}_{digest[:8]}{suffix}"
+    name = f"inflight_cpu_kernels_{_cpu_tag()}_{digest[:8]}_{_environment_tag()}{suffix}"
     build_dir = _cache_root() / "kernel-builds" / name
     build_dir.mkdir(parents=True, exist_ok=True)
     # torch's builder marks a build in progress with a `lock` file that a process killed while
