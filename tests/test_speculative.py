@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_loading import save_word_tokenizer
+from test_loading import TINY, save_word_tokenizer, tiny_hf_model
 
 from inflight import LLM, ConfigError, SamplingParams
 from inflight.bench.plots import plot_timelines
@@ -541,6 +541,33 @@ def _random_draft(path: Path, loaded: LoadedModel, tokenizer: str = "target") ->
     else:
         save_word_tokenizer(path, vocab)
     return str(path)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "lfm2_moe", "qwen2_moe"])
+def test_a_requests_logprobs_are_the_same_whoever_shares_its_step_and_whatever_it_verifies(tmp_path: Path,
+                                                                                            arch: str) -> None:
+    """Latent attention's up-projections (DeepSeek's), experts chosen by sigmoids (LFM2-MoE's) and a
+    shared expert's sigmoid gate (Qwen2-MoE's): a request's logprobs bit for bit the same alone,
+    beside others, with its prompt in chunks (the steps shared otherwise), and verifying proposals
+    (every one found, `adaptive` off): so its greedy tokens are too, whatever the near-ties."""
+    tiny_hf_model(arch).save_pretrained(tmp_path, safe_serialization=True)
+    save_word_tokenizer(tmp_path, TINY["vocab"])
+    prompts = [{"prompt_token_ids": ids} for ids in ([5 + i % 7 for i in range(40)], list(range(10, 60)) * 2, [9] * 30,
+                                                     list(range(100, 107)))]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=1)
+    llm = LLM(model=str(tmp_path), num_kv_blocks=64, block_size=16)
+    alone = [llm.generate([prompt], params)[0] for prompt in prompts]
+    runs = {"batched": llm.generate(prompts, params),
+            "chunked": LLM(model=str(tmp_path), num_kv_blocks=64, block_size=16, max_num_tokens=16).generate(
+                prompts, params)}
+    speculating = LLM(model=str(tmp_path), num_kv_blocks=64, block_size=16,
+                      speculative_config={**NGRAM, "adaptive": False})
+    runs["speculating"] = speculating.generate(prompts, params)
+    assert speculating.engine.scheduler.speculator.stats.num_accepted_tokens > 0
+    for name, outs in runs.items():
+        for want, got in zip(alone, outs, strict=True):
+            assert got.token_ids == want.token_ids, name
+            assert [lp.logprob for lp in got.logprobs] == [lp.logprob for lp in want.logprobs], name
 
 
 def test_a_draft_model_proposes_and_greedy_outputs_equal_decoding_one_at_a_time(make_llm: Callable[..., LLM]) -> None:

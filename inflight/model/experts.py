@@ -22,6 +22,16 @@ import torch
 from inflight.model.linear import Linear
 
 
+def row_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """torch.sigmoid, each element the same whatever the tensor's size: PyTorch's vector loop and
+    the scalar one after it (the last elements of a size not a multiple of the vector) round some
+    values a unit apart, so a token's routing weights changed with the tokens beside it (8 experts:
+    1 token in 9; a shared expert's gate of one column: any step of 17 tokens or more). Computed in
+    fp64, either loop's result rounds to the same fp32 value (but where it lies within 1e-16 of
+    half an fp32 unit)."""
+    return torch.sigmoid(x.double()).to(x.dtype)
+
+
 class RoutedExperts:
     def __init__(self, router: Linear | None, gate_up: Sequence[Linear], down: Sequence[Linear], top_k: int,
                  normalize: bool, shared: tuple[Linear, Linear, Linear | None] | None = None,
@@ -82,7 +92,7 @@ class RoutedExperts:
         if self.shared is not None:
             gate_up, down, gate = self.shared
             shared = down(act(gate_up(x)))
-            out += shared if gate is None else torch.sigmoid(gate(x)) * shared
+            out += shared if gate is None else row_sigmoid(gate(x)) * shared
         return out
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +107,7 @@ class RoutedExperts:
         if self.scoring == "sparsemixer":
             weights, chosen = sparsemixer(logits, self.top_k, self.sparsemixer_eps)
             return weights.to(x.dtype), chosen
-        scores = torch.sigmoid(logits) if self.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
+        scores = row_sigmoid(logits) if self.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
         choice = scores if self.choice_bias is None else scores + self.choice_bias
         if self.groups[0] > 1:
             choice = self._within_groups(choice)

@@ -98,8 +98,9 @@ def latent_attention(x: torch.Tensor, weights: LatentWeights, shape: LatentAtten
     k_rope = _rotate(kv[:, rank:], freq_cos, freq_sin, shape.rope_interleaved)
     row = torch.cat([_rms_norm(kv[:, :rank], weights.kv_norm), k_rope], dim=1)
     pool.view(-1, rank + rope).index_copy_(0, meta.slot_mapping, row.to(pool.dtype))
-    # Each head's query in the latent's space: q_nope @ W_UK, one batched matmul over the heads, or
-    # one block matmul a head where the up-projection is kept as stored.
+    # Each head's query in the latent's space: q_nope @ W_UK, a matmul a head on inflight's CPU
+    # kernels (the file's blocks or fp32 panels: a token's sums whatever rows share the call), else
+    # one batched matmul over the heads.
     if isinstance(weights.k_up, list):
         q_latent = _per_head(weights.k_up, q_nope)
     else:

@@ -323,7 +323,7 @@ class LlamaModel:
                                      config.xielu[i] if config.xielu else None),
                 conv=take(p + arch.conv_weight).reshape(config.hidden_size, -1).contiguous() if convolves and
                 arch.conv_weight else None,
-                latent=self._latent(config, arch, take, linear, p, weights.__contains__, self.dtype)
+                latent=self._latent(config, arch, take, linear, p, weights.__contains__, self.dtype, backend)
                 if arch.latent is not None else None,
             ))
         unused = sorted(set(weights) - taken)
@@ -417,11 +417,14 @@ class LlamaModel:
     @staticmethod
     def _latent(config: ModelConfig, arch: Architecture, take: Callable[[str], torch.Tensor],
                 linear: Callable[..., Linear], prefix: str, present: Callable[[str], bool],
-                dtype: torch.dtype) -> LatentWeights:
+                dtype: torch.dtype, backend: str) -> LatentWeights:
         """A latent-attention layer's norms and up-projections, from one `kv_b_proj` or, as
-        llama.cpp's files hold them, the key's part transposed and the value's: in the model's
-        `dtype` (fp32 on CPU) for batched matmuls over the heads, or where the file's are kept as
-        stored, a block matmul a head."""
+        llama.cpp's files hold them, the key's part transposed and the value's: a matmul a head on
+        inflight's CPU kernels (the file's blocks where kept as stored, else fp32 panels), whose
+        sums for a token are the same whatever rows share the call; else in the model's `dtype`
+        for batched matmuls over the heads (PyTorch's, whose sums for a row change with the rows
+        beside it: a request's logprobs moved by 5e-7 with the requests sharing its step and with
+        the proposals it verified)."""
         names, shape = arch.latent, config.latent_attention
         if names is None or shape is None:
             raise ModelLoadError(f"{config.architecture}: a latent-attention architecture needs kv_lora_rank and "
@@ -437,6 +440,10 @@ class LlamaModel:
             heads = range(config.num_heads)
             k_up, v_up = ([linear(f"{prefix}{name.removesuffix('.weight')}.{h}.weight") for h in heads]
                           for name in (names.k_up_transposed, names.v_up))
+        if backend == "inflight" and isinstance(k_up, torch.Tensor) and isinstance(v_up, torch.Tensor):
+            # Head h's query part times k_up[h] `[nope, rank]`, its latent times v_up[h].T.
+            k_up = [Linear(k.t().contiguous(), None, backend) for k in k_up]
+            v_up = [Linear(v.contiguous(), None, backend) for v in v_up]
         ranked = shape.q_lora_rank is not None
         return LatentWeights(
             kv_norm=take(prefix + names.kv_norm), k_up=k_up, v_up=v_up,

@@ -4578,6 +4578,12 @@ torch::Tensor run_linear(const StackLinear& lin, const torch::Tensor& x) {
   return linear_forward(x, lin.packed, lin.blocks, lin.bias, lin.out_features);
 }
 
+// experts.py's row_sigmoid: torch.sigmoid in fp64, so that each element is the same whether it
+// falls in PyTorch's vector loop or the scalar one after it (which rounded some a unit apart).
+inline torch::Tensor row_sigmoid(const torch::Tensor& x) {
+  return torch::sigmoid(x.to(torch::kDouble)).to(x.scalar_type());
+}
+
 // A layer's routed-experts MLP (model/experts.py's RoutedExperts, the same ATen ops in the same
 // order, so the same values bit for bit): each token through the top_k experts its router scores
 // highest (the scores plus `choice_bias` where there is one: GLM-4.5's, ERNIE 4.5's), weighted by
@@ -4624,7 +4630,7 @@ struct StackExperts {
       add_routed(x, weights, chosen, out);
     }
     if (shared.size() == 3)
-      out += torch::sigmoid(run_linear(shared[2], x)) * run_linear(shared[1], act(run_linear(shared[0], x)));
+      out += row_sigmoid(run_linear(shared[2], x)) * run_linear(shared[1], act(run_linear(shared[0], x)));
     else if (shared.size() == 2)
       out += run_linear(shared[1], act(run_linear(shared[0], x)));
     return out;
@@ -4633,7 +4639,7 @@ struct StackExperts {
   // Each token's top_k experts and their weights from the router's logits: the softmax or the
   // sigmoids, the choice by those plus the choice bias within the best groups, renormalized, scaled.
   void choose(const torch::Tensor& logits, torch::Tensor& weights, torch::Tensor& chosen) const {
-    const torch::Tensor scores = sigmoid ? torch::sigmoid(logits) : torch::softmax(logits, -1);
+    const torch::Tensor scores = sigmoid ? row_sigmoid(logits) : torch::softmax(logits, -1);
     torch::Tensor choice = choice_bias ? scores + *choice_bias : scores;
     if (groups > 1) choice = within_groups(choice);
     if (!choice_bias && groups == 1) {
