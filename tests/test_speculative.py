@@ -501,6 +501,25 @@ def test_sampled_requests_with_proposals_finish_and_free_their_blocks(make_llm: 
     assert llm.engine.stats().spec_num_drafts > 0
 
 
+@pytest.mark.parametrize("config", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
+def test_a_seeded_requests_sampled_tokens_are_those_it_gets_without_speculation(make_llm: Callable[..., LLM],
+                                                                               config: dict[str, Any]) -> None:
+    """A sampled row draws its token as a step without proposals draws it and keeps the proposal
+    where the draw is it: a seeded request's tokens are the same with speculation as without,
+    alone or beside others, whatever lengths the batch's steps let it verify (top-p, a penalty and
+    n = 2 among them)."""
+    prompts = [*COPY_PROMPTS, "Tell me a story about a dragon."]
+    params = [SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, seed=100 + i) for i in range(len(prompts))]
+    params[1] = SamplingParams(max_tokens=40, temperature=0.7, presence_penalty=0.3, seed=5, n=2)
+    plain = [o.token_ids for o in make_llm().generate(prompts, params)]  # n outputs a prompt, in order
+    llm = make_llm(speculative_config=config)
+    alone = [o.token_ids for prompt, p in zip(prompts, params, strict=True) for o in llm.generate([prompt], [p])]
+    together = [o.token_ids for o in llm.generate(prompts, params)]
+    assert len(plain) == len(prompts) + 1
+    assert alone == plain and together == plain
+    assert llm.engine.stats().spec_num_accepted_tokens > 0
+
+
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_the_speculator_holds_nothing_of_a_finished_or_aborted_request(make_llm: Callable[..., LLM],
                                                                        method: str) -> None:

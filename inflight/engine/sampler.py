@@ -6,8 +6,8 @@ with structured output every token its grammar disallows blocked. Greedy rows th
 argmax; the others are sampled with temperature, top-k, top-p and min-p, drawn exactly from
 the resulting p by inverse transform (one uniform number per row). A request with a seed draws
 its number from a generator seeded by (seed, sample index, output position), so its tokens do
-not depend on what else is in the batch, nor on preemption and recompute, and the n samples of
-one prompt differ.
+not depend on what else is in the batch, nor on preemption and recompute, nor on the proposals
+it verifies (`sample`), and the n samples of one prompt differ.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from inflight.request import Grammar, Request, SamplingParams, TokenLogprobs
 _SEED_STRIDE = 1_000_003
 _NUCLEUS_CANDIDATES = 256
 _SAMPLE_STRIDE = 7_919 * 65_537
-_ACCEPT_SALT = 104_729 * 8_191  # a verified proposal's accept test draws apart from the token draws
 
 
 class Sampler:
@@ -103,10 +102,12 @@ class Sampler:
         known token's, then each proposed token's. Proposed tokens are kept in order while the
         model agrees, then one token of the model's own follows (the correction, or after every
         proposal kept, the next one): greedy rows keep a proposal equal to their argmax, so the
-        tokens are those of decoding one at a time; sampled rows keep proposal x with
-        probability p(x) and otherwise draw from p without x (rejection sampling against a draft
-        that is certain of x), which leaves every token distributed as p. Every row sees the
-        edits, penalties and grammar of the tokens before it."""
+        tokens are those of decoding one at a time; sampled rows draw their token from p as a
+        step without proposals would (the same uniform), and keep proposal x where the draw is x:
+        with probability p(x), as rejection sampling against a draft certain of x keeps it, every
+        token distributed as p, and a seeded request's tokens those it gets without speculation,
+        whatever was proposed and whoever shared its steps. Every row sees the edits, penalties
+        and grammar of the tokens before it."""
         if not any(drafts):
             return [[t] for t in self(logits, requests)]
         starts, row = [], 0
@@ -161,7 +162,7 @@ class Sampler:
         try:
             for j in range(len(draft) + 1):
                 proposed = draft[j] if j < len(draft) else None
-                token = self._verify_row(rows[j:j + 1], request, proposed)
+                token = self._verify_row(rows[j:j + 1], request)
                 tokens.append(token)
                 if token != proposed:
                     break
@@ -175,29 +176,15 @@ class Sampler:
                 request.grammar.rollback(kept)
         return tokens
 
-    def _verify_row(self, row: torch.Tensor, request: Request, proposed: int | None) -> int:
+    def _verify_row(self, row: torch.Tensor, request: Request) -> int:
+        """The row's token, drawn as a step without proposals draws it (a seeded request's
+        uniform keyed by its output position, which counts the proposals kept before the row):
+        the caller keeps the proposal where the draw is it."""
         params = request.sampling_params
         edited = self._edited(row, [request])
         if params.is_greedy:
             return int(self._argmax(edited)[0])
-        probs = self._probs(edited, [params])
-        if proposed is not None:
-            total = float(probs.sum())
-            if self._uniform(request, _ACCEPT_SALT) * total < float(probs[0, proposed]):
-                return proposed
-            probs[0, proposed] = 0.0
-        return int(self._draw(probs, [request])[0])
-
-    def _uniform(self, request: Request, salt: int) -> float:
-        """A uniform number in [0, 1): from the request's seeded stream at its output position
-        (offset by `salt`), or from the engine's generator."""
-        seed = request.sampling_params.seed
-        if seed is None:
-            return float(torch.rand(1, generator=self._generator, device=self.device))
-        g = torch.Generator(device=self.device)
-        stream = seed * _SEED_STRIDE + request.sample_index * _SAMPLE_STRIDE + salt
-        g.manual_seed((stream + request.num_output_tokens) % (2**63))
-        return float(torch.rand(1, generator=g, device=self.device))
+        return int(self._draw(self._probs(edited, [params]), [request])[0])
 
     def _draw(self, probs: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """One token per row of `probs`, drawn exactly from that row by inverse transform: the
