@@ -167,14 +167,17 @@ def _rerun(target: str) -> subprocess.Popen[str]:
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+# A checked build's outcome and the rerun of the kernel tests against it (None where it failed).
+Rerun = tuple[subprocess.CompletedProcess[str], subprocess.Popen[str] | None]
+
+
 @pytest.fixture(scope="module")
-def reruns(builds: dict[str, subprocess.Popen[str] | str]
-           ) -> dict[str, tuple[subprocess.CompletedProcess[str], subprocess.Popen[str] | None]]:
+def reruns(builds: dict[str, subprocess.Popen[str] | str]) -> dict[str, Rerun]:
     """Each checked build's outcome and the rerun of the kernel tests against it (None where the
     build failed), the reruns all started at once: most of a rerun's time is one thread of
     Python between small matmuls, so on 2 cores three reruns side by side took 54 s where one
     after another took 73 s (2 Zen 4 cores)."""
-    done: dict[str, tuple[subprocess.CompletedProcess[str], subprocess.Popen[str] | None]] = {}
+    done: dict[str, Rerun] = {}
     for target in _checked_targets():
         proc = builds[target]
         assert isinstance(proc, subprocess.Popen)
@@ -188,9 +191,7 @@ def reruns(builds: dict[str, subprocess.Popen[str] | str]
 
 
 @pytest.mark.parametrize("target", [t for t in kernels.TARGETS if t != "native"])
-def test_each_build_passes_the_kernel_tests(target: str, builds: dict[str, subprocess.Popen[str] | str],
-                                            reruns: dict[str, tuple[subprocess.CompletedProcess[str],
-                                                                    subprocess.Popen[str] | None]]) -> None:
+def test_each_build_passes_the_kernel_tests(target: str, reruns: dict[str, Rerun]) -> None:
     native = kernels.cpu_kernels()
     if native is None:
         pytest.skip("no C++ compiler for the CPU kernels")

@@ -417,25 +417,35 @@ class Speculator:
         proposed, accepted = self._counts.get(request.request_id, (0.0, 0.0))
         return (accepted + _PRIOR_PROPOSALS * prior) / (proposed + _PRIOR_PROPOSALS)
 
-    def gains(self, request: Request, length: int) -> list[float]:
+    def gains(self, request: Request, length: int, engine_rates: Sequence[float] | None = None) -> list[float]:
         """Per proposed token, the chance it is kept (every one before it kept too). Past the
         first, each position's chance once the one before it was kept is measured on drafts that
         follow a match of the same length, with the engine-wide rate at that position as prior,
         and that has the position before's: proposals that match keep matching, so a position
-        never yet verified is not held at `_INITIAL_RATE`, which would keep it out for good."""
+        never yet verified is not held at `_INITIAL_RATE`, which would keep it out for good.
+        `engine_rates`: `_engine_rates` of at least `length` positions, where the caller has them."""
+        engine = engine_rates if engine_rates is not None else self._engine_rates(length)
         match = self._match.get(request.request_id)
         chance, out = self.first_rate(request, match), []
-        engine, prior = _INITIAL_RATE, _PRIOR_PROPOSALS
         for position in range(length):
             if position:
-                engine = (self._kept[position] + prior * engine) / (self._trials[position] + prior)
                 if match is None:
-                    chance *= engine
+                    chance *= engine[position]
                 else:
                     trials, kept = self._next_by_match.get((match, position), (0.0, 0.0))
-                    chance *= (kept + prior * engine) / (trials + prior)
+                    chance *= (kept + _PRIOR_PROPOSALS * engine[position]) / (trials + _PRIOR_PROPOSALS)
             out.append(chance)
         return out
+
+    def _engine_rates(self, length: int) -> list[float]:
+        """Per position below `length`, the engine-wide chance that a draft's token there is kept
+        once the one before it was, each position's prior the one before's (position 0: unused,
+        the first token's chance is `first_rate`'s). The same for every request of a step."""
+        rates = [_INITIAL_RATE]
+        for position in range(1, length):
+            rates.append((self._kept[position] + _PRIOR_PROPOSALS * rates[-1])
+                         / (self._trials[position] + _PRIOR_PROPOSALS))
+        return rates
 
     def lengths(self, drafts: dict[Request, list[int]], batch: Sequence[SeqWork], budget: int) -> dict[Request, int]:
         """How many of each request's proposed tokens this step verifies, at most `budget` in all.
@@ -512,9 +522,10 @@ class Speculator:
         `drafts`), most likely first, at most `budget`. A request's own chances fall with the
         position, so its tokens come in order."""
         adaptive = self._adaptive
+        engine = self._engine_rates(max(map(len, drafts.values()), default=0)) if adaptive else []
         candidates: list[tuple[float, int]] = []
         for i, (request, draft) in enumerate(drafts.items()):
-            chances = self.gains(request, len(draft)) if adaptive else [1.0] * len(draft)
+            chances = self.gains(request, len(draft), engine) if adaptive else [1.0] * len(draft)
             candidates.extend((chance, i) for chance in chances)
         candidates.sort(key=lambda c: -c[0])
         return candidates[:max(0, budget)]
