@@ -244,16 +244,20 @@ def save_profile(path: Path, hardware: HardwareProfile, engine: EngineProfile) -
     write_json(path, {"schema": PROFILE_SCHEMA, "hardware": hardware.to_dict(), "engine": engine.to_dict()})
 
 
-# Fitted on the dev machine (2 vCPUs of an AMD EPYC, Zen 5; one torch thread, the embedded model
-# in fp32; benchmarks/sim/results/cpu-local.json). inflight's own GEMM prefetches the next weight
-# panel, so weight streaming and compute overlap ("max"), and the few-row regime that MKL's
-# per-call weight repacking used to cause is nearly gone; see docs/simulator.md.
+# Fitted against cpu-local's nominal peaks on 2 AMD EPYC Zen 4 cores (one torch thread, the
+# embedded model's Q4_1 blocks read as stored; benchmarks/sim/results/cpu-local.json,
+# docs/simulator.md). The factors are effective values of those nominal peaks, not measurements
+# of the hardware: "bandwidth" stands for the per-weight work of a step of a few rows (the blocks'
+# decoding, priced as the fp32 bytes the weights would take; docs/simulator.md, Limits). inflight's
+# own GEMM prefetches the next weight panel, so weight streaming and compute overlap (a smooth
+# max), and no matmul runs a row at a time.
 INFLIGHT_CPU = EngineProfile(
-    "inflight-cpu", kind="cpu", roofline="max", flops_efficiency=0.680, bandwidth_efficiency=0.681,
-    attention_flops_efficiency=0.257, attention_bandwidth_efficiency=0.455,
-    step_overhead_s=0.50e-3, request_overhead_s=48e-6, allreduce_latency_s=0.0,
-    small_batch_max_rows=8, small_batch_row_s=0.34e-3, gemm_step_s=8.2e-3,
-    source="inflight on cpu-local: factors fitted by `inflight sim calibrate` on 2026-11-29 (commit b7bf522)",
+    "inflight-cpu", kind="cpu", roofline="smooth", roofline_exponent=4.0, flops_efficiency=0.304,
+    bandwidth_efficiency=1.261, attention_flops_efficiency=0.148, attention_bandwidth_efficiency=0.294,
+    step_overhead_s=0.59e-3, request_overhead_s=30e-6, layer_overhead_s=93e-6, allreduce_latency_s=0.0,
+    small_batch_max_rows=8, small_batch_row_s=0.0, gemm_step_s=1.2e-3,
+    source="inflight on cpu-local: factors fitted by `inflight sim calibrate` on 2 AMD EPYC Zen 4 cores, "
+           "2026-12-07 (commit 68850f9)",
 )
 
 BUILTIN_ENGINES: dict[str, EngineProfile] = {
