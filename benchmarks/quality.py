@@ -52,6 +52,7 @@ import numpy as np
 
 from inflight.bench.corpus import Corpus
 from inflight.engine.llm import LLM
+from inflight.model.gguf_copy import retyped_copy
 from inflight.model.loader import default_model_path, resolve_model
 from inflight.model.tokenizer import Tokenizer
 from inflight.request import SamplingParams
@@ -71,39 +72,6 @@ class Variant:
     options: dict[str, Any] = field(default_factory=dict)
 
 
-def requantized(source: Path, kind: str, folder: Path) -> Path:
-    """`source` written again with each decoder matrix (`blk.*`, rows a whole number of blocks)
-    dequantized and, unless `kind` is F32, quantized by gguf-py to `kind`; every other tensor and
-    all metadata as stored."""
-    import gguf
-
-    qtype = gguf.GGMLQuantizationType[kind]
-    block = gguf.GGML_QUANT_SIZES[qtype][0]
-    reader = gguf.GGUFReader(source)
-    path = folder / f"{source.stem}-{kind}.gguf"
-    writer = gguf.GGUFWriter(str(path), reader.fields["general.architecture"].contents())
-    for key, item in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        array = item.types[0] == gguf.GGUFValueType.ARRAY
-        writer.add_key_value(key, item.contents(), item.types[0], sub_type=item.types[-1] if array else None)
-    for tensor in reader.tensors:
-        shape = tuple(reversed(tensor.shape.tolist()))
-        if tensor.name.startswith("blk.") and len(shape) == 2 and shape[1] % block == 0:
-            weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape).astype(np.float32)
-            if qtype == gguf.GGMLQuantizationType.F32:
-                writer.add_tensor(tensor.name, weights)
-            else:
-                writer.add_tensor(tensor.name, gguf.quants.quantize(weights, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 def variants(names: list[str], files: list[str], folder: Path) -> list[Variant]:
     stored = default_model_path()
     rows = []
@@ -115,9 +83,9 @@ def variants(names: list[str], files: list[str], folder: Path) -> list[Variant]:
         elif name in ("kv-float16", "kv-bfloat16"):
             rows.append(Variant(name, stored, {"kv_cache_dtype": name.removeprefix("kv-")}))
         elif name == "bf16-activations":
-            rows.append(Variant(name, requantized(stored, "BF16", folder), {"quantization": name}))
+            rows.append(Variant(name, retyped_copy(stored, "BF16", folder), {"quantization": name}))
         else:
-            rows.append(Variant(name, requantized(stored, "F32" if name == "fp32" else name, folder)))
+            rows.append(Variant(name, retyped_copy(stored, "F32" if name == "fp32" else name, folder)))
     rows += [Variant(Path(f).name, Path(f)) for f in files]
     return rows
 

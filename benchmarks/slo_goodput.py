@@ -42,12 +42,10 @@ def _runner(args: argparse.Namespace) -> Any:
     if args.target == "sim":
         from inflight.perf.profiles import load_profiles
         from inflight.sim.runs import SimTarget, simulate
-        from inflight.sim.shapes import resolve_shapes
         from inflight.sim.workload import synthetic_requests
 
-        name, shapes = resolve_shapes(args.model)
         hardware, engine = load_profiles(args.hardware, args.engine_profile)
-        target = SimTarget(name, shapes, hardware, engine=engine)
+        target = SimTarget.of(args.model, hardware, engine)
 
         def run_sim(options: dict[str, Any], spec: Any, label: str) -> BenchRun:
             return simulate(target, options, synthetic_requests(spec), label, slo=args.slo)
@@ -77,15 +75,13 @@ def _tuned(args: argparse.Namespace, spec: Any) -> dict[str, Any]:
     target's own profile; for the local target, `--tune-hardware`)."""
     from inflight.perf.profiles import load_profiles
     from inflight.sim.runs import SimTarget, simulate
-    from inflight.sim.shapes import resolve_shapes
     from inflight.sim.workload import synthetic_requests
 
-    name, shapes = resolve_shapes(args.model if args.target == "sim" else None)
     if args.target == "sim":
         hardware, engine = load_profiles(args.hardware, args.engine_profile)
     else:
         hardware, engine = load_profiles(args.tune_hardware)
-    target = SimTarget(name, shapes, hardware, engine=engine)
+    target = SimTarget.of(args.model if args.target == "sim" else None, hardware, engine)
     requests = synthetic_requests(spec)
     best: tuple[float, dict[str, Any]] | None = None
     for overrides in SearchSpace(enable_chunked_prefill=(True,)):

@@ -117,34 +117,23 @@ def layer_spec(text: str) -> list[int]:
 def truncated_draft(layers: list[int], folder: Path) -> Path:
     """The embedded GGUF with only the blocks `layers` (renumbered in order): metadata and
     tensors copied as stored (quantized blocks unchanged), `block_count` set to their number."""
-    import gguf
-
+    from inflight.model.gguf_copy import rewrite_gguf
     from inflight.model.loader import default_model_path
 
-    reader = gguf.GGUFReader(default_model_path())
-    arch = str(reader.fields["general.architecture"].contents())
-    path = folder / f"embedded-layers-{'_'.join(map(str, layers))}.gguf"
-    writer = gguf.GGUFWriter(str(path), arch)
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        value = len(layers) if key == f"{arch}.block_count" else field.contents()
-        array = field.types[0] == gguf.GGUFValueType.ARRAY
-        writer.add_key_value(key, value, field.types[0], sub_type=field.types[-1] if array else None)
     renumber = {old: new for new, old in enumerate(layers)}
-    for tensor in reader.tensors:
-        name = tensor.name
-        if name.startswith("blk."):
-            _, index, rest = name.split(".", 2)
-            if int(index) not in renumber:
-                continue
-            name = f"blk.{renumber[int(index)]}.{rest}"
-        writer.add_tensor(name, tensor.data, raw_dtype=tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+
+    def tensors(reader: Any) -> Iterator[tuple[str, Any, Any]]:
+        for tensor in reader.tensors:
+            name = tensor.name
+            if name.startswith("blk."):
+                _, index, rest = name.split(".", 2)
+                if int(index) not in renumber:
+                    continue
+                name = f"blk.{renumber[int(index)]}.{rest}"
+            yield name, tensor.data, tensor.tensor_type
+
+    path = folder / f"embedded-layers-{'_'.join(map(str, layers))}.gguf"
+    return rewrite_gguf(default_model_path(), path, {"block_count": len(layers)}, tensors)
 
 
 def speculator_of(rev: str) -> type[Speculator]:

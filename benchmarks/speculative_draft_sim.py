@@ -20,7 +20,6 @@ from typing import Any
 from inflight.bench.workload import load_workload
 from inflight.perf.profiles import load_hardware
 from inflight.sim.runs import SimTarget, simulate
-from inflight.sim.shapes import resolve_shapes
 from inflight.sim.workload import synthetic_requests
 
 PAIRS = [("llama-3.1-8b", "llama-3.2-1b", "h100"), ("llama-3.1-8b", "llama-3.2-1b", "cpu-local")]
@@ -38,8 +37,7 @@ def main() -> int:
     document: dict[str, Any] = {"command": " ".join(sys.argv), "k": args.k, "num_requests": args.num_requests,
                                 "results": []}
     for model, draft, hardware in PAIRS:
-        name, shapes = resolve_shapes(model)
-        target = SimTarget(name, shapes, load_hardware(hardware))
+        target = SimTarget.of(model, load_hardware(hardware))
         off = simulate(target, {}, requests, "off", max_concurrency=1).metrics.tpot_ms.mean
         configs = {
             "free proposals, adaptive": {"method": "ngram", "num_speculative_tokens": args.k},

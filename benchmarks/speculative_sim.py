@@ -21,7 +21,6 @@ from typing import Any
 from inflight.bench.workload import load_workload, with_request_rate
 from inflight.perf.profiles import load_hardware
 from inflight.sim.runs import SimTarget, simulate
-from inflight.sim.shapes import resolve_shapes
 from inflight.sim.workload import synthetic_requests
 
 RATES = (1.0, 4.0, 16.0, 32.0, 64.0, 128.0)
@@ -37,8 +36,7 @@ def main() -> int:
     parser.add_argument("--rates", default=",".join(str(r) for r in RATES))
     parser.add_argument("--out", default="benchmarks/results/speculative-sim.json")
     args = parser.parse_args()
-    name, shapes = resolve_shapes(args.model)
-    target = SimTarget(name, shapes, load_hardware(args.hardware))
+    target = SimTarget.of(args.model, load_hardware(args.hardware))
     configs: dict[str, dict[str, Any]] = {
         "off": {},
         f"fixed k={args.k}": {"speculative_config": {"method": "ngram", "num_speculative_tokens": args.k,

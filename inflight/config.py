@@ -7,7 +7,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 from inflight.errors import ConfigError
 
@@ -41,6 +41,23 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
 ENGINE_KV_DTYPES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "f16": "float16", "bf16": "bfloat16",
                   "float8": "fp8", "fp8_e4m3": "fp8", "float8_e4m3fn": "fp8", "fp8_e5m2": "fp8"}
+
+
+class MatmulStorage(NamedTuple):
+    """A model's matmul weights as inflight's CPU kernels read them in fp32: the bytes a parameter
+    takes (a GGUF file's blocks as repacked, a checkpoint's 16-bit matrices, fp32 for those widened)
+    and the share of parameters kept so, whose blocks each step decodes into registers or fp32
+    panels; each averaged over its part: the matmuls every token reads (attention's, the dense
+    MLPs', shared experts', routers), the routed experts' and the LM head. The step-time model
+    prices weight reads at these bytes, and the decoding per kept parameter
+    (`perf.cost_model.CostModel`); read from a checkpoint's header by `model.loader.matmul_storage`."""
+
+    dense: float
+    experts: float
+    head: float
+    dense_kept: float = 0.0
+    experts_kept: float = 0.0
+    head_kept: float = 0.0
 
 
 def normalize_dtype(name: str | None, default: str, what: str) -> str:

@@ -631,6 +631,43 @@ def test_fit_recovers_a_known_profile(form: str, small_rows: int, seed: int | No
     assert np.allclose(predict(samples, CostModel(shapes, hardware, engine=fitted)), result.measured_s, rtol=1e-3)
 
 
+def test_fit_tells_a_steps_weight_bytes_from_its_blocks_decoding() -> None:
+    """Steps of a model in its Q4_1 blocks, of a BF16 copy and of a copy twice as wide (as
+    `inflight sim calibrate` times them) give the bandwidth, the decoding per kept parameter and
+    the per-layer cost apart; from one storage alone the fit leaves the decoding out, which the
+    other terms then price."""
+    from inflight.config import MatmulStorage
+
+    hardware = BUILTIN_HARDWARE["cpu-local"]
+    truth = dataclasses.replace(INFLIGHT_CPU, roofline="smooth", roofline_exponent=4.0, flops_efficiency=0.3,
+                                bandwidth_efficiency=0.9, step_overhead_s=4e-4, request_overhead_s=3e-5,
+                                small_batch_max_rows=1, small_batch_row_s=0.0, gemm_step_s=0.001,
+                                weights_as_stored=True, block_decode_s=25e-12, block_decode_rows_s=10e-12,
+                                as_stored={}, fitted_storage={})
+    shapes = BUILTIN_MODELS["smollm2-135m"]
+    q4, bf16 = MatmulStorage(0.625, 0.625, 1.0625, 1, 1, 1), MatmulStorage(2, 2, 1.0625, 1, 1, 1)
+    wide = dataclasses.replace(shapes, hidden_size=2 * shapes.hidden_size, num_heads=2 * shapes.num_heads,
+                               num_kv_heads=2 * shapes.num_kv_heads, intermediate_size=2 * shapes.intermediate_size,
+                               num_layers=8)
+    copies = [(SeqWork(1, 64, True),) * b for b in (1, 2, 4, 16)]
+    samples = []
+    for model, storage, batches in ((shapes, q4, _grid_batches()), (shapes, bf16, copies), (wide, q4, copies)):
+        cm = CostModel(model, hardware, engine=truth, matmul_storage=storage)
+        for batch in batches:
+            cost = cm.cost(cm.work(batch))
+            sample = Sample(batch, cost.total_s, cost.linear_s + cost.attention_s + cost.launch_s)
+            samples.append(sample if batches is not copies else sample._replace(shapes=model, storage=storage))
+    start = dataclasses.replace(INFLIGHT_CPU, weights_as_stored=True, block_decode_s=0.0)
+    fit = {"rooflines": ("smooth",), "exponents": (4.0,), "small_batch_rows": (1,), "matmul_storage": q4}
+    fitted = fit_profile(samples, shapes, hardware, start, **fit).profile
+    for name in ("block_decode_s", "block_decode_rows_s", "bandwidth_efficiency", "flops_efficiency", "gemm_step_s",
+                 "layer_overhead_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-3), name
+    one_type = fit_profile([s for s in samples if s.storage is None], shapes, hardware, start, **fit).profile
+    assert one_type.block_decode_s == one_type.block_decode_rows_s == 0
+    assert one_type.bandwidth_efficiency < truth.bandwidth_efficiency
+
+
 def test_measure_times_real_engine_steps_with_their_composition(loaded: LoadedModel) -> None:
     import torch
 
@@ -745,3 +782,146 @@ def test_cli_sim_output_passes_through_check(tmp_path: Path, capsys: pytest.Capt
     assert main(["sim", "--model", "llama-3-8b"]) == 2  # no --workload
     assert main(["tune", "--workload", str(workload), "--sla", str(sla), "--model", "llama-3-8b",
                  "--hardware", "h100", "--max-num-tokens-grid", "512", "--max-batch-size-grid", "16"]) == 1
+
+
+# --- weights priced as stored ---------------------------------------------------------------------
+
+
+def test_a_checkpoints_matrices_are_priced_at_the_bytes_a_step_reads_of_them(tmp_path: Path) -> None:
+    """A GGUF file's matrices the CPU kernels keep in their blocks cost their packed bytes and
+    their decoding, those widened (F32) four bytes and no decoding, each averaged over its part; a
+    tied head is the embedding's blocks."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_loading import TINY, write_tiny_gguf
+
+    from inflight.config import MatmulStorage
+    from inflight.model.loader import PACKED_BYTES, matmul_storage, resolve_model
+
+    types = {"embd": "Q6_K", "q": "Q8_0", "k": "Q8_0", "v": "Q8_0", "o": "Q4_1", "gate": "Q4_K", "up": "Q4_K",
+             "down": "F32"}
+    path = tmp_path / "mixed.gguf"
+    write_tiny_gguf(path, types)
+    h, f, kv = TINY["hidden"], TINY["intermediate"], TINY["kv_heads"] * TINY["hidden"] // TINY["heads"]
+    sizes = {"q": h * h, "k": kv * h, "v": kv * h, "o": h * h, "gate": f * h, "up": f * h, "down": h * f}
+    per_layer = sum(n * (PACKED_BYTES[types[m]] if types[m] != "F32" else 4) for m, n in sizes.items())
+    dense = per_layer / sum(sizes.values())
+    kept = 1 - sizes["down"] / sum(sizes.values())
+    stored = matmul_storage(resolve_model(path))
+    assert stored == pytest.approx(MatmulStorage(dense, dense, PACKED_BYTES["Q6_K"], kept, kept, 1.0))
+    assert 0.9 < stored.dense < 4  # between the blocks' bytes and fp32's
+
+    # The cost model reads a step's weights at those bytes; without them, in the compute type.
+    shapes = dataclasses.replace(BUILTIN_MODELS["smollm2-135m"], num_layers=TINY["layers"], hidden_size=h,
+                                 intermediate_size=f, num_heads=TINY["heads"], num_kv_heads=TINY["kv_heads"],
+                                 head_dim=h // TINY["heads"], vocab_size=TINY["vocab"])
+    fitted = dataclasses.replace(FLAT, weights_as_stored=True)  # as `inflight sim calibrate` fits
+    as_stored, widened = (CostModel(shapes, BARE, dtype="float32", engine=fitted, matmul_storage=mb)
+                          for mb in (stored, None))
+    step = [SeqWork(1, 8, True)]
+    head = TINY["vocab"] * h
+    assert as_stored.work(step).linear_bytes == pytest.approx(TINY["layers"] * per_layer + head * stored.head)
+    assert widened.work(step).linear_bytes == pytest.approx(4 * (TINY["layers"] * sum(sizes.values()) + head))
+    # Each kept parameter costs its decoding once a step, whatever the step's rows: at one rate in a
+    # step of one token (its matmuls a vector's), at another in a step of more.
+    decoding = dataclasses.replace(fitted, block_decode_s=1e-12, block_decode_rows_s=0.4e-12)
+    kept_params = TINY["layers"] * sum(sizes.values()) * kept + head
+    for rows, rate in ((1, 1e-12), (3, 0.4e-12), (40, 0.4e-12)):
+        work = [SeqWork(rows, 64, True)]
+        extra = CostModel(shapes, BARE, dtype="float32", engine=decoding, matmul_storage=stored).step_time(work)
+        assert extra - as_stored.step_time(work) == pytest.approx(kept_params * rate)
+        assert CostModel(shapes, BARE, dtype="float32", engine=decoding).step_time(work) == widened.step_time(work)
+    # A profile fitted before the blocks were priced as stored keeps the pricing it was fitted with.
+    assert CostModel(shapes, BARE, dtype="float32", engine=FLAT, matmul_storage=stored).work(step) == widened.work(step)
+    # An 8-bit weight type is what the matmuls then read, whatever the checkpoint stores.
+    eight = CostModel(BUILTIN_MODELS["llama-3-8b"], BUILTIN_HARDWARE["h100"], weight_dtype="int8",
+                      matmul_storage=MatmulStorage(0.6, 0.6, 0.8))
+    assert eight.matmul_storage is None
+
+
+def test_the_calibrations_copies_of_a_gguf_file_in_another_type_and_width(tmp_path: Path) -> None:
+    """`inflight sim calibrate` times two copies of its model: the decoder matrices in BF16 (other
+    bytes a parameter, the same shares kept), and twice as wide with fewer layers in the file's
+    own types (a type gguf-py cannot write as Q8_0); each loads, with the storage it says."""
+    import sys
+
+    import gguf
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_loading import TINY, write_tiny_gguf
+
+    from inflight.model.gguf_copy import resized_copy, retyped_copy
+    from inflight.model.loader import PACKED_BYTES, load_checkpoint, load_model_config, matmul_storage, resolve_model
+
+    types = {"embd": "Q8_0", "q": "Q4_1", "k": "Q4_1", "v": "Q4_1", "o": "Q4_1", "gate": "Q4_K", "up": "Q4_K",
+             "down": "Q8_0"}
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, types)
+    source = resolve_model(path)
+    stored = matmul_storage(source)
+
+    bf16 = resolve_model(retyped_copy(path, "BF16", tmp_path))
+    assert load_model_config(bf16) == load_model_config(source)
+    assert matmul_storage(bf16) == pytest.approx(stored._replace(dense=2.0, experts=2.0))
+    original, copied = (dict(load_checkpoint(s, torch.float32)[1]) for s in (source, bf16))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.allclose(original[name], copied[name], atol=0.02 * original[name].abs().max().item())
+
+    wide = resolve_model(resized_copy(path, 2.0, 1, tmp_path))
+    config = load_model_config(wide)
+    assert (config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads, config.num_layers,
+            config.vocab_size) == (2 * TINY["hidden"], 2 * TINY["intermediate"], 2 * TINY["heads"],
+                                   2 * TINY["kv_heads"], 1, TINY["vocab"])
+    kinds = {t.name: t.tensor_type.name for t in gguf.GGUFReader(wide.path).tensors}
+    assert kinds["blk.0.attn_q.weight"] == "Q4_1" and kinds["blk.0.ffn_gate.weight"] == "Q8_0"  # Q4_K: not writable
+    assert "blk.1.attn_q.weight" not in kinds
+    assert matmul_storage(wide).head == PACKED_BYTES["Q8_0"] and matmul_storage(wide).dense_kept == 1.0
+    _, weights = load_checkpoint(wide, torch.float32)
+    assert dict(weights)["model.layers.0.mlp.down_proj.weight"].shape == (2 * TINY["hidden"], 2 * TINY["intermediate"])
+    with pytest.raises(ValueError, match="not whole"):  # 4 heads halve, 2 KV heads too; a third does not
+        resized_copy(path, 1 / 3, 1, tmp_path)
+
+
+def test_the_engine_and_the_simulator_price_a_checkpoint_by_how_it_is_stored(loaded: LoadedModel) -> None:
+    """The built-in CPU profile prices the embedded model (the one it was calibrated on, Q4_1
+    blocks) with its own factors, and any checkpoint stored otherwise with its `as_stored` ones:
+    each matrix at its stored bytes, each kept parameter's decoding; the engine's SLO policy, the
+    simulator and `SimTarget.of` alike. A GPU engine widens the blocks: the compute type there."""
+    from inflight.cli import build_parser
+    from inflight.model.linear import keeps_blocks
+    from inflight.model.loader import matmul_storage, resolve_model
+    from inflight.sim.cli import _target
+
+    if not keeps_blocks(loaded.model.dtype, loaded.model.device):
+        pytest.skip("no block kernels here: the matrices are widened, and priced so")
+    stored = matmul_storage(resolve_model(None))
+    assert stored.dense == pytest.approx(0.625) and stored.head == pytest.approx(1.0625)  # Q4_1, a tied Q8_0 head
+    assert loaded.matmul_storage == stored
+    assert INFLIGHT_CPU.fitted_storage == stored._asdict() and INFLIGHT_CPU.as_stored["weights_as_stored"]
+    engine = LLMEngine(EngineConfig.from_kwargs(None, num_kv_blocks=64, scheduling_policy="slo",
+                                             tbt_slo_ms=100), loaded)
+    cost_model = engine.scheduler.predictor.cost_model  # type: ignore[attr-defined]
+    assert cost_model.engine == INFLIGHT_CPU and cost_model.matmul_storage is None  # its own fit
+    target = _target(build_parser().parse_args(["sim", "--workload", "burst"]))
+    assert target.matmul_storage == stored and target.cost_model().engine == INFLIGHT_CPU
+
+    bf16 = stored._replace(dense=2.0, experts=2.0)  # the same model's matrices in BF16
+    other = SimTarget(target.model_name, target.shapes, target.hardware, matmul_storage=bf16).cost_model()
+    assert other.engine.weights_as_stored and other.matmul_storage == bf16
+    assert other.engine.block_decode_s == INFLIGHT_CPU.as_stored["block_decode_s"] > 0
+    one = [SeqWork(1, 64, True)]
+    q4 = CostModel(target.shapes, target.hardware, engine=other.engine, matmul_storage=stored)
+    extra_bytes = (2.0 - 0.625) * (q4.work(one).linear_bytes - 1.0625 * target.shapes.vocab_size
+                                   * target.shapes.hidden_size) / 0.625
+    assert other.work(one).linear_bytes - q4.work(one).linear_bytes == pytest.approx(extra_bytes)
+    assert other.step_time(one) > q4.step_time(one)
+    # A draft stored otherwise is priced by those factors too, its passes without the step's overhead.
+    draft = target.cost_model().for_draft(target.shapes, bf16)
+    assert draft.engine.weights_as_stored and draft.engine.step_overhead_s == 0 and draft.matmul_storage == bf16
+    # A named shape has no file: an fp32 checkpoint's pricing, by the profile's own factors.
+    named = _target(build_parser().parse_args(["sim", "--workload", "burst", "--model", "llama-3-8b"]))
+    assert named.matmul_storage is None and named.cost_model().engine == INFLIGHT_CPU
+    gpu = build_parser().parse_args(["sim", "--workload", "burst", "--hardware", "h100"])
+    assert _target(gpu).matmul_storage is None

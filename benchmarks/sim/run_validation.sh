@@ -4,14 +4,17 @@
 #   bash benchmarks/sim/run_validation.sh                 # all parts
 #   bash benchmarks/sim/run_validation.sh calibrate cpu   # only the named parts
 #
-# Parts: calibrate (about a minute), measured (the real engine on burst, mixed and long-prefill:
-# about 8 minutes on 2 cores), cpu (simulate those runs and compare), gpu (Orca, Sarathi-Serve and TP
-# reproductions in simulation, about 10 minutes), speculative (a 2-thread calibration, then
-# copy-edit one stream at a time and as a burst of 64, off and n-gram, each re-simulated: about 6
-# minutes; not among the default parts), int8 (a 2-thread calibration of the fp32 engine and of the
-# int8 one into one profile, then the burst measured with and without --quantization int8, each
-# re-simulated: about 8 minutes; not among the default parts). Parts that time the real engine first wait until
-# the 1-minute load average is under $MAX_LOAD (default 1.5): the machine is shared.
+# Parts: calibrate (about a minute and a half, copies of the model included), measured (the real
+# engine on burst, mixed and long-prefill: about 8 minutes on 2 cores), cpu (simulate those runs
+# and compare), gpu (Orca, Sarathi-Serve and TP reproductions in simulation, about 10 minutes),
+# speculative (a 2-thread calibration, then copy-edit one stream at a time and as a burst of 64,
+# off and n-gram, each re-simulated: about 6 minutes; not among the default parts), int8 (a
+# 2-thread calibration of the fp32 engine and of the int8 one into one profile, then the burst
+# measured with and without --quantization int8, each re-simulated: about 8 minutes; not among the
+# default parts), storage (a 2-thread calibration, then one stream of the embedded model and of
+# 1B-shaped Q8_0 and BF16 files, each re-simulated: about 5 minutes; not among the default parts).
+# Parts that time the real engine first wait until the 1-minute load average is under $MAX_LOAD
+# (default 1.5): the machine is shared.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-benchmarks/sim/results}
@@ -85,6 +88,35 @@ if want int8; then
             --output "$OUT/measured-int8-burst-$q.json.gz" > /dev/null
         "$INFLIGHT" sim --against "$OUT/measured-int8-burst-$q.json.gz" --hardware "$OUT/cpu-2threads-int8.json" \
             | tee "$OUT/validate-int8-burst-$q.txt"
+    done
+fi
+
+if want storage; then
+    # Other storage types than the calibrated model's: a 2-thread calibration (the embedded model
+    # and its BF16 and wider copies), then one stream of 4 burst requests of the embedded model and
+    # of Llama-3.2-1B-shaped Q8_0 and BF16 files (made in $GGUFS if absent: 3.8 GB), re-simulated.
+    GGUFS=${GGUFS:-/tmp/inflight-ggufs}
+    [[ -f "$GGUFS/llama-3.2-1b-shaped-BF16.gguf" ]] || \
+        .venv/bin/python benchmarks/gguf_vs_llama_cpp.py --make-models "$GGUFS" --sizes 1b --bf16 >&2
+    wait_quiet; say "calibrate with 2 threads"
+    "$INFLIGHT" sim calibrate --torch-threads 2 --output "$OUT/cpu-2threads-storage.json" \
+        > "$OUT/calibration-2threads-storage.txt"
+    for q in Q4_1 Q8_0 BF16; do
+        MODEL=(); [[ $q != Q4_1 ]] && MODEL=(--model "$GGUFS/llama-3.2-1b-shaped-$q.gguf")
+        wait_quiet; say "measure one stream, $q"
+        "$INFLIGHT" bench "${MODEL[@]}" --workload burst --num-requests 4 --max-concurrency 1 --torch-threads 2 \
+            --num-kv-blocks 512 --no-progress --output "$OUT/measured-storage-$q.json.gz" > /dev/null
+        "$INFLIGHT" sim --against "$OUT/measured-storage-$q.json.gz" "${MODEL[@]}" \
+            --hardware "$OUT/cpu-2threads-storage.json" | tee "$OUT/validate-storage-$q.txt"
+    done
+    # The same runs priced by the profile's own factors alone (every weight as fp32, the pricing
+    # before `as_stored`): the profile with its `as_stored` factors left out.
+    .venv/bin/python -c 'import json, sys; d = json.load(open(sys.argv[1])); d["engine"]["as_stored"] = {}
+json.dump(d, open(sys.argv[2], "w"), indent=1)' "$OUT/cpu-2threads-storage.json" "$OUT/cpu-2threads-storage-own.json"
+    for q in Q4_1 Q8_0 BF16; do
+        MODEL=(); [[ $q != Q4_1 ]] && MODEL=(--model "$GGUFS/llama-3.2-1b-shaped-$q.gguf")
+        "$INFLIGHT" sim --against "$OUT/measured-storage-$q.json.gz" "${MODEL[@]}" \
+            --hardware "$OUT/cpu-2threads-storage-own.json" | tee "$OUT/validate-storage-$q-own.txt"
     done
 fi
 

@@ -137,7 +137,8 @@ def _slo_cost_model(config: SchedulerConfig, model: ModelConfig, parts: EnginePa
     """The SLO policy's step-time model: its profile, or by default the built-in one for the
     device (its efficiencies then follow the machine through the online correction); an int8
     engine's from the profile's int8 factors where it has them (`inflight sim calibrate
-    --quantization int8`)."""
+    --quantization int8`). A checkpoint's matrices kept as stored are priced at their own bytes
+    (`LoadedModel.matmul_storage`)."""
     name = config.slo_cost_profile
     if name == "auto":
         name = "h100" if parts.device is not None and parts.device.type == "cuda" else "cpu-local"
@@ -146,7 +147,8 @@ def _slo_cost_model(config: SchedulerConfig, model: ModelConfig, parts: EnginePa
     if parts.loaded is not None and parts.loaded.quantization == "int8" and engine.int8 and hardware.peak_flops_int8:
         return CostModel(model, hardware, dtype=dtype, engine=engine.for_int8(), weight_dtype="int8",
                          kv_cache_dtype=kv_cache_dtype)
-    return CostModel(model, hardware, dtype=dtype, engine=engine, kv_cache_dtype=kv_cache_dtype)
+    return CostModel(model, hardware, dtype=dtype, engine=engine, kv_cache_dtype=kv_cache_dtype,
+                     matmul_storage=None if parts.loaded is None else parts.loaded.matmul_storage)
 
 
 def _draft_model(config: EngineConfig, sched_cfg: SchedulerConfig, parts: EngineParts, num_blocks: int) -> DraftModel:
@@ -161,7 +163,7 @@ def _draft_model(config: EngineConfig, sched_cfg: SchedulerConfig, parts: Engine
     draft = LoadedModel.load(spec.model, target.model.dtype, target.model.device, config.quantization)
     check_draft(draft, target)
     cost_model = _slo_cost_model(sched_cfg, draft.model.config, parts,
-                                 cache.kv_cache_dtype).for_draft(draft.model.config)
+                                 cache.kv_cache_dtype).for_draft(draft.model.config, draft.matmul_storage)
     return DraftModel(draft, num_blocks, cache.block_size, parts.model_config.vocab_size, cost_model,
                       select_kv_dtype(cache.kv_cache_dtype, draft.model.dtype))
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inflight.config import EngineConfig
+from inflight.config import EngineConfig, MatmulStorage
 from inflight.model import packed_cache
 from inflight.model.grid_quants import GRID_TYPES
 from inflight.model.kernels import cpu_kernels
@@ -22,7 +22,14 @@ from inflight.model.linear import (
     keeps_blocks,
 )
 from inflight.model.llama import LlamaModel
-from inflight.model.loader import load_blocks, load_checkpoint, load_embedding, release_file_pages, resolve_model
+from inflight.model.loader import (
+    load_blocks,
+    load_checkpoint,
+    load_embedding,
+    matmul_storage,
+    release_file_pages,
+    resolve_model,
+)
 from inflight.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -35,6 +42,9 @@ class LoadedModel:
     tokenizer: Tokenizer
     quantization: str = "none"
     hf_overrides: str | None = None
+    # The matmul weights' bytes as a step reads them where the checkpoint's matrices are kept as
+    # stored (`keeps_blocks`), for the step-time model; None: the compute type's.
+    matmul_storage: MatmulStorage | None = None
 
     def serves(self, config: EngineConfig) -> bool:
         """Whether an engine of `config` can run on this model as loaded (the same weights and settings)."""
@@ -76,7 +86,8 @@ class LoadedModel:
             if cache is not None and (kept is None or kept.keys() != llama.packed.keys()):
                 packed_cache.keep(cache, llama.packed)
             release_file_pages(source)
-            return cls(source.name, llama, tokenizer.result(), quantization, hf_overrides)
+            return cls(source.name, llama, tokenizer.result(), quantization, hf_overrides,
+                       matmul_storage(source) if keep_blocks else None)
 
 
 def _say_arithmetic(blocks: Mapping[str, tuple[str, object]], quantization: str) -> None:

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from inflight.config import LatentAttention, ModelConfig
+from inflight.config import LatentAttention, MatmulStorage, ModelConfig
 from inflight.errors import ConfigError, ModelLoadError
 from inflight.model.architectures import (
     ARCHITECTURES,
@@ -332,6 +332,42 @@ def _tensor_table(source: ModelSource) -> dict[str, tuple[int, int, int]]:
         n = int(np.prod(stored.shape, dtype=np.int64))
         table[name] = (n, int(n * _SAFETENSORS_BYTES.get(stored.dtype, 4)), len(stored.shape))
     return table
+
+
+def matmul_storage(source: ModelSource) -> MatmulStorage:
+    """The model's matmul weights as inflight's CPU kernels read them in fp32 where they keep the
+    checkpoint's matrices as stored (`load_blocks`, `linear.keeps_blocks`): a kept matrix's blocks
+    as repacked (`PACKED_BYTES`: the embedded model's Q4_1 0.625 bytes a parameter, its tied Q8_0
+    head 1.0625), fp32 panels (4) for the rest; and the share of each part kept so
+    (`MatmulStorage`). Read from the file's header alone."""
+    config = load_model_config(source)
+    table = _tensor_table(source)
+    if source.kind == "gguf":
+        tensors = _open_gguf(source.path).tensors
+        names = _blocks_kept(tensors, config)
+        kept = {t.name: t.tensor_type.name for t in tensors if t.name in names}
+    else:
+        kept = _hf_kept(source.path, config)
+    head = next((name for name in table if _is_lm_head(name)), None) or next(
+        (name for name in table if _is_embedding(name)), None)
+    sums = {part: [0.0, 0, 0] for part in ("dense", "experts", "head")}  # bytes, parameters, those kept
+    for name, (n, _, ndim) in table.items():
+        if name == head:
+            part = "head"
+        elif ndim < 2 or not (name.startswith("blk.") or ".layers." in name):
+            continue  # norms, biases, the embedding (read by row), a position table
+        elif (_gguf_expert_names(name, config) is not None if source.kind == "gguf" else ".experts." in name):
+            part = "experts"
+        else:
+            part = "dense"
+        sums[part][0] += n * (PACKED_BYTES[kept[name]] if name in kept else 4)
+        sums[part][1] += n
+        sums[part][2] += n if name in kept else 0
+    if not sums["experts"][1]:
+        sums["experts"] = sums["dense"]
+    per_part = {part: (size / n, kept_n / n) if n else (4.0, 0.0) for part, (size, n, kept_n) in sums.items()}
+    (dense, dense_kept), (experts, experts_kept), (head_bytes, head_kept) = per_part.values()
+    return MatmulStorage(dense, experts, head_bytes, dense_kept, experts_kept, head_kept)
 
 
 # --- GGUF ---------------------------------------------------------------------------------

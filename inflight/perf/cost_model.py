@@ -5,7 +5,8 @@ KV. Per device, with tensor parallelism over `tp` devices:
 
 - linear layers: `2 * tokens * params` FLOPs (the LM head only on sampled rows) against the peak
   FLOP/s of their compute type (the 8-bit tensor-core peak for fp8 or int8 weights where the
-  device has one), and every weight read once, in its own type, against the memory bandwidth;
+  device has one), and every weight read once, in its own type, against the memory bandwidth: a
+  checkpoint's matrices kept as stored (a GGUF file's blocks, `MatmulStorage`) at their own bytes;
 - attention, per request: `4 * layers * heads * head_dim` FLOPs per (query, key) pair, causal,
   against the peak, and its KV (read whole, new tokens written, in the KV cache's type) against
   the bandwidth;
@@ -16,7 +17,10 @@ KV. Per device, with tensor parallelism over `tp` devices:
   that overlaps scheduling hides behind the device's work;
 - where the engine profile says so (a CPU BLAS), matmuls of a few rows run one row at a time,
   each extra row costing about another pass over the weights, and larger ones pay once per step
-  for packing the weights.
+  for packing the weights;
+- where the engine profile says so (inflight's CPU kernels, which read a checkpoint's blocks as
+  stored), each stored parameter a step reads costs a fixed time for decoding its block, once per
+  step, beside its bytes.
 
 Peaks come from the hardware profile; efficiencies and overheads from the engine profile.
 """
@@ -27,7 +31,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple, Protocol
 
-from inflight.config import DTYPE_BYTES, ModelConfig, normalize_dtype
+from inflight.config import DTYPE_BYTES, MatmulStorage, ModelConfig, normalize_dtype
 from inflight.errors import ConfigError
 from inflight.perf.profiles import EngineProfile, HardwareProfile, default_engine
 from inflight.perf.shapes import (
@@ -71,6 +75,7 @@ class StepWork(NamedTuple):
     graphed: bool  # replayed from a CUDA graph
     num_allreduces: int
     allreduce_bytes: float  # what each device sends over the link, all of the step's all-reduces
+    kept_params: float = 0.0  # matmul parameters read as stored blocks, which the step decodes
 
 
 class StepCost(NamedTuple):
@@ -108,7 +113,12 @@ def combine(compute_s: float, memory_s: float, engine: EngineProfile) -> float:
 class CostModel:
     def __init__(self, model: ModelConfig, hardware: HardwareProfile, tp: int = 1, dtype: str | None = None,
                  engine: EngineProfile | None = None, weight_dtype: str | None = None,
-                 kv_cache_dtype: str | None = None) -> None:
+                 kv_cache_dtype: str | None = None, matmul_storage: MatmulStorage | None = None) -> None:
+        """`matmul_storage`: the matmul weights as a step reads them (a checkpoint's matrices kept
+        as stored: their bytes, and their blocks' decoding), where the engine profile was fitted so
+        (`weights_as_stored`, or its `as_stored` factors for a checkpoint stored otherwise than the
+        one it was calibrated on: `EngineProfile.for_storage`); None, an 8-bit `weight_dtype`, or
+        a profile fitted before: every weight in the weight type, nothing decoded."""
         dtype = normalize_dtype(dtype, hardware.dtype, "dtype")
         if dtype not in COMPUTE_DTYPES:
             raise ConfigError(f"dtype {dtype} is a storage type; compute runs in {', '.join(COMPUTE_DTYPES)}")
@@ -125,6 +135,9 @@ class CostModel:
         self.tp = tp
         self.dtype = dtype
         self.weight_dtype = normalize_dtype(weight_dtype, dtype, "weight dtype")
+        if matmul_storage is not None and self.weight_dtype == dtype:
+            self.engine = self.engine.for_storage(matmul_storage._asdict())
+        self.matmul_storage = matmul_storage if self.weight_dtype == dtype and self.engine.weights_as_stored else None
         self.kv_cache_dtype = normalize_dtype(kv_cache_dtype, dtype, "KV cache dtype")
         self.dtype_bytes = DTYPE_BYTES[dtype]
         a, w = self.dtype_bytes, DTYPE_BYTES[self.weight_dtype]
@@ -142,12 +155,19 @@ class CostModel:
         # A token computes with its routed experts only; a step reads the weights of every expert
         # one of its tokens chose (`experts_touched`) besides the dense ones.
         head_8bit = bool(eight_bit_peak) and self.engine.quantized_lm_head
+        stored = self.matmul_storage or MatmulStorage(w, w, w if head_8bit else a)
         self._linear_s_per_token = 2 * num_active_linear_params(model) / tp / self.linear_peak_flops
         self._head_s_per_row = 2 * head / tp / (self.linear_peak_flops if head_8bit else hardware.peak_flops)
-        self._linear_weight_bytes = (num_dense_linear_params(model)
-                                     + num_expert_layers(model) * model.num_experts * model.hidden_size) * w / tp
-        self._expert_weight_bytes = num_expert_layers(model) * expert_params(model) * w / tp
-        self._head_weight_bytes = head * (w if head_8bit else a) / tp
+        routers = num_expert_layers(model) * model.num_experts * model.hidden_size
+        self._linear_weight_bytes = (num_dense_linear_params(model) + routers) * stored.dense / tp
+        self._expert_weight_bytes = num_expert_layers(model) * expert_params(model) * stored.experts / tp
+        self._head_weight_bytes = head * stored.head / tp
+        # Parameters whose blocks a step decodes (once, whatever its rows: into registers for a few
+        # rows, into fp32 panels for more), where the profile prices that (`block_decode_s` in a
+        # step of one token, whose matmuls are a vector's; `block_decode_rows_s` in a step of more).
+        self._linear_kept = (num_dense_linear_params(model) + routers) * stored.dense_kept / tp
+        self._expert_kept = num_expert_layers(model) * expert_params(model) * stored.experts_kept / tp
+        self._head_kept = head * stored.head_kept / tp
         self._attn_flops_per_pair = 4 * model.num_attention_layers * (model.num_heads // tp) * model.head_dim
         # KV heads are split over the devices, replicated when there are fewer than devices.
         self.kv_heads_per_device = -(-model.num_kv_heads // tp)
@@ -160,7 +180,11 @@ class CostModel:
         self.kv_bytes_per_token = self._attn_bytes_per_token + sum(model.conv_layers or ()) * -(
             -model.hidden_size // tp) * kv
         self.weight_bytes_per_device = (linear * w + (num_params(model) - linear) * a) / tp
-        if head_8bit:  # an untied head 8-bit in place of its own type; a tied one an 8-bit copy
+        if self.matmul_storage is not None:  # the matrices as stored; a tied head the embedding's
+            experts = num_expert_layers(model) * model.num_experts * expert_params(model)
+            self.weight_bytes_per_device += ((linear - experts) * (stored.dense - w) + experts * (stored.experts - w)
+                                             + head * (stored.head - a)) / tp
+        elif head_8bit:  # an untied head 8-bit in place of its own type; a tied one an 8-bit copy
             self.weight_bytes_per_device += head * (w - (0 if model.tie_word_embeddings else a)) / tp
 
     # --- amounts --------------------------------------------------------------------------------
@@ -183,12 +207,14 @@ class CostModel:
                         + self._expert_weight_bytes * experts_touched(self.model, num_tokens)
                         + (self._head_weight_bytes if num_rows else 0.0))
         layers = self.model.num_layers if num_tokens else 0
+        kept = ((self._linear_kept if num_tokens else 0.0) + self._expert_kept * experts_touched(self.model, num_tokens)
+                + (self._head_kept if num_rows else 0.0))
         allreduces = 2 * layers if self.tp > 1 else 0
         # A ring all-reduce sends 2 (tp - 1) / tp of the message from each device.
         message = num_tokens * self.model.hidden_size * self.dtype_bytes
         sent = allreduces * 2 * (self.tp - 1) / self.tp * message
         return StepWork(num_requests, num_tokens, compute_s, weight_bytes, attention, layers,
-                        self.engine.graphed(num_requests, decode_only), allreduces, sent)
+                        self.engine.graphed(num_requests, decode_only), allreduces, sent, kept)
 
     # --- time -----------------------------------------------------------------------------------
 
@@ -202,6 +228,7 @@ class CostModel:
             linear += (work.num_tokens - 1) * eng.small_batch_row_s
         elif work.num_tokens >= 2:
             linear += eng.gemm_step_s
+        linear += work.kept_params * (eng.block_decode_s if work.num_tokens == 1 else eng.block_decode_rows_s)
         attention = sum(combine(f / attn_flops_rate, b / kv_rate, eng) for f, b in work.attention)
         comm = 0.0
         if work.num_allreduces:
@@ -218,12 +245,17 @@ class CostModel:
 
     # --- memory ---------------------------------------------------------------------------------
 
-    def for_draft(self, shapes: ModelConfig) -> CostModel:
-        """The cost of a draft model's forward pass on the same device and types: a pass inside
-        the step (a forward and an argmax), without the step's own overhead (scheduling, sampling,
-        output processing), which the step pays once."""
-        engine = dataclasses.replace(self.engine, step_overhead_s=0.0)
-        return CostModel(shapes, self.hardware, self.tp, self.dtype, engine, self.weight_dtype, self.kv_cache_dtype)
+    def for_draft(self, shapes: ModelConfig, matmul_storage: MatmulStorage | None = None) -> CostModel:
+        """The cost of a draft model's forward pass on the same device and types (its matrices
+        kept as stored at `matmul_storage`): a pass inside the step (a forward and an argmax),
+        without the step's own overhead (scheduling, sampling, output processing), which the step
+        pays once."""
+        engine = self.engine
+        if matmul_storage is not None and self.weight_dtype == self.dtype:  # its factors first, then no step
+            engine = engine.for_storage(matmul_storage._asdict())
+        engine = dataclasses.replace(engine, step_overhead_s=0.0)
+        return CostModel(shapes, self.hardware, self.tp, self.dtype, engine, self.weight_dtype, self.kv_cache_dtype,
+                         matmul_storage)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self.kv_bytes_per_token * block_size

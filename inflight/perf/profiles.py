@@ -198,12 +198,24 @@ class EngineProfile(_Record):
     small_batch_max_rows: int = 1
     small_batch_row_s: float = 0.0
     gemm_step_s: float = 0.0
+    # Factors fitted with a checkpoint's matrices priced as a step reads them (`MatmulStorage`: a
+    # GGUF file's blocks at their own bytes, and `block_decode_s` a parameter for decoding them);
+    # otherwise every weight in the compute type, nothing decoded.
+    weights_as_stored: bool = False
+    block_decode_s: float = 0.0  # in a step of one token (each matmul a vector's)
+    block_decode_rows_s: float = 0.0  # in a step of more
     source: str = ""
     calibration: dict[str, Any] = field(default_factory=dict, compare=False)
     # inflight on a CPU: the factors fitted on its engine with `--quantization int8` (int8
     # matmuls, `inflight sim calibrate --quantization int8`), which replace this profile's when the
     # simulated engine runs so (`for_int8`); empty where none was fitted.
     int8: dict[str, Any] = field(default_factory=dict, compare=False)
+    # inflight on a CPU: the factors fitted with the weights priced as stored, on the calibrated
+    # model and its copies in other storage types and widths (`weights_as_stored`), which price a
+    # checkpoint stored otherwise than `fitted_storage` (the calibrated model's `MatmulStorage`,
+    # whose own steps this profile's factors fit best): `for_storage`.
+    as_stored: dict[str, Any] = field(default_factory=dict, compare=False)
+    fitted_storage: dict[str, float] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         where = f"engine profile {self.name}"
@@ -232,6 +244,14 @@ class EngineProfile(_Record):
             raise ConfigError(f"engine profile {self.name} has no int8 factors")
         return dataclasses.replace(self, **self.int8, int8={})
 
+    def for_storage(self, storage: dict[str, float]) -> EngineProfile:
+        """This engine pricing a checkpoint stored as `storage` (`MatmulStorage._asdict()`): its
+        own factors for the model it was calibrated on, its `as_stored` ones for any other
+        storage (itself where it has none)."""
+        if not self.as_stored or storage == self.fitted_storage:
+            return self
+        return dataclasses.replace(self, **self.as_stored, as_stored={}, fitted_storage={})
+
     def graphed(self, num_requests: int, decode_only: bool) -> bool:
         """Whether a step runs from a captured CUDA graph."""
         return (self.cuda_graphs and decode_only and num_requests > 0
@@ -244,20 +264,29 @@ def save_profile(path: Path, hardware: HardwareProfile, engine: EngineProfile) -
     write_json(path, {"schema": PROFILE_SCHEMA, "hardware": hardware.to_dict(), "engine": engine.to_dict()})
 
 
-# Fitted against cpu-local's nominal peaks on 2 AMD EPYC Zen 4 cores (one torch thread, the
-# embedded model's Q4_1 blocks read as stored; benchmarks/sim/results/cpu-local.json,
-# docs/simulator.md). The factors are effective values of those nominal peaks, not measurements
-# of the hardware: "bandwidth" stands for the per-weight work of a step of a few rows (the blocks'
-# decoding, priced as the fp32 bytes the weights would take; docs/simulator.md, Limits). inflight's
-# own GEMM prefetches the next weight panel, so weight streaming and compute overlap (a smooth
-# max), and no matmul runs a row at a time.
+# Fitted against cpu-local's nominal peaks on 2 AMD EPYC Zen 4 cores (one torch thread;
+# benchmarks/sim/results/cpu-local.json, docs/simulator.md). The factors are effective values of
+# those nominal peaks, not measurements of the hardware. Its own: the embedded model's steps, its
+# Q4_1 blocks priced as fp32 weights ("bandwidth" over 1 stands for their decoding too), which fit
+# that model best. `as_stored`: the same steps and those of two copies of it (its matrices in
+# BF16, and twice as wide), each matrix at its stored bytes and each kept parameter's decoding
+# priced, which price any checkpoint stored otherwise (`for_storage`). inflight's own GEMM
+# prefetches the next weight panel, so weight streaming and compute overlap.
+_EMBEDDED_STORAGE = {"dense": 0.625, "experts": 0.625, "head": 1.0625, "dense_kept": 1.0, "experts_kept": 1.0,
+                     "head_kept": 1.0}
 INFLIGHT_CPU = EngineProfile(
-    "inflight-cpu", kind="cpu", roofline="smooth", roofline_exponent=4.0, flops_efficiency=0.304,
-    bandwidth_efficiency=1.261, attention_flops_efficiency=0.148, attention_bandwidth_efficiency=0.294,
-    step_overhead_s=0.59e-3, request_overhead_s=30e-6, layer_overhead_s=93e-6, allreduce_latency_s=0.0,
-    small_batch_max_rows=8, small_batch_row_s=0.0, gemm_step_s=1.2e-3,
+    "inflight-cpu", kind="cpu", roofline="max", flops_efficiency=0.321, bandwidth_efficiency=1.040,
+    attention_flops_efficiency=0.162, attention_bandwidth_efficiency=0.313, step_overhead_s=0.50e-3,
+    request_overhead_s=26e-6, layer_overhead_s=0.0, allreduce_latency_s=0.0, small_batch_max_rows=2,
+    small_batch_row_s=0.88e-3, gemm_step_s=3.6e-3,
     source="inflight on cpu-local: factors fitted by `inflight sim calibrate` on 2 AMD EPYC Zen 4 cores, "
-           "2026-12-07 (commit 68850f9)",
+           "2026-12-07 (commit e562134 and the weights priced as stored)",
+    fitted_storage=_EMBEDDED_STORAGE,
+    as_stored={"roofline": "sum", "flops_efficiency": 0.330, "bandwidth_efficiency": 1.285,
+               "attention_flops_efficiency": 0.156, "attention_bandwidth_efficiency": 0.574,
+               "step_overhead_s": 0.43e-3, "request_overhead_s": 28e-6, "layer_overhead_s": 37e-6,
+               "small_batch_max_rows": 2, "small_batch_row_s": 1.9e-3, "gemm_step_s": 0.0, "weights_as_stored": True,
+               "block_decode_s": 38.8e-12, "block_decode_rows_s": 14.2e-12},
 )
 
 BUILTIN_ENGINES: dict[str, EngineProfile] = {

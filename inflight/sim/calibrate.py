@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from inflight.config import MatmulStorage
 from inflight.perf.profiles import EngineProfile, HardwareProfile
 from inflight.sim.fit import FitResult, Sample, fit_profile
 
@@ -138,10 +139,14 @@ def measure(engine: Any, cases: Sequence[StepCase], seed: int = 0,
 def calibrate(model: str | None, hardware: HardwareProfile, base: EngineProfile, *, name: str = "cpu-local",
               cases: Sequence[StepCase] | None = None, torch_threads: int | None = 1,
               num_kv_blocks: int = 4096, max_num_tokens: int = 2048, repeats: int = 2,
-              progress: Callable[[str], None] | None = None) -> tuple[FitResult, list[Sample]]:
+              progress: Callable[[str], None] | None = None
+              ) -> tuple[FitResult, list[Sample], tuple[FitResult, list[Sample]] | None]:
     """Loads `model` on the CPU, measures the grid and fits the inflight engine's profile on
     `hardware` (the nominal peaks of this machine, renamed `name`), starting from `base`.
-    `max_num_tokens` is the calibration engine's budget: the largest prefill chunk measured."""
+    `max_num_tokens` is the calibration engine's budget: the largest prefill chunk measured.
+    Where `model` is a GGUF file of kept blocks, also times its copies (`_storage_samples`) and
+    fits the weights priced as stored to them and the grid, kept as the profile's `as_stored`
+    factors (which price any other checkpoint): returned as the third item, with its samples."""
     import torch
 
     from inflight.sim.shapes import resolve_shapes
@@ -153,16 +158,30 @@ def calibrate(model: str | None, hardware: HardwareProfile, base: EngineProfile,
     load_before = os.getloadavg()
     started = time.perf_counter()
     samples = [s for seed in range(repeats) for s in measure(engine, cases, seed, progress)]
+    stored = engine.parts.loaded.matmul_storage
+    model_name, dtype = engine.model_name, str(engine.model.dtype).removeprefix("torch.")
+    del engine
+    copies: list[str] = []
+    copied: list[Sample] = []
+    if stored is not None and (stored.dense_kept or stored.experts_kept):
+        copies, copied = _storage_samples(model, stored, repeats, progress)
     elapsed = time.perf_counter() - started
     _, shapes = resolve_shapes(model)
-    dtype = str(engine.model.dtype).removeprefix("torch.")
     hardware = dataclasses.replace(hardware, name=name, dtype=dtype)
-    result = fit_profile(samples, shapes, hardware, dataclasses.replace(base, name="inflight"), dtype)
+    start = dataclasses.replace(base, name="inflight", weights_as_stored=False, block_decode_s=0.0,
+                                block_decode_rows_s=0.0, as_stored={}, fitted_storage={})
+    result = fit_profile(samples, shapes, hardware, start, dtype)
+    as_stored = None
+    if copied:
+        as_stored = (fit_profile(samples + copied, shapes, hardware, dataclasses.replace(start, weights_as_stored=True),
+                                 dtype, matmul_storage=stored), samples + copied)
     rel = np.abs(result.predicted_s - result.measured_s) / result.measured_s
     info = {
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "model": engine.model_name,
+        "model": model_name,
         "dtype": dtype,
+        "matmul_storage": stored._asdict() if stored else None,
+        "storage_copies": copies,
         "torch_threads": torch.get_num_threads(),
         "num_samples": len(samples),
         "num_outliers": int(result.outliers.sum()),
@@ -177,7 +196,71 @@ def calibrate(model: str | None, hardware: HardwareProfile, base: EngineProfile,
     }
     profile = dataclasses.replace(result.profile, calibration=info,
                                   source=f"inflight on {name}: fitted by `inflight sim calibrate`")
-    return result._replace(profile=profile, hardware=hardware), samples
+    if as_stored is not None and stored is not None:
+        fitted = as_stored[0].profile
+        profile = dataclasses.replace(profile, fitted_storage=stored._asdict(), as_stored={
+            f.name: getattr(fitted, f.name) for f in dataclasses.fields(fitted) if f.name not in _NOT_FITTED})
+        info["as_stored_mean_abs_error_perc_by_roofline"] = as_stored[0].errors_by_roofline
+    return result._replace(profile=profile, hardware=hardware), samples, as_stored
+
+
+# Steps timed again on copies of the model. With one model, a step's weight bytes, its blocks'
+# decoding and its layers' fixed costs are all a fixed cost per step: a copy with its decoder
+# matrices in another block type (BF16: other bytes, the same decoding) tells the bytes apart, and
+# one of other widths (random weights in the model's types: other parameters a layer) the decoding
+# from the layers' cost. Without them (a checkpoint that is not a GGUF file), the fit leaves the
+# decoding out, and its pricing holds for the model's own type alone (docs/simulator.md).
+STORAGE_GRID = [*(StepCase(b, 64, 3) for b in (1, 2, 4, 16)), StepCase(1, 512, 3), StepCase(0, 0, 1, 512)]
+# A copy keeps at most this many bytes of matrices (its first layers only, past it).
+STORAGE_COPY_BYTES = 1 << 30
+
+
+def _storage_samples(model: str | None, stored: MatmulStorage, repeats: int,
+                     progress: Callable[[str], None] | None) -> tuple[list[str], list[Sample]]:
+    """`STORAGE_GRID`'s steps on copies of `model` (a GGUF file): its decoder matrices in BF16
+    (Q8_0 where they are 16-bit already), and twice as wide (half, past a hidden size of 1024) in
+    its own types; each sample with its copy's storage and shapes. Returns what the copies were,
+    none for a checkpoint that is not a GGUF file or a width that does not halve."""
+    import tempfile
+    from pathlib import Path
+
+    from inflight.model.gguf_copy import resized_copy, retyped_copy
+    from inflight.model.loader import resolve_model
+    from inflight.perf.shapes import num_linear_params
+    from inflight.sim.shapes import resolve_shapes
+
+    source = resolve_model(model)
+    if source.kind != "gguf":
+        return [], []
+    _, shapes = resolve_shapes(model)
+    kind = "Q8_0" if stored.dense >= 2 else "BF16"
+    layer_bytes = 2 * num_linear_params(shapes) / max(1, shapes.num_layers)
+    factor = 2.0 if shapes.hidden_size <= 1024 else 0.5
+    copies = {f"{kind} copy": lambda folder: retyped_copy(
+                  source.path, kind, folder, min(shapes.num_layers, max(2, int(STORAGE_COPY_BYTES // layer_bytes)))),
+              f"{factor:g}x as wide": lambda folder: resized_copy(
+                  source.path, factor, max(2, min(shapes.num_layers // 4,
+                                                  int(STORAGE_COPY_BYTES // (factor ** 2 * layer_bytes)))), folder)}
+    made, samples = [], []
+    with tempfile.TemporaryDirectory(prefix="inflight-calibrate-") as folder:
+        for name, write in copies.items():
+            if progress:
+                progress(f"the model again: {name}")
+            try:
+                path = write(Path(folder))
+            except ValueError as exc:
+                if progress:
+                    progress(f"no such copy: {exc}")
+                continue
+            engine = _timed_engine(str(path), STORAGE_GRID, 1024, 1024)
+            storage = engine.parts.loaded.matmul_storage
+            _, copy_shapes = resolve_shapes(str(path))
+            samples += [s._replace(shapes=copy_shapes, storage=storage)
+                        for seed in range(repeats) for s in measure(engine, STORAGE_GRID, seed, progress)]
+            del engine
+            path.unlink()
+            made.append(name)
+    return made, samples
 
 
 def _timed_engine(model: str | None, cases: Sequence[StepCase], num_kv_blocks: int, max_num_tokens: int,
@@ -202,7 +285,7 @@ def _timed_engine(model: str | None, cases: Sequence[StepCase], num_kv_blocks: i
 # the portable loops, one. The fitted efficiency absorbs the rest.
 INT8_PEAK_FACTOR = {"avx512-vnni": 4.0, "avx-vnni": 4.0, "avx2": 2.0, "generic": 1.0}
 # What an int8 fit may change of an engine profile: all but who it is and where it came from.
-_NOT_FITTED = {"name", "kind", "source", "calibration", "int8"}
+_NOT_FITTED = {"name", "kind", "source", "calibration", "int8", "as_stored", "fitted_storage"}
 
 
 def calibrate_int8(model: str | None, hardware: HardwareProfile, base: EngineProfile, *,

@@ -144,17 +144,16 @@ def _target(args: argparse.Namespace) -> Any:
     from inflight.perf.cost_model import normalize_dtype
     from inflight.perf.profiles import load_profiles
     from inflight.sim.runs import SimTarget
-    from inflight.sim.shapes import resolve_shapes
 
     if not 0 < args.gpu_memory_utilization <= 1:
         raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ConfigError("--max-concurrency must be >= 1")
-    name, shapes = resolve_shapes(args.model)
     hardware, engine = load_profiles(args.hardware, args.engine_profile)
     weights = normalize_dtype(args.weight_dtype, "auto", "--weight-dtype")
     kv = normalize_dtype(args.kv_cache_dtype, "auto", "--kv-cache-dtype")  # an engine option (the KV pool's)
-    return SimTarget(name, shapes, hardware, args.tp, args.gpu_memory_utilization, engine, weights, kv)
+    return SimTarget.of(args.model, hardware, engine, tp=args.tp, gpu_memory_utilization=args.gpu_memory_utilization,
+                        weight_dtype=weights, kv_cache_dtype=kv)
 
 
 def _workload(args: argparse.Namespace) -> tuple[Any, Path]:
@@ -286,17 +285,26 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print(f"wrote {args.output}", file=sys.stderr)
         print(format_fit(result, samples, int8=True))
         return 0
-    result, samples = calibrate(args.model, hardware, base, name=args.name or hardware.name,
+    result, samples, as_stored = calibrate(args.model, hardware, base, name=args.name or hardware.name,
                                 torch_threads=args.torch_threads, max_num_tokens=args.max_num_tokens,
                                 repeats=args.repeats, progress=progress)
     save_profile(Path(args.output), result.hardware, result.profile)
     print(f"wrote {args.output}", file=sys.stderr)
     if args.samples:
-        rows = [{"batch": [list(w) for w in s.batch], "duration_s": s.duration_s, "forward_s": s.forward_s,
-                 "predicted_s": float(p)} for s, p in zip(samples, result.predicted_s, strict=True)]
-        Path(args.samples).write_text(json.dumps({"engine": dataclasses.asdict(result.profile),
-                                                  "hardware": dataclasses.asdict(result.hardware), "steps": rows}))
+        def rows(fit: Any, steps: list[Any]) -> list[dict[str, Any]]:
+            return [{"batch": [list(w) for w in s.batch], "duration_s": s.duration_s, "forward_s": s.forward_s,
+                     "predicted_s": float(p), **({"storage": s.storage._asdict(), "hidden_size": s.shapes.hidden_size,
+                                                  "num_layers": s.shapes.num_layers} if s.storage else {})}
+                    for s, p in zip(steps, fit.predicted_s, strict=True)]
+
+        Path(args.samples).write_text(json.dumps({
+            "engine": dataclasses.asdict(result.profile), "hardware": dataclasses.asdict(result.hardware),
+            "steps": rows(result, samples), "as_stored_steps": rows(*as_stored) if as_stored else None}))
     print(format_fit(result, samples))
+    if as_stored is not None:
+        print("\nwith the weights priced as stored, also on the model's copies (the factors of any other "
+              "checkpoint's steps):")
+        print(format_fit(*as_stored))
     return 0
 
 

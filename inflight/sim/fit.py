@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from inflight.config import ModelConfig
+from inflight.config import MatmulStorage, ModelConfig
 from inflight.perf.cost_model import CostModel, SeqWork, combine
 from inflight.perf.profiles import EngineProfile, HardwareProfile
 
@@ -21,14 +21,18 @@ class Sample(NamedTuple):
     forward_s: float  # of which the model's forward pass (the device's work)
     shapes: ModelConfig | None = None  # the model it ran; None: the fit's
     tp: int = 1
+    # How its matmul weights were stored (`MatmulStorage`), where it ran another copy of the fit's
+    # model (the same shapes, other types); None: the fit's model's storage, or of `shapes`' model none.
+    storage: MatmulStorage | None = None
 
 
 _EFFICIENCIES = ("flops_efficiency", "bandwidth_efficiency", "attention_flops_efficiency",
                  "attention_bandwidth_efficiency")
 # The forward pass's time terms, in the order of `_design`'s columns: an efficiency's column
 # holds work over the peak (its coefficient is 1 / efficiency), a time term's a count.
-_TERMS = (*_EFFICIENCIES, "small_batch_row_s", "gemm_step_s", "layer_overhead_s", "graph_layer_overhead_s",
-          "allreduce_latency_s", "allreduce_peer_latency_s", "allreduce_bandwidth_efficiency")
+_TERMS = (*_EFFICIENCIES, "small_batch_row_s", "gemm_step_s", "block_decode_s", "block_decode_rows_s",
+          "layer_overhead_s", "graph_layer_overhead_s", "allreduce_latency_s", "allreduce_peer_latency_s",
+          "allreduce_bandwidth_efficiency")
 _INVERSE = {*_EFFICIENCIES, "allreduce_bandwidth_efficiency"}
 
 
@@ -45,17 +49,35 @@ class _Models:
     """One cost model per (shapes, tp) among the samples, on the profiles being fitted."""
 
     def __init__(self, shapes: ModelConfig, hardware: HardwareProfile, dtype: str | None,
-                 weight_dtype: str | None = None) -> None:
+                 weight_dtype: str | None = None, matmul_storage: MatmulStorage | None = None) -> None:
         self.shapes, self.hardware, self.dtype, self.weight_dtype = shapes, hardware, dtype, weight_dtype
-        self._cache: dict[tuple[int, int, EngineProfile], CostModel] = {}
+        self.matmul_storage = matmul_storage  # of `shapes`' checkpoint; other samples' models in the compute type
+        self._cache: dict[tuple[int, int, MatmulStorage | None, EngineProfile], CostModel] = {}
+        # Whether the samples' blocks' decoding can be told from their bytes (`separates_decoding`).
+        self.decoding_known = False
+
+    def storage(self, sample: Sample) -> MatmulStorage | None:
+        return sample.storage or (self.matmul_storage if sample.shapes is None else None)
+
+    def separates_decoding(self, samples: Sequence[Sample]) -> bool:
+        """Whether `samples` ran blocks kept at two sizes a parameter, and of two widths
+        (`calibrate`'s copies of its model, in BF16 and twice as wide). Else a step's bytes, its
+        blocks' decoding and its layers' fixed cost are too nearly all a fixed cost per step, and
+        the decoding is left out of the fit (`block_decode_s` 0: the bandwidth and the per-layer
+        cost price it)."""
+        kept = [(s.shapes or self.shapes, storage) for s in samples
+                if (storage := self.storage(s)) is not None and storage.dense_kept]
+        return (len({storage.dense for _, storage in kept}) > 1
+                and len({(shapes.hidden_size, shapes.intermediate_size) for shapes, _ in kept}) > 1)
 
     def of(self, sample: Sample, engine: EngineProfile) -> CostModel:
-        key = (id(sample.shapes), sample.tp, engine)
+        storage = self.storage(sample)
+        key = (id(sample.shapes), sample.tp, storage, engine)
         if key not in self._cache:
             if len(self._cache) > 64:
                 self._cache.clear()
             self._cache[key] = CostModel(sample.shapes or self.shapes, self.hardware, sample.tp, self.dtype, engine,
-                                         self.weight_dtype)
+                                         self.weight_dtype, matmul_storage=storage)
         return self._cache[key]
 
 
@@ -79,7 +101,8 @@ def _design(samples: Sequence[Sample], models: _Models, engine: EngineProfile) -
         small = w.num_tokens - 1 if 2 <= w.num_tokens <= engine.small_batch_max_rows else 0
         gemm = 1.0 if w.num_tokens >= 2 and not small else 0.0
         link = hw.interconnect_bandwidth or 1.0
-        rows.append([lin_c, lin_m, attn_f, attn_b, small, gemm,
+        kept = w.kept_params if models.decoding_known else 0.0  # one column a vector's step, one the rest's
+        rows.append([lin_c, lin_m, attn_f, attn_b, small, gemm, kept * (w.num_tokens == 1), kept * (w.num_tokens > 1),
                      0.0 if w.graphed else w.num_layers, w.num_layers if w.graphed else 0.0,
                      w.num_allreduces, w.num_allreduces * (cm.tp - 1), w.allreduce_bytes / link])
     return np.array(rows)
@@ -153,7 +176,8 @@ def _fit_overheads(samples: Sequence[Sample], profile: EngineProfile) -> EngineP
 def fit_profile(samples: Sequence[Sample], shapes: ModelConfig, hardware: HardwareProfile, base: EngineProfile,
                 dtype: str | None = None, rooflines: Sequence[str] = ("max", "sum", "smooth"),
                 exponents: Sequence[float] = (2.0, 4.0), small_batch_rows: Sequence[int] = (1, 2, 3, 4, 6, 8),
-                outlier_factor: float = 4.0, weight_dtype: str | None = None) -> FitResult:
+                outlier_factor: float = 4.0, weight_dtype: str | None = None,
+                matmul_storage: MatmulStorage | None = None) -> FitResult:
     """Fits the efficiency factors and time terms of `base` to the forward-pass times and its
     overheads to the rest of each step, for each roofline form (the smooth one at each of
     `exponents`) and small-batch regime, and keeps the one with the smallest mean relative
@@ -162,8 +186,11 @@ def fit_profile(samples: Sequence[Sample], shapes: ModelConfig, hardware: Hardwa
     come from several models and TP degrees (`Sample.shapes`, `Sample.tp`), which is what
     separates a per-layer cost from a per-step one. `weight_dtype` int8: the steps of an engine
     with int8 matmuls, whose efficiency is then of the hardware's int8 peak (`base` must have no
-    `eight_bit_flops_efficiency`: the fit's `flops_efficiency` stands for it)."""
-    models = _Models(shapes, hardware, dtype, weight_dtype)
+    `eight_bit_flops_efficiency`: the fit's `flops_efficiency` stands for it). `matmul_storage`:
+    the weight reads of `shapes`' checkpoint as its engine made them (`LoadedModel.matmul_storage`)."""
+    base = dataclasses.replace(base, as_stored={}, fitted_storage={})  # one set of factors, the one fitted
+    models = _Models(shapes, hardware, dtype, weight_dtype, matmul_storage)
+    models.decoding_known = models.separates_decoding(samples)
     y = np.array([s.duration_s for s in samples])
     keep = np.ones(len(samples), dtype=bool)
     forms = [(form, k) for form in rooflines for k in (exponents if form == "smooth" else (base.roofline_exponent,))]
@@ -212,12 +239,16 @@ def _kind(sample: Sample) -> str:
     chunks = [w for w in sample.batch if w.num_new_tokens > 1]
     context = max(w.context_len for w in sample.batch)
     bucket = next(b for b in (128, 768, 2048, 1 << 30) if context <= b)
+    copy = ""  # or a copy of the model in another storage type or width (`calibrate`'s)
+    if sample.storage is not None:
+        width = f"{sample.shapes.hidden_size} wide, " if sample.shapes is not None else ""
+        copy = f" [copy: {width}{sample.storage.dense:.3g} B]"
     if not chunks:
-        return f"decode x{len(decodes):<3} context <= {bucket}"
+        return f"decode x{len(decodes):<3} context <= {bucket}{copy}"
     tokens = sum(w.num_new_tokens for w in chunks)
     start = max(w.context_len - w.num_new_tokens for w in chunks)
     what = f"prefill {tokens} at {start}" if len(chunks) == 1 else f"prefill {tokens} ({len(chunks)} chunks)"
-    return what + (f" + decode x{len(decodes)}" if decodes else "")
+    return what + (f" + decode x{len(decodes)}" if decodes else "") + copy
 
 
 def format_fit(result: FitResult, samples: Sequence[Sample], int8: bool = False) -> str:
@@ -236,15 +267,19 @@ def format_fit(result: FitResult, samples: Sequence[Sample], int8: bool = False)
              f"{p.attention_bandwidth_efficiency:.3f} of peak bandwidth",
              f"  overhead: {p.step_overhead_s * 1e3:.2f} ms per step + {p.request_overhead_s * 1e6:.1f} us per request",
              f"  small-batch matmuls: {small}",
+             *([f"  stored blocks: {p.block_decode_s * 1e12:.1f} ps per parameter a step of one token decodes, "
+                f"{p.block_decode_rows_s * 1e12:.1f} ps in a step of more"]
+               if p.weights_as_stored else []),
              f"  per layer: {p.layer_overhead_s * 1e6:.1f} us, "
              f"{p.graph_layer_overhead_s * 1e6:.1f} us from a CUDA graph",
-             f"  {len(samples)} steps, {int(result.outliers.sum())} left out as outliers",
-             f"{'kind of step':<40}{'steps':>6}{'measured ms':>13}{'predicted ms':>14}{'error':>8}"]
+             f"  {len(samples)} steps, {int(result.outliers.sum())} left out as outliers"]
     groups: dict[str, list[int]] = {}
     for i, sample in enumerate(samples):
         groups.setdefault(_kind(sample), []).append(i)
+    width = max(40, *(len(kind) + 1 for kind in groups))
+    lines.append(f"{'kind of step':<{width}}{'steps':>6}{'measured ms':>13}{'predicted ms':>14}{'error':>8}")
     for kind, idx in sorted(groups.items(), key=lambda g: float(np.mean(result.measured_s[g[1]]))):
         measured, predicted = float(np.mean(result.measured_s[idx])), float(np.mean(result.predicted_s[idx]))
-        lines.append(f"{kind:<40}{len(idx):>6}{measured * 1e3:>13.1f}{predicted * 1e3:>14.1f}"
+        lines.append(f"{kind:<{width}}{len(idx):>6}{measured * 1e3:>13.1f}{predicted * 1e3:>14.1f}"
                      f"{100 * (predicted - measured) / measured:>+7.1f}%")
     return "\n".join(lines)

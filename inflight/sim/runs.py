@@ -11,13 +11,13 @@ from inflight.bench.metrics import RequestSLO
 from inflight.bench.results import BenchRun
 from inflight.bench.runs import RunPlan, resolve_options
 from inflight.bench.workload import BenchRequest
-from inflight.config import EngineConfig, ModelConfig
+from inflight.config import EngineConfig, MatmulStorage, ModelConfig
 from inflight.errors import ConfigError
 from inflight.fleet.routing import RouterConfig
 from inflight.perf.cost_model import CostModel
 from inflight.perf.profiles import EngineProfile, HardwareProfile, default_engine
 from inflight.sim.fleet import run_fleet
-from inflight.sim.shapes import resolve_shapes
+from inflight.sim.shapes import checkpoint_storage, resolve_shapes
 from inflight.sim.simulator import run_simulation, sim_engine
 
 
@@ -25,7 +25,8 @@ from inflight.sim.simulator import run_simulation, sim_engine
 class SimTarget:
     """What is simulated: a model's shapes on `tp` devices of one kind, run by one engine (its
     profile: kernels and step loop), with weights and KV cache in the given types (`auto`: the
-    compute type)."""
+    compute type, or the checkpoint's matrices as stored, `matmul_storage`, where inflight's CPU
+    kernels keep them)."""
 
     model_name: str
     shapes: ModelConfig
@@ -35,6 +36,17 @@ class SimTarget:
     engine: EngineProfile | None = None  # None: the hardware's default
     weight_dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    matmul_storage: MatmulStorage | None = None
+
+    @classmethod
+    def of(cls, model: str | None, hardware: HardwareProfile, engine: EngineProfile | None = None,
+           **options: Any) -> SimTarget:
+        """`model` (a built-in shape's name, a checkpoint, None: the embedded model) on `hardware`:
+        on a CPU, a local checkpoint's matrices priced as inflight's kernels read them, as stored
+        (`checkpoint_storage`); a GPU engine's, and a named shape's, in the compute type."""
+        name, shapes = resolve_shapes(model)
+        stored = checkpoint_storage(model) if hardware.kind == "cpu" else None
+        return cls(name, shapes, hardware, engine=engine, matmul_storage=stored, **options)
 
     @property
     def engine_profile(self) -> EngineProfile:
@@ -56,7 +68,8 @@ class SimTarget:
         elif quantization != "none":
             raise ConfigError(f"--quantization {quantization} is not modelled by the simulator (its matmuls have no "
                               f"calibrated profile)")
-        return CostModel(self.shapes, self.hardware, self.tp, dtype, engine, weight_dtype, self.kv_cache_dtype)
+        return CostModel(self.shapes, self.hardware, self.tp, dtype, engine, weight_dtype, self.kv_cache_dtype,
+                         self.matmul_storage)
 
     def describe(self) -> str:
         where = f"{self.model_name} on {self.hardware.name}" + (f" x{self.tp}" if self.tp > 1 else "")
@@ -70,7 +83,9 @@ class SimTarget:
         engine.pop("schema")
         return {"kind": "simulated", "model": self.model_name, "tp": self.tp,
                 "gpu_memory_utilization": self.gpu_memory_utilization, "weight_dtype": self.weight_dtype,
-                "kv_cache_dtype": self.kv_cache_dtype, "hardware": hw, "engine": engine}
+                "kv_cache_dtype": self.kv_cache_dtype,
+                "matmul_storage": self.matmul_storage._asdict() if self.matmul_storage else None,
+                "hardware": hw, "engine": engine}
 
 
 # Options of the fleet, not of one engine: `replicas` engines behind the `router` policy.
@@ -96,7 +111,8 @@ def simulate(target: SimTarget, options: dict[str, Any], requests: Sequence[Benc
     speculative = config.scheduler.speculative
     if speculative is not None and speculative.model is not None:  # a draft model: its shapes, same device
         _, draft_shapes = resolve_shapes(speculative.model)
-        draft_cost_model = cost_model.for_draft(draft_shapes)
+        stored = checkpoint_storage(speculative.model) if target.matmul_storage is not None else None
+        draft_cost_model = cost_model.for_draft(draft_shapes, stored)
     recorded = {**options, "model": target.model_name, "hardware": target.hardware.name, "tp": target.tp,
                 "engine_profile": cost_model.engine.name, "dtype": cost_model.dtype,
                 "weight_dtype": cost_model.weight_dtype, "kv_cache_dtype": cost_model.kv_cache_dtype}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from inflight.config import ModelConfig
+from inflight.config import MatmulStorage, ModelConfig
 from inflight.errors import ConfigError, ModelLoadError
 from inflight.model.hf_config import read_hf_config
 from inflight.perf.shapes import BUILTIN_MODELS, DEFAULT_MODEL
@@ -45,5 +45,25 @@ def shapes_from_hf_config(path: Path) -> ModelConfig:
     with the usual fields: hidden_size, intermediate_size, num_hidden_layers, ...)."""
     try:
         return read_hf_config(path)
+    except ModelLoadError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def checkpoint_storage(model: str | None) -> MatmulStorage | None:
+    """The matmul weights' bytes as inflight's CPU kernels read a local checkpoint's matrices,
+    kept as stored (`loader.matmul_storage`: a GGUF file's blocks, a checkpoint's 16-bit matrices):
+    those of the engine's default model (None: the embedded GGUF), of a GGUF file or of a model
+    directory; None for a built-in name or a bare config.json, whose weights are priced in the
+    compute type."""
+    from inflight.model.loader import matmul_storage, resolve_model
+
+    if model is None:
+        return matmul_storage(resolve_model(None))
+    path = Path(model).expanduser()
+    local = (path.is_dir() and (path / "config.json").is_file()) or (path.is_file() and path.suffix.lower() == ".gguf")
+    if _normalize(model) in BUILTIN_MODELS or not local:
+        return None
+    try:
+        return matmul_storage(resolve_model(path))
     except ModelLoadError as exc:
         raise ConfigError(str(exc)) from None
