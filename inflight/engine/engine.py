@@ -137,8 +137,8 @@ def _slo_cost_model(config: SchedulerConfig, model: ModelConfig, parts: EnginePa
     """The SLO policy's step-time model: its profile, or by default the built-in one for the
     device (its efficiencies then follow the machine through the online correction); an int8
     engine's from the profile's int8 factors where it has them (`inflight sim calibrate
-    --quantization int8`). A checkpoint's matrices kept as stored are priced at their own bytes
-    (`LoadedModel.matmul_storage`)."""
+    --quantization int8`). A checkpoint stored otherwise than the profile's calibrated model is
+    priced by its `as_stored` factors (`LoadedModel.matmul_storage`, `EngineProfile.for_storage`)."""
     name = config.slo_cost_profile
     if name == "auto":
         name = "h100" if parts.device is not None and parts.device.type == "cuda" else "cpu-local"

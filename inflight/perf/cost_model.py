@@ -203,11 +203,11 @@ class CostModel:
             pairs = n * start + n * (n + 1) // 2  # causal: query i sees start + i + 1 keys
             attention.append((pairs * pair_flops, (context + n) * kv_bytes))
         compute_s = num_tokens * self._linear_s_per_token + num_rows * self._head_s_per_row
-        weight_bytes = ((self._linear_weight_bytes if num_tokens else 0.0)
-                        + self._expert_weight_bytes * experts_touched(self.model, num_tokens)
+        touched = experts_touched(self.model, num_tokens)
+        weight_bytes = ((self._linear_weight_bytes if num_tokens else 0.0) + self._expert_weight_bytes * touched
                         + (self._head_weight_bytes if num_rows else 0.0))
         layers = self.model.num_layers if num_tokens else 0
-        kept = ((self._linear_kept if num_tokens else 0.0) + self._expert_kept * experts_touched(self.model, num_tokens)
+        kept = ((self._linear_kept if num_tokens else 0.0) + self._expert_kept * touched
                 + (self._head_kept if num_rows else 0.0))
         allreduces = 2 * layers if self.tp > 1 else 0
         # A ring all-reduce sends 2 (tp - 1) / tp of the message from each device.
@@ -250,12 +250,10 @@ class CostModel:
         kept as stored at `matmul_storage`): a pass inside the step (a forward and an argmax),
         without the step's own overhead (scheduling, sampling, output processing), which the step
         pays once."""
-        engine = self.engine
-        if matmul_storage is not None and self.weight_dtype == self.dtype:  # its factors first, then no step
-            engine = engine.for_storage(matmul_storage._asdict())
-        engine = dataclasses.replace(engine, step_overhead_s=0.0)
-        return CostModel(shapes, self.hardware, self.tp, self.dtype, engine, self.weight_dtype, self.kv_cache_dtype,
-                         matmul_storage)
+        draft = CostModel(shapes, self.hardware, self.tp, self.dtype, self.engine, self.weight_dtype,
+                          self.kv_cache_dtype, matmul_storage)
+        draft.engine = dataclasses.replace(draft.engine, step_overhead_s=0.0)  # after its storage chose its factors
+        return draft
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self.kv_bytes_per_token * block_size

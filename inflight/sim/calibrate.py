@@ -194,13 +194,14 @@ def calibrate(model: str | None, hardware: HardwareProfile, base: EngineProfile,
         "repeats": repeats,
         "grid": [c._asdict() for c in cases],
     }
+    if as_stored is not None:
+        info["as_stored_mean_abs_error_perc_by_roofline"] = as_stored[0].errors_by_roofline
     profile = dataclasses.replace(result.profile, calibration=info,
                                   source=f"inflight on {name}: fitted by `inflight sim calibrate`")
     if as_stored is not None and stored is not None:
         fitted = as_stored[0].profile
         profile = dataclasses.replace(profile, fitted_storage=stored._asdict(), as_stored={
             f.name: getattr(fitted, f.name) for f in dataclasses.fields(fitted) if f.name not in _NOT_FITTED})
-        info["as_stored_mean_abs_error_perc_by_roofline"] = as_stored[0].errors_by_roofline
     return result._replace(profile=profile, hardware=hardware), samples, as_stored
 
 
@@ -208,8 +209,8 @@ def calibrate(model: str | None, hardware: HardwareProfile, base: EngineProfile,
 # decoding and its layers' fixed costs are all a fixed cost per step: a copy with its decoder
 # matrices in another block type (BF16: other bytes, the same decoding) tells the bytes apart, and
 # one of other widths (random weights in the model's types: other parameters a layer) the decoding
-# from the layers' cost. Without them (a checkpoint that is not a GGUF file), the fit leaves the
-# decoding out, and its pricing holds for the model's own type alone (docs/simulator.md).
+# from the layers' cost. Without them (a checkpoint that is not a GGUF file) the profile has no
+# `as_stored` factors, and its own pricing holds for the model's own type alone (docs/simulator.md).
 STORAGE_GRID = [*(StepCase(b, 64, 3) for b in (1, 2, 4, 16)), StepCase(1, 512, 3), StepCase(0, 0, 1, 512)]
 # A copy keeps at most this many bytes of matrices (its first layers only, past it).
 STORAGE_COPY_BYTES = 1 << 30

@@ -49,12 +49,13 @@ class _Models:
     """One cost model per (shapes, tp) among the samples, on the profiles being fitted."""
 
     def __init__(self, shapes: ModelConfig, hardware: HardwareProfile, dtype: str | None,
-                 weight_dtype: str | None = None, matmul_storage: MatmulStorage | None = None) -> None:
+                 weight_dtype: str | None = None, matmul_storage: MatmulStorage | None = None,
+                 samples: Sequence[Sample] = ()) -> None:
         self.shapes, self.hardware, self.dtype, self.weight_dtype = shapes, hardware, dtype, weight_dtype
         self.matmul_storage = matmul_storage  # of `shapes`' checkpoint; other samples' models in the compute type
         self._cache: dict[tuple[int, int, MatmulStorage | None, EngineProfile], CostModel] = {}
         # Whether the samples' blocks' decoding can be told from their bytes (`separates_decoding`).
-        self.decoding_known = False
+        self.decoding_known = self.separates_decoding(samples)
 
     def storage(self, sample: Sample) -> MatmulStorage | None:
         return sample.storage or (self.matmul_storage if sample.shapes is None else None)
@@ -189,8 +190,7 @@ def fit_profile(samples: Sequence[Sample], shapes: ModelConfig, hardware: Hardwa
     `eight_bit_flops_efficiency`: the fit's `flops_efficiency` stands for it). `matmul_storage`:
     the weight reads of `shapes`' checkpoint as its engine made them (`LoadedModel.matmul_storage`)."""
     base = dataclasses.replace(base, as_stored={}, fitted_storage={})  # one set of factors, the one fitted
-    models = _Models(shapes, hardware, dtype, weight_dtype, matmul_storage)
-    models.decoding_known = models.separates_decoding(samples)
+    models = _Models(shapes, hardware, dtype, weight_dtype, matmul_storage, samples)
     y = np.array([s.duration_s for s in samples])
     keep = np.ones(len(samples), dtype=bool)
     forms = [(form, k) for form in rooflines for k in (exponents if form == "smooth" else (base.roofline_exponent,))]
