@@ -64,6 +64,7 @@ import torch
 import torch.nn.functional as F
 
 from inflight.engine.memory import huge_page_zeros
+from inflight.model.gguf_copy import random_blocks
 from inflight.model.kernels import CFLAGS, LDFLAGS, cpu_kernels
 from inflight.model.linear import INTEGER_BLOCK_TYPES, GreedyHead, Linear, int8_row_scales
 
@@ -190,34 +191,9 @@ def gguf_block_matmuls() -> None:
               f"fp32 panels {1000 * fp32_s:6.1f} ms ({fp32_s / blocks_s:.2f}x)")
 
 
-# Where each type keeps its fp16 scales in a block (bytes), and a magnitude that keeps the weights
-# near 0.1 once a K-quant's sub-block scales multiply in.
-_SCALES_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],
-              "Q5_K": [0, 2], "Q6_K": [208], "Q3_K": [108], "Q2_K": [80, 82], "IQ4_NL": [0], "IQ4_XS": [0],
-              "IQ1_S": [0], "IQ2_XXS": [0], "IQ2_XS": [0], "IQ2_S": [0], "IQ3_XXS": [0], "IQ3_S": [0],
-              "TQ1_0": [52], "TQ2_0": [64], "IQ1_M": [], "MXFP4": []}
-
-
 def _stored_rows(kind: str, rows: int, cols: int, rng: object) -> torch.Tensor:
     """Random GGUF rows of `kind` (any of `loader.BLOCK_TYPES`) with sane fp16 scales."""
-    import gguf
-    import numpy as np
-
-    if kind in ("F16", "BF16"):
-        return (torch.randn(rows, cols) * 0.02).to(torch.float16 if kind == "F16" else torch.bfloat16).view(torch.uint8)
-    weights, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
-    blocks = rng.integers(0, 256, size=(rows, cols // weights, block_bytes), dtype=np.uint8)  # type: ignore[attr-defined]
-    scale = np.frombuffer(np.float16(0.002 if weights == 256 else 0.01).tobytes(), np.uint8)  # K-quants, IQ4_XS
-    for at in _SCALES_AT[kind]:
-        blocks[..., at:at + 2] = scale
-    if kind == "IQ1_M":  # its d in the top nibbles of the four scale words at 48
-        words = blocks[..., 48:56].copy().view(np.uint16)
-        for j in range(4):
-            words[..., j] = (words[..., j] & 0x0FFF) | (((scale.view(np.uint16)[0] >> (4 * j)) & 0x0F) << 12)
-        blocks[..., 48:56] = words.view(np.uint8)
-    if kind == "MXFP4":  # E8M0: 2^(e - 128), values up to 12
-        blocks[..., 0] = rng.integers(118, 123, size=blocks.shape[:2])  # type: ignore[attr-defined]
-    return torch.from_numpy(blocks.reshape(rows, -1))
+    return torch.from_numpy(random_blocks(kind, rows, cols, rng))  # type: ignore[arg-type]
 
 
 def block_types(kinds: list[str] | None = None) -> None:

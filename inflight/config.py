@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, NamedTuple
@@ -58,6 +58,24 @@ class MatmulStorage(NamedTuple):
     dense_kept: float = 0.0
     experts_kept: float = 0.0
     head_kept: float = 0.0
+    # The kept parameters by block type: (type, its share of the part's parameters) pairs, whose
+    # decoding is priced per type (`decoded`); empty where not known.
+    dense_types: tuple[tuple[str, float], ...] = ()
+    experts_types: tuple[tuple[str, float], ...] = ()
+    head_types: tuple[tuple[str, float], ...] = ()
+
+    def decoded(self, part: str, weights: Mapping[str, float]) -> float:
+        """The share of `part`'s parameters a step decodes, each type's share times its decoding's
+        cost against Q4_1's (`weights`, a calibration's `block_decode_weights`; 1 for a type it
+        did not time); the kept share where the types are not known."""
+        types = getattr(self, f"{part}_types")
+        if not types:
+            return float(getattr(self, f"{part}_kept"))
+        return sum(share * weights.get(kind, 1.0) for kind, share in types)
+
+    def identity(self) -> dict[str, float]:
+        """Its bytes and kept shares, which tell a calibrated model's storage (`fitted_storage`)."""
+        return {key: value for key, value in self._asdict().items() if not key.endswith("_types")}
 
 
 def normalize_dtype(name: str | None, default: str, what: str) -> str:

@@ -643,9 +643,10 @@ def test_fit_tells_a_steps_weight_bytes_from_its_blocks_decoding() -> None:
                                 bandwidth_efficiency=0.9, step_overhead_s=4e-4, request_overhead_s=3e-5,
                                 small_batch_max_rows=1, small_batch_row_s=0.0, gemm_step_s=0.001,
                                 weights_as_stored=True, block_decode_s=25e-12, block_decode_rows_s=10e-12,
-                                as_stored={}, fitted_storage={})
+                                block_decode_weights={"Q4_1": 1.0, "BF16": 0.6}, as_stored={}, fitted_storage={})
     shapes = BUILTIN_MODELS["smollm2-135m"]
-    q4, bf16 = MatmulStorage(0.625, 0.625, 1.0625, 1, 1, 1), MatmulStorage(2, 2, 1.0625, 1, 1, 1)
+    q4 = MatmulStorage(0.625, 0.625, 1.0625, 1, 1, 1, (("Q4_1", 1.0),), (("Q4_1", 1.0),), (("Q8_0", 1.0),))
+    bf16 = q4._replace(dense=2, experts=2, dense_types=(("BF16", 1.0),), experts_types=(("BF16", 1.0),))
     wide = dataclasses.replace(shapes, hidden_size=2 * shapes.hidden_size, num_heads=2 * shapes.num_heads,
                                num_kv_heads=2 * shapes.num_kv_heads, intermediate_size=2 * shapes.intermediate_size,
                                num_layers=8)
@@ -657,7 +658,8 @@ def test_fit_tells_a_steps_weight_bytes_from_its_blocks_decoding() -> None:
             cost = cm.cost(cm.work(batch))
             sample = Sample(batch, cost.total_s, cost.linear_s + cost.attention_s + cost.launch_s)
             samples.append(sample if batches is not copies else sample._replace(shapes=model, storage=storage))
-    start = dataclasses.replace(INFLIGHT_CPU, weights_as_stored=True, block_decode_s=0.0)
+    start = dataclasses.replace(INFLIGHT_CPU, weights_as_stored=True, block_decode_s=0.0,
+                                block_decode_weights=truth.block_decode_weights)  # as timed by the calibration
     fit = {"rooflines": ("smooth",), "exponents": (4.0,), "small_batch_rows": (1,), "matmul_storage": q4}
     fitted = fit_profile(samples, shapes, hardware, start, **fit).profile
     for name in ("block_decode_s", "block_decode_rows_s", "bandwidth_efficiency", "flops_efficiency", "gemm_step_s",
@@ -809,8 +811,17 @@ def test_a_checkpoints_matrices_are_priced_at_the_bytes_a_step_reads_of_them(tmp
     dense = per_layer / sum(sizes.values())
     kept = 1 - sizes["down"] / sum(sizes.values())
     stored = matmul_storage(resolve_model(path))
-    assert stored == pytest.approx(MatmulStorage(dense, dense, PACKED_BYTES["Q6_K"], kept, kept, 1.0))
+    assert stored.identity() == pytest.approx(MatmulStorage(dense, dense, PACKED_BYTES["Q6_K"], kept, kept, 1.0)
+                                              .identity())
     assert 0.9 < stored.dense < 4  # between the blocks' bytes and fp32's
+    # The kept parameters by type: each type's share of the part, its decoding weighed by type.
+    total = sum(sizes.values())
+    shares = {"Q8_0": (sizes["q"] + sizes["k"] + sizes["v"]) / total, "Q4_1": sizes["o"] / total,
+              "Q4_K": (sizes["gate"] + sizes["up"]) / total}
+    assert dict(stored.dense_types) == pytest.approx(shares) and stored.head_types == (("Q6_K", 1.0),)
+    assert stored.decoded("dense", {}) == pytest.approx(kept)
+    assert stored.decoded("dense", {"Q4_K": 1.5, "Q8_0": 0.5}) == pytest.approx(
+        1.5 * shares["Q4_K"] + 0.5 * shares["Q8_0"] + shares["Q4_1"])
 
     # The cost model reads a step's weights at those bytes; without them, in the compute type.
     shapes = dataclasses.replace(BUILTIN_MODELS["smollm2-135m"], num_layers=TINY["layers"], hidden_size=h,
@@ -824,14 +835,28 @@ def test_a_checkpoints_matrices_are_priced_at_the_bytes_a_step_reads_of_them(tmp
     assert as_stored.work(step).linear_bytes == pytest.approx(TINY["layers"] * per_layer + head * stored.head)
     assert widened.work(step).linear_bytes == pytest.approx(4 * (TINY["layers"] * sum(sizes.values()) + head))
     # Each kept parameter costs its decoding once a step, whatever the step's rows: at one rate in a
-    # step of one token (its matmuls a vector's), at another in a step of more.
-    decoding = dataclasses.replace(fitted, block_decode_s=1e-12, block_decode_rows_s=0.4e-12)
-    kept_params = TINY["layers"] * sum(sizes.values()) * kept + head
+    # step of one token (its matmuls a vector's), at another in a step of more; each type's at its
+    # timed weight against Q4_1's.
+    summed = dataclasses.replace(fitted, roofline="sum")
+    decoding = dataclasses.replace(summed, block_decode_s=1e-12, block_decode_rows_s=0.4e-12,
+                                   block_decode_weights={"Q4_K": 2.0, "Q6_K": 1.5})
+    kept_params = TINY["layers"] * sum(sizes.values()) * (kept + shares["Q4_K"]) + 1.5 * head
+    plain = CostModel(shapes, BARE, dtype="float32", engine=summed, matmul_storage=stored)
     for rows, rate in ((1, 1e-12), (3, 0.4e-12), (40, 0.4e-12)):
         work = [SeqWork(rows, 64, True)]
         extra = CostModel(shapes, BARE, dtype="float32", engine=decoding, matmul_storage=stored).step_time(work)
-        assert extra - as_stored.step_time(work) == pytest.approx(kept_params * rate)
-        assert CostModel(shapes, BARE, dtype="float32", engine=decoding).step_time(work) == widened.step_time(work)
+        assert extra - plain.step_time(work) == pytest.approx(kept_params * rate)
+        assert (CostModel(shapes, BARE, dtype="float32", engine=decoding).step_time(work)
+                == CostModel(shapes, BARE, dtype="float32", engine=summed).step_time(work))  # widened: none decoded
+    # The decoding is the cores' work beside the multiply-adds: under a `max` roofline a step that
+    # waits on its weights' bytes hides it, one that waits on its cores pays it.
+    hidden = dataclasses.replace(decoding, roofline="max", block_decode_s=1e-18)
+    bound = dataclasses.replace(hidden, block_decode_s=1e-9)
+    model, one = CostModel(shapes, BARE, dtype="float32", engine=hidden, matmul_storage=stored), [SeqWork(1, 64, True)]
+    work = model.work(one)
+    assert model.cost(work).linear_s == pytest.approx(work.linear_bytes / BARE.memory_bandwidth)
+    assert CostModel(shapes, BARE, dtype="float32", engine=bound, matmul_storage=stored).cost(work).linear_s == (
+        pytest.approx(work.linear_compute_s + kept_params * 1e-9))
     # A profile fitted before the blocks were priced as stored keeps the pricing it was fitted with.
     assert CostModel(shapes, BARE, dtype="float32", engine=FLAT, matmul_storage=stored).work(step) == widened.work(step)
     # An 8-bit weight type is what the matmuls then read, whatever the checkpoint stores.
@@ -864,7 +889,8 @@ def test_the_calibrations_copies_of_a_gguf_file_in_another_type_and_width(tmp_pa
 
     bf16 = resolve_model(retyped_copy(path, "BF16", tmp_path))
     assert load_model_config(bf16) == load_model_config(source)
-    assert matmul_storage(bf16) == pytest.approx(stored._replace(dense=2.0, experts=2.0))
+    assert matmul_storage(bf16).identity() == pytest.approx(stored._replace(dense=2.0, experts=2.0).identity())
+    assert {kind for kind, _ in matmul_storage(bf16).dense_types} == {"BF16"}
     original, copied = (dict(load_checkpoint(s, torch.float32)[1]) for s in (source, bf16))
     name = "model.layers.0.self_attn.q_proj.weight"
     assert torch.allclose(original[name], copied[name], atol=0.02 * original[name].abs().max().item())
@@ -875,13 +901,35 @@ def test_the_calibrations_copies_of_a_gguf_file_in_another_type_and_width(tmp_pa
             config.vocab_size) == (2 * TINY["hidden"], 2 * TINY["intermediate"], 2 * TINY["heads"],
                                    2 * TINY["kv_heads"], 1, TINY["vocab"])
     kinds = {t.name: t.tensor_type.name for t in gguf.GGUFReader(wide.path).tensors}
-    assert kinds["blk.0.attn_q.weight"] == "Q4_1" and kinds["blk.0.ffn_gate.weight"] == "Q8_0"  # Q4_K: not writable
+    assert kinds["blk.0.attn_q.weight"] == "Q4_1" and kinds["blk.0.ffn_gate.weight"] == "Q4_K"  # random codes
     assert "blk.1.attn_q.weight" not in kinds
     assert matmul_storage(wide).head == PACKED_BYTES["Q8_0"] and matmul_storage(wide).dense_kept == 1.0
     _, weights = load_checkpoint(wide, torch.float32)
     assert dict(weights)["model.layers.0.mlp.down_proj.weight"].shape == (2 * TINY["hidden"], 2 * TINY["intermediate"])
     with pytest.raises(ValueError, match="not whole"):  # 4 heads halve, 2 KV heads too; a third does not
         resized_copy(path, 1 / 3, 1, tmp_path)
+    # The same shape, every decoder matrix in a type gguf-py cannot quantize (random codes).
+    retyped = resolve_model(resized_copy(path, 1.0, 1, tmp_path, kind="IQ4_XS"))
+    kinds = {t.name: t.tensor_type.name for t in gguf.GGUFReader(retyped.path).tensors}
+    assert {kind for name, kind in kinds.items() if name.startswith("blk.0.") and "norm" not in name} == {"IQ4_XS"}
+    assert matmul_storage(retyped).dense == pytest.approx(PACKED_BYTES["IQ4_XS"])
+    assert all(torch.isfinite(w).all() for w in load_checkpoint(retyped, torch.float32)[1].values())
+
+
+def test_the_calibration_times_each_block_types_decoding() -> None:
+    """`block_decode_times`: a one-row matmul's seconds a weight from the cache for each type asked
+    (Q4_1, the reference, always), through the kernels' own reading of its random blocks."""
+    from inflight.model.linear import blocks_usable
+    from inflight.sim.calibrate import block_decode_times
+
+    if not blocks_usable():
+        assert block_decode_times(["IQ4_XS"], rounds=1) == {}
+        return
+    times = block_decode_times(["IQ4_XS", "BF16"], rounds=1)
+    assert list(times) == ["Q4_1", "IQ4_XS", "BF16"]
+    # A weight's multiply-add and decoding: more than a 512-bit FMA port's share, less than a
+    # microsecond, on any CPU the suite runs on.
+    assert all(1e-12 < t < 1e-6 for t in times.values())
 
 
 def test_the_engine_and_the_simulator_price_a_checkpoint_by_how_it_is_stored(loaded: LoadedModel) -> None:
@@ -899,7 +947,7 @@ def test_the_engine_and_the_simulator_price_a_checkpoint_by_how_it_is_stored(loa
     stored = matmul_storage(resolve_model(None))
     assert stored.dense == pytest.approx(0.625) and stored.head == pytest.approx(1.0625)  # Q4_1, a tied Q8_0 head
     assert loaded.matmul_storage == stored
-    assert INFLIGHT_CPU.fitted_storage == stored._asdict() and INFLIGHT_CPU.as_stored["weights_as_stored"]
+    assert INFLIGHT_CPU.fitted_storage == stored.identity() and INFLIGHT_CPU.as_stored["weights_as_stored"]
     engine = LLMEngine(EngineConfig.from_kwargs(None, num_kv_blocks=64, scheduling_policy="slo",
                                              tbt_slo_ms=100), loaded)
     cost_model = engine.scheduler.predictor.cost_model  # type: ignore[attr-defined]

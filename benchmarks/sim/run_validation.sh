@@ -94,14 +94,22 @@ fi
 if want storage; then
     # Other storage types than the calibrated model's: a 2-thread calibration (the embedded model
     # and its BF16 and wider copies), then one stream of 4 burst requests of the embedded model and
-    # of Llama-3.2-1B-shaped Q8_0 and BF16 files (made in $GGUFS if absent: 3.8 GB), re-simulated.
+    # of Llama-3.2-1B-shaped Q8_0 and BF16 files (made in $GGUFS if absent: 3.8 GB) and Q4_K and
+    # IQ4_XS ones of random codes (2.1 GB more), re-simulated.
     GGUFS=${GGUFS:-/tmp/inflight-ggufs}
     [[ -f "$GGUFS/llama-3.2-1b-shaped-BF16.gguf" ]] || \
         .venv/bin/python benchmarks/gguf_vs_llama_cpp.py --make-models "$GGUFS" --sizes 1b --bf16 >&2
+    for q in Q4_K IQ4_XS; do
+        [[ -f "$GGUFS/llama-3.2-1b-shaped-$q-random.gguf" ]] || .venv/bin/python -c 'import sys; from pathlib import Path
+from inflight.model.gguf_copy import resized_copy
+source, kind = Path(sys.argv[1]), sys.argv[2]
+resized_copy(source, 1.0, 16, source.parent, kind=kind).rename(source.parent / f"llama-3.2-1b-shaped-{kind}-random.gguf")' \
+            "$GGUFS/llama-3.2-1b-shaped-BF16.gguf" "$q"
+    done
     wait_quiet; say "calibrate with 2 threads"
     "$INFLIGHT" sim calibrate --torch-threads 2 --output "$OUT/cpu-2threads-storage.json" \
         > "$OUT/calibration-2threads-storage.txt"
-    for q in Q4_1 Q8_0 BF16; do
+    for q in Q4_1 Q8_0 BF16 Q4_K-random IQ4_XS-random; do
         MODEL=(); [[ $q != Q4_1 ]] && MODEL=(--model "$GGUFS/llama-3.2-1b-shaped-$q.gguf")
         wait_quiet; say "measure one stream, $q"
         "$INFLIGHT" bench "${MODEL[@]}" --workload burst --num-requests 4 --max-concurrency 1 --torch-threads 2 \
@@ -113,7 +121,7 @@ if want storage; then
     # before `as_stored`): the profile with its `as_stored` factors left out.
     .venv/bin/python -c 'import json, sys; d = json.load(open(sys.argv[1])); d["engine"]["as_stored"] = {}
 json.dump(d, open(sys.argv[2], "w"), indent=1)' "$OUT/cpu-2threads-storage.json" "$OUT/cpu-2threads-storage-own.json"
-    for q in Q4_1 Q8_0 BF16; do
+    for q in Q4_1 Q8_0 BF16 Q4_K-random IQ4_XS-random; do
         MODEL=(); [[ $q != Q4_1 ]] && MODEL=(--model "$GGUFS/llama-3.2-1b-shaped-$q.gguf")
         "$INFLIGHT" sim --against "$OUT/measured-storage-$q.json.gz" "${MODEL[@]}" \
             --hardware "$OUT/cpu-2threads-storage-own.json" | tee "$OUT/validate-storage-$q-own.txt"

@@ -13,6 +13,38 @@ import numpy as np
 # The metadata keys (after the architecture's name) that give a layer's widths, scaled together.
 _WIDTHS = ("embedding_length", "feed_forward_length", "attention.head_count", "attention.head_count_kv")
 
+# Where each block type keeps its fp16 scales in a block (bytes), for `random_blocks`.
+_SCALES_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],
+              "Q5_K": [0, 2], "Q6_K": [208], "Q3_K": [108], "Q2_K": [80, 82], "IQ4_NL": [0], "IQ4_XS": [0],
+              "IQ1_S": [0], "IQ2_XXS": [0], "IQ2_XS": [0], "IQ2_S": [0], "IQ3_XXS": [0], "IQ3_S": [0],
+              "TQ1_0": [52], "TQ2_0": [64], "IQ1_M": [], "MXFP4": []}
+
+
+def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """`rows` random GGUF rows of `cols` weights stored as `kind` (any of `loader.BLOCK_TYPES`), as
+    uint8 (rows, bytes a row): random codes under scales that keep the weights near 0.1 (a K-quant's
+    sub-block scales multiplied in). For timing a type's matmuls; the weights mean nothing."""
+    import gguf
+
+    if kind in ("F16", "BF16"):
+        weights = 0.02 * rng.standard_normal((rows, cols), dtype=np.float32)
+        return np.ascontiguousarray(gguf.quants.quantize(weights, gguf.GGMLQuantizationType[kind])).view(np.uint8)
+    size, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    if cols % size:
+        raise ValueError(f"{kind} rows hold whole blocks of {size} weights; {cols} is not a multiple")
+    blocks = rng.integers(0, 256, size=(rows, cols // size, block_bytes), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(0.002 if size == 256 else 0.01).tobytes(), np.uint8)  # K-quants, IQ4_XS
+    for at in _SCALES_AT[kind]:
+        blocks[..., at:at + 2] = scale
+    if kind == "IQ1_M":  # its d in the top nibbles of the four scale words at 48
+        words = blocks[..., 48:56].copy().view(np.uint16)
+        for j in range(4):
+            words[..., j] = (words[..., j] & 0x0FFF) | (((scale.view(np.uint16)[0] >> (4 * j)) & 0x0F) << 12)
+        blocks[..., 48:56] = words.view(np.uint8)
+    if kind == "MXFP4":  # E8M0: 2^(e - 128), values up to 12
+        blocks[..., 0] = rng.integers(118, 123, size=blocks.shape[:2])
+    return blocks.reshape(rows, -1)
+
 
 def rewrite_gguf(source: Path, path: Path, metadata: Mapping[str, Any],
                  tensors: Callable[[Any], Iterator[tuple[str, Any, Any]]]) -> Path:
@@ -73,12 +105,15 @@ def retyped_copy(source: Path, kind: str, folder: Path, num_layers: int | None =
     return rewrite_gguf(source, path, {} if num_layers is None else {"block_count": num_layers}, tensors)
 
 
-def resized_copy(source: Path, factor: float, num_layers: int, folder: Path, seed: int = 0) -> Path:
+def resized_copy(source: Path, factor: float, num_layers: int, folder: Path, seed: int = 0,
+                 kind: str | None = None) -> Path:
     """A model of `source`'s architecture, vocabulary and tokenizer, `factor` times as wide (2, or
     0.5: the hidden size, the MLP's and the number of heads, each head as wide as before; a
     ValueError where a width does not divide), `num_layers` layers of seeded random weights, each
-    tensor in the type `source` stores it in (a type gguf-py cannot write, Q8_0; norms over the
-    hidden size all ones): for timing steps of another width, whose outputs mean nothing."""
+    tensor in the type `source` stores it in, or each decoder matrix in `kind` (a
+    `GGMLQuantizationType` name); a type gguf-py cannot quantize as random codes
+    (`random_blocks`), rows not whole blocks of their type in Q8_0; norms over the hidden size all
+    ones: for timing steps of another width or storage, whose outputs mean nothing."""
     import gguf
 
     reader = gguf.GGUFReader(source)
@@ -112,13 +147,19 @@ def resized_copy(source: Path, factor: float, num_layers: int, folder: Path, see
                     yield tensor.name, tensor.data, tensor.tensor_type
                 continue
             shape = tuple(n if n == vocab else resized(n) for n in reversed(tensor.shape.tolist()))
+            qtype = gguf.GGMLQuantizationType[kind] if kind and layer is not None else tensor.tensor_type
+            if qtype == gguf.GGMLQuantizationType.F32:
+                yield tensor.name, 0.02 * rng.standard_normal(shape, dtype=np.float32), None
+                continue
             weights = 0.02 * rng.standard_normal(shape, dtype=np.float32)
-            qtype = tensor.tensor_type
             try:
-                data = weights if qtype == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(weights, qtype)
-            except (gguf.quants.QuantError, NotImplementedError):
+                data = gguf.quants.quantize(weights, qtype)
+            except NotImplementedError:  # an importance-quantized type, say
+                data = random_blocks(qtype.name, shape[0], shape[1], rng)
+            except gguf.quants.QuantError:  # rows not whole blocks of it
                 qtype = gguf.GGMLQuantizationType.Q8_0
                 data = gguf.quants.quantize(weights, qtype)
             yield tensor.name, data, qtype
 
-    return rewrite_gguf(source, folder / f"{source.stem}-x{factor:g}-{num_layers}-layers.gguf", metadata, tensors)
+    name = f"{source.stem}-x{factor:g}-{num_layers}-layers{f'-{kind}' if kind else ''}.gguf"
+    return rewrite_gguf(source, folder / name, metadata, tensors)

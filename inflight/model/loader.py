@@ -338,7 +338,7 @@ def matmul_storage(source: ModelSource) -> MatmulStorage:
     """The model's matmul weights as inflight's CPU kernels read them in fp32 where they keep the
     checkpoint's matrices as stored (`load_blocks`, `linear.keeps_blocks`): a kept matrix's blocks
     as repacked (`PACKED_BYTES`: the embedded model's Q4_1 0.625 bytes a parameter, its tied Q8_0
-    head 1.0625), fp32 panels (4) for the rest; and the share of each part kept so
+    head 1.0625), fp32 panels (4) for the rest; and the share of each part kept so, by block type
     (`MatmulStorage`). Read from the file's header alone."""
     config = load_model_config(source)
     table = _tensor_table(source)
@@ -351,6 +351,7 @@ def matmul_storage(source: ModelSource) -> MatmulStorage:
     head = next((name for name in table if _is_lm_head(name)), None) or next(
         (name for name in table if _is_embedding(name)), None)
     sums = {part: [0.0, 0, 0] for part in ("dense", "experts", "head")}  # bytes, parameters, those kept
+    types: dict[str, dict[str, int]] = {part: {} for part in sums}  # the kept parameters by block type
     for name, (n, _, ndim) in table.items():
         if name == head:
             part = "head"
@@ -363,11 +364,16 @@ def matmul_storage(source: ModelSource) -> MatmulStorage:
         sums[part][0] += n * (PACKED_BYTES[kept[name]] if name in kept else 4)
         sums[part][1] += n
         sums[part][2] += n if name in kept else 0
+        if name in kept:
+            types[part][kept[name]] = types[part].get(kept[name], 0) + n
     if not sums["experts"][1]:
-        sums["experts"] = sums["dense"]
+        sums["experts"], types["experts"] = sums["dense"], types["dense"]
     per_part = {part: (size / n, kept_n / n) if n else (4.0, 0.0) for part, (size, n, kept_n) in sums.items()}
     (dense, dense_kept), (experts, experts_kept), (head_bytes, head_kept) = per_part.values()
-    return MatmulStorage(dense, experts, head_bytes, dense_kept, experts_kept, head_kept)
+    shares = {part: tuple(sorted((kind, count / sums[part][1]) for kind, count in types[part].items()))
+              for part in sums}
+    return MatmulStorage(dense, experts, head_bytes, dense_kept, experts_kept, head_kept, shares["dense"],
+                         shares["experts"], shares["head"])
 
 
 # --- GGUF ---------------------------------------------------------------------------------

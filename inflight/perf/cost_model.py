@@ -75,7 +75,7 @@ class StepWork(NamedTuple):
     graphed: bool  # replayed from a CUDA graph
     num_allreduces: int
     allreduce_bytes: float  # what each device sends over the link, all of the step's all-reduces
-    kept_params: float = 0.0  # matmul parameters read as stored blocks, which the step decodes
+    kept_params: float = 0.0  # matmul parameters a step decodes from blocks, in Q4_1's decoding cost
 
 
 class StepCost(NamedTuple):
@@ -165,9 +165,10 @@ class CostModel:
         # Parameters whose blocks a step decodes (once, whatever its rows: into registers for a few
         # rows, into fp32 panels for more), where the profile prices that (`block_decode_s` in a
         # step of one token, whose matmuls are a vector's; `block_decode_rows_s` in a step of more).
-        self._linear_kept = (num_dense_linear_params(model) + routers) * stored.dense_kept / tp
-        self._expert_kept = num_expert_layers(model) * expert_params(model) * stored.experts_kept / tp
-        self._head_kept = head * stored.head_kept / tp
+        weights = self.engine.block_decode_weights  # each block type's decoding against Q4_1's
+        self._linear_kept = (num_dense_linear_params(model) + routers) * stored.decoded("dense", weights) / tp
+        self._expert_kept = num_expert_layers(model) * expert_params(model) * stored.decoded("experts", weights) / tp
+        self._head_kept = head * stored.decoded("head", weights) / tp
         self._attn_flops_per_pair = 4 * model.num_attention_layers * (model.num_heads // tp) * model.head_dim
         # KV heads are split over the devices, replicated when there are fewer than devices.
         self.kv_heads_per_device = -(-model.num_kv_heads // tp)
@@ -223,12 +224,15 @@ class CostModel:
         bytes_rate = hw.memory_bandwidth * eng.bandwidth_efficiency
         attn_flops_rate = hw.peak_flops * eng.attention_flops_efficiency
         kv_rate = hw.memory_bandwidth * eng.attention_bandwidth_efficiency
-        linear = combine(work.linear_compute_s / self.linear_flops_efficiency, work.linear_bytes / bytes_rate, eng)
+        # Decoding blocks is the cores' work beside the multiply-adds, both hidden under the weights'
+        # reads as far as the roofline says.
+        decode = work.kept_params * (eng.block_decode_s if work.num_tokens == 1 else eng.block_decode_rows_s)
+        linear = combine(work.linear_compute_s / self.linear_flops_efficiency + decode,
+                         work.linear_bytes / bytes_rate, eng)
         if 2 <= work.num_tokens <= eng.small_batch_max_rows:
             linear += (work.num_tokens - 1) * eng.small_batch_row_s
         elif work.num_tokens >= 2:
             linear += eng.gemm_step_s
-        linear += work.kept_params * (eng.block_decode_s if work.num_tokens == 1 else eng.block_decode_rows_s)
         attention = sum(combine(f / attn_flops_rate, b / kv_rate, eng) for f, b in work.attention)
         comm = 0.0
         if work.num_allreduces:

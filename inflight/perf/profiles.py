@@ -204,6 +204,9 @@ class EngineProfile(_Record):
     weights_as_stored: bool = False
     block_decode_s: float = 0.0  # in a step of one token (each matmul a vector's)
     block_decode_rows_s: float = 0.0  # in a step of more
+    # Each block type's decoding against Q4_1's, which the two rates above are of (a type missing:
+    # 1), timed by the calibration (`sim.calibrate.block_decode_weights`).
+    block_decode_weights: dict[str, float] = field(default_factory=dict, compare=False)
     source: str = ""
     calibration: dict[str, Any] = field(default_factory=dict, compare=False)
     # inflight on a CPU: the factors fitted on its engine with `--quantization int8` (int8
@@ -246,9 +249,10 @@ class EngineProfile(_Record):
 
     def for_storage(self, storage: dict[str, float]) -> EngineProfile:
         """This engine pricing a checkpoint stored as `storage` (`MatmulStorage._asdict()`): its
-        own factors for the model it was calibrated on, its `as_stored` ones for any other
-        storage (itself where it has none)."""
-        if not self.as_stored or storage == self.fitted_storage:
+        own factors for the model it was calibrated on (the same bytes and kept shares,
+        `MatmulStorage.identity`), its `as_stored` ones for any other storage (itself where it has
+        none)."""
+        if not self.as_stored or {k: storage.get(k) for k in self.fitted_storage} == self.fitted_storage:
             return self
         return dataclasses.replace(self, **self.as_stored, as_stored={}, fitted_storage={})
 
@@ -270,8 +274,9 @@ def save_profile(path: Path, hardware: HardwareProfile, engine: EngineProfile) -
 # Q4_1 blocks priced as fp32 weights ("bandwidth" over 1 stands for their decoding too), which fit
 # that model best. `as_stored`: the same steps and those of two copies of it (its matrices in
 # BF16, and twice as wide), each matrix at its stored bytes and each kept parameter's decoding
-# priced, which price any checkpoint stored otherwise (`for_storage`). inflight's own GEMM
-# prefetches the next weight panel, so weight streaming and compute overlap.
+# priced (the cores' work, beside the multiply-adds; each block type's weighed by its timed cost
+# against Q4_1's), which price any checkpoint stored otherwise (`for_storage`). inflight's own
+# GEMM prefetches the next weight panel, so weight streaming and compute overlap.
 _EMBEDDED_STORAGE = {"dense": 0.625, "experts": 0.625, "head": 1.0625, "dense_kept": 1.0, "experts_kept": 1.0,
                      "head_kept": 1.0}
 INFLIGHT_CPU = EngineProfile(
@@ -280,13 +285,18 @@ INFLIGHT_CPU = EngineProfile(
     request_overhead_s=26e-6, layer_overhead_s=0.0, allreduce_latency_s=0.0, small_batch_max_rows=2,
     small_batch_row_s=0.88e-3, gemm_step_s=3.6e-3,
     source="inflight on cpu-local: factors fitted by `inflight sim calibrate` on 2 AMD EPYC Zen 4 cores, "
-           "2026-12-07 (commit e562134 and the weights priced as stored)",
+           "2026-12-07 (commit e562134); as_stored on the same cores, 2026-12-08 (the decoding by block type)",
     fitted_storage=_EMBEDDED_STORAGE,
-    as_stored={"roofline": "sum", "flops_efficiency": 0.330, "bandwidth_efficiency": 1.285,
-               "attention_flops_efficiency": 0.156, "attention_bandwidth_efficiency": 0.574,
-               "step_overhead_s": 0.43e-3, "request_overhead_s": 28e-6, "layer_overhead_s": 37e-6,
-               "small_batch_max_rows": 2, "small_batch_row_s": 1.9e-3, "gemm_step_s": 0.0, "weights_as_stored": True,
-               "block_decode_s": 38.8e-12, "block_decode_rows_s": 14.2e-12},
+    as_stored={"roofline": "sum", "flops_efficiency": 0.329, "bandwidth_efficiency": 1.898,
+               "attention_flops_efficiency": 0.139, "attention_bandwidth_efficiency": 0.515,
+               "step_overhead_s": 0.50e-3, "request_overhead_s": 31e-6, "layer_overhead_s": 30e-6,
+               "small_batch_max_rows": 2, "small_batch_row_s": 3.8e-3, "gemm_step_s": 1.6e-3, "weights_as_stored": True,
+               "block_decode_s": 49.4e-12, "block_decode_rows_s": 9.7e-12,
+               "block_decode_weights": {
+                   "Q4_1": 1.0, "Q4_0": 1.02, "Q4_K": 1.01, "Q5_0": 1.0, "Q8_0": 1.05, "Q5_1": 1.01, "Q5_K": 1.01,
+                   "Q6_K": 1.0, "Q3_K": 1.0, "Q2_K": 1.0, "IQ4_NL": 1.2, "IQ4_XS": 1.2, "MXFP4": 1.19, "F16": 1.01,
+                   "BF16": 1.01, "IQ1_S": 1.0, "IQ1_M": 1.0, "IQ2_XXS": 1.1, "IQ2_XS": 1.0, "IQ2_S": 1.0,
+                   "IQ3_XXS": 1.0, "IQ3_S": 1.03, "TQ1_0": 1.02, "TQ2_0": 1.01}},
 )
 
 BUILTIN_ENGINES: dict[str, EngineProfile] = {

@@ -172,9 +172,16 @@ def calibrate(model: str | None, hardware: HardwareProfile, base: EngineProfile,
                                 block_decode_rows_s=0.0, as_stored={}, fitted_storage={})
     result = fit_profile(samples, shapes, hardware, start, dtype)
     as_stored = None
+    decode_times = block_decode_times() if copied else {}
     if copied:
-        as_stored = (fit_profile(samples + copied, shapes, hardware, dataclasses.replace(start, weights_as_stored=True),
-                                 dtype, matmul_storage=stored), samples + copied)
+        # Each type's decoding against Q4_1's, as timed; the fit starts from Q4_1's time, which
+        # puts the decoding on the side of the roofline that binds in a step of one token.
+        reference = decode_times.get("Q4_1", 0.0)
+        weights = {kind: t / reference for kind, t in decode_times.items()} if reference else {}
+        as_stored_start = dataclasses.replace(start, weights_as_stored=True, block_decode_weights=weights,
+                                              block_decode_s=reference, block_decode_rows_s=reference / 2)
+        as_stored = (fit_profile(samples + copied, shapes, hardware, as_stored_start, dtype, matmul_storage=stored),
+                     samples + copied)
     rel = np.abs(result.predicted_s - result.measured_s) / result.measured_s
     info = {
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -182,6 +189,7 @@ def calibrate(model: str | None, hardware: HardwareProfile, base: EngineProfile,
         "dtype": dtype,
         "matmul_storage": stored._asdict() if stored else None,
         "storage_copies": copies,
+        "block_decode_ps": {kind: round(t * 1e12, 2) for kind, t in decode_times.items()},
         "torch_threads": torch.get_num_threads(),
         "num_samples": len(samples),
         "num_outliers": int(result.outliers.sum()),
@@ -200,7 +208,7 @@ def calibrate(model: str | None, hardware: HardwareProfile, base: EngineProfile,
                                   source=f"inflight on {name}: fitted by `inflight sim calibrate`")
     if as_stored is not None and stored is not None:
         fitted = as_stored[0].profile
-        profile = dataclasses.replace(profile, fitted_storage=stored._asdict(), as_stored={
+        profile = dataclasses.replace(profile, fitted_storage=stored.identity(), as_stored={
             f.name: getattr(fitted, f.name) for f in dataclasses.fields(fitted) if f.name not in _NOT_FITTED})
     return result._replace(profile=profile, hardware=hardware), samples, as_stored
 
@@ -262,6 +270,44 @@ def _storage_samples(model: str | None, stored: MatmulStorage, repeats: int,
             path.unlink()
             made.append(name)
     return made, samples
+
+
+# The matrices a block type's decoding is timed on (in features, out features): 4M weights, whose
+# blocks stay in the last-level cache (8 MB in BF16), so that what is timed is the cores' work.
+DECODE_SHAPES = [(1024, 1024)] * 4
+
+
+def block_decode_times(kinds: Sequence[str] | None = None, rounds: int = 4) -> dict[str, float]:
+    """Seconds a weight of each block type (`loader.BLOCK_TYPES`, or `kinds`; Q4_1 always) takes
+    in a one-row matmul read from the cache, as the kernels decode it: `DECODE_SHAPES`' matmuls of
+    random blocks (`gguf_copy.random_blocks`), the types taking turns for `rounds` rounds, each
+    turn two passes to warm the cache and the best of five after. Empty where the kernels do not
+    read blocks (no AVX2)."""
+    import torch
+
+    from inflight.model.gguf_copy import random_blocks
+    from inflight.model.linear import Linear, blocks_usable
+    from inflight.model.loader import BLOCK_TYPES
+
+    if not blocks_usable():
+        return {}
+    rng = np.random.default_rng(0)
+    numel = sum(k * n for k, n in DECODE_SHAPES)
+    linears = {kind: [Linear(torch.empty(n, k, device="meta"), None, "inflight",
+                             gguf_blocks=(kind, torch.from_numpy(random_blocks(kind, n, k, rng))))
+                      for k, n in DECODE_SHAPES]
+               for kind in dict.fromkeys(["Q4_1", *(kinds or BLOCK_TYPES)])}
+    x = torch.randn(1, DECODE_SHAPES[0][0])
+    best = dict.fromkeys(linears, float("inf"))
+    for _ in range(rounds):
+        for kind, matmuls in linears.items():
+            for i in range(7):
+                start = time.perf_counter()
+                for linear in matmuls:
+                    linear(x)
+                if i >= 2:
+                    best[kind] = min(best[kind], time.perf_counter() - start)
+    return {kind: seconds / numel for kind, seconds in best.items()}
 
 
 def _timed_engine(model: str | None, cases: Sequence[StepCase], num_kv_blocks: int, max_num_tokens: int,

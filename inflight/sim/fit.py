@@ -92,36 +92,43 @@ def _design(samples: Sequence[Sample], models: _Models, engine: EngineProfile) -
     for sample in samples:
         cm = models.of(sample, engine)
         w = cm.work(sample.batch)
-        lin_c, lin_m = _sides(w.linear_compute_s, cm.linear_flops_efficiency,
-                              w.linear_bytes / bw, engine.bandwidth_efficiency, engine)
+        # The blocks' decoding, one column in a step of one token (its matmuls a vector's), one in
+        # a step of more; on the compute side of the matmuls' roofline.
+        kept = w.kept_params if models.decoding_known else 0.0
+        decode = (kept * (w.num_tokens == 1), kept * (w.num_tokens > 1))
+        lin_c, lin_m, core = _sides(w.linear_compute_s, cm.linear_flops_efficiency,
+                                    w.linear_bytes / bw, engine.bandwidth_efficiency, engine,
+                                    decode[0] * engine.block_decode_s + decode[1] * engine.block_decode_rows_s)
         attn_f = attn_b = 0.0
         for f, b in w.attention:
-            c, m = _sides(f / peak, engine.attention_flops_efficiency, b / bw,
-                          engine.attention_bandwidth_efficiency, engine)
+            c, m, _ = _sides(f / peak, engine.attention_flops_efficiency, b / bw,
+                             engine.attention_bandwidth_efficiency, engine)
             attn_f, attn_b = attn_f + c, attn_b + m
         small = w.num_tokens - 1 if 2 <= w.num_tokens <= engine.small_batch_max_rows else 0
         gemm = 1.0 if w.num_tokens >= 2 and not small else 0.0
         link = hw.interconnect_bandwidth or 1.0
-        kept = w.kept_params if models.decoding_known else 0.0  # one column a vector's step, one the rest's
-        rows.append([lin_c, lin_m, attn_f, attn_b, small, gemm, kept * (w.num_tokens == 1), kept * (w.num_tokens > 1),
+        rows.append([lin_c, lin_m, attn_f, attn_b, small, gemm, decode[0] * core, decode[1] * core,
                      0.0 if w.graphed else w.num_layers, w.num_layers if w.graphed else 0.0,
                      w.num_allreduces, w.num_allreduces * (cm.tp - 1), w.allreduce_bytes / link])
     return np.array(rows)
 
 
 def _sides(compute: float, compute_eff: float, memory: float, memory_eff: float,
-           engine: EngineProfile) -> tuple[float, float]:
-    """The design's two entries for one roofline, at efficiency 1. The smooth max `T(c, m)` is
-    homogeneous of degree 1, so `T = c * dT/dc + m * dT/dm` (Euler): each side enters weighted
-    by its partial derivative at the current factors, `(side / T) ** (k - 1)`. At the right
-    factors that is exact, and both efficiencies stay in the solve."""
+           engine: EngineProfile, extra: float = 0.0) -> tuple[float, float, float]:
+    """The design's two entries for one roofline, at efficiency 1, and the weight of terms that
+    join its compute side (`extra`: their seconds at the current factors, a step's decoding of
+    blocks). The smooth max `T(c, m)` is homogeneous of degree 1, so `T = c * dT/dc + m * dT/dm`
+    (Euler): each side enters weighted by its partial derivative at the current factors,
+    `(side / T) ** (k - 1)`. At the right factors that is exact, and both efficiencies stay in
+    the solve."""
     if engine.roofline == "sum":
-        return compute, memory
-    c, m = compute / compute_eff, memory / memory_eff
+        return compute, memory, 1.0
+    c, m = compute / compute_eff + extra, memory / memory_eff
     if engine.roofline == "max" or max(c, m) <= 0:
-        return (compute, 0.0) if c >= m else (0.0, memory)
+        return (compute, 0.0, 1.0) if c >= m else (0.0, memory, 0.0)
     total, k = combine(c, m, engine), engine.roofline_exponent
-    return compute * (c / total) ** (k - 1), memory * (m / total) ** (k - 1)
+    weight = (c / total) ** (k - 1)
+    return compute * weight, memory * (m / total) ** (k - 1), weight
 
 
 def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, fallback: np.ndarray, relative: bool) -> np.ndarray:
@@ -267,7 +274,7 @@ def format_fit(result: FitResult, samples: Sequence[Sample], int8: bool = False)
              f"{p.attention_bandwidth_efficiency:.3f} of peak bandwidth",
              f"  overhead: {p.step_overhead_s * 1e3:.2f} ms per step + {p.request_overhead_s * 1e6:.1f} us per request",
              f"  small-batch matmuls: {small}",
-             *([f"  stored blocks: {p.block_decode_s * 1e12:.1f} ps per parameter a step of one token decodes, "
+             *([f"  stored blocks: {p.block_decode_s * 1e12:.1f} ps per Q4_1 parameter a step of one token decodes, "
                 f"{p.block_decode_rows_s * 1e12:.1f} ps in a step of more"]
                if p.weights_as_stored else []),
              f"  per layer: {p.layer_overhead_s * 1e6:.1f} us, "
