@@ -914,6 +914,10 @@ def test_the_calibrations_copies_of_a_gguf_file_in_another_type_and_width(tmp_pa
     assert {kind for name, kind in kinds.items() if name.startswith("blk.0.") and "norm" not in name} == {"IQ4_XS"}
     assert matmul_storage(retyped).dense == pytest.approx(PACKED_BYTES["IQ4_XS"])
     assert all(torch.isfinite(w).all() for w in load_checkpoint(retyped, torch.float32)[1].values())
+    # Half as wide, rows of 128 weights are not whole 256-weight blocks: those matrices in Q8_0.
+    narrow = resized_copy(path, 0.5, 1, tmp_path, kind="IQ4_XS")
+    kinds = {t.name: t.tensor_type.name for t in gguf.GGUFReader(narrow).tensors}
+    assert kinds["blk.0.attn_q.weight"] == "Q8_0" and kinds["blk.0.ffn_down.weight"] == "IQ4_XS"
 
 
 def test_the_calibration_times_each_block_types_decoding() -> None:

@@ -152,11 +152,12 @@ def resized_copy(source: Path, factor: float, num_layers: int, folder: Path, see
                 yield tensor.name, 0.02 * rng.standard_normal(shape, dtype=np.float32), None
                 continue
             weights = 0.02 * rng.standard_normal(shape, dtype=np.float32)
+            whole = shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0
             try:
-                data = gguf.quants.quantize(weights, qtype)
+                data = gguf.quants.quantize(weights, qtype) if whole else None
             except NotImplementedError:  # an importance-quantized type, say
                 data = random_blocks(qtype.name, shape[0], shape[1], rng)
-            except gguf.quants.QuantError:  # rows not whole blocks of it
+            if data is None:  # rows not whole blocks of it
                 qtype = gguf.GGMLQuantizationType.Q8_0
                 data = gguf.quants.quantize(weights, qtype)
             yield tensor.name, data, qtype
