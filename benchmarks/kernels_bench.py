@@ -148,17 +148,12 @@ def _block_reader() -> object:
 
 
 def _random_blocks(kind: str, rows: int, cols: int, rng: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random GGUF rows of `kind` with sane fp16 scales, and their dequantized fp32 weight."""
+    """Random GGUF rows of `kind` with sane fp16 scales (`_stored_rows`), and their dequantized fp32 weight."""
     import gguf
-    import numpy as np
 
-    block_bytes = {"Q4_1": 20, "Q8_0": 34}[kind]
-    blocks = rng.integers(0, 256, size=(rows, cols // 32, block_bytes), dtype=np.uint8)  # type: ignore[attr-defined]
-    for offset in (0, 2) if kind == "Q4_1" else (0,):  # d (and Q4_1's m) as fp16
-        blocks[..., offset:offset + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-    raw = blocks.reshape(rows, -1)
-    weight = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).astype(np.float32)
-    return torch.from_numpy(raw.copy()), torch.from_numpy(weight.reshape(rows, cols))
+    raw = _stored_rows(kind, rows, cols, rng)
+    weight = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[kind]).astype("float32")
+    return raw, torch.from_numpy(weight.reshape(rows, cols))
 
 
 def gguf_block_matmuls() -> None:

@@ -205,7 +205,7 @@ class EngineProfile(_Record):
     block_decode_s: float = 0.0  # in a step of one token (each matmul a vector's)
     block_decode_rows_s: float = 0.0  # in a step of more
     # Each block type's decoding against Q4_1's, which the two rates above are of (a type missing:
-    # 1), timed by the calibration (`sim.calibrate.block_decode_weights`).
+    # 1), timed by the calibration (`sim.calibrate.block_decode_times`).
     block_decode_weights: dict[str, float] = field(default_factory=dict, compare=False)
     source: str = ""
     calibration: dict[str, Any] = field(default_factory=dict, compare=False)

@@ -171,11 +171,12 @@ def calibrate(model: str | None, hardware: HardwareProfile, base: EngineProfile,
     start = dataclasses.replace(base, name="inflight", weights_as_stored=False, block_decode_s=0.0,
                                 block_decode_rows_s=0.0, as_stored={}, fitted_storage={})
     result = fit_profile(samples, shapes, hardware, start, dtype)
-    as_stored = None
-    decode_times = block_decode_times() if copied else {}
+    as_stored, decode_times = None, {}
     if copied:
-        # Each type's decoding against Q4_1's, as timed; the fit starts from Q4_1's time, which
-        # puts the decoding on the side of the roofline that binds in a step of one token.
+        # Each type's decoding against Q4_1's, as timed; the fit starts from Q4_1's time (half of it
+        # in a step of more rows, a guess the fit replaces), which puts the decoding on the side of
+        # the roofline that binds in a step of one token.
+        decode_times = block_decode_times()
         reference = decode_times.get("Q4_1", 0.0)
         weights = {kind: t / reference for kind, t in decode_times.items()} if reference else {}
         as_stored_start = dataclasses.replace(start, weights_as_stored=True, block_decode_weights=weights,
