@@ -5,7 +5,6 @@ a GGUF file's general.sampling.* keys), used where a request leaves a setting un
 
 from __future__ import annotations
 
-import gzip
 import json
 from pathlib import Path
 
@@ -21,7 +20,6 @@ from inflight.request import FinishReason
 from inflight.server.config import ServerConfig
 from inflight.server.launcher import serve_in_thread
 
-FIXTURES = Path(__file__).parent / "fixtures" / "gguf-vocab"
 PROMPT = [7, 19, 40, 41, 42, 100, 3, 77]
 
 
@@ -69,14 +67,10 @@ def test_the_generation_configs_eos_ends_the_output_where_transformers_generate_
     ("phi-3", (32000, "<|endoftext|>"), (32007, "<|end|>")),
     ("qwen2", (151643, "<|endoftext|>"), (151645, "<|im_end|>")),  # ChatML
 ])
-def test_a_gguf_file_ends_a_turn_where_llama_cpp_does(tmp_path, vocab, eos, turn_end):
+def test_a_gguf_file_ends_a_turn_where_llama_cpp_does(vocab_reader, vocab, eos, turn_end):
     """llama.cpp's own vocabulary files name only the EOS of pretraining; a chat ends at the
     token its template closes a turn with, which llama.cpp finds by its text. So does inflight."""
-    import gguf
-
-    path = tmp_path / f"{vocab}.gguf"
-    path.write_bytes(gzip.decompress((FIXTURES / f"{vocab}.gguf.gz").read_bytes()))
-    reader = gguf.GGUFReader(path)
+    reader = vocab_reader(vocab)
     texts = reader.fields["tokenizer.ggml.tokens"]
     ends = gguf_end_tokens(reader)
     assert ends[0] == eos[0]  # the file's EOS first

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import VOCABS
 
 from inflight import ModelLoadError
 from inflight.engine.block_manager import BlockManager
@@ -1901,23 +1902,22 @@ def test_tokenizer_matches_transformers(loaded):
     assert loaded.tokenizer.apply_chat_template(messages) == list(expected)
 
 
-VOCABS = Path(__file__).parent / "fixtures" / "gguf-vocab"
 
 
 def vocab_gguf(tmp_path: Path, name: str, architecture: str | None = None,
-               overrides: dict[str, str | bool] | None = None) -> Path:
+               overrides: dict[str, str | bool] | None = None, reader: Any = None) -> Path:
     """llama.cpp's vocabulary-only GGUF `name` (tests/fixtures/gguf-vocab), unpacked; with
-    `architecture`, its tokenizer metadata written again under that `general.architecture`, the
-    keys of `overrides` with their values there."""
+    `architecture`, its tokenizer metadata (from `reader`, the `vocab_reader` fixture's reader of
+    that file) written again under that `general.architecture`, the keys of `overrides` with
+    their values there."""
     import gzip
 
     import gguf
 
-    path = tmp_path / f"{name}.gguf"
-    path.write_bytes(gzip.decompress((VOCABS / f"{name}.gguf.gz").read_bytes()))
     if architecture is None:
+        path = tmp_path / f"{name}.gguf"
+        path.write_bytes(gzip.decompress((VOCABS / f"{name}.gguf.gz").read_bytes()))
         return path
-    reader = gguf.GGUFReader(path)
     renamed = tmp_path / f"{name}-{architecture}.gguf"
     writer = gguf.GGUFWriter(str(renamed), architecture)
     for key, field in reader.fields.items():
@@ -1939,7 +1939,8 @@ def vocab_gguf(tmp_path: Path, name: str, architecture: str | None = None,
     # Splits transformers' reader does not know (llama.cpp's, `gguf_splits`); plain-text user tokens
     ("falcon", None), ("starcoder", None), ("deepseek-llm", None), ("deepseek-coder", None), ("mpt", None),
 ])
-def test_gguf_vocabularies_give_their_hugging_face_tokenizers_ids(tmp_path, monkeypatch, name, architecture):
+def test_gguf_vocabularies_give_their_hugging_face_tokenizers_ids(tmp_path, monkeypatch, vocab_reader, name,
+                                                                  architecture):
     """The tokenizer rebuilt from a GGUF file's vocabulary gives the ids the model's own Hugging
     Face tokenizer gives, on llama.cpp's multilingual test texts (whitespace runs, code, emoji,
     Cyrillic, Chinese, numbers, ...), special tokens whole, and decodes them back. Each of the
@@ -1951,7 +1952,8 @@ def test_gguf_vocabularies_give_their_hugging_face_tokenizers_ids(tmp_path, monk
     monkeypatch.setattr("inflight.model.tokenizer.tokenizer_cache_dir", lambda: tmp_path / "cache")
     texts = (VOCABS / f"{name}.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
     expected = (VOCABS / f"{name}.out").read_text(encoding="utf-8").split("\n")
-    tokenizer = Tokenizer.load(ModelSource(vocab_gguf(tmp_path, name, architecture), "gguf"))
+    reader = vocab_reader(name) if architecture else None
+    tokenizer = Tokenizer.load(ModelSource(vocab_gguf(tmp_path, name, architecture, reader=reader), "gguf"))
     assert len(texts) == 47
     for text, ids in zip(texts, expected, strict=False):
         assert tokenizer.encode(text, add_special_tokens=False) == [int(i) for i in ids.split()], text
@@ -1973,7 +1975,7 @@ def test_gguf_vocabularies_give_their_hugging_face_tokenizers_ids(tmp_path, monk
             [[50278 - n] for n in range(2, 25)]
 
 
-def test_a_vocabulary_of_an_unknown_pre_tokenizer_is_refused(tmp_path, monkeypatch):
+def test_a_vocabulary_of_an_unknown_pre_tokenizer_is_refused(tmp_path, monkeypatch, vocab_reader):
     """A byte-level vocabulary naming a pre-tokenizer neither transformers nor inflight can split
     text by (one llama.cpp splits by code of its own, or a name from a newer converter) is
     refused at load by name, as llama.cpp refuses it, not tokenized by a guess."""
@@ -1982,13 +1984,13 @@ def test_a_vocabulary_of_an_unknown_pre_tokenizer_is_refused(tmp_path, monkeypat
 
     monkeypatch.setattr("inflight.model.tokenizer.tokenizer_cache_dir", lambda: tmp_path / "cache")
     for pre in ("kimi-k2", "a-new-one"):
-        path = vocab_gguf(tmp_path, "starcoder", "starcoder", {"tokenizer.ggml.pre": pre})
+        path = vocab_gguf(tmp_path, "starcoder", "starcoder", {"tokenizer.ggml.pre": pre}, vocab_reader("starcoder"))
         with pytest.raises(ModelLoadError, match=f"pre-tokenizer type '{pre}'"):
             Tokenizer.load(ModelSource(path, "gguf"))
 
 
 @pytest.mark.parametrize("pre", ["glm4", "glm5"])
-def test_a_glm_vocabulary_splits_text_as_llama_3s_and_adds_no_bos(tmp_path, monkeypatch, pre):
+def test_a_glm_vocabulary_splits_text_as_llama_3s_and_adds_no_bos(tmp_path, monkeypatch, vocab_reader, pre):
     """GLM-4's files name a pre-tokenizer transformers' GGUF reader has no split for; llama.cpp
     splits their text with Llama 3's expression (and takes a word held whole, as Llama 3 does),
     and adds no BOS, even where the file says to: Llama 3's vocabulary under GLM's names gives
@@ -2001,7 +2003,8 @@ def test_a_glm_vocabulary_splits_text_as_llama_3s_and_adds_no_bos(tmp_path, monk
     texts = (VOCABS / "llama-bpe.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
     expected = (VOCABS / "llama-bpe.out").read_text(encoding="utf-8").split("\n")
     overrides = {"tokenizer.ggml.pre": pre, "tokenizer.ggml.add_bos_token": True}
-    tokenizer = Tokenizer.load(ModelSource(vocab_gguf(tmp_path, "llama-bpe", "glm4", overrides), "gguf"))
+    path = vocab_gguf(tmp_path, "llama-bpe", "glm4", overrides, vocab_reader("llama-bpe"))
+    tokenizer = Tokenizer.load(ModelSource(path, "gguf"))
     for text, ids in zip(texts, expected, strict=False):
         assert tokenizer.encode(text) == [int(i) for i in ids.split()], text
 
