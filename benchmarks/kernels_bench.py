@@ -32,6 +32,12 @@ rule out (`GreedyHead`), alternated, each call after 96 MB of other reads (as a 
 the cache), with the columns the screen summed a row; then the same for a 32768 x 1024 head of
 random blocks of each of seven types at 1, 9 and 64 random rows.
 
+With `--body-rate`, instead: the embedded model's body as Q4_1 blocks (30 layers of random blocks,
+as it ships) chained as a step reads it, in registers at 1 to 12 rows (a single stream's plain and
+verifying steps) and a dequantized panel at a time at 128, 220 and 370 rows (prompts' prefills), in
+GFLOP/s beside the fp32 GEMM peak timed in the same round (the packed kernel at 512 rows, in cache),
+and each in-register size's rows past the first at what rate they add (three rounds).
+
 With `--against REV`, instead: the kernels of this checkout beside those of git revision REV
 (built from its `cpu_kernels.cpp` under another name), alternated in one process, several rounds:
 the model's body matmuls chained at 8, 16, 32, 64 and 512 rows, the same body as Q4_1 blocks at 1,
@@ -45,7 +51,7 @@ ops of 30 layers at 64 rows (the norms with the residual add, the rotary with th
 On a host whose speed drifts, that is how a change to a kernel is measured.
 
     .venv/bin/python benchmarks/kernels_bench.py [--types [--type KIND ...] | --kv | --residency | --greedy-head
-                                                  | --against REV]
+                                                  | --body-rate | --against REV]
 """
 
 from __future__ import annotations
@@ -455,6 +461,40 @@ def greedy_head(rounds: int = 6) -> None:
         print(f"  {kind:6s} " + "; ".join(compare(head, greedy, lambda rows: torch.randn(rows, 1024), (1, 9, 64))))
 
 
+def body_rate(rounds: int = 3) -> None:
+    """The embedded model's body as Q4_1 blocks at the rows of a single stream's steps and of its
+    prompts' prefills, against the fp32 GEMM peak timed in the same round."""
+    import numpy as np
+
+    kernels = cpu_kernels()
+    rng = np.random.default_rng(0)
+    body = [(kernels.pack_gguf_blocks([_stored_rows("Q4_1", n, k, rng)], ["Q4_1"], k), k, n)  # type: ignore[union-attr]
+            for _ in range(30) for k, n in LAYER_SHAPES]
+    row_flop = 2 * 30 * sum(k * n for k, n in LAYER_SHAPES)
+    in_registers = kernels.gguf_blocks_max_rows()  # type: ignore[union-attr]
+    x_peak, w_peak = torch.randn(512, 576), kernels.pack_linear_weight(torch.randn(3072, 576))  # type: ignore[union-attr]
+
+    def peak() -> None:
+        for _ in range(10):
+            kernels.packed_linear(x_peak, w_peak, None, 3072)  # type: ignore[union-attr]
+
+    def chain(x: dict[int, torch.Tensor]) -> None:
+        matmul = kernels.gguf_blocks_linear if len(x[576]) <= in_registers else kernels.gguf_blocks_gemm  # type: ignore[union-attr]
+        for w, k, n in body:
+            matmul(x[k], w, n)
+
+    for _ in range(rounds):
+        peak_gflops = 10 * 2 * 512 * 576 * 3072 / best_of(peak) / 1e9
+        seconds = {rows: best_of(functools.partial(chain, {576: torch.randn(rows, 576), 1536: torch.randn(rows, 1536)}))
+                   for rows in (1, 2, 5, 8, 9, 12, 128, 220, 370)}
+        print(f"fp32 GEMM peak {peak_gflops:.0f} GFLOP/s; body as Q4_1 blocks: " + ", ".join(
+            f"{rows} rows {1000 * s:.1f} ms = {rows * row_flop / s / 1e9:.0f} GFLOP/s "
+            f"({rows * row_flop / s / 1e9 / peak_gflops:.2f} of the peak"
+            + (f", rows past the first {(rows - 1) * row_flop / (s - seconds[1]) / 1e9:.0f}"
+               if 1 < rows <= in_registers else "") + ")"
+            for rows, s in seconds.items()))
+
+
 def memory_read() -> None:
     data = torch.randn(135_000_000)  # 540 MB
     seconds = best_of(data.sum, reps=5)
@@ -661,6 +701,8 @@ def main() -> int:
     parser.add_argument("--kv", action="store_true", help="decode attention over fp32 and 16-bit KV pools only")
     parser.add_argument("--residency", action="store_true",
                         help="how long one layer's K/V stays in the last-level cache, only")
+    parser.add_argument("--body-rate", action="store_true",
+                        help="the embedded model's body as Q4_1 blocks, GFLOP/s at a step's rows against the GEMM peak")
     parser.add_argument("--greedy-head", action="store_true",
                         help="the embedded model's LM head: fp32 logits and argmax against the greedy screen, only")
     args = parser.parse_args()
@@ -680,6 +722,10 @@ def main() -> int:
     if args.residency:
         with torch.inference_mode():
             decode_attention_residency(kernels)
+        return 0
+    if args.body_rate:
+        with torch.inference_mode():
+            body_rate()
         return 0
     if args.greedy_head:
         with torch.inference_mode():
