@@ -53,7 +53,9 @@ def rewrite_gguf(source: Path, path: Path, metadata: Mapping[str, Any],
     GGML type or None for numpy's own)."""
     import gguf
 
-    reader = gguf.GGUFReader(source)
+    from inflight.model.gguf_reader import read_gguf
+
+    reader = read_gguf(source)
     arch = str(reader.fields["general.architecture"].contents())
     writer = gguf.GGUFWriter(str(path), arch)
     for key, item in reader.fields.items():
@@ -116,7 +118,9 @@ def resized_copy(source: Path, factor: float, num_layers: int, folder: Path, see
     ones: for timing steps of another width or storage, whose outputs mean nothing."""
     import gguf
 
-    reader = gguf.GGUFReader(source)
+    from inflight.model.gguf_reader import read_gguf
+
+    reader = read_gguf(source)
     arch = str(reader.fields["general.architecture"].contents())
     vocab = next(int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight")
     hidden = int(reader.fields[f"{arch}.embedding_length"].contents())
