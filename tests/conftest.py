@@ -55,10 +55,11 @@ VOCABS = Path(__file__).parent / "fixtures" / "gguf-vocab"
 
 @pytest.fixture(scope="session")
 def vocab_reader(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Any]:
-    """llama.cpp's vocabulary file `name`, unpacked once and read once by gguf-py's reader for
-    the session: the reader parses a 128k-token vocabulary string by string (9 s on 2 Zen 4 cores
-    for Llama 3's), and several tests read the same files."""
-    import gguf
+    """llama.cpp's vocabulary file `name`, unpacked once and read once for the session (by
+    gguf-py's reader, as the loader reads: `gguf_reader.read_gguf`): the reader parses a
+    128k-token vocabulary string by string (3 s on 2 Zen 4 cores for Llama 3's), and several
+    tests read the same files."""
+    from inflight.model.gguf_reader import read_gguf
 
     folder = tmp_path_factory.mktemp("gguf-vocab")
 
@@ -66,7 +67,7 @@ def vocab_reader(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], An
     def read(name: str) -> Any:
         path = folder / f"{name}.gguf"
         path.write_bytes(gzip.decompress((VOCABS / f"{name}.gguf.gz").read_bytes()))
-        return gguf.GGUFReader(path)
+        return read_gguf(path)
 
     return read
 
