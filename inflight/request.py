@@ -97,7 +97,7 @@ LIMITS: dict[str, Limit] = {
     "max_tokens": Limit(ge=1, integer=True),
     "temperature": Limit(ge=0),
     "top_p": Limit(gt=0, le=1),
-    "top_k": Limit(ge=0, integer=True),  # 0 disables it
+    "top_k": Limit(ge=-1, integer=True),  # 0 and -1 (vLLM's "off") disable it
     "min_p": Limit(ge=0, le=1),
     "repetition_penalty": Limit(gt=0),
     "presence_penalty": Limit(ge=-2, le=2),
@@ -152,17 +152,20 @@ class SamplingParams:
         """Every limit of a request's own values is checked here and nowhere else (`LIMITS`);
         each failure names its field (`InvalidRequestError.param`), which the HTTP layer reports
         as OpenAI's."""
+        # None for none, and top_k -1 for off, as vLLM's SamplingParams takes them.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        bias = dict(self.logit_bias)  # pairs, or a {token id: bias} mapping
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        bias = dict(self.logit_bias or ())  # pairs, or a {token id: bias} mapping
         object.__setattr__(self, "logit_bias", tuple(sorted(bias.items())))
         for name, limit in LIMITS.items():
             values = bias.values() if name == "logit_bias" else [getattr(self, name)]
             for value in values:
                 if not (value is None and name in _OPTIONAL or limit.admits(value)):
                     raise InvalidRequestError(f"{name} {limit.describe()}, got {value!r}", name)
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
 
         def check(ok: bool, param: str, message: str) -> None:
             if not ok:

@@ -301,13 +301,21 @@ def test_failed_step_fails_only_its_requests(make_llm):
 
 
 @pytest.mark.parametrize("bad", [
-    {"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -1},
+    {"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2},
     {"repetition_penalty": 0}, {"presence_penalty": 3}, {"stop": ("",)},
     {"min_tokens": -1}, {"min_tokens": 17}, {"min_p": 1.5}, {"logit_bias": {5: 101}}, {"logit_bias": {-1: 1}},
 ])
 def test_invalid_sampling_params(bad):
     with pytest.raises(InvalidRequestError):
         SamplingParams(**bad)
+
+
+def test_sampling_params_take_vllms_none_and_top_k_off():
+    """vLLM's SamplingParams takes None for no stop strings, stop tokens or bias, and top_k -1
+    for off (its default before 0): code written for it builds the same params here."""
+    params = SamplingParams(stop=None, stop_token_ids=None, logit_bias=None, top_k=-1, temperature=0.7)
+    assert params == SamplingParams(temperature=0.7)
+    assert (params.stop, params.stop_token_ids, params.logit_bias, params.top_k) == ((), (), (), 0)
 
 
 def test_invalid_requests_are_rejected(make_llm):

@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from inflight.request import LIMITS, Limit
+from inflight.request import LIMITS
 from inflight.server.protocol import ErrorResponse
 
 _REF = "#/components/schemas/{model}"
@@ -31,9 +31,8 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-# Body fields that carry a SamplingParams field under another name. top_k: -1 is vLLM's "off".
+# Body fields that carry a SamplingParams field under another name.
 _SAMPLING_FIELD = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
-_HTTP_LIMITS = {"top_k": Limit(ge=-1, integer=True)}
 
 
 class ServedLimits(NamedTuple):
@@ -71,7 +70,7 @@ def build_openapi(app: FastAPI, bodies: Sequence[type[BaseModel]], limits: Serve
 def _with_request_limits(props: dict[str, Any]) -> None:
     """Each numeric field's range, as `SamplingParams` checks it (`inflight.request.LIMITS`)."""
     for name, prop in props.items():
-        limit = _HTTP_LIMITS.get(name) or LIMITS.get(_SAMPLING_FIELD.get(name, name))
+        limit = LIMITS.get(_SAMPLING_FIELD.get(name, name))
         if limit is None:
             continue
         if name == "logit_bias":

@@ -515,7 +515,7 @@ class OpenAIServing:
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
                 temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                top_k=0 if req.top_k == -1 else req.top_k,  # -1: vLLM's "off"
+                top_k=req.top_k,
                 repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty, min_p=req.min_p,
             )
