@@ -108,7 +108,8 @@ LIMITS: dict[str, Limit] = {
     "logprobs": Limit(ge=0, le=MAX_LOGPROBS, integer=True),
     "prompt_logprobs": Limit(ge=0, le=MAX_LOGPROBS, integer=True),
 }
-_OPTIONAL = {"logprobs", "prompt_logprobs"}  # None: not asked for
+# None: not asked for (logprobs), or up to the context's end (max_tokens, as vLLM takes it).
+_OPTIONAL = {"logprobs", "prompt_logprobs", "max_tokens"}
 _GREEDY_TEMPERATURE = 1e-5
 
 
@@ -116,7 +117,8 @@ _GREEDY_TEMPERATURE = 1e-5
 class SamplingParams:
     """How to pick tokens and when to stop. Checked on construction (`InvalidRequestError`)."""
 
-    max_tokens: int = 16
+    # None: up to the context's end, set by the engine that queues the request (`Request.max_tokens`).
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -171,7 +173,7 @@ class SamplingParams:
             if not ok:
                 raise InvalidRequestError(f"{param} {message}", param)
 
-        check(self.min_tokens <= self.max_tokens, "min_tokens",
+        check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
               f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "strings must be non-empty strings")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
@@ -401,9 +403,18 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def max_tokens(self) -> int:
+        """The most output this request may produce: its params' max_tokens, which the engine
+        that queues it sets where they leave it None (`LLMEngine.enqueue_request`)."""
+        limit = self.sampling_params.max_tokens
+        if limit is None:
+            raise InvalidRequestError("max_tokens is unset until an engine queues the request", "max_tokens")
+        return limit
+
+    @property
     def max_num_tokens(self) -> int:
         """Prompt plus the most output this request may produce."""
-        return len(self.prompt_token_ids) + self.sampling_params.max_tokens
+        return len(self.prompt_token_ids) + self.max_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

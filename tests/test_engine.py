@@ -318,6 +318,19 @@ def test_sampling_params_take_vllms_none_and_top_k_off():
     assert (params.stop, params.stop_token_ids, params.logit_bias, params.top_k) == ((), (), (), 0)
 
 
+def test_max_tokens_none_runs_to_the_end_of_the_context(make_llm):
+    """vLLM's max_tokens=None: the output may run to max_model_len (the engine sets the request's
+    max_tokens when it queues it); a prompt that fills the context is refused in one line."""
+    llm = make_llm(max_model_len=48)
+    prompt = llm.engine.tokenize("The capital of France is", None)
+    out = llm.generate(prompt, SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 48 - len(prompt) and out.finish_reason is FinishReason.LENGTH
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        llm.generate(list(range(100, 148)), SamplingParams(max_tokens=None))
+    assert SamplingParams(max_tokens=None, min_tokens=5).max_tokens is None
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
 def test_invalid_requests_are_rejected(make_llm):
     llm = make_llm(max_model_len=64)
     engine = llm.engine

@@ -421,6 +421,9 @@ class LLMEngine:
         if request.request_id in self._requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         self.check_priority(request.priority)
+        if request.sampling_params.max_tokens is None:  # vLLM's None: up to the context's end
+            room = max(self.scheduler_config.max_model_len - request.num_prompt_tokens, 1)  # 1: refused below
+            request.sampling_params = dataclasses.replace(request.sampling_params, max_tokens=room)
         n = request.sampling_params.n
         if n > 1 and self.scheduler_config.scheduling_policy is SchedulingPolicy.STATIC:
             raise InvalidRequestError("n > 1 needs the continuous or priority policy (static reserves per request)")

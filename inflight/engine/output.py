@@ -97,7 +97,7 @@ class OutputProcessor:
         if finish is None and request.grammar is not None and request.grammar.is_complete:
             state.text += state.detokenizer.flush()
             finish = FinishReason.STOP
-        if finish is None and request.num_output_tokens >= params.max_tokens:
+        if finish is None and request.num_output_tokens >= request.max_tokens:
             state.text += state.detokenizer.flush()
             finish = FinishReason.LENGTH
         stops = params.stop if request.num_output_tokens >= params.min_tokens else ()
@@ -129,7 +129,7 @@ class LengthOutputProcessor:
         params = request.sampling_params
         if request.num_output_tokens > params.min_tokens and _is_stop_token(request, token):
             return "", FinishReason.STOP
-        return "", FinishReason.LENGTH if request.num_output_tokens >= params.max_tokens else None
+        return "", FinishReason.LENGTH if request.num_output_tokens >= request.max_tokens else None
 
 
 def _is_stop_token(request: Request, token: int) -> bool:

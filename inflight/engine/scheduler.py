@@ -159,7 +159,7 @@ class Scheduler:
             )
 
     def add_request(self, request: Request) -> None:
-        self.check_admissible(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        self.check_admissible(request.num_prompt_tokens, request.max_tokens)
         self.waiting.append(request)
 
     def finish(self, request: Request, reason: FinishReason) -> None:

@@ -371,7 +371,7 @@ class Speculator:
     def max_length(self, request: Request) -> int:
         """The most tokens the request may propose now: k, never past its max_tokens."""
         return max(0, min(self.config.num_speculative_tokens,
-                          request.sampling_params.max_tokens - request.num_output_tokens - 1))
+                          request.max_tokens - request.num_output_tokens - 1))
 
     def _suffix_propose(self, request: Request, k: int) -> tuple[int, list[int]]:
         """The most frequent continuation of the longest suffix seen before (in the request's own
