@@ -461,6 +461,15 @@ def greedy_head(rounds: int = 6) -> None:
         print(f"  {kind:6s} " + "; ".join(compare(head, greedy, lambda rows: torch.randn(rows, 1024), (1, 9, 64))))
 
 
+def _chain_blocks(m: object, ws: list[tuple[torch.Tensor, int, int]], x: dict[int, torch.Tensor]) -> None:
+    """A body's block matmuls chained as a step reads them: in registers up to the build's
+    gguf_blocks_max_rows() (5 in builds before it said), a dequantized panel at a time past it."""
+    in_registers = len(x[576]) <= (m.gguf_blocks_max_rows() if hasattr(m, "gguf_blocks_max_rows") else 5)
+    matmul = m.gguf_blocks_linear if in_registers else m.gguf_blocks_gemm  # type: ignore[attr-defined]
+    for w, k, n in ws:
+        matmul(x[k], w, n)
+
+
 def body_rate(rounds: int = 3) -> None:
     """The embedded model's body as Q4_1 blocks at the rows of a single stream's steps and of its
     prompts' prefills, against the fp32 GEMM peak timed in the same round."""
@@ -478,14 +487,10 @@ def body_rate(rounds: int = 3) -> None:
         for _ in range(10):
             kernels.packed_linear(x_peak, w_peak, None, 3072)  # type: ignore[union-attr]
 
-    def chain(x: dict[int, torch.Tensor]) -> None:
-        matmul = kernels.gguf_blocks_linear if len(x[576]) <= in_registers else kernels.gguf_blocks_gemm  # type: ignore[union-attr]
-        for w, k, n in body:
-            matmul(x[k], w, n)
-
     for _ in range(rounds):
         peak_gflops = 10 * 2 * 512 * 576 * 3072 / best_of(peak) / 1e9
-        seconds = {rows: best_of(functools.partial(chain, {576: torch.randn(rows, 576), 1536: torch.randn(rows, 1536)}))
+        seconds = {rows: best_of(functools.partial(_chain_blocks, kernels, body,
+                                                   {576: torch.randn(rows, 576), 1536: torch.randn(rows, 1536)}))
                    for rows in (1, 2, 5, 8, 9, 12, 128, 220, 370)}
         print(f"fp32 GEMM peak {peak_gflops:.0f} GFLOP/s; body as Q4_1 blocks: " + ", ".join(
             f"{rows} rows {1000 * s:.1f} ms = {rows * row_flop / s / 1e9:.0f} GFLOP/s "
@@ -563,15 +568,8 @@ def compare(rev: str, rounds: int = 4) -> None:
                  for name, m in mods.items()}
     for rows in (1, 3, 5, 8, 9, 12, 13, 16):
         x = {576: torch.randn(rows, 576), 1536: torch.randn(rows, 1536)}
-
-        def chain_q4(m: object, ws: list[tuple[torch.Tensor, int, int]], x: dict[int, torch.Tensor] = x) -> None:
-            in_registers = len(x[576]) <= (m.gguf_blocks_max_rows() if hasattr(m, "gguf_blocks_max_rows") else 5)
-            matmul = m.gguf_blocks_linear if in_registers else m.gguf_blocks_gemm  # type: ignore[attr-defined]
-            for w, k, n in ws:
-                matmul(x[k], w, n)
-
         cases.append((f"body as Q4_1 blocks, {rows} rows",
-                      {name: functools.partial(chain_q4, m, q4_packed[name]) for name, m in mods.items()}))
+                      {name: functools.partial(_chain_blocks, m, q4_packed[name], x) for name, m in mods.items()}))
     # The same body times int8 activations (`--quantization int8-activations`), at the sizes of a
     # single stream's step and of its speculative verifies (k + 1 rows).
     q4_a8 = {name: [(m.pack_gguf_blocks([raw], ["Q4_1"], k, True), k, n) for raw, k, n in q4]  # type: ignore[attr-defined]
